@@ -1,0 +1,5 @@
+import sys
+
+from sgraf.cli import main
+
+sys.exit(main())

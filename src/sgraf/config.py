@@ -1,0 +1,93 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` describes one SGRAF network. Its defaults are the authors' (official.md); the
+ablation switches of the paper's Tables 3, 5 and 6 are fields, so each table row is one
+configuration. Checkpoints store `ModelConfig.to_dict()` and rebuild with `from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from sgraf.errors import InputError
+
+MODULES = ("sgr", "saf", "ave", "joint")
+SIMILARITIES = ("vector", "scalar")
+ATTENTIONS = ("t2i", "i2t")
+ALIGNMENTS = ("both", "global", "local")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One SGRAF network.
+
+    Attributes:
+        vocab_size: number of word ids (the vocabulary's length).
+        img_dim: size of each region feature (2048 for Faster R-CNN precomp features).
+        word_dim: word embedding size.
+        embed_size: joint embedding size d.
+        sim_dim: similarity representation size m.
+        num_regions: regions K per image (BatchNorm1d over the K region slots).
+        num_layers: GRU layers.
+        bi_gru: bidirectional GRU (forward and backward states averaged).
+        img_norm: l2-normalise region embeddings (the authors' `no_imgnorm=False`).
+        txt_norm: l2-normalise word embeddings (the authors' `no_txtnorm=False`).
+        module: aggregation head: 'sgr' (Eq. 6-8), 'saf' (Eq. 9), 'ave' (mean of per-alignment
+            scores, Table 5) or 'joint' (one similarity representation feeding both SGR and SAF,
+            Table 6 "Joint").
+        sgr_step: reasoning steps N of SGR (Table 3: 1-4).
+        alignments: 'both' (global + local nodes), 'global' only or 'local' only (Table 3).
+        similarity: 'vector' (Eq. 1) or 'scalar' (cosine, Table 5).
+        attention: 't2i' text-to-image (default) or 'i2t' image-to-text attention (Table 5).
+        lambda_softmax: attention temperature (9).
+        dropout: dropout after the word embedding (0.4).
+    """
+
+    vocab_size: int
+    img_dim: int = 2048
+    word_dim: int = 300
+    embed_size: int = 1024
+    sim_dim: int = 256
+    num_regions: int = 36
+    num_layers: int = 1
+    bi_gru: bool = True
+    img_norm: bool = True
+    txt_norm: bool = True
+    module: str = "sgr"
+    sgr_step: int = 3
+    alignments: str = "both"
+    similarity: str = "vector"
+    attention: str = "t2i"
+    lambda_softmax: float = 9.0
+    dropout: float = 0.4
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "img_dim", "word_dim", "embed_size", "sim_dim", "num_regions",
+                     "num_layers", "sgr_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"model config field {name!r} must be a positive integer, got {value!r}")
+        choices = {"module": MODULES, "similarity": SIMILARITIES, "attention": ATTENTIONS,
+                   "alignments": ALIGNMENTS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise InputError(f"model config field {name!r} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise InputError(f"model config field 'dropout' must be in [0, 1), got {self.dropout!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InputError(f"unknown model config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
