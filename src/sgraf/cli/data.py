@@ -1,0 +1,56 @@
+"""`sgraf data check`: validate a precomp split and print a summary."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("data", help="inspect precomp data",
+                                   description="Tools for data in the SCAN precomp layout.")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check", help="validate a split and print a summary",
+        description="Open DIR/SPLIT_ims.npy (memory-mapped) and DIR/SPLIT_caps.txt, check shapes, counts, "
+                    "UTF-8, empty lines and NaN/inf (on a sample of images unless --full-scan), and print "
+                    "images, captions, captions per image, regions, feature size and the unknown-word rate. "
+                    "Exit code 2 on bad input.")
+    check.add_argument("--data", required=True, help="data directory")
+    check.add_argument("--split", required=True, help="split name (train, dev, test, testall, ...)")
+    check.add_argument("--vocab", help="vocabulary JSON (default: DIR/vocab.json when present)")
+    check.add_argument("--full-scan", action="store_true", help="check every feature for NaN/inf")
+    check.add_argument("--max-captions", type=int, help="only the first N captions (the authors' dev: 5000)")
+    check.set_defaults(func=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from sgraf.data.precomp import PrecompSplit
+    from sgraf.data.vocab import load_vocab
+
+    split = PrecompSplit(args.data, args.split, max_captions=args.max_captions, full_scan=args.full_scan)
+    vocab_path = Path(args.vocab) if args.vocab else Path(args.data) / "vocab.json"
+    vocab = load_vocab(vocab_path) if args.vocab or vocab_path.is_file() else None
+    s = split.summary()
+    print(f"split            {s['split']} ({args.data})")
+    print(f"images           {s['images']}")
+    print(f"captions         {s['captions']}")
+    print(f"captions/image   {s['captions_per_image']}")
+    print(f"regions          {s['regions']}")
+    print(f"feature size     {s['feature_dim']} ({s['dtype']}, {s['features_bytes'] / 2**20:.1f} MiB on disk)")
+    print(f"NaN/inf check    {'full scan' if args.full_scan else 'sampled'}: none found")
+    if vocab is None:
+        print("unknown words    (no vocabulary: pass --vocab)")
+        return 0
+    unknown = total = 0
+    lengths = []
+    for caption in split.captions:
+        ids = vocab.encode(caption)[1:-1]
+        unknown += sum(i == vocab.unk_id for i in ids)
+        total += len(ids)
+        lengths.append(len(ids) + 2)
+    rate = 100.0 * unknown / max(total, 1)
+    print(f"unknown words    {rate:.2f}% of {total} tokens ({vocab_path}, {len(vocab)} entries)")
+    print(f"caption length   min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)} "
+          "ids (with <start>/<end>)")
+    return 0

@@ -1,0 +1,47 @@
+"""`sgraf vocab build`: a vocabulary JSON (the authors' format) from a data directory's captions."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("vocab", help="build vocabularies",
+                                   description="Vocabulary tools (the authors' JSON format).")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    build = actions.add_parser(
+        "build", help="build a vocabulary from training captions",
+        description="Count tokens (lower-cased, Treebank-tokenised as the authors do) in the captions of "
+                    "the given splits and keep words seen at least --min-count times.")
+    build.add_argument("--data", required=True, help="data directory (precomp layout)")
+    build.add_argument("--out", required=True, help="output JSON path")
+    build.add_argument("--min-count", type=int, default=4, help="minimum occurrences (authors: 4)")
+    build.add_argument("--splits", nargs="+", default=["train", "dev"],
+                       help="caption files to count (default: train dev, as the authors)")
+    build.set_defaults(func=run_build)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sgraf.data.precomp import read_captions
+    from sgraf.data.vocab import build_vocab
+    from sgraf.errors import InputError
+
+    captions: list[str] = []
+    used = []
+    for split in args.splits:
+        path = Path(args.data) / f"{split}_caps.txt"
+        if not path.is_file():
+            if split == "dev" and args.splits == ["train", "dev"]:
+                continue  # the default tolerates a data set without dev
+            raise InputError(f"{path}: missing caption file for split {split!r}")
+        captions.extend(read_captions(path))
+        used.append(split)
+    if not captions:
+        raise InputError(f"{args.data}: no captions found for splits {', '.join(args.splits)}")
+    vocab = build_vocab(captions, min_count=args.min_count)
+    vocab.save(args.out)
+    print(f"wrote {args.out}: {len(vocab)} entries from {len(captions)} captions ({', '.join(used)}), "
+          f"min count {args.min_count}")
+    return 0

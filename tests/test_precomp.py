@@ -1,0 +1,185 @@
+"""The precomp reader: memory mapping, validation errors, dataset, collate, loader order."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from sgraf.cli import main
+from sgraf.data.precomp import (FINITE_SAMPLE, PrecompDataset, PrecompSplit, available_splits, collate_batch,
+                                make_loader)
+from sgraf.data.vocab import build_vocab, load_vocab
+from sgraf.errors import InputError
+
+
+def write_split(root, split="train", n_img=4, caps_per_image=2, k=3, d=5, captions=None, seed=0):
+    rng = np.random.default_rng(seed)
+    images = rng.standard_normal((n_img, k, d)).astype(np.float32)
+    np.save(root / f"{split}_ims.npy", images)
+    if captions is None:
+        captions = [f"a {'red' if i % 2 else 'blue'} thing number {i}" for i in range(n_img * caps_per_image)]
+    (root / f"{split}_caps.txt").write_bytes("".join(c + "\n" for c in captions).encode("utf-8"))
+    return images, captions
+
+
+def test_images_are_memory_mapped_not_loaded(tmp_path):
+    images, captions = write_split(tmp_path, n_img=6, caps_per_image=5, k=36, d=100)
+    split = PrecompSplit(tmp_path, "train")
+    assert isinstance(split.images, np.memmap)
+    assert not split.images.flags.writeable
+    assert split.images.dtype == np.float32 and split.images.shape == (6, 36, 100)
+    assert (split.n_images, split.n_captions, split.caps_per_image) == (6, 30, 5)
+    assert [split.image_index(k) for k in (0, 4, 5, 29)] == [0, 0, 1, 5]
+    np.testing.assert_array_equal(np.asarray(split.images), images)
+    # pickling (DataLoader workers under spawn) re-opens the file instead of copying the data
+    blob = pickle.dumps(split)
+    assert len(blob) < 5000 < images.nbytes
+    clone = pickle.loads(blob)
+    assert isinstance(clone.images, np.memmap)
+    np.testing.assert_array_equal(np.asarray(clone.images), images)
+
+
+def test_toy_split_and_available_splits(data_dir):
+    root = data_dir / "e2e" / "data" / "toy_precomp"
+    split = PrecompSplit(root, "test")
+    assert (split.n_images, split.n_captions, split.caps_per_image, split.num_regions, split.feature_dim) == \
+        (6, 30, 5, 36, 40)
+    assert available_splits(root) == ["test"]
+
+
+def test_max_captions_keeps_first_captions_and_their_images(tmp_path):
+    write_split(tmp_path, "dev", n_img=10, caps_per_image=5)
+    split = PrecompSplit(tmp_path, "dev", max_captions=20)
+    assert (split.n_captions, split.n_images, split.images.shape[0]) == (20, 4, 4)
+    assert split.captions[-1] == "a red thing number 19"
+    assert PrecompSplit(tmp_path, "dev", max_captions=5000).n_captions == 50  # larger than the file: all
+    with pytest.raises(InputError, match="max_captions=12.*multiple of its 5"):
+        PrecompSplit(tmp_path, "dev", max_captions=12)
+
+
+def test_missing_file_names_the_file_and_found_splits(tmp_path):
+    write_split(tmp_path, "train")
+    with pytest.raises(InputError, match=r"test_ims\.npy: missing file.*splits found in .*: train"):
+        PrecompSplit(tmp_path, "test")
+    (tmp_path / "train_caps.txt").unlink()
+    with pytest.raises(InputError, match=r"train_caps\.txt: missing file"):
+        PrecompSplit(tmp_path, "train")
+
+
+def test_caption_count_not_multiple_of_images(tmp_path):
+    write_split(tmp_path, n_img=4, captions=[f"caption {i}" for i in range(9)])
+    with pytest.raises(InputError, match=r"train_caps\.txt: 9 captions is not a multiple of the 4 images in .*"
+                                         r"train_ims\.npy"):
+        PrecompSplit(tmp_path, "train")
+
+
+@pytest.mark.parametrize("shape", [(4, 15), (4, 3, 5, 1)])
+def test_wrong_array_rank(tmp_path, shape):
+    write_split(tmp_path)
+    np.save(tmp_path / "train_ims.npy", np.zeros(shape, np.float32))
+    with pytest.raises(InputError, match=rf"train_ims\.npy: array has rank {len(shape)}.*expected rank 3"):
+        PrecompSplit(tmp_path, "train")
+
+
+def test_not_an_npy_file_and_integer_dtype(tmp_path):
+    write_split(tmp_path)
+    (tmp_path / "train_ims.npy").write_bytes(b"this is not numpy")
+    with pytest.raises(InputError, match=r"train_ims\.npy: not a readable \.npy array"):
+        PrecompSplit(tmp_path, "train")
+    np.save(tmp_path / "train_ims.npy", np.zeros((4, 3, 5), np.int32))
+    with pytest.raises(InputError, match=r"train_ims\.npy: dtype int32; expected float32"):
+        PrecompSplit(tmp_path, "train")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_features_sampled_and_full_scan(tmp_path, bad):
+    n_img = 3 * FINITE_SAMPLE
+    images, _ = write_split(tmp_path, n_img=n_img, caps_per_image=1)
+    # first image: always in the sample
+    images[0, 2, 4] = bad
+    np.save(tmp_path / "train_ims.npy", images)
+    with pytest.raises(InputError, match=r"train_ims\.npy: feature \[image 0, region 2, dim 4\] is (nan|inf)"):
+        PrecompSplit(tmp_path, "train")
+    # an image between the sampled ones: only the full scan finds it
+    images[0, 2, 4] = 0
+    sampled = set(np.linspace(0, n_img - 1, FINITE_SAMPLE).astype(int))
+    hidden = next(i for i in range(n_img) if i not in sampled)
+    images[hidden, 1, 0] = bad
+    np.save(tmp_path / "train_ims.npy", images)
+    PrecompSplit(tmp_path, "train")  # the cheap check misses it by design
+    with pytest.raises(InputError, match=rf"feature \[image {hidden}, region 1, dim 0\]"):
+        PrecompSplit(tmp_path, "train", full_scan=True)
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "train", "--full-scan"]) == 2
+
+
+def test_empty_caption_line_names_line(tmp_path):
+    captions = ["one", "two", "   ", "four"]
+    write_split(tmp_path, n_img=2, captions=captions)
+    with pytest.raises(InputError, match=r"train_caps\.txt:3: empty caption line"):
+        PrecompSplit(tmp_path, "train")
+
+
+def test_bytes_not_utf8_name_line(tmp_path):
+    write_split(tmp_path, n_img=2)
+    (tmp_path / "train_caps.txt").write_bytes(b"fine\nalso fine\ncaf\xe9 latin-1\nok\n")
+    with pytest.raises(InputError, match=r"train_caps\.txt:3: bytes are not valid UTF-8 \(byte 0xe9 at column 4\)"):
+        PrecompSplit(tmp_path, "train")
+
+
+def test_dataset_items_and_collate(data_dir):
+    root = data_dir / "e2e" / "data"
+    split = PrecompSplit(root / "toy_precomp", "test")
+    vocab = load_vocab(root / "toy_vocab.json")
+    dataset = PrecompDataset(split, vocab)
+    assert len(dataset) == 30
+    features, ids, k, image_id = dataset[7]
+    assert (k, image_id) == (7, 1) and features.dtype == np.float32 and features.shape == (36, 40)
+    np.testing.assert_array_equal(features, split.images[1])
+    batch = collate_batch([dataset[i] for i in (4, 5, 13)])
+    expected = torch.load(data_dir / "e2e" / "expected.pt", weights_only=True)["token_ids"]
+    lengths = [len(expected[i]) for i in (4, 5, 13)]
+    assert batch.lengths.tolist() == lengths and batch.lengths.dtype == torch.int64
+    assert batch.captions.shape == (3, max(lengths)) and batch.captions.dtype == torch.int64
+    for row, i in enumerate((4, 5, 13)):
+        assert batch.captions[row, : lengths[row]].tolist() == expected[i]
+        assert batch.captions[row, lengths[row]:].eq(0).all()
+    assert batch.caption_ids.tolist() == [4, 5, 13] and batch.image_ids.tolist() == [0, 1, 2]
+    assert batch.images.shape == (3, 36, 40) and batch.images.dtype == torch.float32
+    torch.testing.assert_close(batch.images[1], torch.from_numpy(np.array(split.images[1])))
+
+
+def test_loader_order_depends_only_on_seed_and_workers_are_honoured(tmp_path):
+    write_split(tmp_path, n_img=12, caps_per_image=2)
+    split = PrecompSplit(tmp_path, "train")
+    dataset = PrecompDataset(split, build_vocab(split.captions, min_count=1))
+
+    def order(seed, workers):
+        loader = make_loader(dataset, batch_size=5, shuffle=True, seed=seed, num_workers=workers)
+        assert loader.num_workers == workers
+        return [[b.caption_ids.tolist() for b in loader] for _ in range(2)]  # two epochs
+
+    first = order(3, 0)
+    assert first == order(3, 0) == order(3, 2)
+    assert first[0] != first[1]  # a new permutation each epoch
+    assert first != order(4, 0)
+    assert sorted(sum(first[0], [])) == list(range(24))
+    resumed = make_loader(dataset, batch_size=5, shuffle=True, seed=3, epoch=1)
+    assert [b.caption_ids.tolist() for b in resumed] == first[1]
+    plain = [b.caption_ids.tolist() for b in make_loader(dataset, batch_size=10)]
+    assert plain == [list(range(10)), list(range(10, 20)), list(range(20, 24))]
+
+
+def test_cli_data_check_summary(tmp_path, capsys, data_dir):
+    root = data_dir / "e2e" / "data"
+    code = main(["data", "check", "--data", str(root / "toy_precomp"), "--split", "test",
+                 "--vocab", str(root / "toy_vocab.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "images           6" in out and "captions         30" in out and "captions/image   5" in out
+    assert "regions          36" in out and "feature size     40" in out
+    # 4 tokens of 30 captions map to <unk> ('ball' x3, 'savanna'): README.txt of the e2e data
+    n_tokens = sum(len(t) for t in torch.load(data_dir / "e2e" / "expected.pt", weights_only=True)["tokens"])
+    assert f"unknown words    {100 * 4 / n_tokens:.2f}% of {n_tokens} tokens" in out
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "test"]) == 2
+    assert "test_ims.npy: missing file" in capsys.readouterr().err
