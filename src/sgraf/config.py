@@ -75,6 +75,9 @@ class ModelConfig:
             if getattr(self, name) not in allowed:
                 raise InputError(f"model config field {name!r} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
+        if self.similarity == "scalar" and self.module != "ave":
+            raise InputError("model config: similarity='scalar' (cosine nodes, Table 5) is defined only with "
+                             f"module='ave', got module={self.module!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"model config field 'dropout' must be in [0, 1), got {self.dropout!r}")
 

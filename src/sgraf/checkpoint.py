@@ -1,0 +1,241 @@
+"""Checkpoints: our format (tensors and plain values, atomic writes) and the authors' `.pth.tar`.
+
+Our format is `torch.save` of::
+
+    {"format": "sgraf", "version": 1, "config": ModelConfig.to_dict(),
+     "state_dict": {name: tensor}, "vocab": Vocabulary.to_dict() | None, "extra": {...}}
+
+and loads with `torch.load(weights_only=True)`. The authors' files hold a list of three state
+dicts (image encoder, text encoder, similarity encoder) and a pickled `argparse.Namespace` of
+options; exactly that class is allow-listed for unpickling, anything else is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sgraf.config import ModelConfig
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "sgraf"
+VERSION = 1
+OFFICIAL_PREFIXES = ("img_enc", "txt_enc", "sim_enc")
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """`torch.save` to a temporary file beside `path`, then `os.replace` it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _vocab_dict(vocab: Any) -> dict | None:
+    if vocab is None or isinstance(vocab, dict):
+        return vocab
+    if hasattr(vocab, "to_dict"):
+        return vocab.to_dict()
+    raise InputError(f"vocab must be a Vocabulary, its to_dict() content or None, got {type(vocab).__name__}")
+
+
+def save_model(model: torch.nn.Module, path: str | os.PathLike, vocab: Any = None,
+               extra: dict[str, Any] | None = None) -> None:
+    """Write `model` (an `SGRAF`) in our format, atomically.
+
+    Args:
+        vocab: a `Vocabulary` or its `to_dict()` content; defaults to `model.vocab`.
+        extra: plain values to keep beside the weights (epoch, metrics, ...).
+    """
+    checkpoint = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": model.config.to_dict(),
+        "state_dict": {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()},
+        "vocab": _vocab_dict(vocab if vocab is not None else getattr(model, "vocab", None)),
+        "extra": dict(extra or {}),
+    }
+    atomic_save(checkpoint, path)
+    logger.info("saved model checkpoint to %s", path)
+
+
+def _torch_load(path: Path, map_location: Any) -> Any:
+    """`torch.load(weights_only=True)` with exactly `argparse.Namespace` allow-listed."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if found:
+            raise InputError(f"{path}: refusing to load: the checkpoint pickles the class {found.group(1)}; only "
+                             "tensors, plain values and argparse.Namespace (the authors' options) are "
+                             "allowed") from None
+        raise InputError(f"{path}: not a readable PyTorch checkpoint ({_first_line(error)})") from None
+    except Exception as error:  # noqa: BLE001 - any parser failure on a foreign file means "not a checkpoint"
+        raise InputError(f"{path}: not a readable PyTorch checkpoint ({type(error).__name__}: "
+                         f"{_first_line(error)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no details"
+
+
+def config_from_official(opt: argparse.Namespace, state_dicts: list[dict[str, torch.Tensor]]) -> ModelConfig:
+    """ModelConfig of an official checkpoint from its options (regions from the BatchNorm size)."""
+    options = vars(opt)
+    module = str(options.get("module_name", "")).lower()
+    if module not in ("sgr", "saf"):
+        raise InputError(f"official checkpoint option module_name must be 'SGR' or 'SAF', got "
+                         f"{options.get('module_name')!r}")
+    regions = state_dicts[2].get("v_global_w.embedding_local.1.weight")
+    try:
+        return ModelConfig(
+            vocab_size=int(options["vocab_size"]), img_dim=int(options["img_dim"]),
+            word_dim=int(options["word_dim"]), embed_size=int(options["embed_size"]),
+            sim_dim=int(options["sim_dim"]), num_layers=int(options["num_layers"]),
+            num_regions=int(regions.shape[0]) if regions is not None else 36,
+            bi_gru=bool(options["bi_gru"]), img_norm=not options["no_imgnorm"],
+            txt_norm=not options["no_txtnorm"], module=module, sgr_step=int(options.get("sgr_step", 3)))
+    except KeyError as error:
+        raise InputError(f"official checkpoint options lack the field {error.args[0]!r}") from None
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+    """Read either checkpoint format and return it as our format's dict."""
+    path = Path(path)
+    raw = _torch_load(path, map_location)
+    if isinstance(raw, dict) and raw.get("format") == FORMAT:
+        if not isinstance(raw.get("version"), int) or raw["version"] > VERSION:
+            raise InputError(f"{path}: checkpoint version {raw.get('version')!r} is not supported "
+                             f"(this sgraf reads up to {VERSION})")
+        for key, kind in (("config", dict), ("state_dict", dict)):
+            if not isinstance(raw.get(key), kind):
+                raise InputError(f"{path}: checkpoint field {key!r} must be a {kind.__name__}")
+        raw.setdefault("vocab", None)
+        raw.setdefault("extra", {})
+        return raw
+    if isinstance(raw, dict) and isinstance(raw.get("opt"), argparse.Namespace) and "model" in raw:
+        parts = raw["model"]
+        if not isinstance(parts, (list, tuple)) or len(parts) != 3 or not all(isinstance(p, dict) for p in parts):
+            raise InputError(f"{path}: official checkpoint field 'model' must be a list of three state dicts "
+                             "(image encoder, text encoder, similarity encoder)")
+        config = config_from_official(raw["opt"], list(parts))
+        state_dict = {f"{prefix}.{name}": tensor for prefix, part in zip(OFFICIAL_PREFIXES, parts)
+                      for name, tensor in part.items()}
+        extra = {"official": {"epoch": raw.get("epoch"), "best_rsum": _plain(raw.get("best_rsum")),
+                              "Eiters": raw.get("Eiters"), "opt": {k: _plain(v) for k, v in vars(raw["opt"]).items()}}}
+        return {"format": FORMAT, "version": VERSION, "config": config.to_dict(), "state_dict": state_dict,
+                "vocab": None, "extra": extra}
+    raise InputError(f"{path}: neither an sgraf checkpoint (format='sgraf') nor an official SGRAF checkpoint "
+                     "(keys 'model' and 'opt')")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def load_state_checked(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """`load_state_dict` that names the key and the shapes of anything that does not fit."""
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    if missing or unexpected:
+        raise InputError(f"{source}: tensors do not fit the configuration: missing {missing[:6]}"
+                         f"{' ...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
+                         f"{' ...' if len(unexpected) > 6 else ''}")
+    for key, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise InputError(f"{source}: entry {key!r} is a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise InputError(f"{source}: tensor {key!r} has shape {tuple(tensor.shape)} but the configuration "
+                             f"expects {tuple(expected[key].shape)}")
+    model.load_state_dict(state_dict, strict=True)
+
+
+def _resolve_vocab(vocab: Any) -> Any:
+    """A Vocabulary from a Vocabulary, its dict content or a JSON path (dict kept if the class is absent)."""
+    if vocab is None or hasattr(vocab, "word2idx"):
+        return vocab
+    try:
+        from sgraf.data import vocab as vocab_module
+    except ImportError:  # vocabulary module not available: keep the plain content
+        vocab_module = None
+    if isinstance(vocab, (str, os.PathLike)):
+        if vocab_module is None:
+            raise InputError("loading a vocabulary file needs sgraf.data.vocab")
+        return vocab_module.load_vocab(vocab)
+    if isinstance(vocab, dict):
+        return vocab_module.Vocabulary.from_dict(vocab) if vocab_module is not None else vocab
+    raise InputError(f"vocab must be a Vocabulary, a dict or a JSON path, got {type(vocab).__name__}")
+
+
+def _vocab_size(vocab: Any) -> int:
+    if isinstance(vocab, dict):
+        return len(vocab.get("word2idx", {}))
+    return len(vocab)
+
+
+def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = None) -> torch.nn.Module:
+    """The model of a checkpoint in either format, in eval mode.
+
+    Args:
+        path: our checkpoint or the authors' `.pth.tar`.
+        map_location: passed to `torch.load`.
+        vocab: a Vocabulary (or its dict, or a JSON path) to attach; defaults to the one stored
+            in the checkpoint (the authors' files have none).
+    """
+    from sgraf.model.sgraf import SGRAF
+
+    checkpoint = load_checkpoint(path, map_location)
+    config = ModelConfig.from_dict(checkpoint["config"])
+    model = SGRAF(config)
+    load_state_checked(model, checkpoint["state_dict"], source=str(path))
+    model.vocab = _resolve_vocab(vocab if vocab is not None else checkpoint.get("vocab"))
+    if model.vocab is not None and _vocab_size(model.vocab) != config.vocab_size:
+        raise InputError(f"{path}: the vocabulary has {_vocab_size(model.vocab)} words but the model's "
+                         f"embedding has vocab_size={config.vocab_size}")
+    return model.eval()
+
+
+def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any = None) -> dict[str, Any]:
+    """Turn an official `.pth.tar` (or our own file) into our format at `dst`; returns the dict written."""
+    checkpoint = load_checkpoint(src)
+    from sgraf.model.sgraf import SGRAF
+
+    config = ModelConfig.from_dict(checkpoint["config"])
+    load_state_checked(SGRAF(config), checkpoint["state_dict"], source=str(src))
+    resolved = _resolve_vocab(vocab) if vocab is not None else checkpoint.get("vocab")
+    if resolved is not None and _vocab_size(resolved) != config.vocab_size:
+        raise InputError(f"the vocabulary has {_vocab_size(resolved)} words but {src} has "
+                         f"vocab_size={config.vocab_size}")
+    checkpoint["vocab"] = _vocab_dict(resolved)
+    atomic_save(checkpoint, dst)
+    logger.info("converted %s to %s", src, dst)
+    return checkpoint

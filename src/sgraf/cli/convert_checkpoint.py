@@ -1,0 +1,31 @@
+"""`sgraf convert-checkpoint SRC DST [--vocab JSON]`: an official `.pth.tar` into our format."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert-checkpoint", help="convert an official SGRAF checkpoint to the sgraf format",
+        description="Read the authors' .pth.tar (three state dicts and their options; only "
+                    "argparse.Namespace is unpickled) and write an sgraf checkpoint (tensors and plain "
+                    "values, loadable with weights_only=True), optionally with its vocabulary.")
+    parser.add_argument("src", help="official checkpoint (model_best.pth.tar) or an sgraf checkpoint")
+    parser.add_argument("dst", help="output path")
+    parser.add_argument("--vocab", help="vocabulary JSON of the data set (e.g. f30k_precomp_vocab.json), "
+                                        "stored in the checkpoint")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sgraf.checkpoint import convert_official
+
+    checkpoint = convert_official(args.src, args.dst, vocab=args.vocab)
+    config = checkpoint["config"]
+    n_params = sum(t.numel() for name, t in checkpoint["state_dict"].items() if "running" not in name
+                   and "num_batches" not in name)
+    vocab = checkpoint["vocab"]
+    print(f"wrote {args.dst}: module {config['module']}, {n_params:,} parameters, vocab_size "
+          f"{config['vocab_size']}, " + (f"vocabulary of {len(vocab['word2idx'])} words" if vocab else "no vocabulary"))
+    return 0

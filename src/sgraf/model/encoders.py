@@ -1,0 +1,92 @@
+"""Sec. 3.1: image and text encoders and the self-attention global vectors.
+
+Sub-module attribute names follow the authors' state dicts (`fc`, `embed`, `cap_rnn`,
+`embedding_local`, ...), so their checkpoints load by a prefix change only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from sgraf.model.norms import l2norm
+
+
+class ImageEncoder(nn.Module):
+    """FC from region features to the joint space, then l2-normalised per region."""
+
+    def __init__(self, img_dim: int, embed_size: int, normalize: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(img_dim, embed_size)
+        self.normalize = normalize
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """(n_img, K, img_dim) -> (n_img, K, d)."""
+        regions = self.fc(images)
+        return l2norm(regions) if self.normalize else regions
+
+
+class TextEncoder(nn.Module):
+    """Word embedding -> dropout -> bi-GRU, halves averaged, l2-normalised per word."""
+
+    def __init__(self, vocab_size: int, word_dim: int, embed_size: int, num_layers: int,
+                 bi_gru: bool = True, normalize: bool = True, dropout: float = 0.4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, word_dim)
+        self.dropout = nn.Dropout(dropout)
+        self.cap_rnn = nn.GRU(word_dim, embed_size, num_layers, batch_first=True, bidirectional=bi_gru)
+        self.bi_gru = bi_gru
+        self.normalize = normalize
+
+    def forward(self, captions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(n_cap, L) ids, (n_cap,) lengths in any order -> (n_cap, max(lengths), d), zero-padded."""
+        words = self.dropout(self.embed(captions))
+        packed = pack_padded_sequence(words, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.cap_rnn(packed)
+        states, _ = pad_packed_sequence(out, batch_first=True)  # (n_cap, max_len, d or 2d)
+        if self.bi_gru:
+            half = states.size(2) // 2
+            states = (states[:, :, :half] + states[:, :, half:]) / 2
+        return l2norm(states) if self.normalize else states
+
+
+class VisualSelfAttention(nn.Module):
+    """Global image vector: regions weighted by attention to their mean (appendix figure).
+
+    The local branch's BatchNorm1d has the K region slots as channels, as in the authors' code.
+    """
+
+    def __init__(self, embed_size: int, num_regions: int, dropout: float = 0.4) -> None:
+        super().__init__()
+        self.embedding_local = nn.Sequential(nn.Linear(embed_size, embed_size), nn.BatchNorm1d(num_regions),
+                                             nn.Tanh(), nn.Dropout(dropout))
+        self.embedding_global = nn.Sequential(nn.Linear(embed_size, embed_size), nn.BatchNorm1d(embed_size),
+                                              nn.Tanh(), nn.Dropout(dropout))
+        self.embedding_common = nn.Sequential(nn.Linear(embed_size, 1))
+
+    def forward(self, regions: torch.Tensor) -> torch.Tensor:
+        """(n_img, K, d) -> (n_img, d)."""
+        local = self.embedding_local(regions)                          # (n_img, K, d)
+        glob = self.embedding_global(regions.mean(dim=1))              # (n_img, d)
+        weights = self.embedding_common(local * glob.unsqueeze(1)).squeeze(2).softmax(dim=1)  # (n_img, K)
+        return l2norm((weights.unsqueeze(2) * regions).sum(dim=1))
+
+
+class TextSelfAttention(nn.Module):
+    """Global text vector: words weighted by attention to their mean, without BatchNorm."""
+
+    def __init__(self, embed_size: int, dropout: float = 0.4) -> None:
+        super().__init__()
+        self.embedding_local = nn.Sequential(nn.Linear(embed_size, embed_size), nn.Tanh(), nn.Dropout(dropout))
+        self.embedding_global = nn.Sequential(nn.Linear(embed_size, embed_size), nn.Tanh(), nn.Dropout(dropout))
+        self.embedding_common = nn.Sequential(nn.Linear(embed_size, 1))
+
+    def forward(self, words: torch.Tensor, word_mask: torch.Tensor) -> torch.Tensor:
+        """(n_cap, L, d) zero-padded words, (n_cap, L) bool mask -> (n_cap, d)."""
+        lengths = word_mask.sum(dim=1, keepdim=True).to(words.dtype)   # (n_cap, 1)
+        local = self.embedding_local(words)                             # (n_cap, L, d)
+        glob = self.embedding_global(words.sum(dim=1) / lengths)        # (n_cap, d)
+        logits = self.embedding_common(local * glob.unsqueeze(1)).squeeze(2)
+        weights = logits.masked_fill(~word_mask, float("-inf")).softmax(dim=1)  # (n_cap, L)
+        return l2norm((weights.unsqueeze(2) * words).sum(dim=1))

@@ -1,0 +1,94 @@
+"""Similarity Attention Filtration (Eq. 9) and the AVE baseline (Table 5 "AA").
+
+SAF: `beta = l1norm(sigmoid(BN(W_f N + b_f)))` over the valid nodes, `s_f = l2norm(sum beta N)`.
+In training mode the authors score one caption at a time, so their BatchNorm1d(1) takes its
+statistics over (images x nodes) of ONE caption and updates its running statistics once per
+caption, in caption order. `AttentionFiltration` reproduces that for a whole block at once:
+per-caption statistics with masks, and the running-statistics recurrence in closed form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgraf.errors import InputError
+from sgraf.model.norms import l1norm, l2norm
+
+
+class AttentionFiltration(nn.Module):
+    """SAF, Eq. 9."""
+
+    def __init__(self, sim_dim: int) -> None:
+        super().__init__()
+        self.attn_sim_w = nn.Linear(sim_dim, 1)
+        self.bn = nn.BatchNorm1d(1)
+
+    def _normalize_per_caption(self, logits: torch.Tensor, node_mask: torch.Tensor) -> torch.Tensor:
+        """Train-mode BatchNorm1d(1) with statistics per caption. (n_img, n_cap, P) -> same."""
+        bn = self.bn
+        mask = node_mask.unsqueeze(0).to(logits.dtype)                         # (1, n_cap, P)
+        count = logits.size(0) * node_mask.sum(dim=1).to(logits.dtype)         # (n_cap,)
+        if bool((count < 2).any()):
+            raise InputError("SAF BatchNorm in training mode needs more than one value per caption "
+                             "(more than one image or node)")
+        mean = (logits * mask).sum(dim=(0, 2)) / count                         # (n_cap,)
+        centred = (logits - mean.view(1, -1, 1)) * mask
+        var = centred.pow(2).sum(dim=(0, 2)) / count                           # biased, (n_cap,)
+        normed = centred / (var.view(1, -1, 1) + bn.eps).sqrt()
+        if bn.affine:
+            normed = normed * bn.weight + bn.bias
+        if bn.track_running_stats:
+            with torch.no_grad():
+                self._update_running_stats(mean.detach(), (var * count / (count - 1)).detach())
+        return normed
+
+    def _update_running_stats(self, means: torch.Tensor, variances: torch.Tensor) -> None:
+        """Apply `r <- (1 - mom) r + mom x` for each caption in order, in closed form."""
+        bn = self.bn
+        n_cap = means.numel()
+        start = int(bn.num_batches_tracked)
+        if bn.momentum is None:  # cumulative average, as nn.BatchNorm1d does with momentum=None
+            factors = 1.0 / torch.arange(start + 1, start + n_cap + 1, dtype=torch.float64)
+        else:
+            factors = torch.full((n_cap,), float(bn.momentum), dtype=torch.float64)
+        # weight of caption c in the final value: f_c * prod_{c' > c} (1 - f_c')
+        keep = torch.flip(torch.cumprod(torch.flip(1 - factors, [0]), 0), [0])   # prod_{c' >= c}
+        after = torch.cat([keep[1:], keep.new_ones(1)])
+        weights = (factors * after).to(means.device)
+        for buffer, values in ((bn.running_mean, means), (bn.running_var, variances)):
+            total = keep[0].item() * buffer.double() + (weights * values.double()).sum()
+            buffer.copy_(total.to(buffer.dtype))
+        bn.num_batches_tracked.add_(n_cap)
+
+    def forward(self, nodes: torch.Tensor, node_mask: torch.Tensor) -> torch.Tensor:
+        """(n_img, n_cap, P, m) nodes, (n_cap, P) bool -> (n_img, n_cap, m)."""
+        logits = self.attn_sim_w(nodes).squeeze(3)                             # (n_img, n_cap, P)
+        if self.training:
+            normed = self._normalize_per_caption(logits, node_mask)
+        else:
+            bn = self.bn
+            normed = F.batch_norm(logits.reshape(-1, 1), bn.running_mean, bn.running_var, bn.weight,
+                                  bn.bias, False, 0.0, bn.eps).view_as(logits)
+        beta = l1norm(torch.sigmoid(normed) * node_mask.unsqueeze(0).to(normed.dtype), dim=2)
+        return l2norm((beta.unsqueeze(3) * nodes).sum(dim=2))
+
+
+def average_scores(nodes: torch.Tensor, node_mask: torch.Tensor, eval_layer: nn.Linear | None) -> torch.Tensor:
+    """AVE: mean over the valid nodes of per-alignment scores.
+
+    With vector nodes each node is scored by FC + sigmoid; with scalar (cosine) nodes the
+    cosines themselves are averaged (Table 5 rows 1 and 5).
+
+    Args:
+        nodes: (n_img, n_cap, P, m).
+        node_mask: (n_cap, P) bool.
+        eval_layer: the FC of the score head, or None for scalar nodes.
+
+    Returns:
+        (n_img, n_cap).
+    """
+    per_node = nodes.squeeze(3) if eval_layer is None else torch.sigmoid(eval_layer(nodes)).squeeze(3)
+    mask = node_mask.unsqueeze(0).to(per_node.dtype)
+    return (per_node * mask).sum(dim=2) / mask.sum(dim=2)

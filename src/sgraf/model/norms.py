@@ -1,0 +1,44 @@
+"""The authors' normalisations.
+
+They add the epsilon AFTER the square root (`x / (sqrt(sum x^2) + 1e-8)`), unlike
+`F.normalize`, which clamps the norm; exact equality with their numbers needs their formula.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-8
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
+    """`x / (||x||_2 + eps)` along `dim` (the authors' epsilon placement)."""
+    return x / ((x * x).sum(dim=dim, keepdim=True).sqrt() + eps)
+
+
+def _in_place_ok(x: torch.Tensor) -> bool:
+    # in-place updates save a pass over memory; only when autograd is not recording
+    return not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def l2norm_(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
+    """`l2norm`, in place on `x` (a fresh intermediate) when autograd does not need it."""
+    if not _in_place_ok(x):
+        return l2norm(x, dim, eps)
+    return x.div_((x * x).sum(dim=dim, keepdim=True).sqrt_().add_(eps))
+
+
+def squared_difference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`(x - y)^2` with one intermediate instead of two when autograd does not need it."""
+    diff = x - y
+    return diff.mul_(diff) if _in_place_ok(diff) else diff * diff
+
+
+def l1norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
+    """`x / (||x||_1 + eps)` along `dim`."""
+    return x / (x.abs().sum(dim=dim, keepdim=True) + eps)
+
+
+def cosine(x: torch.Tensor, y: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
+    """Cosine similarity along `dim` with the authors' clamp of the norm product."""
+    return (x * y).sum(dim) / (x.norm(dim=dim) * y.norm(dim=dim)).clamp(min=eps)

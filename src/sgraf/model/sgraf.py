@@ -1,0 +1,219 @@
+"""The SGRAF network: encoders, similarity representations and the SGR / SAF / AVE heads.
+
+Sub-module names (`img_enc`, `txt_enc`, `sim_enc` and their children) follow the authors'
+three state dicts, so an official checkpoint maps onto this module by key prefix alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from sgraf.config import ModelConfig
+from sgraf.errors import InputError
+from sgraf.model.encoders import ImageEncoder, TextEncoder
+from sgraf.model.filtration import AttentionFiltration, average_scores
+from sgraf.model.reasoning import GraphReasoning, graph_reasoning
+from sgraf.model.similarity import SimilarityRepresentation
+
+logger = logging.getLogger(__name__)
+
+HEADS = ("sgr", "saf")
+
+
+class SimilarityEncoder(SimilarityRepresentation):
+    """Similarity nodes (Eq. 1-5) followed by the configured aggregation head(s) and score FC."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config.embed_size, config.sim_dim, config.num_regions, alignments=config.alignments,
+                         similarity=config.similarity, attention=config.attention,
+                         smooth=config.lambda_softmax, dropout=config.dropout)
+        self.module = config.module
+        node_dim = self.node_dim
+        if config.module in ("sgr", "joint"):
+            self.SGR_module = nn.ModuleList(GraphReasoning(node_dim) for _ in range(config.sgr_step))
+        if config.module in ("saf", "joint"):
+            self.SAF_module = AttentionFiltration(node_dim)
+        if config.similarity == "vector":
+            self.sim_eval_w = nn.Linear(node_dim, 1)       # the SGR/SAF/AVE score FC (authors' name)
+        if config.module == "joint":
+            self.saf_eval_w = nn.Linear(node_dim, 1)       # the SAF head's own score FC
+
+    def head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Scores (n_img, n_cap) of each requested head from (n_img, n_cap, P, m) nodes."""
+        scores = {}
+        for head in heads:
+            if head == "ave":
+                scores[head] = average_scores(nodes, node_mask, getattr(self, "sim_eval_w", None))
+            elif head == "sgr":
+                pooled = graph_reasoning(self.SGR_module, nodes, node_mask, has_global=self.use_global,
+                                         fast=not self.training)
+                scores[head] = torch.sigmoid(self.sim_eval_w(pooled)).squeeze(2)
+            else:
+                pooled = self.SAF_module(nodes, node_mask)
+                layer = self.saf_eval_w if self.module == "joint" else self.sim_eval_w
+                scores[head] = torch.sigmoid(layer(pooled)).squeeze(2)
+        return scores
+
+
+def init_weights(model: nn.Module) -> None:
+    """The authors' initialisation, in one place.
+
+    Linear: uniform(-r, r) with r = sqrt(6 / (in + out)) (Xavier-uniform), bias 0; BatchNorm:
+    weight 1, bias 0; word embedding uniform(-0.1, 0.1); GRU: PyTorch's default.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.BatchNorm1d):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.uniform_(module.weight, -0.1, 0.1)
+
+
+class SGRAF(nn.Module):
+    """Similarity Graph Reasoning and Attention Filtration (Diao et al., AAAI 2021).
+
+    Attributes:
+        config: the `ModelConfig` it was built from.
+        vocab: the vocabulary (set by the checkpoint loader) or None.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab: Any = None
+        self.img_enc = ImageEncoder(config.img_dim, config.embed_size, config.img_norm)
+        self.txt_enc = TextEncoder(config.vocab_size, config.word_dim, config.embed_size, config.num_layers,
+                                   config.bi_gru, config.txt_norm, config.dropout)
+        self.sim_enc = SimilarityEncoder(config)
+        init_weights(self)
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """Score heads: ('sgr', 'saf') for a joint model, else the one module."""
+        return HEADS if self.config.module == "joint" else (self.config.module,)
+
+    # ------------------------------------------------------------------ inputs
+    def validate_inputs(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any) -> torch.Tensor:
+        """Check a batch before any work; raise `InputError` (a ValueError) naming the problem.
+
+        Returns:
+            the lengths as an int64 tensor on the captions' device.
+        """
+        cfg = self.config
+        if not isinstance(images, torch.Tensor) or not images.is_floating_point() or images.dim() != 3:
+            raise InputError(f"images must be a float tensor (n_img, K={cfg.num_regions}, img_dim={cfg.img_dim}), "
+                             f"got {_describe(images)}")
+        if images.size(1) != cfg.num_regions:
+            raise InputError(f"images have {images.size(1)} regions per image, the model expects "
+                             f"K={cfg.num_regions} (shape {tuple(images.shape)})")
+        if images.size(2) != cfg.img_dim:
+            raise InputError(f"image feature dimension is {images.size(2)}, the model expects "
+                             f"img_dim={cfg.img_dim} (shape {tuple(images.shape)})")
+        if images.size(0) == 0:
+            raise InputError("images is empty (0 images)")
+        if not bool(torch.isfinite(images).all()):
+            bad = (~torch.isfinite(images)).flatten(1).any(dim=1).nonzero().flatten()[:5].tolist()
+            raise InputError(f"image features contain NaN or inf (images {bad})")
+        if not isinstance(captions, torch.Tensor) or captions.dim() != 2 or captions.is_floating_point() \
+                or captions.dtype == torch.bool or captions.is_complex():
+            raise InputError(f"captions must be an integer tensor (n_cap, L) of token ids, got {_describe(captions)}")
+        if captions.size(0) == 0:
+            raise InputError("captions is empty (0 captions)")
+        lengths = _as_lengths(lengths, captions.device)
+        if lengths.numel() != captions.size(0):
+            raise InputError(f"lengths has {lengths.numel()} entries but there are {captions.size(0)} captions")
+        if bool((lengths < 1).any()):
+            index = int((lengths < 1).nonzero()[0])
+            raise InputError(f"caption lengths must be positive; caption {index} has length {int(lengths[index])}")
+        if bool((lengths > captions.size(1)).any()):
+            index = int((lengths > captions.size(1)).nonzero()[0])
+            raise InputError(f"caption {index} has length {int(lengths[index])}, longer than the padded "
+                             f"captions tensor (L={captions.size(1)})")
+        positions = torch.arange(captions.size(1), device=captions.device)
+        used = captions[:, : int(lengths.max())][positions[: int(lengths.max())] < lengths.unsqueeze(1)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cfg.vocab_size):
+            bad = int(used.max()) if int(used.max()) >= cfg.vocab_size else int(used.min())
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        return lengths
+
+    # ------------------------------------------------------------------ encoders
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(n_img, K, img_dim) region features -> (n_img, K, d) region embeddings."""
+        return self.img_enc(images)
+
+    def encode_captions(self, captions: torch.Tensor, lengths: Any) -> torch.Tensor:
+        """(n_cap, L) ids, lengths in any order -> (n_cap, max(lengths), d), zero beyond each length."""
+        lengths = _as_lengths(lengths, captions.device)
+        return self.txt_enc(captions[:, : int(lengths.max())], lengths)
+
+    # ------------------------------------------------------------------ similarity
+    def similarity_heads(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any) -> dict[str, torch.Tensor]:
+        """Scores (n_img, n_cap) of every head of the model, from embeddings, for a whole block."""
+        lengths = _as_lengths(lengths, cap_embs.device)
+        n_words = int(lengths.max())
+        if n_words > cap_embs.size(1):
+            raise InputError(f"a caption length ({n_words}) exceeds the word embeddings' length {cap_embs.size(1)}")
+        words = cap_embs[:, :n_words]
+        word_mask = torch.arange(n_words, device=words.device) < lengths.unsqueeze(1)    # (n_cap, L)
+        words = words * word_mask.unsqueeze(2).to(words.dtype)
+        nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
+        return self.sim_enc.head_scores(nodes, node_mask, self.heads)
+
+    def similarity(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any,
+                   head: str | None = None) -> torch.Tensor:
+        """(n_img, K, d) and (n_cap, L, d) embeddings -> (n_img, n_cap) scores.
+
+        Args:
+            head: 'sgr' or 'saf' for one head of a joint model; None gives the model's score
+                (for a joint model, the mean of its two heads).
+        """
+        if head is not None and head not in self.heads:
+            raise InputError(f"head {head!r} is not one of this model's heads {self.heads}")
+        scores = self.similarity_heads(img_embs, cap_embs, lengths)
+        if head is not None:
+            return scores[head]
+        return sum(scores.values()) / len(scores)
+
+    def forward(self, images: torch.Tensor, captions: torch.Tensor,
+                lengths: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Training path: (n_img, n_cap) scores, or `{'sgr': ..., 'saf': ...}` for a joint model."""
+        scores = self.similarity_heads(self.encode_images(images), self.encode_captions(captions, lengths), lengths)
+        return scores if self.config.module == "joint" else scores[self.config.module]
+
+    @torch.no_grad()
+    def score(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any) -> torch.Tensor:
+        """Validated eval-mode (n_img, n_cap) float32 score matrix (region features, token ids)."""
+        lengths = self.validate_inputs(images, captions, lengths)
+        was_training = self.training
+        self.eval()
+        try:
+            img_embs = self.encode_images(images)
+            cap_embs = self.encode_captions(captions, lengths)
+            return self.similarity(img_embs, cap_embs, lengths).float()
+        finally:
+            self.train(was_training)
+
+
+def _as_lengths(lengths: Any, device: torch.device) -> torch.Tensor:
+    """Lengths as a 1-D int64 tensor; InputError if they are not whole numbers."""
+    try:
+        tensor = torch.as_tensor(lengths, device=device)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InputError(f"lengths must be a 1-D sequence of integers: {error}") from None
+    if tensor.dim() != 1 or tensor.is_floating_point() or tensor.dtype == torch.bool or tensor.is_complex():
+        raise InputError(f"lengths must be a 1-D sequence of integers, got {_describe(tensor)}")
+    return tensor.long()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__

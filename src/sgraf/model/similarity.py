@@ -1,0 +1,139 @@
+"""Eq. 1-5: similarity representations of the global and word-attended local alignments.
+
+For a block of n_img images and n_cap captions everything is computed at once; captions of
+different lengths are handled with a (n_cap, L) word mask. Padded words must be zero (the
+text encoder's output is), which keeps them out of the word-wise normalisation of Eq. 4.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
+from sgraf.model.norms import cosine, l2norm, l2norm_, squared_difference
+
+
+def attend_regions(regions: torch.Tensor, words: torch.Tensor, smooth: float) -> torch.Tensor:
+    """Text-to-image attention (SCAN): for each word, the attended image context (Eq. 3-4).
+
+    Args:
+        regions: (n_img, K, d) region embeddings.
+        words: (n_cap, L, d) word embeddings, zero beyond each caption's length.
+        smooth: softmax temperature lambda (9).
+
+    Returns:
+        (n_img, n_cap, L, d) l2-normalised contexts `a_j`.
+    """
+    n_img, n_regions, dim = regions.shape
+    n_cap, n_words, _ = words.shape
+    # (n_img, K, n_cap * L): every region against every word of the block, one matmul
+    relevance = regions @ words.reshape(n_cap * n_words, dim).t()
+    relevance = F.leaky_relu(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
+    # each region's row normalised across the caption's words; padded words are 0 here
+    relevance = l2norm(relevance, dim=3)
+    attn = (relevance * smooth).permute(0, 2, 3, 1).softmax(dim=3)   # (n_img, n_cap, L, K)
+    context = attn.reshape(n_img, n_cap * n_words, n_regions) @ regions  # (n_img, n_cap * L, d)
+    return l2norm_(context).view(n_img, n_cap, n_words, dim)
+
+
+def attend_words(regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                 smooth: float) -> torch.Tensor:
+    """Image-to-text attention (SCAN i2t): for each region, the attended text context.
+
+    Args:
+        regions: (n_img, K, d).
+        words: (n_cap, L, d), zero beyond each length.
+        word_mask: (n_cap, L) bool.
+        smooth: softmax temperature.
+
+    Returns:
+        (n_img, n_cap, K, d) l2-normalised contexts, one per region.
+    """
+    n_img, n_regions, dim = regions.shape
+    n_cap, n_words, _ = words.shape
+    relevance = regions @ words.reshape(n_cap * n_words, dim).t()      # (n_img, K, n_cap * L)
+    relevance = F.leaky_relu(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
+    # padded words are all-zero columns: give them a harmless value so the norm's gradient stays
+    # finite (they are masked out of the softmax below)
+    relevance = relevance.masked_fill(~word_mask[None, None], 1.0)
+    relevance = l2norm(relevance, dim=1)                                # each word across regions
+    logits = (relevance * smooth).permute(0, 2, 1, 3)                  # (n_img, n_cap, K, L)
+    attn = logits.masked_fill(~word_mask[None, :, None, :], float("-inf")).softmax(dim=3)
+    context = attn.reshape(n_img, n_cap, n_regions, n_words) @ words.unsqueeze(0)  # (n_img, n_cap, K, d)
+    return l2norm_(context)
+
+
+class SimilarityRepresentation(nn.Module):
+    """Global and local similarity nodes of every (image, caption) pair (Eq. 1-5).
+
+    Produces the graph nodes `N = [s_g, s_1, ..., s_P]` (global first), where the local nodes
+    are words (t2i attention) or regions (i2t attention), and the mask of valid nodes.
+    """
+
+    def __init__(self, embed_size: int, sim_dim: int, num_regions: int, *, alignments: str = "both",
+                 similarity: str = "vector", attention: str = "t2i", smooth: float = 9.0,
+                 dropout: float = 0.4) -> None:
+        super().__init__()
+        self.alignments = alignments
+        self.similarity = similarity
+        self.attention = attention
+        self.smooth = smooth
+        self.use_global = alignments in ("both", "global")
+        self.use_local = alignments in ("both", "local")
+        if self.use_global:
+            self.v_global_w = VisualSelfAttention(embed_size, num_regions, dropout)
+            self.t_global_w = TextSelfAttention(embed_size, dropout)
+        if similarity == "vector":
+            if self.use_local:
+                self.sim_tranloc_w = nn.Linear(embed_size, sim_dim)
+            if self.use_global:
+                self.sim_tranglo_w = nn.Linear(embed_size, sim_dim)
+
+    @property
+    def node_dim(self) -> int:
+        """Size of one similarity node: m for vectors (Eq. 1), 1 for cosine scalars."""
+        if self.similarity == "scalar":
+            return 1
+        layer = self.sim_tranloc_w if self.use_local else self.sim_tranglo_w
+        return layer.out_features
+
+    def _vector(self, x: torch.Tensor, y: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        # Eq. 1: s(x, y) = l2norm(W |x - y|^2)
+        if self.similarity == "scalar":
+            return cosine(x, y).unsqueeze(-1)
+        return l2norm(layer(squared_difference(x, y)))
+
+    def forward(self, regions: torch.Tensor, words: torch.Tensor,
+                word_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Similarity nodes of a block.
+
+        Args:
+            regions: (n_img, K, d) region embeddings.
+            words: (n_cap, L, d) word embeddings, zero beyond each length.
+            word_mask: (n_cap, L) bool.
+
+        Returns:
+            nodes (n_img, n_cap, P, m) and node_mask (n_cap, P) bool, P = [1 +] (L or K).
+        """
+        n_img, n_cap = regions.size(0), words.size(0)
+        nodes, masks = [], []
+        if self.use_global:
+            img_glo = self.v_global_w(regions)                     # (n_img, d)
+            cap_glo = self.t_global_w(words, word_mask)            # (n_cap, d)
+            sim_glo = self._vector(img_glo.unsqueeze(1), cap_glo.unsqueeze(0), getattr(self, "sim_tranglo_w", None))
+            nodes.append(sim_glo.unsqueeze(2))                     # (n_img, n_cap, 1, m)
+            masks.append(word_mask.new_ones(n_cap, 1))
+        if self.use_local:
+            layer = getattr(self, "sim_tranloc_w", None)
+            if self.attention == "t2i":
+                context = attend_regions(regions, words, self.smooth)          # (n_img, n_cap, L, d)
+                nodes.append(self._vector(context, words.unsqueeze(0), layer))  # (n_img, n_cap, L, m)
+                masks.append(word_mask)
+            else:
+                context = attend_words(regions, words, word_mask, self.smooth)  # (n_img, n_cap, K, d)
+                nodes.append(self._vector(context, regions.unsqueeze(1), layer))
+                masks.append(word_mask.new_ones(n_cap, regions.size(1)))
+        node_mask = torch.cat(masks, dim=1)
+        return torch.cat(nodes, dim=2), node_mask

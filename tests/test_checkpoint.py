@@ -1,0 +1,148 @@
+"""Checkpoints: our format, the authors' format, refusals, atomic writes, the converter command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from model_helpers import DATA, random_batch, random_model
+from sgraf.checkpoint import atomic_save, convert_official, load_checkpoint, load_model, save_model
+from sgraf.cli import main
+from sgraf.config import ModelConfig
+from sgraf.data.vocab import Vocabulary, load_vocab
+from sgraf.errors import InputError
+
+E2E_VOCAB = DATA / "e2e" / "data" / "toy_vocab.json"
+
+
+def test_save_and_load_roundtrip_keeps_config_weights_vocab_and_scores(tmp_path):
+    model = random_model(1, module="joint", sgr_step=2, vocab_size=181)
+    vocab = load_vocab(E2E_VOCAB)
+    path = tmp_path / "model.pt"
+    save_model(model, path, vocab=vocab, extra={"epoch": 3})
+    raw = torch.load(path, weights_only=True)                 # plain data only
+    assert raw["format"] == "sgraf" and raw["version"] == 1 and raw["extra"] == {"epoch": 3}
+    assert raw["config"] == model.config.to_dict()
+    assert raw["vocab"] == vocab.to_dict()
+    loaded = load_model(path)
+    assert not loaded.training and loaded.config == model.config
+    assert isinstance(loaded.vocab, Vocabulary) and loaded.vocab == vocab
+    images, captions, lengths = random_batch(model, 3, [4, 3, 6])
+    torch.testing.assert_close(loaded.score(images, captions, lengths), model.score(images, captions, lengths),
+                               atol=0, rtol=0)
+
+
+def test_model_vocab_is_saved_when_no_vocab_is_given(tmp_path):
+    model = random_model(1, vocab_size=181)
+    model.vocab = load_vocab(E2E_VOCAB)
+    save_model(model, tmp_path / "m.pt")
+    assert load_checkpoint(tmp_path / "m.pt")["vocab"] == model.vocab.to_dict()
+    plain = random_model(1)
+    save_model(plain, tmp_path / "p.pt")
+    assert load_model(tmp_path / "p.pt").vocab is None
+
+
+def test_vocab_of_the_wrong_size_is_refused(tmp_path):
+    model = random_model(1, vocab_size=30)
+    save_model(model, tmp_path / "m.pt")
+    with pytest.raises(ValueError, match="vocabulary has 181 words but the model's embedding has vocab_size=30"):
+        load_model(tmp_path / "m.pt", vocab=E2E_VOCAB)
+
+
+@pytest.mark.parametrize("module", ["SGR", "SAF"])
+def test_official_checkpoint_normalises_to_our_format(module):
+    checkpoint = load_checkpoint(DATA / f"official_ckpt_{module}.pth.tar")
+    config = ModelConfig.from_dict(checkpoint["config"])
+    assert (config.module, config.img_dim, config.word_dim, config.embed_size, config.sim_dim, config.vocab_size) == \
+        (module.lower(), 48, 16, 32, 8, 40)
+    assert checkpoint["extra"]["official"]["opt"]["module_name"] == module
+    assert "img_enc.fc.weight" in checkpoint["state_dict"]
+
+
+def test_convert_command_writes_a_weights_only_checkpoint_with_vocab(tmp_path, capsys):
+    dst = tmp_path / "sgr.pt"
+    assert main(["convert-checkpoint", str(DATA / "e2e" / "sgr.pth.tar"), str(dst), "--vocab", str(E2E_VOCAB)]) == 0
+    assert "module sgr" in capsys.readouterr().out
+    raw = torch.load(dst, weights_only=True)
+    assert raw["config"]["sgr_step"] == 4 and raw["vocab"]["word2idx"]["<start>"] == 1
+    official = load_model(DATA / "e2e" / "sgr.pth.tar")
+    converted = load_model(dst)
+    assert isinstance(converted.vocab, Vocabulary) and len(converted.vocab) == 181
+    for key, tensor in official.state_dict().items():
+        assert torch.equal(converted.state_dict()[key], tensor), key
+
+
+def test_convert_command_reports_bad_input_in_one_line(tmp_path, capsys):
+    assert main(["convert-checkpoint", str(tmp_path / "missing.pth.tar"), str(tmp_path / "x.pt")]) == 2
+    assert "missing.pth.tar" in capsys.readouterr().err
+    assert not (tmp_path / "x.pt").exists()
+
+
+class Payload:
+    """Any class other than argparse.Namespace must be refused."""
+
+
+def test_pickles_other_than_namespace_are_refused(tmp_path):
+    path = tmp_path / "evil.pth.tar"
+    torch.save({"model": [{}, {}, {}], "opt": argparse.Namespace(), "hook": Payload()}, path)
+    with pytest.raises(ValueError, match=r"refusing to load: the checkpoint pickles the class "
+                                         r"test_checkpoint.Payload; only tensors"):
+        load_checkpoint(path)
+    opt_only = tmp_path / "official_like.pth.tar"
+    torch.save({"model": [{}, {}, {}], "opt": argparse.Namespace(module_name="SGR")}, opt_only)
+    with pytest.raises(ValueError, match="lack the field 'vocab_size'"):
+        load_checkpoint(opt_only)         # Namespace itself is accepted
+
+
+def test_other_files_are_refused_clearly(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match="not a readable PyTorch checkpoint"):
+        load_model(text)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(2)}, other)
+    with pytest.raises(ValueError, match="neither an sgraf checkpoint"):
+        load_model(other)
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path / "absent.pt")
+
+
+def test_shape_mismatch_names_key_and_shapes(tmp_path):
+    model = random_model(1, sim_dim=12)
+    save_model(model, tmp_path / "m.pt")
+    raw = torch.load(tmp_path / "m.pt", weights_only=True)
+    raw["config"]["sim_dim"] = 16
+    torch.save(raw, tmp_path / "bad.pt")
+    with pytest.raises(InputError, match=r"tensor 'sim_enc.sim_tranloc_w.weight' has shape \(12, 16\) but the "
+                                         r"configuration expects \(16, 16\)"):
+        load_model(tmp_path / "bad.pt")
+    raw["config"]["sim_dim"] = 12
+    raw["state_dict"].pop("sim_enc.sim_eval_w.bias")
+    torch.save(raw, tmp_path / "missing.pt")
+    with pytest.raises(InputError, match=r"missing \['sim_enc.sim_eval_w.bias'\]"):
+        load_model(tmp_path / "missing.pt")
+
+
+def test_official_options_that_disagree_with_tensors_are_reported(tmp_path):
+    raw = torch.load(DATA / "official_ckpt_SAF.pth.tar", weights_only=False)
+    raw["opt"].embed_size = 64
+    torch.save(raw, tmp_path / "bad.pth.tar")
+    with pytest.raises(InputError, match=r"'img_enc.fc.weight' has shape \(32, 48\) but the configuration expects \(64, 48\)"):
+        load_model(tmp_path / "bad.pth.tar")
+
+
+def test_atomic_save_leaves_no_partial_file_on_failure(tmp_path):
+    path = tmp_path / "out.pt"
+    atomic_save({"a": torch.ones(2)}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError):
+        atomic_save({"a": Unpicklable()}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(2))   # old file intact
+    assert os.listdir(tmp_path) == ["out.pt"]                                    # no temp left

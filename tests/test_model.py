@@ -1,0 +1,214 @@
+"""The vectorised scorer against the per-caption oracle, every ablation switch, input checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model_helpers import random_batch, random_model
+from sgraf.config import ModelConfig
+from sgraf.errors import InputError
+from sgraf.model.oracle import oracle_forward
+from sgraf.model.sgraf import SGRAF
+
+LENGTHS = [6, 3, 11, 3, 8, 5, 3, 9]          # unsorted, mixed, several `<start> w <end>` captions
+
+CONFIGS = [
+    dict(module="sgr"),
+    dict(module="saf"),
+    dict(module="joint"),
+    dict(module="ave"),
+    dict(module="ave", alignments="global"),                       # Table 3 row 1
+    dict(module="sgr", alignments="local", sgr_step=1),            # Table 3 row 2
+    dict(module="sgr", alignments="local", sgr_step=3),            # Table 3 row 3
+    dict(module="sgr", sgr_step=1), dict(module="sgr", sgr_step=2), dict(module="sgr", sgr_step=4),
+    dict(module="sgr", alignments="global"),
+    dict(module="saf", alignments="local"),
+    dict(module="ave", alignments="local", similarity="scalar", attention="i2t"),   # Table 5 row 1
+    dict(module="ave", alignments="local", attention="i2t"),                        # row 2
+    dict(module="sgr", alignments="local", attention="i2t"),                        # row 3
+    dict(module="saf", alignments="local", attention="i2t"),                        # row 4
+    dict(module="ave", alignments="local", similarity="scalar"),                    # row 5
+    dict(module="ave", alignments="local"),                                         # row 6
+    dict(module="joint", attention="i2t"),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_vectorised_scores_equal_per_caption_oracle(config):
+    model = random_model(11, num_regions=7, **config)
+    images, captions, lengths = random_batch(model, 5, LENGTHS, pad_to=13, seed=2)
+    scores = model.score(images, captions, lengths)
+    assert scores.shape == (5, len(LENGTHS)) and scores.dtype == torch.float32
+    with torch.no_grad():
+        expected = oracle_forward(model, images, captions, lengths)
+        heads = model.similarity_heads(model.encode_images(images), model.encode_captions(captions, lengths), lengths)
+    assert set(heads) == set(expected) == set(model.heads)
+    for head in expected:
+        torch.testing.assert_close(heads[head], expected[head], atol=1e-5, rtol=0)
+    torch.testing.assert_close(scores, sum(expected.values()) / len(expected), atol=1e-5, rtol=0)
+    assert torch.isfinite(scores).all()
+    # values spread: a model that ignored its inputs would give one constant
+    assert scores.std() > 1e-4
+
+
+def test_joint_heads_are_separate_and_the_default_score_is_their_mean():
+    model = random_model(3, module="joint")
+    images, captions, lengths = random_batch(model, 3, [4, 7, 3])
+    with torch.no_grad():
+        img, cap = model.encode_images(images), model.encode_captions(captions, lengths)
+        sgr, saf = model.similarity(img, cap, lengths, head="sgr"), model.similarity(img, cap, lengths, head="saf")
+        both = model.similarity(img, cap, lengths)
+        train_out = model(images, captions, lengths)
+    assert not torch.allclose(sgr, saf)
+    torch.testing.assert_close(both, (sgr + saf) / 2)
+    assert set(train_out) == {"sgr", "saf"}
+    torch.testing.assert_close(train_out["sgr"], sgr)
+    with pytest.raises(ValueError, match="head 'ave'"):
+        model.similarity(img, cap, lengths, head="ave")
+
+
+def test_scores_do_not_depend_on_padding_width_or_other_captions():
+    model = random_model(5, module="sgr")
+    images, captions, lengths = random_batch(model, 4, [5, 3, 8], pad_to=8, seed=3)
+    wide = torch.nn.functional.pad(captions, (0, 6))
+    full = model.score(images, captions, lengths)
+    torch.testing.assert_close(model.score(images, wide, lengths), full, atol=1e-6, rtol=0)
+    torch.testing.assert_close(model.score(images, captions[1:2], lengths[1:2]), full[:, 1:2], atol=1e-6, rtol=0)
+    torch.testing.assert_close(model.score(images[2:3], captions, lengths), full[2:3], atol=1e-6, rtol=0)
+
+
+def test_garbage_beyond_length_in_word_embeddings_is_ignored():
+    model = random_model(6, module="saf")
+    images, captions, lengths = random_batch(model, 3, [4, 6, 3], seed=4)
+    with torch.no_grad():
+        img, cap = model.encode_images(images), model.encode_captions(captions, lengths)
+        dirty = cap.clone()
+        for row, length in enumerate(lengths.tolist()):
+            dirty[row, length:] = 5.0
+        torch.testing.assert_close(model.similarity(img, dirty, lengths), model.similarity(img, cap, lengths))
+
+
+def test_encode_captions_trims_to_the_longest_and_zeroes_padding():
+    model = random_model(7)
+    _, captions, lengths = random_batch(model, 1, [3, 5], pad_to=9)
+    with torch.no_grad():
+        words = model.encode_captions(captions, lengths)
+    assert words.shape == (2, 5, model.config.embed_size)
+    assert words[0, 3:].abs().max() == 0
+    torch.testing.assert_close(words.norm(dim=2)[1], torch.ones(5), atol=1e-6, rtol=0)
+
+
+def test_score_uses_eval_numerics_and_restores_training_mode():
+    model = random_model(8, module="saf", dropout=0.4).train()
+    images, captions, lengths = random_batch(model, 3, [4, 6])
+    before = model.sim_enc.SAF_module.bn.running_mean.clone()
+    first = model.score(images, captions, lengths)
+    second = model.score(images, captions, lengths)
+    assert model.training
+    torch.testing.assert_close(first, second, atol=0, rtol=0)       # dropout off, BN on running stats
+    assert torch.equal(model.sim_enc.SAF_module.bn.running_mean, before)
+
+
+def test_default_initialisation_follows_the_authors():
+    model = SGRAF(ModelConfig(vocab_size=50, img_dim=40, embed_size=24, sim_dim=10, word_dim=12, num_regions=4))
+    fc = model.img_enc.fc
+    bound = math.sqrt(6.0 / (40 + 24))
+    assert fc.weight.abs().max() <= bound and fc.weight.abs().max() > 0.8 * bound
+    for name, tensor in model.named_parameters():
+        if name.endswith("bias") and "cap_rnn" not in name:
+            assert tensor.abs().max() == 0, name
+    bn = model.sim_enc.v_global_w.embedding_local[1]
+    assert torch.equal(bn.weight, torch.ones(4)) and torch.equal(bn.bias, torch.zeros(4))
+    assert model.txt_enc.embed.weight.abs().max() <= 0.1
+    assert model.txt_enc.cap_rnn.bias_ih_l0.abs().max() > 0           # GRU keeps PyTorch's default
+
+
+def test_scalar_similarity_is_only_defined_with_average():
+    with pytest.raises(ValueError, match="similarity='scalar'"):
+        ModelConfig(vocab_size=10, module="sgr", similarity="scalar")
+
+
+def test_model_state_dict_has_no_unused_parameters_per_config():
+    local = random_model(0, module="ave", alignments="local", similarity="scalar")
+    names = set(local.state_dict())
+    assert not any("v_global_w" in n or "sim_tranloc_w" in n or "sim_eval_w" in n for n in names)
+    joint = random_model(0, module="joint", sgr_step=2)
+    names = set(joint.state_dict())
+    assert {"sim_enc.SGR_module.1.sim_graph_w.weight", "sim_enc.SAF_module.bn.running_var",
+            "sim_enc.saf_eval_w.weight", "sim_enc.sim_eval_w.weight"} <= names
+
+
+# ---------------------------------------------------------------- input validation
+@pytest.fixture(scope="module")
+def small():
+    model = random_model(9, img_dim=20, num_regions=5, vocab_size=30)
+    images, captions, lengths = random_batch(model, 2, [4, 3], pad_to=6)
+    return model, images, captions, lengths
+
+
+@pytest.mark.parametrize("case, message", [
+    ("img_dim", r"feature dimension is 21, the model expects img_dim=20"),
+    ("regions", r"4 regions per image, the model expects K=5"),
+    ("nan", r"NaN or inf \(images \[1\]\)"),
+    ("inf", r"NaN or inf"),
+    ("token_high", r"token id 30 is outside the vocabulary \[0, 30\)"),
+    ("token_negative", r"token id -1 is outside"),
+    ("zero_length", r"caption 1 has length 0"),
+    ("negative_length", r"caption 0 has length -2"),
+    ("too_long", r"caption 0 has length 7, longer than the padded captions tensor \(L=6\)"),
+    ("count", r"lengths has 3 entries but there are 2 captions"),
+    ("float_lengths", r"lengths must be a 1-D sequence of integers"),
+    ("float_captions", r"captions must be an integer tensor"),
+    ("images_2d", r"images must be a float tensor"),
+])
+def test_bad_input_raises_value_error_naming_the_problem(small, case, message):
+    model, images, captions, lengths = small
+    images, captions, lengths = images.clone(), captions.clone(), lengths.clone()
+    if case == "img_dim":
+        images = torch.randn(2, 5, 21)
+    elif case == "regions":
+        images = images[:, :4]
+    elif case == "nan":
+        images[1, 2, 3] = float("nan")
+    elif case == "inf":
+        images[0, 0, 0] = float("inf")
+    elif case == "token_high":
+        captions[0, 1] = 30
+    elif case == "token_negative":
+        captions[1, 1] = -1
+    elif case == "zero_length":
+        lengths[1] = 0
+    elif case == "negative_length":
+        lengths[0] = -2
+    elif case == "too_long":
+        lengths[0] = 7
+    elif case == "count":
+        lengths = torch.tensor([4, 3, 3])
+    elif case == "float_lengths":
+        lengths = lengths.float()
+    elif case == "float_captions":
+        captions = captions.float()
+    elif case == "images_2d":
+        images = images[0]
+    with pytest.raises(ValueError, match=message) as info:
+        model.score(images, captions, lengths)
+    assert isinstance(info.value, InputError)
+
+
+def test_tokens_beyond_a_caption_length_are_not_checked(small):
+    model, images, captions, lengths = small
+    captions = captions.clone()
+    captions[1, 5] = 999                     # padding region of a length-3 caption
+    assert model.score(images, captions, lengths).shape == (2, 2)
+
+
+def test_validation_happens_before_any_work(small, monkeypatch):
+    model, images, captions, lengths = small
+    called = []
+    monkeypatch.setattr(model.img_enc, "forward", lambda *a: called.append(1))
+    with pytest.raises(ValueError):
+        model.score(images, captions, torch.tensor([4, 0]))
+    assert not called

@@ -1,0 +1,147 @@
+"""Training mode against the authors' one optimisation step (golden_train.pt), and the
+vectorised per-caption SAF BatchNorm against the per-caption oracle on other shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import DATA, flat_state, golden_model, random_batch, random_model
+from sgraf.model.loss import ranking_loss
+from sgraf.model.oracle import oracle_forward
+
+NOISE_ATOL = 4e-4   # golden README: tensors whose exact gradient is ~0 (Adam turns noise into lr-sized steps)
+
+
+@pytest.fixture(scope="module")
+def golden_train():
+    return torch.load(DATA / "golden_train.pt", weights_only=True)
+
+
+def _train_step(model, optimizer, entry):
+    scores = model(entry["images"], entry["captions"], entry["lengths"])
+    loss = ranking_loss(scores)
+    optimizer.zero_grad()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), entry["grad_clip"])
+    optimizer.step()
+    return scores, loss, norm
+
+
+def _fed_by_noise(key, noisy):
+    """BatchNorm buffers right after a noise-dominated bias: their running mean moves with it."""
+    prefix, layer = key.rsplit(".", 1)[0].rsplit(".", 1)
+    if layer.isdigit():
+        previous = f"{prefix}.{int(layer) - 1}.bias"
+    else:
+        previous = f"{prefix}.attn_sim_w.bias"
+    return "running" in key and previous in noisy
+
+
+def _assert_state(model, expected, noisy, steps=1):
+    state = model.state_dict()
+    for key, value in flat_state(expected).items():
+        atol = 5e-6
+        if key in noisy:
+            atol = steps * NOISE_ATOL
+        elif steps > 1 and _fed_by_noise(key, noisy):
+            atol = NOISE_ATOL
+        if key.endswith("num_batches_tracked"):
+            assert int(state[key]) == int(value), key
+        else:
+            torch.testing.assert_close(state[key], value, atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("module", ["SGR", "SAF"])
+def test_one_adam_step_matches_the_official_step(golden_train, module):
+    entry = golden_train[module]
+    model = golden_model(entry, module, state_key="state_dict_before", dropout=0.0).train()
+    opt = entry["optimizer"]
+    optimizer = torch.optim.Adam(model.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"])
+    scores, loss, norm = _train_step(model, optimizer, entry)
+    torch.testing.assert_close(scores.detach(), entry["sims"], atol=1e-6, rtol=0)
+    assert loss.item() == pytest.approx(entry["loss"], abs=1e-6)
+    assert norm.item() == pytest.approx(entry["grad_norm"], abs=1e-5)
+    _assert_state(model, entry["state_dict_after"], set(entry["noise_dominated_grads"]))
+    for key, (_, after) in entry["num_batches_tracked_before_after"].items():
+        assert int(model.state_dict()[key]) == after
+    # second official step on the same batch
+    scores2, loss2, norm2 = _train_step(model, optimizer, entry)
+    step2 = entry["step2"]
+    torch.testing.assert_close(scores2.detach(), step2["sims"], atol=1e-6, rtol=0)
+    assert loss2.item() == pytest.approx(step2["loss"], abs=2e-6)
+    assert norm2.item() == pytest.approx(step2["grad_norm"], abs=1e-5)
+    # after two steps the noise-dominated biases (up to 2 x lr apart) also shift the running mean
+    # of the BatchNorm that follows them, by at most that much
+    _assert_state(model, step2["state_dict_after"], set(entry["noise_dominated_grads"]), steps=2)
+
+
+@pytest.mark.parametrize("module", ["SGR", "SAF"])
+def test_every_gradient_matches_the_official_gradient(golden_train, module):
+    entry = golden_train[module]
+    model = golden_model(entry, module, state_key="state_dict_before", dropout=0.0).train()
+    loss = ranking_loss(model(entry["images"], entry["captions"], entry["lengths"]))
+    loss.backward()
+    params = dict(model.named_parameters())
+    assert set(entry["grads"]) == set(params)
+    for key, grad in entry["grads"].items():
+        torch.testing.assert_close(params[key].grad, grad, atol=2e-6, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("module", ["SGR", "SAF"])
+def test_unsorted_batch_gives_the_same_train_scores(golden_train, module):
+    entry = golden_train[module]
+    model = golden_model(entry, module, state_key="state_dict_before", dropout=0.0).train()
+    ids = torch.tensor(entry["ids"])
+    lengths = entry["lengths_unsorted"]
+    captions = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for row, caption in enumerate(entry["captions_unsorted"]):
+        captions[row, : len(caption)] = torch.as_tensor(caption)
+    with torch.no_grad():
+        scores = model(entry["images_unsorted"], captions, lengths)
+    # the SAF BatchNorm depends only on each caption's own values, so order changes nothing
+    torch.testing.assert_close(scores[ids][:, ids], entry["sims"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("config", [dict(module="saf"), dict(module="joint"), dict(module="saf", alignments="local"),
+                                    dict(module="saf", attention="i2t")])
+def test_train_mode_matches_per_caption_oracle_including_running_stats(config):
+    lengths = [5, 3, 9, 3, 7, 4, 8]                     # unsorted, mixed, two of length 3
+    model = random_model(4, num_regions=6, **config).train()
+    oracle = random_model(4, num_regions=6, **config).train()
+    images, captions, lengths = random_batch(model, 5, lengths, pad_to=11, seed=5)
+    for _ in range(2):                                   # two forwards: the recurrence continues
+        ours = model(images, captions, lengths)
+        ours = ours if isinstance(ours, dict) else {model.config.module: ours}
+        expected = oracle_forward(oracle, images, captions, lengths)
+        for head in expected:
+            torch.testing.assert_close(ours[head], expected[head], atol=1e-6, rtol=0)
+    got, want = model.state_dict(), oracle.state_dict()
+    for key in want:
+        if "running" in key or "num_batches" in key:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=key)
+    assert int(got["sim_enc.SAF_module.bn.num_batches_tracked"]) == 2 * len(lengths)
+    # gradients too
+    loss = sum(ranking_loss(s[:, :5]) for s in ours.values())
+    loss_oracle = sum(ranking_loss(s[:, :5]) for s in expected.values())
+    loss.backward()
+    loss_oracle.backward()
+    oracle_params = dict(oracle.named_parameters())
+    for name, param in model.named_parameters():
+        if param.grad is not None or oracle_params[name].grad is not None:
+            expected_grad = oracle_params[name].grad
+            scale = expected_grad.abs().max().item()
+            assert (param.grad - expected_grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
+
+
+def test_saf_running_stats_with_cumulative_momentum_match_sequential_updates():
+    model = random_model(2, module="saf").train()
+    oracle = random_model(2, module="saf").train()
+    for m in (model, oracle):
+        m.sim_enc.SAF_module.bn.momentum = None
+    images, captions, lengths = random_batch(model, 3, [4, 6, 3], seed=9)
+    model(images, captions, lengths)
+    oracle_forward(oracle, images, captions, lengths)
+    for key in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(model.sim_enc.SAF_module.bn, key), getattr(oracle.sim_enc.SAF_module.bn, key),
+                                   atol=1e-6, rtol=0)
