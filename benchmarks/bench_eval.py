@@ -1,0 +1,189 @@
+"""Benchmark the whole `sgraf evaluate` command on a generated Flickr30K-sized test split.
+
+Generates a precomp split (default 1,000 images x 36 regions x 2048-d, 5,000 captions whose
+lengths follow Flickr30K's: about 12 words, 14 tokens with <start>/<end>, a long tail) and a
+paper-size model (embed 1024, sim 256, word 300, vocabulary 8,481) with random weights. Then, in
+the same run:
+
+- `sgraf evaluate` as a subprocess, fp32 and bf16: wall time (the whole command, imports and
+  loading included) and peak resident memory;
+- the per-caption oracle (`sgraf.model.oracle.oracle_similarity`, the authors' loop: one caption
+  against all images at a time) on a random slice of captions, extrapolated to the split;
+- the agreement of bf16 with fp32 (recalls, largest score difference) and of the oracle slice
+  with the fp32 matrix.
+
+With random weights the scores carry no meaning and lie close together (a spread of about
+1e-2), so recalls are at chance level and bf16 rounding (about 1e-3) reorders many near-ties:
+the bf16 line reports the recall difference together with the score error, which is the
+figure that transfers to a trained model.
+
+    python benchmarks/bench_eval.py                 # 1,000 x 5,000, fp32 and bf16
+    python benchmarks/bench_eval.py --images 100    # a quick smaller run
+
+Timings depend on the machine's load: the figures printed are medians over `--repeats` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB_WORDS = 8481 - 4  # the Flickr30K vocabulary's size, special tokens aside
+CAPS_PER_IMAGE = 5
+
+
+def caption_lengths(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Words per caption like Flickr30K's (mean ~12.3, sd ~5.3, a tail to ~80)."""
+    words = np.rint(rng.gamma(shape=5.4, scale=2.3, size=n))
+    return np.clip(words, 3, 78).astype(int)
+
+
+def build(out: Path, n_images: int, module: str, seed: int) -> None:
+    """Write `out/data/test_{ims.npy,caps.txt}` and `out/model.pt` (random paper-size weights)."""
+    from sgraf.checkpoint import save_model
+    from sgraf.config import ModelConfig
+    from sgraf.data.vocab import Vocabulary
+    from sgraf.model.sgraf import SGRAF
+
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    words = [f"w{k}" for k in range(VOCAB_WORDS)]
+    vocab = Vocabulary.from_words(words)
+    n_cap = n_images * CAPS_PER_IMAGE
+    captions = [" ".join(rng.choice(words, size=length)) for length in caption_lengths(rng, n_cap)]
+    config = ModelConfig(vocab_size=len(vocab), module=module)
+    # Non-negative region features, like pooled CNN activations.
+    images = rng.random((n_images, config.num_regions, config.img_dim), dtype=np.float32)
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    np.save(data / "test_ims.npy", images)
+    (data / "test_caps.txt").write_text("\n".join(captions) + "\n", encoding="utf-8")
+    save_model(SGRAF(config).eval(), out / "model.pt", vocab=vocab)
+
+
+def child(report: str, argv: list[str]) -> int:
+    """Run the sgraf command line in this process and write its peak memory to `report`."""
+    from sgraf.cli import main
+
+    code = main(argv)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    Path(report).write_text(json.dumps({"code": code, "peak_mb": peak_mb}))
+    return code
+
+
+def run_command(out: Path, precision: str, batch_size: int) -> dict:
+    sims = out / f"sims_{precision}.npy"
+    report = out / f"report_{precision}.json"
+    argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
+            "--precision", precision, "--batch-size", str(batch_size), "--json", "--quiet", "--save-sims", str(sims)]
+    start = time.perf_counter()
+    completed = subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv],
+                               capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if completed.returncode != 0:
+        raise SystemExit(f"sgraf evaluate failed:\n{completed.stderr[-3000:]}")
+    info = json.loads(report.read_text())
+    return {"wall_s": wall, "peak_mb": info["peak_mb"], "result": json.loads(completed.stdout.strip().splitlines()[-1]),
+            "sims": np.load(sims)}
+
+
+def oracle(out: Path, n_slice: int, seed: int) -> dict:
+    """The per-caption loop on `n_slice` random captions against every image, extrapolated."""
+    from sgraf import scoring
+    from sgraf.checkpoint import load_model
+    from sgraf.data.precomp import PrecompSplit
+    from sgraf.model.oracle import oracle_similarity
+
+    model = load_model(out / "model.pt")
+    split = PrecompSplit(out / "data", "test")
+    start = time.perf_counter()
+    with torch.no_grad():
+        img_embs = scoring.encode_images(model, split.images, batch_size=128)
+        token_ids = scoring.tokenize_captions(split.captions, model.vocab)
+        buckets = scoring.encode_captions(model, token_ids, batch_size=128)
+    encode_s = time.perf_counter() - start
+    chosen = np.random.default_rng(seed).choice(split.n_captions, size=min(n_slice, split.n_captions), replace=False)
+    columns, seconds = [], []
+    lookup = {int(k): (b, row) for b in buckets for row, k in enumerate(b.index.tolist())}
+    with torch.no_grad():
+        for k in chosen:
+            bucket, row = lookup[int(k)]
+            words, length = bucket.embs[row: row + 1], bucket.lengths[row: row + 1]
+            start = time.perf_counter()
+            scores = oracle_similarity(model, img_embs, words, length)[model.config.module]  # (n_img, 1)
+            seconds.append(time.perf_counter() - start)
+            columns.append(scores[:, 0].numpy())
+    per_caption = float(np.mean(seconds))
+    return {"encode_s": encode_s, "per_caption_s": per_caption, "captions_timed": len(chosen),
+            "extrapolated_s": encode_s + per_caption * split.n_captions, "chosen": chosen,
+            "columns": np.stack(columns, axis=1)}
+
+
+def recalls(result: dict) -> list[float]:
+    return [result[d][k] for d in ("i2t", "t2i") for k in ("r1", "r5", "r10")]
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[4:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--module", default="sgr", choices=["sgr", "saf"])
+    parser.add_argument("--oracle-captions", type=int, default=12, help="captions timed with the oracle loop")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per precision (median reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="work directory (default: a temporary one, removed after)")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(args.out or scratch)
+        start = time.perf_counter()
+        build(out, args.images, args.module, args.seed)
+        print(f"generated {args.images} images x {args.images * CAPS_PER_IMAGE} captions, paper-size "
+              f"{args.module.upper()} model, in {time.perf_counter() - start:.0f} s; torch threads "
+              f"{torch.get_num_threads()}, cpus {os.cpu_count()}", flush=True)
+        runs = {}
+        for precision in args.precisions:
+            measured = [run_command(out, precision, args.batch_size) for _ in range(args.repeats)]
+            runs[precision] = {
+                "wall_s": statistics.median(m["wall_s"] for m in measured),
+                "peak_mb": statistics.median(m["peak_mb"] for m in measured),
+                "result": measured[-1]["result"], "sims": measured[-1]["sims"],
+            }
+            run = runs[precision]
+            print(f"{precision}: wall {run['wall_s']:.1f} s, peak RSS {run['peak_mb']:.0f} MiB, "
+                  f"rsum {run['result']['rsum']:.1f}, recalls {[round(r, 1) for r in recalls(run['result'])]}",
+                  flush=True)
+        reference = oracle(out, args.oracle_captions, args.seed)
+        print(f"oracle (per-caption loop): {reference['per_caption_s']:.3f} s per caption over "
+              f"{reference['captions_timed']} captions + encoding {reference['encode_s']:.1f} s "
+              f"-> extrapolated {reference['extrapolated_s']:.0f} s for the split", flush=True)
+        for precision, run in runs.items():
+            print(f"speed-up vs oracle ({precision}): {reference['extrapolated_s'] / run['wall_s']:.1f}x")
+        first = runs[args.precisions[0]]
+        error = np.abs(first["sims"][:, reference["chosen"]] - reference["columns"]).max()
+        print(f"oracle slice vs {args.precisions[0]} matrix: max |diff| {error:.2e}")
+        if "fp32" in runs and "bf16" in runs:
+            difference = np.abs(np.subtract(recalls(runs["bf16"]["result"]), recalls(runs["fp32"]["result"])))
+            score_error = np.abs(runs["bf16"]["sims"] - runs["fp32"]["sims"]).max()
+            spread = float(runs["fp32"]["sims"].std())
+            print(f"bf16 vs fp32: largest recall difference {difference.max():.2f} (target <= 0.1), "
+                  f"largest score difference {score_error:.2e} (fp32 scores: std {spread:.2e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

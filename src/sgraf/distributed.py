@@ -1,0 +1,142 @@
+"""Small helpers for running on several processes with ``torchrun``.
+
+``torchrun`` (``python -m torch.distributed.run``) starts one process per device and sets
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. `init_from_env`
+reads them and joins the process group (NCCL with CUDA, gloo on CPU); without them everything
+here degrades to a single process, so library code can call these helpers unconditionally.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands: its rank among `world_size` and the device it should use."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True when the ``torchrun`` environment variables are present."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env(device: str | None = None, backend: str | None = None) -> DistInfo:
+    """Join the process group described by the ``torchrun`` environment, if any.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"`` or None (CUDA when available). Under torchrun each process
+            takes the CUDA device of its ``LOCAL_RANK``.
+        backend: process-group backend; default NCCL for CUDA, gloo for CPU.
+
+    Returns:
+        This process's `DistInfo` (rank 0 of 1 when not launched by torchrun).
+    """
+    use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        index = local_rank if launched_by_torchrun() else ((torch.device(device).index or 0) if device else 0)
+        torch.cuda.set_device(index)
+        target = torch.device("cuda", index)
+    else:
+        target = torch.device(device or "cpu")
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"))
+        logger.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(),
+                     dist.get_backend())
+    return DistInfo(rank=get_rank(), world_size=get_world_size(), local_rank=local_rank, device=target)
+
+
+def is_distributed() -> bool:
+    """True inside an initialised process group of more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every process (no-op on one process)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def cleanup() -> None:
+    """Leave the process group, if one was joined."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_range(n_items: int, rank: int | None = None, world_size: int | None = None) -> range:
+    """The contiguous share ``[start, stop)`` of `n_items` that `rank` handles (sizes differ by <= 1)."""
+    rank = get_rank() if rank is None else rank
+    world_size = get_world_size() if world_size is None else world_size
+    return range(n_items * rank // world_size, n_items * (rank + 1) // world_size)
+
+
+def _communication_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_variable(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Gather from every process a tensor whose FIRST dimension may differ between processes.
+
+    The other dimensions and the dtype must agree. Returns the list ordered by rank, on the
+    input's device (on one process: ``[tensor]``).
+    """
+    if not is_distributed():
+        return [tensor]
+    comm_device = _communication_device()
+    local = tensor.detach().to(comm_device).contiguous()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=comm_device) for _ in range(get_world_size())]
+    dist.all_gather(sizes, torch.tensor([local.shape[0]], dtype=torch.int64, device=comm_device))
+    sizes = [int(size.item()) for size in sizes]
+    longest = max(sizes)
+    padded = local.new_zeros((longest, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [part[:size].to(tensor.device) for part, size in zip(gathered, sizes)]
+
+
+def all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:
+    """`all_gather_variable` concatenated along the first dimension, in rank order."""
+    parts = all_gather_variable(tensor)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def all_reduce_mean(value: float) -> float:
+    """Mean of a Python number over processes (the number itself on one process)."""
+    if not is_distributed():
+        return float(value)
+    comm_device = _communication_device()
+    total = torch.tensor([float(value)], dtype=torch.float64, device=comm_device)
+    dist.all_reduce(total)
+    return float(total.item()) / get_world_size()

@@ -1,0 +1,212 @@
+"""Evaluation engine: checkpoints (or saved score matrices) on a split -> a dict of metrics.
+
+The standard protocols: Flickr30K ``test`` and MSCOCO 5K (``testall``) with one fold, MSCOCO
+1K with ``testall`` in 5 folds. Several checkpoints are evaluated on the average of their score
+matrices (the paper's SGRAF is an SGR and a SAF model together). The encoding and scoring go
+through `sgraf.scoring`, the same path as validation during training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from sgraf import distributed, metrics, scoring
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+
+def load_ensemble(checkpoints: Sequence[str | os.PathLike], vocab: str | os.PathLike | Any = None,
+                  device: torch.device | str = "cpu") -> tuple[list[torch.nn.Module], Any]:
+    """Load one or several checkpoints that share one vocabulary.
+
+    Args:
+        checkpoints: paths of our checkpoints or the authors' ``.pth.tar`` files.
+        vocab: a vocabulary (or its JSON path) for every model; needed for the authors'
+            checkpoints, which carry none. Default: the one stored in each checkpoint.
+        device: where to put the models.
+
+    Returns:
+        ``(models, vocabulary)``, models in eval mode on `device`.
+
+    Raises:
+        InputError: no vocabulary, a vocabulary whose size is not the checkpoint's embedding
+            rows, or checkpoints whose vocabularies differ.
+    """
+    from sgraf.checkpoint import load_model
+    from sgraf.data.vocab import Vocabulary, load_vocab
+
+    if not checkpoints:
+        raise InputError("no checkpoint given")
+    given = load_vocab(vocab) if isinstance(vocab, (str, os.PathLike)) else vocab
+    models, vocabularies = [], []
+    for path in checkpoints:
+        model = load_model(path, map_location="cpu")
+        stored = model.vocab
+        if isinstance(stored, dict):
+            stored = Vocabulary.from_dict(stored, source=str(path))
+        rows = model.config.vocab_size
+        if given is not None:
+            if len(given) != rows:
+                raise InputError(f"--vocab {vocab}: {len(given)} words, but the word embedding of {path} has "
+                                 f"{rows} rows (vocab_size={rows}); use the vocabulary the model was trained with")
+            if stored is not None and stored != given:
+                logger.warning("%s carries a different vocabulary than %s; using %s", path, vocab, vocab)
+            model.vocab = given
+        elif stored is None:
+            raise InputError(f"{path} carries no vocabulary (the authors' checkpoints do not): pass --vocab JSON")
+        models.append(model.to(device).eval())
+        vocabularies.append(model.vocab)
+    for path, other in zip(checkpoints[1:], vocabularies[1:]):
+        if other != vocabularies[0]:
+            raise InputError(f"{checkpoints[0]} and {path} use different vocabularies "
+                             f"({len(vocabularies[0])} vs {len(other)} words, or different word ids); "
+                             "an ensemble needs one vocabulary")
+    return models, vocabularies[0]
+
+
+def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
+    """Raise InputError if the split's features are not the shape the model expects."""
+    config = model.config
+    regions, dim = split.images.shape[1:]
+    if (regions, dim) != (config.num_regions, config.img_dim):
+        raise InputError(f"{split.ims_path}: features of shape (n, {regions}, {dim}), but {name} expects "
+                         f"(n, {config.num_regions}, {config.img_dim}) (num_regions, img_dim)")
+
+
+def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, precision: str = "fp32",
+                batch_size: int = 128, progress: bool = False, head: str | None = None) -> np.ndarray:
+    """The (n_img, n_cap) float32 score matrix of a model or an ensemble on a split.
+
+    Under ``torchrun`` every process must call this; each scores a share of the images and every
+    process returns the whole matrix.
+    """
+    encoded = [scoring.encode_split(model, split, vocab, batch_size=batch_size, precision=precision,
+                                    progress=progress and distributed.is_main_process())
+               for model in models]
+    return scoring.score_matrix(list(models), encoded, precision=precision, progress=progress, head=head)
+
+
+def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, folds: int = 1,
+                   precision: str = "fp32", batch_size: int = 128, progress: bool = False,
+                   head: str | None = None) -> tuple[dict[str, Any], np.ndarray]:
+    """Metrics (`sgraf.metrics.evaluate_sims`) and the score matrix of models on a split.
+
+    This is what training validation calls, so that it matches `sgraf evaluate` exactly.
+    """
+    sims = score_split(models, split, vocab, precision, batch_size, progress, head)
+    return metrics.evaluate_sims(sims, folds=folds, caps_per_image=split.caps_per_image), sims
+
+
+def open_split(data_dir: str | os.PathLike, split: str) -> Any:
+    """`PrecompSplit`, with an error listing the splits that exist when this one does not."""
+    from sgraf.data.precomp import PrecompSplit, available_splits, split_files
+
+    ims, caps = split_files(data_dir, split)
+    if not Path(data_dir).is_dir():
+        raise InputError(f"--data {data_dir}: not a directory")
+    if not (ims.is_file() and caps.is_file()):
+        found = available_splits(data_dir)
+        raise InputError(f"split {split!r} does not exist in {data_dir} (needs {ims.name} and {caps.name}); "
+                         f"splits there: {', '.join(found) if found else 'none'}")
+    return PrecompSplit(data_dir, split)
+
+
+def save_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
+    """Write a float32 .npy atomically (temporary file, then `os.replace`)."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as handle:
+        np.save(handle, np.asarray(sims, dtype=np.float32))
+    os.replace(temporary, path)
+
+
+def load_matrix(path: str | os.PathLike) -> np.ndarray:
+    """A saved (n_images, n_captions) score matrix, memory-mapped; InputError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(2, "No such file", str(path))
+    try:
+        sims = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise InputError(f"{path}: not a .npy score matrix ({error})") from None
+    if not isinstance(sims, np.ndarray) or sims.ndim != 2 or sims.dtype.kind != "f":
+        raise InputError(f"{path}: expected a 2-d float (n_images, n_captions) matrix, got "
+                         f"{getattr(sims, 'dtype', type(sims).__name__)} of shape {getattr(sims, 'shape', '?')}")
+    return sims
+
+
+def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,
+                         vocab: str | os.PathLike | Any = None, folds: int = 1, precision: str = "fp32",
+                         batch_size: int = 128, device: torch.device | str = "cpu", progress: bool = False,
+                         save_sims: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Evaluate a checkpoint, or the average of several, on ``data_dir/{split}_*``.
+
+    Args:
+        checkpoints: one path, or several for an ensemble.
+        data_dir: the precomp directory.
+        split: the split name (``test``, ``testall``, ...).
+        vocab: vocabulary JSON (or object) for models that carry none.
+        folds: consecutive equal folds to average over (MSCOCO 1K: 5 on ``testall``).
+        precision: ``"fp32"`` or ``"bf16"``.
+        batch_size: encoder batch and caption bucket size.
+        device: where to run.
+        progress: progress bars with ETA on stderr.
+        save_sims: write the float32 (n_img, n_cap) matrix here (caption-file order).
+
+    Returns:
+        The `sgraf.metrics.evaluate_sims` dict.
+    """
+    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 1:
+        raise InputError(f"--folds must be a positive integer, got {folds!r}")
+    precomp = open_split(data_dir, split)
+    if precomp.n_images % folds:
+        raise InputError(f"--folds {folds}: the {precomp.n_images} images of {precomp.ims_path} do not split "
+                         f"into {folds} equal folds")
+    models, vocabulary = load_ensemble(checkpoints, vocab, device)
+    for model, path in zip(models, checkpoints):
+        check_split_fits(model, precomp, str(path))
+    logger.info("evaluating %s on %s (%d images, %d captions)", ", ".join(map(str, checkpoints)),
+                precomp.caps_path, precomp.n_images, precomp.n_captions)
+    result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress)
+    if save_sims is not None and distributed.is_main_process():
+        save_matrix(sims, save_sims)
+        logger.info("wrote the %s score matrix to %s", sims.shape, save_sims)
+    return result
+
+
+def evaluate_sims_files(paths: Sequence[str | os.PathLike], folds: int = 1,
+                        data_dir: str | os.PathLike | None = None, split: str | None = None,
+                        save_sims: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Evaluate saved score matrices, averaging several (float64 mean, rounded once to float32).
+
+    With `data_dir` the matrices must have the split's (n_images, n_captions) shape.
+    """
+    if not paths:
+        raise InputError("no score matrix given")
+    matrices = [load_matrix(path) for path in paths]
+    expected = None
+    if data_dir is not None:
+        precomp = open_split(data_dir, split or "test")
+        expected = (precomp.n_images, precomp.n_captions)
+        where = f"split {precomp.split!r} of {data_dir}"
+    else:
+        expected = matrices[0].shape
+        where = str(paths[0])
+    for path, sims in zip(paths, matrices):
+        if sims.shape != expected:
+            raise InputError(f"{path}: score matrix of shape {sims.shape}, expected {expected} "
+                             f"(n_images, n_captions) as {where}")
+    sims = matrices[0] if len(matrices) == 1 else scoring.average_matrices(matrices)
+    result = metrics.evaluate_sims(sims, folds=folds)
+    if save_sims is not None:
+        save_matrix(sims, save_sims)
+    return result

@@ -1,0 +1,324 @@
+"""Encode a split once, then score every image against every caption in bounded blocks.
+
+This is the one code path behind `sgraf evaluate`, validation during training and gallery
+search:
+
+1. `encode_split` runs the encoders once: each image of the precomp file once (the file holds
+   each image once; no five copies), captions sorted by length and encoded in buckets of
+   similar length so that little is spent on padding. Embeddings are float32.
+2. `score_matrix` streams over (image block x caption block) pairs through the model's
+   vectorised `similarity`, writes each block into a float32 matrix in caption-file order, and
+   averages several models (an SGR + SAF ensemble) block by block. Under ``torchrun`` each
+   process scores a contiguous share of fixed image blocks and the shares are gathered, so the
+   result is the same for any number of processes.
+
+Precision is one switch (`sgraf.precision.autocast`): ``"bf16"`` runs the encoders and the
+scorer under autocast; embeddings and scores are kept in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from sgraf import distributed
+from sgraf.errors import InputError
+from sgraf.precision import autocast, check_precision
+
+logger = logging.getLogger(__name__)
+
+# Images per scoring block. Fixed (never derived from the number of processes), so that every
+# block, and therefore every float, is the same whether one process or several score the split.
+IMAGE_BLOCK = 16
+# Upper bound on image x caption x word x feature elements of one scoring block: the size of
+# the largest per-pair intermediate the vectorised similarity builds (float32: 128 MiB).
+BLOCK_ELEMENTS = 1 << 25
+
+
+class Scorer(Protocol):
+    """What the scorer needs from a model (`sgraf.model.sgraf.SGRAF` provides it)."""
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_captions(self, captions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor: ...
+
+    def similarity(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: torch.Tensor,
+                   head: str | None = None) -> torch.Tensor: ...
+
+
+@dataclass
+class CaptionBucket:
+    """Captions of similar length, encoded together.
+
+    Attributes:
+        index: (n_b,) int64 positions of these captions in the caption file.
+        embs: (n_b, L_b, d) float32 word features, zero beyond each length; L_b the longest here.
+        lengths: (n_b,) int64 token counts (``<start>`` and ``<end>`` included).
+    """
+
+    index: torch.Tensor
+    embs: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass
+class Encoded:
+    """A split after the encoders: images once each, captions bucketed by length.
+
+    Attributes:
+        img_embs: (n_img, K, d) float32 region features.
+        buckets: caption buckets, by decreasing length; together they hold every caption once.
+        n_captions: number of captions in the split.
+    """
+
+    img_embs: torch.Tensor
+    buckets: list[CaptionBucket]
+    n_captions: int
+
+    @property
+    def n_images(self) -> int:
+        return int(self.img_embs.shape[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(n_cap,) caption lengths in caption-file order."""
+        lengths = torch.zeros(self.n_captions, dtype=torch.int64)
+        for bucket in self.buckets:
+            lengths[bucket.index.cpu()] = bucket.lengths.cpu()
+        return lengths
+
+    @property
+    def cap_embs(self) -> torch.Tensor:
+        """(n_cap, L, d) word features in caption-file order, padded to the longest caption.
+
+        Materialises a padded copy: meant for small splits and tests; the scorer uses buckets.
+        """
+        longest = max(int(b.embs.shape[1]) for b in self.buckets)
+        first = self.buckets[0].embs
+        out = first.new_zeros((self.n_captions, longest, first.shape[2]))
+        for bucket in self.buckets:
+            out[bucket.index.to(out.device), : bucket.embs.shape[1]] = bucket.embs
+        return out
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's parameters (CPU for a model without parameters)."""
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def eval_mode(models: Sequence[nn.Module]) -> Iterator[None]:
+    """Put `models` in eval mode and without gradients; restore their train/eval state after."""
+    was_training = [model.training for model in models]
+    for model in models:
+        model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for model, training in zip(models, was_training):
+            model.train(training)
+
+
+def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, dynamic_ncols=True,
+                disable=not enabled, leave=False)
+
+
+def tokenize_captions(captions: Sequence[str], vocab: Any) -> list[list[int]]:
+    """Token ids of each caption, ``<start>`` ... ``<end>``, via ``vocab.encode``."""
+    return [list(vocab.encode(caption)) for caption in captions]
+
+
+def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: str = "fp32",
+                  progress: bool = False) -> torch.Tensor:
+    """Encode precomp image features in batches.
+
+    Args:
+        model: the model (its device is used).
+        images: (n_img, K, D) float32 array, memory-mapped or not, or a tensor.
+        batch_size: images per batch.
+        precision: ``"fp32"`` or ``"bf16"``.
+        progress: show a progress bar on stderr.
+
+    Returns:
+        (n_img, K, d) float32 region features on the model's device.
+    """
+    device = model_device(model)  # type: ignore[arg-type]
+    n_img = len(images)
+    parts = []
+    with eval_mode([model]), _progress(n_img, "encoding images", progress, "img") as bar:  # type: ignore[list-item]
+        for start in range(0, n_img, batch_size):
+            batch = images[start:start + batch_size]  # (b, K, D), read from the memory map
+            if not isinstance(batch, torch.Tensor):
+                batch = torch.from_numpy(np.array(batch, dtype=np.float32))
+            with autocast(precision, device):
+                parts.append(model.encode_images(batch.float().to(device)).float())  # (b, K, d)
+            bar.update(len(batch))
+    return torch.cat(parts, dim=0)
+
+
+def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_size: int = 128,
+                    precision: str = "fp32", progress: bool = False) -> list[CaptionBucket]:
+    """Encode tokenised captions in buckets of similar length.
+
+    Captions are sorted by decreasing length (stably), cut into batches of `batch_size`, and
+    each batch is padded only to its own longest caption.
+
+    Returns:
+        Buckets in decreasing length; ``bucket.index`` maps back to positions in `token_ids`.
+    """
+    device = model_device(model)  # type: ignore[arg-type]
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    if len(token_ids) and int(lengths.min()) < 1:
+        raise InputError(f"caption {int(torch.argmin(lengths))}: no tokens")
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    buckets = []
+    with eval_mode([model]), _progress(len(token_ids), "encoding captions", progress, "cap") as bar:  # type: ignore[list-item]
+        for start in range(0, len(token_ids), batch_size):
+            index = order[start:start + batch_size]
+            bucket_lengths = lengths[index]
+            padded = torch.zeros((len(index), int(bucket_lengths.max())), dtype=torch.int64)
+            for row, k in enumerate(index.tolist()):
+                padded[row, : len(token_ids[k])] = torch.as_tensor(token_ids[k], dtype=torch.int64)
+            with autocast(precision, device):
+                embs = model.encode_captions(padded.to(device), bucket_lengths.to(device)).float()  # (b, L_b, d)
+            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths.to(device)))
+            bar.update(len(index))
+    return buckets
+
+
+def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, precision: str = "fp32",
+                 device: torch.device | str | None = None, progress: bool = False) -> Encoded:
+    """Run the encoders over a split once.
+
+    Args:
+        model: the model, already on `device`.
+        split: a `sgraf.data.precomp.PrecompSplit` (anything with ``images`` (n_img, K, D) and
+            ``captions`` (list of str)).
+        vocab: the vocabulary (``vocab.encode(caption)`` gives token ids).
+        batch_size: images or captions per encoder batch (also the caption bucket size).
+        precision: ``"fp32"`` or ``"bf16"``.
+        device: accepted for symmetry with the callers; must be the model's device if given.
+        progress: progress bars on stderr.
+
+    Returns:
+        The `Encoded` split, on the model's device.
+    """
+    check_precision(precision)
+    if batch_size < 1:
+        raise InputError(f"batch size must be a positive integer, got {batch_size}")
+    if device is not None and torch.device(device).type != model_device(model).type:  # type: ignore[arg-type]
+        raise ValueError(f"encode_split: model is on {model_device(model)}, not on {device}")  # type: ignore[arg-type]
+    token_ids = tokenize_captions(split.captions, vocab)
+    img_embs = encode_images(model, split.images, batch_size, precision, progress)
+    buckets = encode_captions(model, token_ids, batch_size, precision, progress)
+    logger.debug("encoded %d images and %d captions in %d buckets", len(img_embs), len(token_ids), len(buckets))
+    return Encoded(img_embs=img_embs, buckets=buckets, n_captions=len(token_ids))
+
+
+def _caption_blocks(bucket: CaptionBucket, image_block: int, block_elements: int) -> Iterator[slice]:
+    """Slices of a bucket small enough that image_block x captions x L x d <= block_elements."""
+    n_b, length, dim = bucket.embs.shape
+    per_caption = image_block * length * dim
+    step = max(1, block_elements // max(per_caption, 1))
+    for start in range(0, n_b, step):
+        yield slice(start, start + step)
+
+
+def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision: str = "fp32",
+                 image_block: int = IMAGE_BLOCK, block_elements: int = BLOCK_ELEMENTS,
+                 progress: bool = False, head: str | None = None, shard: bool = True) -> np.ndarray:
+    """The (n_img, n_cap) score matrix of one model, or the average of several models.
+
+    Args:
+        models: one model, or several for an ensemble (each in eval mode during the call).
+        encoded: the split encoded by each model (same order, same split).
+        precision: ``"fp32"`` or ``"bf16"`` (autocast around the similarity).
+        image_block: images per scoring block.
+        block_elements: bound on images x captions x words x features per block.
+        progress: progress bar with ETA on stderr (rank 0 only).
+        head: passed to ``similarity`` (``"sgr"``/``"saf"`` of a joint model; None: its score).
+        shard: under ``torchrun``, let each process score a share of the images and gather.
+
+    Returns:
+        float32 numpy (n_img, n_cap) in caption-file order, identical on every process. Several
+        models are averaged block by block in float64, then rounded once to float32.
+    """
+    check_precision(precision)
+    if isinstance(models, nn.Module):
+        models, encoded = [models], [encoded]  # type: ignore[list-item]
+    if not models or len(models) != len(encoded):
+        raise ValueError(f"score_matrix: {len(models)} models but {len(encoded)} encoded splits")
+    n_img, n_cap = encoded[0].n_images, encoded[0].n_captions
+    for enc in encoded[1:]:
+        if (enc.n_images, enc.n_captions) != (n_img, n_cap):
+            raise ValueError("score_matrix: the encoded splits of the ensemble differ in size: "
+                             f"({n_img}, {n_cap}) vs ({enc.n_images}, {enc.n_captions})")
+        if len(enc.buckets) != len(encoded[0].buckets) or any(
+                not torch.equal(a.index, b.index) for a, b in zip(enc.buckets, encoded[0].buckets)):
+            raise ValueError("score_matrix: the ensemble's captions were bucketed differently "
+                             "(encode every model with the same vocabulary and batch size)")
+    if image_block < 1 or block_elements < 1:
+        raise ValueError("score_matrix: image_block and block_elements must be positive")
+
+    n_blocks = -(-n_img // image_block)
+    if shard:
+        blocks = distributed.shard_range(n_blocks)
+    else:
+        blocks = range(n_blocks)
+    first_row = min(blocks.start * image_block, n_img)
+    last_row = min(blocks.stop * image_block, n_img)
+    share = torch.zeros((last_row - first_row, n_cap), dtype=torch.float32)  # (n_rows, n_cap)
+
+    total = (last_row - first_row) * n_cap
+    show = progress and distributed.is_main_process()
+    with eval_mode(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
+        for row in range(first_row, last_row, image_block):
+            rows = slice(row, min(row + image_block, n_img))
+            for bucket_id, reference in enumerate(encoded[0].buckets):
+                for cols in _caption_blocks(reference, image_block, block_elements):
+                    block = _score_block(models, encoded, rows, bucket_id, cols, precision, head)
+                    share[rows.start - first_row: rows.stop - first_row, reference.index[cols].cpu()] = block
+                    bar.update(block.numel())
+    if shard and distributed.is_distributed():
+        share = distributed.all_gather_cat(share)
+    return share.numpy()
+
+
+def _score_block(models: Sequence[Scorer], encoded: Sequence[Encoded], rows: slice, bucket_id: int,
+                 cols: slice, precision: str, head: str | None) -> torch.Tensor:
+    """One (images x captions) block, averaged over the models: float32 on the CPU."""
+    blocks = []
+    for model, enc in zip(models, encoded):
+        bucket = enc.buckets[bucket_id]
+        device = enc.img_embs.device
+        with autocast(precision, device):
+            scores = model.similarity(enc.img_embs[rows], bucket.embs[cols], bucket.lengths[cols],
+                                      head=head)  # (b_img, b_cap)
+        blocks.append(scores.float().cpu())
+    if len(blocks) == 1:
+        return blocks[0]
+    # Average in float64 and round once: the float32 nearest to the exact mean of the models.
+    return torch.stack(blocks).double().mean(dim=0).float()
+
+
+def average_matrices(matrices: Sequence[np.ndarray], rows_per_chunk: int = 1024) -> np.ndarray:
+    """The float32 mean of equally shaped score matrices, computed in float64 by row chunks."""
+    shape = matrices[0].shape
+    out = np.empty(shape, dtype=np.float32)
+    for start in range(0, shape[0], rows_per_chunk):
+        chunk = sum(np.asarray(m[start:start + rows_per_chunk], dtype=np.float64) for m in matrices)
+        out[start:start + rows_per_chunk] = chunk / len(matrices)
+    return out

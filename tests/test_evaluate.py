@@ -1,0 +1,189 @@
+"""`sgraf evaluate` end to end on the authors' checkpoints and toy data (tests/data/e2e)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sgraf import metrics
+from sgraf.cli import main
+
+E2E = pathlib.Path(__file__).parent / "data" / "e2e"
+DATA = E2E / "data" / "toy_precomp"
+VOCAB = E2E / "data" / "toy_vocab.json"
+CKPT = {"sgr": E2E / "sgr.pth.tar", "saf": E2E / "saf.pth.tar"}
+KEYS = ["r1", "r5", "r10", "medr", "meanr"]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return torch.load(E2E / "expected.pt", weights_only=True)
+
+
+def evaluate_json(capsys, *args):
+    assert main(["evaluate", *map(str, args), "--json", "--quiet"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def checkpoint_args(names):
+    return [a for name in names for a in ("--checkpoint", CKPT[name])]
+
+
+@pytest.mark.parametrize("names,key", [(["sgr"], "sgr"), (["saf"], "saf"), (["sgr", "saf"], "ensemble")])
+def test_reproduces_the_authors_matrices_and_recalls(capsys, tmp_path, expected, names, key):
+    out = tmp_path / "sims.npy"
+    result = evaluate_json(capsys, *checkpoint_args(names), "--data", DATA, "--split", "test", "--vocab", VOCAB,
+                           "--save-sims", out)
+    assert list(result) == ["n_images", "n_captions", "i2t", "t2i", "rsum"]
+    assert (result["n_images"], result["n_captions"]) == (6, 30)
+    assert list(result["i2t"]) == KEYS and list(result["t2i"]) == KEYS
+    assert [result["i2t"][k] for k in KEYS] == expected[f"{key}_i2t"]
+    assert [result["t2i"][k] for k in KEYS] == expected[f"{key}_t2i"]
+    assert result["rsum"] == expected[f"{key}_rsum"]
+    sims = np.load(out)
+    assert sims.dtype == np.float32 and sims.shape == (6, 30)
+    np.testing.assert_allclose(sims, expected[f"sims_{key}"].numpy(), rtol=0, atol=1e-6)
+
+
+def test_folds_are_the_protocol_on_consecutive_blocks(capsys, expected):
+    result = evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--folds", "3")
+    assert list(result) == ["n_images", "n_captions", "i2t", "t2i", "rsum", "folds"]
+    assert len(result["folds"]) == 3
+    sims = expected["sims_sgr"].numpy()
+    for k, fold in enumerate(result["folds"]):
+        alone = metrics.evaluate_sims(sims[2 * k:2 * k + 2, 10 * k:10 * k + 10])
+        assert fold == alone
+    for direction in ("i2t", "t2i"):
+        for key in KEYS:
+            values = [fold[direction][key] for fold in result["folds"]]
+            assert result[direction][key] == pytest.approx(sum(values) / 3, abs=1e-12)
+    assert result["rsum"] == pytest.approx(sum(f["rsum"] for f in result["folds"]) / 3, abs=1e-12)
+
+
+def test_saved_matrices_evaluate_and_ensemble(capsys, tmp_path, expected):
+    paths = {}
+    for name in ("sgr", "saf"):
+        paths[name] = tmp_path / f"{name}.npy"
+        evaluate_json(capsys, "--checkpoint", CKPT[name], "--data", DATA, "--vocab", VOCAB, "--save-sims", paths[name])
+    both = evaluate_json(capsys, "--sims", paths["sgr"], paths["saf"], "--data", DATA, "--save-sims",
+                         tmp_path / "avg.npy")
+    assert [both["i2t"][k] for k in KEYS] == expected["ensemble_i2t"]
+    assert [both["t2i"][k] for k in KEYS] == expected["ensemble_t2i"]
+    assert both["rsum"] == expected["ensemble_rsum"]
+    np.testing.assert_allclose(np.load(tmp_path / "avg.npy"), expected["sims_ensemble"].numpy(), atol=1e-6)
+    alone = evaluate_json(capsys, "--sims", paths["saf"])  # no --data: shape taken as it is
+    assert alone["rsum"] == expected["saf_rsum"]
+
+
+@pytest.mark.parametrize("batch_size", ["1", "7"])
+def test_batch_size_does_not_change_results(capsys, tmp_path, expected, batch_size):
+    out = tmp_path / "sims.npy"
+    result = evaluate_json(capsys, *checkpoint_args(["sgr", "saf"]), "--data", DATA, "--vocab", VOCAB,
+                           "--batch-size", batch_size, "--save-sims", out)
+    assert result["rsum"] == expected["ensemble_rsum"]
+    np.testing.assert_allclose(np.load(out), expected["sims_ensemble"].numpy(), rtol=0, atol=1e-6)
+
+
+def test_bf16_stays_close(capsys, tmp_path, expected):
+    out = tmp_path / "sims.npy"
+    evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--precision", "bf16",
+                  "--save-sims", out)
+    error = np.abs(np.load(out) - expected["sims_sgr"].numpy()).max()
+    assert 0 < error < 1e-2
+
+
+def test_our_checkpoints_carry_their_vocabulary(capsys, tmp_path, expected):
+    from sgraf.checkpoint import convert_official
+
+    ours = tmp_path / "sgr.pt"
+    convert_official(CKPT["sgr"], ours, vocab=str(VOCAB))
+    result = evaluate_json(capsys, "--checkpoint", ours, "--data", DATA)  # no --vocab needed
+    assert result["rsum"] == expected["sgr_rsum"]
+
+
+def test_readable_table(capsys, expected):
+    assert main(["evaluate", "--checkpoint", str(CKPT["saf"]), "--data", str(DATA), "--vocab", str(VOCAB),
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "6 images x 30 captions" in out
+    assert "R@1" in out and "meanr" in out
+    assert f"rsum {expected['saf_rsum']:.1f}" in out
+
+
+def error_of(capsys, *args):
+    assert main(["evaluate", *map(str, args), "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    return captured.err
+
+
+def test_missing_split_lists_the_existing_ones(capsys):
+    err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--split", "testall")
+    assert "'testall' does not exist" in err and "splits there: test" in err
+
+
+def test_vocabulary_size_must_match_the_embedding(capsys, tmp_path):
+    content = json.loads(VOCAB.read_text())
+    content["word2idx"]["zebra"] = content["idx"]
+    content["idx2word"][str(content["idx"])] = "zebra"
+    content["idx"] += 1
+    bigger = tmp_path / "vocab.json"
+    bigger.write_text(json.dumps(content))
+    err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", bigger)
+    assert "182 words" in err and "181 rows" in err
+
+
+def test_authors_checkpoint_without_vocab_is_refused(capsys):
+    err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA)
+    assert "--vocab" in err
+
+
+def test_ensemble_with_different_vocabularies_is_refused(capsys, tmp_path):
+    from sgraf.checkpoint import convert_official
+    from sgraf.data.vocab import Vocabulary, load_vocab
+
+    vocab = load_vocab(VOCAB)
+    swapped = dict(vocab.word2idx)
+    swapped["horses"], swapped["kitchen"] = vocab.word2idx["kitchen"], vocab.word2idx["horses"]
+    convert_official(CKPT["sgr"], tmp_path / "a.pt", vocab=vocab)
+    convert_official(CKPT["saf"], tmp_path / "b.pt", vocab=Vocabulary(swapped))
+    err = error_of(capsys, "--checkpoint", tmp_path / "a.pt", "--checkpoint", tmp_path / "b.pt", "--data", DATA)
+    assert "different vocabularies" in err
+
+
+def test_saved_matrix_of_the_wrong_shape_is_refused(capsys, tmp_path):
+    np.save(tmp_path / "good.npy", np.zeros((6, 30), np.float32))
+    np.save(tmp_path / "short.npy", np.zeros((6, 25), np.float32))
+    err = error_of(capsys, "--sims", tmp_path / "short.npy", "--data", DATA)
+    assert "(6, 25)" in err and "(6, 30)" in err
+    err = error_of(capsys, "--sims", tmp_path / "good.npy", tmp_path / "short.npy")
+    assert "short.npy" in err and "(6, 25)" in err
+    np.save(tmp_path / "flat.npy", np.zeros(30, np.float32))
+    assert "2-d" in error_of(capsys, "--sims", tmp_path / "flat.npy")
+
+
+def run_torchrun(nproc, out, timeout=240):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "sgraf", "evaluate", *map(str, checkpoint_args(["sgr", "saf"])), "--data", str(DATA),
+               "--vocab", str(VOCAB), "--json", "--quiet", "--save-sims", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints
+    return json.loads(lines[0]), np.load(out)
+
+
+def test_two_gloo_processes_equal_one(tmp_path, expected):
+    one, sims_one = run_torchrun(1, tmp_path / "one.npy")
+    two, sims_two = run_torchrun(2, tmp_path / "two.npy")
+    assert one == two
+    np.testing.assert_array_equal(sims_one, sims_two)
+    assert two["rsum"] == expected["ensemble_rsum"]
+    np.testing.assert_allclose(sims_two, expected["sims_ensemble"].numpy(), rtol=0, atol=1e-6)

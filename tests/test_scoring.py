@@ -1,0 +1,200 @@
+"""The streaming scorer against a per-pair oracle, with a tiny model honouring the SGRAF contract.
+
+`TinyScorer` implements the three methods the scorer uses (`encode_images`, `encode_captions`,
+`similarity`) with the same shapes and masking duties as `sgraf.model.sgraf.SGRAF`, so these
+tests exercise bucketing, block assembly, ensembles, precision and several processes on their
+own; the real model is covered end to end in test_evaluate.py.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgraf import scoring
+
+VOCAB = 40
+
+
+class TinyScorer(nn.Module):
+    """Regions -> FC, words -> GRU, word-attended regions -> per-word cosine -> masked mean."""
+
+    def __init__(self, seed: int = 0, img_dim: int = 12, dim: int = 8) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.fc = nn.Linear(img_dim, dim)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.rnn = nn.GRU(dim, dim, batch_first=True)
+        self.head = nn.Linear(1, 1)
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+
+    def encode_images(self, images):  # (n, K, D) -> (n, K, d)
+        return F.normalize(self.fc(images), dim=-1)
+
+    def encode_captions(self, captions, lengths):  # (n, L), (n,) -> (n, max(lengths), d)
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(captions), lengths.cpu(), batch_first=True,
+                                                   enforce_sorted=False)
+        words, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        return F.normalize(words, dim=-1)  # padding stays zero
+
+    def similarity(self, img_embs, cap_embs, lengths, head=None):  # -> (n_img, n_cap)
+        cap_embs = cap_embs[:, : int(lengths.max())]
+        mask = torch.arange(cap_embs.shape[1], device=lengths.device)[None, :] < lengths[:, None]  # (c, L)
+        affinity = torch.einsum("ikd,cld->iclk", img_embs, cap_embs)  # (i, c, L, K)
+        attended = torch.einsum("iclk,ikd->icld", torch.softmax(9 * affinity, dim=-1), img_embs)
+        per_word = F.cosine_similarity(attended, cap_embs[None], dim=-1)  # (i, c, L)
+        mean = (per_word * mask).sum(-1) / lengths  # (i, c)
+        return torch.sigmoid(self.head(mean[..., None]))[..., 0]
+
+
+class TinyVocab:
+    def encode(self, caption):
+        return [1] + [4 + (sum(map(ord, word)) % (VOCAB - 4)) for word in caption.split()] + [2]
+
+
+def tiny_split(n_img=7, cpi=5, seed=0, regions=6, img_dim=12):
+    rng = np.random.default_rng(seed)
+    words = "a dog cat runs on the grass red ball man woman street bike water jumps over".split()
+    captions = [" ".join(rng.choice(words, size=rng.integers(1, 12))) for _ in range(n_img * cpi)]
+    images = rng.normal(size=(n_img, regions, img_dim)).astype(np.float32)
+    return types.SimpleNamespace(images=images, captions=captions)
+
+
+def oracle_matrix(model, split, vocab):
+    """One pair at a time, captions unpadded: the obviously correct score matrix."""
+    sims = np.zeros((len(split.images), len(split.captions)), np.float64)
+    with torch.no_grad():
+        for j, caption in enumerate(split.captions):
+            ids = torch.tensor([vocab.encode(caption)])
+            length = torch.tensor([ids.shape[1]])
+            words = model.encode_captions(ids, length)
+            for i, image in enumerate(split.images):
+                regions = model.encode_images(torch.from_numpy(image)[None])
+                sims[i, j] = model.similarity(regions, words, length).item()
+    return sims
+
+
+def score(models, split, batch_size=4, precision="fp32", **kwargs):
+    encoded = [scoring.encode_split(m, split, TinyVocab(), batch_size=batch_size, precision=precision)
+               for m in models]
+    return scoring.score_matrix(models, encoded, precision=precision, **kwargs)
+
+
+def test_matches_per_pair_oracle_in_caption_file_order():
+    model, split = TinyScorer(), tiny_split()
+    sims = score([model], split, batch_size=4, image_block=3)
+    assert sims.dtype == np.float32 and sims.shape == (7, 35)
+    np.testing.assert_allclose(sims, oracle_matrix(model, split, TinyVocab()), rtol=0, atol=1e-6)
+
+
+def test_encoded_buckets_cover_every_caption_sorted_by_length():
+    model, split = TinyScorer(), tiny_split()
+    encoded = scoring.encode_split(model, split, TinyVocab(), batch_size=4)
+    index = torch.cat([b.index for b in encoded.buckets])
+    assert sorted(index.tolist()) == list(range(35))
+    true_lengths = torch.tensor([len(TinyVocab().encode(c)) for c in split.captions])
+    assert torch.equal(encoded.lengths, true_lengths)
+    bucket_max = [int(b.lengths.max()) for b in encoded.buckets]
+    assert bucket_max == sorted(bucket_max, reverse=True)
+    for bucket in encoded.buckets:  # each bucket padded only to its own longest caption
+        assert bucket.embs.shape[:2] == (len(bucket.index), int(bucket.lengths.max()))
+    assert encoded.img_embs.shape == (7, 6, 8)  # each image once
+    assert encoded.cap_embs.shape == (35, int(true_lengths.max()), 8)
+
+
+@pytest.mark.parametrize("batch_size,image_block,block_elements", [(1, 1, 1), (3, 2, 50), (64, 16, 1 << 25)])
+def test_block_and_batch_sizes_do_not_change_scores(batch_size, image_block, block_elements):
+    model, split = TinyScorer(), tiny_split()
+    reference = score([model], split, batch_size=5)
+    sims = score([model], split, batch_size=batch_size, image_block=image_block, block_elements=block_elements)
+    np.testing.assert_allclose(sims, reference, rtol=0, atol=1e-6)
+
+
+def test_ensemble_is_the_float64_mean_rounded_once():
+    models, split = [TinyScorer(1), TinyScorer(2)], tiny_split()
+    singles = [score([m], split) for m in models]
+    both = score(models, split)
+    expected = ((singles[0].astype(np.float64) + singles[1]) / 2).astype(np.float32)
+    np.testing.assert_array_equal(both, expected)
+    assert not np.allclose(singles[0], singles[1], atol=1e-3)  # the two models really differ
+    np.testing.assert_array_equal(scoring.average_matrices(singles, rows_per_chunk=2), expected)
+
+
+def test_bf16_is_close_to_fp32():
+    model, split = TinyScorer(), tiny_split()
+    fp32 = score([model], split)
+    bf16 = score([model], split, precision="bf16")
+    assert bf16.dtype == np.float32
+    assert np.abs(bf16 - fp32).max() < 2e-2
+    assert not np.array_equal(bf16, fp32)  # autocast really ran in bfloat16
+
+
+def test_restores_training_mode_and_needs_no_grad():
+    model, split = TinyScorer(), tiny_split(n_img=2)
+    model.train()
+    sims = score([model], split)
+    assert model.training
+    assert np.isfinite(sims).all()
+
+
+def test_ensemble_with_different_bucketing_is_refused():
+    models, split = [TinyScorer(1), TinyScorer(2)], tiny_split()
+    encoded = [scoring.encode_split(models[0], split, TinyVocab(), batch_size=4),
+               scoring.encode_split(models[1], split, TinyVocab(), batch_size=5)]
+    with pytest.raises(ValueError, match="bucketed differently"):
+        scoring.score_matrix(models, encoded)
+
+
+WORKER = r"""
+import sys, numpy as np, torch
+sys.path.insert(0, {tests!r})
+from test_scoring import TinyScorer, TinyVocab, tiny_split
+from sgraf import distributed, scoring
+info = distributed.init_from_env(device="cpu")
+split = tiny_split(n_img=11)
+model = TinyScorer(3)
+encoded = scoring.encode_split(model, split, TinyVocab(), batch_size=4)
+sims = scoring.score_matrix([model], [encoded], image_block=2)
+np.save({out!r} + f"/sims_{{info.world_size}}_{{info.rank}}.npy", sims)
+distributed.cleanup()
+"""
+
+
+def run_torchrun(tmp_path, nproc):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(pathlib.Path(__file__).parent), out=str(tmp_path)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--standalone", str(script)]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+
+
+def test_two_gloo_processes_give_the_same_matrix_as_one(tmp_path):
+    run_torchrun(tmp_path, 1)
+    run_torchrun(tmp_path, 2)
+    one = np.load(tmp_path / "sims_1_0.npy")
+    for rank in (0, 1):  # every process holds the whole gathered matrix, bit for bit
+        np.testing.assert_array_equal(np.load(tmp_path / f"sims_2_{rank}.npy"), one)
+    np.testing.assert_allclose(one, oracle_matrix(TinyScorer(3), tiny_split(n_img=11), TinyVocab()), atol=1e-6)
+
+
+def test_shard_ranges_cover_the_blocks_once_in_order():
+    from sgraf.distributed import all_gather_cat, shard_range
+
+    for n_items in (0, 1, 5, 6, 11):
+        for world in (1, 2, 3, 8):
+            shares = [shard_range(n_items, rank, world) for rank in range(world)]
+            assert [i for share in shares for i in share] == list(range(n_items))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    tensor = torch.arange(6.0).reshape(3, 2)
+    assert all_gather_cat(tensor) is tensor  # one process: nothing to gather
