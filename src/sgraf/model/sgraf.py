@@ -17,8 +17,8 @@ from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.model.encoders import ImageEncoder, TextEncoder
 from sgraf.model.filtration import AttentionFiltration, average_scores
-from sgraf.model.reasoning import GraphReasoning, graph_reasoning
-from sgraf.model.similarity import SimilarityRepresentation
+from sgraf.model.reasoning import GraphReasoning, fast_graph_reasoning, graph_reasoning
+from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, fast_linear, inverse_norm
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,36 @@ class SimilarityEncoder(SimilarityRepresentation):
                 pooled = self.SAF_module(nodes, node_mask)
                 layer = self.saf_eval_w if self.module == "joint" else self.sim_eval_w
                 scores[head] = torch.sigmoid(layer(pooled)).squeeze(2)
+        return scores
+
+    def fast_head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],
+                         low: torch.dtype) -> dict[str, torch.Tensor]:
+        """Eval-only `head_scores` (autocast off, no autograd): float32 nodes -> float32 scores.
+
+        SGR's node-wise matmuls run in `low`; SAF, the score FC and the sigmoid in float32.
+        """
+        scores = {}
+        for head in heads:
+            if head == "ave":
+                scores[head] = average_scores(nodes, node_mask, getattr(self, "sim_eval_w", None))
+                continue
+            if head == "sgr":
+                pooled = fast_graph_reasoning(self.SGR_module, nodes, node_mask, self.use_global, low)
+                layer = self.sim_eval_w
+            else:
+                saf = self.SAF_module
+                bn = saf.bn
+                # eval BatchNorm folded into the filter: beta = sigmoid(scale * (W_f s + b_f) + shift)
+                scale = (bn.running_var + bn.eps).rsqrt() * (bn.weight if bn.affine else 1.0)
+                shift = (bn.bias if bn.affine else 0.0) - bn.running_mean * scale
+                logits = fast_linear(nodes, saf.attn_sim_w.weight, saf.attn_sim_w.bias).squeeze(3)  # (n_img, n_cap, P)
+                beta = torch.sigmoid_(logits.mul_(scale).add_(shift)).mul_(node_mask.unsqueeze(0))
+                beta = beta.div_(beta.sum(dim=2, keepdim=True).add_(1e-8))                # l1norm (beta >= 0)
+                n_img, n_cap, n_nodes, dim = nodes.shape
+                pooled = torch.bmm(beta.view(-1, 1, n_nodes), nodes.view(-1, n_nodes, dim)).view(n_img, n_cap, dim)
+                pooled = pooled.mul_(inverse_norm(pooled))
+                layer = self.saf_eval_w if self.module == "joint" and head == "saf" else self.sim_eval_w
+            scores[head] = torch.sigmoid(fast_linear(pooled, layer.weight, layer.bias)).squeeze(2)
         return scores
 
 
@@ -164,6 +194,13 @@ class SGRAF(nn.Module):
         words = cap_embs[:, :n_words]
         word_mask = torch.arange(n_words, device=words.device) < lengths.unsqueeze(1)    # (n_cap, L)
         words = words * word_mask.unsqueeze(2).to(words.dtype)
+        if not self.training and not torch.is_grad_enabled() and self.sim_enc.supports_fast() \
+                and img_embs.dtype != torch.float64 and words.dtype != torch.float64:
+            # eval fast path: explicit precision instead of autocast (see `fast_forward`)
+            low = compute_dtype(words.device)
+            with torch.autocast(words.device.type, enabled=False):
+                nodes, node_mask = self.sim_enc.fast_forward(img_embs, words, word_mask, low)
+                return self.sim_enc.fast_head_scores(nodes, node_mask, self.heads, low)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
         return self.sim_enc.head_scores(nodes, node_mask, self.heads)
 
