@@ -22,6 +22,9 @@ _EXPORTS = {
     "save_model": "sgraf.checkpoint",
     "load_vocab": "sgraf.data.vocab",
     "Vocabulary": "sgraf.data.vocab",
+    "Matcher": "sgraf.api",
+    "open_index": "sgraf.search",
+    "build_index": "sgraf.search",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

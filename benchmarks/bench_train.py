@@ -1,0 +1,142 @@
+"""Seconds per training step and peak memory at the paper's size: ours vs the authors' algorithm.
+
+One optimisation step = train-mode scores of a batch of 128 pairs, the hinge loss with hardest
+negatives, backward, clipping at 2.0, Adam (2048-d features of 36 regions, embed 1024, sim 256,
+word 300, vocabulary 8,500, caption lengths like Flickr30K's). "oracle" is the authors'
+algorithm: each caption scored against all images on its own (`sgraf.model.oracle`), the way
+their training loop does it; "ours" is `sgraf.training.train_step` (vectorised over captions).
+Dropout is off so both compute the same first loss (printed: a correctness check).
+
+Each configuration runs in its own subprocess, so its peak resident memory (ru_maxrss: the
+interpreter, torch, the model, Adam's moments and the step) is clean. Medians over --steps
+timed steps after one warm-up step.
+
+    python benchmarks/bench_train.py                     # SGR and SAF, oracle fp32 vs ours fp32/bf16
+    python benchmarks/bench_train.py --batch 32 --steps 2   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def caption_lengths(n: int, generator):
+    """Flickr30K-like token counts with <start>/<end>: right-skewed, min 3, mean about 14."""
+    import torch
+
+    words = torch.distributions.Gamma(torch.tensor(5.0), torch.tensor(5.0 / 12.0)).sample((n,))
+    return (words.round().clamp(1, 80) + 2).long()
+
+
+def child(module: str, impl: str, precision: str, batch_size: int, steps: int, threads: int) -> dict:
+    import torch
+    from types import SimpleNamespace
+
+    from sgraf.config import ModelConfig
+    from sgraf.model.oracle import oracle_forward
+    from sgraf.model.sgraf import SGRAF
+    from sgraf.precision import autocast
+    from sgraf.training.config import preset
+    from sgraf.training.loop import batch_loss, build_optimizer, train_step
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = preset(f"f30k-{module}").replace(precision=precision)
+    model = SGRAF(ModelConfig(vocab_size=8500, img_dim=2048, word_dim=300, embed_size=1024, sim_dim=256,
+                              num_regions=36, module=module, dropout=0.0))
+    optimizer = build_optimizer(model, config)
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    lengths = caption_lengths(batch_size, gen)
+    captions = torch.randint(4, 8500, (batch_size, int(lengths.max())), generator=gen)
+    for i, n in enumerate(lengths.tolist()):
+        captions[i, n:] = 0
+        captions[i, 0], captions[i, n - 1] = 1, 2
+    batch = SimpleNamespace(images=torch.randn(batch_size, 36, 2048, generator=gen), captions=captions,
+                            lengths=lengths, image_ids=torch.arange(batch_size))
+    rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def oracle_step() -> float:
+        # The authors' train_emb: per-caption forward, loss, backward, clip, Adam step.
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        with autocast(precision):
+            scores = oracle_forward(model, batch.images, batch.captions, batch.lengths)[module]
+        loss = batch_loss(scores, config)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        return loss.item()
+
+    def ours_step() -> float:
+        return train_step(model, optimizer, batch, config).loss
+
+    step = oracle_step if impl == "oracle" else ours_step
+    times, losses = [], []
+    for k in range(steps + 1):
+        tic = time.perf_counter()
+        losses.append(step())
+        if k:
+            times.append(time.perf_counter() - tic)
+    return {"module": module, "impl": impl, "precision": precision, "seconds_per_step": statistics.median(times),
+            "times": times, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "rss_after_setup_gib": rss_setup, "first_loss": losses[0], "threads": threads,
+            "batch_size": batch_size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modules", nargs="+", default=["sgr", "saf"], choices=["sgr", "saf"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--no-oracle", action="store_true", help="skip the slow per-caption reference")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--child", nargs=3, metavar=("MODULE", "IMPL", "PRECISION"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child, args.batch, args.steps, args.threads)))
+        return
+
+    runs = [("oracle", "fp32"), ("ours", "fp32"), ("ours", "bf16")]
+    if args.no_oracle:
+        runs = runs[1:]
+    results = []
+    print(f"batch {args.batch}, {args.steps} timed steps, {args.threads} threads, torch in a fresh process each")
+    print(f"{'module':<6} {'impl':<7} {'prec':<5} {'s/step':>8} {'peak RSS GiB':>13} {'first loss':>11}")
+    for module in args.modules:
+        for impl, precision in runs:
+            proc = subprocess.run([sys.executable, __file__, "--child", module, impl, precision,
+                                   "--batch", str(args.batch), "--steps", str(args.steps),
+                                   "--threads", str(args.threads)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{module:<6} {impl:<7} {precision:<5} FAILED: {proc.stderr.strip().splitlines()[-1]}")
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.append(r)
+            print(f"{module:<6} {impl:<7} {precision:<5} {r['seconds_per_step']:>8.2f} {r['peak_rss_gib']:>13.2f} "
+                  f"{r['first_loss']:>11.4f}", flush=True)
+    print()
+    for module in args.modules:
+        ref = next((r for r in results if r["module"] == module and r["impl"] == "oracle"), None)
+        if ref is None:
+            continue
+        for r in results:
+            if r["module"] == module and r["impl"] == "ours":
+                print(f"{module} ours {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster, "
+                      f"{r['peak_rss_gib'] / ref['peak_rss_gib']:.2f}x the oracle's peak memory "
+                      f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

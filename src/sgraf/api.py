@@ -1,0 +1,397 @@
+"""The Python API for applications: load SGRAF models, encode images and texts, score, search.
+
+`Matcher` wraps one model or an ensemble of independently trained models (the paper's SGRAF is
+the mean of an SGR and a SAF model's scores) together with the vocabulary that turns text
+strings into word ids:
+
+    matcher = Matcher.load(["runs/sgr/model_best.pt", "runs/saf/model_best.pt"])
+    images = matcher.encode_images(features)            # features: (n_img, K, img_dim)
+    texts = matcher.encode_texts(["a dog runs on the grass"])
+    scores = matcher.score_embeddings(images, texts)     # (n_img, n_txt) numpy float32
+
+Encodings keep, per model, the l2-normalised region / word embeddings that the full SGRAF
+scorer needs, plus the model's self-attention global vectors (Eq. 3 of the paper) that a
+gallery search uses as a cheap first stage (`sgraf.search`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from sgraf.errors import InputError
+from sgraf.precision import autocast, check_precision
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Matcher", "ImageEncoding", "TextEncoding", "model_identity", "describe_identity"]
+
+
+def _weights_sha256(model: torch.nn.Module) -> str:
+    """sha256 over the state dict (names, dtypes, shapes and bytes), in key order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.numpy().tobytes() if tensor.dtype != torch.bfloat16
+                      else tensor.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_identity(model: torch.nn.Module, source: str | None = None) -> dict[str, Any]:
+    """What identifies a trained model: its configuration, a hash of its weights, where it came from.
+
+    Args:
+        model: an `SGRAF` network.
+        source: the checkpoint path it was loaded from, if any (informative only).
+
+    Returns:
+        `{"config": dict, "weights_sha256": str, "source": str | None}`.
+    """
+    return {"config": model.config.to_dict(), "weights_sha256": _weights_sha256(model),
+            "source": source}
+
+
+def describe_identity(identity: dict[str, Any]) -> str:
+    """One-line human description of a `model_identity` dict, for error messages."""
+    config = identity.get("config", {})
+    where = identity.get("source") or "<in memory>"
+    return (f"{where} (module={config.get('module')}, embed_size={config.get('embed_size')}, "
+            f"weights sha256 {str(identity.get('weights_sha256'))[:12]})")
+
+
+@dataclass
+class ImageEncoding:
+    """Encoded images, one entry per model of the matcher.
+
+    Attributes:
+        regions: per model, (n_img, K, d_m) float32 l2-normalised region embeddings.
+        global_vectors: per model, (n_img, d_m) float32 l2-normalised self-attention vectors.
+    """
+
+    regions: list[torch.Tensor]
+    global_vectors: list[torch.Tensor]
+
+    def __len__(self) -> int:
+        return int(self.regions[0].shape[0])
+
+
+@dataclass
+class TextEncoding:
+    """Encoded texts, one entry per model of the matcher.
+
+    Attributes:
+        words: per model, (n_txt, L, d_m) float32 word embeddings, zero beyond each length.
+        lengths: (n_txt,) int64 token counts, `<start>` and `<end>` included.
+        global_vectors: per model, (n_txt, d_m) float32 l2-normalised self-attention vectors.
+        tokens: per text, the tokens between `<start>` and `<end>` (empty when built from ids).
+    """
+
+    words: list[torch.Tensor]
+    lengths: torch.Tensor
+    global_vectors: list[torch.Tensor]
+    tokens: list[list[str]]
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def shortlist_keys(global_vectors: Sequence[torch.Tensor]) -> np.ndarray:
+    """First-stage search keys: the models' global vectors, concatenated and scaled.
+
+    Each model's vectors are l2-normalised, so the inner product of two keys is the MEAN over
+    models of the cosine similarity of their global vectors, the ensemble's cheap score.
+
+    Returns:
+        (n, sum of d_m) float32.
+    """
+    scale = 1.0 / np.sqrt(len(global_vectors))
+    return np.concatenate([v.detach().cpu().float().numpy() * scale for v in global_vectors],
+                          axis=1).astype(np.float32)
+
+
+class Matcher:
+    """One SGRAF model or an ensemble, with its vocabulary, ready to encode, score and search.
+
+    Args:
+        models: `SGRAF` networks (eval mode is set here). Several models are an ensemble:
+            their score matrices are averaged, as the paper's SGRAF averages SGR and SAF.
+        vocab: the vocabulary used to tokenise text; default: the first model's `vocab`.
+        sources: the checkpoint path of each model (kept in the identities), optional.
+        device: where to compute.
+        precision: 'fp32', 'bf16' or 'fp16' autocast for encoding and scoring.
+        batch_size: images or texts encoded per forward pass.
+    """
+
+    def __init__(self, models: Sequence[torch.nn.Module], vocab: Any | None = None,
+                 sources: Sequence[str | None] | None = None, device: str | torch.device = "cpu",
+                 precision: str = "fp32", batch_size: int = 128) -> None:
+        if not models:
+            raise InputError("a Matcher needs at least one model")
+        self.device = torch.device(device)
+        self.precision = check_precision(precision)
+        self.batch_size = int(batch_size)
+        self.models = [model.to(self.device).eval() for model in models]
+        self.vocab = vocab if vocab is not None else getattr(self.models[0], "vocab", None)
+        self.sources = list(sources) if sources is not None else [None] * len(self.models)
+        if len(self.sources) != len(self.models):
+            raise InputError(f"got {len(self.sources)} sources for {len(self.models)} models")
+        vocab_sizes = {model.config.vocab_size for model in self.models}
+        img_dims = {model.config.img_dim for model in self.models}
+        if len(vocab_sizes) > 1 or len(img_dims) > 1:
+            raise InputError("the models of an ensemble must share vocab_size and img_dim, got "
+                             + "; ".join(describe_identity({"config": m.config.to_dict(), "source": s,
+                                                            "weights_sha256": "-"})
+                                         for m, s in zip(self.models, self.sources)))
+        if self.vocab is not None and len(self.vocab) != self.models[0].config.vocab_size:
+            raise InputError(f"the vocabulary has {len(self.vocab)} words but the model expects "
+                             f"vocab_size={self.models[0].config.vocab_size}")
+        self._identities: list[dict[str, Any]] | None = None
+
+    # ----------------------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, checkpoints: str | Path | Sequence[str | Path], vocab: Any | None = None,
+             device: str | torch.device = "cpu", precision: str = "fp32",
+             batch_size: int = 128) -> "Matcher":
+        """Load one checkpoint or several (an ensemble) in our format or the authors'.
+
+        Args:
+            checkpoints: a path or a list of paths.
+            vocab: a `Vocabulary`, or a path to the authors' vocabulary JSON; needed when the
+                checkpoints do not carry one (the authors' `.pth.tar` never do).
+        """
+        from sgraf.checkpoint import load_model
+        from sgraf.data.vocab import load_vocab
+
+        paths = [checkpoints] if isinstance(checkpoints, (str, Path)) else list(checkpoints)
+        if not paths:
+            raise InputError("no checkpoint given")
+        if isinstance(vocab, (str, Path)):
+            vocab = load_vocab(vocab)
+        models = [load_model(path, map_location="cpu", vocab=vocab) for path in paths]
+        if vocab is None:
+            vocabs = [getattr(model, "vocab", None) for model in models]
+            if any(v is None for v in vocabs):
+                missing = [str(p) for p, v in zip(paths, vocabs) if v is None]
+                raise InputError(f"checkpoint {', '.join(missing)} carries no vocabulary; pass the "
+                                 "vocabulary JSON of its data set (--vocab)")
+            first = vocabs[0].word2idx
+            for path, other in zip(paths[1:], vocabs[1:]):
+                if other.word2idx != first:
+                    raise InputError(f"checkpoints {paths[0]} and {path} were trained with different "
+                                     "vocabularies; an ensemble needs one vocabulary")
+            vocab = vocabs[0]
+        return cls(models, vocab=vocab, sources=[str(Path(p).resolve()) for p in paths], device=device,
+                   precision=precision, batch_size=batch_size)
+
+    @property
+    def identities(self) -> list[dict[str, Any]]:
+        """`model_identity` of each model (config + weights hash + source), computed once."""
+        if self._identities is None:
+            self._identities = [model_identity(model, source)
+                                for model, source in zip(self.models, self.sources)]
+        return self._identities
+
+    # ----------------------------------------------------------------------------- text
+    def tokenize(self, text: str, allow_unknown: bool = False) -> tuple[list[str], list[int]]:
+        """Tokenise one text with the model's vocabulary.
+
+        Returns:
+            (tokens, ids): the words, and their ids framed by `<start>` ... `<end>`.
+
+        Raises:
+            InputError: empty text, no vocabulary, or (unless `allow_unknown`) words that the
+                vocabulary does not know, named in the message.
+        """
+        if self.vocab is None:
+            raise InputError("this matcher has no vocabulary; load it with vocab=PATH")
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(f"empty query text {text!r}: give at least one word")
+        tokens = self.vocab.tokenize(text)
+        if not tokens:
+            raise InputError(f"query text {text!r} has no words after tokenisation")
+        if not allow_unknown:
+            unknown = [t for t in tokens if t not in self.vocab.word2idx]
+            if unknown:
+                listed = ", ".join(repr(t) for t in dict.fromkeys(unknown))
+                raise InputError(f"query {text!r}: word(s) {listed} not in the model's vocabulary "
+                                 f"({len(self.vocab)} words); rephrase with known words")
+        return tokens, self.vocab.encode(text)
+
+    def encode_texts(self, texts: Sequence[str], allow_unknown: bool = False) -> TextEncoding:
+        """Tokenise and encode texts with every model.
+
+        Args:
+            texts: strings; each must have at least one word.
+            allow_unknown: map unknown words to `<unk>` instead of refusing them.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        if len(texts) == 0:
+            raise InputError("no text to encode")
+        tokenised = [self.tokenize(text, allow_unknown=allow_unknown) for text in texts]
+        ids = [t[1] for t in tokenised]
+        lengths = torch.tensor([len(i) for i in ids], dtype=torch.int64)
+        captions = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
+        for row, caption in enumerate(ids):
+            captions[row, :len(caption)] = torch.tensor(caption, dtype=torch.int64)
+        encoding = self.encode_token_ids(captions, lengths)
+        encoding.tokens = [t[0] for t in tokenised]
+        return encoding
+
+    @torch.no_grad()
+    def encode_token_ids(self, captions: torch.Tensor, lengths: torch.Tensor) -> TextEncoding:
+        """Encode padded word ids (n_txt, L) int64 with their lengths (n_txt,) with every model."""
+        captions = torch.as_tensor(captions, dtype=torch.int64)
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        if captions.dim() != 2 or lengths.shape != (captions.shape[0],):
+            raise InputError(f"captions must be (n, L) with lengths (n,), got {tuple(captions.shape)} "
+                             f"and {tuple(lengths.shape)}")
+        if captions.shape[0] == 0:
+            raise InputError("no text to encode")
+        if int(lengths.min()) < 1 or int(lengths.max()) > captions.shape[1]:
+            raise InputError(f"lengths must be in [1, {captions.shape[1]}], got "
+                             f"{int(lengths.min())}..{int(lengths.max())}")
+        if int(captions.min()) < 0 or int(captions.max()) >= self.models[0].config.vocab_size:
+            raise InputError(f"word ids must be in [0, {self.models[0].config.vocab_size}), got "
+                             f"{int(captions.min())}..{int(captions.max())}")
+        width = int(lengths.max())
+        words: list[torch.Tensor] = []
+        globals_: list[torch.Tensor] = []
+        for model in self.models:
+            model_words, model_globals = [], []
+            for start in range(0, captions.shape[0], self.batch_size):
+                batch = captions[start:start + self.batch_size].to(self.device)
+                batch_lengths = lengths[start:start + self.batch_size].to(self.device)
+                with autocast(self.precision, self.device):
+                    cap_embs = model.encode_captions(batch, batch_lengths)  # (b, L', d)
+                cap_embs = cap_embs.float()
+                padded = cap_embs.new_zeros(cap_embs.shape[0], width, cap_embs.shape[2])
+                padded[:, :cap_embs.shape[1]] = cap_embs[:, :width]
+                model_words.append(padded.cpu())
+                model_globals.append(text_global_vectors(model, cap_embs, batch_lengths).float().cpu())
+            words.append(torch.cat(model_words))
+            globals_.append(torch.cat(model_globals))
+        return TextEncoding(words=words, lengths=lengths.cpu(), global_vectors=globals_,
+                            tokens=[[] for _ in range(captions.shape[0])])
+
+    # ----------------------------------------------------------------------------- images
+    def check_features(self, features: Any, what: str = "image features") -> torch.Tensor:
+        """Validate (n_img, K, img_dim) region features and return them as a float32 tensor."""
+        if not torch.is_tensor(features):
+            features = torch.from_numpy(np.array(features, dtype=np.float32))  # copy: memmaps are read-only
+        config = self.models[0].config
+        if features.dim() == 2:
+            features = features.unsqueeze(0)
+        if features.dim() != 3 or features.shape[1:] != (config.num_regions, config.img_dim):
+            raise InputError(f"{what} must have shape (n_images, {config.num_regions}, {config.img_dim}) "
+                             f"for this model, got {tuple(features.shape)}")
+        if features.shape[0] == 0:
+            raise InputError(f"{what}: no image to encode")
+        features = features.float()
+        if not torch.isfinite(features).all():
+            raise InputError(f"{what} contain NaN or infinite values")
+        return features
+
+    @torch.no_grad()
+    def encode_images(self, features: Any) -> ImageEncoding:
+        """Encode region features (n_img, K, img_dim) (numpy, memmap or tensor) with every model."""
+        features = self.check_features(features)
+        regions: list[torch.Tensor] = []
+        globals_: list[torch.Tensor] = []
+        for model in self.models:
+            model_regions, model_globals = [], []
+            for start in range(0, features.shape[0], self.batch_size):
+                batch = features[start:start + self.batch_size].to(self.device)
+                with autocast(self.precision, self.device):
+                    img_embs = model.encode_images(batch)  # (b, K, d)
+                img_embs = img_embs.float()
+                model_regions.append(img_embs.cpu())
+                model_globals.append(image_global_vectors(model, img_embs).float().cpu())
+            regions.append(torch.cat(model_regions))
+            globals_.append(torch.cat(model_globals))
+        return ImageEncoding(regions=regions, global_vectors=globals_)
+
+    # ----------------------------------------------------------------------------- scoring
+    @torch.no_grad()
+    def score_embeddings(self, images: ImageEncoding | Sequence[torch.Tensor],
+                         texts: TextEncoding | tuple[Sequence[torch.Tensor], torch.Tensor],
+                         image_block: int = 256, text_block: int = 256) -> np.ndarray:
+        """Full SGRAF scores of encoded images against encoded texts, the ensemble mean.
+
+        Args:
+            images: an `ImageEncoding`, or per model (n_img, K, d_m) region embeddings.
+            texts: a `TextEncoding`, or (per model (n_txt, L, d_m) word embeddings, lengths).
+            image_block, text_block: block sizes that bound memory.
+
+        Returns:
+            (n_img, n_txt) float32 numpy.
+        """
+        regions = images.regions if isinstance(images, ImageEncoding) else list(images)
+        if isinstance(texts, TextEncoding):
+            words, lengths = texts.words, texts.lengths
+        else:
+            words, lengths = list(texts[0]), torch.as_tensor(texts[1])
+        n_img, n_txt = int(regions[0].shape[0]), int(lengths.shape[0])
+        total = np.zeros((n_img, n_txt), dtype=np.float32)
+        for model, img_embs, cap_embs in zip(self.models, regions, words):
+            for t0 in range(0, n_txt, text_block):
+                block_lengths = torch.as_tensor(lengths[t0:t0 + text_block], dtype=torch.int64)
+                width = int(block_lengths.max())
+                block_caps = torch.as_tensor(cap_embs[t0:t0 + text_block, :width]).float().to(self.device)
+                block_lengths = block_lengths.to(self.device)
+                for i0 in range(0, n_img, image_block):
+                    block_imgs = torch.as_tensor(img_embs[i0:i0 + image_block]).float().to(self.device)
+                    with autocast(self.precision, self.device):
+                        sims = model.similarity(block_imgs, block_caps, block_lengths)  # (bi, bt)
+                    total[i0:i0 + image_block, t0:t0 + text_block] += sims.float().cpu().numpy()
+        return total / len(self.models)
+
+    def score(self, features: Any, texts: Sequence[str], allow_unknown: bool = False) -> np.ndarray:
+        """Scores of region features (n_img, K, img_dim) against text strings: (n_img, n_txt)."""
+        return self.score_embeddings(self.encode_images(features),
+                                     self.encode_texts(texts, allow_unknown=allow_unknown))
+
+
+# --------------------------------------------------------------------------------- global vectors
+def _similarity_representation(model: torch.nn.Module) -> torch.nn.Module:
+    from sgraf.model.similarity import SimilarityRepresentation
+
+    for module in model.modules():
+        if isinstance(module, SimilarityRepresentation):
+            return module
+    raise InputError(f"{type(model).__name__} has no similarity representation module")
+
+
+def image_global_vectors(model: torch.nn.Module, img_embs: torch.Tensor) -> torch.Tensor:
+    """The model's self-attention global image vectors: (n_img, K, d) -> (n_img, d), unit norm.
+
+    A model without global alignments (`alignments='local'`) has no self-attention; its
+    global vector is then the l2-normalised mean of the regions.
+    """
+    from sgraf.model.norms import l2norm
+
+    representation = _similarity_representation(model)
+    if representation.use_global:
+        return representation.v_global_w(img_embs)
+    return l2norm(img_embs.mean(dim=1))
+
+
+def text_global_vectors(model: torch.nn.Module, cap_embs: torch.Tensor,
+                        lengths: torch.Tensor) -> torch.Tensor:
+    """The model's self-attention global text vectors: (n, L, d) zero-padded -> (n, d), unit norm."""
+    from sgraf.model.norms import l2norm
+
+    word_mask = torch.arange(cap_embs.shape[1], device=cap_embs.device)[None, :] < lengths[:, None]
+    representation = _similarity_representation(model)
+    if representation.use_global:
+        return representation.t_global_w(cap_embs, word_mask)
+    return l2norm(cap_embs.sum(dim=1) / lengths[:, None].to(cap_embs.dtype))

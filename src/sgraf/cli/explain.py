@@ -1,0 +1,66 @@
+"""`sgraf explain`: a PNG of what the model attends to for one image and one caption."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sgraf.explain import Explanation
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "explain", help="draw SAF weights, SGR alignment and word attention for an image and a caption",
+        description="For one image of a split and one caption: SAF's weight on each alignment, SGR's "
+                    "final-vs-raw alignment per word and each word's attention over the image.")
+    parser.add_argument("--checkpoint", action="append", required=True, metavar="CKPT",
+                        help="model checkpoint; repeat for an ensemble (e.g. SGR and SAF)")
+    parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
+    parser.add_argument("--split", required=True, help="split holding the image")
+    parser.add_argument("--image-id", required=True, type=int, metavar="N", help="image index in the split")
+    parser.add_argument("--text", required=True, help="the caption to explain")
+    parser.add_argument("--out", required=True, metavar="FILE.png", help="PNG to write")
+    parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
+    parser.add_argument("--allow-unknown", action="store_true", help="map unknown words to <unk>")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sgraf.api import Matcher
+    from sgraf.data.precomp import PrecompSplit
+    from sgraf.errors import InputError
+    from sgraf.explain import explain_pair, region_layout, render_explanation
+
+    if not args.out.lower().endswith(".png"):
+        raise InputError(f"--out must name a .png file, got {args.out!r}")
+    matcher = Matcher.load(args.checkpoint, vocab=args.vocab)
+    split = PrecompSplit(args.data, args.split)
+    if not 0 <= args.image_id < split.n_images:
+        raise InputError(f"--image-id {args.image_id} is out of range: split {args.split!r} of {args.data} "
+                         f"has images 0..{split.n_images - 1}")
+    explanation = explain_pair(matcher, split.images[args.image_id], args.text, allow_unknown=args.allow_unknown)
+    explanation.image_id = args.image_id
+    layout = region_layout(args.data, args.split, args.image_id, split.num_regions)
+    out = render_explanation(explanation, layout, args.out)
+    print(format_explanation(explanation))
+    print(f"wrote {out} (regions: {layout.source})")
+    return 0
+
+
+def format_explanation(explanation: "Explanation") -> str:
+    """A text table of the per-node quantities and the scores."""
+    lines = [f"image {explanation.image_id} / {explanation.text!r}: "
+             + ", ".join(f"{k} {v:.4f}" for k, v in explanation.scores.items())]
+    header = f"{'node':<14}{'SAF beta':>10}{'SGR final.raw':>15}{'top region':>12}"
+    lines.append(header)
+    offset = 1 if explanation.node_labels and explanation.node_labels[0] == "[global]" else 0
+    for p, label in enumerate(explanation.node_labels):
+        beta = f"{explanation.saf_beta[p]:.3f}" if explanation.saf_beta is not None else "-"
+        sgr = f"{explanation.sgr_alignment[p]:+.3f}" if explanation.sgr_alignment is not None else "-"
+        region = "-"
+        if explanation.attention is not None and p >= offset and p - offset < len(explanation.attention):
+            weights = explanation.attention[p - offset]
+            region = f"{int(weights.argmax())} ({weights.max():.2f})"
+        lines.append(f"{label:<14}{beta:>10}{sgr:>15}{region:>12}")
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""`sgraf index`: encode a split's images and captions into a gallery index on disk."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "index", help="build a searchable gallery index of a split",
+        description="Encode the images and captions of a precomp split with one model or an ensemble "
+                    "(repeat --checkpoint) and write them, memory-mappable, to an index folder.")
+    parser.add_argument("--checkpoint", action="append", required=True, metavar="CKPT",
+                        help="model checkpoint (ours or the authors' .pth.tar); repeat for an ensemble")
+    parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
+    parser.add_argument("--split", required=True, help="split to index (e.g. test)")
+    parser.add_argument("--out", required=True, metavar="INDEX", help="index folder to write")
+    parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
+    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                        help="storage of the embeddings: float32 (exact) or float16 (half the disk)")
+    parser.add_argument("--batch-size", type=int, default=256, help="images / captions encoded per chunk")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sgraf.api import Matcher
+    from sgraf.data.precomp import PrecompSplit
+    from sgraf.search import build_index
+
+    matcher = Matcher.load(args.checkpoint, vocab=args.vocab, batch_size=args.batch_size)
+    split = PrecompSplit(args.data, args.split)
+    source = {"data_dir": str(Path(args.data).resolve()), "split": args.split}
+    out = build_index(matcher, split.images, split.captions, args.out, caps_per_image=split.caps_per_image,
+                      source=source, dtype=args.dtype, batch_size=args.batch_size)
+    print(f"indexed {split.n_images} images and {split.n_captions} captions of {args.data} [{args.split}] "
+          f"with {len(args.checkpoint)} model(s) into {out}")
+    return 0

@@ -1,0 +1,65 @@
+"""`sgraf search`: query an index, text -> images or image -> captions."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "search", help="search a gallery index (text -> images, image -> captions)",
+        description="Two-stage search: the global vectors shortlist candidates, the full SGRAF "
+                    "score re-ranks them. Ids are image / caption indices in the split's order.")
+    parser.add_argument("--index", required=True, metavar="INDEX", help="index folder (sgraf index)")
+    query = parser.add_mutually_exclusive_group(required=True)
+    query.add_argument("--text", help="a text query: returns images")
+    query.add_argument("--image-id", type=int, metavar="N", help="an image of the index: returns captions")
+    parser.add_argument("--top-k", type=int, default=10, metavar="K", help="results to return (10)")
+    parser.add_argument("--shortlist", type=int, default=100, metavar="N",
+                        help="candidates re-ranked by the full score (100); 0 scores the whole gallery")
+    parser.add_argument("--json", action="store_true", help='print [{"id", "score"}, ...], best first')
+    parser.add_argument("--checkpoint", action="append", metavar="CKPT",
+                        help="the index's model(s), if their recorded paths moved (must be the same weights)")
+    parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
+    parser.add_argument("--first-stage", choices=("auto", "numpy", "faiss"), default="auto",
+                        help="shortlist with FAISS (when installed) or numpy inner products")
+    parser.add_argument("--allow-unknown", action="store_true",
+                        help="map words unknown to the vocabulary to <unk> instead of refusing the query")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip the checksum of every index file (faster for large galleries)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from sgraf.errors import InputError
+    from sgraf.search import open_index
+
+    if args.top_k < 1:
+        raise InputError(f"--top-k must be a positive integer, got {args.top_k}")
+    if args.shortlist < 0:
+        raise InputError(f"--shortlist must be 0 (whole gallery) or a positive integer, got {args.shortlist}")
+    index = open_index(args.index, checkpoints=args.checkpoint, vocab=args.vocab, verify=not args.no_verify,
+                       first_stage=args.first_stage)
+    shortlist = None if args.shortlist == 0 else max(args.shortlist, args.top_k)
+    if args.text is not None:
+        hits = index.search_text(args.text, top_k=args.top_k, shortlist=shortlist,
+                                 allow_unknown=args.allow_unknown)
+        kind = "image"
+    else:
+        hits = index.search_image(image_id=args.image_id, top_k=args.top_k, shortlist=shortlist)
+        kind = "caption"
+    if args.json:
+        print(json.dumps([hit.to_dict() for hit in hits]))
+        return 0
+    query = repr(args.text) if args.text is not None else f"image {args.image_id}"
+    stages = "whole gallery scored" if shortlist is None else f"shortlist {shortlist} by {index.first_stage}"
+    print(f"{query} -> top {len(hits)} {kind}s ({stages}, re-ranked by {len(index.matcher.models)} model(s))")
+    for rank, hit in enumerate(hits, 1):
+        label = f"{kind} {hit.id}"
+        text = f"  {hit.text}" if hit.text else ""
+        if kind == "image" and hit.text:
+            text = f"  (first caption: {hit.text})"
+        print(f"{rank:3d}. {label:<14} score {hit.score:.4f}  coarse {hit.coarse:+.3f}{text}")
+    return 0

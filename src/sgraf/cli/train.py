@@ -1,0 +1,100 @@
+"""`sgraf train`: train SGR, SAF or a joint model from a preset, a YAML file and overrides.
+
+    sgraf train --data DIR --out RUN_DIR [--preset NAME] [--config YAML] [--set key=value ...]
+    sgraf train --resume RUN_DIR [--set epochs=N ...]
+    torchrun --nproc_per_node N -m sgraf train ...      (several processes)
+
+Exit status: 0 when the run finished, 2 for bad input, 1 when the loss became NaN/inf,
+128 + the signal number (143 for SIGTERM, 130 for SIGINT) when a signal stopped the run after
+saving `last.pt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+# Keys that may change when a run is resumed; the others define the run and stay as recorded.
+RESUMABLE_OVERRIDES = ("epochs", "val_every", "checkpoint_every", "log_every", "workers", "device",
+                       "progress", "val_batch_size")
+
+
+def register(subparsers: Any) -> None:
+    from sgraf.training.config import PRESETS
+
+    parser = subparsers.add_parser(
+        "train", help="train a model (paper recipes, resumable, several processes with torchrun)",
+        description="Train SGRAF on a precomp data folder. The config is resolved from the defaults, "
+                    "then --preset, then --config, then --set. The run folder gets config.yaml, "
+                    "metrics.jsonl, last.pt, best.pt and curves.png.",
+        epilog="presets: " + ", ".join(PRESETS) + ". Valid --set keys: see --list-keys.")
+    parser.add_argument("--data", metavar="DIR", help="precomp folder with train_* and dev_* files")
+    parser.add_argument("--out", metavar="RUN_DIR", help="run folder to create")
+    parser.add_argument("--preset", metavar="NAME", help=f"named recipe: {', '.join(PRESETS)}")
+    parser.add_argument("--config", metavar="YAML", help="YAML file of config keys (may also name 'data')")
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+", default=[],
+                        help="override config keys, e.g. --set module=saf epochs=10 precision=bf16")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last.pt")
+    parser.add_argument("--list-keys", action="store_true", help="print the config keys of a preset and exit")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sgraf.errors import InputError
+    from sgraf.training.config import parse_overrides, resolve_config
+    from sgraf.training.loop import NonFiniteLossError, fit
+    from sgraf.training.run_dir import load_run_config, save_run_config
+
+    if args.list_keys:
+        config, _ = resolve_config(args.preset, args.config, args.overrides)
+        for key, value in config.to_dict().items():
+            print(f"{key}: {value}")
+        return 0
+    if args.resume:
+        if args.preset or args.config or args.out:
+            raise InputError("--resume continues a run as it was configured; it takes no --preset, --config "
+                             "or --out (only --data and --set " + ", ".join(RESUMABLE_OVERRIDES) + ")")
+        from pathlib import Path
+
+        config_path = Path(args.resume) / "config.yaml"
+        if not config_path.is_file():
+            raise InputError(f"cannot resume {args.resume}: it has no config.yaml (not a sgraf run folder)")
+        config, data, preset = load_run_config(Path(args.resume))
+        overrides = parse_overrides(args.overrides)
+        fixed = sorted(set(overrides) - set(RESUMABLE_OVERRIDES))
+        if fixed:
+            raise InputError(f"--set {', '.join(fixed)} cannot change when resuming; keys that can: "
+                             f"{', '.join(RESUMABLE_OVERRIDES)}")
+        out, resume = args.resume, True
+        data = args.data or data
+        if overrides or args.data:
+            config = config.replace(**overrides)
+            save_run_config(Path(out), config, data, preset)   # a later --resume sees the change
+    else:
+        config, extras = resolve_config(args.preset, args.config, args.overrides)
+        data = args.data or extras.get("data")
+        if not data or not args.out:
+            raise InputError("sgraf train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")
+        out, resume, preset = args.out, False, args.preset or extras.get("preset")
+    from sgraf import distributed
+
+    try:
+        summary = fit(config, data, out, resume=resume, preset=preset)
+    except NonFiniteLossError as error:
+        print(f"sgraf train: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        main_process = distributed.is_main_process()
+        distributed.cleanup()
+    if not main_process:
+        return 0 if summary["status"] == "finished" else 128 + int(signal.Signals[summary["signal"]])
+    if summary["status"] == "interrupted":
+        print(f"stopped by {summary['signal']} at epoch {summary['epoch'] + 1}, step {summary['global_step']}; "
+              f"last.pt saved. Continue with: sgraf train --resume {out}")
+        return 128 + int(signal.Signals[summary["signal"]])
+    print(f"finished {summary['epoch']} epochs ({summary['global_step']} steps): best dev rsum "
+          f"{summary['best_rsum']:.2f} at step {summary['best_step']}; run folder {out}")
+    return 0
+

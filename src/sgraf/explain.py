@@ -1,0 +1,402 @@
+"""What the model attends to, for one image and one caption (in the spirit of the paper's Fig. 3/5).
+
+For a pair, `explain_pair` computes, with the model's own sub-modules in eval mode:
+
+- per word, the text-to-image attention `alpha_ij` over the K regions (Eq. 3-4, SCAN t2i);
+- SAF's weight `beta_p` on every similarity node (Eq. 9): the global alignment and each word;
+- SGR's "final vs raw" alignment: the cosine between the reasoned read-out vector `s_r`
+  after the last step (Eq. 6-8) and each raw node `s_p` before reasoning, the quantity the
+  paper's figures plot as "SGR alpha";
+- the score of each model and of the ensemble.
+
+Each quantity is recomputed from the same modules the scorer uses, and the tests check the
+scores rebuilt from them equal `SGRAF.similarity`.
+
+`render_explanation` draws the PNG (matplotlib, imported when called): the image, a strip of
+SAF beta and SGR alignment per token, and one panel per token with its attention over the
+image: over the rendered image when the data folder has it (the embedded benchmark keeps them
+under `images/{split}/`), over region boxes when the TSV converter kept them
+(`{split}_boxes.npy`), else over an abstract grid of the K regions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Explanation", "RegionLayout", "explain_pair", "region_layout", "render_explanation",
+           "word_region_attention", "saf_node_weights", "sgr_final_vs_raw"]
+
+
+# --------------------------------------------------------------------------------- quantities
+def word_region_attention(regions: torch.Tensor, words: torch.Tensor, smooth: float) -> torch.Tensor:
+    """Text-to-image attention weights of one pair (the weights inside `attend_regions`).
+
+    Args:
+        regions: (K, d) region embeddings of the image.
+        words: (L, d) word embeddings of the caption (its real length, no padding).
+        smooth: the softmax temperature lambda.
+
+    Returns:
+        (L, K) `alpha`: for each word, a distribution over the regions.
+    """
+    from sgraf.model.norms import l2norm
+
+    relevance = F.leaky_relu(regions @ words.t(), 0.1)          # (K, L)
+    relevance = l2norm(relevance, dim=1)                         # each region across the words
+    return (relevance * smooth).t().softmax(dim=1)               # (L, K)
+
+
+def saf_node_weights(saf: torch.nn.Module, nodes: torch.Tensor) -> torch.Tensor:
+    """SAF's eval-mode weights beta over the nodes of one pair (Eq. 9).
+
+    Args:
+        saf: an `AttentionFiltration` module.
+        nodes: (P, m) similarity nodes, all valid.
+
+    Returns:
+        (P,) beta, summing to 1.
+    """
+    from sgraf.model.norms import l1norm
+
+    bn = saf.bn
+    logits = saf.attn_sim_w(nodes).view(-1, 1)                   # (P, 1)
+    normed = F.batch_norm(logits, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    return l1norm(torch.sigmoid(normed).view(-1), dim=0)
+
+
+def sgr_final_vs_raw(steps: Sequence[torch.nn.Module], nodes: torch.Tensor,
+                     has_global: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run SGR's reasoning steps on one pair and compare the read-out with the raw nodes.
+
+    Args:
+        steps: the `GraphReasoning` modules.
+        nodes: (P, m) raw similarity nodes (global first when `has_global`).
+        has_global: read out node 0; otherwise the mean of the reasoned nodes.
+
+    Returns:
+        (readout (m,), cosine (P,)): the reasoned vector `s_r` and its cosine with each raw node.
+    """
+    from sgraf.model.norms import cosine
+
+    graph = nodes.unsqueeze(0)                                   # (1, P, m)
+    key_mask = torch.ones(1, 1, nodes.shape[0], dtype=torch.bool, device=nodes.device)
+    for step in steps:
+        graph = step(graph, key_mask)
+    readout = graph[0, 0] if has_global else graph[0].mean(dim=0)
+    return readout, cosine(readout.unsqueeze(0), nodes)
+
+
+@dataclass
+class Explanation:
+    """Everything the picture shows, as numbers.
+
+    Attributes:
+        text: the caption.
+        tokens: the L tokens the model sees, `<start>` and `<end>` included.
+        node_labels: the labels of the similarity nodes (`[global]` first when present).
+        scores: per model label ('sgr', 'saf', ... or 'model 1'), and 'ensemble' for several.
+        attention: (L, K) each token's attention over the regions, from `attention_model`,
+            or None (i2t attention or no local alignments).
+        attention_model: label of the model whose attention is shown.
+        saf_beta: (P,) SAF's weight on each node, or None without a SAF head.
+        sgr_alignment: (P,) cosine of SGR's final read-out with each raw node, or None.
+    """
+
+    text: str
+    tokens: list[str]
+    node_labels: list[str]
+    scores: dict[str, float]
+    attention: np.ndarray | None
+    attention_model: str | None
+    saf_beta: np.ndarray | None
+    sgr_alignment: np.ndarray | None
+    image_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _label(model: torch.nn.Module, position: int, models: Sequence[torch.nn.Module]) -> str:
+    module = model.config.module
+    same = [m for m in models if m.config.module == module]
+    return module if len(same) == 1 else f"{module} {position + 1}"
+
+
+@torch.no_grad()
+def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = False) -> Explanation:
+    """The attention quantities of one image and one caption.
+
+    Args:
+        matcher: a `sgraf.api.Matcher` (one model or an ensemble).
+        features: (K, img_dim) region features of the image.
+        text: the caption; unknown words are refused unless `allow_unknown`.
+
+    Returns:
+        An `Explanation`. SAF weights come from the first model with a SAF head, SGR's
+        alignment from the first with an SGR head, attention from the first model with
+        text-to-image local alignments.
+    """
+    image = matcher.check_features(features)
+    if image.shape[0] != 1:
+        raise InputError(f"explain one image at a time, got features of {image.shape[0]} images")
+    tokens, ids = matcher.tokenize(text, allow_unknown=allow_unknown)
+    captions = torch.tensor([ids], dtype=torch.int64, device=matcher.device)
+    lengths = torch.tensor([len(ids)], dtype=torch.int64, device=matcher.device)
+    image = image.to(matcher.device)
+    scores: dict[str, float] = {}
+    attention = attention_model = saf_beta = sgr_alignment = None
+    node_labels: list[str] = []
+    for position, model in enumerate(matcher.models):
+        label = _label(model, position, matcher.models)
+        regions = model.encode_images(image)                              # (1, K, d)
+        words = model.encode_captions(captions, lengths)                  # (1, L, d)
+        scores[label] = float(model.similarity(regions, words, lengths)[0, 0])
+        encoder = model.sim_enc
+        word_mask = torch.ones(1, len(ids), dtype=torch.bool, device=words.device)
+        nodes, _ = encoder(regions, words, word_mask)                     # (1, 1, P, m)
+        nodes = nodes[0, 0]                                               # (P, m)
+        if not node_labels:
+            local = [*(["<start>"] + tokens + ["<end>"])] if encoder.attention == "t2i" else \
+                [f"region {k}" for k in range(regions.shape[1])]
+            node_labels = (["[global]"] if encoder.use_global else []) + (local if encoder.use_local else [])
+        if attention is None and encoder.use_local and encoder.attention == "t2i":
+            attention = word_region_attention(regions[0], words[0], encoder.smooth).cpu().numpy()
+            attention_model = label
+        if saf_beta is None and hasattr(encoder, "SAF_module"):
+            saf_beta = saf_node_weights(encoder.SAF_module, nodes).cpu().numpy()
+        if sgr_alignment is None and hasattr(encoder, "SGR_module"):
+            _, cosines = sgr_final_vs_raw(encoder.SGR_module, nodes, encoder.use_global)
+            sgr_alignment = cosines.cpu().numpy()
+    if len(matcher.models) > 1:
+        scores["ensemble"] = float(np.mean(list(scores.values())))
+    return Explanation(text=text, tokens=["<start>", *tokens, "<end>"], node_labels=node_labels, scores=scores,
+                       attention=attention, attention_model=attention_model, saf_beta=saf_beta,
+                       sgr_alignment=sgr_alignment)
+
+
+# --------------------------------------------------------------------------------- regions
+@dataclass
+class RegionLayout:
+    """Where the K regions of an image are, for drawing attention.
+
+    Attributes:
+        kind: 'grid' (a rows x cols grid, row-major, over the image or abstract), or 'boxes'.
+        image: the picture (H, W, 3) uint8, or None (then an abstract grid is drawn).
+        grid: (rows, cols) for 'grid'.
+        boxes: (K, 4) x0, y0, x1, y1 in image pixels, for 'boxes'.
+        source: a short description for the figure ("image file ...", "region boxes", ...).
+    """
+
+    kind: str
+    image: np.ndarray | None = None
+    grid: tuple[int, int] | None = None
+    boxes: np.ndarray | None = None
+    source: str = ""
+
+    def heatmap(self, weights: np.ndarray) -> np.ndarray:
+        """Spread (K,) region weights over the picture: (H, W) (or (rows, cols) without one)."""
+        if self.kind == "grid":
+            rows, cols = self.grid
+            cells = weights.reshape(rows, cols)
+            if self.image is None:
+                return cells
+            height, width = self.image.shape[:2]
+            row_of = np.minimum(np.arange(height) * rows // height, rows - 1)
+            col_of = np.minimum(np.arange(width) * cols // width, cols - 1)
+            return cells[row_of][:, col_of]
+        height, width = self.image.shape[:2]
+        heat = np.zeros((height, width), dtype=np.float64)
+        for weight, (x0, y0, x1, y1) in zip(weights, self.boxes):
+            x0, x1 = int(max(0, math.floor(x0))), int(min(width, math.ceil(x1)))
+            y0, y1 = int(max(0, math.floor(y0))), int(min(height, math.ceil(y1)))
+            heat[y0:y1, x0:x1] += weight
+        return heat
+
+
+def _grid_shape(k: int) -> tuple[int, int]:
+    rows = int(math.isqrt(k))
+    while k % rows:
+        rows -= 1
+    return rows, k // rows
+
+
+def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, image_id: int,
+                  num_regions: int) -> RegionLayout:
+    """Find the picture and region geometry of an image of a precomp split.
+
+    Looks for, in order: region boxes `{split}_boxes.npy` (n_images, K, 4) written by the TSV
+    converter, with the image itself if present; the rendered image `images/{split}/{id:05d}.png`
+    (the embedded benchmark's, whose K regions are a square grid over it); otherwise an abstract
+    grid of the K regions.
+    """
+    grid = _grid_shape(num_regions)
+    if data_dir is None or split is None:
+        return RegionLayout("grid", grid=grid, source=f"no image: {grid[0]} x {grid[1]} region grid")
+    data_dir = Path(data_dir)
+    picture = None
+    for suffix in (".png", ".jpg"):
+        candidate = data_dir / "images" / split / f"{image_id:05d}{suffix}"
+        if candidate.is_file():
+            from PIL import Image
+
+            with Image.open(candidate) as handle:
+                picture = np.asarray(handle.convert("RGB"))
+            break
+    boxes_path = data_dir / f"{split}_boxes.npy"
+    if boxes_path.is_file():
+        boxes = np.load(boxes_path, mmap_mode="r")
+        if boxes.ndim != 3 or boxes.shape[1:] != (num_regions, 4) or image_id >= boxes.shape[0]:
+            raise InputError(f"{boxes_path}: expected (n_images, {num_regions}, 4) region boxes covering image "
+                             f"{image_id}, got shape {boxes.shape}")
+        boxes = np.asarray(boxes[image_id], dtype=np.float64)
+        if picture is None:  # no picture: a blank canvas of the image's size (or the boxes' extent)
+            width, height = _image_size(data_dir / f"{split}_image_ids.txt", image_id) or (
+                int(np.ceil(boxes[:, 2].max())), int(np.ceil(boxes[:, 3].max())))
+            picture = np.full((max(height, 1), max(width, 1), 3), 235, dtype=np.uint8)
+        return RegionLayout("boxes", image=picture, boxes=boxes, source=f"region boxes of {boxes_path.name}")
+    if picture is not None:
+        if grid[0] != grid[1]:
+            logger.warning("%d regions are not a square grid; drawing a %d x %d grid", num_regions, *grid)
+        return RegionLayout("grid", image=picture, grid=grid,
+                            source=f"images/{split}/{image_id:05d}, {grid[0]} x {grid[1]} region grid")
+    return RegionLayout("grid", grid=grid, source=f"no image found: {grid[0]} x {grid[1]} region grid")
+
+
+def _image_size(path: Path, image_id: int) -> tuple[int, int] | None:
+    """(width, height) of row `image_id` of the TSV converter's `image_id<TAB>w<TAB>h` file, if any."""
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as handle:
+        for row, line in enumerate(handle):
+            if row == image_id:
+                fields = line.rstrip("\n").split("\t")
+                try:
+                    return int(float(fields[1])), int(float(fields[2]))
+                except (IndexError, ValueError):
+                    raise InputError(f"{path}:{row + 1}: expected image_id<TAB>width<TAB>height") from None
+    return None
+
+
+# --------------------------------------------------------------------------------- drawing
+def render_explanation(explanation: Explanation, layout: RegionLayout, out: str | os.PathLike[str],
+                       title: str | None = None, columns: int = 8) -> Path:
+    """Draw an `Explanation` to a PNG.
+
+    Args:
+        explanation: from `explain_pair`.
+        layout: from `region_layout`.
+        out: the PNG path (parent folders are created).
+        title: the figure title (default: the caption and the scores).
+        columns: token panels per row.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib import gridspec
+
+    tokens = explanation.tokens
+    n_panels = len(tokens) if explanation.attention is not None else 0
+    panel_rows = math.ceil(n_panels / columns) if n_panels else 0
+    width = max(12.0, 1.6 * columns)
+    figure = plt.figure(figsize=(width, 3.6 + 1.9 * panel_rows))
+    outer = gridspec.GridSpec(1 + panel_rows, 1, figure=figure, height_ratios=[3.2] + [1.8] * panel_rows,
+                              hspace=0.35)
+    top = gridspec.GridSpecFromSubplotSpec(1, 2, subplot_spec=outer[0], width_ratios=[1, 3.2], wspace=0.3)
+
+    # the image itself
+    axis = figure.add_subplot(top[0])
+    _draw_picture(axis, layout, None)
+    axis.set_title(f"image {explanation.image_id}" if explanation.image_id is not None else "image", fontsize=9)
+
+    # SAF beta and SGR final-vs-raw alignment per node
+    axis = figure.add_subplot(top[1])
+    rows, labels = [], []
+    if explanation.saf_beta is not None:
+        rows.append(explanation.saf_beta / explanation.saf_beta.max())
+        labels.append("SAF $\\beta$")
+    if explanation.sgr_alignment is not None:
+        rows.append(explanation.sgr_alignment)
+        labels.append("SGR final·raw")
+    if rows:
+        values = np.stack(rows)
+        axis.imshow(values, cmap="Reds", aspect="auto", vmin=min(0.0, float(values.min())), vmax=1.0)
+        raw = [explanation.saf_beta, explanation.sgr_alignment]
+        raw = [r for r in raw if r is not None]
+        for i, row in enumerate(raw):
+            for j, value in enumerate(row):
+                axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                          color="white" if values[i, j] > 0.65 else "black")
+        axis.set_yticks(range(len(labels)), labels, fontsize=9)
+        axis.set_xticks(range(len(explanation.node_labels)), explanation.node_labels, rotation=45,
+                        ha="right", fontsize=8)
+        axis.tick_params(length=0)
+    else:
+        axis.axis("off")
+        axis.text(0.5, 0.5, "no SAF or SGR head in these models", ha="center", va="center")
+    axis.set_title("per-alignment weights: SAF $\\beta$ (colour: / max), SGR: cosine of the reasoned "
+                   "read-out with each raw node", fontsize=8)
+
+    # each token's attention over the image
+    if n_panels:
+        for index, token in enumerate(tokens):
+            row, col = divmod(index, columns)
+            cell = gridspec.GridSpecFromSubplotSpec(1, columns, subplot_spec=outer[1 + row], wspace=0.05)
+            axis = figure.add_subplot(cell[col])
+            _draw_picture(axis, layout, explanation.attention[index])
+            axis.set_title(token, fontsize=9)
+    scores = ", ".join(f"{name} {value:.4f}" for name, value in explanation.scores.items())
+    figure.suptitle(title or f"\u201c{explanation.text}\u201d\nscore: {scores}", fontsize=11)
+    if n_panels:
+        figure.text(0.5, 0.005, f"attention of each token over the regions ({explanation.attention_model} model; "
+                    f"{layout.source}); brighter = more weight", ha="center", fontsize=8)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=90, bbox_inches="tight")
+    plt.close(figure)
+    logger.info("wrote %s", out)
+    return out
+
+
+def _draw_picture(axis: Any, layout: RegionLayout, weights: np.ndarray | None) -> None:
+    axis.set_xticks([])
+    axis.set_yticks([])
+    if layout.image is None:
+        rows, cols = layout.grid
+        values = np.zeros((rows, cols)) if weights is None else weights.reshape(rows, cols)
+        axis.imshow(values, cmap="magma", vmin=0, vmax=max(float(values.max()), 1e-12), interpolation="nearest")
+        return
+    if weights is None:
+        axis.imshow(layout.image)
+        return
+    heat = layout.heatmap(weights)
+    heat = heat / max(float(heat.max()), 1e-12)
+    # darken the picture where attention is low: the attended regions stay visible
+    shade = 0.25 + 0.75 * heat[..., None]
+    axis.imshow((layout.image.astype(np.float64) * shade).astype(np.uint8))
+    if layout.kind == "grid":
+        rows, cols = layout.grid
+        height, width = layout.image.shape[:2]
+        best = int(np.argmax(weights))
+        r, c = divmod(best, cols)
+        axis.add_patch(_rectangle(c * width / cols, r * height / rows, width / cols, height / rows))
+    else:
+        x0, y0, x1, y1 = layout.boxes[int(np.argmax(weights))]
+        axis.add_patch(_rectangle(x0, y0, x1 - x0, y1 - y0))
+
+
+def _rectangle(x: float, y: float, w: float, h: float) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x - 0.5, y - 0.5), w, h, fill=False, edgecolor="yellow", linewidth=1.5)

@@ -1,0 +1,452 @@
+"""Gallery search: an on-disk index of encoded images and captions, two-stage retrieval.
+
+An index is a folder:
+
+    manifest.json                 format, the models' identities (config + weights sha256 +
+                                  checkpoint path), the data it came from, each file's shape,
+                                  dtype and sha256
+    captions.txt                  the gallery's captions, one per line (split order)
+    image_keys.npy                (n_img, G) float32 first-stage keys (global vectors)
+    caption_keys.npy              (n_cap, G) float32
+    caption_lengths.npy           (n_cap,) int64, `<start>` and `<end>` included
+    image_regions.{m}.npy         (n_img, K, d_m) region embeddings of model m
+    caption_words.{m}.npy         (n_cap, L_max, d_m) word embeddings of model m, zero-padded
+
+The big arrays are opened memory-mapped, so a query reads only the rows of its shortlist.
+
+Search is two-stage: the first stage ranks the whole gallery by the inner product of the
+models' self-attention global vectors (the mean cosine over the ensemble; FAISS does this when
+installed and asked for) and keeps a shortlist of N candidates; the full SGRAF scorer (all
+local and global alignments, graph reasoning / attention filtration, ensemble mean) re-ranks
+the shortlist. With N >= the gallery size the result is the exhaustive ranking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from sgraf.api import Matcher, describe_identity, shortlist_keys
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "sgraf-index"
+VERSION = 1
+MANIFEST = "manifest.json"
+CAPTIONS = "captions.txt"
+STORAGE_DTYPES = ("float32", "float16")
+FIRST_STAGES = ("auto", "numpy", "faiss")
+
+__all__ = ["Hit", "GalleryIndex", "build_index", "open_index"]
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One search result.
+
+    Attributes:
+        id: image index or caption index in the split's order.
+        score: the full SGRAF score (ensemble mean).
+        coarse: the first-stage score (mean cosine of the global vectors).
+        text: the caption (caption results) or the image's first caption (image results).
+    """
+
+    id: int
+    score: float
+    coarse: float
+    text: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "score": self.score}
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _vocab_sha256(vocab: Any) -> str | None:
+    if vocab is None:
+        return None
+    return hashlib.sha256(json.dumps(vocab.word2idx, sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------- building
+def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: str | Path, *,
+                caps_per_image: int | None = None, source: dict[str, Any] | None = None,
+                dtype: str = "float32", batch_size: int = 256) -> Path:
+    """Encode a gallery and write it as an index folder.
+
+    Args:
+        matcher: the model(s) and vocabulary; the index records their identities.
+        features: (n_img, K, img_dim) region features (a memory-mapped array is read in chunks).
+        captions: the gallery's captions, split order (words unknown to the vocabulary map to
+            `<unk>`, as in evaluation).
+        out: the index folder; replaced if it already holds an index, refused if it holds
+            anything else.
+        caps_per_image: captions per image (caption k describes image k // caps_per_image);
+            default n_captions / n_images when that divides, else None.
+        source: where the gallery came from (data dir, split), stored in the manifest.
+        dtype: storage of the embeddings, 'float32' (exact) or 'float16' (half the disk).
+        batch_size: images / captions encoded per chunk.
+
+    Returns:
+        The index folder.
+    """
+    if dtype not in STORAGE_DTYPES:
+        raise InputError(f"index dtype must be one of {', '.join(STORAGE_DTYPES)}, got {dtype!r}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
+        raise InputError(f"{out} exists and is not an sgraf index; choose another --out")
+    n_img, n_cap = int(features.shape[0]), len(captions)
+    if n_img == 0 or n_cap == 0:
+        raise InputError(f"an index needs images and captions, got {n_img} images and {n_cap} captions")
+    if caps_per_image is None and n_cap % n_img == 0:
+        caps_per_image = n_cap // n_img
+    for row, caption in enumerate(captions):
+        if "\n" in caption or not caption.strip():
+            raise InputError(f"caption {row} is empty or spans several lines: {caption!r}")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_index(matcher, features, list(captions), staging, dtype, batch_size)
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "models": matcher.identities,
+            "vocab_sha256": _vocab_sha256(matcher.vocab),
+            "n_images": n_img,
+            "n_captions": n_cap,
+            "caps_per_image": caps_per_image,
+            "dtype": dtype,
+            "source": source or {},
+            "files": {path.name: _describe_file(path) for path in sorted(staging.iterdir())},
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("indexed %d images and %d captions with %d model(s) into %s", n_img, n_cap,
+                len(matcher.models), out)
+    return out
+
+
+def _describe_file(path: Path) -> dict[str, Any]:
+    entry: dict[str, Any] = {"bytes": path.stat().st_size, "sha256": _sha256_file(path)}
+    if path.suffix == ".npy":
+        array = np.load(path, mmap_mode="r")
+        entry.update(shape=list(array.shape), dtype=str(array.dtype))
+    return entry
+
+
+def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: Path, dtype: str,
+                 batch_size: int) -> None:
+    n_img, n_cap, n_models = int(features.shape[0]), len(captions), len(matcher.models)
+    # images, in chunks written straight into memory-mapped files
+    regions_out: list[np.memmap] = []
+    keys_out = None
+    for start in range(0, n_img, batch_size):
+        encoding = matcher.encode_images(np.asarray(features[start:start + batch_size]))
+        if keys_out is None:
+            keys_out = _open_out(folder / "image_keys.npy", (n_img, *shortlist_keys(encoding.global_vectors).shape[1:]),
+                                 "float32")
+            regions_out = [_open_out(folder / f"image_regions.{m}.npy", (n_img, *encoding.regions[m].shape[1:]),
+                                     dtype) for m in range(n_models)]
+        stop = start + len(encoding)
+        keys_out[start:stop] = shortlist_keys(encoding.global_vectors)
+        for m in range(n_models):
+            regions_out[m][start:stop] = encoding.regions[m].numpy().astype(dtype)
+    # captions: tokenise all first, for the padded width
+    ids = [matcher.vocab.encode(caption) for caption in captions]
+    lengths = np.array([len(i) for i in ids], dtype=np.int64)
+    width = int(lengths.max())
+    np.save(folder / "caption_lengths.npy", lengths)
+    words_out = [_open_out(folder / f"caption_words.{m}.npy",
+                           (n_cap, width, matcher.models[m].config.embed_size), dtype)
+                 for m in range(n_models)]
+    cap_keys_out = None
+    for start in range(0, n_cap, batch_size):
+        chunk = ids[start:start + batch_size]
+        padded = torch.zeros(len(chunk), max(len(c) for c in chunk), dtype=torch.int64)
+        for row, caption in enumerate(chunk):
+            padded[row, :len(caption)] = torch.tensor(caption)
+        encoding = matcher.encode_token_ids(padded, torch.from_numpy(lengths[start:start + len(chunk)]))
+        keys = shortlist_keys(encoding.global_vectors)
+        if cap_keys_out is None:
+            cap_keys_out = _open_out(folder / "caption_keys.npy", (n_cap, keys.shape[1]), "float32")
+        cap_keys_out[start:start + len(chunk)] = keys
+        for m in range(n_models):
+            block = encoding.words[m].numpy()
+            words_out[m][start:start + len(chunk), :block.shape[1]] = block.astype(dtype)
+    for array in [*regions_out, *words_out, keys_out, cap_keys_out]:
+        array.flush()
+    del regions_out, words_out, keys_out, cap_keys_out
+    (folder / CAPTIONS).write_text("".join(caption.strip() + "\n" for caption in captions), encoding="utf-8")
+
+
+def _open_out(path: Path, shape: tuple[int, ...], dtype: str) -> np.memmap:
+    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+
+
+# --------------------------------------------------------------------------------- opening
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise FileNotFoundError(2, "no such index folder", str(folder))
+    if not path.is_file():
+        raise InputError(f"{folder} is not an sgraf index: {MANIFEST} is missing (build one with `sgraf index`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: corrupted index manifest, not valid JSON ({exc}); rebuild the index "
+                         "with `sgraf index`") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise InputError(f"{path}: not an sgraf index manifest (expected \"format\": \"{FORMAT}\")")
+    if manifest.get("version") != VERSION:
+        raise InputError(f"{path}: index version {manifest.get('version')!r} is not supported "
+                         f"(this sgraf reads version {VERSION}); rebuild the index")
+    for key in ("models", "n_images", "n_captions", "files", "dtype"):
+        if key not in manifest:
+            raise InputError(f"{path}: corrupted index manifest, field {key!r} is missing")
+    return manifest
+
+
+def _open_array(folder: Path, name: str, manifest: dict[str, Any], verify: bool) -> np.ndarray:
+    path = folder / name
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise InputError(f"{folder / MANIFEST}: corrupted index manifest, no entry for {name}")
+    if not path.is_file():
+        raise InputError(f"{path}: index file is missing; rebuild the index with `sgraf index`")
+    if path.stat().st_size != entry["bytes"]:
+        raise InputError(f"{path}: corrupted index file, {path.stat().st_size} bytes where the manifest "
+                         f"records {entry['bytes']} (truncated or overwritten); rebuild the index")
+    if verify and _sha256_file(path) != entry["sha256"]:
+        raise InputError(f"{path}: corrupted index file, its sha256 does not match the manifest; "
+                         "rebuild the index")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise InputError(f"{path}: corrupted index file, not a readable .npy array ({exc}); "
+                         "rebuild the index") from None
+    if list(array.shape) != entry["shape"] or str(array.dtype) != entry["dtype"]:
+        raise InputError(f"{path}: corrupted index file, array {array.dtype}{list(array.shape)} where the "
+                         f"manifest records {entry['dtype']}{entry['shape']}; rebuild the index")
+    return array
+
+
+def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str) -> None:
+    """Refuse a matcher whose models are not the ones the index was built with, naming both."""
+    built = manifest["models"]
+    current = matcher.identities
+    if len(built) != len(current):
+        raise InputError(
+            f"index {where} was built with {len(built)} model(s) "
+            f"[{'; '.join(describe_identity(i) for i in built)}] but {len(current)} were given "
+            f"[{'; '.join(describe_identity(i) for i in current)}]")
+    for position, (old, new) in enumerate(zip(built, current)):
+        if old.get("weights_sha256") != new["weights_sha256"] or old.get("config") != new["config"]:
+            raise InputError(
+                f"index {where} was built with model {position} = {describe_identity(old)}, but the "
+                f"model given is {describe_identity(new)}; rebuild the index with this model or "
+                "search with the model it was built with")
+    if manifest.get("vocab_sha256") not in (None, _vocab_sha256(matcher.vocab)):
+        raise InputError(f"index {where} was built with another vocabulary than the one given")
+
+
+def open_index(path: str | Path, matcher: Matcher | None = None,
+               checkpoints: Sequence[str | Path] | None = None, vocab: Any | None = None,
+               verify: bool = True, first_stage: str = "auto") -> "GalleryIndex":
+    """Open an index folder for search.
+
+    Args:
+        path: the index folder.
+        matcher: the model(s) to search with; default: load `checkpoints`, or else the checkpoint
+            paths recorded in the manifest. Either way they must be the models the index was
+            built with (same config and weights hash), otherwise `InputError` names both.
+        checkpoints: checkpoint paths to load instead of the recorded ones.
+        vocab: vocabulary (object or JSON path) for checkpoints that carry none.
+        verify: check every file's sha256 against the manifest (reads the whole index once).
+        first_stage: 'numpy' (exact inner products), 'faiss' (FAISS flat inner-product index,
+            needs the `faiss` extra) or 'auto' (FAISS when installed).
+    """
+    folder = Path(path)
+    manifest = _read_manifest(folder)
+    if matcher is None:
+        paths = list(checkpoints) if checkpoints else [m.get("source") for m in manifest["models"]]
+        if not paths or any(p is None for p in paths):
+            raise InputError(f"index {folder} does not record its checkpoint paths; pass --checkpoint")
+        missing = [str(p) for p in paths if not Path(p).is_file()]
+        if missing:
+            raise InputError(f"index {folder} was built with checkpoint(s) {', '.join(missing)}, which no "
+                             "longer exist; pass --checkpoint with the same model(s)")
+        matcher = Matcher.load(paths, vocab=vocab)
+    check_identity(manifest, matcher, folder)
+    return GalleryIndex(folder, manifest, matcher, verify=verify, first_stage=first_stage)
+
+
+class GalleryIndex:
+    """An opened index: first-stage keys in memory, embeddings memory-mapped.
+
+    Use `open_index` to create one; `search_text` and `search_image` query it.
+    """
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], matcher: Matcher, verify: bool = True,
+                 first_stage: str = "auto") -> None:
+        if first_stage not in FIRST_STAGES:
+            raise InputError(f"first_stage must be one of {', '.join(FIRST_STAGES)}, got {first_stage!r}")
+        self.folder = folder
+        self.manifest = manifest
+        self.matcher = matcher
+        n_models = len(manifest["models"])
+        self.n_images = int(manifest["n_images"])
+        self.n_captions = int(manifest["n_captions"])
+        self.caps_per_image = manifest.get("caps_per_image")
+        def load(name: str) -> np.ndarray:
+            return _open_array(folder, name, manifest, verify)
+
+        self.image_keys = np.ascontiguousarray(load("image_keys.npy"))      # (n_img, G)
+        self.caption_keys = np.ascontiguousarray(load("caption_keys.npy"))  # (n_cap, G)
+        self.caption_lengths = np.asarray(load("caption_lengths.npy"))      # (n_cap,)
+        self.image_regions = [load(f"image_regions.{m}.npy") for m in range(n_models)]
+        self.caption_words = [load(f"caption_words.{m}.npy") for m in range(n_models)]
+        captions_path = folder / CAPTIONS
+        if verify and _sha256_file(captions_path) != manifest["files"].get(CAPTIONS, {}).get("sha256"):
+            raise InputError(f"{captions_path}: corrupted index file, its sha256 does not match the manifest")
+        self.captions = captions_path.read_text(encoding="utf-8").split("\n")[:-1]
+        if len(self.captions) != self.n_captions:
+            raise InputError(f"{captions_path}: corrupted index file, {len(self.captions)} captions where the "
+                             f"manifest records {self.n_captions}")
+        shapes = {"image_keys.npy": (self.image_keys.shape[0], self.n_images),
+                  "caption_keys.npy": (self.caption_keys.shape[0], self.n_captions)}
+        for name, (got, expected) in shapes.items():
+            if got != expected:
+                raise InputError(f"{folder / name}: corrupted index, {got} rows for {expected} items")
+        self._faiss = {"image": None, "caption": None}
+        self.first_stage = first_stage
+        if first_stage in ("auto", "faiss"):
+            try:
+                # FAISS logs its CPU-feature probing at INFO; keep that out of our output
+                logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+                import faiss  # noqa: F401  (optional extra)
+                self.first_stage = "faiss"
+            except ImportError:
+                if first_stage == "faiss":
+                    raise InputError("first_stage='faiss' needs FAISS: pip install 'sgraf[faiss]'") from None
+                self.first_stage = "numpy"
+
+    # ----------------------------------------------------------------------------- stages
+    def _coarse(self, gallery: str, query_key: np.ndarray, shortlist: int) -> tuple[np.ndarray, np.ndarray]:
+        """First stage: the `shortlist` best gallery items by global-vector inner product.
+
+        Returns:
+            (ids, coarse scores), ids sorted ascending (so the memory maps are read in order).
+        """
+        keys = self.image_keys if gallery == "image" else self.caption_keys
+        n = keys.shape[0]
+        if shortlist >= n:
+            return np.arange(n), keys @ query_key
+        if self.first_stage == "faiss":
+            import faiss
+
+            if self._faiss[gallery] is None:
+                index = faiss.IndexFlatIP(keys.shape[1])
+                index.add(keys)
+                self._faiss[gallery] = index
+            coarse, ids = self._faiss[gallery].search(query_key[None, :].astype(np.float32), shortlist)
+            ids, coarse = ids[0].astype(np.int64), coarse[0]
+        else:
+            scores = keys @ query_key                                        # (n,)
+            ids = np.argpartition(-scores, shortlist - 1)[:shortlist]
+            coarse = scores[ids]
+        order = np.argsort(ids)
+        return ids[order], coarse[order]
+
+    def _check_sizes(self, top_k: int, shortlist: int | None, n: int) -> tuple[int, int]:
+        if not isinstance(top_k, (int, np.integer)) or top_k < 1:
+            raise InputError(f"top_k must be a positive integer, got {top_k!r}")
+        if shortlist is None:
+            shortlist = n
+        if not isinstance(shortlist, (int, np.integer)) or shortlist < 1:
+            raise InputError(f"shortlist must be a positive integer, got {shortlist!r}")
+        if shortlist < top_k:
+            raise InputError(f"shortlist ({shortlist}) must be at least top_k ({top_k}): the re-ranking "
+                             "returns results from the shortlist only")
+        return min(int(top_k), n), min(int(shortlist), n)
+
+    @staticmethod
+    def _best(ids: np.ndarray, scores: np.ndarray, coarse: np.ndarray, top_k: int) -> list[tuple[int, float, float]]:
+        order = np.lexsort((ids, -scores))[:top_k]  # best score first, ties by id
+        return [(int(ids[i]), float(scores[i]), float(coarse[i])) for i in order]
+
+    # ----------------------------------------------------------------------------- queries
+    def search_text(self, query: str, top_k: int = 10, shortlist: int | None = 100,
+                    allow_unknown: bool = False) -> list[Hit]:
+        """Text -> the top-k images of the gallery.
+
+        Args:
+            query: the text; every word must be in the model's vocabulary unless `allow_unknown`.
+            top_k: results returned.
+            shortlist: candidates kept by the first stage for re-ranking (None: all, exhaustive).
+        """
+        top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_images)
+        text = self.matcher.encode_texts([query], allow_unknown=allow_unknown)
+        ids, coarse = self._coarse("image", shortlist_keys(text.global_vectors)[0], shortlist)
+        regions = [torch.from_numpy(np.array(r[ids], dtype=np.float32)) for r in self.image_regions]
+        scores = self.matcher.score_embeddings(regions, text)[:, 0]        # (shortlist,)
+        hits = []
+        for image_id, score, rough in self._best(ids, scores, coarse, top_k):
+            caption = None
+            if self.caps_per_image:
+                caption = self.captions[image_id * self.caps_per_image]
+            hits.append(Hit(image_id, score, rough, caption))
+        return hits
+
+    def search_image(self, image_id: int | None = None, features: Any | None = None, top_k: int = 10,
+                     shortlist: int | None = 100) -> list[Hit]:
+        """Image -> the top-k captions of the gallery.
+
+        Args:
+            image_id: an image of the index (its stored encoding is used), or
+            features: (K, img_dim) region features of a new image.
+        """
+        top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_captions)
+        if (image_id is None) == (features is None):
+            raise InputError("give exactly one of image_id and features")
+        if features is not None:
+            image = self.matcher.encode_images(features)
+            if len(image) != 1:
+                raise InputError(f"search one image at a time, got features of {len(image)} images")
+            regions, key = image.regions, shortlist_keys(image.global_vectors)[0]
+        else:
+            if not isinstance(image_id, (int, np.integer)) or not 0 <= image_id < self.n_images:
+                raise InputError(f"image id {image_id!r} is out of range: the index holds images "
+                                 f"0..{self.n_images - 1}")
+            regions = [torch.from_numpy(np.array(r[image_id:image_id + 1], dtype=np.float32))
+                       for r in self.image_regions]
+            key = self.image_keys[image_id]
+        ids, coarse = self._coarse("caption", key, shortlist)
+        lengths = torch.from_numpy(np.array(self.caption_lengths[ids]))
+        width = int(lengths.max())
+        words = [torch.from_numpy(np.array(w[ids, :width], dtype=np.float32)) for w in self.caption_words]
+        scores = self.matcher.score_embeddings(regions, (words, lengths))[0]   # (shortlist,)
+        return [Hit(cap_id, score, rough, self.captions[cap_id])
+                for cap_id, score, rough in self._best(ids, scores, coarse, top_k)]

@@ -1,0 +1,317 @@
+"""Training configuration: a frozen dataclass, named presets, YAML files and `key=value` overrides.
+
+A configuration is resolved in layers, each overriding the one before:
+the `TrainConfig` defaults, a named preset, a YAML file, then `--set key=value` pairs.
+Unknown keys are rejected with the list of valid ones, values are coerced to the field's type
+(`--set lr=1e-4`, `--set bi_gru=false`, `--set img_dim=none`).
+
+The model's hyper-parameters are fields here too (flat, so `--set sgr_step=4` works); they
+become a `sgraf.config.ModelConfig` once the vocabulary size is known (`model_config`).
+`img_dim` and `num_regions` may be left to the data (`None`); a recipe that names them is
+checked against the data before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, SIMILARITIES, ModelConfig
+from sgraf.errors import InputError
+from sgraf.precision import PRECISIONS
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs besides the data folder and the run folder.
+
+    The defaults are the authors' Flickr30K SGR recipe (official.md) at the paper's size.
+
+    Attributes:
+        module: 'sgr', 'saf', 'ave' (one head, trained alone) or 'joint' (one similarity
+            representation feeding SGR and SAF, trained with L_r + L_f, Table 6).
+        img_dim: region feature size; None takes it from the data, a number must match it.
+        num_regions: regions per image; None takes it from the data, a number must match it.
+        word_dim, embed_size, sim_dim, num_layers, bi_gru, img_norm, txt_norm, sgr_step,
+            alignments, similarity, attention, lambda_softmax, dropout: the model's
+            hyper-parameters (see `sgraf.config.ModelConfig`).
+        epochs: passes over the training captions.
+        batch_size: captions (each with its image) per optimisation step, over all processes.
+        lr: Adam's initial learning rate.
+        lr_update: the learning rate is multiplied by 0.1 every `lr_update` epochs.
+        grad_clip: clip the global gradient norm to this value (0 disables clipping).
+        margin: hinge margin of the ranking loss.
+        max_violation: hardest negatives only (VSE++); False sums over all negatives.
+        same_image_positive: do not count another caption of the batch's same image as a
+            negative (off in the authors' code).
+        seed: seeds the initialisation, the shuffling and dropout.
+        precision: 'fp32', 'bf16' or 'fp16' autocast (fp16 uses a gradient scaler).
+        device: 'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'.
+        workers: DataLoader worker processes (0 loads in the main process).
+        val_max_captions: validate on the first N dev captions (the authors use 5000);
+            None validates on the whole dev split.
+        val_batch_size: batch size of the validation encoders.
+        val_every: also validate every N optimisation steps (0: only after each epoch).
+        checkpoint_every: write `last.pt` every N optimisation steps (0: only per epoch).
+        log_every: update the progress bar's loss every N steps.
+        vocab: vocabulary JSON; None looks beside the data, then builds one from the
+            train and dev captions (words seen at least 4 times).
+        progress: show a tqdm progress bar.
+    """
+
+    module: str = "sgr"
+    img_dim: int | None = 2048
+    num_regions: int | None = 36
+    word_dim: int = 300
+    embed_size: int = 1024
+    sim_dim: int = 256
+    num_layers: int = 1
+    bi_gru: bool = True
+    img_norm: bool = True
+    txt_norm: bool = True
+    sgr_step: int = 3
+    alignments: str = "both"
+    similarity: str = "vector"
+    attention: str = "t2i"
+    lambda_softmax: float = 9.0
+    dropout: float = 0.4
+    epochs: int = 40
+    batch_size: int = 128
+    lr: float = 2e-4
+    lr_update: int = 30
+    grad_clip: float = 2.0
+    margin: float = 0.2
+    max_violation: bool = True
+    same_image_positive: bool = False
+    seed: int = 0
+    precision: str = "fp32"
+    device: str = "auto"
+    workers: int = 0
+    val_max_captions: int | None = 5000
+    val_batch_size: int = 128
+    val_every: int = 0
+    checkpoint_every: int = 500
+    log_every: int = 10
+    vocab: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        choices = {"module": MODULES, "alignments": ALIGNMENTS, "similarity": SIMILARITIES,
+                   "attention": ATTENTIONS, "precision": PRECISIONS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise InputError(f"training config field {name!r} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("epochs", "batch_size", "lr_update", "word_dim", "embed_size", "sim_dim",
+                     "num_layers", "sgr_step", "val_batch_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("workers", "val_every", "checkpoint_every", "log_every", "seed"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("img_dim", "num_regions", "val_max_captions"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        if not self.lr > 0:
+            raise InputError(f"training config field 'lr' must be > 0, got {self.lr!r}")
+        if self.grad_clip < 0 or self.margin < 0:
+            raise InputError("training config fields 'grad_clip' and 'margin' must be >= 0, "
+                             f"got {self.grad_clip!r} and {self.margin!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise InputError(f"training config field 'dropout' must be in [0, 1), got {self.dropout!r}")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InputError(f"training config field 'device' must be auto, cpu, cuda or cuda:N, "
+                             f"got {self.device!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> "TrainConfig":
+        """Builds a config from plain values, coercing strings; `source` names them in errors."""
+        return cls(**_coerce_all(values, source))
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **_coerce_all(changes, "override"))
+
+    def model_config(self, vocab_size: int, img_dim: int, num_regions: int) -> ModelConfig:
+        """The `ModelConfig` of this recipe for a vocabulary and data of the given sizes."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)
+                  if f.name not in ("vocab_size", "img_dim", "num_regions")}
+        return ModelConfig(vocab_size=vocab_size, img_dim=img_dim, num_regions=num_regions, **values)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InputError(f"training config field {name!r} must be an integer >= {minimum}, got {value!r}")
+
+
+# The authors' recipes (official.md): Adam 2e-4, batch 128, clip 2.0, margin 0.2, hardest
+# negatives, 2048-d features of 36 regions, validation on the first 5000 dev captions.
+_PAPER = dict(img_dim=2048, num_regions=36, batch_size=128, lr=2e-4, grad_clip=2.0, margin=0.2,
+              max_violation=True, val_max_captions=5000, workers=4)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "f30k-sgr": dict(_PAPER, module="sgr", epochs=40, lr_update=30),
+    "f30k-saf": dict(_PAPER, module="saf", epochs=30, lr_update=20),
+    "coco-sgr": dict(_PAPER, module="sgr", epochs=20, lr_update=10),
+    "coco-saf": dict(_PAPER, module="saf", epochs=20, lr_update=10),
+    # The embedded benchmark (`sgraf generate`): a few minutes on a laptop CPU. At these sizes
+    # and step counts the hardest-negative loss sits on its plateau (every score equal, loss
+    # 2 * batch * margin) for longer than the whole run, so the small presets sum over all
+    # negatives, with a larger learning rate.
+    "demo": dict(module="sgr", img_dim=None, num_regions=None, word_dim=64, embed_size=128,
+                 sim_dim=64, sgr_step=3, epochs=6, lr_update=4, batch_size=64, lr=2e-3,
+                 max_violation=False, val_max_captions=None, checkpoint_every=100, log_every=5),
+    # The smallest configuration that still learns; the tests train it.
+    "tiny": dict(module="sgr", img_dim=None, num_regions=None, word_dim=16, embed_size=32,
+                 sim_dim=16, sgr_step=2, epochs=2, lr_update=10, batch_size=8, lr=1e-2, max_violation=False,
+                 val_max_captions=None, val_batch_size=64, checkpoint_every=5, log_every=1,
+                 progress=False),
+}
+
+
+def preset(name: str) -> TrainConfig:
+    """The named recipe (`f30k-sgr`, `f30k-saf`, `coco-sgr`, `coco-saf`, `demo`, `tiny`)."""
+    if name not in PRESETS:
+        raise InputError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    return TrainConfig.from_dict(PRESETS[name], source=f"preset {name}")
+
+
+def valid_keys() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+# Keys a YAML file may hold besides the config fields (a run's config.yaml records them).
+_FILE_ONLY_KEYS = ("data", "preset", "sgraf_version")
+
+
+def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Reads a YAML training config.
+
+    Returns:
+        (fields, extras): config fields to apply, and the file-only keys (`data`, `preset`,
+        `sgraf_version`) it holds.
+    """
+    import yaml
+
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "training config file not found", str(path)) from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise InputError(f"{path}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise InputError(f"{path}: expected a mapping of config keys to values, got {type(values).__name__}")
+    extras = {k: values.pop(k) for k in _FILE_ONLY_KEYS if k in values}
+    return _coerce_all(values, str(path)), extras
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """Parses `key=value` strings (values coerced later, against the field's type)."""
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InputError(f"--set expects key=value, got {pair!r}")
+        overrides[key] = value.strip()
+    return _coerce_all(overrides, "--set")
+
+
+def resolve_config(preset_name: str | None = None, config_file: str | pathlib.Path | None = None,
+                   overrides: Iterable[str] = ()) -> tuple[TrainConfig, dict[str, Any]]:
+    """Defaults, then a preset, then a YAML file, then `key=value` overrides.
+
+    Returns:
+        The config and the YAML file's extra keys (e.g. `data`).
+    """
+    values: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
+    if config_file is not None:
+        file_values, extras = load_config_file(config_file)
+        if preset_name is None and extras.get("preset"):
+            preset_name = str(extras["preset"])
+    if preset_name is not None:
+        if preset_name not in PRESETS:
+            raise InputError(f"unknown preset {preset_name!r}; available: {', '.join(PRESETS)}")
+        values.update(PRESETS[preset_name])
+    if config_file is not None:
+        values.update(file_values)
+    values.update(parse_overrides(overrides))
+    return TrainConfig.from_dict(values), extras
+
+
+# The authors' option names (official.md) that differ from ours.
+_AUTHOR_NAMES = {"learning_rate": "lr", "num_epochs": "epochs", "module_name": "module", "n_regions": "num_regions",
+                 "no_imgnorm": "img_norm", "no_txtnorm": "txt_norm", "workers": "workers", "val_step": "val_every"}
+
+
+def _reject_unknown(values: Mapping[str, Any], source: str) -> None:
+    unknown = sorted(set(values) - set(valid_keys()))
+    if unknown:
+        hints = []
+        import difflib
+        for key in unknown:
+            close = [_AUTHOR_NAMES[key]] if key in _AUTHOR_NAMES else difflib.get_close_matches(key, valid_keys(), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise InputError(f"{source}: unknown training config key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(hints)}; valid keys: {', '.join(valid_keys())}")
+
+
+_FIELD_TYPES = typing.get_type_hints(TrainConfig)
+
+
+def _coerce_all(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    _reject_unknown(values, source)
+    return {key: _coerce(key, value, source) for key, value in values.items()}
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    """Converts `value` (often a string from the command line) to the type of field `key`."""
+    hint = _FIELD_TYPES[key]
+    args = typing.get_args(hint)
+    optional = isinstance(hint, types.UnionType) and type(None) in args
+    base = next(a for a in args if a is not type(None)) if optional else hint
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", ""))):
+        return None
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1"):
+                return True
+            if isinstance(value, str) and value.strip().lower() in ("false", "no", "off", "0"):
+                return False
+            raise ValueError
+        if base is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
+                return int(value)
+            return int(str(value).strip())
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if base is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:  # pragma: no cover - every field type is handled above
+        raise AssertionError(f"unhandled field type {hint!r}")
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
+    raise InputError(f"{source}: training config key {key!r} expects {expected}"
+                     f"{' or none' if optional else ''}, got {value!r}")

@@ -1,0 +1,534 @@
+"""The training engine: one optimisation step, one epoch, and `fit` (a whole resumable run).
+
+The step is the authors' (official.md): the (images x captions) train-mode score matrix of the
+batch, the VSE++ hinge loss with hardest negatives summed over the batch (L_r + L_f for a joint
+model), backward, gradient-norm clipping at 2.0, Adam. The learning rate is
+`lr * 0.1 ** (epoch // lr_update)`.
+
+Determinism: the initial weights come from `seed`, the order of the captions of epoch e from
+(seed, e) alone (`EpochBatchSampler`), and dropout from torch's global generator, whose state
+is saved in every checkpoint. A resumed run therefore takes exactly the steps an uninterrupted
+one takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler
+
+from sgraf import distributed
+from sgraf.errors import InputError
+from sgraf.precision import autocast
+from sgraf.training import run_dir as rd
+from sgraf.training.config import TrainConfig
+from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores,
+                                         merge_per_caption_norms, per_caption_norms, snapshot_norms)
+from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_state,
+                                  restore_train_state)
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+
+
+@dataclass
+class StepResult:
+    """What one optimisation step reports.
+
+    Attributes:
+        loss: the batch loss (summed over the global batch; L_r + L_f for joint models).
+        grad_norm: the global gradient norm before clipping.
+        skipped: the fp16 gradient scaler found inf/NaN gradients and skipped the update.
+    """
+
+    loss: float
+    grad_norm: float
+    skipped: bool = False
+
+
+def learning_rate(config: TrainConfig, epoch: int) -> float:
+    """The authors' step schedule: `lr * 0.1 ** (epoch // lr_update)` (epoch 0-based)."""
+    return config.lr * 0.1 ** (epoch // config.lr_update)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Adam:
+    """Adam over every parameter, at the learning rate of epoch 0."""
+    return torch.optim.Adam(model.parameters(), lr=learning_rate(config, 0))
+
+
+def make_grad_scaler(config: TrainConfig, device: torch.device) -> Any | None:
+    """A gradient scaler for fp16 (None for fp32 and bf16, which need none)."""
+    if config.precision != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def batch_loss(scores: torch.Tensor | dict[str, torch.Tensor], config: TrainConfig,
+               positives: torch.Tensor | None = None) -> torch.Tensor:
+    """The ranking loss of a score matrix, or L_r + L_f of a joint model's {'sgr', 'saf'}."""
+    from sgraf.model.loss import ranking_loss
+
+    matrices = list(scores.values()) if isinstance(scores, dict) else [scores]
+    losses = [ranking_loss(m.float(), config.margin, config.max_violation, positives) for m in matrices]
+    return losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
+
+
+def same_image_mask(image_ids: torch.Tensor) -> torch.Tensor:
+    """(B, B) True where row i's image is column j's caption's image (B = global batch)."""
+    ids = gather_ids(image_ids)
+    return ids.unsqueeze(1) == ids.unsqueeze(0)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, config: TrainConfig,
+               scaler: Any | None = None, device: torch.device | str = "cpu") -> StepResult:
+    """One optimisation step on a batch (this process's share of the global batch).
+
+    Args:
+        model: an `SGRAF`; put in train mode.
+        optimizer: its Adam.
+        batch: a `sgraf.data.precomp.Batch` (images, captions, lengths, image_ids).
+        config: margin, max_violation, same_image_positive, grad_clip, precision.
+        scaler: the fp16 gradient scaler, or None.
+        device: where the model lives.
+
+    Raises:
+        NonFiniteLossError: the loss is NaN or infinite (nothing is updated).
+    """
+    model.train()
+    device = torch.device(device)
+    images = batch.images.to(device, non_blocking=True)          # (n, K, img_dim)
+    captions = batch.captions.to(device, non_blocking=True)      # (n, L)
+    lengths = batch.lengths.to(device)                           # (n,)
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms = per_caption_norms(model) if distributed.is_distributed() else []
+    norms_before = snapshot_norms(norms)
+
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(config.precision, device):
+        scores = global_batch_scores(model, images, captions, lengths)   # (B, B) or {'sgr', 'saf'}
+    positives = same_image_mask(batch.image_ids.to(device)) if config.same_image_positive else None
+    loss = batch_loss(scores, config, positives)
+    if not bool(torch.isfinite(loss)):
+        raise NonFiniteLossError(f"the training loss is {loss.item()}")
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    average_gradients(params)
+    merge_per_caption_norms(norms, norms_before)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if config.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    skipped = False
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+    else:
+        optimizer.step()
+    return StepResult(loss=float(loss.item()), grad_norm=float(grad_norm), skipped=skipped)
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """Batches of caption indices: a permutation that depends only on (seed, epoch).
+
+    The last, partial batch is kept when it holds at least `max(2, world_size)` captions
+    (BatchNorm in training mode needs two images). With several processes each batch is the
+    global batch; rank r yields its contiguous share (`sgraf.distributed.shard_range`), so the
+    shares concatenated in rank order are the batch of one process.
+
+    Args:
+        n_items: captions in the training split.
+        batch_size: global batch size.
+        seed: the run's seed.
+        epoch: 0-based epoch.
+        start_batch: batches of this epoch already taken (resume).
+        rank, world_size: this process and how many share each batch.
+    """
+
+    def __init__(self, n_items: int, batch_size: int, seed: int, epoch: int, start_batch: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        order = np.random.default_rng([seed, epoch]).permutation(n_items)
+        batches = [order[i:i + batch_size] for i in range(0, n_items, batch_size)]
+        if batches and len(batches[-1]) < max(2, world_size):
+            batches.pop()
+        self.batches = batches
+        self.start_batch = start_batch
+        self.rank, self.world_size = rank, world_size
+
+    def __len__(self) -> int:
+        return max(0, len(self.batches) - self.start_batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches[self.start_batch:]:
+            share = distributed.shard_range(len(batch), self.rank, self.world_size)
+            yield batch[share.start:share.stop].tolist()
+
+
+def steps_per_epoch(n_captions: int, batch_size: int, world_size: int = 1) -> int:
+    return len(EpochBatchSampler(n_captions, batch_size, 0, 0, world_size=world_size))
+
+
+def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
+                    config: TrainConfig, progress: Progress, scaler: Any | None = None,
+                    device: torch.device | str = "cpu",
+                    after_step: Callable[[StepResult], bool] | None = None,
+                    bar: Any | None = None) -> dict[str, float]:
+    """Trains on the batches of `loader` (the rest of the epoch `progress.epoch`).
+
+    Args:
+        after_step: called after each step (progress already advanced); returning True stops
+            the epoch early (a signal, say).
+        bar: a tqdm bar to advance.
+
+    Returns:
+        {'loss': mean batch loss, 'steps': steps taken, 'seconds': wall time, 'stopped': 0/1}.
+    """
+    start, losses, stopped = time.perf_counter(), [], False
+    for batch in loader:
+        result = train_step(model, optimizer, batch, config, scaler, device)
+        losses.append(result.loss)
+        progress.epoch_step += 1
+        progress.global_step += 1
+        progress.loss_sum += result.loss
+        progress.loss_steps += 1
+        if bar is not None:
+            bar.update(1)
+            if progress.global_step % config.log_every == 0:
+                bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2g}")
+        if after_step is not None and after_step(result):
+            stopped = True
+            break
+    return {"loss": float(np.mean(losses)) if losses else float("nan"), "steps": len(losses),
+            "seconds": time.perf_counter() - start, "stopped": float(stopped)}
+
+
+def validate(model: nn.Module, split: Any, vocab: Any, config: TrainConfig,
+             device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Recalls and rsum of `model` on a split with the fast scorer (`sgraf.scoring`)."""
+    from sgraf.metrics import evaluate_sims
+    from sgraf.scoring import encode_split, score_matrix
+
+    precision = "bf16" if config.precision == "bf16" else "fp32"
+    encoded = encode_split(model, split, vocab, batch_size=config.val_batch_size, precision=precision,
+                           device=device)
+    sims = score_matrix([model], [encoded], precision=precision)
+    return evaluate_sims(sims, caps_per_image=split.caps_per_image)
+
+
+# ---------------------------------------------------------------------------------- fit
+
+def _find_vocab(data_dir: pathlib.Path) -> pathlib.Path | None:
+    """A vocabulary JSON beside the data: DATA/vocab.json, DATA/*vocab*.json, the authors' layout."""
+    name = data_dir.name
+    stem = name[: -len("_precomp")] if name.endswith("_precomp") else name
+    candidates = [data_dir / "vocab.json", *sorted(data_dir.glob("*vocab*.json")),
+                  data_dir.parent / f"{name}_vocab.json", data_dir.parent / f"{stem}_vocab.json",
+                  data_dir.parent / "vocab" / f"{name}_vocab.json",
+                  data_dir.parent.parent / "vocab" / f"{name}_vocab.json"]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def resolve_vocab(config: TrainConfig, data_dir: pathlib.Path, train: Any, dev: Any) -> Any:
+    """The configured vocabulary, else one found beside the data, else one built from the
+    train and dev captions (words seen at least 4 times, as the authors build theirs)."""
+    from sgraf.data.vocab import build_vocab, load_vocab
+
+    if config.vocab is not None:
+        return load_vocab(config.vocab)
+    found = _find_vocab(data_dir)
+    if found is not None:
+        logger.info("vocabulary: %s", found)
+        return load_vocab(found)
+    logger.info("vocabulary: built from the train and dev captions of %s (min count 4)", data_dir)
+    return build_vocab(list(train.captions) + list(dev.captions), min_count=4)
+
+
+def check_data_fits(config: TrainConfig, splits: list[Any]) -> tuple[int, int]:
+    """(img_dim, num_regions) of the data; InputError if a split differs from another or from
+    the sizes the config names."""
+    first = splits[0]
+    dims = (first.feature_dim, first.num_regions)
+    for split in splits[1:]:
+        if (split.feature_dim, split.num_regions) != dims:
+            raise InputError(f"{split.ims_path}: {split.num_regions} regions x {split.feature_dim} features per "
+                             f"image, but {first.ims_path} has {dims[1]} x {dims[0]}")
+    wanted = {"img_dim": (config.img_dim, dims[0], "feature size"),
+              "num_regions": (config.num_regions, dims[1], "regions per image")}
+    for key, (expected, found, what) in wanted.items():
+        if expected is not None and expected != found:
+            raise InputError(f"{first.ims_path}: {what} is {found} but the training config has {key}={expected}; "
+                             f"use data of that shape, or --set {key}={found} (or {key}=none to take it from "
+                             "the data)")
+    return dims
+
+
+def check_model_fits(model_config: Any, dims: tuple[int, int], source: str) -> None:
+    """InputError if resumed weights were built for other feature sizes than the data's."""
+    if (model_config.img_dim, model_config.num_regions) != dims:
+        raise InputError(f"{source}: the model takes {model_config.num_regions} regions x {model_config.img_dim} "
+                         f"features, but the data has {dims[1]} x {dims[0]}")
+
+
+def _open_tensorboard(run: pathlib.Path) -> Any | None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except (ImportError, ModuleNotFoundError):
+        logger.debug("tensorboard is not installed: no event files")
+        return None
+    return SummaryWriter(log_dir=str(run / "tensorboard"))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+        resume: bool = False, preset: str | None = None) -> dict[str, Any]:
+    """Trains a model on a precomp data folder, writing the run folder; resumable.
+
+    Everything that can be wrong with the input (config, output folder, data shapes,
+    vocabulary, resumed checkpoint) is checked before the first step. Under `torchrun` each
+    process trains on its share of every global batch (see `sgraf.training.global_batch`);
+    rank 0 writes the files.
+
+    Args:
+        config: the resolved training config.
+        data_dir: folder with `train_*` and `dev_*` precomp files.
+        out_dir: the run folder.
+        resume: continue the run in `out_dir` from its `last.pt`.
+        preset: the preset name the config came from (recorded in config.yaml).
+
+    Returns:
+        {'status': 'finished' | 'interrupted', 'signal', 'epoch', 'global_step', 'best_rsum',
+        'best_step', 'last_loss', 'run_dir'}.
+
+    Raises:
+        InputError: bad input (before the first step).
+        NonFiniteLossError: the loss became NaN/inf; `last.pt` is the last good state.
+    """
+    from sgraf.checkpoint import load_checkpoint, load_state_checked, save_model
+    from sgraf.data.precomp import PrecompDataset, PrecompSplit, collate_batch
+    from sgraf.data.vocab import Vocabulary
+    from sgraf.model.sgraf import SGRAF
+
+    info = distributed.init_from_env(device=None if config.device == "auto" else config.device)
+    device, is_main = info.device, info.is_main
+    run = rd.prepare_run_dir(out_dir, resume=resume)
+    data_dir = pathlib.Path(data_dir)
+    if not data_dir.is_dir():
+        raise InputError(f"data folder {data_dir} does not exist or is not a folder")
+    if config.batch_size < max(2, info.world_size):
+        raise InputError(f"batch_size={config.batch_size} is too small: it needs at least 2 captions "
+                         f"and one per process ({info.world_size} processes)")
+    train = PrecompSplit(data_dir, "train")
+    dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir))
+    dims = check_data_fits(config, [train, dev])
+
+    checkpoint = None
+    if resume:
+        checkpoint = load_checkpoint(run / rd.LAST_CHECKPOINT)
+        if STATE_KEY not in checkpoint["extra"]:
+            raise InputError(f"{run / rd.LAST_CHECKPOINT}: no training state to resume from")
+        vocab = Vocabulary.from_dict(checkpoint["vocab"], source=str(run / rd.LAST_CHECKPOINT))
+    else:
+        vocab = resolve_vocab(config, data_dir, train, dev)
+    _seed_everything(config.seed)
+    model_config = config.model_config(len(vocab), img_dim=dims[0], num_regions=dims[1])
+    if checkpoint is not None:
+        from sgraf.config import ModelConfig
+        model_config = ModelConfig.from_dict(checkpoint["config"])
+        check_model_fits(model_config, dims, str(run / rd.LAST_CHECKPOINT))
+    model = SGRAF(model_config)   # initialised from `seed`
+    model.vocab = vocab
+    if checkpoint is not None:
+        load_state_checked(model, checkpoint["state_dict"], str(run / rd.LAST_CHECKPOINT))
+    model.to(device)
+    optimizer = build_optimizer(model, config)
+    scaler = make_grad_scaler(config, device)
+    progress = Progress()
+    if checkpoint is not None:
+        progress = restore_train_state(checkpoint["extra"][STATE_KEY], optimizer, scaler)
+        if is_main:
+            rd.truncate_metrics(run, progress.last_val_step)
+        logger.info("resuming %s at epoch %d, step %d (best rsum %.2f)", run, progress.epoch + 1,
+                    progress.global_step, progress.best_rsum)
+    elif info.rank > 0:
+        torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
+    if is_main and not resume:
+        rd.save_run_config(run, config, data_dir, preset)
+    distributed.barrier()
+
+    dataset = PrecompDataset(train, vocab)
+    n_steps = steps_per_epoch(len(dataset), config.batch_size, info.world_size)
+    if n_steps == 0:
+        raise InputError(f"{train.caps_path}: {len(dataset)} training captions make no batch of "
+                         f"at least 2 (batch_size={config.batch_size})")
+    tensorboard = _open_tensorboard(run) if is_main else None
+    logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
+                model_config.module, data_dir, len(dataset), n_steps, config.epochs, config.precision,
+                device, f", {info.world_size} processes" if info.world_size > 1 else "")
+
+    last_loss = float("nan")
+
+    def save_last() -> None:
+        if is_main:
+            extra = {"epoch": progress.epoch, "step": progress.global_step, "best_rsum": progress.best_rsum,
+                     "train_config": config.to_dict(), STATE_KEY: build_train_state(progress, optimizer, scaler)}
+            save_model(model, run / rd.LAST_CHECKPOINT, vocab=vocab, extra=extra)
+
+    def run_validation(end_of_epoch: bool) -> None:
+        result = validate(model, dev, vocab, config, device)
+        loss = progress.loss_sum / progress.loss_steps if progress.loss_steps else None
+        record = {"epoch": progress.epoch + (0 if end_of_epoch else 1), "step": progress.global_step,
+                  "end_of_epoch": end_of_epoch, "rsum": result["rsum"], "i2t": result["i2t"],
+                  "t2i": result["t2i"], "train_loss": loss, "lr": optimizer.param_groups[0]["lr"],
+                  "n_images": result["n_images"], "n_captions": result["n_captions"]}
+        is_best = result["rsum"] > progress.best_rsum
+        record["best"] = is_best
+        progress.loss_sum, progress.loss_steps = 0.0, 0
+        progress.last_val_step = progress.global_step
+        if is_best:
+            progress.best_rsum, progress.best_step = float(result["rsum"]), progress.global_step
+        if is_main:
+            logger.info("validation at epoch %d step %d: rsum %.2f (i2t R@1 %.1f, t2i R@1 %.1f)%s",
+                        record["epoch"], record["step"], record["rsum"], result["i2t"]["r1"],
+                        result["t2i"]["r1"], " best" if is_best else "")
+            if is_best:
+                save_model(model, run / rd.BEST_CHECKPOINT, vocab=vocab,
+                           extra={"epoch": record["epoch"], "step": record["step"], "rsum": record["rsum"],
+                                  "metrics": record, "train_config": config.to_dict()})
+            rd.append_metrics(run, record)
+            if tensorboard is not None:
+                tensorboard.add_scalar("val/rsum", record["rsum"], record["step"])
+                for side in ("i2t", "t2i"):
+                    for key in ("r1", "r5", "r10"):
+                        tensorboard.add_scalar(f"val/{side}_{key}", result[side][key], record["step"])
+            _plot(run)
+
+    status, signal_name = "finished", None
+    with StopSignals() as signals:
+        def after_step(result: StepResult) -> bool:
+            nonlocal last_loss
+            last_loss = result.loss
+            if tensorboard is not None and progress.global_step % config.log_every == 0:
+                tensorboard.add_scalar("train/loss", result.loss, progress.global_step)
+                tensorboard.add_scalar("train/grad_norm", result.grad_norm, progress.global_step)
+            if config.val_every and progress.global_step % config.val_every == 0 and progress.epoch_step < n_steps:
+                run_validation(end_of_epoch=False)
+            stop = _agree_on_stop(signals.received is not None)
+            if stop or (config.checkpoint_every and progress.global_step % config.checkpoint_every == 0):
+                save_last()
+            return stop
+
+        while progress.epoch < config.epochs:
+            set_learning_rate(optimizer, learning_rate(config, progress.epoch))
+            sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, progress.epoch,
+                                        progress.epoch_step, info.rank, info.world_size)
+            loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch,
+                                num_workers=config.workers, generator=torch.Generator().manual_seed(config.seed),
+                                pin_memory=device.type == "cuda")
+            bar = _progress_bar(config, is_main, n_steps, progress, signals)
+            try:
+                stats = train_one_epoch(model, optimizer, loader, config, progress, scaler, device,
+                                        after_step=after_step, bar=bar)
+            except NonFiniteLossError as error:
+                raise NonFiniteLossError(
+                    f"{error} at epoch {progress.epoch + 1}, step {progress.global_step + 1}; stopping. "
+                    f"The last good checkpoint is {run / rd.LAST_CHECKPOINT}"
+                    f"{'' if (run / rd.LAST_CHECKPOINT).exists() else ' (none was written yet)'}; "
+                    "try a lower lr or precision=fp32") from None
+            finally:
+                if bar is not None:
+                    bar.close()
+            if stats["stopped"]:
+                status = "interrupted"
+                signal_name = _signal_name(signals.received)
+                break
+            progress.epoch += 1
+            progress.epoch_step = 0
+            run_validation(end_of_epoch=True)
+            if progress.epoch >= config.epochs:
+                progress.finished = True
+            save_last()
+            if _agree_on_stop(signals.received is not None):
+                if progress.epoch < config.epochs:
+                    status, signal_name = "interrupted", _signal_name(signals.received)
+                break
+    if tensorboard is not None:
+        tensorboard.close()
+    distributed.barrier()
+    summary = {"status": status, "signal": signal_name, "epoch": progress.epoch, "global_step": progress.global_step,
+               "best_rsum": progress.best_rsum, "best_step": progress.best_step, "last_loss": last_loss,
+               "run_dir": str(run)}
+    if status == "interrupted":
+        logger.info("stopped by %s at epoch %d, step %d; continue with: sgraf train --resume %s",
+                    signal_name, progress.epoch + 1, progress.global_step, run)
+    return summary
+
+
+def _val_captions(config: TrainConfig, data_dir: pathlib.Path) -> int | None:
+    """`val_max_captions`, or None when the dev split is no larger (the whole split)."""
+    if config.val_max_captions is None:
+        return None
+    from sgraf.data.precomp import PrecompSplit
+
+    n_dev = PrecompSplit(data_dir, "dev").n_captions
+    return config.val_max_captions if config.val_max_captions < n_dev else None
+
+
+def _agree_on_stop(local: bool) -> bool:
+    """True on every process when any process received a stop signal."""
+    if not distributed.is_distributed():
+        return local
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if local else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def _signal_name(signum: int | None) -> str | None:
+    import signal
+
+    return signal.Signals(signum).name if signum is not None else None
+
+
+def _progress_bar(config: TrainConfig, is_main: bool, n_steps: int, progress: Progress, signals: Any) -> Any | None:
+    if not (config.progress and is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=n_steps, initial=progress.epoch_step, desc=f"epoch {progress.epoch + 1}/{config.epochs}",
+                unit="step", dynamic_ncols=True, leave=False)
+
+
+def _plot(run: pathlib.Path) -> None:
+    try:
+        from sgraf.training.plots import plot_curves
+
+        plot_curves(run)
+    except Exception as error:  # a plot is never worth stopping a run for
+        logger.warning("could not draw %s: %s", run / rd.CURVES_FILE, error)

@@ -1,0 +1,149 @@
+"""What a run needs to continue exactly where it stopped, and the signals that stop it.
+
+`last.pt` is a normal sgraf checkpoint (`sgraf.load_model` reads it); its `extra["train_state"]`
+holds the rest of the run: optimiser (Adam moments), gradient scaler, epoch, step within the
+epoch, global step, best rsum, the running training loss and every random number generator.
+All of it is tensors and plain values, so `torch.load(weights_only=True)` reads it.
+
+The order of the training captions is a pure function of (seed, epoch) (`EpochBatchSampler`),
+so the sampler's state is just the position within the epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "train_state"
+STATE_VERSION = 1
+
+
+@dataclass
+class Progress:
+    """Where a run stands; saved in every checkpoint and restored on resume.
+
+    Attributes:
+        epoch: the epoch in progress (0-based); equals the number of finished epochs.
+        epoch_step: optimisation steps already taken in this epoch.
+        global_step: optimisation steps taken since the start of the run.
+        best_rsum: best validation rsum so far (-inf before the first validation).
+        best_step: global step of that validation (-1 before the first one).
+        loss_sum: sum of the per-step training losses since the last validation.
+        loss_steps: number of steps in `loss_sum`.
+        last_val_step: global step of the last validation recorded in metrics.jsonl (-1: none).
+        finished: the run completed all its epochs.
+    """
+
+    epoch: int = 0
+    epoch_step: int = 0
+    global_step: int = 0
+    best_rsum: float = float("-inf")
+    best_step: int = -1
+    loss_sum: float = 0.0
+    loss_steps: int = 0
+    last_val_step: int = -1
+    finished: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "epoch_step": self.epoch_step, "global_step": self.global_step,
+                "best_rsum": self.best_rsum, "best_step": self.best_step, "loss_sum": self.loss_sum,
+                "loss_steps": self.loss_steps, "last_val_step": self.last_val_step,
+                "finished": self.finished}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Progress":
+        return cls(**{k: values[k] for k in cls().to_dict()})
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every generator a training step may draw from (dropout uses torch's global one)."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": [list(v) if isinstance(v, tuple) else v for v in random.getstate()],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def build_train_state(progress: Progress, optimizer: torch.optim.Optimizer,
+                      scaler: Any | None) -> dict[str, Any]:
+    """The training state stored in `last.pt`'s `extra` (tensors and plain values only)."""
+    return {
+        "version": STATE_VERSION,
+        "progress": progress.to_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": capture_rng_state(),
+        "lr": [group["lr"] for group in optimizer.param_groups],
+    }
+
+
+def restore_train_state(state: dict[str, Any], optimizer: torch.optim.Optimizer,
+                        scaler: Any | None) -> Progress:
+    """Loads optimiser, scaler and RNG states; returns the saved progress."""
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"training state version {state.get('version')!r} is not supported "
+                         f"(expected {STATE_VERSION})")
+    optimizer.load_state_dict(state["optimizer"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    restore_rng_state(state["rng"])
+    return Progress.from_dict(state["progress"])
+
+
+class StopSignals:
+    """Turns SIGTERM and SIGINT into a flag the loop checks between steps.
+
+    The loop finishes the step in progress, writes `last.pt` and returns; a second SIGINT
+    raises `KeyboardInterrupt` at once. Handlers are installed only from the main thread and
+    the previous ones are restored on exit.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.received is None:
+            logger.warning("received %s: stopping after this step and saving a checkpoint",
+                           signal.Signals(signum).name)
+        self.received = signum

@@ -1,0 +1,125 @@
+"""The application API: loading, encoding texts and images, scoring, identities."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import sgraf
+from sgraf.api import Matcher, model_identity
+from sgraf.checkpoint import save_model
+from sgraf.config import ModelConfig
+from sgraf.data.vocab import Vocabulary
+from sgraf.errors import InputError
+from sgraf.model.sgraf import SGRAF
+
+WORDS = "a dog cat runs on the grass man woman red ball".split()
+
+
+def _model(module: str, vocab: Vocabulary, seed: int, alignments: str = "both") -> SGRAF:
+    torch.manual_seed(seed)
+    model = SGRAF(ModelConfig(vocab_size=len(vocab), img_dim=10, word_dim=8, embed_size=12, sim_dim=6,
+                              num_regions=5, module=module, sgr_step=2, alignments=alignments))
+    model.vocab = vocab
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocabulary:
+    return Vocabulary.from_words(WORDS)
+
+
+@pytest.fixture(scope="module")
+def features() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((4, 5, 10)).astype(np.float32)
+
+
+def _ids(vocab: Vocabulary, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = [vocab.encode(t) for t in texts]
+    lengths = torch.tensor([len(i) for i in ids])
+    padded = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
+    for row, caption in enumerate(ids):
+        padded[row, :len(caption)] = torch.tensor(caption)
+    return padded, lengths
+
+
+def test_score_of_an_ensemble_is_the_mean_of_the_models_scores(vocab, features):
+    models = [_model("sgr", vocab, 0), _model("saf", vocab, 1)]
+    texts = ["a dog runs on the grass", "a red ball", "the woman"]
+    padded, lengths = _ids(vocab, texts)
+    expected = [m.score(torch.from_numpy(features), padded, lengths).numpy() for m in models]
+    ensemble = Matcher(models).score(features, texts)
+    assert ensemble.shape == (4, 3) and ensemble.dtype == np.float32
+    np.testing.assert_allclose(ensemble, (expected[0] + expected[1]) / 2, rtol=0, atol=1e-6)
+    single = Matcher(models[:1], batch_size=3).score(features, texts)   # blocks smaller than the inputs
+    np.testing.assert_allclose(single, expected[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("alignments", ["both", "local"])
+def test_text_global_vectors_do_not_depend_on_padding(vocab, alignments):
+    matcher = Matcher([_model("sgr", vocab, 2, alignments=alignments)])
+    alone = matcher.encode_texts(["a dog"])
+    padded = matcher.encode_texts(["a dog", "the man runs on the red grass a cat"])
+    assert padded.words[0].shape[1] == 11 and bool((padded.words[0][0, 4:] == 0).all())
+    torch.testing.assert_close(alone.global_vectors[0][0], padded.global_vectors[0][0], rtol=0, atol=1e-6)
+    assert float(alone.global_vectors[0][0].norm()) == pytest.approx(1.0, abs=1e-5)
+    assert alone.tokens == [["a", "dog"]]
+
+
+def test_image_global_vector_is_the_models_self_attention_vector(vocab, features):
+    model = _model("saf", vocab, 3)
+    encoding = Matcher([model]).encode_images(features)
+    with torch.no_grad():
+        regions = model.encode_images(torch.from_numpy(features))
+        expected = model.sim_enc.v_global_w(regions)
+    torch.testing.assert_close(encoding.regions[0], regions)
+    torch.testing.assert_close(encoding.global_vectors[0], expected)
+
+
+def test_unknown_words_are_named_or_mapped_to_unk(vocab, features):
+    matcher = Matcher([_model("sgr", vocab, 0)])
+    with pytest.raises(InputError, match=r"word\(s\) 'zebra', 'savanna', 'by' not in the model's vocabulary"):
+        matcher.encode_texts(["a zebra on the savanna by a zebra"])
+    tokens, ids = matcher.tokenize("a zebra", allow_unknown=True)
+    assert tokens == ["a", "zebra"] and ids == [1, vocab("a"), 3, 2]
+    for empty in ("", "   ", "\n"):
+        with pytest.raises(InputError, match="empty query"):
+            matcher.score(features, [empty])
+
+
+def test_features_of_the_wrong_shape_are_refused(vocab):
+    matcher = Matcher([_model("sgr", vocab, 0)])
+    with pytest.raises(InputError, match=r"must have shape \(n_images, 5, 10\) for this model, got \(2, 5, 9\)"):
+        matcher.encode_images(np.zeros((2, 5, 9), np.float32))
+    bad = np.zeros((1, 5, 10), np.float32)
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(InputError, match="NaN"):
+        matcher.encode_images(bad)
+    assert len(matcher.encode_images(np.ones((5, 10), np.float32))) == 1   # one image without batch axis
+
+
+def test_load_needs_a_vocabulary_and_checks_the_ensemble(vocab, tmp_path):
+    bare = _model("sgr", vocab, 0)
+    bare.vocab = None
+    save_model(bare, tmp_path / "sgr.pt")                                       # no vocabulary inside
+    with pytest.raises(InputError, match="carries no vocabulary"):
+        Matcher.load(tmp_path / "sgr.pt")
+    vocab.save(tmp_path / "vocab.json")
+    matcher = Matcher.load(tmp_path / "sgr.pt", vocab=tmp_path / "vocab.json")
+    assert matcher.vocab == vocab and matcher.sources == [str((tmp_path / "sgr.pt").resolve())]
+    other = Vocabulary.from_words(list(reversed(WORDS)))
+    save_model(_model("saf", vocab, 1), tmp_path / "a.pt", vocab=vocab)
+    save_model(_model("saf", other, 1), tmp_path / "b.pt", vocab=other)
+    with pytest.raises(InputError, match="different vocabularies"):
+        Matcher.load([tmp_path / "a.pt", tmp_path / "b.pt"])
+    assert sgraf.Matcher is Matcher
+
+
+def test_identity_follows_the_weights_not_the_object(vocab):
+    a, b = _model("sgr", vocab, 0), _model("sgr", vocab, 0)
+    assert model_identity(a)["weights_sha256"] == model_identity(b)["weights_sha256"]
+    with torch.no_grad():
+        b.sim_enc.sim_eval_w.bias.add_(1e-6)
+    assert model_identity(a)["weights_sha256"] != model_identity(b)["weights_sha256"]
+    assert model_identity(a)["config"] == a.config.to_dict()

@@ -1,0 +1,78 @@
+"""`sgraf demo --quick`: the whole pipeline runs and its report holds what it claims."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sgraf.checkpoint import load_model
+from sgraf.cli import main
+from sgraf.data.precomp import PrecompSplit
+from sgraf.metrics import evaluate_sims
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    return out, main(["demo", "--quick", "--out", str(out)])
+
+
+def test_quick_demo_prints_the_table_and_writes_the_report(demo, capsys):
+    out, code = demo
+    assert code == 0
+    record = json.loads((out / "results.json").read_text())
+    assert set(record["results"]) == {"global-only", "SAF", "SGR", "SGRAF"}
+    table = record["table"].splitlines()
+    assert [line.split("|")[0].strip() for line in table[4:]] == ["global-only", "Ours(SAF)", "Ours(SGR)",
+                                                                 "Ours(SGRAF)"]
+    report = (out / "report.md").read_text()
+    assert record["table"] in report
+    for name in ("curves.png", "retrieval_t2i.png", "retrieval_i2t.png", "explain_positive.png",
+                 "explain_negative.png"):
+        assert f"({name})" in report
+        with Image.open(out / name) as picture:
+            assert picture.format == "PNG" and min(picture.size) > 200
+
+
+def test_quick_demo_numbers_are_the_checkpoints_numbers(demo):
+    out, _ = demo
+    record = json.loads((out / "results.json").read_text())
+    test = PrecompSplit(out / "data", "test")
+    sims = {}
+    for label in ("SGR", "SAF", "global-only"):
+        model = load_model(out / "runs" / label.lower() / "best.pt")
+        ids = [model.vocab.encode(c) for c in test.captions]
+        import torch
+
+        lengths = torch.tensor([len(i) for i in ids])
+        padded = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
+        for row, caption in enumerate(ids):
+            padded[row, :len(caption)] = torch.tensor(caption)
+        sims[label] = model.score(torch.from_numpy(np.array(test.images)), padded, lengths).numpy()
+    sims["SGRAF"] = (sims["SGR"] + sims["SAF"]) / 2
+    for label, matrix in sims.items():
+        expected = evaluate_sims(matrix)
+        assert record["results"][label]["rsum"] == pytest.approx(expected["rsum"], abs=1e-6), label
+    baseline = load_model(out / "runs" / "global-only" / "best.pt").config
+    assert (baseline.alignments, baseline.module) == ("global", "ave")
+    rsum = {k: v["rsum"] for k, v in record["results"].items()}
+    assert record["story"]["sgraf_ge_best_single"] == (rsum["SGRAF"] >= max(rsum["SGR"], rsum["SAF"]))
+
+
+def test_quick_demo_index_is_searchable_from_the_command_line(demo, capsys):
+    out, _ = demo
+    capsys.readouterr()
+    assert main(["search", "--index", str(out / "index"), "--image-id", "0", "--top-k", "3", "--json"]) == 0
+    hits = json.loads(capsys.readouterr().out)
+    assert len(hits) == 3 and all(0 <= h["id"] < 32 * 5 for h in hits)
+    assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+
+
+def test_demo_refuses_a_folder_it_did_not_write(tmp_path, capsys):
+    (tmp_path / "thesis.tex").write_text("keep me")
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 2
+    assert "is not empty and holds no earlier demo" in capsys.readouterr().err
+    assert (tmp_path / "thesis.tex").read_text() == "keep me"

@@ -1,0 +1,159 @@
+"""Explanations: the quantities rebuild the model's own scores; the picture is written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sgraf.api import Matcher
+from sgraf.checkpoint import save_model
+from sgraf.cli import main
+from sgraf.config import ModelConfig
+from sgraf.data.vocab import Vocabulary
+from sgraf.errors import InputError
+from sgraf.explain import (explain_pair, region_layout, render_explanation, saf_node_weights, sgr_final_vs_raw,
+                           word_region_attention)
+from sgraf.model.norms import l2norm
+from sgraf.model.similarity import attend_regions
+from sgraf.model.sgraf import SGRAF
+
+WORDS = "a red blue square circle left of the right above".split()
+K, IMG_DIM = 9, 10
+
+
+def _model(module: str, vocab: Vocabulary, seed: int, alignments: str = "both") -> SGRAF:
+    torch.manual_seed(seed)
+    model = SGRAF(ModelConfig(vocab_size=len(vocab), img_dim=IMG_DIM, word_dim=8, embed_size=12, sim_dim=6,
+                              num_regions=K, module=module, sgr_step=3, alignments=alignments))
+    for bn in model.modules():
+        if isinstance(bn, torch.nn.BatchNorm1d):
+            bn.running_mean.normal_(0, 0.3)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.data.uniform_(0.5, 1.5)
+    model.vocab = vocab
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocabulary:
+    return Vocabulary.from_words(WORDS)
+
+
+@pytest.fixture(scope="module")
+def image() -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((K, IMG_DIM)).astype(np.float32)
+
+
+def _pair(model: SGRAF, vocab: Vocabulary, image: np.ndarray, text: str):
+    ids = torch.tensor([vocab.encode(text)])
+    lengths = torch.tensor([ids.shape[1]])
+    with torch.no_grad():
+        regions = model.encode_images(torch.from_numpy(image)[None])
+        words = model.encode_captions(ids, lengths)
+        nodes, _ = model.sim_enc(regions, words, torch.ones(1, ids.shape[1], dtype=torch.bool))
+        score = float(model.similarity(regions, words, lengths)[0, 0])
+    return regions, words, nodes[0, 0], score
+
+
+def test_attention_weights_rebuild_the_models_attended_context(vocab, image):
+    model = _model("sgr", vocab, 0)
+    regions, words, _, _ = _pair(model, vocab, image, "a red square left of the blue circle")
+    with torch.no_grad():
+        alpha = word_region_attention(regions[0], words[0], model.sim_enc.smooth)     # (L, K)
+        expected = attend_regions(regions, words, model.sim_enc.smooth)[0, 0]          # (L, d)
+    torch.testing.assert_close(alpha.sum(dim=1), torch.ones(alpha.shape[0]))
+    torch.testing.assert_close(l2norm(alpha @ regions[0]), expected, rtol=0, atol=1e-6)
+
+
+def test_saf_weights_rebuild_the_saf_score(vocab, image):
+    model = _model("saf", vocab, 1)
+    _, _, nodes, score = _pair(model, vocab, image, "the circle above a square")
+    with torch.no_grad():
+        beta = saf_node_weights(model.sim_enc.SAF_module, nodes)
+        rebuilt = torch.sigmoid(model.sim_enc.sim_eval_w(l2norm((beta[:, None] * nodes).sum(0))))
+    assert beta.shape == (nodes.shape[0],) and float(beta.sum()) == pytest.approx(1.0, abs=1e-6)
+    assert float(rebuilt) == pytest.approx(score, abs=1e-6)
+
+
+@pytest.mark.parametrize("alignments", ["both", "local"])
+def test_sgr_readout_rebuilds_the_sgr_score(vocab, image, alignments):
+    model = _model("sgr", vocab, 2, alignments=alignments)
+    _, _, nodes, score = _pair(model, vocab, image, "a blue square right of a red circle")
+    with torch.no_grad():
+        readout, cosines = sgr_final_vs_raw(model.sim_enc.SGR_module, nodes, model.sim_enc.use_global)
+        rebuilt = torch.sigmoid(model.sim_enc.sim_eval_w(readout))
+    assert float(rebuilt) == pytest.approx(score, abs=1e-6)
+    expected = torch.nn.functional.cosine_similarity(readout[None], nodes, dim=1)
+    torch.testing.assert_close(cosines, expected, rtol=0, atol=1e-6)
+
+
+def test_explain_pair_of_an_ensemble(vocab, image):
+    sgr, saf = _model("sgr", vocab, 3), _model("saf", vocab, 4)
+    matcher = Matcher([sgr, saf])
+    text = "a red square left of the blue circle"
+    explanation = explain_pair(matcher, image, text)
+    n_tokens = len(vocab.tokenize(text)) + 2
+    assert explanation.tokens[0] == "<start>" and explanation.tokens[-1] == "<end>"
+    assert explanation.node_labels == ["[global]", *explanation.tokens]
+    assert explanation.attention.shape == (n_tokens, K) and explanation.attention_model == "sgr"
+    assert explanation.saf_beta.shape == explanation.sgr_alignment.shape == (n_tokens + 1,)
+    scores = matcher.score(image[None], [text])[0, 0]
+    assert explanation.scores["ensemble"] == pytest.approx(float(scores), abs=1e-6)
+    assert set(explanation.scores) == {"sgr", "saf", "ensemble"}
+    with pytest.raises(InputError, match="'green' not in the model's vocabulary"):
+        explain_pair(matcher, image, "a green square")
+
+
+def test_region_layout_prefers_boxes_then_images_then_a_grid(tmp_path):
+    assert region_layout(tmp_path, "test", 0, 36).source.startswith("no image found: 6 x 6")
+    images = tmp_path / "images" / "test"
+    images.mkdir(parents=True)
+    Image.new("RGB", (60, 30), (10, 200, 10)).save(images / "00001.png")
+    layout = region_layout(tmp_path, "test", 1, 6)
+    assert layout.kind == "grid" and layout.grid == (2, 3) and layout.image.shape == (30, 60, 3)
+    heat = layout.heatmap(np.arange(6, dtype=float))
+    assert heat.shape == (30, 60) and heat[0, 0] == 0 and heat[29, 59] == 5 and heat[0, 25] == 1
+    boxes = np.zeros((2, 6, 4), np.float32)
+    boxes[1, :, 2:] = 10
+    boxes[1, 5] = [20, 5, 40, 25]
+    np.save(tmp_path / "test_boxes.npy", boxes)
+    layout = region_layout(tmp_path, "test", 1, 6)
+    assert layout.kind == "boxes" and layout.image.shape == (30, 60, 3)   # the picture, under the boxes
+    (images / "00001.png").unlink()
+    (tmp_path / "test_image_ids.txt").write_text("17\t50\t40\n18\t64\t48\n")
+    layout = region_layout(tmp_path, "test", 1, 6)
+    assert layout.kind == "boxes" and layout.image.shape == (48, 64, 3)   # blank canvas of the image's size
+    heat = layout.heatmap(np.array([0, 0, 0, 0, 0, 1.0]))
+    assert heat[10, 30] == 1 and heat[2, 2] == 0 and heat.sum() == 20 * 20
+    with pytest.raises(InputError, match=r"test_boxes\.npy: expected \(n_images, 9, 4\)"):
+        region_layout(tmp_path, "test", 1, 9)
+
+
+def test_cli_explain_writes_a_png(vocab, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    np.save(data / "test_ims.npy", rng.standard_normal((3, K, IMG_DIM)).astype(np.float32))
+    (data / "test_caps.txt").write_text("a red square\nthe blue circle\na circle above a square\n")
+    save_model(_model("sgr", vocab, 5), tmp_path / "sgr.pt", vocab=vocab)
+    save_model(_model("saf", vocab, 6), tmp_path / "saf.pt", vocab=vocab)
+    out = tmp_path / "pics" / "explain.png"
+    argv = ["explain", "--checkpoint", str(tmp_path / "sgr.pt"), "--checkpoint", str(tmp_path / "saf.pt"),
+            "--data", str(data), "--split", "test", "--text", "a red square left of the circle", "--out", str(out)]
+    assert main([*argv, "--image-id", "2"]) == 0
+    printed = capsys.readouterr().out
+    with Image.open(out) as picture:
+        assert picture.format == "PNG" and picture.size[0] > 600 and picture.size[1] > 300
+    assert "[global]" in printed and "ensemble" in printed and "3 x 3 region grid" in printed
+    assert main([*argv, "--image-id", "3"]) == 2
+    assert "--image-id 3 is out of range" in capsys.readouterr().err
+
+
+def test_render_explanation_without_attention_or_heads(vocab, image, tmp_path):
+    model = _model("ave", vocab, 7, alignments="global")
+    explanation = explain_pair(Matcher([model]), image, "a red square")
+    assert explanation.attention is None and explanation.saf_beta is None and explanation.sgr_alignment is None
+    out = render_explanation(explanation, region_layout(None, None, 0, K), tmp_path / "x.png")
+    assert out.stat().st_size > 1000

@@ -1,0 +1,234 @@
+"""Gallery index and two-stage search: agreement with exhaustive scoring, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sgraf.api import Matcher, shortlist_keys
+from sgraf.checkpoint import save_model
+from sgraf.cli import main
+from sgraf.config import ModelConfig
+from sgraf.data.vocab import Vocabulary
+from sgraf.errors import InputError
+from sgraf.model.sgraf import SGRAF
+from sgraf.search import build_index, open_index
+
+WORDS = "a dog cat runs on the grass man woman red blue ball plays with in park".split()
+N_IMG, CAPS, K, IMG_DIM = 12, 5, 6, 12
+
+
+def _model(module: str, vocab: Vocabulary, seed: int) -> SGRAF:
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=len(vocab), img_dim=IMG_DIM, word_dim=8, embed_size=16, sim_dim=8,
+                         num_regions=K, module=module, sgr_step=2)
+    model = SGRAF(config)
+    # non-trivial BatchNorm statistics, so eval numerics matter
+    for bn in model.modules():
+        if isinstance(bn, torch.nn.BatchNorm1d):
+            bn.running_mean.normal_(0, 0.2)
+            bn.running_var.uniform_(0.5, 2.0)
+    model.vocab = vocab
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gallery(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("gallery")
+    rng = np.random.default_rng(3)
+    data = root / "data"
+    data.mkdir()
+    features = rng.standard_normal((N_IMG, K, IMG_DIM)).astype(np.float32)
+    captions = [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 9)))) for _ in range(N_IMG * CAPS)]
+    np.save(data / "test_ims.npy", features)
+    (data / "test_caps.txt").write_text("\n".join(captions) + "\n")
+    vocab = Vocabulary.from_words(WORDS)
+    paths = []
+    for module, seed in (("sgr", 1), ("saf", 2)):
+        path = root / f"{module}.pt"
+        save_model(_model(module, vocab, seed), path, vocab=vocab)
+        paths.append(str(path))
+    index = root / "index"
+    assert main(["index", "--checkpoint", paths[0], "--checkpoint", paths[1], "--data", str(data),
+                 "--split", "test", "--out", str(index)]) == 0
+    return {"root": root, "data": data, "features": features, "captions": captions, "paths": paths,
+            "index": index, "vocab": vocab}
+
+
+def _exhaustive(matcher: Matcher, features: np.ndarray, captions: list[str]) -> np.ndarray:
+    """Reference: each model's validated `score` on raw inputs, averaged. (n_img, n_cap)."""
+    ids = [matcher.vocab.encode(c) for c in captions]
+    lengths = torch.tensor([len(i) for i in ids])
+    padded = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
+    for row, caption in enumerate(ids):
+        padded[row, :len(caption)] = torch.tensor(caption)
+    images = torch.from_numpy(features)
+    return np.mean([m.score(images, padded, lengths).numpy() for m in matcher.models], axis=0)
+
+
+def test_text_search_with_whole_gallery_shortlist_is_exhaustive_ranking(gallery):
+    index = open_index(gallery["index"])
+    query = "a man plays with the red ball"
+    reference = _exhaustive(index.matcher, gallery["features"], [query])[:, 0]     # (n_img,)
+    expected = np.lexsort((np.arange(N_IMG), -reference))
+    hits = index.search_text(query, top_k=N_IMG, shortlist=N_IMG)
+    assert [h.id for h in hits] == expected.tolist()
+    np.testing.assert_allclose([h.score for h in hits], reference[expected], rtol=0, atol=1e-6)
+    assert hits[0].text == gallery["captions"][hits[0].id * CAPS]
+
+
+def test_image_search_with_whole_gallery_shortlist_is_exhaustive_ranking(gallery):
+    index = open_index(gallery["index"])
+    reference = _exhaustive(index.matcher, gallery["features"][4:5], gallery["captions"])[0]
+    expected = np.lexsort((np.arange(len(reference)), -reference))[:15]
+    hits = index.search_image(image_id=4, top_k=15, shortlist=None)
+    assert [h.id for h in hits] == expected.tolist()
+    np.testing.assert_allclose([h.score for h in hits], reference[expected], rtol=0, atol=1e-6)
+    assert [h.text for h in hits] == [gallery["captions"][i] for i in expected]
+
+
+def test_shortlist_keeps_the_best_global_vectors_then_reranks(gallery):
+    index = open_index(gallery["index"], first_stage="numpy")
+    query = "the dog runs on the grass"
+    text = index.matcher.encode_texts([query])
+    coarse = index.image_keys @ shortlist_keys(text.global_vectors)[0]
+    shortlist = set(np.argsort(-coarse)[:5].tolist())
+    hits = index.search_text(query, top_k=5, shortlist=5)
+    assert {h.id for h in hits} == shortlist
+    scores = [h.score for h in hits]
+    assert scores == sorted(scores, reverse=True)
+    full = _exhaustive(index.matcher, gallery["features"], [query])[:, 0]
+    np.testing.assert_allclose(scores, full[[h.id for h in hits]], atol=1e-6)
+    # the coarse score is the ensemble's mean cosine of the global vectors
+    image = index.matcher.encode_images(gallery["features"][hits[0].id])
+    cosines = [float(a[0] @ b[0]) for a, b in zip(image.global_vectors, text.global_vectors)]
+    assert hits[0].coarse == pytest.approx(np.mean(cosines), abs=1e-6)
+
+
+def test_faiss_first_stage_matches_numpy(gallery):
+    pytest.importorskip("faiss")
+    numpy_index = open_index(gallery["index"], first_stage="numpy")
+    faiss_index = open_index(gallery["index"], first_stage="faiss", matcher=numpy_index.matcher)
+    for shortlist in (3, 7):
+        a = numpy_index.search_image(image_id=1, top_k=3, shortlist=shortlist)
+        b = faiss_index.search_image(image_id=1, top_k=3, shortlist=shortlist)
+        assert [h.id for h in a] == [h.id for h in b]
+
+
+def test_float16_index_ranks_like_float32(gallery, tmp_path):
+    index32 = open_index(gallery["index"])
+    build_index(index32.matcher, gallery["features"], gallery["captions"], tmp_path / "half",
+                dtype="float16")
+    index16 = open_index(tmp_path / "half", matcher=index32.matcher)
+    assert index16.image_regions[0].dtype == np.float16
+    a = index32.search_image(image_id=7, top_k=5, shortlist=None)
+    b = index16.search_image(image_id=7, top_k=5, shortlist=None)
+    np.testing.assert_allclose([h.score for h in a], [h.score for h in b], atol=2e-3)
+
+
+def test_cli_search_json_lists_ids_and_scores_best_first(gallery, capsys):
+    capsys.readouterr()
+    assert main(["search", "--index", str(gallery["index"]), "--text", "a cat in the park", "--top-k", "4",
+                 "--shortlist", "0", "--json"]) == 0
+    hits = json.loads(capsys.readouterr().out)
+    assert [sorted(h) for h in hits] == [["id", "score"]] * 4
+    index = open_index(gallery["index"])
+    expected = index.search_text("a cat in the park", top_k=4, shortlist=None)
+    assert [h["id"] for h in hits] == [h.id for h in expected]
+    assert main(["search", "--index", str(gallery["index"]), "--image-id", "2", "--top-k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("caption ") == 3 and "image 2 -> top 3 captions" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--text", "a zebra runs"], "'zebra' not in the model's vocabulary"),
+    (["--text", "   "], "empty query"),
+    (["--image-id", "99"], "image id 99 is out of range"),
+    (["--text", "a dog", "--top-k", "0"], "--top-k must be a positive integer"),
+])
+def test_cli_search_bad_queries_are_one_line_errors(gallery, capsys, argv, message):
+    assert main(["search", "--index", str(gallery["index"]), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_index_built_with_another_model_is_refused_naming_both(gallery, tmp_path):
+    other = tmp_path / "other.pt"
+    save_model(_model("sgr", gallery["vocab"], seed=11), other, vocab=gallery["vocab"])
+    matcher = Matcher.load([other, gallery["paths"][1]])
+    with pytest.raises(InputError) as error:
+        open_index(gallery["index"], matcher=matcher)
+    message = str(error.value)
+    built = json.loads((gallery["index"] / "manifest.json").read_text())["models"][0]
+    assert built["source"] in message and str(other) in message
+    assert built["weights_sha256"][:12] in message and matcher.identities[0]["weights_sha256"][:12] in message
+    with pytest.raises(InputError, match="built with 2 model"):
+        open_index(gallery["index"], matcher=Matcher.load([gallery["paths"][0]]))
+
+
+def test_search_cli_refuses_checkpoint_overwritten_since_indexing(gallery, tmp_path, capsys):
+    copy = tmp_path / "index"
+    import shutil
+
+    shutil.copytree(gallery["index"], copy)
+    moved = tmp_path / "sgr.pt"
+    save_model(_model("sgr", gallery["vocab"], seed=12), moved, vocab=gallery["vocab"])
+    assert main(["search", "--index", str(copy), "--text", "a dog", "--checkpoint", str(moved),
+                 "--checkpoint", gallery["paths"][1]]) == 2
+    err = capsys.readouterr().err
+    assert "was built with model 0" in err and str(moved) in err and gallery["paths"][0] in err
+
+
+def _corrupt_copy(gallery: dict, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "index"
+    shutil.copytree(gallery["index"], copy)
+    return copy
+
+
+def test_truncated_index_file_is_reported_by_name(gallery, tmp_path):
+    copy = _corrupt_copy(gallery, tmp_path)
+    target = copy / "image_regions.1.npy"
+    target.write_bytes(target.read_bytes()[:-100])
+    with pytest.raises(InputError, match=r"image_regions\.1\.npy: corrupted index file, .* bytes"):
+        open_index(copy)
+
+
+def test_flipped_bytes_in_index_file_fail_the_checksum(gallery, tmp_path):
+    copy = _corrupt_copy(gallery, tmp_path)
+    target = copy / "caption_words.0.npy"
+    raw = bytearray(target.read_bytes())
+    raw[-7] ^= 0xFF
+    target.write_bytes(bytes(raw))
+    with pytest.raises(InputError, match=r"caption_words\.0\.npy: corrupted index file, its sha256"):
+        open_index(copy)
+    open_index(copy, verify=False)  # without the checksum, only the sizes and headers are checked
+
+
+def test_broken_manifest_and_header_are_reported(gallery, tmp_path):
+    copy = _corrupt_copy(gallery, tmp_path)
+    target = copy / "image_keys.npy"
+    raw = bytearray(target.read_bytes())
+    raw[:6] = b"XXXXXX"  # the .npy magic string
+    target.write_bytes(bytes(raw))
+    with pytest.raises(InputError, match=r"image_keys\.npy: corrupted index file, not a readable \.npy"):
+        open_index(copy, verify=False)
+    (copy / "manifest.json").write_text('{"format": "sgraf-index", "vers')
+    with pytest.raises(InputError, match=r"manifest\.json: corrupted index manifest, not valid JSON"):
+        open_index(copy)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(InputError, match="is not an sgraf index"):
+        open_index(copy)
+
+
+def test_index_out_refuses_a_folder_that_is_not_an_index(gallery, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    matcher = Matcher.load(gallery["paths"])
+    with pytest.raises(InputError, match="is not an sgraf index"):
+        build_index(matcher, gallery["features"], gallery["captions"], tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -1,0 +1,284 @@
+"""Training: configs and presets, the run folder, bad input, NaN handling, schedule, sampler."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+import sgraf
+from sgraf.cli import main
+from sgraf.config import ModelConfig
+from sgraf.errors import InputError
+from sgraf.training import loop
+from sgraf.training.config import PRESETS, preset, resolve_config, valid_keys
+from sgraf.training.loop import EpochBatchSampler, batch_loss, learning_rate, same_image_mask
+from sgraf.training.state import STATE_KEY
+from train_helpers import make_toy_precomp
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: one thread is fastest, and avoids OpenMP spin-waiting on a loaded 2-core machine.
+    torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    return make_toy_precomp(tmp_path_factory.mktemp("toy") / "data", n_train=24, n_dev=8)
+
+
+# ------------------------------------------------------------------ config
+
+def test_paper_presets_are_the_authors_recipes():
+    for name, (module, epochs, lr_update) in {"f30k-sgr": ("sgr", 40, 30), "f30k-saf": ("saf", 30, 20),
+                                              "coco-sgr": ("sgr", 20, 10), "coco-saf": ("saf", 20, 10)}.items():
+        config = preset(name)
+        assert (config.module, config.epochs, config.lr_update) == (module, epochs, lr_update)
+        assert (config.batch_size, config.lr, config.grad_clip, config.margin) == (128, 2e-4, 2.0, 0.2)
+        assert config.max_violation and not config.same_image_positive and config.precision == "fp32"
+        assert (config.img_dim, config.num_regions, config.val_max_captions) == (2048, 36, 5000)
+        assert (config.embed_size, config.sim_dim, config.word_dim, config.sgr_step) == (1024, 256, 300, 3)
+    assert {"demo", "tiny"} <= set(PRESETS)
+
+
+def test_model_fields_mirror_model_config():
+    """Every ModelConfig hyper-parameter (but the data-given vocab size) is a training key."""
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"vocab_size"}
+    assert model_fields <= set(valid_keys())
+    config = preset("tiny").replace(sgr_step=4, bi_gru=False)
+    model_config = config.model_config(vocab_size=50, img_dim=20, num_regions=6)
+    assert (model_config.sgr_step, model_config.bi_gru, model_config.embed_size) == (4, False, 32)
+
+
+def test_layers_override_in_order(tmp_path):
+    yaml_file = tmp_path / "cfg.yaml"
+    yaml_file.write_text("epochs: 7\nlr: 0.001\nmodule: saf\ndata: /somewhere\n")
+    config, extras = resolve_config("f30k-sgr", yaml_file, ["lr=5e-4", "bi_gru=false", "img_dim=none"])
+    assert config.epochs == 7 and config.module == "saf"         # the file beats the preset
+    assert config.lr == 5e-4                                      # --set beats the file
+    assert config.bi_gru is False and config.img_dim is None      # coerced from strings
+    assert config.lr_update == 30                                 # untouched preset value
+    assert extras == {"data": "/somewhere"}
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(InputError) as err:
+        resolve_config("tiny", None, ["learning_rate=0.1"])
+    assert "learning_rate" in str(err.value) and "did you mean 'lr'" in str(err.value)
+    assert all(key in str(err.value) for key in valid_keys())
+    yaml_file = tmp_path / "typo.yaml"
+    yaml_file.write_text("epochs: 3\nbatchsize: 64\n")
+    with pytest.raises(InputError, match=r"typo.yaml: unknown training config key 'batchsize'.*batch_size"):
+        resolve_config(None, yaml_file)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("epochs=two", "'epochs' expects an integer"),
+    ("epochs=0", "'epochs' must be an integer >= 1"),
+    ("module=vgg", "'module' must be one of sgr, saf, ave, joint"),
+    ("precision=fp8", "'precision' must be one of fp32, bf16, fp16"),
+    ("bi_gru=maybe", "'bi_gru' expects true or false"),
+    ("lr", "--set expects key=value"),
+])
+def test_bad_values_are_named(override, message):
+    with pytest.raises(InputError, match=message):
+        resolve_config("tiny", None, [override])
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("epochs: 3\nlr: [1,\n")
+    with pytest.raises(InputError, match=r"bad.yaml: line \d+"):
+        resolve_config(None, bad)
+
+
+# ------------------------------------------------------------------ schedule, sampler, loss
+
+def test_learning_rate_steps_down_every_lr_update_epochs():
+    config = preset("f30k-sgr")
+    assert [learning_rate(config, e) for e in (0, 29, 30, 39)] == pytest.approx([2e-4, 2e-4, 2e-5, 2e-5])
+    assert learning_rate(preset("coco-saf"), 19) == pytest.approx(2e-5)
+
+
+def test_sampler_depends_on_seed_and_epoch_only_and_shards_the_global_batch():
+    one = EpochBatchSampler(50, 16, seed=3, epoch=2)
+    again = EpochBatchSampler(50, 16, seed=3, epoch=2)
+    assert list(one) == list(again)
+    assert list(one) != list(EpochBatchSampler(50, 16, seed=3, epoch=3))
+    batches = list(one)
+    assert [len(b) for b in batches] == [16, 16, 16, 2]       # the last batch of 2 is kept...
+    assert [len(b) for b in EpochBatchSampler(49, 16, 3, 2)] == [16, 16, 16]  # ...one of 1 is not (BatchNorm)
+    assert sorted(sum(batches, [])) == sorted(set(sum(batches, [])))
+    shards = [list(EpochBatchSampler(50, 16, 3, 2, rank=r, world_size=3)) for r in range(3)]
+    assert [len(s) for s in shards] == [3, 3, 3]              # the batch of 2 cannot feed 3 processes
+    for k, batch in enumerate(batches[:3]):
+        assert sum((s[k] for s in shards), []) == batch.tolist() if hasattr(batch, "tolist") else batch
+    assert list(EpochBatchSampler(50, 16, 3, 2, start_batch=2)) == batches[2:]
+    assert len(EpochBatchSampler(50, 16, 3, 2, start_batch=2)) == 2
+
+
+def test_same_image_option_removes_those_pairs_from_the_negatives():
+    scores = torch.tensor([[0.9, 0.8, 0.1], [0.85, 0.9, 0.2], [0.1, 0.3, 0.7]])
+    image_ids = torch.tensor([4, 4, 7])                        # captions 0 and 1 share an image
+    config = preset("tiny")
+    mask = same_image_mask(image_ids)
+    assert mask.tolist() == [[True, True, False], [True, True, False], [False, False, True]]
+    default = batch_loss(scores, config).item()
+    masked = batch_loss(scores, config.replace(same_image_positive=True), mask).item()
+    # Default (the authors'): the other caption of image 4 is each one's hardest negative.
+    # rows (images): 0.2+0.8-0.9, 0.2+0.85-0.9, 0.2+0.3-0.7 -> 0.1, 0.15, 0
+    # cols (captions): 0.2+0.85-0.9, 0.2+0.8-0.9, 0.2+0.2-0.7 -> 0.15, 0.1, 0
+    assert default == pytest.approx(0.5, abs=1e-6)
+    # With the option only image/caption 7 remain as negatives of image 4's pairs: all satisfied.
+    assert masked == pytest.approx(0.0, abs=1e-7)
+
+
+def test_joint_loss_is_the_sum_of_both_heads():
+    gen = torch.Generator().manual_seed(0)
+    sgr, saf = torch.rand(5, 5, generator=gen), torch.rand(5, 5, generator=gen)
+    config = preset("tiny")
+    assert batch_loss({"sgr": sgr, "saf": saf}, config).item() == pytest.approx(
+        batch_loss(sgr, config).item() + batch_loss(saf, config).item())
+
+
+# ------------------------------------------------------------------ runs
+
+def _train(data, out, *extra):
+    return main(["train", "--data", str(data), "--out", str(out), "--preset", "tiny", *extra])
+
+
+def test_run_folder_contents(toy_data, tmp_path):
+    run = tmp_path / "run"
+    assert _train(toy_data, run, "--set", "epochs=2", "val_every=10", "seed=1") == 0
+    assert {"config.yaml", "metrics.jsonl", "last.pt", "best.pt", "curves.png"} <= {p.name for p in run.iterdir()}
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # 120 captions in batches of 8: 15 steps per epoch; every 10 steps and at each epoch's end
+    assert [r["step"] for r in records] == [10, 15, 20, 30]
+    assert [r["end_of_epoch"] for r in records] == [False, True, False, True]
+    assert [r["epoch"] for r in records] == [1, 1, 2, 2]
+    for r in records:
+        assert {"epoch", "step", "rsum", "i2t", "t2i", "train_loss", "lr"} <= set(r)
+        assert r["rsum"] == pytest.approx(sum(r[d][k] for d in ("i2t", "t2i") for k in ("r1", "r5", "r10")))
+        assert r["n_captions"] == 40 and math.isfinite(r["train_loss"])
+
+    # config.yaml reproduces the resolved config
+    from sgraf.training.run_dir import load_run_config
+    config, data, name = load_run_config(run)
+    assert config == preset("tiny").replace(epochs=2, val_every=10, seed=1)
+    assert data == str(toy_data.resolve()) and name == "tiny"
+
+    # best.pt holds the best rsum's weights; both load with sgraf.load_model (weights_only)
+    best = torch.load(run / "best.pt", weights_only=True)
+    best_record = max(records, key=lambda r: r["rsum"])
+    assert best["extra"]["rsum"] == best_record["rsum"] and best["extra"]["step"] == best_record["step"]
+    last = torch.load(run / "last.pt", weights_only=True)
+    assert last["extra"][STATE_KEY]["progress"]["finished"] is True
+    model = sgraf.load_model(run / "best.pt")
+    assert model.config.img_dim == 20 and model.config.num_regions == 6 and model.vocab is not None
+    # the validation rsum recorded for best.pt is what its weights score now
+    from sgraf.data.precomp import PrecompSplit
+    result = loop.validate(model, PrecompSplit(toy_data, "dev"), model.vocab, preset("tiny"))
+    assert result["rsum"] == pytest.approx(best_record["rsum"])
+
+
+def test_joint_training_and_other_precisions(toy_data, tmp_path):
+    assert _train(toy_data, tmp_path / "joint", "--set", "epochs=1", "module=joint") == 0
+    model = sgraf.load_model(tmp_path / "joint" / "last.pt")
+    assert model.heads == ("sgr", "saf")
+    for precision in ("bf16", "fp16"):
+        run = tmp_path / precision
+        assert _train(toy_data, run, "--set", "epochs=1", f"precision={precision}") == 0
+        last = torch.load(run / "last.pt", weights_only=True)
+        scaler = last["extra"][STATE_KEY]["scaler"]
+        assert (scaler is not None) == (precision == "fp16")    # a gradient scaler for fp16 only
+        record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+        assert math.isfinite(record["train_loss"])
+        assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())
+
+
+# ------------------------------------------------------------------ bad input, before the first step
+
+def _no_step_taken(run):
+    return not (run / "last.pt").exists() and not (run / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("img_dim=2048", r"train_ims.npy: feature size is 20 but the training config has img_dim=2048"),
+    ("num_regions=36", r"train_ims.npy: regions per image is 6 but the training config has num_regions=36"),
+])
+def test_data_that_does_not_fit_the_model(toy_data, tmp_path, capsys, override, message):
+    run = tmp_path / "run"
+    assert _train(toy_data, run, "--set", override) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(InputError, match=message):
+        loop.fit(preset("tiny").replace(**dict([override.split("=")])), toy_data, tmp_path / "direct")
+    assert _no_step_taken(run)
+
+
+def test_paper_preset_on_small_features_fails_before_training(toy_data, tmp_path, capsys):
+    assert main(["train", "--data", str(toy_data), "--out", str(tmp_path / "r"), "--preset", "f30k-sgr"]) == 2
+    err = capsys.readouterr().err
+    assert "feature size is 20" in err and "img_dim=2048" in err and "--set img_dim=20" in err
+
+
+def test_config_typo_on_the_command_line(toy_data, tmp_path, capsys):
+    assert _train(toy_data, tmp_path / "run", "--set", "epoch=3") == 2
+    err = capsys.readouterr().err
+    assert "unknown training config key 'epoch'" in err and "valid keys: module," in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_unwritable_output_folder(toy_data, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    assert _train(toy_data, blocker / "run") == 2
+    assert "is not writable" in capsys.readouterr().err
+    assert _train(toy_data, blocker) == 2
+    assert "is a file, expected a folder" in capsys.readouterr().err
+
+
+def test_existing_run_is_not_overwritten_and_resume_needs_a_run(toy_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(toy_data, run, "--set", "epochs=1") == 0
+    before = (run / "last.pt").read_bytes()
+    assert _train(toy_data, run) == 2
+    assert "already holds a run" in capsys.readouterr().err and (run / "last.pt").read_bytes() == before
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--set", "lr=0.1"]) == 2
+    assert "cannot change when resuming" in capsys.readouterr().err
+
+
+def test_missing_dev_split(tmp_path, capsys):
+    data = make_toy_precomp(tmp_path / "data", n_train=8, n_dev=4)
+    (data / "dev_caps.txt").unlink()
+    assert _train(data, tmp_path / "run") == 2
+    assert "dev_caps.txt: missing file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ NaN / inf
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(toy_data, tmp_path, monkeypatch, capsys):
+    real_loss = loop.batch_loss
+    calls = {"n": 0}
+
+    def loss_going_bad(*args, **kwargs):
+        calls["n"] += 1
+        value = real_loss(*args, **kwargs)
+        return value * float("nan") if calls["n"] == 7 else value
+
+    monkeypatch.setattr(loop, "batch_loss", loss_going_bad)
+    run = tmp_path / "run"
+    assert _train(toy_data, run, "--set", "checkpoint_every=5") == 1
+    err = capsys.readouterr().err
+    assert "loss is nan at epoch 1, step 7" in err and str(run / "last.pt") in err
+    last = torch.load(run / "last.pt", weights_only=True)
+    assert last["extra"][STATE_KEY]["progress"]["global_step"] == 5
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())

@@ -1,0 +1,155 @@
+"""Must-show: two torchrun processes (gloo, CPU) train exactly like one process.
+
+The global batch of 7 pairs is split 3 + 4 over two processes; each computes its columns of
+the score matrix against all 7 images, the matrix is assembled across processes, and the loss,
+gradients, the parameters after one Adam step and the BatchNorm statistics (VisualSA's over
+the whole batch of images, SAF's once per caption in caption order) must equal those of one
+process with the same 7 pairs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sgraf.training.config import preset
+from sgraf.training.loop import batch_loss, build_optimizer, same_image_mask, train_step
+
+MODULES = ("sgr", "saf", "joint")
+TOL = 1e-5
+
+# One definition of the problem, shared by the workers and the single-process reference.
+PROBLEM = textwrap.dedent('''
+    import torch
+    from types import SimpleNamespace
+    from sgraf.config import ModelConfig
+    from sgraf.model.sgraf import SGRAF
+
+    def make_problem(module):
+        gen = torch.Generator().manual_seed(11)
+        lengths = torch.tensor([5, 9, 4, 7, 6, 3, 8])
+        captions = torch.zeros(7, 9, dtype=torch.int64)
+        for i, n in enumerate(lengths.tolist()):
+            captions[i, :n] = torch.randint(4, 30, (n,), generator=gen)
+            captions[i, 0], captions[i, n - 1] = 1, 2
+        images = torch.randn(7, 6, 20, generator=gen)
+        image_ids = torch.tensor([0, 1, 1, 2, 3, 3, 4])   # two images appear twice
+        images[2], images[5] = images[1], images[4]
+        batch = SimpleNamespace(images=images, captions=captions, lengths=lengths, image_ids=image_ids)
+        config = ModelConfig(vocab_size=30, img_dim=20, word_dim=8, embed_size=16, sim_dim=8, num_regions=6,
+                             module=module, sgr_step=2, dropout=0.0)
+        torch.manual_seed(5)
+        return SGRAF(config), batch
+
+    def share(batch, index):
+        return SimpleNamespace(**{k: v[index] for k, v in vars(batch).items()})
+''')
+
+WORKER = PROBLEM + textwrap.dedent('''
+    import sys
+    from sgraf import distributed
+    from sgraf.training.config import preset
+    from sgraf.training.global_batch import average_gradients, global_batch_scores
+    from sgraf.training.loop import batch_loss, build_optimizer, same_image_mask, train_step
+
+    torch.set_num_threads(1)
+    info = distributed.init_from_env(device="cpu")
+    assert info.world_size == 2
+    results = {}
+    for module in ("sgr", "saf", "joint"):
+        for same_image in (False, True):
+            config = preset("tiny").replace(module=module, same_image_positive=same_image, lr=2e-4,
+                                            max_violation=True)
+            model, batch = make_problem(module)
+            local = share(batch, slice(*[(0, 3), (3, 7)][info.rank]))
+            model.train()
+            scores = global_batch_scores(model, local.images, local.captions, local.lengths)
+            positives = same_image_mask(local.image_ids) if same_image else None
+            loss = batch_loss(scores, config, positives)
+            loss.backward()
+            average_gradients(list(model.parameters()))
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+            model, batch = make_problem(module)
+            optimizer = build_optimizer(model, config)
+            step = train_step(model, optimizer, share(batch, slice(*[(0, 3), (3, 7)][info.rank])), config)
+            results[(module, same_image)] = {"loss": loss.item(), "grads": grads, "step_loss": step.loss,
+                                             "grad_norm": step.grad_norm, "state": model.state_dict()}
+    if info.is_main:
+        torch.save({f"{m}/{s}": v for (m, s), v in results.items()}, sys.argv[1])
+    distributed.cleanup()
+''')
+
+_namespace: dict = {}
+exec(PROBLEM, _namespace)
+make_problem, share = _namespace["make_problem"], _namespace["share"]
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dist")
+    script = folder / "worker.py"
+    script.write_text(WORKER)
+    out = folder / "results.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def _single_process(module: str, same_image: bool):
+    config = preset("tiny").replace(module=module, same_image_positive=same_image, lr=2e-4, max_violation=True)
+    model, batch = make_problem(module)
+    model.train()
+    scores = model(batch.images, batch.captions, batch.lengths)
+    loss = batch_loss(scores, config, same_image_mask(batch.image_ids) if same_image else None)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model, batch = make_problem(module)
+    step = train_step(model, build_optimizer(model, config), batch, config)
+    return loss.item(), grads, step, model.state_dict()
+
+
+@pytest.mark.parametrize("same_image", [False, True])
+@pytest.mark.parametrize("module", MODULES)
+def test_two_processes_equal_one(two_process_results, module, same_image):
+    torch.set_num_threads(1)
+    got = two_process_results[f"{module}/{same_image}"]
+    loss, grads, step, state = _single_process(module, same_image)
+
+    assert got["loss"] == pytest.approx(loss, abs=TOL)
+    assert got["step_loss"] == pytest.approx(step.loss, abs=TOL)
+    assert got["grad_norm"] == pytest.approx(step.grad_norm, rel=TOL)
+    for key, grad in grads.items():  # 1e-5 relative to the tensor's largest entry (float32 sums)
+        scale = max(1.0, grad.abs().max().item())
+        assert (got["grads"][key] - grad).abs().max().item() < TOL * scale, key
+    lr = 2e-4
+    largest = max(g.abs().max().item() for g in grads.values())
+    for key, value in state.items():
+        if key.endswith("num_batches_tracked"):
+            assert int(got["state"][key]) == int(value), key       # SAF: +7 (one per caption)
+            continue
+        # A parameter whose exact gradient is ~0 (a bias in front of a BatchNorm) takes an
+        # Adam step of float noise, up to lr in size, in either computation.
+        noise_only = key in grads and grads[key].abs().max().item() < 1e-6 * largest
+        tol = 2 * lr if noise_only else TOL
+        assert (got["state"][key] - value).abs().max().item() < tol, key
+
+
+def test_gathering_matters_for_this_problem():
+    """Guard against a vacuous test: scoring each share on its own (no assembly across
+    processes) gives a different loss, so the equality above needs the global matrix."""
+    config = preset("tiny")
+    model, batch = make_problem("sgr")
+    model.train()
+    with torch.no_grad():
+        whole = batch_loss(model(batch.images, batch.captions, batch.lengths), config).item()
+        parts = sum(batch_loss(model(b.images, b.captions, b.lengths), config).item()
+                    for b in (share(batch, slice(0, 3)), share(batch, slice(3, 7))))
+    assert abs(whole - parts) > 1e-2
+    assert batch.image_ids.unique().numel() < 7   # same-image pairs exist for the mask option
