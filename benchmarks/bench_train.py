@@ -4,7 +4,9 @@ One optimisation step = train-mode scores of a batch of 128 pairs, the hinge los
 negatives, backward, clipping at 2.0, Adam (2048-d features of 36 regions, embed 1024, sim 256,
 word 300, vocabulary 8,500, caption lengths like Flickr30K's). "oracle" is the authors'
 algorithm: each caption scored against all images on its own (`sgraf.model.oracle`), the way
-their training loop does it; "ours" is `sgraf.training.train_step` (vectorised over captions).
+their training loop does it; "ours" is `sgraf.training.train_step` (vectorised over captions,
+scored in length-sorted caption chunks whose intermediates are recomputed in backward;
+`--chunk N` fixes the captions per chunk, `--no-checkpoint` keeps every chunk's intermediates).
 Dropout is off so both compute the same first loss (printed: a correctness check).
 
 Each configuration runs in its own subprocess, so its peak resident memory (ru_maxrss: the
@@ -35,7 +37,8 @@ def caption_lengths(n: int, generator):
     return (words.round().clamp(1, 80) + 2).long()
 
 
-def child(module: str, impl: str, precision: str, batch_size: int, steps: int, threads: int) -> dict:
+def child(module: str, impl: str, precision: str, batch_size: int, steps: int, threads: int,
+          chunk: int | None = None, checkpoint: bool = True) -> dict:
     import torch
     from types import SimpleNamespace
 
@@ -51,6 +54,7 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
     config = preset(f"f30k-{module}").replace(precision=precision)
     model = SGRAF(ModelConfig(vocab_size=8500, img_dim=2048, word_dim=300, embed_size=1024, sim_dim=256,
                               num_regions=36, module=module, dropout=0.0))
+    model.train_chunk, model.train_checkpoint = chunk, checkpoint
     optimizer = build_optimizer(model, config)
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(1)
@@ -98,11 +102,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--no-oracle", action="store_true", help="skip the slow per-caption reference")
+    parser.add_argument("--chunk", type=int, help="ours: captions per chunk (default: from a memory budget)")
+    parser.add_argument("--no-checkpoint", action="store_true", help="ours: keep every chunk's intermediates")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs=3, metavar=("MODULE", "IMPL", "PRECISION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.batch, args.steps, args.threads)))
+        print(json.dumps(child(*args.child, args.batch, args.steps, args.threads, args.chunk,
+                               not args.no_checkpoint)))
         return
 
     runs = [("oracle", "fp32"), ("ours", "fp32"), ("ours", "bf16")]
@@ -115,7 +122,10 @@ def main() -> None:
         for impl, precision in runs:
             proc = subprocess.run([sys.executable, __file__, "--child", module, impl, precision,
                                    "--batch", str(args.batch), "--steps", str(args.steps),
-                                   "--threads", str(args.threads)], capture_output=True, text=True)
+                                   "--threads", str(args.threads)]
+                                  + (["--chunk", str(args.chunk)] if args.chunk else [])
+                                  + (["--no-checkpoint"] if args.no_checkpoint else []),
+                                  capture_output=True, text=True)
             if proc.returncode != 0:
                 print(f"{module:<6} {impl:<7} {precision:<5} FAILED: {proc.stderr.strip().splitlines()[-1]}")
                 continue

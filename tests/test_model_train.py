@@ -145,3 +145,57 @@ def test_saf_running_stats_with_cumulative_momentum_match_sequential_updates():
     for key in ("running_mean", "running_var"):
         torch.testing.assert_close(getattr(model.sim_enc.SAF_module.bn, key), getattr(oracle.sim_enc.SAF_module.bn, key),
                                    atol=1e-6, rtol=0)
+
+
+def _train_pass(model, batch, chunk, checkpoint):
+    """Loss, gradients and buffers of one train-mode forward + backward (dropout seeded)."""
+    model.zero_grad(set_to_none=True)
+    model.train_chunk, model.train_checkpoint = chunk, checkpoint
+    torch.manual_seed(3)
+    scores = model(*batch)
+    scores = scores if isinstance(scores, dict) else {"score": scores}
+    loss = sum(ranking_loss(s) for s in scores.values())
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_b" in k}
+
+
+@pytest.mark.parametrize("config", [dict(module="sgr"), dict(module="saf"), dict(module="joint"),
+                                    dict(module="sgr", alignments="local"), dict(module="saf", attention="i2t")])
+def test_chunked_checkpointed_training_equals_one_block(config):
+    lengths = [5, 3, 9, 3, 7, 4, 8]                     # unsorted, mixed, two of length 3
+    batch = random_batch(random_model(4, num_regions=6, **config), 7, lengths, pad_to=11, seed=5)
+    reference_model = random_model(4, num_regions=6, dropout=0.3, **config).train()
+    loss, grads, buffers = _train_pass(reference_model, batch, chunk=None, checkpoint=False)
+    assert len(reference_model.train_chunks(7, batch[2])) == 1
+    for chunk in (1, 2, len(lengths)):
+        model = random_model(4, num_regions=6, dropout=0.3, **config).train()
+        got_loss, got_grads, got_buffers = _train_pass(model, batch, chunk=chunk, checkpoint=True)
+        assert got_loss == pytest.approx(loss, abs=1e-5)
+        assert set(got_grads) == set(grads)
+        for name, grad in grads.items():
+            scale = grad.abs().max().item()
+            assert (got_grads[name] - grad).abs().max().item() <= 1e-4 * scale + 1e-6, (chunk, name)
+        for key, value in buffers.items():
+            if "num_b" in key:
+                assert int(got_buffers[key]) == int(value), key
+            else:
+                torch.testing.assert_close(got_buffers[key], value, atol=1e-6, rtol=0, msg=key)
+    assert grads and (buffers or config.get("alignments") == "local")
+
+
+def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
+    import sgraf.model.sgraf as sgraf_module
+
+    model = random_model(2, module="saf").train()
+    lengths = torch.tensor([4, 9, 2, 7, 3])
+    # a budget of 10 padded words per chunk (3 images, d=16, float32)
+    monkeypatch.setattr(sgraf_module, "TRAIN_CHUNK_BYTES", 4 * 3 * 16 * 10)
+    chunks = [c.tolist() for c in model.train_chunks(3, lengths)]
+    # sorted lengths 2, 3, 4, 7, 9: (2, 3) pads to 2 x 3 = 6 words; adding 4 would be 3 x 4 = 12 > 10
+    assert chunks == [[2, 4], [0], [3], [1]]
+    model.train_chunk = 2
+    assert [c.tolist() for c in model.train_chunks(3, lengths)] == [[2, 4], [0, 3], [1]]
+    model.train_chunk = 0
+    with pytest.raises(ValueError, match="train_chunk"):
+        model.train_chunks(3, lengths)

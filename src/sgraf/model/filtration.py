@@ -25,8 +25,18 @@ class AttentionFiltration(nn.Module):
         self.attn_sim_w = nn.Linear(sim_dim, 1)
         self.bn = nn.BatchNorm1d(1)
 
-    def _normalize_per_caption(self, logits: torch.Tensor, node_mask: torch.Tensor) -> torch.Tensor:
-        """Train-mode BatchNorm1d(1) with statistics per caption. (n_img, n_cap, P) -> same."""
+    def per_caption_batch_norm(self, logits: torch.Tensor,
+                               node_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Train-mode BatchNorm1d(1) with statistics per caption, without touching the buffers.
+
+        Args:
+            logits: (n_img, n_cap, P) filter logits `W_f s + b_f`.
+            node_mask: (n_cap, P) bool valid nodes.
+
+        Returns:
+            the normalised logits (n_img, n_cap, P), and each caption's batch mean and unbiased
+            variance (n_cap,), detached: what `update_running_stats` takes.
+        """
         bn = self.bn
         mask = node_mask.unsqueeze(0).to(logits.dtype)                         # (1, n_cap, P)
         count = logits.size(0) * node_mask.sum(dim=1).to(logits.dtype)         # (n_cap,)
@@ -39,10 +49,33 @@ class AttentionFiltration(nn.Module):
         normed = centred / (var.view(1, -1, 1) + bn.eps).sqrt()
         if bn.affine:
             normed = normed * bn.weight + bn.bias
-        if bn.track_running_stats:
+        return normed, mean.detach(), (var * count / (count - 1)).detach()
+
+    def train_filter(self, nodes: torch.Tensor,
+                     node_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Train-mode Eq. 9 as a pure function (safe to recompute under activation checkpointing).
+
+        Args:
+            nodes: (n_img, n_cap, P, m); node_mask: (n_cap, P) bool.
+
+        Returns:
+            pooled (n_img, n_cap, m), and the per-caption BatchNorm mean and unbiased variance
+            (n_cap,) for `update_running_stats`, which the caller applies once, in caption order.
+        """
+        logits = self.attn_sim_w(nodes).squeeze(3)                             # (n_img, n_cap, P)
+        normed, mean, var = self.per_caption_batch_norm(logits, node_mask)
+        return self._pool(nodes, node_mask, normed), mean, var
+
+    def update_running_stats(self, means: torch.Tensor, variances: torch.Tensor) -> None:
+        """Advance the running statistics by one caption per entry, in order (no-op if untracked)."""
+        if self.bn.track_running_stats:
             with torch.no_grad():
-                self._update_running_stats(mean.detach(), (var * count / (count - 1)).detach())
-        return normed
+                self._update_running_stats(means.float(), variances.float())
+
+    @staticmethod
+    def _pool(nodes: torch.Tensor, node_mask: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        beta = l1norm(torch.sigmoid(normed) * node_mask.unsqueeze(0).to(normed.dtype), dim=2)
+        return l2norm((beta.unsqueeze(3) * nodes).sum(dim=2))
 
     def _update_running_stats(self, means: torch.Tensor, variances: torch.Tensor) -> None:
         """Apply `r <- (1 - mom) r + mom x` for each caption in order, in closed form."""
@@ -64,15 +97,15 @@ class AttentionFiltration(nn.Module):
 
     def forward(self, nodes: torch.Tensor, node_mask: torch.Tensor) -> torch.Tensor:
         """(n_img, n_cap, P, m) nodes, (n_cap, P) bool -> (n_img, n_cap, m)."""
-        logits = self.attn_sim_w(nodes).squeeze(3)                             # (n_img, n_cap, P)
         if self.training:
-            normed = self._normalize_per_caption(logits, node_mask)
-        else:
-            bn = self.bn
-            normed = F.batch_norm(logits.reshape(-1, 1), bn.running_mean, bn.running_var, bn.weight,
-                                  bn.bias, False, 0.0, bn.eps).view_as(logits)
-        beta = l1norm(torch.sigmoid(normed) * node_mask.unsqueeze(0).to(normed.dtype), dim=2)
-        return l2norm((beta.unsqueeze(3) * nodes).sum(dim=2))
+            pooled, means, variances = self.train_filter(nodes, node_mask)
+            self.update_running_stats(means, variances)
+            return pooled
+        logits = self.attn_sim_w(nodes).squeeze(3)                             # (n_img, n_cap, P)
+        bn = self.bn
+        normed = F.batch_norm(logits.reshape(-1, 1), bn.running_mean, bn.running_var, bn.weight,
+                              bn.bias, False, 0.0, bn.eps).view_as(logits)
+        return self._pool(nodes, node_mask, normed)
 
 
 def average_scores(nodes: torch.Tensor, node_mask: torch.Tensor, eval_layer: nn.Linear | None) -> torch.Tensor:

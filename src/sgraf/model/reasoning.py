@@ -146,3 +146,38 @@ def fast_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: t
     weights = node_mask.to(graphs.dtype).view(1, n_cap, n_nodes, 1)
     pooled = (graphs.view(n_img, n_cap, n_nodes, dim) * weights).sum(dim=2) / weights.sum(dim=2)
     return pooled
+
+
+def train_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: torch.Tensor,
+                          has_global: bool) -> torch.Tensor:
+    """Train-mode `graph_reasoning` without the work that cannot reach the output.
+
+    With a global node, the last step updates only node 0 (the read-out): one query row and one
+    `W_r` row per graph instead of P. Eq. 6 keeps the authors' unfolded `q k^T` (folding
+    `W_q^T W_k` changes the rounding of near-zero gradients, which Adam amplifies to lr-sized
+    steps).
+
+    Args:
+        steps: the per-step `GraphReasoning` modules.
+        nodes: (n_img, n_cap, P, m) similarity nodes.
+        node_mask: (n_cap, P) bool valid nodes.
+        has_global: node 0 is the global alignment; otherwise the valid nodes are averaged.
+
+    Returns:
+        (n_img, n_cap, m).
+    """
+    n_img, n_cap, n_nodes, dim = nodes.shape
+    # additive key mask, broadcast over images: (1, n_cap, 1, P)
+    blocked = torch.zeros(node_mask.shape, dtype=nodes.dtype, device=nodes.device)
+    blocked = blocked.masked_fill(~node_mask, float("-inf")).view(1, n_cap, 1, n_nodes)
+    graphs = nodes.reshape(n_img * n_cap, n_nodes, dim)                             # (G, P, m)
+    for index, step in enumerate(steps):
+        last = has_global and index == len(steps) - 1
+        queries = step.graph_query_w(graphs[:, :1] if last else graphs)              # (G, Q, m)
+        logits = queries @ step.graph_key_w(graphs).transpose(1, 2)                 # (G, Q, P)
+        edges = (logits.view(n_img, n_cap, -1, n_nodes) + blocked.to(logits.dtype)).softmax(dim=3)
+        graphs = torch.relu(step.sim_graph_w(edges.view(n_img * n_cap, -1, n_nodes) @ graphs))
+    if has_global:
+        return graphs[:, 0].reshape(n_img, n_cap, dim)
+    weights = node_mask.to(graphs.dtype).view(1, n_cap, n_nodes, 1)
+    return (graphs.view(n_img, n_cap, n_nodes, dim) * weights).sum(dim=2) / weights.sum(dim=2)

@@ -11,18 +11,24 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.model.encoders import ImageEncoder, TextEncoder
 from sgraf.model.filtration import AttentionFiltration, average_scores
-from sgraf.model.reasoning import GraphReasoning, fast_graph_reasoning, graph_reasoning
+from sgraf.model.reasoning import GraphReasoning, fast_graph_reasoning, graph_reasoning, train_graph_reasoning
 from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, fast_linear, inverse_norm
 
 logger = logging.getLogger(__name__)
 
 HEADS = ("sgr", "saf")
+
+# Auto chunk size for train-mode scoring: captions per chunk such that one chunk's
+# (n_img, n_cap, L, d) float32 block is about this many bytes (its other intermediates are
+# a few times that).
+TRAIN_CHUNK_BYTES = 64 * 2**20
 
 
 class SimilarityEncoder(SimilarityRepresentation):
@@ -58,6 +64,28 @@ class SimilarityEncoder(SimilarityRepresentation):
                 layer = self.saf_eval_w if self.module == "joint" else self.sim_eval_w
                 scores[head] = torch.sigmoid(layer(pooled)).squeeze(2)
         return scores
+
+    def train_head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str]
+                          ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+        """Train-mode `head_scores` as a pure function (safe to recompute in backward).
+
+        Returns:
+            scores {head: (n_img, n_cap)}, and SAF's per-caption BatchNorm (means, unbiased
+            variances) for `AttentionFiltration.update_running_stats`, or None without SAF.
+        """
+        scores, saf_stats = {}, None
+        for head in heads:
+            if head == "ave":
+                scores[head] = average_scores(nodes, node_mask, getattr(self, "sim_eval_w", None))
+            elif head == "sgr":
+                pooled = train_graph_reasoning(self.SGR_module, nodes, node_mask, has_global=self.use_global)
+                scores[head] = torch.sigmoid(self.sim_eval_w(pooled)).squeeze(2)
+            else:
+                pooled, means, variances = self.SAF_module.train_filter(nodes, node_mask)
+                saf_stats = (means, variances)
+                layer = self.saf_eval_w if self.module == "joint" else self.sim_eval_w
+                scores[head] = torch.sigmoid(layer(pooled)).squeeze(2)
+        return scores, saf_stats
 
     def fast_head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],
                          low: torch.dtype) -> dict[str, torch.Tensor]:
@@ -123,6 +151,10 @@ class SGRAF(nn.Module):
         self.txt_enc = TextEncoder(config.vocab_size, config.word_dim, config.embed_size, config.num_layers,
                                    config.bi_gru, config.txt_norm, config.dropout)
         self.sim_enc = SimilarityEncoder(config)
+        # train-mode scoring: captions per chunk (None: from TRAIN_CHUNK_BYTES) and whether each
+        # chunk's intermediates are recomputed in backward instead of kept (activation checkpointing)
+        self.train_chunk: int | None = None
+        self.train_checkpoint = True
         init_weights(self)
 
     @property
@@ -201,8 +233,73 @@ class SGRAF(nn.Module):
             with torch.autocast(words.device.type, enabled=False):
                 nodes, node_mask = self.sim_enc.fast_forward(img_embs, words, word_mask, low)
                 return self.sim_enc.fast_head_scores(nodes, node_mask, self.heads, low)
+        if self.training:
+            return self._train_similarity_heads(img_embs, words, word_mask, lengths)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
         return self.sim_enc.head_scores(nodes, node_mask, self.heads)
+
+    def train_chunks(self, n_img: int, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Caption indices of each train-mode chunk: captions sorted by length, so a chunk is
+        padded only to its own longest caption, then cut by `train_chunk` or the byte budget."""
+        order = torch.sort(lengths.cpu(), stable=True).indices
+        sorted_lengths = lengths.cpu()[order].tolist()
+        if self.train_chunk is not None:
+            if not isinstance(self.train_chunk, int) or self.train_chunk < 1:
+                raise InputError(f"train_chunk must be a positive number of captions, got {self.train_chunk!r}")
+            return list(torch.split(order, self.train_chunk))
+        budget_words = max(1, TRAIN_CHUNK_BYTES // (4 * n_img * self.config.embed_size))
+        chunks, start = [], 0
+        for end in range(1, len(order) + 1):
+            # sorted ascending: the chunk [start, end) is padded to sorted_lengths[end - 1]
+            if end - start > 1 and (end - start) * sorted_lengths[end - 1] > budget_words:
+                chunks.append(order[start:end - 1])
+                start = end - 1
+        chunks.append(order[start:])
+        if len(chunks) == 1:   # one chunk: keep the given order (sorting would only reorder sums)
+            return [torch.arange(len(order))]
+        return chunks
+
+    def _train_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                                lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Train-mode scores, the captions in chunks; each chunk recomputed in backward.
+
+        Only the BatchNorm-free, RNG-free part runs per chunk (`train_nodes` and the heads); the
+        global vectors (VisualSA's BatchNorm, the dropouts) are computed once, before. SAF's
+        per-caption BatchNorm running statistics are applied once, after, in caption order.
+        """
+        sim = self.sim_enc
+        img_glo, cap_glo = sim.global_vectors(img_embs, words, word_mask)     # (n_img, d), (n_cap, d)
+        heads = self.heads
+        recompute = self.train_checkpoint and torch.is_grad_enabled()
+
+        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo):
+            nodes, node_mask = sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo)
+            scores, saf_stats = sim.train_head_scores(nodes, node_mask, heads)
+            return [scores[head] for head in heads], saf_stats
+
+        columns: dict[str, list[torch.Tensor]] = {head: [] for head in heads}
+        means, variances = [], []
+        chunks = self.train_chunks(img_embs.size(0), lengths)
+        for index in chunks:
+            index = index.to(words.device)
+            n_words = int(lengths[index].max())
+            args = (img_embs, img_glo, words[index, :n_words], word_mask[index, :n_words],
+                    None if cap_glo is None else cap_glo[index])
+            if recompute:
+                blocks, saf_stats = torch.utils.checkpoint.checkpoint(chunk_scores, *args, use_reentrant=False)
+            else:
+                blocks, saf_stats = chunk_scores(*args)
+            for head, block in zip(heads, blocks):
+                columns[head].append(block)                                       # (n_img, chunk)
+            if saf_stats is not None:
+                means.append(saf_stats[0])
+                variances.append(saf_stats[1])
+        order = torch.cat(chunks).to(words.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        if means:
+            self.sim_enc.SAF_module.update_running_stats(torch.cat(means)[inverse], torch.cat(variances)[inverse])
+        return {head: torch.cat(cols, dim=1)[:, inverse] for head, cols in columns.items()}
 
     def similarity(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any,
                    head: str | None = None) -> torch.Tensor:

@@ -172,6 +172,66 @@ class SimilarityRepresentation(nn.Module):
         node_mask = torch.cat(masks, dim=1)
         return torch.cat(nodes, dim=2), node_mask
 
+    def global_vectors(self, regions: torch.Tensor, words: torch.Tensor,
+                       word_mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The self-attention global vectors (n_img, d) and (n_cap, d), or (None, None).
+
+        In training mode this advances VisualSA's BatchNorm running statistics: call it once per
+        forward, outside any recomputed (checkpointed) region.
+        """
+        if not self.use_global:
+            return None, None
+        return self.v_global_w(regions), self.t_global_w(words, word_mask)
+
+    def train_nodes(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                    img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from precomputed global vectors; pure, so safe to recompute in backward.
+
+        For vector nodes with text-to-image attention, the local contexts are normalised before
+        they are formed: `a_j / |a_j| = (attn_j / |a_j|) R`, with `|a_j|^2 = attn_j (R R^T)
+        attn_j^T` from each image's (K, K) Gram matrix. Same values up to rounding, and one
+        (n_img, n_cap, L, d) tensor fewer to compute and keep for backward.
+
+        Args:
+            regions: (n_img, K, d); words: (n_cap, L, d), zero beyond each length;
+            word_mask: (n_cap, L) bool; img_glo: (n_img, d), cap_glo: (n_cap, d) or None.
+
+        Returns:
+            nodes (n_img, n_cap, P, m) and node_mask (n_cap, P) bool, global node first.
+        """
+        n_img, n_regions, dim = regions.shape
+        n_cap, n_words, _ = words.shape
+        nodes, masks = [], []
+        if self.use_global:
+            layer = getattr(self, "sim_tranglo_w", None)
+            nodes.append(self._vector(img_glo.unsqueeze(1), cap_glo.unsqueeze(0), layer).unsqueeze(2))
+            masks.append(word_mask.new_ones(n_cap, 1))
+        if self.use_local and self.similarity == "vector" and self.attention == "t2i":
+            # (n_img, K, n_cap * L): every region against every word of the block, one matmul
+            relevance = regions @ words.reshape(n_cap * n_words, dim).t()
+            relevance = F.leaky_relu(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
+            relevance = l2norm(relevance, dim=3)                       # each region across the words
+            attn = (relevance * self.smooth).permute(0, 2, 3, 1).softmax(dim=3)          # (n_img, n_cap, L, K)
+            attn = attn.reshape(n_img, n_cap * n_words, n_regions)
+            gram = regions @ regions.transpose(1, 2)                                      # (n_img, K, K)
+            sq_norm = ((attn @ gram) * attn).sum(dim=2, keepdim=True)                    # |a_j|^2
+            # the authors' l2norm: a_j / (|a_j| + eps)
+            attn = attn / (sq_norm.clamp(min=0).sqrt() + EPS)
+            context = (attn @ regions).view(n_img, n_cap, n_words, dim)                  # normalised a_j
+            nodes.append(l2norm(self.sim_tranloc_w(squared_difference(context, words.unsqueeze(0)))))
+            masks.append(word_mask)
+        elif self.use_local:
+            layer = getattr(self, "sim_tranloc_w", None)
+            if self.attention == "t2i":
+                context = attend_regions(regions, words, self.smooth)          # (n_img, n_cap, L, d)
+                nodes.append(self._vector(context, words.unsqueeze(0), layer))
+                masks.append(word_mask)
+            else:
+                context = attend_words(regions, words, word_mask, self.smooth)  # (n_img, n_cap, K, d)
+                nodes.append(self._vector(context, regions.unsqueeze(1), layer))
+                masks.append(word_mask.new_ones(n_cap, n_regions))
+        return torch.cat(nodes, dim=2), torch.cat(masks, dim=1)
+
     def supports_fast(self) -> bool:
         """Whether `fast_forward` covers this configuration (vector nodes, text-to-image)."""
         return self.similarity == "vector" and self.attention == "t2i"

@@ -504,8 +504,8 @@ def _agree_on_stop(local: bool) -> bool:
     import torch.distributed as dist
 
     flag = torch.tensor([1.0 if local else 0.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
+    if dist.get_backend() == "nccl":  # NCCL reduces only tensors on this process's GPU
+        flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
 
