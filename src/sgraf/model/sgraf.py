@@ -155,6 +155,8 @@ class SGRAF(nn.Module):
         # chunk's intermediates are recomputed in backward instead of kept (activation checkpointing)
         self.train_chunk: int | None = None
         self.train_checkpoint = True
+        # the self-attention global vectors (n_img, d), (n_cap, d) of the last train-mode scoring
+        self.train_global_vectors: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         init_weights(self)
 
     @property
@@ -269,6 +271,8 @@ class SGRAF(nn.Module):
         """
         sim = self.sim_enc
         img_glo, cap_glo = sim.global_vectors(img_embs, words, word_mask)     # (n_img, d), (n_cap, d)
+        # kept for an auxiliary loss on the global vectors (sgraf.training's global_loss_weight)
+        self.train_global_vectors = (img_glo, cap_glo)
         heads = self.heads
         recompute = self.train_checkpoint and torch.is_grad_enabled()
 

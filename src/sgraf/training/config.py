@@ -47,6 +47,9 @@ class TrainConfig:
         max_violation: hardest negatives only (VSE++); False sums over all negatives.
         same_image_positive: do not count another caption of the batch's same image as a
             negative (off in the authors' code).
+        global_loss_weight: weight of an auxiliary ranking loss on the cosines of the
+            self-attention global vectors (0: off, the authors' loss). It makes those vectors a
+            retrieval embedding, so a search shortlist on them loses little (README, search).
         seed: seeds the initialisation, the shuffling and dropout.
         precision: 'fp32', 'bf16' or 'fp16' autocast (fp16 uses a gradient scaler).
         device: 'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'.
@@ -86,6 +89,7 @@ class TrainConfig:
     margin: float = 0.2
     max_violation: bool = True
     same_image_positive: bool = False
+    global_loss_weight: float = 0.0
     seed: int = 0
     precision: str = "fp32"
     device: str = "auto"
@@ -118,6 +122,11 @@ class TrainConfig:
         if self.grad_clip < 0 or self.margin < 0:
             raise InputError("training config fields 'grad_clip' and 'margin' must be >= 0, "
                              f"got {self.grad_clip!r} and {self.margin!r}")
+        if self.global_loss_weight < 0:
+            raise InputError(f"training config field 'global_loss_weight' must be >= 0, got {self.global_loss_weight!r}")
+        if self.global_loss_weight > 0 and self.alignments == "local":
+            raise InputError("training config field 'global_loss_weight' needs the global vectors: alignments must be "
+                             "'both' or 'global', got 'local'")
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"training config field 'dropout' must be in [0, 1), got {self.dropout!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -87,6 +87,22 @@ def global_batch_scores(model: nn.Module, images: torch.Tensor, captions: torch.
     return _gather_columns(block, sizes)
 
 
+def global_vector_scores(model: nn.Module) -> torch.Tensor:
+    """(B, B) cosines of the self-attention global vectors of the last train-mode scoring.
+
+    For the auxiliary global-embedding loss. The vectors are the ones the scores used (the same
+    dropout, VisualSA's BatchNorm advanced once); on several processes the image vectors already
+    cover the global batch and the caption columns are gathered as the scores' are.
+    """
+    img_glo, cap_glo = getattr(model, "train_global_vectors", (None, None))
+    if img_glo is None or cap_glo is None:
+        raise RuntimeError("no global vectors: score a batch in train mode with global alignments first")
+    block = img_glo @ cap_glo.t()                                        # (B, n_local)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return block
+    return _gather_columns(block, _sizes(cap_glo.shape[0], _comm_device(cap_glo)))
+
+
 def _gather_columns(block: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """(B, n_local) column blocks of every process -> (B, B)."""
     return gather_with_grad(block.t(), sizes).t()

@@ -31,7 +31,7 @@ from sgraf.errors import InputError
 from sgraf.precision import autocast
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
-from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores,
+from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores, global_vector_scores,
                                          merge_per_caption_norms, per_caption_norms, snapshot_norms)
 from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_state,
                                   restore_train_state)
@@ -111,6 +111,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     Raises:
         NonFiniteLossError: the loss is NaN or infinite (nothing is updated).
     """
+    from sgraf.model.loss import ranking_loss
+
     model.train()
     device = torch.device(device)
     images = batch.images.to(device, non_blocking=True)          # (n, K, img_dim)
@@ -123,8 +125,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     optimizer.zero_grad(set_to_none=True)
     with autocast(config.precision, device):
         scores = global_batch_scores(model, images, captions, lengths)   # (B, B) or {'sgr', 'saf'}
+        global_scores = global_vector_scores(model) if config.global_loss_weight > 0 else None
     positives = same_image_mask(batch.image_ids.to(device)) if config.same_image_positive else None
     loss = batch_loss(scores, config, positives)
+    if global_scores is not None:  # auxiliary loss: global vectors as a retrieval embedding
+        loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
+                                                               config.max_violation, positives)
     if not bool(torch.isfinite(loss)):
         raise NonFiniteLossError(f"the training loss is {loss.item()}")
     (scaler.scale(loss) if scaler is not None else loss).backward()
