@@ -212,3 +212,36 @@ def test_validation_happens_before_any_work(small, monkeypatch):
     with pytest.raises(ValueError):
         model.score(images, captions, torch.tensor([4, 0]))
     assert not called
+
+
+FAST_CONFIGS = [dict(module="sgr"), dict(module="saf"), dict(module="joint"), dict(module="ave"),
+                dict(module="sgr", alignments="local", sgr_step=2)]
+
+
+@pytest.mark.parametrize("config", FAST_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_eval_chunks_and_given_global_vectors_change_no_score(monkeypatch, config):
+    """The eval path in many cache-sized chunks, and with global vectors computed beforehand
+    (as the split scorer does), gives the per-caption oracle's scores."""
+    import sgraf.model.sgraf as sgraf_module
+
+    model = random_model(5, num_regions=7, **config)
+    images, captions, lengths = random_batch(model, 9, LENGTHS + [4, 12, 7], pad_to=13, seed=4)
+    with torch.no_grad():
+        expected = oracle_forward(model, images, captions, lengths)
+        img_embs, cap_embs = model.encode_images(images), model.encode_captions(captions, lengths)
+        # a budget of 6 (image, caption) pairs: chunks of 2 images x 3 captions (fewer at the edges)
+        monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_BYTES", 6 * 13 * model.config.embed_size * 4)
+        monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_IMAGES", 2)
+        chunks = list(model.eval_chunks(9, len(lengths), 13, torch.float32, torch.device("cpu")))
+        assert len(chunks) > 10
+        covered = torch.zeros(9, len(lengths), dtype=torch.int64)
+        for rows, cols in chunks:
+            covered[rows, cols] += 1
+        assert (covered == 1).all()
+        chunked = model.similarity_heads(img_embs, cap_embs, lengths)
+        img_glo, cap_glo = model.image_globals(img_embs), model.caption_globals(cap_embs, lengths)
+        given = model.similarity_heads(img_embs, cap_embs, lengths, img_glo=img_glo, cap_glo=cap_glo)
+    assert (img_glo is None) == (config.get("alignments") == "local")
+    for head in expected:
+        torch.testing.assert_close(chunked[head], expected[head], atol=1e-5, rtol=0)
+        torch.testing.assert_close(given[head], chunked[head], atol=1e-6, rtol=0)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_helpers import random_model
 from sgraf import scoring
 
 VOCAB = 40
@@ -198,3 +199,32 @@ def test_shard_ranges_cover_the_blocks_once_in_order():
             assert max(map(len, shares)) - min(map(len, shares)) <= 1
     tensor = torch.arange(6.0).reshape(3, 2)
     assert all_gather_cat(tensor) is tensor  # one process: nothing to gather
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_global_vectors_are_encoded_once_and_change_no_score(monkeypatch, precision):
+    """With the real model, `encode_split` keeps each image's and caption's self-attention
+    vector; scoring with them equals scoring that recomputes them per block."""
+    model = random_model(3, vocab_size=VOCAB, img_dim=12, num_regions=6).eval()
+    split = tiny_split()
+    calls = []
+    monkeypatch.setattr(model.sim_enc.v_global_w, "forward", counting(model.sim_enc.v_global_w.forward, calls))
+    encoded = scoring.encode_split(model, split, TinyVocab(), batch_size=4, precision=precision)
+    assert encoded.img_glo.shape == (7, model.config.embed_size)
+    assert all(b.glo.shape == (len(b.index), model.config.embed_size) for b in encoded.buckets)
+    encoded_calls = len(calls)
+    cached = scoring.score_matrix([model], [encoded], precision=precision, image_block=2)
+    assert len(calls) == encoded_calls  # no image's global vector computed again while scoring
+    encoded.img_glo = None
+    recomputed = scoring.score_matrix([model], [encoded], precision=precision, image_block=2)
+    assert len(calls) > encoded_calls
+    np.testing.assert_allclose(cached, recomputed, rtol=0, atol=1e-6)
+    if precision == "fp32":
+        np.testing.assert_allclose(cached, oracle_matrix(model, split, TinyVocab()), rtol=0, atol=1e-5)
+
+
+def counting(forward, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+    return wrapped

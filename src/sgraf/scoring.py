@@ -5,7 +5,9 @@ search:
 
 1. `encode_split` runs the encoders once: each image of the precomp file once (the file holds
    each image once; no five copies), captions sorted by length and encoded in buckets of
-   similar length so that little is spent on padding. Embeddings are float32.
+   similar length so that little is spent on padding. Embeddings are float32. The models'
+   self-attention global vectors (which depend on one image or one caption only) are computed
+   here too, once, instead of once per scoring block.
 2. `score_matrix` streams over (image block x caption block) pairs through the model's
    vectorised `similarity`, writes each block into a float32 matrix in caption-file order, and
    averages several models (an SGR + SAF ensemble) block by block. Under ``torchrun`` each
@@ -61,11 +63,14 @@ class CaptionBucket:
         index: (n_b,) int64 positions of these captions in the caption file.
         embs: (n_b, L_b, d) float32 word features, zero beyond each length; L_b the longest here.
         lengths: (n_b,) int64 token counts (``<start>`` and ``<end>`` included).
+        glo: (n_b, d) float32 eval-mode global vectors of these captions, for models that
+            provide ``caption_globals`` (None otherwise); computed once here, not per block.
     """
 
     index: torch.Tensor
     embs: torch.Tensor
     lengths: torch.Tensor
+    glo: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,11 +81,14 @@ class Encoded:
         img_embs: (n_img, K, d) float32 region features.
         buckets: caption buckets, by decreasing length; together they hold every caption once.
         n_captions: number of captions in the split.
+        img_glo: (n_img, d) float32 eval-mode global vectors of the images, for models that
+            provide ``image_globals`` (None otherwise).
     """
 
     img_embs: torch.Tensor
     buckets: list[CaptionBucket]
     n_captions: int
+    img_glo: torch.Tensor | None = None
 
     @property
     def n_images(self) -> int:
@@ -180,6 +188,7 @@ def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_siz
         Buckets in decreasing length; ``bucket.index`` maps back to positions in `token_ids`.
     """
     device = model_device(model)  # type: ignore[arg-type]
+    caption_globals = getattr(model, "caption_globals", None)
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
     if len(token_ids) and int(lengths.min()) < 1:
         raise InputError(f"caption {int(torch.argmin(lengths))}: no tokens")
@@ -194,7 +203,8 @@ def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_siz
                 padded[row, : len(token_ids[k])] = torch.as_tensor(token_ids[k], dtype=torch.int64)
             with autocast(precision, device):
                 embs = model.encode_captions(padded.to(device), bucket_lengths.to(device)).float()  # (b, L_b, d)
-            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths.to(device)))
+                glo = caption_globals(embs, bucket_lengths.to(device)) if caption_globals else None
+            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths.to(device), glo=glo))
             bar.update(len(index))
     return buckets
 
@@ -225,7 +235,25 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
     img_embs = encode_images(model, split.images, batch_size, precision, progress)
     buckets = encode_captions(model, token_ids, batch_size, precision, progress)
     logger.debug("encoded %d images and %d captions in %d buckets", len(img_embs), len(token_ids), len(buckets))
-    return Encoded(img_embs=img_embs, buckets=buckets, n_captions=len(token_ids))
+    return Encoded(img_embs=img_embs, buckets=buckets, n_captions=len(token_ids),
+                   img_glo=image_globals(model, img_embs, batch_size, precision))
+
+
+def image_globals(model: Scorer, img_embs: torch.Tensor, batch_size: int = 128,
+                  precision: str = "fp32") -> torch.Tensor | None:
+    """(n_img, d) float32 eval-mode global vectors of encoded images, in batches, for models
+    that provide ``image_globals`` (the scorer then skips recomputing them per block); else None."""
+    compute = getattr(model, "image_globals", None)
+    if compute is None or len(img_embs) == 0:
+        return None
+    parts = []
+    with eval_mode([model]), autocast(precision, img_embs.device):  # type: ignore[list-item]
+        for start in range(0, len(img_embs), batch_size):
+            part = compute(img_embs[start:start + batch_size])
+            if part is None:
+                return None
+            parts.append(part)
+    return torch.cat(parts)
 
 
 def _caption_blocks(bucket: CaptionBucket, image_block: int, block_elements: int) -> Iterator[slice]:
@@ -304,9 +332,12 @@ def _score_block(models: Sequence[Scorer], encoded: Sequence[Encoded], rows: sli
     for model, enc in zip(models, encoded):
         bucket = enc.buckets[bucket_id]
         device = enc.img_embs.device
+        cached = {}
+        if enc.img_glo is not None and bucket.glo is not None:
+            cached = {"img_glo": enc.img_glo[rows], "cap_glo": bucket.glo[cols]}
         with autocast(precision, device):
             scores = model.similarity(enc.img_embs[rows], bucket.embs[cols], bucket.lengths[cols],
-                                      head=head)  # (b_img, b_cap)
+                                      head=head, **cached)  # (b_img, b_cap)
         blocks.append(scores.float().cpu())
     if len(blocks) == 1:
         return blocks[0]

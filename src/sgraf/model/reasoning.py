@@ -94,53 +94,63 @@ def graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: torch.
     return pooled.view(n_img, n_cap, dim)
 
 
-def fast_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: torch.Tensor,
-                         has_global: bool, low: torch.dtype) -> torch.Tensor:
-    """Eval-only `graph_reasoning` (autocast off, no autograd) with explicit precision.
+def fold_steps(steps: nn.ModuleList, low: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    """Per step, the eval-mode weights of `fast_graph_reasoning`, in `low`.
 
-    Per step: the edge logits use the folded `W_q^T W_k` (one node-wise matmul instead of two)
-    and `W_r` is applied before the aggregation, `E (N W_r^T + b_r) = W_r (E N) + b_r` (rows of
-    E sum to 1), so each step is two node-wise matmuls (in `low`) and two small batched ones;
-    the last step updates only the global node (the read-out). Softmax and the returned
-    nodes are float32.
+    `q . k = s (W_q^T W_k) s'^T + (W_k^T b_q) . s' + terms of the query s alone`; those last
+    terms are constant along a softmax row and dropped, so a query is `s (W_q^T W_k) + W_k^T b_q`:
+    one node-wise matmul instead of two. Folded in float32, then cast once.
+
+    Returns:
+        [(bilinear_t (m, m), key_term (m,), W_r (m, m), b_r (m,)), ...], one tuple per step.
+    """
+    folded = []
+    for step in steps:
+        w_q, b_q = step.graph_query_w.weight.float(), step.graph_query_w.bias.float()
+        w_k = step.graph_key_w.weight.float()
+        folded.append(((w_k.t() @ w_q).to(low), (w_k.t() @ b_q).to(low),
+                       step.sim_graph_w.weight.to(low), step.sim_graph_w.bias.to(low)))
+    return folded
+
+
+def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Tensor, node_mask: torch.Tensor,
+                         has_global: bool) -> torch.Tensor:
+    """Eval-only `graph_reasoning` (autocast off, no autograd) in the nodes' dtype.
+
+    Per step: the edge logits use the folded `W_q^T W_k` (see `fold_steps`) and `W_r` is
+    applied before the aggregation, `E (N W_r^T + b_r) = W_r (E N) + b_r` (rows of E sum to 1),
+    so each step is two node-wise matmuls and two small batched ones; the last step updates
+    only the global node (the read-out). The matmuls run in the nodes' dtype (float32, or
+    bfloat16 for bf16 scoring); the edge softmax and the result are float32.
 
     Args:
-        steps: the per-step `GraphReasoning` modules.
-        nodes: (n_img, n_cap, P, m) float32 similarity nodes.
+        folded: `fold_steps` of the model's reasoning steps, in the nodes' dtype.
+        nodes: (n_img, n_cap, P, m) similarity nodes, float32 or bfloat16.
         node_mask: (n_cap, P) bool valid nodes.
         has_global: node 0 is the global alignment (the read-out); else valid nodes are averaged.
-        low: matmul dtype (float32 or bfloat16).
 
     Returns:
         (n_img, n_cap, m) float32.
     """
     n_img, n_cap, n_nodes, dim = nodes.shape
+    low = nodes.dtype
     # additive key mask, broadcast over images: (1, n_cap, 1, P)
     blocked = torch.zeros(node_mask.shape, dtype=torch.float32, device=nodes.device)
     blocked = blocked.masked_fill_(~node_mask, float("-inf")).view(1, n_cap, 1, n_nodes)
-    graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m) float32
-    for index, step in enumerate(steps):
-        w_q, b_q = step.graph_query_w.weight.float(), step.graph_query_w.bias.float()
-        w_k = step.graph_key_w.weight.float()
-        bilinear_t = w_k.t() @ w_q                                # (m, m): q . k = s (W_q^T W_k) s'^T + ...
-        # the bias term b_q . (W_k s') depends on the key only: adding W_k^T b_q to every query
-        # gives it; the terms of the query alone are constant along a softmax row and dropped
-        key_term = w_k.t() @ b_q                                  # (m,)
-        last = has_global and index == len(steps) - 1
+    graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m)
+    for index, (bilinear_t, key_term, w_r, b_r) in enumerate(folded):
+        last = has_global and index == len(folded) - 1
+        queries = fast_linear(graphs[:, :1] if last else graphs, bilinear_t, key_term)  # (G, Q, m)
+        logits = torch.bmm(queries, graphs.transpose(1, 2)).float()                   # (G, Q, P)
+        edges = logits.view(n_img, n_cap, -1, n_nodes).add_(blocked).softmax(dim=3)
+        edges = edges.to(low).view(n_img * n_cap, -1, n_nodes)
         if last:
-            # only the global node is read out: one query row per graph, float32 (cheap)
-            queries = fast_linear(graphs[:, :1], bilinear_t, key_term)             # (G, 1, m)
-            logits = queries @ graphs.transpose(1, 2)                              # (G, 1, P)
-            edges = (logits.view(n_img, n_cap, 1, n_nodes) + blocked).softmax(dim=3)
-            pooled = edges.view(-1, 1, n_nodes) @ graphs                           # (G, 1, m)
-            pooled = fast_linear(pooled.to(low), step.sim_graph_w.weight, step.sim_graph_w.bias)
+            # only the global node is read out: aggregate its row, then W_r on one node per graph
+            pooled = fast_linear(torch.bmm(edges, graphs), w_r, b_r)
             return torch.relu_(pooled.float()).view(n_img, n_cap, dim)
-        keys = graphs.to(low)
-        queries = fast_linear(keys, bilinear_t, key_term)                           # (G, P, m)
-        values = fast_linear(keys, step.sim_graph_w.weight, step.sim_graph_w.bias)  # (G, P, m)
-        logits = torch.bmm(queries, keys.transpose(1, 2)).float()                  # (G, P, P)
-        edges = logits.view(n_img, n_cap, n_nodes, n_nodes).add_(blocked).softmax(dim=3).to(low).view(-1, n_nodes, n_nodes)
-        graphs = torch.relu_(torch.bmm(edges, values).float())                     # (G, P, m)
+        values = fast_linear(graphs, w_r, b_r)                                        # (G, P, m)
+        graphs = torch.relu_(torch.bmm(edges, values))                               # (G, P, m)
+    graphs = graphs.float()
     if has_global:
         return graphs[:, 0].reshape(n_img, n_cap, dim)
     weights = node_mask.to(graphs.dtype).view(1, n_cap, n_nodes, 1)

@@ -236,59 +236,88 @@ class SimilarityRepresentation(nn.Module):
         """Whether `fast_forward` covers this configuration (vector nodes, text-to-image)."""
         return self.similarity == "vector" and self.attention == "t2i"
 
+    def eval_image_globals(self, regions: torch.Tensor, low: torch.dtype) -> torch.Tensor | None:
+        """Eval-only VisualSA global vectors: (n_img, K, d) -> float32 (n_img, d), matmuls in `low`.
+
+        None without a global alignment. Call without autograd; the result depends on the
+        image only, so a scorer may compute it once per image and pass it to `fast_forward`.
+        """
+        if not self.use_global:
+            return None
+        with torch.autocast(regions.device.type, dtype=low, enabled=low != torch.float32):
+            return self.v_global_w(regions.float()).float()
+
+    def eval_caption_globals(self, words: torch.Tensor, word_mask: torch.Tensor, low: torch.dtype) -> torch.Tensor | None:
+        """Eval-only TextSA global vectors: (n_cap, L, d), (n_cap, L) -> float32 (n_cap, d) or None."""
+        if not self.use_global:
+            return None
+        with torch.autocast(words.device.type, dtype=low, enabled=low != torch.float32):
+            return self.t_global_w(words.float(), word_mask).float()
+
+    @staticmethod
+    def region_gram(regions: torch.Tensor) -> torch.Tensor:
+        """(n_img, K, d) -> float32 (n_img, K, K) Gram matrices `R R^T` (for `fast_forward`)."""
+        regions = regions.float()
+        return torch.bmm(regions, regions.transpose(1, 2))
+
     def fast_forward(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                     low: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                     low: torch.dtype, img_glo: torch.Tensor | None = None,
+                     cap_glo: torch.Tensor | None = None,
+                     gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval-only `forward` with fewer passes over memory and explicit precision.
 
         Call with autocast disabled and without autograd. The large matmuls (attention,
-        contexts, `W_loc`) run in `low` (float32 or bfloat16); the squared differences, the
-        l2 norms and the returned nodes stay float32, which keeps bf16's score error small.
+        contexts, `W_loc`) run in `low` (float32 or bfloat16); the squared differences and the
+        l2 norms are computed in float32 and the nodes are stored in `low`, the dtype the
+        reasoning matmuls read them in.
 
         Args:
             regions: (n_img, K, d) float32; words: (n_cap, L, d), zero beyond each length;
             word_mask: (n_cap, L) bool.
             low: the matmul dtype.
+            img_glo, cap_glo: the global vectors from `eval_image_globals` and
+                `eval_caption_globals` (same `low`), or None to compute them here.
+            gram: `region_gram(regions)`, or None to compute it here.
 
         Returns:
-            float32 nodes (n_img, n_cap, P, m), global node first, and node_mask (n_cap, P).
+            nodes (n_img, n_cap, P, m) in `low`, global node first, and node_mask (n_cap, P).
         """
         n_img, n_regions, dim = regions.shape
         n_cap, n_words, _ = words.shape
-        regions, words = regions.float(), words.float()
+        regions, words = regions.float().contiguous(), words.float()
         n_nodes = int(self.use_global) + (n_words if self.use_local else 0)
-        nodes = regions.new_empty(n_img, n_cap, n_nodes, self.node_dim)             # (n_img, n_cap, P, m)
+        nodes = regions.new_empty(n_img, n_cap, n_nodes, self.node_dim, dtype=low)  # (n_img, n_cap, P, m)
         masks = []
         if self.use_global:
-            with torch.autocast(regions.device.type, dtype=low, enabled=low != torch.float32):
-                img_glo = self.v_global_w(regions).float()                        # (n_img, d)
-                cap_glo = self.t_global_w(words, word_mask).float()               # (n_cap, d)
+            if img_glo is None:
+                img_glo = self.eval_image_globals(regions, low)                   # (n_img, d)
+            if cap_glo is None:
+                cap_glo = self.eval_caption_globals(words, word_mask, low)        # (n_cap, d)
             diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                    # (n_img, n_cap, d)
             square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
             sim_glo = fast_linear(square, self.sim_tranglo_w.weight, self.sim_tranglo_w.bias)
             torch.mul(sim_glo, inverse_norm(sim_glo), out=nodes[:, :, 0])
             masks.append(word_mask.new_ones(n_cap, 1))
         if self.use_local:
-            r_low, w_low = regions.to(low), words.to(low)
+            r_low, w_low = regions.to(low), words.to(low).contiguous()
             # (n_img * K, n_cap * L): every region against every word of the block, one matmul
-            relevance = (r_low.view(n_img * n_regions, dim) @ w_low.view(n_cap * n_words, dim).t()).float()
+            relevance = fast_linear(r_low.view(n_img * n_regions, dim), w_low.view(n_cap * n_words, dim)).float()
             relevance = F.leaky_relu_(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
             relevance.mul_(inverse_norm(relevance).mul_(self.smooth))             # norm over the words
-            attn = relevance.permute(0, 2, 3, 1).contiguous().softmax(dim=3).to(low)  # (n_img, n_cap, L, K)
-            context = torch.bmm(attn.view(n_img, n_cap * n_words, n_regions), r_low)
-            context = context.view(n_img, n_cap, n_words, dim)                    # a_j, not yet normalised
-            # |a_j|^2 = attn (R R^T) attn^T from the (K, K) Gram matrix of each image, in float32:
-            # exact norms without another pass over the (n_img, n_cap, L, d) contexts
-            gram = torch.bmm(regions, regions.transpose(1, 2))                    # (n_img, K, K)
-            attn32 = attn.float().view(n_img, n_cap * n_words, n_regions)
-            sq_norm = (torch.bmm(attn32, gram).mul_(attn32)).sum(dim=2).view(n_img, n_cap, n_words, 1)
-            inverse = sq_norm.clamp_(min=0).sqrt_().add_(EPS).reciprocal_()
-            # (a_j / |a_j| - t_j)^2 with float32 norms: one fused pass, each element computed in
-            # float32 from the stored operands and rounded once to the matmul dtype, then squared
-            square = torch.addcmul(w_low.neg(), context, inverse.to(low))          # (n_img, n_cap, L, d)
-            square.mul_(square)
-            del context
+            attn = relevance.permute(0, 2, 3, 1).contiguous().softmax(dim=3)     # (n_img, n_cap, L, K) float32
+            attn = attn.view(n_img, n_cap * n_words, n_regions)
+            # |a_j|^2 = attn_j (R R^T) attn_j^T from each image's (K, K) Gram matrix, in float32:
+            # the attention rows are scaled by 1 / (|a_j| + eps) before the context matmul, so the
+            # contexts come out normalised, without another pass over (n_img, n_cap, L, d)
+            if gram is None:
+                gram = self.region_gram(regions)                                  # (n_img, K, K)
+            sq_norm = torch.bmm(attn, gram).mul_(attn).sum(dim=2, keepdim=True)
+            attn.mul_(sq_norm.clamp_(min=0).sqrt_().add_(EPS).reciprocal_())
+            context = torch.bmm(attn.to(low), r_low).view(n_img, n_cap, n_words, dim)  # a_j / |a_j|
+            square = context.sub_(w_low).square_()                                # (a_j / |a_j| - t_j)^2
             local = fast_linear(square.view(-1, dim), self.sim_tranloc_w.weight, self.sim_tranloc_w.bias)
             local = local.view(n_img, n_cap, n_words, -1)                         # (n_img, n_cap, L, m)
-            torch.mul(local, inverse_norm(local), out=nodes[:, :, n_nodes - n_words:])
+            # scaled in the nodes' dtype: no float32 temporary of the whole block
+            torch.mul(local, inverse_norm(local).to(low), out=nodes[:, :, n_nodes - n_words:])
             masks.append(word_mask)
         return nodes, torch.cat(masks, dim=1)
