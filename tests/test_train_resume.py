@@ -129,8 +129,10 @@ def test_tiny_preset_learns(tmp_path):
     """Loss goes down and dev rsum goes up within seconds (20 dev images: chance rsum ~150)."""
     data = make_toy_precomp(tmp_path / "data", n_train=48, n_dev=20)
     run = tmp_path / "run"
-    assert main(["train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--set", "epochs=4"]) == 0
+    # lr 1e-2 on 48 pairs is chaotic: float rounding alone moves the epoch the loss falls in
+    # by one or two, so the run is long enough for any of those trajectories
+    assert main(["train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--set", "epochs=6"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 4
+    assert len(records) == 6
     assert records[-1]["train_loss"] < 0.5 * records[0]["train_loss"]
     assert records[-1]["rsum"] > records[0]["rsum"] + 50

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sgraf.model.similarity import fast_linear
+from sgraf.model.similarity import fast_linear, train_linear
 
 
 class GraphReasoning(nn.Module):
@@ -162,10 +162,11 @@ def train_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: 
                           has_global: bool) -> torch.Tensor:
     """Train-mode `graph_reasoning` without the work that cannot reach the output.
 
-    With a global node, the last step updates only node 0 (the read-out): one query row and one
-    `W_r` row per graph instead of P. Eq. 6 keeps the authors' unfolded `q k^T` (folding
-    `W_q^T W_k` changes the rounding of near-zero gradients, which Adam amplifies to lr-sized
-    steps).
+    Eq. 6's logits are expanded around the folded `W_q^T W_k`, with autograd through the fold:
+    `q k^T = s (W_q^T W_k) s'^T + (W_k^T b_q) . s' + [s . (W_q^T b_k) + b_q . b_k]`, where the
+    bracket is one number per query row. That is one node-wise matmul per step instead of two,
+    and every parameter, `b_k` included, gets the gradient of the authors' logits. With a global
+    node, the last step updates only node 0 (the read-out): one query row and one `W_r` row.
 
     Args:
         steps: the per-step `GraphReasoning` modules.
@@ -183,10 +184,15 @@ def train_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: 
     graphs = nodes.reshape(n_img * n_cap, n_nodes, dim)                             # (G, P, m)
     for index, step in enumerate(steps):
         last = has_global and index == len(steps) - 1
-        queries = step.graph_query_w(graphs[:, :1] if last else graphs)              # (G, Q, m)
-        logits = queries @ step.graph_key_w(graphs).transpose(1, 2)                 # (G, Q, P)
+        w_q, b_q = step.graph_query_w.weight, step.graph_query_w.bias
+        w_k, b_k = step.graph_key_w.weight, step.graph_key_w.bias
+        sources = graphs[:, :1] if last else graphs                                # (G, Q, m)
+        queries = train_linear(sources, w_k.t() @ w_q, w_k.t() @ b_q)             # (G, Q, m)
+        row_terms = sources @ (w_q.t() @ b_k) + b_q @ b_k                         # (G, Q)
+        logits = torch.baddbmm(row_terms.unsqueeze(2), queries, graphs.transpose(1, 2))  # (G, Q, P)
         edges = (logits.view(n_img, n_cap, -1, n_nodes) + blocked.to(logits.dtype)).softmax(dim=3)
-        graphs = torch.relu(step.sim_graph_w(edges.view(n_img * n_cap, -1, n_nodes) @ graphs))
+        aggregated = edges.view(n_img * n_cap, -1, n_nodes) @ graphs
+        graphs = torch.relu(train_linear(aggregated, step.sim_graph_w.weight, step.sim_graph_w.bias))
     if has_global:
         return graphs[:, 0].reshape(n_img, n_cap, dim)
     weights = node_mask.to(graphs.dtype).view(1, n_cap, n_nodes, 1)
