@@ -162,7 +162,13 @@ def _train_pass(model, batch, chunk, checkpoint):
 
 @pytest.mark.parametrize("config", [dict(module="sgr"), dict(module="saf"), dict(module="joint"),
                                     dict(module="sgr", alignments="local"), dict(module="saf", attention="i2t")])
-def test_chunked_checkpointed_training_equals_one_block(config):
+@pytest.mark.parametrize("keep_bytes", [0, 7 * 2 * 10 * 12 * 4 * 8, 2**40], ids=["recompute", "mixed", "keep"])
+def test_chunked_checkpointed_training_equals_one_block(monkeypatch, config, keep_bytes):
+    """Chunks, each recomputed in backward (whole, or only its heads when the nodes are light),
+    or kept up to a byte budget, give one unchunked block's loss, gradients and buffers."""
+    import sgraf.model.sgraf as sgraf_module
+
+    monkeypatch.setattr(sgraf_module, "TRAIN_KEEP_BYTES", keep_bytes)
     lengths = [5, 3, 9, 3, 7, 4, 8]                     # unsorted, mixed, two of length 3
     batch = random_batch(random_model(4, num_regions=6, **config), 7, lengths, pad_to=11, seed=5)
     reference_model = random_model(4, num_regions=6, dropout=0.3, **config).train()

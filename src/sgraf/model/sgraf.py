@@ -30,6 +30,11 @@ HEADS = ("sgr", "saf")
 # (n_img, n_cap, L, d) float32 block is about this many bytes (its other intermediates are
 # a few times that).
 TRAIN_CHUNK_BYTES = 64 * 2**20
+# With light nodes (see `_train_similarity_heads`), the heads' intermediates of the first chunks
+# are kept for backward up to about this many bytes; the later chunks' are recomputed.
+TRAIN_KEEP_BYTES = 1024 * 2**20
+# Float32 (G, P, m)-sized intermediates the SGR/SAF heads keep for backward, per node (measured).
+HEAD_KEPT_PER_NODE = 8
 # Eval fast path on CPU: bytes of the largest (image, caption, word) x d operand of one chunk, and
 # images per chunk. Measured on 2-core AVX-512 machines: chunks of about 8 MiB score a pair about
 # 1.7x faster than 128 MiB blocks (intermediates stay in cache; no page faults for fresh mmaps).
@@ -162,8 +167,9 @@ class SGRAF(nn.Module):
         self.txt_enc = TextEncoder(config.vocab_size, config.word_dim, config.embed_size, config.num_layers,
                                    config.bi_gru, config.txt_norm, config.dropout)
         self.sim_enc = SimilarityEncoder(config)
-        # train-mode scoring: captions per chunk (None: from TRAIN_CHUNK_BYTES) and whether each
-        # chunk's intermediates are recomputed in backward instead of kept (activation checkpointing)
+        # train-mode scoring: captions per chunk (None: from TRAIN_CHUNK_BYTES) and whether chunks'
+        # intermediates may be recomputed in backward instead of kept (activation checkpointing;
+        # with light nodes only beyond TRAIN_KEEP_BYTES, see `_train_similarity_heads`)
         self.train_chunk: int | None = None
         self.train_checkpoint = True
         # the self-attention global vectors (n_img, d), (n_cap, d) of the last train-mode scoring
@@ -358,10 +364,18 @@ class SGRAF(nn.Module):
         heads = self.heads
         recompute = self.train_checkpoint and torch.is_grad_enabled()
 
-        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo):
-            nodes, node_mask = sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo)
+        def head_scores(nodes, node_mask):
             scores, saf_stats = sim.train_head_scores(nodes, node_mask, heads)
             return [scores[head] for head in heads], saf_stats
+
+        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo):
+            return head_scores(*sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo))
+
+        # With light nodes (`local_nodes` keeps no word x feature tensor), only the heads can need
+        # recomputing: their intermediates are kept for the first chunks, up to TRAIN_KEEP_BYTES,
+        # and recomputed in backward for the rest. Otherwise every chunk is recomputed whole.
+        light = sim.light_train_nodes(words)
+        kept_bytes = 0
 
         columns: dict[str, list[torch.Tensor]] = {head: [] for head in heads}
         means, variances = [], []
@@ -371,7 +385,15 @@ class SGRAF(nn.Module):
             n_words = int(lengths[index].max())
             args = (img_embs, img_glo, words[index, :n_words], word_mask[index, :n_words],
                     None if cap_glo is None else cap_glo[index])
-            if recompute:
+            if recompute and light:
+                nodes, node_mask = sim.train_nodes(img_embs, *args[2:4], img_glo, args[4])  # (n_img, n, P, m)
+                kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE
+                if kept_bytes <= TRAIN_KEEP_BYTES:
+                    blocks, saf_stats = head_scores(nodes, node_mask)
+                else:
+                    blocks, saf_stats = torch.utils.checkpoint.checkpoint(head_scores, nodes, node_mask,
+                                                                          use_reentrant=False)
+            elif recompute:
                 blocks, saf_stats = torch.utils.checkpoint.checkpoint(chunk_scores, *args, use_reentrant=False)
             else:
                 blocks, saf_stats = chunk_scores(*args)

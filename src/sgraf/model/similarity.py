@@ -47,11 +47,7 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """`x @ W^T + b` with oneDNN in the forward pass and for both gradients.
-
-    The weight's gradient `grad^T x` is oneDNN's `A B^T` with both operands given as transposed
-    views (oneDNN reads the strides; copying them contiguous would cost more than it saves).
-    """
+    """`x @ W^T + b` with oneDNN in the forward pass and for the gradients (see `_weight_gradient`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -69,8 +65,7 @@ class _OneDNNLinear(torch.autograd.Function):
             grad_x = torch.ops.mkldnn._linear_pointwise(grad, weight.t().contiguous(), None, "none", [], "")
         rows = grad.reshape(-1, grad.shape[-1])                              # (n, out)
         if ctx.needs_input_grad[1]:
-            inputs = x.reshape(-1, x.shape[-1])                               # (n, in)
-            grad_weight = torch.ops.mkldnn._linear_pointwise(rows.t(), inputs.t(), None, "none", [], "")
+            grad_weight = _weight_gradient(rows, x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(dim=0)
         return grad_x, grad_weight, grad_bias
@@ -86,6 +81,97 @@ def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+class _LocalNodes(torch.autograd.Function):
+    """Eq. 1 for the word nodes, `l2norm(W (A R - T)^2 + b)`, keeping no (word x feature) tensor.
+
+    `A` holds each word's normalised attention over the regions, so `A R` is the normalised
+    context `a_j / |a_j|`. Autograd would keep the contexts and their squared differences for
+    backward, two (n_img, n_cap, L, d) tensors; this keeps the attention (K wide instead of d)
+    and the pre-norm output (m wide), and recomputes the contexts in backward with one
+    K-deep matmul.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        n_img, n_cap, n_words, n_regions = attn.shape
+        square = _context_minus_words(attn, regions, words).square_()         # (n_img, n_cap, L, d)
+        out = fast_linear(square, weight, bias)                               # (n_img, n_cap, L, m)
+        del square
+        ctx.save_for_backward(attn, regions, words, weight, out)
+        return l2norm(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        attn, regions, words, weight, out = ctx.saved_tensors
+        n_img, n_cap, n_words, n_regions = attn.shape
+        # l2norm y / s, s = sqrt(sum y^2) + eps, in autograd's order of operations (same rounding):
+        # dy = g / s + 2 y ds / (2 sqrt(.)), ds = -sum(g (y / s) / s)
+        norm = (out * out).sum(dim=-1, keepdim=True).sqrt()
+        scale = norm + EPS
+        grad_norm = (-grad * ((out / scale) / scale)).sum(dim=-1, keepdim=True) / (2 * norm)
+        half = out * grad_norm
+        grad_out = grad / scale + (half + half)
+        diff = _context_minus_words(attn, regions, words)                       # (n_img, n_cap, L, d)
+        rows = grad_out.reshape(-1, grad_out.shape[-1])                           # (n, m)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[3]:
+            square = (diff * diff).reshape(-1, diff.shape[-1])                    # (n, d)
+            grad_weight = _weight_gradient(rows, square)
+            del square
+        if ctx.needs_input_grad[4]:
+            grad_bias = rows.sum(dim=0)
+        # d(diff^2) = 2 diff d(square), with d(square) = grad_out W
+        grad_diff = diff.mul_(fast_linear(grad_out, weight.t().contiguous()).mul_(2))   # (n_img, n_cap, L, d)
+        grad_attn = grad_regions = grad_words = None
+        flat = grad_diff.view(n_img, n_cap * n_words, -1)
+        if ctx.needs_input_grad[0]:
+            grad_attn = torch.bmm(flat, regions.transpose(1, 2)).view_as(attn)
+        if ctx.needs_input_grad[1]:
+            grad_regions = torch.bmm(attn.view(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
+        if ctx.needs_input_grad[2]:
+            grad_words = grad_diff.sum(dim=0).neg_()
+        return grad_attn, grad_regions, grad_words, grad_weight, grad_bias
+
+
+def _context_minus_words(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """(n_img, n_cap, L, K) attention, (n_img, K, d) regions, (n_cap, L, d) words -> `A R - T`."""
+    n_img, n_cap, n_words, n_regions = attn.shape
+    context = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions), regions)
+    return context.view(n_img, n_cap, n_words, -1).sub_(words)
+
+
+def _weight_gradient(rows: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """`rows^T inputs`: (n, out), (n, in) -> (out, in), the gradient of a linear layer's weight.
+
+    Through oneDNN on CPU when the input is wider than the output (both operands passed as
+    transposed views; oneDNN copies `rows^T`, then the smaller one); otherwise a plain matmul.
+    """
+    if _ONEDNN_LINEAR and rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16) \
+            and inputs.shape[1] > rows.shape[1]:
+        return torch.ops.mkldnn._linear_pointwise(rows.t(), inputs.t(), None, "none", [], "")
+    return rows.t() @ inputs
+
+
+def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor) -> torch.Tensor:
+    """Eq. 1 for the word nodes from normalised attention: `l2norm(W (A R - T)^2 + b)`, with autograd.
+
+    Args:
+        attn: (n_img, n_cap, L, K) attention rows already divided by their context's norm.
+        regions: (n_img, K, d); words: (n_cap, L, d); weight: (m, d); bias: (m,).
+
+    Returns:
+        (n_img, n_cap, L, m) nodes. In float32 outside autocast this is `_LocalNodes` (no
+        (word x feature) tensor kept for backward); otherwise plain autograd.
+    """
+    if not torch.is_autocast_enabled(attn.device.type) and attn.dtype == torch.float32:
+        return _LocalNodes.apply(attn, regions, words, weight, bias)
+    n_img, n_cap, n_words, n_regions = attn.shape
+    context = (attn.reshape(n_img, n_cap * n_words, n_regions) @ regions).view(n_img, n_cap, n_words, -1)
+    return l2norm(train_linear(squared_difference(context, words.unsqueeze(0)), weight, bias))
 
 
 def inverse_norm(x: torch.Tensor) -> torch.Tensor:
@@ -227,6 +313,11 @@ class SimilarityRepresentation(nn.Module):
             return None, None
         return self.v_global_w(regions), self.t_global_w(words, word_mask)
 
+    def light_train_nodes(self, words: torch.Tensor) -> bool:
+        """Whether `train_nodes` keeps no (word x feature) tensor for backward (`local_nodes`)."""
+        return (self.similarity == "vector" and self.attention == "t2i" and words.dtype == torch.float32
+                and not torch.is_autocast_enabled(words.device.type))
+
     def train_nodes(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                     img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` from precomputed global vectors; pure, so safe to recompute in backward.
@@ -265,9 +356,8 @@ class SimilarityRepresentation(nn.Module):
             sq_norm = ((attn @ gram) * attn).sum(dim=2, keepdim=True)                    # |a_j|^2
             # the authors' l2norm: a_j / (|a_j| + eps)
             attn = attn / (sq_norm.clamp(min=0).sqrt() + EPS)
-            context = (attn @ regions).view(n_img, n_cap, n_words, dim)                  # normalised a_j
-            nodes.append(l2norm(train_linear(squared_difference(context, words.unsqueeze(0)),
-                                             self.sim_tranloc_w.weight, self.sim_tranloc_w.bias)))
+            attn = attn.view(n_img, n_cap, n_words, n_regions)
+            nodes.append(local_nodes(attn, regions, words, self.sim_tranloc_w.weight, self.sim_tranloc_w.bias))
             masks.append(word_mask)
         elif self.use_local:
             layer = getattr(self, "sim_tranloc_w", None)
