@@ -79,6 +79,11 @@ WORKER = PROBLEM + textwrap.dedent('''
             step = train_step(model, optimizer, share(batch, slice(*[(0, 3), (3, 7)][info.rank])), config)
             results[(module, same_image)] = {"loss": loss.item(), "grads": grads, "step_loss": step.loss,
                                              "grad_norm": step.grad_norm, "state": model.state_dict()}
+    # the auxiliary loss on the self-attention global vectors, over the global batch too
+    config = preset("tiny").replace(module="sgr", lr=2e-4, max_violation=True, global_loss_weight=1.0)
+    model, batch = make_problem("sgr")
+    step = train_step(model, build_optimizer(model, config), share(batch, slice(*[(0, 3), (3, 7)][info.rank])), config)
+    results[("sgr", "global")] = {"step_loss": step.loss, "grad_norm": step.grad_norm, "state": model.state_dict()}
     if info.is_main:
         torch.save({f"{m}/{s}": v for (m, s), v in results.items()}, sys.argv[1])
     distributed.cleanup()
@@ -153,3 +158,26 @@ def test_gathering_matters_for_this_problem():
                     for b in (share(batch, slice(0, 3)), share(batch, slice(3, 7))))
     assert abs(whole - parts) > 1e-2
     assert batch.image_ids.unique().numel() < 7   # same-image pairs exist for the mask option
+
+
+def test_two_processes_equal_one_with_the_global_vector_loss(two_process_results):
+    """`global_loss_weight` ranks the global vectors over the whole global batch as well."""
+    torch.set_num_threads(1)
+    got = two_process_results["sgr/global"]
+    steps = {}
+    for weight in (0.0, 1.0):
+        config = preset("tiny").replace(module="sgr", lr=2e-4, max_violation=True, global_loss_weight=weight)
+        model, batch = make_problem("sgr")
+        steps[weight] = train_step(model, build_optimizer(model, config), batch, config), model.state_dict()
+    step, state = steps[1.0]
+    assert step.loss > steps[0.0][0].loss + 0.1          # the auxiliary term is there
+    assert got["step_loss"] == pytest.approx(step.loss, abs=TOL)
+    assert got["grad_norm"] == pytest.approx(step.grad_norm, rel=TOL)
+    # Biases whose exact gradient is zero (in front of a BatchNorm or a softmax) take an Adam
+    # step of float noise, up to lr in size, in either computation; everything else agrees.
+    noise_only = {"sim_enc.v_global_w.embedding_global.0.bias", "sim_enc.v_global_w.embedding_common.0.bias",
+                  "sim_enc.t_global_w.embedding_common.0.bias", "sim_enc.SGR_module.0.graph_key_w.bias",
+                  "sim_enc.SGR_module.1.graph_key_w.bias"}
+    for key, value in state.items():
+        tol = 2 * 2e-4 if key in noise_only else TOL
+        assert (got["state"][key] - value).abs().max().item() < tol, key
