@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import types
 
 import numpy as np
@@ -228,3 +229,29 @@ def counting(forward, calls):
         calls.append(1)
         return forward(*args, **kwargs)
     return wrapped
+
+
+def test_blocks_scored_by_several_threads_fill_the_same_matrix(monkeypatch):
+    """The threaded scorer (bf16 on CPU by default) fills each block once, without autograd."""
+    model = random_model(4, vocab_size=VOCAB, img_dim=12, num_regions=6).eval()
+    split = tiny_split(n_img=9)
+    encoded = scoring.encode_split(model, split, TinyVocab(), batch_size=4)
+    sequential = scoring.score_matrix([model], [encoded], image_block=2)
+    assert scoring.score_workers(torch.device("cpu"), "fp32", 5) == 1
+    assert scoring.score_workers(torch.device("cpu"), "bf16", 5) == min(torch.get_num_threads(), 5)
+    monkeypatch.setattr(scoring, "score_workers", lambda device, precision, n_blocks: 3)
+    calls = []  # (grad mode, thread) of each eval fast-path call
+    fast_forward = model.sim_enc.fast_forward
+
+    def recording(*args, **kwargs):
+        calls.append((torch.is_grad_enabled(), threading.get_ident()))
+        return fast_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model.sim_enc, "fast_forward", recording)
+    threads = torch.get_num_threads()
+    threaded = scoring.score_matrix([model], [encoded], image_block=2)
+    assert torch.get_num_threads() == threads
+    assert calls and not any(grad for grad, _ in calls)
+    assert threading.get_ident() not in {thread for _, thread in calls}
+    np.testing.assert_allclose(threaded, sequential, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(threaded, oracle_matrix(model, split, TinyVocab()), rtol=0, atol=1e-5)

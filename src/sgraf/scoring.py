@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
 
@@ -312,17 +313,52 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
 
     total = (last_row - first_row) * n_cap
     show = progress and distributed.is_main_process()
-    with eval_mode(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
-        for row in range(first_row, last_row, image_block):
-            rows = slice(row, min(row + image_block, n_img))
+
+    def score_rows(row: int) -> None:
+        rows = slice(row, min(row + image_block, n_img))
+        with torch.no_grad():  # grad mode is per thread
             for bucket_id, reference in enumerate(encoded[0].buckets):
                 for cols in _caption_blocks(reference, image_block, block_elements):
                     block = _score_block(models, encoded, rows, bucket_id, cols, precision, head)
                     share[rows.start - first_row: rows.stop - first_row, reference.index[cols].cpu()] = block
                     bar.update(block.numel())
+
+    starts = range(first_row, last_row, image_block)
+    workers = score_workers(encoded[0].img_embs.device, precision, len(starts))
+    with eval_mode(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
+        if workers > 1:
+            with _one_thread_per_op(), ThreadPoolExecutor(workers) as pool:
+                list(pool.map(score_rows, starts))
+        else:
+            for row in starts:
+                score_rows(row)
     if shard and distributed.is_distributed():
         share = distributed.all_gather_cat(share)
     return share.numpy()
+
+
+def score_workers(device: torch.device, precision: str, n_blocks: int) -> int:
+    """Threads that score image blocks side by side, each running its ops on one core.
+
+    On CPU in bf16 the scorer's many small ops spread over cores better as whole blocks per
+    thread than split inside each op (measured on 2-core AMD EPYC machines: about 1.2x); in
+    float32 there was no gain, so it keeps PyTorch's own threads. Each block is computed by one
+    thread from start to end, so the result does not depend on which thread took it.
+    """
+    if device.type != "cpu" or precision != "bf16":
+        return 1
+    return max(1, min(torch.get_num_threads(), n_blocks))
+
+
+@contextlib.contextmanager
+def _one_thread_per_op() -> Iterator[None]:
+    """PyTorch's intra-op threads set to 1 for the duration (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _score_block(models: Sequence[Scorer], encoded: Sequence[Encoded], rows: slice, bucket_id: int,

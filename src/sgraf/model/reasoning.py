@@ -120,8 +120,9 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
     Per step: the edge logits use the folded `W_q^T W_k` (see `fold_steps`) and `W_r` is
     applied before the aggregation, `E (N W_r^T + b_r) = W_r (E N) + b_r` (rows of E sum to 1),
     so each step is two node-wise matmuls and two small batched ones; the last step updates
-    only the global node (the read-out). The matmuls run in the nodes' dtype (float32, or
-    bfloat16 for bf16 scoring); the edge softmax and the result are float32.
+    only the global node (the read-out). The matmuls and the edge softmax run in the nodes'
+    dtype (float32, or bfloat16 for bf16 scoring, the softmax accumulating in float32); the
+    result is float32.
 
     Args:
         folded: `fold_steps` of the model's reasoning steps, in the nodes' dtype.
@@ -134,16 +135,18 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
     """
     n_img, n_cap, n_nodes, dim = nodes.shape
     low = nodes.dtype
-    # additive key mask, broadcast over images: (1, n_cap, 1, P)
-    blocked = torch.zeros(node_mask.shape, dtype=torch.float32, device=nodes.device)
+    # additive key mask, broadcast over images: (1, n_cap, 1, P); 0 and -inf are exact in bf16
+    blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device)
     blocked = blocked.masked_fill_(~node_mask, float("-inf")).view(1, n_cap, 1, n_nodes)
     graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m)
     for index, (bilinear_t, key_term, w_r, b_r) in enumerate(folded):
         last = has_global and index == len(folded) - 1
         queries = fast_linear(graphs[:, :1] if last else graphs, bilinear_t, key_term)  # (G, Q, m)
-        logits = torch.bmm(queries, graphs.transpose(1, 2)).float()                   # (G, Q, P)
+        logits = torch.bmm(queries, graphs.transpose(1, 2))                           # (G, Q, P)
+        # the softmax accumulates in float32 for bf16 input too; its bf16 output is what the
+        # aggregation matmul reads
         edges = logits.view(n_img, n_cap, -1, n_nodes).add_(blocked).softmax(dim=3)
-        edges = edges.to(low).view(n_img * n_cap, -1, n_nodes)
+        edges = edges.view(n_img * n_cap, -1, n_nodes)
         if last:
             # only the global node is read out: aggregate its row, then W_r on one node per graph
             pooled = fast_linear(torch.bmm(edges, graphs), w_r, b_r)

@@ -96,7 +96,6 @@ class _LocalNodes(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        n_img, n_cap, n_words, n_regions = attn.shape
         square = _context_minus_words(attn, regions, words).square_()         # (n_img, n_cap, L, d)
         out = fast_linear(square, weight, bias)                               # (n_img, n_cap, L, m)
         del square
@@ -128,9 +127,9 @@ class _LocalNodes(torch.autograd.Function):
         grad_attn = grad_regions = grad_words = None
         flat = grad_diff.view(n_img, n_cap * n_words, -1)
         if ctx.needs_input_grad[0]:
-            grad_attn = torch.bmm(flat, regions.transpose(1, 2)).view_as(attn)
+            grad_attn = torch.bmm(flat, regions.transpose(1, 2)).view(attn.shape)
         if ctx.needs_input_grad[1]:
-            grad_regions = torch.bmm(attn.view(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
+            grad_regions = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
         if ctx.needs_input_grad[2]:
             grad_words = grad_diff.sum(dim=0).neg_()
         return grad_attn, grad_regions, grad_words, grad_weight, grad_bias
