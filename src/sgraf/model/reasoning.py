@@ -135,9 +135,12 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
     """
     n_img, n_cap, n_nodes, dim = nodes.shape
     low = nodes.dtype
-    # additive key mask, broadcast over images: (1, n_cap, 1, P); 0 and -inf are exact in bf16
-    blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device)
-    blocked = blocked.masked_fill_(~node_mask, float("-inf")).view(1, n_cap, 1, n_nodes)
+    # additive key mask, broadcast over images: (1, n_cap, 1, P); 0 and -inf are exact in bf16.
+    # None when every node is valid (captions of one length, as in a length-sorted bucket).
+    blocked = None
+    if not bool(node_mask.all()):
+        blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device)
+        blocked = blocked.masked_fill_(~node_mask, float("-inf")).view(1, n_cap, 1, n_nodes)
     graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m)
     for index, (bilinear_t, key_term, w_r, b_r) in enumerate(folded):
         last = has_global and index == len(folded) - 1
@@ -145,8 +148,9 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
         logits = torch.bmm(queries, graphs.transpose(1, 2))                           # (G, Q, P)
         # the softmax accumulates in float32 for bf16 input too; its bf16 output is what the
         # aggregation matmul reads
-        edges = logits.view(n_img, n_cap, -1, n_nodes).add_(blocked).softmax(dim=3)
-        edges = edges.view(n_img * n_cap, -1, n_nodes)
+        if blocked is not None:
+            logits = logits.view(n_img, n_cap, -1, n_nodes).add_(blocked)
+        edges = logits.softmax(dim=-1).view(n_img * n_cap, -1, n_nodes)
         if last:
             # only the global node is read out: aggregate its row, then W_r on one node per graph
             pooled = fast_linear(torch.bmm(edges, graphs), w_r, b_r)
