@@ -451,8 +451,9 @@ class SimilarityRepresentation(nn.Module):
                 gram = self.region_gram(regions)                                  # (n_img, K, K)
             sq_norm = torch.bmm(attn, gram).mul_(attn).sum(dim=2, keepdim=True)
             attn.mul_(sq_norm.clamp_(min=0).sqrt_().add_(EPS).reciprocal_())
-            context = torch.bmm(attn.to(low), r_low).view(n_img, n_cap, n_words, dim)  # a_j / |a_j|
-            square = context.sub_(w_low).square_()                                # (a_j / |a_j| - t_j)^2
+            # a_j / |a_j| - t_j from one matmul with the words as its (negated) addend
+            diff = torch.baddbmm(w_low.view(1, n_cap * n_words, dim), attn.to(low), r_low, beta=-1)
+            square = diff.view(n_img, n_cap, n_words, dim).square_()              # (a_j / |a_j| - t_j)^2
             local = fast_linear(square.view(-1, dim), self.sim_tranloc_w.weight, self.sim_tranloc_w.bias)
             local = local.view(n_img, n_cap, n_words, -1)                         # (n_img, n_cap, L, m)
             # scaled in the nodes' dtype: no float32 temporary of the whole block
