@@ -352,7 +352,7 @@ def score_workers(device: torch.device, precision: str, n_blocks: int) -> int:
 
 @contextlib.contextmanager
 def _one_thread_per_op() -> Iterator[None]:
-    """PyTorch's intra-op threads set to 1 for the duration (restored after)."""
+    """PyTorch's intra-op threads (a process-wide setting) set to 1 for the duration, then restored."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -9,6 +9,7 @@ paper's Table 3 rows 2-3 describe).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sgraf.model.similarity import fast_linear, train_linear
@@ -29,24 +30,32 @@ class GraphReasoning(nn.Module):
         edges = edges.masked_fill(~key_mask, float("-inf")).softmax(dim=2)
         return torch.relu(self.sim_graph_w(edges @ nodes))
 
+    def folded_query(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query layer folded with the key layer: `(W_k^T W_q, W_k^T b_q)`.
+
+        `(W_q s + b_q) . (W_k s' + b_k) = [s (W_q^T W_k) + W_k^T b_q] . s' + terms of s alone`:
+        `F.linear(s, *folded_query())` is a query whose dot products with the raw nodes `s'`
+        give Eq. 6's logits up to a per-row constant (the same row-wise softmax), one node-wise
+        matmul instead of two. Differentiable.
+
+        Returns:
+            (m, m) weight and (m,) bias.
+        """
+        w_k = self.graph_key_w.weight
+        return w_k.t() @ self.graph_query_w.weight, w_k.t() @ self.graph_query_w.bias
+
     def folded_logits(self, queries: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         """Edge logits `q k^T` up to a per-row constant, with one matmul less (eval only).
-
-        `(W_q s + b_q) . (W_k s' + b_k) = s (W_q^T W_k) s'^T + (W_k^T b_q) . s' + terms of s
-        alone`; those last terms are constant along a softmax row, so they are dropped.
 
         Args:
             queries: (G, Q, m) query nodes.
             nodes: (G, P, m) key nodes.
 
         Returns:
-            (G, Q, P) logits with the same row-wise softmax as Eq. 6.
+            (G, Q, P) logits with the same row-wise softmax as Eq. 6 (see `folded_query`).
         """
-        w_q, b_q = self.graph_query_w.weight, self.graph_query_w.bias
-        w_k = self.graph_key_w.weight
-        bilinear = w_q.t() @ w_k                                    # (m, m)
-        key_bias = nodes @ (w_k.t() @ b_q)                          # (G, P)
-        return (queries @ bilinear.to(queries.dtype)) @ nodes.transpose(1, 2) + key_bias.unsqueeze(1)
+        weight, bias = self.folded_query()
+        return F.linear(queries, weight.to(queries.dtype), bias.to(queries.dtype)) @ nodes.transpose(1, 2)
 
     def fast(self, nodes: torch.Tensor, blocked: torch.Tensor, global_only: bool) -> torch.Tensor:
         """Eval-mode step: folded logits; with `global_only`, only node 0 is updated.
@@ -97,19 +106,16 @@ def graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: torch.
 def fold_steps(steps: nn.ModuleList, low: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     """Per step, the eval-mode weights of `fast_graph_reasoning`, in `low`.
 
-    `q . k = s (W_q^T W_k) s'^T + (W_k^T b_q) . s' + terms of the query s alone`; those last
-    terms are constant along a softmax row and dropped, so a query is `s (W_q^T W_k) + W_k^T b_q`:
-    one node-wise matmul instead of two. Folded in float32, then cast once.
+    The queries folded with the keys (`GraphReasoning.folded_query`), then cast once.
 
     Returns:
         [(bilinear_t (m, m), key_term (m,), W_r (m, m), b_r (m,)), ...], one tuple per step.
     """
     folded = []
     for step in steps:
-        w_q, b_q = step.graph_query_w.weight.float(), step.graph_query_w.bias.float()
-        w_k = step.graph_key_w.weight.float()
-        folded.append(((w_k.t() @ w_q).to(low), (w_k.t() @ b_q).to(low),
-                       step.sim_graph_w.weight.to(low), step.sim_graph_w.bias.to(low)))
+        bilinear_t, key_term = step.folded_query()
+        folded.append((bilinear_t.to(low), key_term.to(low), step.sim_graph_w.weight.to(low),
+                       step.sim_graph_w.bias.to(low)))
     return folded
 
 
@@ -191,10 +197,9 @@ def train_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: 
     graphs = nodes.reshape(n_img * n_cap, n_nodes, dim)                             # (G, P, m)
     for index, step in enumerate(steps):
         last = has_global and index == len(steps) - 1
-        w_q, b_q = step.graph_query_w.weight, step.graph_query_w.bias
-        w_k, b_k = step.graph_key_w.weight, step.graph_key_w.bias
+        w_q, b_q, b_k = step.graph_query_w.weight, step.graph_query_w.bias, step.graph_key_w.bias
         sources = graphs[:, :1] if last else graphs                                # (G, Q, m)
-        queries = train_linear(sources, w_k.t() @ w_q, w_k.t() @ b_q)             # (G, Q, m)
+        queries = train_linear(sources, *step.folded_query())                     # (G, Q, m)
         row_terms = sources @ (w_q.t() @ b_k) + b_q @ b_k                         # (G, Q)
         logits = torch.baddbmm(row_terms.unsqueeze(2), queries, graphs.transpose(1, 2))  # (G, Q, P)
         edges = (logits.view(n_img, n_cap, -1, n_nodes) + blocked.to(logits.dtype)).softmax(dim=3)

@@ -33,11 +33,12 @@ TRAIN_CHUNK_BYTES = 64 * 2**20
 # With light nodes (see `_train_similarity_heads`), the heads' intermediates of the first chunks
 # are kept for backward up to about this many bytes; the later chunks' are recomputed.
 TRAIN_KEEP_BYTES = 1024 * 2**20
-# Float32 (G, P, m)-sized intermediates the SGR/SAF heads keep for backward, per node (measured).
+# Float32 (G, P, m)-sized intermediates the SGR/SAF heads keep for backward, per node (an
+# estimate from the layers of `train_graph_reasoning`; it sets where recomputing starts).
 HEAD_KEPT_PER_NODE = 8
 # Eval fast path on CPU: bytes of the largest (image, caption, word) x d operand of one chunk, and
 # images per chunk. Measured on 2-core AVX-512 machines: chunks of about 8 MiB score a pair about
-# 1.7x faster than 128 MiB blocks (intermediates stay in cache; no page faults for fresh mmaps).
+# 1.7x faster than 128 MiB blocks (their intermediates stay in cache).
 EVAL_CHUNK_BYTES = 8 * 2**20
 EVAL_CHUNK_IMAGES = 8
 
@@ -246,13 +247,7 @@ class SGRAF(nn.Module):
                 from `image_globals` and `caption_globals` under the same precision; a scorer
                 computes them once per split instead of once per block. Ignored in training.
         """
-        lengths = _as_lengths(lengths, cap_embs.device)
-        n_words = int(lengths.max())
-        if n_words > cap_embs.size(1):
-            raise InputError(f"a caption length ({n_words}) exceeds the word embeddings' length {cap_embs.size(1)}")
-        words = cap_embs[:, :n_words]
-        word_mask = torch.arange(n_words, device=words.device) < lengths.unsqueeze(1)    # (n_cap, L)
-        words = words * word_mask.unsqueeze(2).to(words.dtype)
+        words, word_mask, lengths = _masked_words(cap_embs, lengths)
         if not self.training and not torch.is_grad_enabled() and self.sim_enc.supports_fast() \
                 and img_embs.dtype != torch.float64 and words.dtype != torch.float64:
             return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo)
@@ -322,10 +317,7 @@ class SGRAF(nn.Module):
         """Eval-mode global vectors (n_cap, d) float32 of word embeddings (see `image_globals`)."""
         if not self.sim_enc.supports_fast():
             return None
-        lengths = _as_lengths(lengths, cap_embs.device)
-        n_words = int(lengths.max())
-        word_mask = torch.arange(n_words, device=cap_embs.device) < lengths.unsqueeze(1)
-        words = cap_embs[:, :n_words] * word_mask.unsqueeze(2).to(cap_embs.dtype)
+        words, word_mask, _ = _masked_words(cap_embs, lengths)
         return self.sim_enc.eval_caption_globals(words, word_mask, compute_dtype(cap_embs.device))
 
     def train_chunks(self, n_img: int, lengths: torch.Tensor) -> list[torch.Tensor]:
@@ -383,11 +375,12 @@ class SGRAF(nn.Module):
         for index in chunks:
             index = index.to(words.device)
             n_words = int(lengths[index].max())
-            args = (img_embs, img_glo, words[index, :n_words], word_mask[index, :n_words],
-                    None if cap_glo is None else cap_glo[index])
+            chunk_words, chunk_mask = words[index, :n_words], word_mask[index, :n_words]
+            chunk_glo = None if cap_glo is None else cap_glo[index]
+            args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo)
             if recompute and light:
-                nodes, node_mask = sim.train_nodes(img_embs, *args[2:4], img_glo, args[4])  # (n_img, n, P, m)
-                kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE
+                nodes, node_mask = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo)
+                kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE  # nodes: (n_img, n, P, m)
                 if kept_bytes <= TRAIN_KEEP_BYTES:
                     blocks, saf_stats = head_scores(nodes, node_mask)
                 else:
@@ -444,6 +437,21 @@ class SGRAF(nn.Module):
             return self.similarity(img_embs, cap_embs, lengths).float()
         finally:
             self.train(was_training)
+
+
+def _masked_words(cap_embs: torch.Tensor, lengths: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Word embeddings trimmed to the longest caption and zeroed beyond each length.
+
+    Returns:
+        words (n_cap, L, d), word_mask (n_cap, L) bool, lengths (n_cap,) int64.
+    """
+    lengths = _as_lengths(lengths, cap_embs.device)
+    n_words = int(lengths.max())
+    if n_words > cap_embs.size(1):
+        raise InputError(f"a caption length ({n_words}) exceeds the word embeddings' length {cap_embs.size(1)}")
+    word_mask = torch.arange(n_words, device=cap_embs.device) < lengths.unsqueeze(1)    # (n_cap, L)
+    words = cap_embs[:, :n_words] * word_mask.unsqueeze(2).to(cap_embs.dtype)
+    return words, word_mask, lengths
 
 
 def _as_lengths(lengths: Any, device: torch.device) -> torch.Tensor:
