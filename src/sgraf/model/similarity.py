@@ -456,7 +456,8 @@ class SimilarityRepresentation(nn.Module):
             square = diff.view(n_img, n_cap, n_words, dim).square_()              # (a_j / |a_j| - t_j)^2
             local = fast_linear(square.view(-1, dim), self.sim_tranloc_w.weight, self.sim_tranloc_w.bias)
             local = local.view(n_img, n_cap, n_words, -1)                         # (n_img, n_cap, L, m)
-            # scaled in the nodes' dtype: no float32 temporary of the whole block
-            torch.mul(local, inverse_norm(local).to(low), out=nodes[:, :, n_nodes - n_words:])
+            # the norm in the nodes' dtype (accumulated in float32), so no float32 copy of the block
+            inverse = torch.linalg.vector_norm(local, dim=-1, keepdim=True).add_(EPS).reciprocal_()
+            torch.mul(local, inverse, out=nodes[:, :, n_nodes - n_words:])
             masks.append(word_mask)
         return nodes, torch.cat(masks, dim=1)
