@@ -434,7 +434,8 @@ class SimilarityRepresentation(nn.Module):
             diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                    # (n_img, n_cap, d)
             square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
             sim_glo = fast_linear(square, self.sim_tranglo_w.weight, self.sim_tranglo_w.bias)
-            torch.mul(sim_glo, inverse_norm(sim_glo), out=nodes[:, :, 0])
+            inverse = torch.linalg.vector_norm(sim_glo, dim=-1, keepdim=True).add_(EPS).reciprocal_()
+            torch.mul(sim_glo, inverse, out=nodes[:, :, 0])
             masks.append(word_mask.new_ones(n_cap, 1))
         if self.use_local:
             r_low, w_low = regions.to(low), words.to(low).contiguous()
