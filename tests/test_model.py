@@ -12,6 +12,7 @@ from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.model.oracle import oracle_forward
 from sgraf.model.sgraf import SGRAF
+from sgraf.precision import autocast
 
 LENGTHS = [6, 3, 11, 3, 8, 5, 3, 9]          # unsorted, mixed, several `<start> w <end>` captions
 
@@ -240,8 +241,37 @@ def test_eval_chunks_and_given_global_vectors_change_no_score(monkeypatch, confi
         assert (covered == 1).all()
         chunked = model.similarity_heads(img_embs, cap_embs, lengths)
         img_glo, cap_glo = model.image_globals(img_embs), model.caption_globals(cap_embs, lengths)
-        given = model.similarity_heads(img_embs, cap_embs, lengths, img_glo=img_glo, cap_glo=cap_glo)
+        gram = model.region_grams(img_embs)
+        given = model.similarity_heads(img_embs, cap_embs, lengths, img_glo=img_glo, cap_glo=cap_glo, gram=gram)
     assert (img_glo is None) == (config.get("alignments") == "local")
+    assert gram.shape == (9, 7, 7)
     for head in expected:
         torch.testing.assert_close(chunked[head], expected[head], atol=1e-5, rtol=0)
         torch.testing.assert_close(given[head], chunked[head], atol=1e-6, rtol=0)
+
+
+def test_frozen_weights_prepare_constants_once_and_only_inside(monkeypatch):
+    """Inside `frozen_weights` the folded SGR weights are computed once per precision; outside,
+    every call sees the current weights (a change through `.data` included)."""
+    import sgraf.model.sgraf as sgraf_module
+
+    model = random_model(6, module="sgr", num_regions=7).eval()
+    images, captions, lengths = random_batch(model, 3, LENGTHS, pad_to=13, seed=5)
+    folds = []
+    fold_steps = sgraf_module.fold_steps
+    monkeypatch.setattr(sgraf_module, "fold_steps", lambda *args: folds.append(1) or fold_steps(*args))
+    with torch.no_grad():
+        img_embs, cap_embs = model.encode_images(images), model.encode_captions(captions, lengths)
+        plain = model.similarity(img_embs, cap_embs, lengths)
+        with model.frozen_weights(), model.frozen_weights():  # re-entrant
+            frozen = [model.similarity(img_embs, cap_embs, lengths) for _ in range(3)]
+            with autocast("bf16"):
+                model.similarity(img_embs, cap_embs, lengths)
+        assert len(folds) == 1 + 2  # the plain call, then once per precision inside
+        model.sim_enc.SGR_module[0].graph_key_w.weight.data.mul_(3.0)
+        changed = model.similarity(img_embs, cap_embs, lengths)
+        expected = oracle_forward(model, images, captions, lengths)["sgr"]
+    for scores in frozen:
+        torch.testing.assert_close(scores, plain, atol=0, rtol=0)
+    torch.testing.assert_close(changed, expected, atol=1e-5, rtol=0)
+    assert (changed - plain).abs().max() > 1e-4

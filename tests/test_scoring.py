@@ -214,8 +214,11 @@ def test_global_vectors_are_encoded_once_and_change_no_score(monkeypatch, precis
     assert encoded.img_glo.shape == (7, model.config.embed_size)
     assert all(b.glo.shape == (len(b.index), model.config.embed_size) for b in encoded.buckets)
     encoded_calls = len(calls)
+    grams = []
+    monkeypatch.setattr(model.sim_enc, "region_gram", counting(model.sim_enc.region_gram, grams))
     cached = scoring.score_matrix([model], [encoded], precision=precision, image_block=2)
     assert len(calls) == encoded_calls  # no image's global vector computed again while scoring
+    assert len(encoded.buckets) > 1 and len(grams) == 4  # Gram matrices once per image block of 2
     encoded.img_glo = None
     recomputed = scoring.score_matrix([model], [encoded], precision=precision, image_block=2)
     assert len(calls) > encoded_calls

@@ -317,15 +317,17 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     def score_rows(row: int) -> None:
         rows = slice(row, min(row + image_block, n_img))
         with torch.no_grad():  # grad mode is per thread
+            # per model, the Gram matrices of these images: once here, not once per caption block
+            grams = [region_grams(model, enc.img_embs[rows]) for model, enc in zip(models, encoded)]
             for bucket_id, reference in enumerate(encoded[0].buckets):
                 for cols in _caption_blocks(reference, image_block, block_elements):
-                    block = _score_block(models, encoded, rows, bucket_id, cols, precision, head)
+                    block = _score_block(models, encoded, rows, bucket_id, cols, precision, head, grams)
                     share[rows.start - first_row: rows.stop - first_row, reference.index[cols].cpu()] = block
                     bar.update(block.numel())
 
     starts = range(first_row, last_row, image_block)
     workers = score_workers(encoded[0].img_embs.device, precision, len(starts))
-    with eval_mode(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
+    with eval_mode(models), frozen_weights(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
         if workers > 1:
             with _one_thread_per_op(), ThreadPoolExecutor(workers) as pool:
                 list(pool.map(score_rows, starts))
@@ -361,16 +363,35 @@ def _one_thread_per_op() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def frozen_weights(models: Sequence[Scorer]) -> Iterator[None]:
+    """Let each model that offers ``frozen_weights`` prepare its weight-only constants once."""
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            if hasattr(model, "frozen_weights"):
+                stack.enter_context(model.frozen_weights())
+        yield
+
+
+def region_grams(model: Scorer, img_embs: torch.Tensor) -> torch.Tensor | None:
+    """The model's ``region_grams`` of an image block (None for models without them)."""
+    compute = getattr(model, "region_grams", None)
+    return None if compute is None else compute(img_embs)
+
+
 def _score_block(models: Sequence[Scorer], encoded: Sequence[Encoded], rows: slice, bucket_id: int,
-                 cols: slice, precision: str, head: str | None) -> torch.Tensor:
+                 cols: slice, precision: str, head: str | None,
+                 grams: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
     """One (images x captions) block, averaged over the models: float32 on the CPU."""
     blocks = []
-    for model, enc in zip(models, encoded):
+    for index, (model, enc) in enumerate(zip(models, encoded)):
         bucket = enc.buckets[bucket_id]
         device = enc.img_embs.device
         cached = {}
         if enc.img_glo is not None and bucket.glo is not None:
             cached = {"img_glo": enc.img_glo[rows], "cap_glo": bucket.glo[cols]}
+        if grams is not None and grams[index] is not None:
+            cached["gram"] = grams[index]
         with autocast(precision, device):
             scores = model.similarity(enc.img_embs[rows], bucket.embs[cols], bucket.lengths[cols],
                                       head=head, **cached)  # (b_img, b_cap)

@@ -6,6 +6,7 @@ three state dicts, so an official checkpoint maps onto this module by key prefix
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -175,6 +176,8 @@ class SGRAF(nn.Module):
         self.train_checkpoint = True
         # the self-attention global vectors (n_img, d), (n_cap, d) of the last train-mode scoring
         self.train_global_vectors: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        # the eval fast path's weight-only constants by matmul dtype while `frozen_weights` is active
+        self._eval_constants: dict[torch.dtype, dict[str, Any]] | None = None
         init_weights(self)
 
     @property
@@ -238,23 +241,51 @@ class SGRAF(nn.Module):
 
     # ------------------------------------------------------------------ similarity
     def similarity_heads(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any,
-                         img_glo: torch.Tensor | None = None, cap_glo: torch.Tensor | None = None
-                         ) -> dict[str, torch.Tensor]:
+                         img_glo: torch.Tensor | None = None, cap_glo: torch.Tensor | None = None,
+                         gram: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Scores (n_img, n_cap) of every head of the model, from embeddings, for a whole block.
 
         Args:
             img_glo, cap_glo: optional eval-mode global vectors of these images and captions,
                 from `image_globals` and `caption_globals` under the same precision; a scorer
                 computes them once per split instead of once per block. Ignored in training.
+            gram: optional `region_grams(img_embs)`, for a scorer that scores the same images
+                against many caption blocks. Ignored in training.
         """
         words, word_mask, lengths = _masked_words(cap_embs, lengths)
         if not self.training and not torch.is_grad_enabled() and self.sim_enc.supports_fast() \
                 and img_embs.dtype != torch.float64 and words.dtype != torch.float64:
-            return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo)
+            return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo, gram)
         if self.training:
             return self._train_similarity_heads(img_embs, words, word_mask, lengths)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
         return self.sim_enc.head_scores(nodes, node_mask, self.heads)
+
+    @contextlib.contextmanager
+    def frozen_weights(self) -> Iterator[None]:
+        """Within this context the eval fast path prepares its weight-only constants (the folded
+        SGR weights, the similarity layers in the matmul dtype) once per precision instead of on
+        every call. The weights must not change inside it; the scorer enters it for one split."""
+        outer = self._eval_constants is not None
+        if not outer:
+            self._eval_constants = {}
+        try:
+            yield
+        finally:
+            if not outer:
+                self._eval_constants = None
+
+    def eval_constants(self, low: torch.dtype) -> dict[str, Any]:
+        """The eval fast path's weight-only constants in `low` (cached inside `frozen_weights`)."""
+        cache = self._eval_constants
+        if cache is not None and low in cache:
+            return cache[low]
+        with torch.no_grad():
+            constants = {"layers": self.sim_enc.cast_layers(low),
+                         "folded": fold_steps(self.sim_enc.SGR_module, low) if "sgr" in self.heads else None}
+        if cache is not None:
+            cache[low] = constants
+        return constants
 
     def eval_chunks(self, n_img: int, n_cap: int, n_words: int, low: torch.dtype,
                     device: torch.device) -> Iterator[tuple[slice, slice]]:
@@ -279,30 +310,44 @@ class SGRAF(nn.Module):
 
     def _eval_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                                lengths: torch.Tensor, img_glo: torch.Tensor | None,
-                               cap_glo: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                               cap_glo: torch.Tensor | None, gram: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Eval fast path: explicit precision instead of autocast (see `fast_forward`), in
-        cache-sized chunks, the global vectors computed once for the block (or given)."""
+        cache-sized chunks; the global vectors, the Gram matrices and the casts to the matmul
+        dtype done once for the block (or given)."""
         sim = self.sim_enc
         device = words.device
         low = compute_dtype(device)
         n_img, n_cap = img_embs.size(0), words.size(0)
         scores = {head: torch.empty((n_img, n_cap), dtype=torch.float32, device=device) for head in self.heads}
         with torch.autocast(device.type, enabled=False):
-            # computed once for the block, not per chunk
+            constants = self.eval_constants(low)
+            # computed once for the block, not per chunk; with them, fast_forward reads the
+            # embeddings only in the matmul dtype
             if sim.use_global:
                 img_glo = sim.eval_image_globals(img_embs, low) if img_glo is None else img_glo.float()
                 cap_glo = sim.eval_caption_globals(words, word_mask, low) if cap_glo is None else cap_glo.float()
-            gram = sim.region_gram(img_embs) if sim.use_local else None
-            folded = fold_steps(sim.SGR_module, low) if "sgr" in self.heads else None
+            if sim.use_local and gram is None:
+                gram = sim.region_gram(img_embs)
+            regions, words = img_embs.to(low), words.to(low)
             for rows, cols in self.eval_chunks(n_img, n_cap, words.size(1), low, device):
                 n_words = int(lengths[cols].max())   # a chunk is padded to its own longest caption
                 nodes, node_mask = sim.fast_forward(
-                    img_embs[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
+                    regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
                     None if img_glo is None else img_glo[rows], None if cap_glo is None else cap_glo[cols],
-                    None if gram is None else gram[rows])
-                for head, block in sim.fast_head_scores(nodes, node_mask, self.heads, low, folded).items():
+                    None if gram is None else gram[rows], constants["layers"])
+                for head, block in sim.fast_head_scores(nodes, node_mask, self.heads, low,
+                                                        constants["folded"]).items():
                     scores[head][rows, cols] = block
         return scores
+
+    @torch.no_grad()
+    def region_grams(self, img_embs: torch.Tensor) -> torch.Tensor | None:
+        """(n_img, K, K) float32 Gram matrices of region embeddings for `similarity(..., gram=...)`,
+        or None for models whose eval path does not use them."""
+        if not (self.sim_enc.supports_fast() and self.sim_enc.use_local):
+            return None
+        with torch.autocast(img_embs.device.type, enabled=False):  # float32 whatever the precision
+            return self.sim_enc.region_gram(img_embs)
 
     @torch.no_grad()
     def image_globals(self, img_embs: torch.Tensor) -> torch.Tensor | None:
@@ -404,17 +449,18 @@ class SGRAF(nn.Module):
 
     def similarity(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any,
                    head: str | None = None, img_glo: torch.Tensor | None = None,
-                   cap_glo: torch.Tensor | None = None) -> torch.Tensor:
+                   cap_glo: torch.Tensor | None = None, gram: torch.Tensor | None = None) -> torch.Tensor:
         """(n_img, K, d) and (n_cap, L, d) embeddings -> (n_img, n_cap) scores.
 
         Args:
             head: 'sgr' or 'saf' for one head of a joint model; None gives the model's score
                 (for a joint model, the mean of its two heads).
-            img_glo, cap_glo: optional precomputed global vectors (see `similarity_heads`).
+            img_glo, cap_glo, gram: optional precomputed global vectors and Gram matrices (see
+                `similarity_heads`).
         """
         if head is not None and head not in self.heads:
             raise InputError(f"head {head!r} is not one of this model's heads {self.heads}")
-        scores = self.similarity_heads(img_embs, cap_embs, lengths, img_glo, cap_glo)
+        scores = self.similarity_heads(img_embs, cap_embs, lengths, img_glo, cap_glo, gram)
         if head is not None:
             return scores[head]
         return sum(scores.values()) / len(scores)

@@ -402,10 +402,16 @@ class SimilarityRepresentation(nn.Module):
         regions = regions.float()
         return torch.bmm(regions, regions.transpose(1, 2))
 
+    def cast_layers(self, low: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The weights and biases of the similarity layers in `low`, for `fast_forward(layers=)`."""
+        return {name: (layer.weight.to(low), layer.bias.to(low))
+                for name in ("sim_tranglo_w", "sim_tranloc_w") if (layer := getattr(self, name, None)) is not None}
+
     def fast_forward(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                      low: torch.dtype, img_glo: torch.Tensor | None = None,
-                     cap_glo: torch.Tensor | None = None,
-                     gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cap_glo: torch.Tensor | None = None, gram: torch.Tensor | None = None,
+                     layers: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval-only `forward` with fewer passes over memory and explicit precision.
 
         Call with autocast disabled and without autograd. The large matmuls (attention,
@@ -414,52 +420,57 @@ class SimilarityRepresentation(nn.Module):
         reasoning matmuls read them in.
 
         Args:
-            regions: (n_img, K, d) float32; words: (n_cap, L, d), zero beyond each length;
+            regions: (n_img, K, d); words: (n_cap, L, d), zero beyond each length; float32, or
+                already in `low` when `img_glo`, `cap_glo` and `gram` are given (they are the
+                only float32 uses).
             word_mask: (n_cap, L) bool.
             low: the matmul dtype.
             img_glo, cap_glo: the global vectors from `eval_image_globals` and
                 `eval_caption_globals` (same `low`), or None to compute them here.
             gram: `region_gram(regions)`, or None to compute it here.
+            layers: `cast_layers(low)`, or None to cast the weights here.
 
         Returns:
             nodes (n_img, n_cap, P, m) in `low`, global node first, and node_mask (n_cap, P).
         """
         n_img, n_regions, dim = regions.shape
         n_cap, n_words, _ = words.shape
-        regions, words = regions.float().contiguous(), words.float()
+        if layers is None:
+            layers = self.cast_layers(low)
         n_nodes = int(self.use_global) + (n_words if self.use_local else 0)
         nodes = regions.new_empty(n_img, n_cap, n_nodes, self.node_dim, dtype=low)  # (n_img, n_cap, P, m)
         masks = []
         if self.use_global:
             if img_glo is None:
-                img_glo = self.eval_image_globals(regions, low)                   # (n_img, d)
+                img_glo = self.eval_image_globals(regions.float(), low)           # (n_img, d)
             if cap_glo is None:
-                cap_glo = self.eval_caption_globals(words, word_mask, low)        # (n_cap, d)
+                cap_glo = self.eval_caption_globals(words.float(), word_mask, low)  # (n_cap, d)
             diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                    # (n_img, n_cap, d)
             square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
-            sim_glo = fast_linear(square, self.sim_tranglo_w.weight, self.sim_tranglo_w.bias)
+            sim_glo = fast_linear(square, *layers["sim_tranglo_w"])
             inverse = torch.linalg.vector_norm(sim_glo, dim=-1, keepdim=True).add_(EPS).reciprocal_()
             torch.mul(sim_glo, inverse, out=nodes[:, :, 0])
             masks.append(word_mask.new_ones(n_cap, 1))
         if self.use_local:
-            r_low, w_low = regions.to(low), words.to(low).contiguous()
+            if gram is None:
+                gram = self.region_gram(regions)                                  # (n_img, K, K)
+            r_low, w_low = regions.to(low).contiguous(), words.to(low).contiguous()
             # (n_img * K, n_cap * L): every region against every word of the block, one matmul
             relevance = fast_linear(r_low.view(n_img * n_regions, dim), w_low.view(n_cap * n_words, dim)).float()
             relevance = F.leaky_relu_(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
             relevance.mul_(inverse_norm(relevance).mul_(self.smooth))             # norm over the words
-            attn = relevance.permute(0, 2, 3, 1).contiguous().softmax(dim=3)     # (n_img, n_cap, L, K) float32
-            attn = attn.view(n_img, n_cap * n_words, n_regions)
+            # softmax over the regions where they lie, (n_img, K, n_cap * L): every (caption, word)
+            # column side by side in memory, no transposed copy
+            attn = relevance.view(n_img, n_regions, n_cap * n_words).softmax(dim=1)  # float32
             # |a_j|^2 = attn_j (R R^T) attn_j^T from each image's (K, K) Gram matrix, in float32:
-            # the attention rows are scaled by 1 / (|a_j| + eps) before the context matmul, so the
-            # contexts come out normalised, without another pass over (n_img, n_cap, L, d)
-            if gram is None:
-                gram = self.region_gram(regions)                                  # (n_img, K, K)
-            sq_norm = torch.bmm(attn, gram).mul_(attn).sum(dim=2, keepdim=True)
+            # the attention columns are scaled by 1 / (|a_j| + eps) before the context matmul, so
+            # the contexts come out normalised, without another pass over (n_img, n_cap, L, d)
+            sq_norm = torch.bmm(gram, attn).mul_(attn).sum(dim=1, keepdim=True)   # (n_img, 1, n_cap * L)
             attn.mul_(sq_norm.clamp_(min=0).sqrt_().add_(EPS).reciprocal_())
             # a_j / |a_j| - t_j from one matmul with the words as its (negated) addend
-            diff = torch.baddbmm(w_low.view(1, n_cap * n_words, dim), attn.to(low), r_low, beta=-1)
+            diff = torch.baddbmm(w_low.view(1, n_cap * n_words, dim), attn.to(low).transpose(1, 2), r_low, beta=-1)
             square = diff.view(n_img, n_cap, n_words, dim).square_()              # (a_j / |a_j| - t_j)^2
-            local = fast_linear(square.view(-1, dim), self.sim_tranloc_w.weight, self.sim_tranloc_w.bias)
+            local = fast_linear(square.view(-1, dim), *layers["sim_tranloc_w"])
             local = local.view(n_img, n_cap, n_words, -1)                         # (n_img, n_cap, L, m)
             # the norm in the nodes' dtype (accumulated in float32), so no float32 copy of the block
             inverse = torch.linalg.vector_norm(local, dim=-1, keepdim=True).add_(EPS).reciprocal_()
