@@ -312,8 +312,8 @@ class SGRAF(nn.Module):
                                lengths: torch.Tensor, img_glo: torch.Tensor | None,
                                cap_glo: torch.Tensor | None, gram: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Eval fast path: explicit precision instead of autocast (see `fast_forward`), in
-        cache-sized chunks; the global vectors, the Gram matrices and the casts to the matmul
-        dtype done once for the block (or given)."""
+        cache-sized chunks; the global vectors (or given), the global nodes, the Gram matrices
+        (or given) and the casts to the matmul dtype done once for the block."""
         sim = self.sim_enc
         device = words.device
         low = compute_dtype(device)
@@ -323,9 +323,11 @@ class SGRAF(nn.Module):
             constants = self.eval_constants(low)
             # computed once for the block, not per chunk; with them, fast_forward reads the
             # embeddings only in the matmul dtype
+            glo_nodes = None
             if sim.use_global:
                 img_glo = sim.eval_image_globals(img_embs, low) if img_glo is None else img_glo.float()
                 cap_glo = sim.eval_caption_globals(words, word_mask, low) if cap_glo is None else cap_glo.float()
+                glo_nodes = sim.global_nodes(img_glo, cap_glo, low, constants["layers"])  # (n_img, n_cap, m)
             if sim.use_local and gram is None:
                 gram = sim.region_gram(img_embs)
             regions, words = img_embs.to(low), words.to(low)
@@ -333,8 +335,8 @@ class SGRAF(nn.Module):
                 n_words = int(lengths[cols].max())   # a chunk is padded to its own longest caption
                 nodes, node_mask = sim.fast_forward(
                     regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
-                    None if img_glo is None else img_glo[rows], None if cap_glo is None else cap_glo[cols],
-                    None if gram is None else gram[rows], constants["layers"])
+                    gram=None if gram is None else gram[rows], layers=constants["layers"],
+                    glo_nodes=None if glo_nodes is None else glo_nodes[rows, cols])
                 for head, block in sim.fast_head_scores(nodes, node_mask, self.heads, low,
                                                         constants["folded"]).items():
                     scores[head][rows, cols] = block

@@ -407,11 +407,28 @@ class SimilarityRepresentation(nn.Module):
         return {name: (layer.weight.to(low), layer.bias.to(low))
                 for name in ("sim_tranglo_w", "sim_tranloc_w") if (layer := getattr(self, name, None)) is not None}
 
+    def global_nodes(self, img_glo: torch.Tensor, cap_glo: torch.Tensor, low: torch.dtype,
+                     layers: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """Eval-only global similarity nodes `l2norm(W_g (g_i - h_c)^2 + b)` (Eq. 1) in `low`.
+
+        Args:
+            img_glo, cap_glo: (n_img, d) and (n_cap, d) float32 global vectors.
+            layers: `cast_layers(low)`, or None to cast the weights here.
+
+        Returns:
+            (n_img, n_cap, m) in `low`.
+        """
+        weight, bias = (layers or self.cast_layers(low))["sim_tranglo_w"]
+        diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                        # (n_img, n_cap, d)
+        square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
+        sim_glo = fast_linear(square, weight, bias)
+        return sim_glo.mul_(torch.linalg.vector_norm(sim_glo, dim=-1, keepdim=True).add_(EPS).reciprocal_())
+
     def fast_forward(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                      low: torch.dtype, img_glo: torch.Tensor | None = None,
                      cap_glo: torch.Tensor | None = None, gram: torch.Tensor | None = None,
-                     layers: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     layers: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                     glo_nodes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval-only `forward` with fewer passes over memory and explicit precision.
 
         Call with autocast disabled and without autograd. The large matmuls (attention,
@@ -429,6 +446,8 @@ class SimilarityRepresentation(nn.Module):
                 `eval_caption_globals` (same `low`), or None to compute them here.
             gram: `region_gram(regions)`, or None to compute it here.
             layers: `cast_layers(low)`, or None to cast the weights here.
+            glo_nodes: `global_nodes(img_glo, cap_glo, low)` of these pairs (then the global
+                vectors are not needed), or None to compute them here.
 
         Returns:
             nodes (n_img, n_cap, P, m) in `low`, global node first, and node_mask (n_cap, P).
@@ -441,15 +460,13 @@ class SimilarityRepresentation(nn.Module):
         nodes = regions.new_empty(n_img, n_cap, n_nodes, self.node_dim, dtype=low)  # (n_img, n_cap, P, m)
         masks = []
         if self.use_global:
-            if img_glo is None:
-                img_glo = self.eval_image_globals(regions.float(), low)           # (n_img, d)
-            if cap_glo is None:
-                cap_glo = self.eval_caption_globals(words.float(), word_mask, low)  # (n_cap, d)
-            diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                    # (n_img, n_cap, d)
-            square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
-            sim_glo = fast_linear(square, *layers["sim_tranglo_w"])
-            inverse = torch.linalg.vector_norm(sim_glo, dim=-1, keepdim=True).add_(EPS).reciprocal_()
-            torch.mul(sim_glo, inverse, out=nodes[:, :, 0])
+            if glo_nodes is None:
+                if img_glo is None:
+                    img_glo = self.eval_image_globals(regions.float(), low)       # (n_img, d)
+                if cap_glo is None:
+                    cap_glo = self.eval_caption_globals(words.float(), word_mask, low)  # (n_cap, d)
+                glo_nodes = self.global_nodes(img_glo, cap_glo, low, layers)
+            nodes[:, :, 0] = glo_nodes
             masks.append(word_mask.new_ones(n_cap, 1))
         if self.use_local:
             if gram is None:
