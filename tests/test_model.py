@@ -275,3 +275,20 @@ def test_frozen_weights_prepare_constants_once_and_only_inside(monkeypatch):
         torch.testing.assert_close(scores, plain, atol=0, rtol=0)
     torch.testing.assert_close(changed, expected, atol=1e-5, rtol=0)
     assert (changed - plain).abs().max() > 1e-4
+
+
+def test_fast_forward_alone_gives_the_plain_nodes():
+    """`fast_forward` without precomputed global nodes, Gram matrices or cast weights computes
+    them itself and gives the nodes of the plain forward pass."""
+    from sgraf.model.sgraf import _masked_words
+
+    model = random_model(7, module="sgr", num_regions=7).eval()
+    images, captions, lengths = random_batch(model, 3, LENGTHS, pad_to=13, seed=6)
+    with torch.no_grad():
+        img_embs = model.encode_images(images)
+        words, word_mask, _ = _masked_words(model.encode_captions(captions, lengths), lengths)
+        nodes, node_mask = model.sim_enc(img_embs, words, word_mask)
+        fast, fast_mask = model.sim_enc.fast_forward(img_embs, words, word_mask, torch.float32)
+    assert torch.equal(fast_mask, node_mask)
+    valid = node_mask.unsqueeze(0).unsqueeze(3)
+    torch.testing.assert_close(fast * valid, nodes * valid, atol=1e-5, rtol=0)

@@ -335,8 +335,8 @@ class SGRAF(nn.Module):
                 n_words = int(lengths[cols].max())   # a chunk is padded to its own longest caption
                 nodes, node_mask = sim.fast_forward(
                     regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
-                    gram=None if gram is None else gram[rows], layers=constants["layers"],
-                    glo_nodes=None if glo_nodes is None else glo_nodes[rows, cols])
+                    None if glo_nodes is None else glo_nodes[rows, cols], None if gram is None else gram[rows],
+                    constants["layers"])
                 for head, block in sim.fast_head_scores(nodes, node_mask, self.heads, low,
                                                         constants["folded"]).items():
                     scores[head][rows, cols] = block

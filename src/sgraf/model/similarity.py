@@ -382,7 +382,7 @@ class SimilarityRepresentation(nn.Module):
         """Eval-only VisualSA global vectors: (n_img, K, d) -> float32 (n_img, d), matmuls in `low`.
 
         None without a global alignment. Call without autograd; the result depends on the
-        image only, so a scorer may compute it once per image and pass it to `fast_forward`.
+        image only, so a scorer may compute it once per image (see `global_nodes`).
         """
         if not self.use_global:
             return None
@@ -425,10 +425,9 @@ class SimilarityRepresentation(nn.Module):
         return sim_glo.mul_(torch.linalg.vector_norm(sim_glo, dim=-1, keepdim=True).add_(EPS).reciprocal_())
 
     def fast_forward(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                     low: torch.dtype, img_glo: torch.Tensor | None = None,
-                     cap_glo: torch.Tensor | None = None, gram: torch.Tensor | None = None,
-                     layers: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                     glo_nodes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     low: torch.dtype, glo_nodes: torch.Tensor | None = None, gram: torch.Tensor | None = None,
+                     layers: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval-only `forward` with fewer passes over memory and explicit precision.
 
         Call with autocast disabled and without autograd. The large matmuls (attention,
@@ -438,16 +437,14 @@ class SimilarityRepresentation(nn.Module):
 
         Args:
             regions: (n_img, K, d); words: (n_cap, L, d), zero beyond each length; float32, or
-                already in `low` when `img_glo`, `cap_glo` and `gram` are given (they are the
-                only float32 uses).
+                already in `low` when `glo_nodes` and `gram` are given (they are the only
+                float32 uses).
             word_mask: (n_cap, L) bool.
             low: the matmul dtype.
-            img_glo, cap_glo: the global vectors from `eval_image_globals` and
-                `eval_caption_globals` (same `low`), or None to compute them here.
+            glo_nodes: `global_nodes` of these pairs (a scorer computes them for a whole block),
+                or None to compute them here.
             gram: `region_gram(regions)`, or None to compute it here.
             layers: `cast_layers(low)`, or None to cast the weights here.
-            glo_nodes: `global_nodes(img_glo, cap_glo, low)` of these pairs (then the global
-                vectors are not needed), or None to compute them here.
 
         Returns:
             nodes (n_img, n_cap, P, m) in `low`, global node first, and node_mask (n_cap, P).
@@ -461,11 +458,8 @@ class SimilarityRepresentation(nn.Module):
         masks = []
         if self.use_global:
             if glo_nodes is None:
-                if img_glo is None:
-                    img_glo = self.eval_image_globals(regions.float(), low)       # (n_img, d)
-                if cap_glo is None:
-                    cap_glo = self.eval_caption_globals(words.float(), word_mask, low)  # (n_cap, d)
-                glo_nodes = self.global_nodes(img_glo, cap_glo, low, layers)
+                glo_nodes = self.global_nodes(self.eval_image_globals(regions.float(), low),
+                                              self.eval_caption_globals(words.float(), word_mask, low), low, layers)
             nodes[:, :, 0] = glo_nodes
             masks.append(word_mask.new_ones(n_cap, 1))
         if self.use_local:
