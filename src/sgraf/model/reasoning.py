@@ -154,13 +154,14 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
         last = has_global and index == len(folded) - 1
         queries = fast_linear(graphs[:, :1] if last else graphs, bilinear_t, key_term)  # (G, Q, m)
         n_queries = queries.size(1)
-        logits = torch.empty((n_nodes, n_graphs, n_queries), dtype=low, device=nodes.device)  # (P, G, Q)
-        torch.bmm(graphs, queries.transpose(1, 2), out=logits.permute(1, 0, 2))
+        # (G, P, Q) keys x queries, then transposed to (P, G, Q); a matmul writing there directly
+        # is slower with MKL (float32) and no faster with oneDNN (bf16)
+        logits = torch.bmm(graphs, queries.transpose(1, 2)).permute(1, 0, 2).contiguous()
         if blocked is not None:
             logits.view(n_nodes, n_img, n_cap, n_queries).add_(blocked)
         # the softmax accumulates in float32 for bf16 input too; its bf16 output is what the
         # aggregation matmul reads
-        edges = logits.softmax(dim=0).permute(1, 2, 0)                              # (G, Q, P)
+        edges = logits.softmax(dim=0).permute(1, 2, 0).contiguous()                 # (G, Q, P)
         graphs = fast_linear(torch.bmm(edges, graphs), w_r, b_r, relu=True)         # (G, Q, m)
         if last:
             return graphs.float().view(n_img, n_cap, dim)
