@@ -242,7 +242,7 @@ def test_blocks_scored_by_several_threads_fill_the_same_matrix(monkeypatch):
     sequential = scoring.score_matrix([model], [encoded], image_block=2)
     assert scoring.score_workers(torch.device("cpu"), "fp32", 5) == 1
     assert scoring.score_workers(torch.device("cpu"), "bf16", 5) == min(torch.get_num_threads(), 5)
-    monkeypatch.setattr(scoring, "score_workers", lambda device, precision, n_blocks: 3)
+    monkeypatch.setattr(scoring, "score_workers", lambda device, precision, n_tasks: 3)
     calls = []  # (grad mode, thread) of each eval fast-path call
     fast_forward = model.sim_enc.fast_forward
 

@@ -314,33 +314,40 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     total = (last_row - first_row) * n_cap
     show = progress and distributed.is_main_process()
 
-    def score_rows(row: int) -> None:
+    def score_task(task: tuple[int, int]) -> None:
+        row, bucket_id = task
         rows = slice(row, min(row + image_block, n_img))
+        local = slice(rows.start - first_row, rows.stop - first_row)
+        reference = encoded[0].buckets[bucket_id]
+        block_grams = [None if gram is None else gram[local] for gram in grams]
         with torch.no_grad():  # grad mode is per thread
-            # per model, the Gram matrices of these images: once here, not once per caption block
-            grams = [region_grams(model, enc.img_embs[rows]) for model, enc in zip(models, encoded)]
-            for bucket_id, reference in enumerate(encoded[0].buckets):
-                for cols in _caption_blocks(reference, image_block, block_elements):
-                    block = _score_block(models, encoded, rows, bucket_id, cols, precision, head, grams)
-                    share[rows.start - first_row: rows.stop - first_row, reference.index[cols].cpu()] = block
-                    bar.update(block.numel())
+            for cols in _caption_blocks(reference, image_block, block_elements):
+                block = _score_block(models, encoded, rows, bucket_id, cols, precision, head, block_grams)
+                share[local, reference.index[cols].cpu()] = block
+                bar.update(block.numel())
 
     starts = range(first_row, last_row, image_block)
-    workers = score_workers(encoded[0].img_embs.device, precision, len(starts))
+    # (image block, caption bucket) tasks in row-major order: small enough that parallel workers
+    # finish together; each block is still scored whole by one worker
+    tasks = [(row, bucket_id) for row in starts for bucket_id in range(len(encoded[0].buckets))]
+    workers = score_workers(encoded[0].img_embs.device, precision, len(tasks))
     with eval_mode(models), frozen_weights(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
+        # per model, the Gram matrices of this share's images: once, not once per caption block
+        grams = [share_grams(model, enc.img_embs[first_row:last_row], image_block) for model, enc in zip(models, encoded)]
         if workers > 1:
             with _one_thread_per_op(), ThreadPoolExecutor(workers) as pool:
-                list(pool.map(score_rows, starts))
+                list(pool.map(score_task, tasks))
         else:
-            for row in starts:
-                score_rows(row)
+            for task in tasks:
+                score_task(task)
     if shard and distributed.is_distributed():
         share = distributed.all_gather_cat(share)
     return share.numpy()
 
 
-def score_workers(device: torch.device, precision: str, n_blocks: int) -> int:
-    """Threads that score image blocks side by side, each running its ops on one core.
+def score_workers(device: torch.device, precision: str, n_tasks: int) -> int:
+    """Threads that score (image block, caption bucket) tasks side by side, each running its
+    ops on one core.
 
     On CPU in bf16 the scorer's many small ops spread over cores better as whole blocks per
     thread than split inside each op (measured on 2-core AMD EPYC machines: about 1.2x); in
@@ -349,7 +356,7 @@ def score_workers(device: torch.device, precision: str, n_blocks: int) -> int:
     """
     if device.type != "cpu" or precision != "bf16":
         return 1
-    return max(1, min(torch.get_num_threads(), n_blocks))
+    return max(1, min(torch.get_num_threads(), n_tasks))
 
 
 @contextlib.contextmanager
@@ -373,10 +380,13 @@ def frozen_weights(models: Sequence[Scorer]) -> Iterator[None]:
         yield
 
 
-def region_grams(model: Scorer, img_embs: torch.Tensor) -> torch.Tensor | None:
-    """The model's ``region_grams`` of an image block (None for models without them)."""
+def share_grams(model: Scorer, img_embs: torch.Tensor, batch_size: int) -> torch.Tensor | None:
+    """The model's ``region_grams`` of these images, in batches (None for models without them)."""
     compute = getattr(model, "region_grams", None)
-    return None if compute is None else compute(img_embs)
+    if compute is None or len(img_embs) == 0:
+        return None
+    parts = [compute(img_embs[start:start + batch_size]) for start in range(0, len(img_embs), batch_size)]
+    return None if parts[0] is None else torch.cat(parts)
 
 
 def _score_block(models: Sequence[Scorer], encoded: Sequence[Encoded], rows: slice, bucket_id: int,
