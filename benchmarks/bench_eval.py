@@ -164,6 +164,9 @@ def main() -> int:
                 "result": measured[-1]["result"], "sims": measured[-1]["sims"],
             }
             run = runs[precision]
+            if len(measured) > 1:
+                walls = ", ".join(f"{m['wall_s']:.1f}" for m in measured)
+                print(f"{precision}: runs {walls} s", flush=True)
             print(f"{precision}: wall {run['wall_s']:.1f} s, peak RSS {run['peak_mb']:.0f} MiB, "
                   f"rsum {run['result']['rsum']:.1f}, recalls {[round(r, 1) for r in recalls(run['result'])]}",
                   flush=True)
