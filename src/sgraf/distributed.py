@@ -87,8 +87,14 @@ def barrier() -> None:
 
 
 def cleanup() -> None:
-    """Leave the process group, if one was joined."""
+    """Leave the process group, if one was joined, once every process has reached this point.
+
+    Without the barrier a process that finished first could tear its gloo connections down
+    while another still used them, and gloo then aborted that process now and then.
+    """
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
