@@ -244,7 +244,14 @@ def image_globals(model: Scorer, img_embs: torch.Tensor, batch_size: int = 128,
                   precision: str = "fp32") -> torch.Tensor | None:
     """(n_img, d) float32 eval-mode global vectors of encoded images, in batches, for models
     that provide ``image_globals`` (the scorer then skips recomputing them per block); else None."""
-    compute = getattr(model, "image_globals", None)
+    return _per_image(model, "image_globals", img_embs, batch_size, precision)
+
+
+def _per_image(model: Scorer, method: str, img_embs: torch.Tensor, batch_size: int,
+               precision: str = "fp32") -> torch.Tensor | None:
+    """The model's optional per-image `method` (``image_globals``, ``region_grams``) of encoded
+    images, in batches, concatenated; None if the model lacks it or returns None."""
+    compute = getattr(model, method, None)
     if compute is None or len(img_embs) == 0:
         return None
     parts = []
@@ -333,7 +340,8 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     workers = score_workers(encoded[0].img_embs.device, precision, len(tasks))
     with eval_mode(models), frozen_weights(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
         # per model, the Gram matrices of this share's images: once, not once per caption block
-        grams = [share_grams(model, enc.img_embs[first_row:last_row], image_block) for model, enc in zip(models, encoded)]
+        grams = [_per_image(model, "region_grams", enc.img_embs[first_row:last_row], image_block)
+                 for model, enc in zip(models, encoded)]
         if workers > 1:
             with _one_thread_per_op(), ThreadPoolExecutor(workers) as pool:
                 list(pool.map(score_task, tasks))
@@ -378,15 +386,6 @@ def frozen_weights(models: Sequence[Scorer]) -> Iterator[None]:
             if hasattr(model, "frozen_weights"):
                 stack.enter_context(model.frozen_weights())
         yield
-
-
-def share_grams(model: Scorer, img_embs: torch.Tensor, batch_size: int) -> torch.Tensor | None:
-    """The model's ``region_grams`` of these images, in batches (None for models without them)."""
-    compute = getattr(model, "region_grams", None)
-    if compute is None or len(img_embs) == 0:
-        return None
-    parts = [compute(img_embs[start:start + batch_size]) for start in range(0, len(img_embs), batch_size)]
-    return None if parts[0] is None else torch.cat(parts)
 
 
 def _score_block(models: Sequence[Scorer], encoded: Sequence[Encoded], rows: slice, bucket_id: int,
