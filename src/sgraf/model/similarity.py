@@ -177,9 +177,10 @@ def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, 
     return l2norm(train_linear(squared_difference(context, words.unsqueeze(0)), weight, bias))
 
 
-def inverse_norm(x: torch.Tensor) -> torch.Tensor:
-    """`1 / (||x||_2 + eps)` over the last dim, in float32, keepdim (one fused reduction)."""
-    return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).add_(EPS).reciprocal_()
+def inverse_norm(x: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """`1 / (||x||_2 + eps)` over the last dim, keepdim (one fused reduction), in float32 by
+    default; `dtype=None` keeps x's dtype (a bf16 norm still accumulates in float32)."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype).add_(EPS).reciprocal_()
 
 
 def attend_regions(regions: torch.Tensor, words: torch.Tensor, smooth: float) -> torch.Tensor:
@@ -422,7 +423,7 @@ class SimilarityRepresentation(nn.Module):
         diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                        # (n_img, n_cap, d)
         square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
         sim_glo = fast_linear(square, weight, bias)
-        return sim_glo.mul_(torch.linalg.vector_norm(sim_glo, dim=-1, keepdim=True).add_(EPS).reciprocal_())
+        return sim_glo.mul_(inverse_norm(sim_glo, dtype=None))
 
     def fast_forward(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                      low: torch.dtype, glo_nodes: torch.Tensor | None = None, gram: torch.Tensor | None = None,
@@ -484,7 +485,6 @@ class SimilarityRepresentation(nn.Module):
             local = fast_linear(square.view(-1, dim), *layers["sim_tranloc_w"])
             local = local.view(n_img, n_cap, n_words, -1)                         # (n_img, n_cap, L, m)
             # the norm in the nodes' dtype (accumulated in float32), so no float32 copy of the block
-            inverse = torch.linalg.vector_norm(local, dim=-1, keepdim=True).add_(EPS).reciprocal_()
-            torch.mul(local, inverse, out=nodes[:, :, n_nodes - n_words:])
+            torch.mul(local, inverse_norm(local, dtype=None), out=nodes[:, :, n_nodes - n_words:])
             masks.append(word_mask)
         return nodes, torch.cat(masks, dim=1)
