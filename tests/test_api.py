@@ -7,12 +7,15 @@ import pytest
 import torch
 
 import sgraf
+from numerics import REORDERED, SAME_PATH, approx, assert_close
 from sgraf.api import Matcher, model_identity
 from sgraf.checkpoint import save_model
 from sgraf.config import ModelConfig
 from sgraf.data.vocab import Vocabulary
 from sgraf.errors import InputError
 from sgraf.model.sgraf import SGRAF
+
+pytestmark = pytest.mark.numeric
 
 WORDS = "a dog cat runs on the grass man woman red ball".split()
 
@@ -51,9 +54,9 @@ def test_score_of_an_ensemble_is_the_mean_of_the_models_scores(vocab, features):
     expected = [m.score(torch.from_numpy(features), padded, lengths).numpy() for m in models]
     ensemble = Matcher(models).score(features, texts)
     assert ensemble.shape == (4, 3) and ensemble.dtype == np.float32
-    np.testing.assert_allclose(ensemble, (expected[0] + expected[1]) / 2, rtol=0, atol=1e-6)
+    assert_close(ensemble, (expected[0] + expected[1]) / 2, REORDERED)
     single = Matcher(models[:1], batch_size=3).score(features, texts)   # blocks smaller than the inputs
-    np.testing.assert_allclose(single, expected[0], rtol=0, atol=1e-6)
+    assert_close(single, expected[0], REORDERED)
 
 
 @pytest.mark.parametrize("alignments", ["both", "local"])
@@ -62,8 +65,8 @@ def test_text_global_vectors_do_not_depend_on_padding(vocab, alignments):
     alone = matcher.encode_texts(["a dog"])
     padded = matcher.encode_texts(["a dog", "the man runs on the red grass a cat"])
     assert padded.words[0].shape[1] == 11 and bool((padded.words[0][0, 4:] == 0).all())
-    torch.testing.assert_close(alone.global_vectors[0][0], padded.global_vectors[0][0], rtol=0, atol=1e-6)
-    assert float(alone.global_vectors[0][0].norm()) == pytest.approx(1.0, abs=1e-5)
+    assert_close(alone.global_vectors[0][0], padded.global_vectors[0][0], SAME_PATH, scale=1.0)
+    assert float(alone.global_vectors[0][0].norm()) == approx(1.0, REORDERED)
     assert alone.tokens == [["a", "dog"]]
 
 
@@ -73,8 +76,8 @@ def test_image_global_vector_is_the_models_self_attention_vector(vocab, features
     with torch.no_grad():
         regions = model.encode_images(torch.from_numpy(features))
         expected = model.sim_enc.v_global_w(regions)
-    torch.testing.assert_close(encoding.regions[0], regions)
-    torch.testing.assert_close(encoding.global_vectors[0], expected)
+    assert_close(encoding.regions[0], regions, SAME_PATH)
+    assert_close(encoding.global_vectors[0], expected, SAME_PATH, scale=1.0)
 
 
 def test_unknown_words_are_named_or_mapped_to_unk(vocab, features):

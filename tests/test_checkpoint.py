@@ -15,6 +15,8 @@ from sgraf.config import ModelConfig
 from sgraf.data.vocab import Vocabulary, load_vocab
 from sgraf.errors import InputError
 
+pytestmark = pytest.mark.numeric
+
 E2E_VOCAB = DATA / "e2e" / "data" / "toy_vocab.json"
 
 

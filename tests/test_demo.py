@@ -13,6 +13,8 @@ from sgraf.cli import main
 from sgraf.data.precomp import PrecompSplit
 from sgraf.metrics import evaluate_sims
 
+pytestmark = pytest.mark.numeric
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):

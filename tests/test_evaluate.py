@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from numerics import AUTHORS, BFLOAT16, assert_close
 from sgraf import metrics
 from sgraf.cli import main
+
+pytestmark = pytest.mark.numeric
 
 E2E = pathlib.Path(__file__).parent / "data" / "e2e"
 DATA = E2E / "data" / "toy_precomp"
@@ -47,7 +50,7 @@ def test_reproduces_the_authors_matrices_and_recalls(capsys, tmp_path, expected,
     assert result["rsum"] == expected[f"{key}_rsum"]
     sims = np.load(out)
     assert sims.dtype == np.float32 and sims.shape == (6, 30)
-    np.testing.assert_allclose(sims, expected[f"sims_{key}"].numpy(), rtol=0, atol=1e-6)
+    assert_close(sims, expected[f"sims_{key}"], AUTHORS)
 
 
 def test_folds_are_the_protocol_on_consecutive_blocks(capsys, expected):
@@ -75,7 +78,7 @@ def test_saved_matrices_evaluate_and_ensemble(capsys, tmp_path, expected):
     assert [both["i2t"][k] for k in KEYS] == expected["ensemble_i2t"]
     assert [both["t2i"][k] for k in KEYS] == expected["ensemble_t2i"]
     assert both["rsum"] == expected["ensemble_rsum"]
-    np.testing.assert_allclose(np.load(tmp_path / "avg.npy"), expected["sims_ensemble"].numpy(), atol=1e-6)
+    assert_close(np.load(tmp_path / "avg.npy"), expected["sims_ensemble"], AUTHORS)
     alone = evaluate_json(capsys, "--sims", paths["saf"])  # no --data: shape taken as it is
     assert alone["rsum"] == expected["saf_rsum"]
 
@@ -86,15 +89,15 @@ def test_batch_size_does_not_change_results(capsys, tmp_path, expected, batch_si
     result = evaluate_json(capsys, *checkpoint_args(["sgr", "saf"]), "--data", DATA, "--vocab", VOCAB,
                            "--batch-size", batch_size, "--save-sims", out)
     assert result["rsum"] == expected["ensemble_rsum"]
-    np.testing.assert_allclose(np.load(out), expected["sims_ensemble"].numpy(), rtol=0, atol=1e-6)
+    assert_close(np.load(out), expected["sims_ensemble"], AUTHORS)
 
 
 def test_bf16_stays_close(capsys, tmp_path, expected):
     out = tmp_path / "sims.npy"
     evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--precision", "bf16",
                   "--save-sims", out)
-    error = np.abs(np.load(out) - expected["sims_sgr"].numpy()).max()
-    assert 0 < error < 1e-2
+    assert_close(np.load(out), expected["sims_sgr"], BFLOAT16, scale=1.0)
+    assert not np.array_equal(np.load(out), expected["sims_sgr"].numpy())   # bf16 really ran
 
 
 def test_our_checkpoints_carry_their_vocabulary(capsys, tmp_path, expected):
@@ -186,4 +189,4 @@ def test_two_gloo_processes_equal_one(tmp_path, expected):
     assert one == two
     np.testing.assert_array_equal(sims_one, sims_two)
     assert two["rsum"] == expected["ensemble_rsum"]
-    np.testing.assert_allclose(sims_two, expected["sims_ensemble"].numpy(), rtol=0, atol=1e-6)
+    assert_close(sims_two, expected["sims_ensemble"], AUTHORS)

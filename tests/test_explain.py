@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from numerics import REORDERED, approx, assert_close
 from sgraf.api import Matcher
 from sgraf.checkpoint import save_model
 from sgraf.cli import main
@@ -18,6 +19,8 @@ from sgraf.explain import (explain_pair, region_layout, render_explanation, saf_
 from sgraf.model.norms import l2norm
 from sgraf.model.similarity import attend_regions
 from sgraf.model.sgraf import SGRAF
+
+pytestmark = pytest.mark.numeric
 
 WORDS = "a red blue square circle left of the right above".split()
 K, IMG_DIM = 9, 10
@@ -63,8 +66,8 @@ def test_attention_weights_rebuild_the_models_attended_context(vocab, image):
     with torch.no_grad():
         alpha = word_region_attention(regions[0], words[0], model.sim_enc.smooth)     # (L, K)
         expected = attend_regions(regions, words, model.sim_enc.smooth)[0, 0]          # (L, d)
-    torch.testing.assert_close(alpha.sum(dim=1), torch.ones(alpha.shape[0]))
-    torch.testing.assert_close(l2norm(alpha @ regions[0]), expected, rtol=0, atol=1e-6)
+    assert_close(alpha.sum(dim=1), torch.ones(alpha.shape[0]), REORDERED)
+    assert_close(l2norm(alpha @ regions[0]), expected, REORDERED)
 
 
 def test_saf_weights_rebuild_the_saf_score(vocab, image):
@@ -73,8 +76,8 @@ def test_saf_weights_rebuild_the_saf_score(vocab, image):
     with torch.no_grad():
         beta = saf_node_weights(model.sim_enc.SAF_module, nodes)
         rebuilt = torch.sigmoid(model.sim_enc.sim_eval_w(l2norm((beta[:, None] * nodes).sum(0))))
-    assert beta.shape == (nodes.shape[0],) and float(beta.sum()) == pytest.approx(1.0, abs=1e-6)
-    assert float(rebuilt) == pytest.approx(score, abs=1e-6)
+    assert beta.shape == (nodes.shape[0],) and float(beta.sum()) == approx(1.0, REORDERED)
+    assert float(rebuilt) == approx(score, REORDERED)
 
 
 @pytest.mark.parametrize("alignments", ["both", "local"])
@@ -84,9 +87,9 @@ def test_sgr_readout_rebuilds_the_sgr_score(vocab, image, alignments):
     with torch.no_grad():
         readout, cosines = sgr_final_vs_raw(model.sim_enc.SGR_module, nodes, model.sim_enc.use_global)
         rebuilt = torch.sigmoid(model.sim_enc.sim_eval_w(readout))
-    assert float(rebuilt) == pytest.approx(score, abs=1e-6)
+    assert float(rebuilt) == approx(score, REORDERED)
     expected = torch.nn.functional.cosine_similarity(readout[None], nodes, dim=1)
-    torch.testing.assert_close(cosines, expected, rtol=0, atol=1e-6)
+    assert_close(cosines, expected, REORDERED)
 
 
 def test_explain_pair_of_an_ensemble(vocab, image):
@@ -100,7 +103,7 @@ def test_explain_pair_of_an_ensemble(vocab, image):
     assert explanation.attention.shape == (n_tokens, K) and explanation.attention_model == "sgr"
     assert explanation.saf_beta.shape == explanation.sgr_alignment.shape == (n_tokens + 1,)
     scores = matcher.score(image[None], [text])[0, 0]
-    assert explanation.scores["ensemble"] == pytest.approx(float(scores), abs=1e-6)
+    assert explanation.scores["ensemble"] == approx(float(scores), REORDERED)
     assert set(explanation.scores) == {"sgr", "saf", "ensemble"}
     with pytest.raises(InputError, match="'green' not in the model's vocabulary"):
         explain_pair(matcher, image, "a green square")

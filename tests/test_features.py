@@ -6,11 +6,14 @@ import torch
 from PIL import Image
 from torch import nn
 
+from numerics import DEEP_NETWORK, SAME_PATH, assert_close
 from sgraf.cli import main
 from sgraf.data.features import GridBackbone, extract_folder, get_backbone, register_backbone
 from sgraf.data.precomp import PrecompSplit
 from sgraf.data.render import SceneObject, render_scene
 from sgraf.errors import InputError
+
+pytestmark = pytest.mark.numeric
 
 
 def tiny_backbone(**_):
@@ -36,7 +39,7 @@ def test_grid_regions_are_the_feature_map_in_row_major_order():
         fmap = backbone.trunk((pixels - backbone.mean) / backbone.std)  # (2, 8, 2, 2)
     for row in range(2):
         for col in range(2):
-            np.testing.assert_allclose(features[:, row * 2 + col], fmap[:, :, row, col].numpy(), rtol=1e-6)
+            assert_close(features[:, row * 2 + col], fmap[:, :, row, col], SAME_PATH)
 
 
 def test_extract_folder_with_a_registered_backbone(tmp_path):
@@ -52,7 +55,7 @@ def test_extract_folder_with_a_registered_backbone(tmp_path):
     assert split.captions == ["second a", "second b", "first a", "first b", "third a", "third b"]
     assert (tmp_path / "out" / "test_image_names.txt").read_text().split() == ["im1.png", "im0.png", "im2.png"]
     expected = tiny_backbone().extract([Image.open(tmp_path / n).convert("RGB") for n in ("im1.png", "im0.png")])
-    np.testing.assert_allclose(split.images[:2], expected, rtol=1e-6, atol=1e-6)
+    assert_close(split.images[:2], expected, SAME_PATH)
 
 
 def test_extract_errors(tmp_path):
@@ -104,4 +107,4 @@ def test_benchmark_cnn_mode(tmp_path, lite0):
     assert split.images.shape == (4, 36, 1280) and split.images.dtype == np.float32
     # the stored features are those of the stored PNGs
     image = Image.open(tmp_path / "images" / "train" / "00003.png").convert("RGB")
-    np.testing.assert_allclose(split.images[3], lite0.extract([image])[0], rtol=1e-4, atol=1e-4)
+    assert_close(split.images[3], lite0.extract([image])[0], DEEP_NETWORK)

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from model_helpers import random_batch, random_model
+from numerics import REORDERED, SAME_PATH, assert_close
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.model.oracle import oracle_forward
 from sgraf.model.sgraf import SGRAF
 from sgraf.precision import autocast
+
+pytestmark = pytest.mark.numeric
 
 LENGTHS = [6, 3, 11, 3, 8, 5, 3, 9]          # unsorted, mixed, several `<start> w <end>` captions
 
@@ -48,8 +51,8 @@ def test_vectorised_scores_equal_per_caption_oracle(config):
         heads = model.similarity_heads(model.encode_images(images), model.encode_captions(captions, lengths), lengths)
     assert set(heads) == set(expected) == set(model.heads)
     for head in expected:
-        torch.testing.assert_close(heads[head], expected[head], atol=1e-5, rtol=0)
-    torch.testing.assert_close(scores, sum(expected.values()) / len(expected), atol=1e-5, rtol=0)
+        assert_close(heads[head], expected[head], REORDERED, what=head)
+    assert_close(scores, sum(expected.values()) / len(expected), REORDERED)
     assert torch.isfinite(scores).all()
     # values spread: a model that ignored its inputs would give one constant
     assert scores.std() > 1e-4
@@ -64,9 +67,9 @@ def test_joint_heads_are_separate_and_the_default_score_is_their_mean():
         both = model.similarity(img, cap, lengths)
         train_out = model(images, captions, lengths)
     assert not torch.allclose(sgr, saf)
-    torch.testing.assert_close(both, (sgr + saf) / 2)
+    assert_close(both, (sgr + saf) / 2, SAME_PATH)
     assert set(train_out) == {"sgr", "saf"}
-    torch.testing.assert_close(train_out["sgr"], sgr)
+    assert_close(train_out["sgr"], sgr, REORDERED)
     with pytest.raises(ValueError, match="head 'ave'"):
         model.similarity(img, cap, lengths, head="ave")
 
@@ -76,9 +79,9 @@ def test_scores_do_not_depend_on_padding_width_or_other_captions():
     images, captions, lengths = random_batch(model, 4, [5, 3, 8], pad_to=8, seed=3)
     wide = torch.nn.functional.pad(captions, (0, 6))
     full = model.score(images, captions, lengths)
-    torch.testing.assert_close(model.score(images, wide, lengths), full, atol=1e-6, rtol=0)
-    torch.testing.assert_close(model.score(images, captions[1:2], lengths[1:2]), full[:, 1:2], atol=1e-6, rtol=0)
-    torch.testing.assert_close(model.score(images[2:3], captions, lengths), full[2:3], atol=1e-6, rtol=0)
+    assert_close(model.score(images, wide, lengths), full, SAME_PATH)
+    assert_close(model.score(images, captions[1:2], lengths[1:2]), full[:, 1:2], SAME_PATH)
+    assert_close(model.score(images[2:3], captions, lengths), full[2:3], SAME_PATH)
 
 
 def test_garbage_beyond_length_in_word_embeddings_is_ignored():
@@ -89,7 +92,7 @@ def test_garbage_beyond_length_in_word_embeddings_is_ignored():
         dirty = cap.clone()
         for row, length in enumerate(lengths.tolist()):
             dirty[row, length:] = 5.0
-        torch.testing.assert_close(model.similarity(img, dirty, lengths), model.similarity(img, cap, lengths))
+        assert_close(model.similarity(img, dirty, lengths), model.similarity(img, cap, lengths), SAME_PATH)
 
 
 def test_encode_captions_trims_to_the_longest_and_zeroes_padding():
@@ -99,7 +102,7 @@ def test_encode_captions_trims_to_the_longest_and_zeroes_padding():
         words = model.encode_captions(captions, lengths)
     assert words.shape == (2, 5, model.config.embed_size)
     assert words[0, 3:].abs().max() == 0
-    torch.testing.assert_close(words.norm(dim=2)[1], torch.ones(5), atol=1e-6, rtol=0)
+    assert_close(words.norm(dim=2)[1], torch.ones(5), REORDERED)
 
 
 def test_score_uses_eval_numerics_and_restores_training_mode():
@@ -246,8 +249,8 @@ def test_eval_chunks_and_given_global_vectors_change_no_score(monkeypatch, confi
     assert (img_glo is None) == (config.get("alignments") == "local")
     assert gram.shape == (9, 7, 7)
     for head in expected:
-        torch.testing.assert_close(chunked[head], expected[head], atol=1e-5, rtol=0)
-        torch.testing.assert_close(given[head], chunked[head], atol=1e-6, rtol=0)
+        assert_close(chunked[head], expected[head], REORDERED, what=head)
+        assert_close(given[head], chunked[head], SAME_PATH, what=head)
 
 
 def test_frozen_weights_prepare_constants_once_and_only_inside(monkeypatch):
@@ -273,7 +276,7 @@ def test_frozen_weights_prepare_constants_once_and_only_inside(monkeypatch):
         expected = oracle_forward(model, images, captions, lengths)["sgr"]
     for scores in frozen:
         torch.testing.assert_close(scores, plain, atol=0, rtol=0)
-    torch.testing.assert_close(changed, expected, atol=1e-5, rtol=0)
+    assert_close(changed, expected, REORDERED)
     assert (changed - plain).abs().max() > 1e-4
 
 
@@ -291,4 +294,4 @@ def test_fast_forward_alone_gives_the_plain_nodes():
         fast, fast_mask = model.sim_enc.fast_forward(img_embs, words, word_mask, torch.float32)
     assert torch.equal(fast_mask, node_mask)
     valid = node_mask.unsqueeze(0).unsqueeze(3)
-    torch.testing.assert_close(fast * valid, nodes * valid, atol=1e-5, rtol=0)
+    assert_close(fast * valid, nodes * valid, REORDERED)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from numerics import AUTHORS, approx, assert_close
 from model_helpers import DATA, golden_model
 from sgraf.checkpoint import load_model
 from sgraf.model.loss import ranking_loss
+
+pytestmark = pytest.mark.numeric
 
 GOLDEN = ["golden_small.pt", "golden_small_perturbed.pt"]
 
@@ -25,16 +28,16 @@ def test_eval_embeddings_scores_and_loss_match_golden(golden, module):
         img_embs = model.encode_images(entry["images"])
         cap_embs = model.encode_captions(entry["captions"], entry["lengths"])
         sims = model.similarity(img_embs, cap_embs, entry["lengths"])
-    torch.testing.assert_close(img_embs, entry["img_embs"], atol=1e-5, rtol=0)
-    torch.testing.assert_close(cap_embs, entry["cap_embs"], atol=1e-5, rtol=0)
-    torch.testing.assert_close(sims, entry["sims"], atol=1e-5, rtol=0)
+    assert_close(img_embs, entry["img_embs"], AUTHORS, what="image embeddings")
+    assert_close(cap_embs, entry["cap_embs"], AUTHORS, what="caption embeddings")
+    assert_close(sims, entry["sims"], AUTHORS, what="similarity")
     scored = model.score(entry["images"], entry["captions"], entry["lengths"])
     assert scored.dtype == torch.float32
-    torch.testing.assert_close(scored, entry["sims"], atol=1e-5, rtol=0)
+    assert_close(scored, entry["sims"], AUTHORS, what="score")
     square = scored[:, :7]
-    torch.testing.assert_close(square, entry["sims_square"], atol=1e-5, rtol=0)
-    assert ranking_loss(square).item() == pytest.approx(entry["loss"], abs=1e-5)
-    assert ranking_loss(square, max_violation=False).item() == pytest.approx(entry["loss_sum_violation"], abs=1e-5)
+    assert_close(square, entry["sims_square"], AUTHORS)
+    assert ranking_loss(square).item() == approx(entry["loss"], AUTHORS)
+    assert ranking_loss(square, max_violation=False).item() == approx(entry["loss_sum_violation"], AUTHORS)
 
 
 @pytest.mark.parametrize("module", ["SGR", "SAF"])
@@ -46,8 +49,10 @@ def test_float64_run_matches_golden_float64(golden, module):
     with torch.no_grad():
         sims = model.similarity(model.encode_images(entry["images"].double()),
                                 model.encode_captions(entry["captions"], entry["lengths"]), entry["lengths"])
-    torch.testing.assert_close(sims, entry["sims_f64"], atol=1e-9, rtol=0)
-    torch.testing.assert_close(scored, entry["sims_f64"].float(), atol=1e-6, rtol=0)
+    # float64: the same rule with float64's epsilon (2^-52), i.e. AUTHORS ulps of float64
+    assert (sims - entry["sims_f64"]).abs().max() <= AUTHORS * torch.finfo(torch.float64).eps
+    # score() rounds the float64 result once to float32: within half an ulp of the rounded golden
+    assert_close(scored, entry["sims_f64"].float(), 1)
 
 
 @pytest.mark.parametrize("module", ["SGR", "SAF"])
@@ -57,7 +62,7 @@ def test_shuffled_captions_give_permuted_columns(golden, module):
     perm = torch.randperm(entry["captions"].size(0), generator=torch.Generator().manual_seed(3))
     lengths = torch.tensor(entry["lengths"])[perm]
     scored = model.score(entry["images"], entry["captions"][perm], lengths)
-    torch.testing.assert_close(scored, entry["sims"][:, perm], atol=1e-5, rtol=0)
+    assert_close(scored, entry["sims"][:, perm], AUTHORS)
 
 
 @pytest.mark.parametrize("module", ["SGR", "SAF"])
@@ -69,7 +74,7 @@ def test_official_checkpoint_loads_and_scores_like_golden(module):
     assert model.config.num_regions == 36 and model.config.img_dim == 48 and model.config.sim_dim == 8
     assert model.vocab is None
     scored = model.score(golden["images"], golden["captions"], golden["lengths"])
-    torch.testing.assert_close(scored, golden["sims"], atol=1e-5, rtol=0)
+    assert_close(scored, golden["sims"], AUTHORS)
 
 
 def test_top_level_load_model_is_the_checkpoint_loader():

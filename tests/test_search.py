@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from numerics import REORDERED, approx, assert_close
 from sgraf.api import Matcher, shortlist_keys
 from sgraf.checkpoint import save_model
 from sgraf.cli import main
@@ -17,6 +18,8 @@ from sgraf.data.vocab import Vocabulary
 from sgraf.errors import InputError
 from sgraf.model.sgraf import SGRAF
 from sgraf.search import build_index, open_index
+
+pytestmark = pytest.mark.numeric
 
 WORDS = "a dog cat runs on the grass man woman red blue ball plays with in park".split()
 N_IMG, CAPS, K, IMG_DIM = 12, 5, 6, 12
@@ -77,7 +80,7 @@ def test_text_search_with_whole_gallery_shortlist_is_exhaustive_ranking(gallery)
     expected = np.lexsort((np.arange(N_IMG), -reference))
     hits = index.search_text(query, top_k=N_IMG, shortlist=N_IMG)
     assert [h.id for h in hits] == expected.tolist()
-    np.testing.assert_allclose([h.score for h in hits], reference[expected], rtol=0, atol=1e-6)
+    assert_close([h.score for h in hits], reference[expected], REORDERED)
     assert hits[0].text == gallery["captions"][hits[0].id * CAPS]
 
 
@@ -87,7 +90,7 @@ def test_image_search_with_whole_gallery_shortlist_is_exhaustive_ranking(gallery
     expected = np.lexsort((np.arange(len(reference)), -reference))[:15]
     hits = index.search_image(image_id=4, top_k=15, shortlist=None)
     assert [h.id for h in hits] == expected.tolist()
-    np.testing.assert_allclose([h.score for h in hits], reference[expected], rtol=0, atol=1e-6)
+    assert_close([h.score for h in hits], reference[expected], REORDERED)
     assert [h.text for h in hits] == [gallery["captions"][i] for i in expected]
 
 
@@ -102,11 +105,11 @@ def test_shortlist_keeps_the_best_global_vectors_then_reranks(gallery):
     scores = [h.score for h in hits]
     assert scores == sorted(scores, reverse=True)
     full = _exhaustive(index.matcher, gallery["features"], [query])[:, 0]
-    np.testing.assert_allclose(scores, full[[h.id for h in hits]], atol=1e-6)
+    assert_close(scores, full[[h.id for h in hits]], REORDERED)
     # the coarse score is the ensemble's mean cosine of the global vectors
     image = index.matcher.encode_images(gallery["features"][hits[0].id])
     cosines = [float(a[0] @ b[0]) for a, b in zip(image.global_vectors, text.global_vectors)]
-    assert hits[0].coarse == pytest.approx(np.mean(cosines), abs=1e-6)
+    assert hits[0].coarse == approx(np.mean(cosines), REORDERED, scale=1.0)
 
 
 def test_faiss_first_stage_matches_numpy(gallery):

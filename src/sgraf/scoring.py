@@ -342,12 +342,14 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
         # per model, the Gram matrices of this share's images: once, not once per caption block
         grams = [_per_image(model, "region_grams", enc.img_embs[first_row:last_row], image_block)
                  for model, enc in zip(models, encoded)]
-        if workers > 1:
-            with _one_thread_per_op(), ThreadPoolExecutor(workers) as pool:
-                list(pool.map(score_task, tasks))
-        else:
-            for task in tasks:
-                score_task(task)
+        with _one_thread_per_op() if workers > 1 else contextlib.nullcontext():
+            tune_models(models, precision, encoded[0].img_embs.device)
+            if workers > 1:
+                with ThreadPoolExecutor(workers) as pool:
+                    list(pool.map(score_task, tasks))
+            else:
+                for task in tasks:
+                    score_task(task)
     if shard and distributed.is_distributed():
         share = distributed.all_gather_cat(share)
     return share.numpy()
@@ -365,6 +367,21 @@ def score_workers(device: torch.device, precision: str, n_tasks: int) -> int:
     if device.type != "cpu" or precision != "bf16":
         return 1
     return max(1, min(torch.get_num_threads(), n_tasks))
+
+
+def tune_models(models: Sequence[Scorer], precision: str, device: torch.device) -> None:
+    """Let each model that offers ``tune_eval_chunks`` measure its chunk size for this machine
+    and precision (once per machine, see `sgraf.kernels.tuning`), under the thread setting the
+    scoring runs with. Skipped under torchrun: processes that measured apart could choose apart,
+    and the matrix must not depend on the number of processes (each takes the stored choice or
+    the default)."""
+    if distributed.is_distributed():
+        return
+    for model in models:
+        tune = getattr(model, "tune_eval_chunks", None)
+        if tune is not None:
+            with autocast(precision, device):
+                tune(device)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgraf.model.similarity import fast_linear, train_linear
+from sgraf.kernels.cpu import fast_linear, train_linear
 
 
 class GraphReasoning(nn.Module):

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
+from sgraf.kernels import tuning
+from sgraf.kernels.cpu import fast_linear
 from sgraf.model.encoders import ImageEncoder, TextEncoder
 from sgraf.model.filtration import AttentionFiltration, average_scores
 from sgraf.model.reasoning import (GraphReasoning, fast_graph_reasoning, fold_steps, graph_reasoning,
                                    train_graph_reasoning)
-from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, fast_linear, inverse_norm
+from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, inverse_norm
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +41,16 @@ TRAIN_KEEP_BYTES = 1024 * 2**20
 # estimate from the layers of `train_graph_reasoning`; it sets where recomputing starts).
 HEAD_KEPT_PER_NODE = 8
 # Eval fast path on CPU: bytes of the largest (image, caption, word) x d operand of one chunk, and
-# images per chunk. Measured on 2-core AVX-512 machines: chunks of about 8 MiB score a pair about
-# 1.7x faster than 128 MiB blocks (their intermediates stay in cache).
-EVAL_CHUNK_BYTES = 8 * 2**20
+# images per chunk. Chunks that fit the caches score a pair about 1.7x faster than 128 MiB blocks
+# (their intermediates are reused while hot), but the best size depends on the processor and the
+# precision (2-core AMD EPYC Zen 5: 16-32 MiB in fp32, 8 MiB in bf16, within 10 %), so
+# `tune_eval_chunks` times these candidates once per machine, model size and precision
+# (`sgraf.kernels.tuning`); the first is the default. An int in EVAL_CHUNK_BYTES fixes the size.
+EVAL_CHUNK_CANDIDATES = (8 * 2**20, 4 * 2**20, 16 * 2**20, 32 * 2**20)
+EVAL_CHUNK_BYTES: int | None = None
 EVAL_CHUNK_IMAGES = 8
+# The probe's block: images x captions of this many tokens (about Flickr30K's mean length).
+EVAL_PROBE_BLOCK = (16, 64, 16)
 
 
 class SimilarityEncoder(SimilarityRepresentation):
@@ -178,6 +187,8 @@ class SGRAF(nn.Module):
         self.train_global_vectors: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         # the eval fast path's weight-only constants by matmul dtype while `frozen_weights` is active
         self._eval_constants: dict[torch.dtype, dict[str, Any]] | None = None
+        # the chunk budget under measurement while `tune_eval_chunks` runs
+        self._probe_chunk_bytes: int | None = None
         init_weights(self)
 
     @property
@@ -287,18 +298,72 @@ class SGRAF(nn.Module):
             cache[low] = constants
         return constants
 
+    def _chunk_choice(self, low: torch.dtype) -> str:
+        cfg = self.config
+        return (f"eval chunk bytes|{low}|{cfg.module}|d={cfg.embed_size}|m={cfg.sim_dim}|K={cfg.num_regions}"
+                f"|steps={cfg.sgr_step}")
+
+    def eval_chunk_bytes(self, low: torch.dtype) -> int:
+        """The CPU chunk budget for `low`: EVAL_CHUNK_BYTES if set, else the measured choice for
+        this machine (see `tune_eval_chunks`), else the default."""
+        if EVAL_CHUNK_BYTES is not None:
+            return EVAL_CHUNK_BYTES
+        return tuning.peek(self._chunk_choice(low), EVAL_CHUNK_CANDIDATES)
+
+    @torch.no_grad()
+    def tune_eval_chunks(self, device: torch.device) -> int:
+        """Measure the CPU chunk budget for the current precision once per machine (about a
+        second at the paper's size; stored, see `sgraf.kernels.tuning`) and return it.
+
+        Scorers of whole splits call this before scoring; a single `similarity` call uses the
+        stored choice or the default without measuring. Call in eval mode, under the autocast
+        context the scoring will run in, with the thread setting it will run with.
+        """
+        low = compute_dtype(device)
+        if device.type != "cpu" or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
+            return self.eval_chunk_bytes(low)
+        with self.frozen_weights():
+            return tuning.choose(self._chunk_choice(low), EVAL_CHUNK_CANDIDATES, self._chunk_probe())
+
+    def _chunk_probe(self) -> Callable[[int], float]:
+        """Seconds to score a synthetic `EVAL_PROBE_BLOCK` with a given chunk budget, at the
+        caller's precision."""
+        n_img, n_cap, n_words = EVAL_PROBE_BLOCK
+        cfg = self.config
+        generator = torch.Generator().manual_seed(0)
+        lengths = torch.full((n_cap,), n_words)
+        word_mask = torch.ones(n_cap, n_words, dtype=torch.bool)
+        with torch.autocast("cpu", enabled=False):   # float32 inputs, as a scorer passes them
+            regions = F.normalize(torch.randn(n_img, cfg.num_regions, cfg.embed_size, generator=generator), dim=-1)
+            words = F.normalize(torch.randn(n_cap, n_words, cfg.embed_size, generator=generator), dim=-1)
+            # what a scorer passes in (computed once per split or image block, not per chunk)
+            img_glo = F.normalize(torch.randn(n_img, cfg.embed_size, generator=generator), dim=-1)
+            cap_glo = F.normalize(torch.randn(n_cap, cfg.embed_size, generator=generator), dim=-1)
+            gram = torch.bmm(regions, regions.transpose(1, 2))
+
+        def measure(budget: int) -> float:
+            self._probe_chunk_bytes = budget
+            try:
+                return tuning.best_time(lambda: self._eval_similarity_heads(regions, words, word_mask, lengths,
+                                                                            img_glo, cap_glo, gram), repeats=2)
+            finally:
+                self._probe_chunk_bytes = None
+
+        return measure
+
     def eval_chunks(self, n_img: int, n_cap: int, n_words: int, low: torch.dtype,
                     device: torch.device) -> Iterator[tuple[slice, slice]]:
         """(image rows, caption columns) of the eval fast path's chunks.
 
-        On CPU a chunk holds at most `EVAL_CHUNK_BYTES` of (image, caption, word) x d operands
-        in the matmul dtype, so its intermediates stay in cache and in the allocator's heap;
-        elsewhere (GPUs) the block is one chunk.
+        On CPU a chunk holds at most `eval_chunk_bytes(low)` of (image, caption, word) x d
+        operands in the matmul dtype, so its intermediates stay in cache and in the allocator's
+        heap; elsewhere (GPUs) the block is one chunk.
         """
         if device.type != "cpu":
             yield slice(0, n_img), slice(0, n_cap)
             return
-        budget = max(1, EVAL_CHUNK_BYTES // (n_words * self.config.embed_size * low.itemsize))  # pairs
+        chunk_bytes = self._probe_chunk_bytes or self.eval_chunk_bytes(low)
+        budget = max(1, chunk_bytes // (n_words * self.config.embed_size * low.itemsize))  # pairs
         img_step = min(n_img, EVAL_CHUNK_IMAGES)
         cap_step = max(1, budget // img_step)
         if cap_step >= n_cap:  # few captions: take more images instead

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgraf.kernels.cpu import fast_linear, train_linear, weight_gradient
 from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
 from sgraf.model.norms import EPS, cosine, l2norm, l2norm_, squared_difference
-
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -24,67 +23,6 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return torch.float32
-
-
-def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                relu: bool = False) -> torch.Tensor:
-    """`x @ weight^T + bias` in x's dtype (eval only, no autograd), optionally followed by ReLU.
-
-    On CPU this calls oneDNN directly: PyTorch sends float32 matmuls to MKL, which on AMD
-    processors runs at about half oneDNN's speed (same values up to summation order). The ReLU
-    is then applied by oneDNN as the matmul writes its output (no second pass).
-
-    Args:
-        x: (..., in) input; its dtype is the compute dtype.
-        weight: (out, in); bias: (out,) or None. Cast to x's dtype.
-        relu: apply ReLU to the result.
-
-    Returns:
-        (..., out) in x's dtype.
-    """
-    weight = weight.to(x.dtype)
-    bias = None if bias is None else bias.to(x.dtype)
-    if _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "relu" if relu else "none", [], "")
-    out = F.linear(x, weight, bias)
-    return torch.relu_(out) if relu else out
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """`x @ W^T + b` with oneDNN in the forward pass and for the gradients (see `_weight_gradient`)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = x.contiguous()
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.ops.mkldnn._linear_pointwise(grad, weight.t().contiguous(), None, "none", [], "")
-        rows = grad.reshape(-1, grad.shape[-1])                              # (n, out)
-        if ctx.needs_input_grad[1]:
-            grad_weight = _weight_gradient(rows, x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = rows.sum(dim=0)
-        return grad_x, grad_weight, grad_bias
-
-
-def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for the training path, with autograd.
-
-    On CPU in float32 outside autocast it runs through oneDNN (see `fast_linear`): same values
-    up to summation order, about twice as fast as PyTorch's float32 matmuls on AMD processors.
-    """
-    if _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32 \
-            and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"):
-        return _OneDNNLinear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 class _LocalNodes(torch.autograd.Function):
@@ -122,7 +60,7 @@ class _LocalNodes(torch.autograd.Function):
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[3]:
             square = (diff * diff).reshape(-1, diff.shape[-1])                    # (n, d)
-            grad_weight = _weight_gradient(rows, square)
+            grad_weight = weight_gradient(rows, square)
             del square
         if ctx.needs_input_grad[4]:
             grad_bias = rows.sum(dim=0)
@@ -144,18 +82,6 @@ def _context_minus_words(attn: torch.Tensor, regions: torch.Tensor, words: torch
     n_img, n_cap, n_words, n_regions = attn.shape
     context = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions), regions)
     return context.view(n_img, n_cap, n_words, -1).sub_(words)
-
-
-def _weight_gradient(rows: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """`rows^T inputs`: (n, out), (n, in) -> (out, in), the gradient of a linear layer's weight.
-
-    Through oneDNN on CPU when the input is wider than the output (both operands passed as
-    transposed views; oneDNN copies `rows^T`, then the smaller one); otherwise a plain matmul.
-    """
-    if _ONEDNN_LINEAR and rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16) \
-            and inputs.shape[1] > rows.shape[1]:
-        return torch.ops.mkldnn._linear_pointwise(rows.t(), inputs.t(), None, "none", [], "")
-    return rows.t() @ inputs
 
 
 def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,

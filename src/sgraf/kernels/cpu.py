@@ -1,0 +1,133 @@
+"""Matmuls on the CPU through the faster of two routes, measured on this processor.
+
+PyTorch sends float32 matmuls on the CPU to MKL; oneDNN, which PyTorch also ships, can be
+called directly (`torch.ops.mkldnn._linear_pointwise`). Which one is faster depends on the
+processor: on AMD EPYC (Zen 5) oneDNN runs these shapes at about 2.2x MKL's speed (450 against
+200 GFLOP/s on 2 cores), while on Intel Xeon MKL has its own tuned kernels. `float32_route()`
+times both once per machine (`sgraf.kernels.tuning`) and the functions here follow it. bfloat16
+always goes through oneDNN (PyTorch's own bf16 matmul on the CPU calls it too). The two
+routes give the same values up to float32 summation order.
+
+`SGRAF_CPU_MATMUL=onednn` or `=aten` forces a route (for a comparison, or the numeric tests'
+kernel matrix).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sgraf.errors import InputError
+from sgraf.kernels import tuning
+
+ROUTES = ("onednn", "aten")          # the first is the default when tuning is off
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# The probe's shape: a block of word nodes through W_loc (2,048 rows, 1,024 -> 256), the most
+# frequent float32 matmul of scoring and training at the paper's size.
+PROBE_SHAPE = (2048, 1024, 256)
+
+
+def float32_route() -> str:
+    """'onednn' or 'aten': the faster float32 matmul route on this machine (see the module)."""
+    forced = os.environ.get("SGRAF_CPU_MATMUL", "").strip().lower()
+    if forced:
+        if forced not in ROUTES:
+            raise InputError(f"SGRAF_CPU_MATMUL must be one of {', '.join(ROUTES)}, got {forced!r}")
+        return forced if ONEDNN or forced == "aten" else "aten"
+    if not ONEDNN:
+        return "aten"
+    return tuning.choose("cpu float32 matmul route", ROUTES, _time_route)
+
+
+def _time_route(route: str) -> float:
+    rows, inputs, outputs = PROBE_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, inputs, generator=generator)
+    weight, bias = torch.randn(outputs, inputs, generator=generator), torch.randn(outputs, generator=generator)
+    if route == "onednn":
+        return tuning.best_time(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""))
+    return tuning.best_time(lambda: F.linear(x, weight, bias))
+
+
+def _onednn(x: torch.Tensor) -> bool:
+    """Whether a CPU matmul on `x` goes through oneDNN: bf16 always, float32 when it is faster."""
+    if not ONEDNN or x.device.type != "cpu":
+        return False
+    if x.dtype == torch.bfloat16:
+        return True
+    return x.dtype == torch.float32 and float32_route() == "onednn"
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                relu: bool = False) -> torch.Tensor:
+    """`x @ weight^T + bias` in x's dtype (eval only, no autograd), optionally followed by ReLU.
+
+    Through oneDNN when that is this machine's faster route (see the module), the ReLU then
+    applied as the matmul writes its output (no second pass).
+
+    Args:
+        x: (..., in) input; its dtype is the compute dtype.
+        weight: (out, in); bias: (out,) or None. Cast to x's dtype.
+        relu: apply ReLU to the result.
+
+    Returns:
+        (..., out) in x's dtype.
+    """
+    weight = weight.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    if _onednn(x):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "relu" if relu else "none", [], "")
+    out = F.linear(x, weight, bias)
+    return torch.relu_(out) if relu else out
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """`x @ W^T + b` with oneDNN in the forward pass and for the gradients (see `weight_gradient`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.mkldnn._linear_pointwise(grad, weight.t().contiguous(), None, "none", [], "")
+        rows = grad.reshape(-1, grad.shape[-1])                              # (n, out)
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_gradient(rows, x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(dim=0)
+        return grad_x, grad_weight, grad_bias
+
+
+def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for the training path, with autograd.
+
+    In float32 outside autocast on a machine whose faster route is oneDNN, the forward pass and
+    both gradients run through oneDNN; otherwise this is `F.linear`.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") \
+            and _onednn(x):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def weight_gradient(rows: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """`rows^T inputs`: (n, out), (n, in) -> (out, in), the gradient of a linear layer's weight.
+
+    Through oneDNN when that is the faster route and the input is wider than the output (both
+    operands passed as transposed views; oneDNN copies `rows^T`, then the smaller one);
+    otherwise a plain matmul.
+    """
+    if inputs.shape[1] > rows.shape[1] and _onednn(rows):
+        return torch.ops.mkldnn._linear_pointwise(rows.t(), inputs.t(), None, "none", [], "")
+    return rows.t() @ inputs

@@ -1,0 +1,162 @@
+"""Choices made by measuring this machine once, not by one machine's habits.
+
+A choice (the float32 matmul route, the eval chunk size) is a list of candidates, the first
+being the default, and a function that times one. `choose` times every candidate at first
+use, keeps the fastest for the process and stores it, with the timings, in a small JSON file
+under a key that names the processor, PyTorch's version and CPU code path, and the thread
+count. Later runs on the same machine take the stored choice without probing, so they also
+compute the same floats. `peek` returns a stored choice, or the default, without probing (for
+small calls that should not pay for a probe).
+
+The file: `$SGRAF_CACHE_DIR/tuning.json`, else `$XDG_CACHE_HOME/sgraf/tuning.json`, else
+`~/.cache/sgraf/tuning.json`; delete it to measure again. `SGRAF_TUNE=off` turns every probe
+off (every choice its default). A choice that cannot be stored (read-only home) is still made
+once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.RLock()
+_chosen: dict[str, Any] = {}
+
+
+def cpu_model() -> str:
+    """The processor's model name (from /proc/cpuinfo on Linux), e.g. 'AMD EPYC 9R45'."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
+def machine_key(device: torch.device | str = "cpu") -> str:
+    """What a measured choice depends on: processor (or GPU), PyTorch version and code path, threads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}"
+    return (f"{cpu_model()}|torch {torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+            f"|{torch.get_num_threads()} threads")
+
+
+def cache_path() -> pathlib.Path:
+    """Where measured choices are stored (see the module docstring)."""
+    if os.environ.get("SGRAF_CACHE_DIR"):
+        return pathlib.Path(os.environ["SGRAF_CACHE_DIR"]) / "tuning.json"
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "sgraf" / "tuning.json"
+
+
+def enabled() -> bool:
+    """False when SGRAF_TUNE is off/0/false/no: every choice is then its default."""
+    return os.environ.get("SGRAF_TUNE", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu") -> Any:
+    """The choice made or stored for `name` on this machine, else the default (no probing)."""
+    key = f"{machine_key(device)}|{name}"
+    with _lock:
+        if key in _chosen:
+            return _chosen[key]
+        stored = _stored(key, candidates) if enabled() else None
+        if stored is not None:
+            _chosen[key] = stored
+            return stored
+    return candidates[0]
+
+
+def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float],
+           device: torch.device | str = "cpu") -> Any:
+    """The candidate for which `measure(candidate)` (seconds, smaller is better) is smallest.
+
+    Measured once per machine (see the module docstring); the default `candidates[0]` when
+    tuning is off. Candidates must be JSON values (strings, numbers).
+    """
+    key = f"{machine_key(device)}|{name}"
+    with _lock:
+        if key in _chosen:
+            return _chosen[key]
+        if not enabled():
+            _chosen[key] = candidates[0]
+            return candidates[0]
+        stored = _stored(key, candidates)
+        if stored is not None:
+            _chosen[key] = stored
+            return stored
+        start = time.perf_counter()
+        seconds = {candidate: float(measure(candidate)) for candidate in candidates}
+        best = min(candidates, key=lambda c: seconds[c])
+        _chosen[key] = best
+        logger.info("measured %s on %s in %.2f s: %s -> %r", name, machine_key(device), time.perf_counter() - start,
+                    ", ".join(f"{c!r} {s * 1e3:.2f} ms" for c, s in seconds.items()), best)
+        _store(key, {"choice": best, "seconds": {json.dumps(c): s for c, s in seconds.items()},
+                     "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        return best
+
+
+def best_time(run: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:
+    """The smallest wall time of `repeats` calls of `run` after `warmup` calls (seconds)."""
+    for _ in range(warmup):
+        run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def forget() -> None:
+    """Drop this process's choices (the stored file stays): the next use reads or measures again."""
+    with _lock:
+        _chosen.clear()
+
+
+def _stored(key: str, candidates: Sequence[Any]) -> Any:
+    entry = _read().get(key)
+    if isinstance(entry, dict) and entry.get("choice") in list(candidates):
+        return entry["choice"]
+    return None
+
+
+def _read() -> dict[str, Any]:
+    try:
+        data = json.loads(cache_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _store(key: str, entry: dict[str, Any]) -> None:
+    path = cache_path()
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read()
+        data[key] = entry
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tuning.", suffix=".tmp", delete=False,
+                                         encoding="utf-8") as tmp:
+            temporary = tmp.name
+            json.dump(data, tmp, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except OSError as error:     # a read-only home: the choice still holds for this process
+        logger.debug("could not store the measured choice in %s: %s", path, error)
+        if temporary is not None:
+            pathlib.Path(temporary).unlink(missing_ok=True)

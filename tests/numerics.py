@@ -1,0 +1,138 @@
+"""Float32 tolerances for every numeric test, from one rule.
+
+Two correct float32 programs for the same formula give different numbers because they round in
+a different order: another kernel (MKL or oneDNN; AVX2, AVX-512 or AMX code; 1 or 2 threads),
+another blocking (chunks, a batch against one caption at a time), another algebraic form (a
+folded weight, a norm taken from a Gram matrix). Each rounding is relative (at most 2^-24 of
+the value it rounds), and a reduction's error scales with the magnitude of its terms, not with
+its result: a sum that cancels to a small value keeps the error of its large terms. So every
+tolerance here is
+
+    ulps * EPS * scale
+
+with EPS = 2^-23 (float32's machine epsilon), `scale` the magnitude of what was computed (by
+default the largest |value| of the reference; for gradients, the largest gradient of the
+model: every gradient is a sum of terms that carry the same upstream loss gradient, so a
+small gradient of a bias that cancels has the error of the large ones), and `ulps` the budget
+of the kind of comparison (below). A difference is float32 noise when it stays within that
+budget under every kernel setting of `scripts/numerics-matrix` (which runs these tests under
+MKL, oneDNN and ATen code for AVX2 and AVX-512, the other float32 matmul route, 1 and 2
+threads); tests/test_numerics.py shows that mistakes of the size of real bugs (a dropped term,
+a wrong sign, a skipped clip, a wrong BatchNorm statistic) exceed the budgets many times over.
+
+Set SGRAF_NUMERICS_LOG=FILE to append every comparison's observed error, in ulps of its scale,
+to FILE (JSON lines): the matrix script reports the worst one per budget and setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+EPS = float(torch.finfo(torch.float32).eps)   # 2^-23 = 1.19e-7
+
+# The budgets, in ulps of the scale. The worst error seen for each (kernel matrix on an AMD EPYC
+# Zen 5 machine, and the Intel Xeon figures of issue 15) is in the comment; each budget leaves
+# a margin of about 4x over it.
+SAME_PATH = 16        # one code path, other shapes or chunks (padding, a subset, a given cache): seen 2
+REORDERED = 64        # the same math in another form or order: our fast paths against the reference
+                      # modules or the per-caption oracle, an ensemble's float64 mean, another process
+AUTHORS = 128         # our forward pass against the authors' golden numbers (another machine's
+                      # kernels, their order of operations): scores, embeddings, losses
+GRADIENT = 512        # gradients against the authors' (a backward through the GRU's time steps and
+                      # every layer; scale: the model's largest gradient): seen 36 on Intel (issue 15)
+STEP = 64             # parameters after Adam steps, scale: the largest parameter (a step moves a
+                      # parameter by about lr, whatever the gradient's rounding)
+DEEP_NETWORK = 1024   # a 50-layer CNN (EfficientNet-Lite0) on one image against a batch of several
+BFLOAT16 = 2 ** 16    # bf16 against fp32, scale 1: bf16 keeps 8 bits (2^-8 = 2^15 float32 ulps), x2
+
+
+def adam_noise(lr: float, steps: int = 1) -> float:
+    """Absolute tolerance for a parameter whose exact gradient is zero or ~1e-12 (a bias before a
+    BatchNorm or a softmax): its computed gradient is rounding noise, and Adam, which divides by
+    the gradient's own size, turns noise into steps of up to lr, in either direction: two
+    programs may then stand up to 2 lr apart per step."""
+    return 2 * lr * steps
+
+
+def largest(values: Any) -> float:
+    """The largest finite |value| of a tensor, an array, or a collection (dict values, list) of them."""
+    if isinstance(values, dict):
+        values = list(values.values())
+    if isinstance(values, (list, tuple)) and values and not np.isscalar(values[0]):
+        return max(largest(v) for v in values)
+    array = _array(values)
+    finite = np.abs(array[np.isfinite(array)])
+    return float(finite.max()) if finite.size else 0.0
+
+
+def tolerance(reference: Any, ulps: float, scale: float | None = None) -> float:
+    """`ulps * EPS * scale`, the scale defaulting to the reference's largest |value|."""
+    if scale is None:
+        scale = largest(reference)
+    return ulps * EPS * max(scale, np.finfo(np.float32).tiny)
+
+
+def mismatch(actual: Any, expected: Any, ulps: float, *, scale: float | None = None,
+             what: str = "") -> str | None:
+    """None when `actual` is within `ulps` of `expected` (see the module), else why not.
+
+    Shapes must agree; NaN or inf anywhere is a mismatch (unless both hold it at the same place).
+    """
+    got, want = _array(actual), _array(expected)
+    label = f"{what}: " if what else ""
+    if got.shape != want.shape:
+        return f"{label}shape {got.shape} != {want.shape}"
+    if got.size == 0:
+        return None
+    scale = largest(want) if scale is None else scale
+    allowed = tolerance(want, ulps, scale)
+    shared = (np.isnan(got) & np.isnan(want)) | (np.isinf(want) & (got == want))
+    if (~np.isfinite(got) & ~shared).any() or (~np.isfinite(want) & ~shared).any():
+        return f"{label}NaN or inf where the other holds a finite value"
+    diff = np.abs(np.where(shared, 0.0, got) - np.where(shared, 0.0, want))
+    worst = float(diff.max())
+    _log(what, worst / (EPS * max(scale, np.finfo(np.float32).tiny)), ulps)
+    if worst <= allowed:
+        return None
+    where = np.unravel_index(int(diff.argmax()), diff.shape)
+    return (f"{label}max |diff| {worst:.3g} at {tuple(int(i) for i in where)} exceeds {ulps} ulps of {scale:.3g} "
+            f"({allowed:.3g}; {worst / allowed:.1f}x the budget)")
+
+
+def assert_close(actual: Any, expected: Any, ulps: float, *, scale: float | None = None, what: str = "") -> None:
+    """Assert `actual` equals `expected` within `ulps` float32 ulps of the scale (see the module)."""
+    problem = mismatch(actual, expected, ulps, scale=scale, what=what)
+    assert problem is None, problem
+
+
+def excess(actual: Any, expected: Any, ulps: float, *, scale: float | None = None) -> float:
+    """How many times the budget the largest difference is (> 1: a mismatch)."""
+    got, want = _array(actual), _array(expected)
+    scale = largest(want) if scale is None else scale
+    return float(np.abs(got - want).max()) / tolerance(want, ulps, scale)
+
+
+def approx(expected: float, ulps: float, scale: float | None = None) -> Any:
+    """`pytest.approx` for a scalar with the tolerance of `tolerance(expected, ulps, scale)`."""
+    return pytest.approx(float(expected), rel=0, abs=tolerance(expected, ulps, scale))
+
+
+def _array(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().double().numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def _log(what: str, observed_ulps: float, budget: float) -> None:
+    path = os.environ.get("SGRAF_NUMERICS_LOG")
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(json.dumps({"test": test, "what": what, "ulps": observed_ulps, "budget": budget}) + "\n")

@@ -1,0 +1,144 @@
+"""Measured choices (`sgraf.kernels.tuning`) and the CPU matmul routes (`sgraf.kernels.cpu`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_helpers import random_batch, random_model
+from numerics import REORDERED, SAME_PATH, assert_close, largest
+from sgraf.errors import InputError
+from sgraf.kernels import cpu, tuning
+
+pytestmark = pytest.mark.numeric
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh store and no choice remembered in this process (restored after)."""
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SGRAF_TUNE", raising=False)
+    tuning.forget()
+    yield tmp_path / "tuning.json"
+    tuning.forget()
+
+
+def test_choose_takes_the_fastest_and_stores_it_for_the_next_process(cache):
+    measured = []
+
+    def measure(candidate):
+        measured.append(candidate)
+        return {"a": 3.0, "b": 1.0, "c": 2.0}[candidate]
+
+    assert tuning.choose("probe", ["a", "b", "c"], measure) == "b"
+    assert tuning.choose("probe", ["a", "b", "c"], measure) == "b"
+    assert measured == ["a", "b", "c"]                     # measured once
+    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|probe"]
+    assert entry["choice"] == "b" and entry["seconds"] == {'"a"': 3.0, '"b"': 1.0, '"c"': 2.0}
+    tuning.forget()                                       # a new process: reads, does not measure
+    assert tuning.choose("probe", ["a", "b", "c"], measure) == "b" and len(measured) == 3
+    assert tuning.peek("probe", ["a", "b", "c"]) == "b"
+    assert tuning.peek("other", ["x", "y"]) == "x"        # never measured: the default
+
+
+def test_a_stored_choice_that_is_no_longer_a_candidate_is_measured_again(cache):
+    cache.write_text(json.dumps({f"{tuning.machine_key()}|probe": {"choice": "gone"}}))
+    assert tuning.choose("probe", [1, 2], lambda c: -c) == 2
+
+
+def test_tuning_off_gives_the_default_without_measuring(cache, monkeypatch):
+    monkeypatch.setenv("SGRAF_TUNE", "off")
+    assert tuning.choose("probe", ["a", "b"], lambda c: pytest.fail("measured")) == "a"
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", ""])
+def test_a_damaged_store_is_ignored_and_rewritten(cache, content):
+    cache.write_text(content)
+    assert tuning.choose("probe", ["a", "b"], {"a": 2.0, "b": 1.0}.get) == "b"
+    assert json.loads(cache.read_text())[f"{tuning.machine_key()}|probe"]["choice"] == "b"
+
+
+def test_an_unwritable_store_still_chooses_once_per_process(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(blocker / "sub"))   # a folder under a file: cannot exist
+    tuning.forget()
+    try:
+        calls = []
+        assert tuning.choose("probe", ["a", "b"], lambda c: calls.append(c) or {"a": 2.0, "b": 1.0}[c]) == "b"
+        assert tuning.choose("probe", ["a", "b"], lambda c: calls.append(c) or 0.0) == "b" and len(calls) == 2
+    finally:
+        tuning.forget()
+    assert list(tmp_path.iterdir()) == [blocker]                   # no temporary file left behind
+
+
+def test_the_machine_key_names_processor_torch_and_threads():
+    key = tuning.machine_key()
+    assert tuning.cpu_model() in key and torch.__version__ in key and f"{torch.get_num_threads()} threads" in key
+
+
+@pytest.mark.parametrize("route", cpu.ROUTES)
+def test_both_float32_routes_compute_the_linear_layer(monkeypatch, route):
+    monkeypatch.setenv("SGRAF_CPU_MATMUL", route)
+    assert cpu.float32_route() == route or not cpu.ONEDNN
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 24, generator=generator)
+    weight, bias = torch.randn(7, 24, generator=generator), torch.randn(7, generator=generator)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    assert_close(cpu.fast_linear(x, weight, bias), expected, REORDERED, scale=largest(expected))
+    assert_close(cpu.fast_linear(x, weight, bias, relu=True), expected.clamp(min=0), REORDERED,
+                 scale=largest(expected))
+    # training: forward and all three gradients
+    params = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    reference = [t.double().clone().requires_grad_() for t in (x, weight, bias)]
+    upstream = torch.randn(2, 5, 7, generator=generator)
+    (cpu.train_linear(*params) * upstream).sum().backward()
+    (F.linear(*reference) * upstream.double()).sum().backward()
+    for got, want in zip(params, reference):
+        assert_close(got.grad, want.grad, REORDERED, scale=largest(want.grad))
+    rows, inputs = torch.randn(9, 3, generator=generator), torch.randn(9, 6, generator=generator)
+    assert_close(cpu.weight_gradient(rows, inputs), rows.double().t() @ inputs.double(), REORDERED)
+
+
+def test_a_forced_route_must_be_known(monkeypatch):
+    monkeypatch.setenv("SGRAF_CPU_MATMUL", "mkl")
+    with pytest.raises(InputError, match="SGRAF_CPU_MATMUL must be one of onednn, aten, got 'mkl'"):
+        cpu.float32_route()
+
+
+def test_the_route_is_measured_once_and_stored(cache, monkeypatch):
+    monkeypatch.delenv("SGRAF_CPU_MATMUL", raising=False)
+    if not cpu.ONEDNN:
+        pytest.skip("this PyTorch has no oneDNN: the only route is aten")
+    route = cpu.float32_route()
+    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu float32 matmul route"]
+    assert route == entry["choice"] in cpu.ROUTES
+    assert entry["choice"] == min(cpu.ROUTES, key=lambda r: entry["seconds"][json.dumps(r)])
+
+
+def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monkeypatch):
+    import sgraf.model.sgraf as sgraf_module
+    from sgraf.precision import autocast
+
+    # small candidates so that the probe block really splits: 1, 2 and 4 pairs of 16 words x d=16
+    pair = 16 * 16 * 4
+    monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_CANDIDATES", (4 * pair, pair, 2 * pair))
+    model = random_model(3, module="sgr", num_regions=7)
+    images, captions, lengths = random_batch(model, 5, [6, 3, 11, 3, 8], pad_to=13, seed=2)
+    before = model.score(images, captions, lengths)
+    chosen = model.tune_eval_chunks(torch.device("cpu"))
+    assert chosen in sgraf_module.EVAL_CHUNK_CANDIDATES
+    assert model.eval_chunk_bytes(torch.float32) == chosen
+    with autocast("bf16"):
+        assert model.tune_eval_chunks(torch.device("cpu")) in sgraf_module.EVAL_CHUNK_CANDIDATES
+    stored = json.loads(cache.read_text())
+    chunk_keys = [key for key in stored if "eval chunk bytes" in key]
+    assert len(chunk_keys) == 2 and {"torch.float32", "torch.bfloat16"} == {
+        dtype for key in chunk_keys for dtype in ("torch.float32", "torch.bfloat16") if f"|{dtype}|" in key}
+    assert_close(model.score(images, captions, lengths), before, SAME_PATH)
+    monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_BYTES", 12345)          # a fixed size wins
+    assert model.tune_eval_chunks(torch.device("cpu")) == model.eval_chunk_bytes(torch.float32) == 12345
