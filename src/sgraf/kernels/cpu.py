@@ -5,8 +5,9 @@ called directly (`torch.ops.mkldnn._linear_pointwise`). Which one is faster depe
 processor: on AMD EPYC (Zen 5) oneDNN runs these shapes at about 2.2x MKL's speed (450 against
 200 GFLOP/s on 2 cores), while on Intel Xeon MKL has its own tuned kernels. `float32_route()`
 times both once per machine (`sgraf.kernels.tuning`) and the functions here follow it. bfloat16
-always goes through oneDNN (PyTorch's own bf16 matmul on the CPU calls it too). The two
-routes give the same values up to float32 summation order.
+goes through oneDNN where it runs (PyTorch's own bf16 matmul on the CPU calls it too; on a
+processor without bf16 support in oneDNN, such as an AVX2-only one, PyTorch's fallback). The
+two routes give the same values up to float32 summation order.
 
 `SGRAF_CPU_MATMUL=onednn` or `=aten` forces a route (for a comparison, or the numeric tests'
 kernel matrix).
@@ -14,6 +15,7 @@ kernel matrix).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -52,12 +54,27 @@ def _time_route(route: str) -> float:
     return tuning.best_time(lambda: F.linear(x, weight, bias))
 
 
+@functools.cache
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear runs in `dtype` on this processor (bf16 needs AVX-512 BF16, AMX or
+    one of oneDNN's other bf16 code paths: on an AVX2-only processor it cannot create one)."""
+    if not ONEDNN:
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), torch.ones(4, 8, dtype=dtype), None,
+                                           "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def _onednn(x: torch.Tensor) -> bool:
-    """Whether a CPU matmul on `x` goes through oneDNN: bf16 always, float32 when it is faster."""
+    """Whether a CPU matmul on `x` goes through oneDNN: bf16 where oneDNN runs it (else PyTorch's
+    own bf16 matmul), float32 where it is the faster route."""
     if not ONEDNN or x.device.type != "cpu":
         return False
     if x.dtype == torch.bfloat16:
-        return True
+        return onednn_runs(torch.bfloat16)
     return x.dtype == torch.float32 and float32_route() == "onednn"
 
 
