@@ -142,3 +142,19 @@ def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monke
     assert_close(model.score(images, captions, lengths), before, SAME_PATH)
     monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_BYTES", 12345)          # a fixed size wins
     assert model.tune_eval_chunks(torch.device("cpu")) == model.eval_chunk_bytes(torch.float32) == 12345
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_scorers_thread_mode_is_measured_once_per_precision(cache, precision):
+    from sgraf import scoring
+
+    model = random_model(2, module="saf", num_regions=7)
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to share")
+    mode = scoring.thread_mode([model], precision, torch.device("cpu"))
+    assert mode in scoring.THREAD_MODES[precision]
+    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu scoring threads|{precision}|{model.size_key()}"]
+    assert entry["choice"] == mode == min(scoring.THREAD_MODES[precision],
+                                          key=lambda m: entry["seconds"][json.dumps(m)])
+    assert scoring.score_workers(torch.device("cpu"), precision, 9, [model]) == (
+        min(torch.get_num_threads(), 9) if mode == "blocks" else 1)

@@ -242,10 +242,12 @@ def test_blocks_scored_by_several_threads_fill_the_same_matrix(monkeypatch):
     model = random_model(4, vocab_size=VOCAB, img_dim=12, num_regions=6).eval()
     split = tiny_split(n_img=9)
     encoded = scoring.encode_split(model, split, TinyVocab(), batch_size=4)
-    sequential = scoring.score_matrix([model], [encoded], image_block=2)
+    # without a model to measure, the defaults: ops-parallel in fp32, one block per core in bf16
     assert scoring.score_workers(torch.device("cpu"), "fp32", 5) == 1
     assert scoring.score_workers(torch.device("cpu"), "bf16", 5) == min(torch.get_num_threads(), 5)
-    monkeypatch.setattr(scoring, "score_workers", lambda device, precision, n_tasks: 3)
+    monkeypatch.setattr(scoring, "score_workers", lambda *args: 1)
+    sequential = scoring.score_matrix([model], [encoded], image_block=2)
+    monkeypatch.setattr(scoring, "score_workers", lambda *args: 3)
     # the chunk-size probe runs on the calling thread, before the workers start: not counted here
     monkeypatch.setattr(scoring, "tune_models", lambda *args: None)
     calls = []  # (grad mode, thread) of each eval fast-path call

@@ -33,6 +33,7 @@ from torch import nn
 
 from sgraf import distributed
 from sgraf.errors import InputError
+from sgraf.kernels import tuning
 from sgraf.precision import autocast, check_precision
 
 logger = logging.getLogger(__name__)
@@ -337,8 +338,8 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     # (image block, caption bucket) tasks in row-major order: small enough that parallel workers
     # finish together; each block is still scored whole by one worker
     tasks = [(row, bucket_id) for row in starts for bucket_id in range(len(encoded[0].buckets))]
-    workers = score_workers(encoded[0].img_embs.device, precision, len(tasks))
     with eval_mode(models), frozen_weights(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
+        workers = score_workers(encoded[0].img_embs.device, precision, len(tasks), models)
         # per model, the Gram matrices of this share's images: once, not once per caption block
         grams = [_per_image(model, "region_grams", enc.img_embs[first_row:last_row], image_block)
                  for model, enc in zip(models, encoded)]
@@ -355,18 +356,51 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     return share.numpy()
 
 
-def score_workers(device: torch.device, precision: str, n_tasks: int) -> int:
-    """Threads that score (image block, caption bucket) tasks side by side, each running its
-    ops on one core.
+# How the CPU's cores share the scoring: "ops" scores one block at a time with PyTorch's threads
+# inside each op; "blocks" scores one block per core in Python threads, each op on one core (the
+# scorer's many small ops spread over cores better that way on some processors). The first is
+# the default (2-core AMD EPYC Zen 5: blocks about 1.2x faster in bf16, no gain in fp32); which
+# is faster is measured once per machine, precision and model size (`thread_mode`).
+THREAD_MODES = {"fp32": ("ops", "blocks"), "bf16": ("blocks", "ops"), "fp16": ("ops", "blocks")}
 
-    On CPU in bf16 the scorer's many small ops spread over cores better as whole blocks per
-    thread than split inside each op (measured on 2-core AMD EPYC machines: about 1.2x); in
-    float32 there was no gain, so it keeps PyTorch's own threads. Each block is computed by one
-    thread from start to end, so the result does not depend on which thread took it.
-    """
-    if device.type != "cpu" or precision != "bf16":
+
+def score_workers(device: torch.device, precision: str, n_tasks: int, models: Sequence[Scorer] = ()) -> int:
+    """Threads that score (image block, caption bucket) tasks side by side: 1 ("ops", or not on a
+    CPU), else one per core ("blocks"; see `THREAD_MODES` and `thread_mode`). Each block is
+    computed by one thread from start to end, so the result does not depend on which thread
+    took it."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads < 2 or n_tasks < 2:
         return 1
-    return max(1, min(torch.get_num_threads(), n_tasks))
+    return min(threads, n_tasks) if thread_mode(models, precision, device) == "blocks" else 1
+
+
+def thread_mode(models: Sequence[Scorer], precision: str, device: torch.device) -> str:
+    """"ops" or "blocks" for scoring `models` at `precision` on this CPU: measured once per machine
+    on a synthetic block of the first model (`probe_block`), stored (`sgraf.kernels.tuning`);
+    the default for models without a probe, and under torchrun (see `tune_models`)."""
+    candidates = THREAD_MODES[precision]
+    model = models[0] if models else None
+    probe = getattr(model, "probe_block", None)
+    name = f"cpu scoring threads|{precision}|{model.size_key() if probe else 'any model'}"  # type: ignore[union-attr]
+    if probe is None or distributed.is_distributed():
+        return tuning.peek(name, candidates)
+    threads = torch.get_num_threads()
+    blocks: list[Any] = []          # the synthetic block, made at the first measurement only
+
+    def one_block(_: Any = None) -> None:
+        with autocast(precision, device):     # autocast is per thread
+            blocks[0]()
+
+    def measure(mode: str) -> float:
+        if not blocks:
+            blocks.append(probe())
+        if mode == "ops":
+            return tuning.best_time(one_block, repeats=2)
+        with _one_thread_per_op(), ThreadPoolExecutor(threads) as pool:
+            return tuning.best_time(lambda: list(pool.map(one_block, range(threads))), repeats=2) / threads
+
+    return tuning.choose(name, candidates, measure)
 
 
 def tune_models(models: Sequence[Scorer], precision: str, device: torch.device) -> None:

@@ -100,15 +100,19 @@ def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float]
         if stored is not None:
             _chosen[key] = stored
             return stored
-        start = time.perf_counter()
-        seconds = {candidate: float(measure(candidate)) for candidate in candidates}
-        best = min(candidates, key=lambda c: seconds[c])
+    # measured without the lock: a measurement may itself need another choice, from other threads
+    start = time.perf_counter()
+    seconds = {candidate: float(measure(candidate)) for candidate in candidates}
+    best = min(candidates, key=lambda c: seconds[c])
+    with _lock:
+        if key in _chosen:          # another thread measured the same choice meanwhile: keep the first
+            return _chosen[key]
         _chosen[key] = best
         logger.info("measured %s on %s in %.2f s: %s -> %r", name, machine_key(device), time.perf_counter() - start,
                     ", ".join(f"{c!r} {s * 1e3:.2f} ms" for c, s in seconds.items()), best)
         _store(key, {"choice": best, "seconds": {json.dumps(c): s for c, s in seconds.items()},
                      "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        return best
+    return best
 
 
 def best_time(run: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:

@@ -298,17 +298,17 @@ class SGRAF(nn.Module):
             cache[low] = constants
         return constants
 
-    def _chunk_choice(self, low: torch.dtype) -> str:
+    def size_key(self) -> str:
+        """What the speed of scoring depends on in the configuration, for measured choices."""
         cfg = self.config
-        return (f"eval chunk bytes|{low}|{cfg.module}|d={cfg.embed_size}|m={cfg.sim_dim}|K={cfg.num_regions}"
-                f"|steps={cfg.sgr_step}")
+        return f"{cfg.module}|d={cfg.embed_size}|m={cfg.sim_dim}|K={cfg.num_regions}|steps={cfg.sgr_step}"
 
     def eval_chunk_bytes(self, low: torch.dtype) -> int:
         """The CPU chunk budget for `low`: EVAL_CHUNK_BYTES if set, else the measured choice for
         this machine (see `tune_eval_chunks`), else the default."""
         if EVAL_CHUNK_BYTES is not None:
             return EVAL_CHUNK_BYTES
-        return tuning.peek(self._chunk_choice(low), EVAL_CHUNK_CANDIDATES)
+        return tuning.peek(f"eval chunk bytes|{low}|{self.size_key()}", EVAL_CHUNK_CANDIDATES)
 
     @torch.no_grad()
     def tune_eval_chunks(self, device: torch.device) -> int:
@@ -322,34 +322,49 @@ class SGRAF(nn.Module):
         low = compute_dtype(device)
         if device.type != "cpu" or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
             return self.eval_chunk_bytes(low)
-        with self.frozen_weights():
-            return tuning.choose(self._chunk_choice(low), EVAL_CHUNK_CANDIDATES, self._chunk_probe())
+        blocks: list[Callable[[], None]] = []      # the synthetic block, made at the first measurement only
 
-    def _chunk_probe(self) -> Callable[[int], float]:
-        """Seconds to score a synthetic `EVAL_PROBE_BLOCK` with a given chunk budget, at the
-        caller's precision."""
+        def measure(budget: int) -> float:
+            if not blocks:
+                blocks.append(self.probe_block())
+            self._probe_chunk_bytes = budget
+            try:
+                return tuning.best_time(blocks[0], repeats=2)
+            finally:
+                self._probe_chunk_bytes = None
+
+        return tuning.choose(f"eval chunk bytes|{low}|{self.size_key()}", EVAL_CHUNK_CANDIDATES, measure)
+
+    def probe_block(self) -> Callable[[], None]:
+        """A function that scores a synthetic `EVAL_PROBE_BLOCK` (images x captions x tokens) in
+        eval mode without autograd, at the precision of the autocast context it is called in, as
+        a split scorer does (global vectors and Gram matrices given): for timing probes."""
         n_img, n_cap, n_words = EVAL_PROBE_BLOCK
         cfg = self.config
         generator = torch.Generator().manual_seed(0)
         lengths = torch.full((n_cap,), n_words)
-        word_mask = torch.ones(n_cap, n_words, dtype=torch.bool)
-        with torch.autocast("cpu", enabled=False):   # float32 inputs, as a scorer passes them
+        device = next(self.parameters()).device
+        with torch.autocast(device.type, enabled=False):   # float32 inputs, as a scorer passes them
             regions = F.normalize(torch.randn(n_img, cfg.num_regions, cfg.embed_size, generator=generator), dim=-1)
             words = F.normalize(torch.randn(n_cap, n_words, cfg.embed_size, generator=generator), dim=-1)
-            # what a scorer passes in (computed once per split or image block, not per chunk)
+            # random stand-ins for what a scorer computes once per split or image block (their
+            # values do not change the time; the model's own methods stay uncalled)
             img_glo = F.normalize(torch.randn(n_img, cfg.embed_size, generator=generator), dim=-1)
             cap_glo = F.normalize(torch.randn(n_cap, cfg.embed_size, generator=generator), dim=-1)
             gram = torch.bmm(regions, regions.transpose(1, 2))
+            regions, words, img_glo, cap_glo, gram, lengths = (
+                t.to(device) for t in (regions, words, img_glo, cap_glo, gram, lengths))
 
-        def measure(budget: int) -> float:
-            self._probe_chunk_bytes = budget
+        def score_block() -> None:
+            was_training = self.training
+            self.eval()
             try:
-                return tuning.best_time(lambda: self._eval_similarity_heads(regions, words, word_mask, lengths,
-                                                                            img_glo, cap_glo, gram), repeats=2)
+                with torch.no_grad(), self.frozen_weights():
+                    self.similarity(regions, words, lengths, img_glo=img_glo, cap_glo=cap_glo, gram=gram)
             finally:
-                self._probe_chunk_bytes = None
+                self.train(was_training)
 
-        return measure
+        return score_block
 
     def eval_chunks(self, n_img: int, n_cap: int, n_words: int, low: torch.dtype,
                     device: torch.device) -> Iterator[tuple[slice, slice]]:
