@@ -7,10 +7,11 @@ the same run:
 
 - `sgraf evaluate` as a subprocess, fp32 and bf16: wall time (the whole command, imports and
   loading included) and peak resident memory;
-- the per-caption oracle (`sgraf.model.oracle.oracle_similarity`, the authors' loop: one caption
-  against all images at a time) on a random slice of captions, extrapolated to the split;
-- the agreement of bf16 with fp32 (recalls, largest score difference) and of the oracle slice
-  with the fp32 matrix.
+- the authors' algorithm as they run it (see `authors`: five copies of each image encoded, then
+  shards of 100 images x 100 captions scored one caption at a time) on a random slice of
+  captions, extrapolated to the split;
+- the agreement of bf16 with fp32 (recalls, largest score difference) and of the authors'
+  slice with the fp32 matrix.
 
 With random weights the scores carry no meaning and lie close together (a spread of about
 1e-2), so recalls are at chance level and bf16 rounding (about 1e-3) reorders many near-ties:
@@ -19,6 +20,8 @@ figure that transfers to a trained model.
 
     python benchmarks/bench_eval.py                 # 1,000 x 5,000, fp32 and bf16
     python benchmarks/bench_eval.py --images 100    # a quick smaller run
+    git worktree add /tmp/before HEAD~3 && python benchmarks/bench_eval.py --baseline /tmp/before --repeats 3
+                                                    # this checkout against an earlier commit
 
 Timings depend on the machine's load: the figures printed are medians over `--repeats` runs.
 """
@@ -82,14 +85,21 @@ def child(report: str, argv: list[str]) -> int:
     return code
 
 
-def run_command(out: Path, precision: str, batch_size: int) -> dict:
-    sims = out / f"sims_{precision}.npy"
-    report = out / f"report_{precision}.json"
+def run_command(out: Path, precision: str, batch_size: int, source: str | None = None) -> dict:
+    """`sgraf evaluate` in a fresh process: this checkout's code, or the `src` folder of `source`."""
+    tag = "baseline" if source else "ours"
+    sims = out / f"sims_{precision}_{tag}.npy"
+    report = out / f"report_{precision}_{tag}.json"
     argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
             "--precision", precision, "--batch-size", str(batch_size), "--json", "--quiet", "--save-sims", str(sims)]
+    # measured choices (sgraf.kernels.tuning) are stored in the work folder: the first run of a
+    # fresh machine pays for the probes, like a user's first run
+    env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(source) / "src"), env.get("PYTHONPATH")]))
     start = time.perf_counter()
     completed = subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv],
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if completed.returncode != 0:
         raise SystemExit(f"sgraf evaluate failed:\n{completed.stderr[-3000:]}")
@@ -98,21 +108,32 @@ def run_command(out: Path, precision: str, batch_size: int) -> dict:
             "sims": np.load(sims)}
 
 
-def oracle(out: Path, n_slice: int, seed: int) -> dict:
-    """The per-caption loop on `n_slice` random captions against every image, extrapolated."""
+def authors(out: Path, n_slice: int, seed: int) -> dict:
+    """The authors' evaluation as they run it, timed on a slice of captions and extrapolated.
+
+    Their `encode_data` runs the image encoder on every (image, caption) pair of the loader, five
+    copies of each image (timed here on one copy, x5), and the text encoder on batches of 128
+    captions sorted by length; their `shard_attn_scores` then scores shards of 100 images x 100
+    captions, each caption against the shard's images one caption at a time
+    (`sgraf.model.oracle.authors_shard_scores`). Here `n_slice` random captions are scored that
+    way against every image shard; the per-caption time is extrapolated to the split.
+    """
     from sgraf import scoring
     from sgraf.checkpoint import load_model
     from sgraf.data.precomp import PrecompSplit
-    from sgraf.model.oracle import oracle_similarity
+    from sgraf.model.oracle import authors_shard_scores
 
     model = load_model(out / "model.pt")
     split = PrecompSplit(out / "data", "test")
     start = time.perf_counter()
     with torch.no_grad():
         img_embs = scoring.encode_images(model, split.images, batch_size=128)
+    encode_s = (time.perf_counter() - start) * CAPS_PER_IMAGE
+    start = time.perf_counter()
+    with torch.no_grad():
         token_ids = scoring.tokenize_captions(split.captions, model.vocab)
         buckets = scoring.encode_captions(model, token_ids, batch_size=128)
-    encode_s = time.perf_counter() - start
+    encode_s += time.perf_counter() - start
     chosen = np.random.default_rng(seed).choice(split.n_captions, size=min(n_slice, split.n_captions), replace=False)
     columns, seconds = [], []
     lookup = {int(k): (b, row) for b in buckets for row, k in enumerate(b.index.tolist())}
@@ -121,13 +142,20 @@ def oracle(out: Path, n_slice: int, seed: int) -> dict:
             bucket, row = lookup[int(k)]
             words, length = bucket.embs[row: row + 1], bucket.lengths[row: row + 1]
             start = time.perf_counter()
-            scores = oracle_similarity(model, img_embs, words, length)[model.config.module]  # (n_img, 1)
+            scores = authors_shard_scores(model, img_embs, words, length)  # (n_img, 1)
             seconds.append(time.perf_counter() - start)
             columns.append(scores[:, 0].numpy())
     per_caption = float(np.mean(seconds))
     return {"encode_s": encode_s, "per_caption_s": per_caption, "captions_timed": len(chosen),
             "extrapolated_s": encode_s + per_caption * split.n_captions, "chosen": chosen,
             "columns": np.stack(columns, axis=1)}
+
+
+def summarise(measured: list[dict]) -> dict:
+    """Median wall time and memory of repeated runs, with the last run's results."""
+    return {"wall_s": statistics.median(m["wall_s"] for m in measured), "walls": [m["wall_s"] for m in measured],
+            "peak_mb": statistics.median(m["peak_mb"] for m in measured),
+            "result": measured[-1]["result"], "sims": measured[-1]["sims"]}
 
 
 def recalls(result: dict) -> list[float]:
@@ -141,44 +169,57 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--module", default="sgr", choices=["sgr", "saf"])
-    parser.add_argument("--oracle-captions", type=int, default=12, help="captions timed with the oracle loop")
+    parser.add_argument("--authors-captions", type=int, default=12,
+                        help="captions timed with the authors' loop (extrapolated to the split)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="runs per precision (median reported)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="also time the command with another checkout's code (its src/ first on PYTHONPATH), "
+                             "runs interleaved with ours, e.g. a `git worktree` of an earlier commit")
+    parser.add_argument("--no-authors", action="store_true", help="skip the authors' algorithm")
     parser.add_argument("--out", help="work directory (default: a temporary one, removed after)")
     args = parser.parse_args()
+
+    from sgraf.kernels.tuning import cpu_model
 
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(args.out or scratch)
         start = time.perf_counter()
         build(out, args.images, args.module, args.seed)
         print(f"generated {args.images} images x {args.images * CAPS_PER_IMAGE} captions, paper-size "
-              f"{args.module.upper()} model, in {time.perf_counter() - start:.0f} s; torch threads "
+              f"{args.module.upper()} model, in {time.perf_counter() - start:.0f} s; {cpu_model()}, torch threads "
               f"{torch.get_num_threads()}, cpus {os.cpu_count()}", flush=True)
         runs = {}
         for precision in args.precisions:
-            measured = [run_command(out, precision, args.batch_size) for _ in range(args.repeats)]
-            runs[precision] = {
-                "wall_s": statistics.median(m["wall_s"] for m in measured),
-                "peak_mb": statistics.median(m["peak_mb"] for m in measured),
-                "result": measured[-1]["result"], "sims": measured[-1]["sims"],
-            }
+            measured, baseline = [], []
+            for _ in range(args.repeats):     # interleaved, so that a change of load hits both
+                measured.append(run_command(out, precision, args.batch_size))
+                if args.baseline:
+                    baseline.append(run_command(out, precision, args.batch_size, args.baseline))
+            runs[precision] = summarise(measured)
             run = runs[precision]
-            if len(measured) > 1:
-                walls = ", ".join(f"{m['wall_s']:.1f}" for m in measured)
-                print(f"{precision}: runs {walls} s", flush=True)
-            print(f"{precision}: wall {run['wall_s']:.1f} s, peak RSS {run['peak_mb']:.0f} MiB, "
-                  f"rsum {run['result']['rsum']:.1f}, recalls {[round(r, 1) for r in recalls(run['result'])]}",
-                  flush=True)
-        reference = oracle(out, args.oracle_captions, args.seed)
-        print(f"oracle (per-caption loop): {reference['per_caption_s']:.3f} s per caption over "
-              f"{reference['captions_timed']} captions + encoding {reference['encode_s']:.1f} s "
+            print(f"{precision}: runs {', '.join(f'{m:.1f}' for m in run['walls'])} s; median {run['wall_s']:.1f} s, "
+                  f"peak RSS {run['peak_mb']:.0f} MiB, rsum {run['result']['rsum']:.1f}, "
+                  f"recalls {[round(r, 1) for r in recalls(run['result'])]}", flush=True)
+            if baseline:
+                base = summarise(baseline)
+                error = np.abs(base["sims"] - run["sims"]).max()
+                print(f"{precision} baseline ({args.baseline}): runs {', '.join(f'{m:.1f}' for m in base['walls'])} s; "
+                      f"median {base['wall_s']:.1f} s, peak RSS {base['peak_mb']:.0f} MiB -> ours "
+                      f"{base['wall_s'] / run['wall_s']:.2f}x its speed; max |diff| of the matrices {error:.2e}",
+                      flush=True)
+        if args.no_authors:
+            return 0
+        reference = authors(out, args.authors_captions, args.seed)
+        print(f"authors' algorithm (shards of 100 x 100, one caption at a time): {reference['per_caption_s']:.3f} s "
+              f"per caption over {reference['captions_timed']} captions + encoding {reference['encode_s']:.1f} s "
               f"-> extrapolated {reference['extrapolated_s']:.0f} s for the split", flush=True)
         for precision, run in runs.items():
-            print(f"speed-up vs oracle ({precision}): {reference['extrapolated_s'] / run['wall_s']:.1f}x")
+            print(f"speed-up vs the authors' algorithm ({precision}): {reference['extrapolated_s'] / run['wall_s']:.1f}x")
         first = runs[args.precisions[0]]
         error = np.abs(first["sims"][:, reference["chosen"]] - reference["columns"]).max()
-        print(f"oracle slice vs {args.precisions[0]} matrix: max |diff| {error:.2e}")
+        print(f"authors' slice vs {args.precisions[0]} matrix: max |diff| {error:.2e}")
         if "fp32" in runs and "bf16" in runs:
             difference = np.abs(np.subtract(recalls(runs["bf16"]["result"]), recalls(runs["fp32"]["result"])))
             score_error = np.abs(runs["bf16"]["sims"] - runs["fp32"]["sims"]).max()

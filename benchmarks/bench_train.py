@@ -2,9 +2,10 @@
 
 One optimisation step = train-mode scores of a batch of 128 pairs, the hinge loss with hardest
 negatives, backward, clipping at 2.0, Adam (2048-d features of 36 regions, embed 1024, sim 256,
-word 300, vocabulary 8,500, caption lengths like Flickr30K's). "oracle" is the authors'
-algorithm: each caption scored against all images on its own (`sgraf.model.oracle`), the way
-their training loop does it; "ours" is `sgraf.training.train_step` (vectorised over captions,
+word 300, vocabulary 8,500, caption lengths like Flickr30K's). "authors" is the authors'
+algorithm as they run it (`sgraf.model.oracle.authors_forward`): both encoders once over the
+batch (the GRU on packed sequences), then each caption scored against all images on its own,
+in float32; "ours" is `sgraf.training.train_step` (vectorised over captions,
 scored in length-sorted caption chunks whose intermediates are recomputed in backward;
 `--chunk N` fixes the captions per chunk, `--no-checkpoint` keeps every chunk's intermediates).
 Dropout is off so both compute the same first loss (printed: a correctness check).
@@ -13,7 +14,7 @@ Each configuration runs in its own subprocess, so its peak resident memory (ru_m
 interpreter, torch, the model, Adam's moments and the step) is clean. Medians over --steps
 timed steps after one warm-up step.
 
-    python benchmarks/bench_train.py                     # SGR and SAF, oracle fp32 vs ours fp32/bf16
+    python benchmarks/bench_train.py                     # SGR and SAF, authors fp32 vs ours fp32/bf16
     python benchmarks/bench_train.py --batch 32 --steps 2   # quicker
 """
 
@@ -43,7 +44,7 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
     from types import SimpleNamespace
 
     from sgraf.config import ModelConfig
-    from sgraf.model.oracle import oracle_forward
+    from sgraf.model.oracle import authors_forward
     from sgraf.model.sgraf import SGRAF
     from sgraf.precision import autocast
     from sgraf.training.config import preset
@@ -67,12 +68,13 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
                             lengths=lengths, image_ids=torch.arange(batch_size))
     rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
-    def oracle_step() -> float:
-        # The authors' train_emb: per-caption forward, loss, backward, clip, Adam step.
+    def authors_step() -> float:
+        # The authors' train_emb: encoders on the batch, per-caption similarity, loss, backward,
+        # clip, Adam step.
         model.train()
         optimizer.zero_grad(set_to_none=True)
         with autocast(precision):
-            scores = oracle_forward(model, batch.images, batch.captions, batch.lengths)[module]
+            scores = authors_forward(model, batch.images, batch.captions, batch.lengths)[module]
         loss = batch_loss(scores, config)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -82,7 +84,7 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
     def ours_step() -> float:
         return train_step(model, optimizer, batch, config).loss
 
-    step = oracle_step if impl == "oracle" else ours_step
+    step = authors_step if impl == "authors" else ours_step
     times, losses = [], []
     for k in range(steps + 1):
         tic = time.perf_counter()
@@ -96,12 +98,14 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
 
 
 def main() -> None:
+    from sgraf.kernels.tuning import cpu_model
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modules", nargs="+", default=["sgr", "saf"], choices=["sgr", "saf"])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--no-oracle", action="store_true", help="skip the slow per-caption reference")
+    parser.add_argument("--no-authors", action="store_true", help="skip the slow reference (the authors' algorithm)")
     parser.add_argument("--chunk", type=int, help="ours: captions per chunk (default: from a memory budget)")
     parser.add_argument("--no-checkpoint", action="store_true", help="ours: keep every chunk's intermediates")
     parser.add_argument("--json", help="also write the results to this file")
@@ -112,11 +116,12 @@ def main() -> None:
                                not args.no_checkpoint)))
         return
 
-    runs = [("oracle", "fp32"), ("ours", "fp32"), ("ours", "bf16")]
-    if args.no_oracle:
+    runs = [("authors", "fp32"), ("ours", "fp32"), ("ours", "bf16")]
+    if args.no_authors:
         runs = runs[1:]
     results = []
-    print(f"batch {args.batch}, {args.steps} timed steps, {args.threads} threads, torch in a fresh process each")
+    print(f"{cpu_model()}: batch {args.batch}, {args.steps} timed steps, {args.threads} threads, "
+          f"torch in a fresh process each")
     print(f"{'module':<6} {'impl':<7} {'prec':<5} {'s/step':>8} {'peak RSS GiB':>13} {'first loss':>11}")
     for module in args.modules:
         for impl, precision in runs:
@@ -135,13 +140,13 @@ def main() -> None:
                   f"{r['first_loss']:>11.4f}", flush=True)
     print()
     for module in args.modules:
-        ref = next((r for r in results if r["module"] == module and r["impl"] == "oracle"), None)
+        ref = next((r for r in results if r["module"] == module and r["impl"] == "authors"), None)
         if ref is None:
             continue
         for r in results:
             if r["module"] == module and r["impl"] == "ours":
                 print(f"{module} ours {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster, "
-                      f"{r['peak_rss_gib'] / ref['peak_rss_gib']:.2f}x the oracle's peak memory "
+                      f"{r['peak_rss_gib'] / ref['peak_rss_gib']:.2f}x the authors' peak memory "
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,9 +1,12 @@
-"""The authors' per-caption scoring loop, kept ONLY as a test oracle.
+"""The authors' per-caption scoring loop, kept ONLY as a test oracle and a benchmark reference.
 
 Slow and obviously faithful: one caption at a time, repeated against every image, exactly the
 order of operations of the official `EncoderSimilarity.forward` (including, in training mode,
 SAF's BatchNorm called once per caption). It reads the weights of an `SGRAF` model and shares
 none of the vectorised code paths. Also covers the ablation switches, written the same way.
+
+`authors_forward` and `authors_shard_scores` put it together as the authors run it (their
+training forward and their evaluation loop): what the benchmarks time as "the authors' code".
 """
 
 from __future__ import annotations
@@ -113,3 +116,27 @@ def oracle_forward(model: torch.nn.Module, images: torch.Tensor, captions: torch
                    lengths: Any) -> dict[str, torch.Tensor]:
     """Per-caption scores {head: (n_img, n_cap)} from raw inputs, in the model's current mode."""
     return oracle_similarity(model, model.img_enc(images), oracle_encode_captions(model, captions, lengths), lengths)
+
+
+def authors_forward(model: torch.nn.Module, images: torch.Tensor, captions: torch.Tensor,
+                    lengths: Any) -> dict[str, torch.Tensor]:
+    """The authors' training forward as they run it: both encoders once over the whole batch
+    (their GRU runs on packed sequences, as `TextEncoder` does), then the per-caption similarity
+    loop against all images of the batch. {head: (n_img, n_cap)}, in the model's current mode."""
+    return oracle_similarity(model, model.img_enc(images), model.encode_captions(captions, lengths), lengths)
+
+
+def authors_shard_scores(model: torch.nn.Module, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any,
+                         shard: int = 100) -> torch.Tensor:
+    """The authors' evaluation loop (`shard_attn_scores`): the split in shards of `shard` images x
+    `shard` captions, each caption of a shard scored against the shard's images one caption at a
+    time. (n_img, n_cap) scores of the model's own head (for a joint model, the mean of both)."""
+    n_img, n_cap = img_embs.size(0), cap_embs.size(0)
+    lengths = torch.as_tensor(lengths)
+    sims = img_embs.new_empty(n_img, n_cap)
+    for row in range(0, n_img, shard):
+        for col in range(0, n_cap, shard):
+            heads = oracle_similarity(model, img_embs[row:row + shard], cap_embs[col:col + shard],
+                                      lengths[col:col + shard])
+            sims[row:row + shard, col:col + shard] = sum(heads.values()) / len(heads)
+    return sims
