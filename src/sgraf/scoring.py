@@ -44,6 +44,11 @@ IMAGE_BLOCK = 16
 # Upper bound on image x caption x word x feature elements of one scoring block: the size of
 # the largest per-pair intermediate the vectorised similarity builds (float32: 128 MiB).
 BLOCK_ELEMENTS = 1 << 25
+# Splits of at least this many pairs (a Flickr30K or MSCOCO-1K test split has 5 million) measure
+# the CPU thread mode and chunk size for this machine if they were never measured (2-4 s at the
+# paper's size, 1-2 % of such a split's first scoring); smaller ones take the stored choices or
+# the defaults.
+TUNE_MIN_PAIRS = 4_000_000
 
 
 class Scorer(Protocol):
@@ -339,12 +344,14 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     # finish together; each block is still scored whole by one worker
     tasks = [(row, bucket_id) for row in starts for bucket_id in range(len(encoded[0].buckets))]
     with eval_mode(models), frozen_weights(models), _progress(total, "scoring", show, "pair") as bar:  # type: ignore[arg-type]
-        workers = score_workers(encoded[0].img_embs.device, precision, len(tasks), models)
+        measure = n_img * n_cap >= TUNE_MIN_PAIRS
+        workers = score_workers(encoded[0].img_embs.device, precision, len(tasks), models, measure)
         # per model, the Gram matrices of this share's images: once, not once per caption block
         grams = [_per_image(model, "region_grams", enc.img_embs[first_row:last_row], image_block)
                  for model, enc in zip(models, encoded)]
+        if measure:
+            tune_models(models, precision, encoded[0].img_embs.device, workers)
         with _one_thread_per_op() if workers > 1 else contextlib.nullcontext():
-            tune_models(models, precision, encoded[0].img_embs.device)
             if workers > 1:
                 with ThreadPoolExecutor(workers) as pool:
                     list(pool.map(score_task, tasks))
@@ -364,58 +371,71 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
 THREAD_MODES = {"fp32": ("ops", "blocks"), "bf16": ("blocks", "ops"), "fp16": ("ops", "blocks")}
 
 
-def score_workers(device: torch.device, precision: str, n_tasks: int, models: Sequence[Scorer] = ()) -> int:
+def score_workers(device: torch.device, precision: str, n_tasks: int, models: Sequence[Scorer] = (),
+                  measure: bool = False) -> int:
     """Threads that score (image block, caption bucket) tasks side by side: 1 ("ops", or not on a
-    CPU), else one per core ("blocks"; see `THREAD_MODES` and `thread_mode`). Each block is
-    computed by one thread from start to end, so the result does not depend on which thread
-    took it."""
+    CPU), else one per core ("blocks"; see `THREAD_MODES` and `thread_mode`, which measures only
+    if `measure`). Each block is computed by one thread from start to end, so the result does not
+    depend on which thread took it."""
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads < 2 or n_tasks < 2:
         return 1
-    return min(threads, n_tasks) if thread_mode(models, precision, device) == "blocks" else 1
+    return min(threads, n_tasks) if thread_mode(models, precision, device, measure) == "blocks" else 1
 
 
-def thread_mode(models: Sequence[Scorer], precision: str, device: torch.device) -> str:
+def thread_mode(models: Sequence[Scorer], precision: str, device: torch.device, measure: bool = True) -> str:
     """"ops" or "blocks" for scoring `models` at `precision` on this CPU: measured once per machine
-    on a synthetic block of the first model (`probe_block`), stored (`sgraf.kernels.tuning`);
-    the default for models without a probe, and under torchrun (see `tune_models`)."""
+    on a synthetic block of the first model (`probe_block`), stored (`sgraf.kernels.tuning`).
+    The stored choice or the default when not `measure`, for models without a probe, and under
+    torchrun (see `tune_models`)."""
     candidates = THREAD_MODES[precision]
     model = models[0] if models else None
     probe = getattr(model, "probe_block", None)
     name = f"cpu scoring threads|{precision}|{model.size_key() if probe else 'any model'}"  # type: ignore[union-attr]
-    if probe is None or distributed.is_distributed():
+    if not measure or probe is None or distributed.is_distributed():
         return tuning.peek(name, candidates)
     threads = torch.get_num_threads()
     blocks: list[Any] = []          # the synthetic block, made at the first measurement only
 
-    def one_block(_: Any = None) -> None:
-        with autocast(precision, device):     # autocast is per thread
-            blocks[0]()
-
-    def measure(mode: str) -> float:
+    def seconds(mode: str) -> float:
         if not blocks:
             blocks.append(probe())
-        if mode == "ops":
-            return tuning.best_time(one_block, repeats=2)
-        with _one_thread_per_op(), ThreadPoolExecutor(threads) as pool:
-            return tuning.best_time(lambda: list(pool.map(one_block, range(threads))), repeats=2) / threads
+        return block_timer(precision, device, threads if mode == "blocks" else 1)(blocks[0])
 
-    return tuning.choose(name, candidates, measure)
+    return tuning.choose(name, candidates, seconds)
 
 
-def tune_models(models: Sequence[Scorer], precision: str, device: torch.device) -> None:
-    """Let each model that offers ``tune_eval_chunks`` measure its chunk size for this machine
-    and precision (once per machine, see `sgraf.kernels.tuning`), under the thread setting the
-    scoring runs with. Skipped under torchrun: processes that measured apart could choose apart,
-    and the matrix must not depend on the number of processes (each takes the stored choice or
-    the default)."""
+def block_timer(precision: str, device: torch.device, workers: int) -> Any:
+    """A function that times a block-scoring function the way the scorer runs blocks: seconds per
+    block, best of 2 after a warm-up, one block at a time, or `workers` blocks at once in Python
+    threads with one thread per op (so that the cores share the caches and memory as they will)."""
+    def timer(score_block: Any) -> float:
+        def one(_: Any = None) -> None:
+            with autocast(precision, device):     # autocast is per thread
+                score_block()
+
+        if workers == 1:
+            return tuning.best_time(one, repeats=2)
+        with _one_thread_per_op(), ThreadPoolExecutor(workers) as pool:
+            return tuning.best_time(lambda: list(pool.map(one, range(workers))), repeats=2) / workers
+
+    return timer
+
+
+def tune_models(models: Sequence[Scorer], precision: str, device: torch.device, workers: int = 1) -> None:
+    """Let each model that offers ``tune_eval_chunks`` measure its chunk size for this machine and
+    precision (once per machine, see `sgraf.kernels.tuning`) the way the scorer will run blocks
+    (`workers` at once), and use it for the split (inside its ``frozen_weights``). Skipped under
+    torchrun: processes that measured apart could choose apart, and the matrix must not depend
+    on the number of processes (each takes the stored choice or the default)."""
     if distributed.is_distributed():
         return
     for model in models:
         tune = getattr(model, "tune_eval_chunks", None)
         if tune is not None:
             with autocast(precision, device):
-                tune(device)
+                tune(device, block_timer(precision, device, workers),
+                     f"{workers} blocks at once" if workers > 1 else "")
 
 
 @contextlib.contextmanager

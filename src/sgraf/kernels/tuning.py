@@ -69,8 +69,9 @@ def enabled() -> bool:
     return os.environ.get("SGRAF_TUNE", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu") -> Any:
-    """The choice made or stored for `name` on this machine, else the default (no probing)."""
+def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu", default: Any = None) -> Any:
+    """The choice made or stored for `name` on this machine, else the default (`default`, or
+    `candidates[0]`), without measuring."""
     key = f"{machine_key(device)}|{name}"
     with _lock:
         if key in _chosen:
@@ -79,23 +80,26 @@ def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu
         if stored is not None:
             _chosen[key] = stored
             return stored
-    return candidates[0]
+    return candidates[0] if default is None else default
 
 
 def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float],
-           device: torch.device | str = "cpu") -> Any:
-    """The candidate for which `measure(candidate)` (seconds, smaller is better) is smallest.
+           device: torch.device | str = "cpu", near: float = 0.03, default: Any = None) -> Any:
+    """The candidate for which `measure(candidate)` (seconds, smaller is better) is smallest, or
+    the earliest in `candidates` whose time is within `near` (a fraction) of the smallest: list
+    the candidates in order of preference (the default first, or the most frugal first), so
+    that measurement noise does not decide between near-equals.
 
-    Measured once per machine (see the module docstring); the default `candidates[0]` when
-    tuning is off. Candidates must be JSON values (strings, numbers).
+    Measured once per machine (see the module docstring); the default (`default`, or
+    `candidates[0]`) when tuning is off. Candidates must be JSON values (strings, numbers).
     """
     key = f"{machine_key(device)}|{name}"
     with _lock:
         if key in _chosen:
             return _chosen[key]
         if not enabled():
-            _chosen[key] = candidates[0]
-            return candidates[0]
+            _chosen[key] = candidates[0] if default is None else default
+            return _chosen[key]
         stored = _stored(key, candidates)
         if stored is not None:
             _chosen[key] = stored
@@ -103,7 +107,8 @@ def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float]
     # measured without the lock: a measurement may itself need another choice, from other threads
     start = time.perf_counter()
     seconds = {candidate: float(measure(candidate)) for candidate in candidates}
-    best = min(candidates, key=lambda c: seconds[c])
+    fastest = min(seconds.values())
+    best = next(c for c in candidates if seconds[c] <= fastest * (1 + near))
     with _lock:
         if key in _chosen:          # another thread measured the same choice meanwhile: keep the first
             return _chosen[key]

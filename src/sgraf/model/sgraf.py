@@ -45,8 +45,10 @@ HEAD_KEPT_PER_NODE = 8
 # (their intermediates are reused while hot), but the best size depends on the processor and the
 # precision (2-core AMD EPYC Zen 5: 16-32 MiB in fp32, 8 MiB in bf16, within 10 %), so
 # `tune_eval_chunks` times these candidates once per machine, model size and precision
-# (`sgraf.kernels.tuning`); the first is the default. An int in EVAL_CHUNK_BYTES fixes the size.
-EVAL_CHUNK_CANDIDATES = (8 * 2**20, 4 * 2**20, 16 * 2**20, 32 * 2**20)
+# (`sgraf.kernels.tuning`), taking the smallest within 3 % of the fastest (less memory); the default
+# is EVAL_CHUNK_DEFAULT. An int in EVAL_CHUNK_BYTES fixes the size.
+EVAL_CHUNK_CANDIDATES = (4 * 2**20, 8 * 2**20, 16 * 2**20, 32 * 2**20)   # most frugal first
+EVAL_CHUNK_DEFAULT = 8 * 2**20
 EVAL_CHUNK_BYTES: int | None = None
 EVAL_CHUNK_IMAGES = 8
 # The probe's block: images x captions of this many tokens (about Flickr30K's mean length).
@@ -304,20 +306,34 @@ class SGRAF(nn.Module):
         return f"{cfg.module}|d={cfg.embed_size}|m={cfg.sim_dim}|K={cfg.num_regions}|steps={cfg.sgr_step}"
 
     def eval_chunk_bytes(self, low: torch.dtype) -> int:
-        """The CPU chunk budget for `low`: EVAL_CHUNK_BYTES if set, else the measured choice for
-        this machine (see `tune_eval_chunks`), else the default."""
+        """The CPU chunk budget for `low`: EVAL_CHUNK_BYTES if set; inside `frozen_weights`, the
+        budget a scorer measured for its way of scoring (`tune_eval_chunks`); else the choice
+        measured for this machine by a plain call, or the default."""
         if EVAL_CHUNK_BYTES is not None:
             return EVAL_CHUNK_BYTES
-        return tuning.peek(f"eval chunk bytes|{low}|{self.size_key()}", EVAL_CHUNK_CANDIDATES)
+        if self._probe_chunk_bytes is not None:
+            return self._probe_chunk_bytes
+        if self._eval_constants is not None and "chunk_bytes" in self._eval_constants.get(low, {}):
+            return self._eval_constants[low]["chunk_bytes"]
+        return tuning.peek(f"eval chunk bytes|{low}|{self.size_key()}", EVAL_CHUNK_CANDIDATES,
+                           default=EVAL_CHUNK_DEFAULT)
 
     @torch.no_grad()
-    def tune_eval_chunks(self, device: torch.device) -> int:
+    def tune_eval_chunks(self, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None,
+                         label: str = "") -> int:
         """Measure the CPU chunk budget for the current precision once per machine (about a
-        second at the paper's size; stored, see `sgraf.kernels.tuning`) and return it.
+        second at the paper's size; stored, see `sgraf.kernels.tuning`) and return it; inside
+        `frozen_weights` the model then uses it until the context ends.
 
         Scorers of whole splits call this before scoring; a single `similarity` call uses the
         stored choice or the default without measuring. Call in eval mode, under the autocast
-        context the scoring will run in, with the thread setting it will run with.
+        context the scoring will run in.
+
+        Args:
+            timer: seconds per block to score `probe_block()`'s block the way the caller will
+                score (e.g. one block per core at once, so that the cores share the caches as
+                they will); default: the best of 3 calls on this thread.
+            label: names the caller's way of scoring in the stored choice (with `timer`).
         """
         low = compute_dtype(device)
         if device.type != "cpu" or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
@@ -329,11 +345,15 @@ class SGRAF(nn.Module):
                 blocks.append(self.probe_block())
             self._probe_chunk_bytes = budget
             try:
-                return tuning.best_time(blocks[0], repeats=2)
+                return timer(blocks[0]) if timer else tuning.best_time(blocks[0])
             finally:
                 self._probe_chunk_bytes = None
 
-        return tuning.choose(f"eval chunk bytes|{low}|{self.size_key()}", EVAL_CHUNK_CANDIDATES, measure)
+        name = f"eval chunk bytes|{low}|{self.size_key()}" + (f"|{label}" if label else "")
+        chosen = tuning.choose(name, EVAL_CHUNK_CANDIDATES, measure, default=EVAL_CHUNK_DEFAULT)
+        if self._eval_constants is not None:
+            self.eval_constants(low)["chunk_bytes"] = chosen
+        return chosen
 
     def probe_block(self) -> Callable[[], None]:
         """A function that scores a synthetic `EVAL_PROBE_BLOCK` (images x captions x tokens) in
@@ -377,8 +397,7 @@ class SGRAF(nn.Module):
         if device.type != "cpu":
             yield slice(0, n_img), slice(0, n_cap)
             return
-        chunk_bytes = self._probe_chunk_bytes or self.eval_chunk_bytes(low)
-        budget = max(1, chunk_bytes // (n_words * self.config.embed_size * low.itemsize))  # pairs
+        budget = max(1, self.eval_chunk_bytes(low) // (n_words * self.config.embed_size * low.itemsize))  # pairs
         img_step = min(n_img, EVAL_CHUNK_IMAGES)
         cap_step = max(1, budget // img_step)
         if cap_step >= n_cap:  # few captions: take more images instead
