@@ -248,8 +248,6 @@ def test_blocks_scored_by_several_threads_fill_the_same_matrix(monkeypatch):
     monkeypatch.setattr(scoring, "score_workers", lambda *args: 1)
     sequential = scoring.score_matrix([model], [encoded], image_block=2)
     monkeypatch.setattr(scoring, "score_workers", lambda *args: 3)
-    # the chunk-size probe runs on the calling thread, before the workers start: not counted here
-    monkeypatch.setattr(scoring, "tune_models", lambda *args: None)
     calls = []  # (grad mode, thread) of each eval fast-path call
     fast_forward = model.sim_enc.fast_forward
 
