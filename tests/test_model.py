@@ -295,3 +295,18 @@ def test_fast_forward_alone_gives_the_plain_nodes():
     assert torch.equal(fast_mask, node_mask)
     valid = node_mask.unsqueeze(0).unsqueeze(3)
     assert_close(fast * valid, nodes * valid, REORDERED)
+
+
+def test_eval_constants_do_not_depend_on_the_callers_autocast():
+    """The folded SGR weights and cast similarity layers are float32 math cast once to the matmul
+    dtype, whether prepared inside a bf16 autocast region (a scorer's tuning) or not."""
+    model = random_model(8, module="sgr", num_regions=7)
+    plain = model.eval_constants(torch.bfloat16)
+    with autocast("bf16"):
+        under = model.eval_constants(torch.bfloat16)
+    flat = [t for pair in plain["layers"].values() for t in pair] + [t for step in plain["folded"] for t in step
+                                                                     if isinstance(t, torch.Tensor)]
+    flat_under = [t for pair in under["layers"].values() for t in pair] + [
+        t for step in under["folded"] for t in step if isinstance(t, torch.Tensor)]
+    assert len(flat) == len(flat_under) > 4
+    assert all(torch.equal(a, b) for a, b in zip(flat, flat_under))

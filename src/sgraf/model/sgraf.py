@@ -293,7 +293,8 @@ class SGRAF(nn.Module):
         cache = self._eval_constants
         if cache is not None and low in cache:
             return cache[low]
-        with torch.no_grad():
+        # weight-only math in float32 whatever autocast the caller is under (then cast to `low`)
+        with torch.no_grad(), torch.autocast(next(self.parameters()).device.type, enabled=False):
             constants = {"layers": self.sim_enc.cast_layers(low),
                          "folded": fold_steps(self.sim_enc.SGR_module, low) if "sgr" in self.heads else None}
         if cache is not None:
