@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from numerics import REORDERED, approx, assert_close
+from numerics import FLOAT16, REORDERED, approx, assert_close
 from sgraf.api import Matcher, shortlist_keys
 from sgraf.checkpoint import save_model
 from sgraf.cli import main
@@ -130,7 +130,7 @@ def test_float16_index_ranks_like_float32(gallery, tmp_path):
     assert index16.image_regions[0].dtype == np.float16
     a = index32.search_image(image_id=7, top_k=5, shortlist=None)
     b = index16.search_image(image_id=7, top_k=5, shortlist=None)
-    np.testing.assert_allclose([h.score for h in a], [h.score for h in b], atol=2e-3)
+    assert_close([h.score for h in b], [h.score for h in a], FLOAT16, scale=1.0)
 
 
 def test_cli_search_json_lists_ids_and_scores_best_first(gallery, capsys):

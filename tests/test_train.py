@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from numerics import REORDERED, approx
 import sgraf
 from sgraf.cli import main
 from sgraf.config import ModelConfig
@@ -133,17 +134,17 @@ def test_same_image_option_removes_those_pairs_from_the_negatives():
     # Default (the authors'): the other caption of image 4 is each one's hardest negative.
     # rows (images): 0.2+0.8-0.9, 0.2+0.85-0.9, 0.2+0.3-0.7 -> 0.1, 0.15, 0
     # cols (captions): 0.2+0.85-0.9, 0.2+0.8-0.9, 0.2+0.2-0.7 -> 0.15, 0.1, 0
-    assert default == pytest.approx(0.5, abs=1e-6)
+    assert default == approx(0.5, REORDERED, scale=1.0)     # hinge terms of order 1
     # With the option only image/caption 7 remain as negatives of image 4's pairs: all satisfied.
-    assert masked == pytest.approx(0.0, abs=1e-7)
+    assert masked == approx(0.0, REORDERED, scale=1.0)
 
 
 def test_joint_loss_is_the_sum_of_both_heads():
     gen = torch.Generator().manual_seed(0)
     sgr, saf = torch.rand(5, 5, generator=gen), torch.rand(5, 5, generator=gen)
     config = preset("tiny")
-    assert batch_loss({"sgr": sgr, "saf": saf}, config).item() == pytest.approx(
-        batch_loss(sgr, config).item() + batch_loss(saf, config).item())
+    assert batch_loss({"sgr": sgr, "saf": saf}, config).item() == approx(
+        batch_loss(sgr, config).item() + batch_loss(saf, config).item(), REORDERED)
 
 
 # ------------------------------------------------------------------ runs

@@ -33,8 +33,21 @@ PROBE_SHAPE = (2048, 1024, 256)
 
 
 def float32_route() -> str:
-    """'onednn' or 'aten': the faster float32 matmul route on this machine (see the module)."""
-    forced = os.environ.get("SGRAF_CPU_MATMUL", "").strip().lower()
+    """'onednn' or 'aten': the faster float32 matmul route on this machine (see the module).
+
+    Called before every float32 matmul: answered from a dict after the first call per setting.
+    """
+    setting = (os.environ.get("SGRAF_CPU_MATMUL", ""), torch.get_num_threads(), tuning.enabled(), tuning.generation())
+    route = _routes.get(setting)
+    if route is None:
+        route = _routes[setting] = _choose_route(setting[0].strip().lower())
+    return route
+
+
+_routes: dict[tuple[str, int, bool, int], str] = {}
+
+
+def _choose_route(forced: str) -> str:
     if forced:
         if forced not in ROUTES:
             raise InputError(f"SGRAF_CPU_MATMUL must be one of {', '.join(ROUTES)}, got {forced!r}")

@@ -16,6 +16,7 @@ once per process.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -33,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.RLock()
 _chosen: dict[str, Any] = {}
+_generation = 0
 
 
+@functools.cache
 def cpu_model() -> str:
     """The processor's model name (from /proc/cpuinfo on Linux), e.g. 'AMD EPYC 9R45'."""
     try:
@@ -52,8 +55,12 @@ def machine_key(device: torch.device | str = "cpu") -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}"
-    return (f"{cpu_model()}|torch {torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
-            f"|{torch.get_num_threads()} threads")
+    return f"{_cpu_key()}|{torch.get_num_threads()} threads"
+
+
+@functools.cache
+def _cpu_key() -> str:
+    return f"{cpu_model()}|torch {torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
 
 
 def cache_path() -> pathlib.Path:
@@ -134,8 +141,15 @@ def best_time(run: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> floa
 
 def forget() -> None:
     """Drop this process's choices (the stored file stays): the next use reads or measures again."""
+    global _generation
     with _lock:
         _chosen.clear()
+        _generation += 1
+
+
+def generation() -> int:
+    """Changes whenever `forget` drops the choices: a cache of choices keyed by it stays valid."""
+    return _generation
 
 
 def _stored(key: str, candidates: Sequence[Any]) -> Any:
