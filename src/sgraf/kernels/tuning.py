@@ -32,6 +32,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# A measured candidate replaces the default only when it is more than this much faster: on a
+# 2-core AMD EPYC, probe differences of 5-15 % between thread modes or chunk sizes came out
+# either way in whole `sgraf evaluate` runs (and a 4 MiB chunk 3 % "within noise" of 8 MiB in the
+# probe was 4 % slower over a whole split), while the routes and sizes worth switching to differ
+# by far more (oneDNN against MKL: 2.2x).
+KEEP_DEFAULT = 0.2
+
 _lock = threading.RLock()
 _chosen: dict[str, Any] = {}
 _generation = 0
@@ -91,14 +98,16 @@ def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu
 
 
 def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float],
-           device: torch.device | str = "cpu", near: float = 0.03, default: Any = None) -> Any:
-    """The candidate for which `measure(candidate)` (seconds, smaller is better) is smallest, or
-    the earliest in `candidates` whose time is within `near` (a fraction) of the smallest: list
-    the candidates in order of preference (the default first, or the most frugal first), so
-    that measurement noise does not decide between near-equals.
+           device: torch.device | str = "cpu", default: Any = None, keep: float = KEEP_DEFAULT,
+           near: float = 0.03) -> Any:
+    """The default (`default`, or `candidates[0]`) unless another candidate is clearly faster.
 
-    Measured once per machine (see the module docstring); the default (`default`, or
-    `candidates[0]`) when tuning is off. Candidates must be JSON values (strings, numbers).
+    `measure(candidate)` gives seconds (smaller is better). The default stays unless the fastest
+    candidate beats it by more than `keep` (a fraction: a short probe's smaller differences did
+    not survive into whole runs); then the earliest candidate in `candidates` within `near` of
+    the fastest wins (list them in order of preference, e.g. the most frugal first). Measured
+    once per machine (see the module docstring); the default when tuning is off. Candidates
+    must be JSON values (strings, numbers).
     """
     key = f"{machine_key(device)}|{name}"
     with _lock:
@@ -115,7 +124,11 @@ def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float]
     start = time.perf_counter()
     seconds = {candidate: float(measure(candidate)) for candidate in candidates}
     fastest = min(seconds.values())
-    best = next(c for c in candidates if seconds[c] <= fastest * (1 + near))
+    fallback = candidates[0] if default is None else default
+    if fallback in seconds and seconds[fallback] <= fastest * (1 + keep):
+        best = fallback
+    else:
+        best = next(c for c in candidates if seconds[c] <= fastest * (1 + near))
     with _lock:
         if key in _chosen:          # another thread measured the same choice meanwhile: keep the first
             return _chosen[key]

@@ -43,10 +43,10 @@ HEAD_KEPT_PER_NODE = 8
 # Eval fast path on CPU: bytes of the largest (image, caption, word) x d operand of one chunk, and
 # images per chunk. Chunks that fit the caches score a pair about 1.7x faster than 128 MiB blocks
 # (their intermediates are reused while hot), but the best size depends on the processor and the
-# precision (2-core AMD EPYC Zen 5: 16-32 MiB in fp32, 8 MiB in bf16, within 10 %), so
-# `tune_eval_chunks` times these candidates once per machine, model size and precision
-# (`sgraf.kernels.tuning`), taking the smallest within 3 % of the fastest (less memory); the default
-# is EVAL_CHUNK_DEFAULT. An int in EVAL_CHUNK_BYTES fixes the size.
+# precision, so `tune_eval_chunks` times these candidates once per machine, model size and
+# precision (`sgraf.kernels.tuning`): EVAL_CHUNK_DEFAULT stays unless another size is clearly
+# faster (on a 2-core AMD EPYC Zen 5, 4-16 MiB score within 5 % of each other: it stays); among
+# near-equal faster ones the smallest wins (less memory). An int in EVAL_CHUNK_BYTES fixes it.
 EVAL_CHUNK_CANDIDATES = (4 * 2**20, 8 * 2**20, 16 * 2**20, 32 * 2**20)   # most frugal first
 EVAL_CHUNK_DEFAULT = 8 * 2**20
 EVAL_CHUNK_BYTES: int | None = None
