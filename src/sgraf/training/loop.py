@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from sgraf import distributed
 from sgraf.errors import InputError
-from sgraf.precision import autocast
+from sgraf.precision import autocast, tf32
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
 from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores, global_vector_scores,
@@ -333,6 +333,13 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         InputError: bad input (before the first step).
         NonFiniteLossError: the loss became NaN/inf; `last.pt` is the last good state.
     """
+    with tf32(config.tf32):
+        return _fit(config, data_dir, out_dir, resume=resume, preset=preset)
+
+
+def _fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+         resume: bool = False, preset: str | None = None) -> dict[str, Any]:
+    """`fit` under its TF32 setting."""
     from sgraf.checkpoint import load_checkpoint, load_state_checked, save_model
     from sgraf.data.precomp import PrecompDataset, PrecompSplit, collate_batch
     from sgraf.data.vocab import Vocabulary
