@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
     from sgraf.training.config import parse_overrides, resolve_config
     from sgraf.training.loop import NonFiniteLossError, fit
-    from sgraf.training.run_dir import load_run_config, save_run_config
+    from sgraf.training.run_dir import load_run_config
 
     if args.list_keys:
         config, _ = resolve_config(args.preset, args.config, args.overrides)
@@ -69,9 +69,8 @@ def run(args: argparse.Namespace) -> int:
                              f"{', '.join(RESUMABLE_OVERRIDES)}")
         out, resume = args.resume, True
         data = args.data or data
-        if overrides or args.data:
-            config = config.replace(**overrides)
-            save_run_config(Path(out), config, data, preset)   # a later --resume sees the change
+        if overrides:
+            config = config.replace(**overrides)   # fit records the change in config.yaml for a later --resume
     else:
         config, extras = resolve_config(args.preset, args.config, args.overrides)
         data = args.data or extras.get("data")
