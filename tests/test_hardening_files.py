@@ -368,3 +368,14 @@ def test_sigterm_and_sigint_in_any_command_exit_143_and_130(tmp_path, monkeypatc
         assert main(["vocab", "build", "--data", str(tmp_path), "--out", str(tmp_path / "v.json")]) == code
         assert _one_line_error(capsys) in ("sgraf vocab: stopped by SIGTERM", "sgraf vocab: interrupted")
         assert not (tmp_path / "v.json").exists()
+
+
+def test_a_new_run_never_appends_to_the_records_of_an_earlier_one(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 10, "rsum": 50.0}\n')   # stopped before its first last.pt
+    assert main(["train", "--data", str(tmp_path), "--out", str(run)]) == 2
+    assert _one_line_error(capsys) == (f"sgraf train: error: output folder {run} holds metrics.jsonl of an earlier "
+                                       "run, which has no last.pt to resume from; choose another --out or move "
+                                       "them away")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 10, "rsum": 50.0}\n'

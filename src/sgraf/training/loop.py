@@ -300,7 +300,7 @@ def _open_tensorboard(run: pathlib.Path) -> Any | None:
     except (ImportError, ModuleNotFoundError):
         logger.debug("tensorboard is not installed: no event files")
         return None
-    return SummaryWriter(log_dir=str(run / "tensorboard"))
+    return SummaryWriter(log_dir=str(run / rd.TENSORBOARD_DIR))
 
 
 def _seed_everything(seed: int) -> None:

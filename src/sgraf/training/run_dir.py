@@ -18,7 +18,7 @@ import pathlib
 import tempfile
 from typing import Any
 
-from sgraf.atomic_write import ensure_folder, write_error, write_text
+from sgraf.atomic_write import write_error, write_text
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.training.config import TrainConfig, load_config_file
@@ -28,6 +28,7 @@ METRICS_FILE = "metrics.jsonl"
 LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
 CURVES_FILE = "curves.png"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool, lock: bool = True) -> tuple[pathlib.Path, FolderLock | None]:
@@ -51,7 +52,10 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool, lock: bool = 
     if run.exists() and not run.is_dir():
         raise InputError(f"output folder {run} is a file, expected a folder")
     if not resume:
-        ensure_folder(run)
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"output folder {run} is not writable: {exc.strerror or exc}") from None
     elif not run.is_dir():
         raise InputError(f"cannot resume {run}: no such folder")
     run_lock = FolderLock(run) if lock else None
@@ -66,6 +70,11 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool, lock: bool = 
         elif (run / LAST_CHECKPOINT).exists():
             raise InputError(f"output folder {run} already holds a run ({LAST_CHECKPOINT}); continue it with "
                              f"--resume {run} or choose another --out")
+        else:   # a run stopped between its first validation and its first last.pt: its records would mix
+            earlier = [name for name in (METRICS_FILE, BEST_CHECKPOINT, TENSORBOARD_DIR) if (run / name).exists()]
+            if earlier:
+                raise InputError(f"output folder {run} holds {' and '.join(earlier)} of an earlier run, which has "
+                                 f"no {LAST_CHECKPOINT} to resume from; choose another --out or move them away")
         try:
             with tempfile.NamedTemporaryFile(dir=run, prefix=".write-test-"):
                 pass
