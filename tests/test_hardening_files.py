@@ -40,7 +40,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 def tiny(n_test: int = 8) -> list[str]:
     """`sgraf generate` arguments of a benchmark generated in a fraction of a second."""
-    return ["--features", "synthetic", "--n-train", "4", "--n-dev", "4", "--n-test", str(n_test), "--synthetic-dim", "8"]
+    return ["--features", "synthetic", "--n-train", "4", "--n-dev", "4", "--n-test", str(n_test),
+            "--synthetic-dim", "8"]
 
 
 TINY = tiny()
@@ -180,6 +181,14 @@ def test_generate_overwrite_never_deletes_files_sgraf_did_not_write(tmp_path, ca
     assert (out / "notes.txt").read_text() == "mine"
     recorded = json.loads((out / RECORD).read_text())["files"]
     assert "notes.txt" not in recorded and recorded["test_ims.npy"] == "generate"
+
+
+def test_overwrite_replaces_a_benchmark_generated_before_sgraf_recorded_its_files(tmp_path):
+    out = tmp_path / "bench"
+    generate_benchmark(out, features="synthetic", n_train=4, n_dev=4, n_test=8, synthetic_dim=8)
+    (out / RECORD).unlink()                       # as an earlier sgraf left it: benchmark.json tells the files
+    generate_benchmark(out, features="synthetic", n_train=4, n_dev=4, n_test=4, synthetic_dim=8, overwrite=True)
+    assert len(list((out / "images" / "test").iterdir())) == 4
 
 
 def test_generate_out_naming_a_file_is_one_line_error(tmp_path, capsys):

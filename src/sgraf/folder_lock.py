@@ -127,8 +127,8 @@ class FolderLock:
             if not locked:
                 record = self._read(fd)
                 os.close(fd)
-                raise FolderLockedError(f"{self.folder} is in use by another sgraf process ({describe_holder(record)}); "
-                                        f"wait for it to end or stop it{self._advice}")
+                raise FolderLockedError(f"{self.folder} is in use by another sgraf process "
+                                        f"({describe_holder(record)}); wait for it to end or stop it{self._advice}")
             if self._same_file(fd):   # not unlinked by a holder releasing it meanwhile
                 break
             os.close(fd)
@@ -171,7 +171,7 @@ class FolderLock:
         if not record:
             return True
         if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
-            return not _pid_alive(record["pid"]) or record["pid"] == os.getpid()
+            return not _pid_alive(record["pid"])
         self._advice = f" (this file system has no locks: delete {self.path} if that run is gone)"
         return False
 

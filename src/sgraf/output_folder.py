@@ -89,6 +89,8 @@ class NewGeneration:
         overwrite: the caller allows replacing other data (`--overwrite`).
         exclusive: every file of `family` already there is other data (a whole data set),
             not only the outputs' names and files of an earlier sgraf generation.
+        earlier: files known to be sgraf's although the record does not list them (written
+            by an sgraf from before the record, as its own metadata tells).
 
     Raises (on enter):
         InputError: `folder` is a file or holds other data (without `overwrite`), or holds a
@@ -97,8 +99,9 @@ class NewGeneration:
     """
 
     def __init__(self, folder: str | os.PathLike[str], outputs: Iterable[str], family: Callable[[str], bool],
-                 command: str, overwrite: bool = False, exclusive: bool = False) -> None:
+                 command: str, overwrite: bool = False, exclusive: bool = False, earlier: Iterable[str] = ()) -> None:
         self.folder = pathlib.Path(folder)
+        self.earlier = set(earlier)
         self.outputs = set(outputs)
         self.family = family
         self.command = command
@@ -155,7 +158,7 @@ class NewGeneration:
         return target
 
     def _check(self) -> None:
-        record = read_record(self.folder)
+        record = set(read_record(self.folder)) | self.earlier
         existing = [name for name in folder_files(self.folder) if self.family(name)]
         if self.exclusive:
             other = existing
@@ -177,7 +180,7 @@ class NewGeneration:
         written = folder_files(self.staging)
         record = read_record(self.folder)
         earlier = [name for name in folder_files(self.folder) if self.family(name)
-                   and (name in written or name in record)]
+                   and (name in written or name in record or name in self.earlier)]
         for name in earlier:
             record.pop(name, None)
         record.update({name: self.command for name in written})

@@ -441,11 +441,9 @@ def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features:
         raise InputError(f"synthetic_dim={synthetic_dim}: expected a positive size")
     out_dir = Path(out_dir)
     sizes = {"train": n_train, "dev": n_dev, "test": n_test}
-    outputs = [*DATA_SET_FILES_WRITTEN,
-               *(f"{split}{suffix}" for split in SPLITS for suffix in ("_ims.npy", "_caps.txt", "_scenes.jsonl")),
-               *(_image_name(split, i) for split in SPLITS if save_images for i in range(sizes[split]))]
-    with NewGeneration(out_dir, outputs, data_set_family, "generate", overwrite=overwrite,
-                       exclusive=True) as generation:
+    outputs = _outputs(sizes, save_images)
+    with NewGeneration(out_dir, outputs, data_set_family, "generate", overwrite=overwrite, exclusive=True,
+                       earlier=_generated_before(out_dir)) as generation:
         if features == "cnn" and backbone is None:
             from sgraf.data.features import efficientnet_lite0
 
@@ -486,6 +484,25 @@ def load_scenes(data_dir: str | os.PathLike[str], split: str) -> list[dict[str, 
             except json.JSONDecodeError as exc:
                 raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
     return rows
+
+
+def _generated_before(out_dir: Path) -> list[str]:
+    """The files an earlier `generate_benchmark` wrote into `out_dir`, as its benchmark.json tells
+    (folders generated before sgraf recorded the files it writes)."""
+    try:
+        meta = json.loads((out_dir / "benchmark.json").read_text(encoding="utf-8"))
+        sizes = {split: int(meta["images"][split]) for split in SPLITS}
+        with_images = bool(meta.get("images_dir"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return _outputs(sizes, with_images) if meta.get("name") == "sgraf-shapes" else []
+
+
+def _outputs(sizes: dict[str, int], save_images: bool) -> list[str]:
+    """The files `generate_benchmark` writes for these split sizes (relative paths)."""
+    return [*DATA_SET_FILES_WRITTEN,
+            *(f"{split}{suffix}" for split in SPLITS for suffix in ("_ims.npy", "_caps.txt", "_scenes.jsonl")),
+            *(_image_name(split, i) for split in SPLITS if save_images for i in range(sizes[split]))]
 
 
 def _image_name(split: str, index: int) -> str:

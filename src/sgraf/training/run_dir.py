@@ -31,7 +31,8 @@ CURVES_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
 
 
-def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool, lock: bool = True) -> tuple[pathlib.Path, FolderLock | None]:
+def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
+                    lock: bool = True) -> tuple[pathlib.Path, FolderLock | None]:
     """Creates (or, when resuming, checks) the run folder, locks it and proves it is writable.
 
     The lock (`sgraf.folder_lock`, `RUN_DIR/.sgraf-lock`) is held until released: a second run
