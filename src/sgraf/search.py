@@ -173,21 +173,21 @@ def _check_only_index_files(out: Path) -> None:
 def _swap_in(staging: Path, out: Path) -> None:
     """Puts the finished index `staging` at `out`: the earlier index is moved aside first, so
     `out` holds one whole index or the other, and removed once the new one is in place."""
-    with signals_deferred():
-        aside = None
-        if out.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, aside / out.name)
-        try:
-            os.replace(staging, out)
-        except BaseException:
-            if aside is not None:
-                if not out.exists():
-                    os.replace(aside / out.name, out)
-                shutil.rmtree(aside, ignore_errors=True)
-            raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    aside = None
+    try:
+        with signals_deferred():
+            if out.exists():
+                aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                os.replace(out, aside / out.name)
+            try:
+                os.replace(staging, out)
+            except BaseException:
+                if aside is not None and not out.exists():
+                    os.replace(aside / out.name, out)   # the earlier index back in its place
+                raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _describe_file(path: Path) -> dict[str, Any]:
