@@ -163,7 +163,7 @@ class FolderLock:
             return False
         except OSError as error:
             if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
+                raise InputError(f"cannot lock {self.folder}: {error.strerror or error}") from None
         return self._record_says_free(fd)   # no locks on this file system
 
     def _record_says_free(self, fd: int) -> bool:
