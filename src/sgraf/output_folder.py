@@ -99,14 +99,15 @@ class NewGeneration:
     """
 
     def __init__(self, folder: str | os.PathLike[str], outputs: Iterable[str], family: Callable[[str], bool],
-                 command: str, overwrite: bool = False, exclusive: bool = False, earlier: Iterable[str] = ()) -> None:
+                 command: str, overwrite: bool = False, exclusive: bool = False,
+                 earlier: Iterable[str] = ()) -> None:
         self.folder = pathlib.Path(folder)
-        self.earlier = set(earlier)
         self.outputs = set(outputs)
         self.family = family
         self.command = command
         self.overwrite = overwrite
         self.exclusive = exclusive
+        self.earlier = set(earlier)
         self.staging: pathlib.Path | None = None
         self._lock = FolderLock(self.folder)
 
