@@ -388,3 +388,18 @@ def test_a_new_run_never_appends_to_the_records_of_an_earlier_one(tmp_path, caps
                                        "run, which has no last.pt to resume from; choose another --out or move "
                                        "them away")
     assert (run / "metrics.jsonl").read_text() == '{"step": 10, "rsum": 50.0}\n'
+
+
+def test_written_files_and_index_folders_keep_the_umask_permissions(tmp_path):
+    import stat
+
+    from sgraf.atomic_write import temporary_folder
+
+    umask = os.umask(0o027)
+    try:
+        write_text(tmp_path / "shared.txt", "for the group")
+        folder = temporary_folder(tmp_path, ".index.")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "shared.txt").stat().st_mode) == 0o640      # not mkstemp's 0600
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o750                        # not mkdtemp's 0700

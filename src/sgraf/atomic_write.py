@@ -13,10 +13,12 @@ import contextlib
 import errno
 import os
 import pathlib
-import tempfile
+import secrets
 from typing import Iterator
 
 from sgraf.errors import InputError
+
+_ATTEMPTS = 100
 
 
 def write_error(path: str | os.PathLike[str], error: OSError) -> InputError:
@@ -53,11 +55,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
         raise InputError(f"cannot write {path}: {blocker} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(handle)
+        temporary = _new_temporary_file(path)
     except OSError as error:
         raise write_error(path, error) from None
-    temporary = pathlib.Path(name)
     try:
         yield temporary
         _fsync(temporary)
@@ -68,6 +68,35 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def temporary_folder(parent: str | os.PathLike[str], prefix: str) -> pathlib.Path:
+    """A new, empty folder in `parent` that will be moved into place whole (an index).
+
+    Unlike `tempfile.mkdtemp` (mode 0700), its permissions follow the umask, as the folder's
+    would if it were written in place.
+    """
+    for _ in range(_ATTEMPTS):
+        candidate = pathlib.Path(parent) / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
+
+
+def _new_temporary_file(path: pathlib.Path) -> pathlib.Path:
+    """An empty `.NAME.RANDOM.tmp` beside `path`, with the permissions the umask gives a new file
+    (`tempfile.mkstemp` makes them 0600, which the replaced file would keep)."""
+    for _ in range(_ATTEMPTS):
+        candidate = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys
-from sgraf.atomic_write import write_error
+from sgraf.atomic_write import temporary_folder, write_error
 from sgraf.errors import InputError
 from sgraf.signals import signals_deferred
 
@@ -126,7 +126,7 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        staging = temporary_folder(out.parent, f".{out.name}.")
     except OSError as error:
         raise write_error(out, error) from None
     try:
