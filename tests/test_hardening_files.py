@@ -403,3 +403,31 @@ def test_written_files_and_index_folders_keep_the_umask_permissions(tmp_path):
         os.umask(umask)
     assert stat.S_IMODE((tmp_path / "shared.txt").stat().st_mode) == 0o640      # not mkstemp's 0600
     assert stat.S_IMODE(folder.stat().st_mode) == 0o750                        # not mkdtemp's 0700
+
+
+def test_a_resumed_run_drops_tensorboard_events_newer_than_its_checkpoint(tmp_path, monkeypatch):
+    import types
+
+    from sgraf.training.config import preset
+    from sgraf.training.loop import fit
+    from train_helpers import make_toy_precomp
+
+    purge_steps = []
+
+    class Writer:                                   # TensorBoard itself need not be installed
+        def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+            purge_steps.append(purge_step)
+
+        def add_scalar(self, *args: object) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    monkeypatch.setenv("SGRAF_TUNE", "off")          # no timing probes: this test is about files
+    data = make_toy_precomp(tmp_path / "data", n_train=2, n_dev=2)
+    config = preset("tiny").replace(epochs=1, batch_size=10, progress=False)   # one step per epoch
+    first = fit(config, data, tmp_path / "run")
+    fit(config.replace(epochs=2), data, tmp_path / "run", resume=True)
+    assert purge_steps == [None, first["global_step"]]   # events after the checkpoint are dropped

@@ -294,13 +294,15 @@ def check_model_fits(model_config: Any, dims: tuple[int, int], source: str) -> N
                          f"features, but the data has {dims[1]} x {dims[0]}")
 
 
-def _open_tensorboard(run: pathlib.Path) -> Any | None:
+def _open_tensorboard(run: pathlib.Path, resumed_step: int | None = None) -> Any | None:
+    """A SummaryWriter into `run/tensorboard`; a resumed run drops the events its killed
+    predecessor logged after `resumed_step`, as `truncate_metrics` does for metrics.jsonl."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except (ImportError, ModuleNotFoundError):
         logger.debug("tensorboard is not installed: no event files")
         return None
-    return SummaryWriter(log_dir=str(run / rd.TENSORBOARD_DIR))
+    return SummaryWriter(log_dir=str(run / rd.TENSORBOARD_DIR), purge_step=resumed_step)
 
 
 def _seed_everything(seed: int) -> None:
@@ -418,7 +420,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     if n_steps == 0:
         raise InputError(f"{train.caps_path}: {len(dataset)} training captions make no batch of "
                          f"at least 2 (batch_size={config.batch_size})")
-    tensorboard = _open_tensorboard(run) if is_main else None
+    tensorboard = _open_tensorboard(run, progress.global_step if resume else None) if is_main else None
     logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
                 model_config.module, data_dir, len(dataset), n_steps, config.epochs, config.precision,
                 device, f", {info.world_size} processes" if info.world_size > 1 else "")
