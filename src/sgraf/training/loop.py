@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from sgraf import distributed
 from sgraf.errors import InputError
+from sgraf.folder_lock import FolderLock
 from sgraf.precision import autocast
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
@@ -348,7 +349,8 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
             run_lock.release()
 
 
-def _claim_run_dir(out_dir: str | os.PathLike[str], resume: bool, is_main: bool) -> tuple[pathlib.Path, Any]:
+def _claim_run_dir(out_dir: str | os.PathLike[str], resume: bool,
+                   is_main: bool) -> tuple[pathlib.Path, FolderLock | None]:
     """The run folder, locked by the main process; every process raises if that failed."""
     try:
         run, run_lock = rd.prepare_run_dir(out_dir, resume=resume, lock=is_main)
