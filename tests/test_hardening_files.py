@@ -244,10 +244,23 @@ def test_convert_tsv_writes_features_beside_the_users_own_captions(tmp_path):
     out.mkdir()
     (out / "test_caps.txt").write_text("a\nb\n")                   # the user's: not refused, never removed
     convert_tsv(_tsv(tmp_path / "a.tsv", 2, 0), out, "test", progress=False)
+    convert_tsv(_tsv(tmp_path / "b.tsv", 2, 1), out, "test", progress=False, overwrite=True)
     assert (out / "test_caps.txt").read_text() == "a\nb\n"
-    with pytest.raises(InputError, match=r"test_caps\.txt was not written by sgraf and would stay beside"):
-        convert_tsv(_tsv(tmp_path / "b.tsv", 2, 1), out, "test", progress=False, overwrite=True)
-    assert (out / "test_caps.txt").read_text() == "a\nb\n"
+    (out / "test_scenes.jsonl").write_text("{}\n")                # not the user's captions: in the way
+    with pytest.raises(InputError, match=r"test_scenes\.jsonl was not written by sgraf and would stay beside"):
+        convert_tsv(_tsv(tmp_path / "c.tsv", 2, 2), out, "test", progress=False, overwrite=True)
+
+
+def test_a_companion_sgraf_did_not_write_is_refused_even_where_nothing_is_replaced(tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    np.save(out / "test_boxes.npy", np.zeros((1, 4, 4), np.float32))   # left of features deleted by hand
+    render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(tmp_path / "im.png")
+    (tmp_path / "caps.tsv").write_text("im.png\ta red square\n")
+    with pytest.raises(InputError, match=f"^{out / 'test_boxes.npy'} was not written by sgraf and would stay "
+                                         "beside the new output of sgraf extract"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False)
+    assert sorted(os.listdir(out)) == ["test_boxes.npy"]
 
 
 def _tiny_backbone() -> GridBackbone:

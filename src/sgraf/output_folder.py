@@ -17,7 +17,8 @@ that writes such files (`sgraf generate`, `convert-tsv`, `extract`) does it thro
   of both. A failure or signal before that point leaves the folder as it was.
 - sgraf only deletes files it wrote: the folder's record `.sgraf-files.json` lists them (name
   -> command). A file of the same family that sgraf did not write and the new generation
-  would not replace is never deleted; the command refuses and names it instead.
+  would not replace is never deleted; the command refuses and names it instead (unless the
+  caller pairs it with the new files on purpose: captions kept beside converted features).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class NewGeneration:
             not only the outputs' names and files of an earlier sgraf generation.
         earlier: files known to be sgraf's although the record does not list them (written
             by an sgraf from before the record, as its own metadata tells).
+        paired: files of the family that the user may keep beside the new generation although
+            sgraf did not write them (captions given apart from converted features).
 
     Raises (on enter):
         InputError: `folder` is a file or holds other data (without `overwrite`), or holds a
@@ -100,7 +103,7 @@ class NewGeneration:
 
     def __init__(self, folder: str | os.PathLike[str], outputs: Iterable[str], family: Callable[[str], bool],
                  command: str, overwrite: bool = False, exclusive: bool = False,
-                 earlier: Iterable[str] = ()) -> None:
+                 earlier: Iterable[str] = (), paired: Iterable[str] = ()) -> None:
         self.folder = pathlib.Path(folder)
         self.outputs = set(outputs)
         self.family = family
@@ -108,6 +111,7 @@ class NewGeneration:
         self.overwrite = overwrite
         self.exclusive = exclusive
         self.earlier = set(earlier)
+        self.paired = set(paired)
         self.staging: pathlib.Path | None = None
         self._lock = FolderLock(self.folder)
 
@@ -165,12 +169,11 @@ class NewGeneration:
             other = existing
         else:
             other = [name for name in existing if name in self.outputs or name in record]
-        if not other:
-            return
-        if not self.overwrite:
+        if other and not self.overwrite:
             raise InputError(f"{self.folder} already holds other data ({_describe(other)}); pass --overwrite "
                              f"to replace it with the output of sgraf {self.command}, or choose another folder")
-        foreign = [name for name in existing if name not in self.outputs and name not in record]
+        foreign = [name for name in existing if name not in self.outputs and name not in record
+                   and name not in self.paired]
         if foreign:
             raise InputError(f"{self.folder / foreign[0]} was not written by sgraf and would stay beside the new "
                              f"output of sgraf {self.command} (sgraf deletes only files it wrote); move it away"

@@ -117,6 +117,8 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     when the whole TSV has been read; a folder that already holds files of the split is
     refused unless `overwrite`, which replaces them and removes the split's files an earlier
     sgraf run wrote that this one does not (captions of a run with `captions_path`, say).
+    Without `captions_path`, captions the user put there (not written by sgraf) stay, paired
+    with the new features; any other file of the split that sgraf did not write is refused.
 
     Returns:
         `{"images", "regions", "feature_dim", "captions"}`.
@@ -131,7 +133,8 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     names = {"ims": f"{split}_ims.npy", "boxes": f"{split}_boxes.npy", "ids": f"{split}_image_ids.txt"}
     if table is not None:
         names["caps"] = f"{split}_caps.txt"
-    with NewGeneration(out_dir, names.values(), split_family(split), "convert-tsv", overwrite=overwrite) as generation:
+    with NewGeneration(out_dir, names.values(), split_family(split), "convert-tsv", overwrite=overwrite,
+                       paired=[f"{split}_caps.txt"] if table is None else []) as generation:
         shape, n_caps = _convert_rows(tsv_path, n_rows, table, captions_path,
                                       {key: generation.path(name) for key, name in names.items()}, progress)
     logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, out_dir / names["ims"], *shape)
