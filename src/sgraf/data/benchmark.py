@@ -35,7 +35,8 @@ Files written to `out_dir`: `{train,dev,test}_ims.npy`, `{train,dev,test}_caps.t
 `vocab.json` (from train + dev captions, min count 4, as the authors build theirs),
 `{split}_scenes.jsonl` (one JSON object per image: family, variant, objects with boxes),
 `images/{split}/{index:05d}.png` (the rendered images, for `sgraf explain`), and
-`benchmark.json` (the generation settings). Same seed and settings -> byte-identical files.
+`benchmark.json` (the generation settings), and `.sgraf-files.json` (the list of the files
+sgraf wrote, see `sgraf.output_folder`). Same seed and settings -> byte-identical files.
 """
 
 from __future__ import annotations
@@ -409,7 +410,7 @@ def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features:
                        progress: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Write the embedded benchmark in the precomp layout (see the module docstring).
 
-    The files are written beside the folder's own and swapped in at the end
+    The files are written into a staging folder inside `out_dir` and moved into place at the end
     (`sgraf.output_folder.NewGeneration`): an interrupted run leaves the folder as it was, and a
     folder that already holds data (files of the precomp layout) is refused unless `overwrite`,
     which replaces the earlier generation as a whole (pictures included).
