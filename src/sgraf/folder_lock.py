@@ -115,7 +115,7 @@ class FolderLock:
             return
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
             except OSError as error:
                 raise InputError(f"cannot lock {self.folder}: {error.strerror or error} "
                                  f"(creating {self.path.name})") from None
