@@ -148,3 +148,41 @@ def test_atomic_save_leaves_no_partial_file_on_failure(tmp_path):
         atomic_save({"a": Unpicklable()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(2))   # old file intact
     assert os.listdir(tmp_path) == ["out.pt"]                                    # no temp left
+
+
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_a_raw_pickle_is_not_a_safe_checkpoint_and_nothing_suggests_weights_only_false(tmp_path, capsys, protocol):
+    import pickle
+
+    path = tmp_path / "model.pkl"
+    path.write_bytes(pickle.dumps({"state_dict": {"w": [1.0, 2.0]}, "note": "from pickle.dump"}, protocol=protocol))
+    with pytest.raises(InputError, match=r"model\.pkl: not a safe checkpoint: it is a raw Python pickle, a "
+                                         r"format that can run code when loaded") as caught:
+        load_checkpoint(path)
+    assert "weights_only" not in str(caught.value)
+    assert main(["convert-checkpoint", str(path), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not a safe checkpoint" in err and "weights_only" not in err
+
+
+def test_a_pickle_torch_cannot_read_safely_never_echoes_torchs_advice(tmp_path):
+    import pickle
+
+    path = tmp_path / "hook.pt"
+    path.write_bytes(pickle.dumps(Payload(), protocol=4))   # a class pickled without torch.save
+    with pytest.raises(InputError) as caught:
+        load_model(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: not a safe checkpoint") and "weights_only" not in message
+
+
+def test_backbone_weights_are_read_as_safely_as_checkpoints(tmp_path):
+    import pickle
+
+    from sgraf.weights_file import load_weights_only
+
+    path = tmp_path / "lite0.pth"
+    path.write_bytes(pickle.dumps({"conv.weight": [0.0]}, protocol=5))
+    with pytest.raises(InputError, match=r"lite0\.pth: not a safe weights file: .*; only tensors, plain values "
+                                         r"are allowed$"):
+        load_weights_only(path, what="weights file")

@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
-import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sgraf.atomic_write import atomic_path
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
+from sgraf.weights_file import load_weights_only
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +33,13 @@ OFFICIAL_PREFIXES = ("img_enc", "txt_enc", "sim_enc")
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """`torch.save` to a temporary file beside `path`, then `os.replace` it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`torch.save` to a temporary file beside `path`, then `os.replace` it into place.
+
+    Raises:
+        InputError: the file cannot be written (the message names `path`).
+    """
+    with atomic_path(path) as temporary, open(temporary, "wb") as handle:
+        torch.save(obj, handle)
 
 
 def _vocab_dict(vocab: Any) -> dict | None:
@@ -79,26 +72,7 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike, vocab: Any = Non
 
 def _torch_load(path: Path, map_location: Any) -> Any:
     """`torch.load(weights_only=True)` with exactly `argparse.Namespace` allow-listed."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
-        raise
-    except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL ([\w.]+)", str(error))
-        if found:
-            raise InputError(f"{path}: refusing to load: the checkpoint pickles the class {found.group(1)}; only "
-                             "tensors, plain values and argparse.Namespace (the authors' options) are "
-                             "allowed") from None
-        raise InputError(f"{path}: not a readable PyTorch checkpoint ({_first_line(error)})") from None
-    except Exception as error:  # noqa: BLE001 - any parser failure on a foreign file means "not a checkpoint"
-        raise InputError(f"{path}: not a readable PyTorch checkpoint ({type(error).__name__}: "
-                         f"{_first_line(error)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "no details"
+    return load_weights_only(path, map_location, allowed=[argparse.Namespace])
 
 
 def config_from_official(opt: argparse.Namespace, state_dicts: list[dict[str, torch.Tensor]]) -> ModelConfig:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from sgraf import distributed, metrics, scoring
+from sgraf.atomic_write import atomic_path
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -120,13 +121,8 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Any:
 
 def save_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
     """Write a float32 .npy atomically (temporary file, then `os.replace`)."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as handle:
+    with atomic_path(path) as temporary, open(temporary, "wb") as handle:
         np.save(handle, np.asarray(sims, dtype=np.float32))
-    os.replace(temporary, path)
 
 
 def load_matrix(path: str | os.PathLike) -> np.ndarray:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sgraf.atomic_write import atomic_path
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -362,9 +363,11 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
         figure.text(0.5, 0.005, f"attention of each token over the regions ({explanation.attention_model} model; "
                     f"{layout.source}); brighter = more weight", ha="center", fontsize=8)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=90, bbox_inches="tight")
-    plt.close(figure)
+    try:
+        with atomic_path(out) as temporary:
+            figure.savefig(temporary, format="png", dpi=90, bbox_inches="tight")
+    finally:
+        plt.close(figure)
     logger.info("wrote %s", out)
     return out
 

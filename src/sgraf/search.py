@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys
+from sgraf.atomic_write import temporary_folder, write_error
 from sgraf.errors import InputError
+from sgraf.signals import signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,7 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
         raise InputError(f"{out} exists and is not an sgraf index; choose another --out")
+    _check_only_index_files(out)
     n_img, n_cap = int(features.shape[0]), len(captions)
     if n_img == 0 or n_cap == 0:
         raise InputError(f"an index needs images and captions, got {n_img} images and {n_cap} captions")
@@ -121,8 +124,11 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         if "\n" in caption or not caption.strip():
             raise InputError(f"caption {row} is empty or spans several lines: {caption!r}")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = temporary_folder(out.parent, f".{out.name}.")
+    except OSError as error:
+        raise write_error(out, error) from None
     try:
         _write_index(matcher, features, list(captions), staging, dtype, batch_size)
         manifest = {
@@ -138,15 +144,50 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
             "files": {path.name: _describe_file(path) for path in sorted(staging.iterdir())},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
+        _swap_in(staging, out)
+    except OSError as error:   # name the index the user asked for, not the staging folder
+        shutil.rmtree(staging, ignore_errors=True)
+        raise write_error(out, error) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     logger.info("indexed %d images and %d captions with %d model(s) into %s", n_img, n_cap,
                 len(matcher.models), out)
     return out
+
+
+def _check_only_index_files(out: Path) -> None:
+    """An earlier index is replaced whole: refuse when it holds a file its manifest does not list."""
+    if not (out / MANIFEST).is_file():
+        return
+    try:
+        listed = set(json.loads((out / MANIFEST).read_text(encoding="utf-8"))["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    extra = sorted(p.name for p in out.iterdir() if p.name != MANIFEST and p.name not in listed)
+    if extra:
+        raise InputError(f"{out / extra[0]} is not part of the sgraf index in {out} (its manifest does not list it) "
+                         "and would be deleted with it; move it away or choose another --out")
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Puts the finished index `staging` at `out`: the earlier index is moved aside first, so
+    `out` holds one whole index or the other, and removed once the new one is in place."""
+    aside = None
+    try:
+        with signals_deferred():
+            if out.exists():
+                aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                os.replace(out, aside / out.name)
+            try:
+                os.replace(staging, out)
+            except BaseException:
+                if aside is not None and not out.exists():
+                    os.replace(aside / out.name, out)   # the earlier index back in its place
+                raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _describe_file(path: Path) -> dict[str, Any]:

@@ -4,9 +4,9 @@
     sgraf train --resume RUN_DIR [--set epochs=N ...]
     torchrun --nproc_per_node N -m sgraf train ...      (several processes)
 
-Exit status: 0 when the run finished, 2 for bad input, 1 when the loss became NaN/inf,
-128 + the signal number (143 for SIGTERM, 130 for SIGINT) when a signal stopped the run after
-saving `last.pt`.
+Exit status: 0 when the run finished, 2 for bad input (a run folder locked by another run
+included), 1 when the loss became NaN/inf, 128 + the signal number (143 for SIGTERM, 130 for
+SIGINT) when a signal stopped the run after saving `last.pt`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
         "train", help="train a model (paper recipes, resumable, several processes with torchrun)",
         description="Train SGRAF on a precomp data folder. The config is resolved from the defaults, "
                     "then --preset, then --config, then --set. The run folder gets config.yaml, "
-                    "metrics.jsonl, last.pt, best.pt and curves.png.",
+                    "metrics.jsonl, last.pt, best.pt and curves.png; while the run owns it, it is locked "
+                    "(RUN_DIR/.sgraf-lock): a second run there is refused, naming the first.",
         epilog="presets: " + ", ".join(PRESETS) + ". Valid --set keys: see --list-keys.")
     parser.add_argument("--data", metavar="DIR", help="precomp folder with train_* and dev_* files")
     parser.add_argument("--out", metavar="RUN_DIR", help="run folder to create")
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
     from sgraf.training.config import parse_overrides, resolve_config
     from sgraf.training.loop import NonFiniteLossError, fit
-    from sgraf.training.run_dir import load_run_config, save_run_config
+    from sgraf.training.run_dir import load_run_config
 
     if args.list_keys:
         config, _ = resolve_config(args.preset, args.config, args.overrides)
@@ -69,9 +70,8 @@ def run(args: argparse.Namespace) -> int:
                              f"{', '.join(RESUMABLE_OVERRIDES)}")
         out, resume = args.resume, True
         data = args.data or data
-        if overrides or args.data:
-            config = config.replace(**overrides)
-            save_run_config(Path(out), config, data, preset)   # a later --resume sees the change
+        if overrides:
+            config = config.replace(**overrides)   # fit records the change in config.yaml for a later --resume
     else:
         config, extras = resolve_config(args.preset, args.config, args.overrides)
         data = args.data or extras.get("data")

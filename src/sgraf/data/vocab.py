@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from sgraf.atomic_write import write_text
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -161,16 +161,7 @@ class Vocabulary:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the authors' JSON format (as `json.dump` writes it), atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text(path, json.dumps(self.to_dict()))
 
 
 def load_vocab(path: str | os.PathLike[str]) -> Vocabulary:

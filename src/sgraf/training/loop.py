@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from sgraf import distributed
 from sgraf.errors import InputError
+from sgraf.folder_lock import FolderLock
 from sgraf.precision import autocast, tf32
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
@@ -294,13 +295,15 @@ def check_model_fits(model_config: Any, dims: tuple[int, int], source: str) -> N
                          f"features, but the data has {dims[1]} x {dims[0]}")
 
 
-def _open_tensorboard(run: pathlib.Path) -> Any | None:
+def _open_tensorboard(run: pathlib.Path, resumed_step: int | None = None) -> Any | None:
+    """A SummaryWriter into `run/tensorboard`; a resumed run drops the events its killed
+    predecessor logged after `resumed_step`, as `truncate_metrics` does for metrics.jsonl."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except (ImportError, ModuleNotFoundError):
         logger.debug("tensorboard is not installed: no event files")
         return None
-    return SummaryWriter(log_dir=str(run / "tensorboard"))
+    return SummaryWriter(log_dir=str(run / rd.TENSORBOARD_DIR), purge_step=resumed_step)
 
 
 def _seed_everything(seed: int) -> None:
@@ -329,26 +332,49 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         {'status': 'finished' | 'interrupted', 'signal', 'epoch', 'global_step', 'best_rsum',
         'best_step', 'last_loss', 'run_dir'}.
 
+    The run folder is locked while the run owns it (`RUN_DIR/.sgraf-lock`, see
+    `sgraf.training.run_dir.prepare_run_dir`).
+
     Raises:
         InputError: bad input (before the first step).
+        FolderLockedError: another run owns `out_dir` (an `InputError`, naming it).
         NonFiniteLossError: the loss became NaN/inf; `last.pt` is the last good state.
     """
-    with tf32(config.tf32):
-        return _fit(config, data_dir, out_dir, resume=resume, preset=preset)
+    info = distributed.init_from_env(device=None if config.device == "auto" else config.device)
+    run, run_lock = _claim_run_dir(out_dir, resume, info.is_main)
+    try:
+        with tf32(config.tf32):
+            return _fit(config, pathlib.Path(data_dir), run, resume, preset, info)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
 
 
-def _fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-         resume: bool = False, preset: str | None = None) -> dict[str, Any]:
-    """`fit` under its TF32 setting."""
+def _claim_run_dir(out_dir: str | os.PathLike[str], resume: bool,
+                   is_main: bool) -> tuple[pathlib.Path, FolderLock | None]:
+    """The run folder, locked by the main process; every process raises if that failed."""
+    try:
+        run, run_lock = rd.prepare_run_dir(out_dir, resume=resume, lock=is_main)
+        failure = None
+    except InputError as error:
+        run, run_lock, failure = pathlib.Path(out_dir), None, error
+    if _agree_on_stop(failure is not None):
+        if run_lock is not None:
+            run_lock.release()
+        raise failure if failure is not None else InputError(f"{out_dir}: the main process could not take the "
+                                                             "run folder (see its error)")
+    return run, run_lock
+
+
+def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume: bool, preset: str | None,
+         info: Any) -> dict[str, Any]:
+    """`fit` in a run folder this process has claimed."""
     from sgraf.checkpoint import load_checkpoint, load_state_checked, save_model
     from sgraf.data.precomp import PrecompDataset, PrecompSplit, collate_batch
     from sgraf.data.vocab import Vocabulary
     from sgraf.model.sgraf import SGRAF
 
-    info = distributed.init_from_env(device=None if config.device == "auto" else config.device)
     device, is_main = info.device, info.is_main
-    run = rd.prepare_run_dir(out_dir, resume=resume)
-    data_dir = pathlib.Path(data_dir)
     if not data_dir.is_dir():
         raise InputError(f"data folder {data_dir} does not exist or is not a folder")
     if config.batch_size < max(2, info.world_size):
@@ -388,8 +414,8 @@ def _fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | o
                     progress.global_step, progress.best_rsum)
     elif info.rank > 0:
         torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
-    if is_main and not resume:
-        rd.save_run_config(run, config, data_dir, preset)
+    if is_main and (not resume or rd.load_run_config(run)[:2] != (config, str(data_dir.resolve()))):
+        rd.save_run_config(run, config, data_dir, preset)   # a resumed run records what changed
     distributed.barrier()
 
     dataset = PrecompDataset(train, vocab)
@@ -397,7 +423,7 @@ def _fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | o
     if n_steps == 0:
         raise InputError(f"{train.caps_path}: {len(dataset)} training captions make no batch of "
                          f"at least 2 (batch_size={config.batch_size})")
-    tensorboard = _open_tensorboard(run) if is_main else None
+    tensorboard = _open_tensorboard(run, progress.global_step if resume else None) if is_main else None
     logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
                 model_config.module, data_dir, len(dataset), n_steps, config.epochs, config.precision,
                 device, f", {info.world_size} processes" if info.world_size > 1 else "")
