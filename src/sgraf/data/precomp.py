@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from sgraf.data.arrays import check_finite_features, open_npy
 from sgraf.data.vocab import Vocabulary
 from sgraf.errors import InputError
 
@@ -79,13 +80,7 @@ def read_captions(path: str | os.PathLike[str]) -> list[str]:
 
 def _open_features(path: Path) -> np.ndarray:
     """Open `path` memory-mapped and check it is a (n, K, D) floating array."""
-    try:
-        images = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise InputError(f"{path}: not a readable .npy array ({exc}); expected float32 features "
-                         "of shape (n_images, regions, dim)") from None
-    if not isinstance(images, np.ndarray):
-        raise InputError(f"{path}: expected a single .npy array, found {type(images).__name__}")
+    images = open_npy(path, "float32 features of shape (n_images, regions, dim)")
     if images.ndim != 3:
         raise InputError(f"{path}: array has rank {images.ndim} (shape {images.shape}); expected rank 3, "
                          "(n_images, regions, dim)")
@@ -108,7 +103,9 @@ class PrecompSplit:
         max_captions: keep only the first `max_captions` captions and their images (the
             authors validate on `dev` with 5000); must be a multiple of the captions per
             image. None keeps everything.
-        full_scan: check every feature for NaN/inf instead of a sample of images.
+        full_scan: read every feature now and refuse NaN/inf. Without it nothing is read on
+            opening: every reader checks each block it reads (`read_images`, `check_batch`,
+            the scorer's batches), so NaN/inf is refused wherever it is, when it is reached.
 
     Attributes:
         images: (n_images, K, D) memory-mapped array (read-only).
@@ -116,7 +113,8 @@ class PrecompSplit:
 
     Raises:
         InputError: a missing file, a wrong array rank or dtype, a caption count that is
-            not a multiple of the image count, NaN/inf features, bad UTF-8, empty lines.
+            not a multiple of the image count, NaN/inf features (with `full_scan`), bad
+            UTF-8, empty lines.
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], split: str, max_captions: int | None = None,
@@ -153,7 +151,8 @@ class PrecompSplit:
         self.n_images = n_img
         self.n_captions = n_cap
         self._images: np.ndarray | None = images
-        self.check_finite(full=full_scan)
+        if full_scan:
+            self.check_finite(full=True)
 
     @property
     def images(self) -> np.ndarray:
@@ -174,29 +173,35 @@ class PrecompSplit:
         """The image of caption `k`: k // caps_per_image."""
         return k // self.caps_per_image
 
+    def read_images(self, start: int, stop: int) -> np.ndarray:
+        """Images [start, stop) as a float32 (n, K, D) copy, refused if any value is NaN/inf.
+
+        Raises:
+            InputError: naming the features file and the image, region and dimension.
+        """
+        block = np.array(self.images[start:stop], dtype=np.float32)
+        check_finite_features(block, self.ims_path, first_image=start)
+        return block
+
     def check_finite(self, full: bool = False) -> None:
         """Raise InputError naming the image and region of the first NaN/inf feature.
 
-        By default only `FINITE_SAMPLE` images spread evenly over the file (first and last
-        included) are read; `full=True` reads everything in chunks of ~64 MB.
+        `full=True` reads everything, in chunks of ~64 MB; by default only `FINITE_SAMPLE`
+        images spread evenly over the file (first and last included) are read, the quick look
+        of `sgraf data check` (readers check every block they read in any case).
         """
         images = self.images
         if full:
-            per_image = max(1, images[0].nbytes)
-            step = max(1, _SCAN_CHUNK_BYTES // per_image)
-            starts = range(0, self.n_images, step)
-            blocks = ((s, np.arange(s, min(s + step, self.n_images))) for s in starts)
-        else:
-            index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
-            blocks = iter([(0, index)])
-        for _, index in blocks:
-            chunk = np.asarray(images[index[0]: index[-1] + 1] if full else images[index])
-            bad = ~np.isfinite(chunk)
-            if bad.any():
-                i, r, d = (int(v) for v in np.argwhere(bad)[0])
-                raise InputError(f"{self.ims_path}: feature [image {int(index[i])}, region {r}, dim {d}] is "
-                                 f"{chunk[i, r, d]}; expected finite values"
-                                 + ("" if full else " (found by the sampled check)"))
+            step = max(1, _SCAN_CHUNK_BYTES // max(1, images[0].nbytes))
+            for start in range(0, self.n_images, step):
+                block = np.asarray(images[start:start + step], dtype=np.float32)  # as readers see it
+                check_finite_features(block, self.ims_path, first_image=start)
+            return
+        index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
+        try:
+            check_finite_features(images[index], self.ims_path, image_ids=index)
+        except InputError as error:
+            raise InputError(f"{error} (found by the sampled check)") from None
 
     def summary(self) -> dict[str, Any]:
         """Counts and shapes for `sgraf data check`."""
@@ -276,6 +281,15 @@ class PrecompDataset(Dataset):
         if ids is None:
             ids = self._ids[k] = self.vocab.encode(self.split.captions[k])
         return ids
+
+    def check_batch(self, batch: Batch) -> None:
+        """Refuse a batch whose features hold NaN/inf, naming the features file and the image.
+
+        Items are not checked in `__getitem__`: in a DataLoader worker the error would reach
+        the user as a worker traceback. The training loop calls this on each batch instead,
+        in its own process.
+        """
+        check_finite_features(batch.images, self.split.ims_path, image_ids=batch.image_ids)
 
     def __getitem__(self, k: int) -> tuple[np.ndarray, list[int], int, int]:
         if not 0 <= k < len(self):
