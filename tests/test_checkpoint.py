@@ -148,3 +148,35 @@ def test_atomic_save_leaves_no_partial_file_on_failure(tmp_path):
         atomic_save({"a": Unpicklable()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(2))   # old file intact
     assert os.listdir(tmp_path) == ["out.pt"]                                    # no temp left
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_holding_nan_or_inf_are_refused_naming_file_and_tensor(tmp_path, capsys, bad):
+    model = random_model(2)
+    path = tmp_path / "model.pt"
+    save_model(model, path, vocab=Vocabulary.from_words([f"w{i}" for i in range(26)]))
+    raw = torch.load(path, weights_only=True)
+    raw["state_dict"]["sim_enc.sim_eval_w.weight"][0, 3] = bad
+    torch.save(raw, path)
+    message = (rf"{path}: tensor 'sim_enc.sim_eval_w.weight' \(1 NaN/inf of \d+ values\); expected finite weights")
+    with pytest.raises(InputError, match=message):
+        load_model(path)
+    assert main(["convert-checkpoint", str(path), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "'sim_enc.sim_eval_w.weight'" in err and err.count("\n") == 1
+    assert not (tmp_path / "out.pt").exists()
+    # a BatchNorm statistic is a weight too; and the authors' files are checked the same way
+    official = torch.load(DATA / "official_ckpt_SGR.pth.tar", weights_only=False)
+    next(t for t in official["model"][2].values() if t.is_floating_point()).fill_(bad)
+    torch.save(official, tmp_path / "official.pth.tar")
+    with pytest.raises(InputError, match=r"official\.pth\.tar: tensor 'sim_enc\."):
+        load_model(tmp_path / "official.pth.tar")
+
+
+def test_a_model_with_non_finite_weights_is_never_written(tmp_path):
+    model = random_model(3)
+    with torch.no_grad():
+        model.img_enc.fc.bias[1] = float("nan")
+    with pytest.raises(ValueError, match=r"refusing to write .*bad\.pt: tensor 'img_enc\.fc\.bias' \(1 NaN/inf"):
+        save_model(model, tmp_path / "bad.pt")
+    assert list(tmp_path.iterdir()) == []
