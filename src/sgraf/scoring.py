@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from sgraf import distributed
+from sgraf.data.arrays import check_finite_features
 from sgraf.errors import InputError
 from sgraf.kernels import tuning
 from sgraf.precision import autocast, check_precision
@@ -157,8 +159,8 @@ def tokenize_captions(captions: Sequence[str], vocab: Any) -> list[list[int]]:
 
 
 def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: str = "fp32",
-                  progress: bool = False) -> torch.Tensor:
-    """Encode precomp image features in batches.
+                  progress: bool = False, source: str | os.PathLike[str] | None = None) -> torch.Tensor:
+    """Encode precomp image features in batches, refusing NaN/inf in any batch.
 
     Args:
         model: the model (its device is used).
@@ -166,18 +168,24 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
         batch_size: images per batch.
         precision: ``"fp32"`` or ``"bf16"``.
         progress: show a progress bar on stderr.
+        source: the features file named in errors (default: a memory map's own file).
 
     Returns:
         (n_img, K, d) float32 region features on the model's device.
+
+    Raises:
+        InputError: a feature is NaN/inf (naming the file, image, region and dimension).
     """
     device = model_device(model)  # type: ignore[arg-type]
     n_img = len(images)
+    source = source or getattr(images, "filename", None)
     parts = []
     with eval_mode([model]), _progress(n_img, "encoding images", progress, "img") as bar:  # type: ignore[list-item]
         for start in range(0, n_img, batch_size):
             batch = images[start:start + batch_size]  # (b, K, D), read from the memory map
             if not isinstance(batch, torch.Tensor):
                 batch = torch.from_numpy(np.array(batch, dtype=np.float32))
+            check_finite_features(batch, source, first_image=start)
             with autocast(precision, device):
                 parts.append(model.encode_images(batch.float().to(device)).float())  # (b, K, d)
             bar.update(len(batch))
@@ -239,7 +247,8 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
     if device is not None and torch.device(device).type != model_device(model).type:  # type: ignore[arg-type]
         raise ValueError(f"encode_split: model is on {model_device(model)}, not on {device}")  # type: ignore[arg-type]
     token_ids = tokenize_captions(split.captions, vocab)
-    img_embs = encode_images(model, split.images, batch_size, precision, progress)
+    img_embs = encode_images(model, split.images, batch_size, precision, progress,
+                             source=getattr(split, "ims_path", None))
     buckets = encode_captions(model, token_ids, batch_size, precision, progress)
     logger.debug("encoded %d images and %d captions in %d buckets", len(img_embs), len(token_ids), len(buckets))
     return Encoded(img_embs=img_embs, buckets=buckets, n_captions=len(token_ids),

@@ -150,8 +150,9 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
                     raise InputError(f"{tsv_path}:{number}: num_boxes x feature size is {row.features.shape}; "
                                      f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "
                                      "number of regions)")
-                if not np.isfinite(row.features).all():
-                    raise InputError(f"{tsv_path}:{number}: field 'features' holds NaN or inf")
+                for field_name, values in (("features", row.features), ("boxes", row.boxes)):
+                    if not np.isfinite(values).all():
+                        raise InputError(f"{tsv_path}:{number}: field {field_name!r} holds NaN or inf")
                 ims[row_index] = row.features
                 boxes[row_index] = row.boxes
                 ids.append(f"{row.image_id}\t{row.image_w}\t{row.image_h}")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sgraf.data.arrays import check_finite_features
 from sgraf.errors import InputError
 
 if TYPE_CHECKING:
@@ -168,6 +169,11 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
     def flush() -> None:
         nonlocal done, out
         features = backbone.extract(batch)  # (B, K, D)
+        try:
+            check_finite_features(features, f"{backbone.name} features", first_image=done)
+        except InputError as error:
+            raise InputError(f"{error} (the backbone's weights or the image are broken); {out_path} is not "
+                             "written") from None
         if out is None:
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
                                             shape=(n_images,) + tuple(features.shape[1:]))
