@@ -180,3 +180,17 @@ def test_a_model_with_non_finite_weights_is_never_written(tmp_path):
     with pytest.raises(ValueError, match=r"refusing to write .*bad\.pt: tensor 'img_enc\.fc\.bias' \(1 NaN/inf"):
         save_model(model, tmp_path / "bad.pt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_given_vocabulary_that_differs_from_the_stored_one_is_named_in_a_warning(tmp_path, caplog):
+    words = [f"w{i}" for i in range(26)]
+    save_model(random_model(4), tmp_path / "model.pt", vocab=Vocabulary.from_words(words))
+    Vocabulary.from_words(reversed(words)).save(tmp_path / "other.json")   # same size, other word ids
+    with caplog.at_level("WARNING", logger="sgraf.checkpoint"):
+        load_model(tmp_path / "model.pt", vocab=Vocabulary.from_words(words))
+    assert caplog.text == ""
+    with caplog.at_level("WARNING", logger="sgraf.checkpoint"):
+        model = load_model(tmp_path / "model.pt", vocab=tmp_path / "other.json")
+    assert f"model.pt carries its own vocabulary, which differs from the one given ({tmp_path / 'other.json'})" \
+        in caplog.text
+    assert model.vocab.word2idx["w0"] == 29

@@ -232,7 +232,8 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
         path: our checkpoint or the authors' `.pth.tar`.
         map_location: passed to `torch.load`.
         vocab: a Vocabulary (or its dict, or a JSON path) to attach; defaults to the one stored
-            in the checkpoint (the authors' files have none).
+            in the checkpoint (the authors' files have none). One that differs from the stored
+            one is used, with a WARNING: the word ids would not be the ones the model learned.
     """
     from sgraf.model.sgraf import SGRAF
 
@@ -244,6 +245,12 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
     if model.vocab is not None and _vocab_size(model.vocab) != config.vocab_size:
         raise InputError(f"{path}: the vocabulary has {_vocab_size(model.vocab)} words but the model's "
                          f"embedding has vocab_size={config.vocab_size}")
+    stored = checkpoint.get("vocab")
+    given = _vocab_dict(model.vocab) if vocab is not None else None
+    if given is not None and isinstance(stored, dict) and given.get("word2idx") != stored.get("word2idx"):
+        logger.warning("%s carries its own vocabulary, which differs from the one given (%s); using the one given, "
+                       "whose word ids are not the ones the model learned", path,
+                       getattr(model.vocab, "source", "vocab"))
     return model.eval()
 
 
