@@ -86,5 +86,8 @@ def test_non_finite_feature_is_named_by_file_image_region_dim(tmp_path, bad):
     # a memory map names its own file
     np.save(tmp_path / "dev_ims.npy", values)
     mapped = np.load(tmp_path / "dev_ims.npy", mmap_mode="r")
-    with pytest.raises(InputError, match=r"dev_ims\.npy: feature \[image 4, region 2, dim 1\]"):
-        check_finite_features(mapped)
+    for view in (mapped, mapped[3:6], mapped[4]):   # views count from the file's first image
+        with pytest.raises(InputError, match=r"dev_ims\.npy: feature \[image 4, region 2, dim 1\]"):
+            check_finite_features(view)
+    with pytest.raises(InputError, match=r"^image features: feature \[image 0, region 1, dim 1\]"):
+        check_finite_features(mapped[4:5, 1:])   # not whole images: no file position is claimed

@@ -101,8 +101,10 @@ def test_index_explain_and_matcher_name_the_file_and_the_image(setup, tmp_path, 
                  "--image-id", str(image + 1), "--text", "a red dog", "--out", str(tmp_path / "x.png")]) == 0
     capsys.readouterr()
     matcher = Matcher.load(setup["checkpoint"])
-    with pytest.raises(InputError, match=rf"dev_ims\.npy: feature \[image {image}, region 3, dim 7\] is nan"):
-        matcher.encode_images(np.load(data / "dev_ims.npy", mmap_mode="r"))
+    mapped = np.load(data / "dev_ims.npy", mmap_mode="r")
+    for features in (mapped, mapped[image - 2:image + 3], mapped[image]):   # the file's own image numbers
+        with pytest.raises(InputError, match=rf"dev_ims\.npy: feature \[image {image}, region 3, dim 7\] is nan"):
+            matcher.encode_images(features)
     with pytest.raises(InputError, match=rf"dev_ims\.npy: feature \[image {image}, region 3, dim 7\] is nan"):
         build_index(matcher, PrecompSplit(data, "dev").images, ["a dog"] * N_DEV, tmp_path / "lib_index",
                     batch_size=16)

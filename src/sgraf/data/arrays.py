@@ -86,6 +86,22 @@ def _why_unreadable(path: Path) -> str:
     return f"numpy cannot map its {dtype} array of shape {tuple(shape)}"
 
 
+def mapped_file(features: Any) -> tuple[str | None, int]:
+    """The file of a memory-mapped array (or of a view of whole images of one) and the file row
+    of its row 0; (None, 0) for anything else."""
+    filename = getattr(features, "filename", None)
+    if filename is None or not isinstance(features, np.ndarray):
+        return None, 0
+    root = features
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    offset = features.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    row_bytes = root.strides[0] if root.ndim else 0
+    if row_bytes <= 0 or offset % row_bytes:
+        return None, 0   # not a slice of whole images: no file row to name
+    return str(filename), offset // row_bytes
+
+
 def check_finite_features(features: Any, source: str | os.PathLike[str] | None = None, first_image: int = 0,
                           image_ids: Sequence[int] | torch.Tensor | None = None) -> None:
     """Raise `InputError` naming the file and the image of the first NaN/inf in region features.
@@ -93,8 +109,8 @@ def check_finite_features(features: Any, source: str | os.PathLike[str] | None =
     Args:
         features: (n, K, D) region features (numpy array, memory map or tensor); (K, D) is
             one image.
-        source: the file named in the message; default: the file of a memory map, else
-            "image features".
+        source: the file named in the message; default: the file of a memory map (its rows
+            then counted from the file's first image), else "image features".
         first_image: the image index of row 0 (a block read from the middle of a file).
         image_ids: the image index of each row instead (a shuffled training batch).
     """
@@ -107,7 +123,8 @@ def check_finite_features(features: Any, source: str | os.PathLike[str] | None =
         if np.isfinite(values).all():
             return
     if source is None:
-        source = getattr(features, "filename", None) or "image features"
+        source, first_row = mapped_file(features)
+        source, first_image = source or "image features", first_image + first_row
     if values.ndim == 2:
         values = values[None]
     bad = ~np.isfinite(values)

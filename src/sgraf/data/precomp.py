@@ -32,7 +32,7 @@ from sgraf.errors import InputError
 logger = logging.getLogger(__name__)
 
 STANDARD_SPLITS = ("train", "dev", "test", "testall")
-FINITE_SAMPLE = 64  # images checked for NaN/inf by default (evenly spread)
+FINITE_SAMPLE = 64  # images `sgraf data check` looks at without --full-scan (evenly spread)
 _SCAN_CHUNK_BYTES = 64 << 20  # full scans read this much at a time
 _FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a features file
 
