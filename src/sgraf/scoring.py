@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from sgraf import distributed
-from sgraf.data.arrays import check_finite_features
+from sgraf.data.arrays import check_finite_features, mapped_file
 from sgraf.errors import InputError
 from sgraf.kernels import tuning
 from sgraf.precision import autocast, check_precision
@@ -178,14 +178,14 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
     """
     device = model_device(model)  # type: ignore[arg-type]
     n_img = len(images)
-    source = source or getattr(images, "filename", None)
+    source, first_row = (source, 0) if source else mapped_file(images)
     parts = []
     with eval_mode([model]), _progress(n_img, "encoding images", progress, "img") as bar:  # type: ignore[list-item]
         for start in range(0, n_img, batch_size):
             batch = images[start:start + batch_size]  # (b, K, D), read from the memory map
             if not isinstance(batch, torch.Tensor):
                 batch = torch.from_numpy(np.array(batch, dtype=np.float32))
-            check_finite_features(batch, source, first_image=start)
+            check_finite_features(batch, source, first_image=first_row + start)
             with autocast(precision, device):
                 parts.append(model.encode_images(batch.float().to(device)).float())  # (b, K, d)
             bar.update(len(batch))

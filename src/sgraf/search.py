@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys
-from sgraf.data.arrays import check_finite_features, open_npy
+from sgraf.data.arrays import check_finite_features, mapped_file, open_npy
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError
 
@@ -164,13 +164,13 @@ def _describe_file(path: Path) -> dict[str, Any]:
 def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: Path, dtype: str,
                  batch_size: int, captions_label: str) -> None:
     n_img, n_cap, n_models = int(features.shape[0]), len(captions), len(matcher.models)
-    source = getattr(features, "filename", None) or "image features"
+    source, first_row = mapped_file(features)   # a memory map: its file and rows
     # images, in chunks written straight into memory-mapped files
     regions_out: list[np.memmap] = []
     keys_out = None
     for start in range(0, n_img, batch_size):
         chunk = np.asarray(features[start:start + batch_size], dtype=np.float32)
-        check_finite_features(chunk, source, first_image=start)   # named by its index in the gallery
+        check_finite_features(chunk, source or "image features", first_image=first_row + start)
         encoding = matcher.encode_images(chunk)
         if keys_out is None:
             keys_out = _open_out(folder / "image_keys.npy", (n_img, *shortlist_keys(encoding.global_vectors).shape[1:]),
