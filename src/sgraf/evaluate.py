@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from sgraf import distributed, metrics, scoring
+from sgraf.data.arrays import open_npy
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError
 
@@ -132,8 +133,6 @@ def save_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
 
 def load_matrix(path: str | os.PathLike) -> np.ndarray:
     """A saved (n_images, n_captions) score matrix, memory-mapped; InputError if it is not one."""
-    from sgraf.data.arrays import open_npy
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(2, "No such file", str(path))
