@@ -264,6 +264,8 @@ def test_train_help_documents_the_permissions(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--allow-other-data" in out and "dev rsum would be compared across different dev splits" in out
     assert "--allow-unknown-words" in out and "over half of the training tokens unknown" in out
+    assert main(["train", "--data", "d", "--out", "r", "--allow-other-data"]) == 2
+    assert "--allow-other-data applies to --resume RUN_DIR" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ vocabularies that leave the words unknown

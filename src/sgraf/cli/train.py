@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         data = args.data or data
         config = config.replace(**overrides)   # fit records it in config.yaml once the data is checked
     else:
+        if args.allow_other_data:
+            raise InputError("--allow-other-data applies to --resume RUN_DIR (a new run trains on its --data)")
         config, extras = resolve_config(args.preset, args.config, args.overrides)
         data = args.data or extras.get("data")
         if not data or not args.out:
