@@ -258,6 +258,22 @@ def test_resume_accepts_the_same_data_moved_and_refuses_it_changed_in_place(toy,
         _one_line_error(capsys)
 
 
+def test_runs_recorded_without_a_fingerprint_compare_the_folders(toy, tmp_path):
+    from sgraf.data.precomp import data_fingerprint
+    from sgraf.training import run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    run_dir.save_run_config(run, preset("tiny"), toy, "tiny")   # as written before fingerprints existed
+    copy = tmp_path / "copy"
+    shutil.copytree(toy, copy)
+    assert run_dir.other_data(run, toy, data_fingerprint(toy)) is None
+    assert run_dir.other_data(run, copy, data_fingerprint(copy)) == f"{copy.resolve()} is another folder than " \
+        f"{toy.resolve()}"
+    run_dir.save_run_config(run, preset("tiny"), toy, "tiny", data_fingerprint(toy))
+    assert run_dir.other_data(run, copy, data_fingerprint(copy)) is None   # the same files, moved
+
+
 def test_train_help_documents_the_permissions(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
