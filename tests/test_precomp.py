@@ -112,6 +112,10 @@ def test_non_finite_features_are_refused_by_every_reader(tmp_path, bad, capsys):
     with pytest.raises(InputError, match=message):
         dataset.check_batch(collate_batch([dataset[0], dataset[hidden + 1], dataset[hidden]]))
     dataset.check_batch(collate_batch([dataset[0], dataset[hidden + 1]]))
+    with pytest.raises(InputError, match=message):
+        list(make_loader(dataset, batch_size=4, shuffle=True))   # the loader checks as batches arrive
+    assert len(list(make_loader(PrecompDataset(PrecompSplit(tmp_path, "train", max_captions=hidden), dataset.vocab),
+                                batch_size=4))) == -(-hidden // 4)
     assert main(["data", "check", "--data", str(tmp_path), "--split", "train"]) == 0   # the quick look
     assert "sampled: none found" in capsys.readouterr().out
     assert main(["data", "check", "--data", str(tmp_path), "--split", "train", "--full-scan"]) == 2

@@ -19,7 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -311,8 +311,8 @@ class PrecompDataset(Dataset):
         """Refuse a batch whose features hold NaN/inf, naming the features file and the image.
 
         Items are not checked in `__getitem__`: in a DataLoader worker the error would reach
-        the user as a worker traceback. The training loop calls this on each batch instead,
-        in its own process.
+        the user as a worker traceback. `CheckedLoader` calls this on each batch instead, in
+        the process that consumes the batches.
         """
         check_finite_features(batch.images, self.split.ims_path, image_ids=batch.image_ids)
 
@@ -363,14 +363,28 @@ class EpochShuffleSampler(torch.utils.data.Sampler[int]):
         return iter(torch.randperm(self.n, generator=generator).tolist())
 
 
+class CheckedLoader(DataLoader):
+    """A DataLoader over a `PrecompDataset` that refuses NaN/inf features batch by batch.
+
+    Each batch is checked (`PrecompDataset.check_batch`: one `isfinite().all()`) as it
+    arrives, in the process that consumes it, so the error names the features file and the
+    image in one line whether or not worker processes read the batch.
+    """
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in super().__iter__():
+            self.dataset.check_batch(batch)
+            yield batch
+
+
 def make_loader(dataset: PrecompDataset, batch_size: int, shuffle: bool = False, seed: int = 0,
-                num_workers: int = 0, drop_last: bool = False, epoch: int = 0) -> DataLoader:
-    """A DataLoader of `Batch`es; shuffled order depends only on `seed` and the epoch.
+                num_workers: int = 0, drop_last: bool = False, epoch: int = 0) -> CheckedLoader:
+    """A `CheckedLoader` of `Batch`es; shuffled order depends only on `seed` and the epoch.
 
     With `shuffle`, the loader's sampler is an `EpochShuffleSampler` (reach it as
     `loader.sampler` to `set_epoch`); the same seed gives the same batches whatever
     `num_workers` is. Without, captions come in file order.
     """
     sampler = EpochShuffleSampler(len(dataset), seed=seed, epoch=epoch) if shuffle else None
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+    return CheckedLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       collate_fn=collate_batch, drop_last=drop_last, persistent_workers=num_workers > 0)

@@ -223,25 +223,19 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: 
                     bar: Any | None = None) -> dict[str, float]:
     """Trains on the batches of `loader` (the rest of the epoch `progress.epoch`).
 
-    Batches of a `PrecompDataset` are first checked for NaN/inf features
-    (`PrecompDataset.check_batch`), here in this process.
-
     Args:
         after_step: called after each step (progress already advanced); returning True stops
             the epoch early (a signal, say).
         bar: a tqdm bar to advance.
 
     Raises:
-        InputError: a batch's features hold NaN/inf (naming the file and the image).
+        InputError: a `CheckedLoader` found NaN/inf features (naming the file and the image).
 
     Returns:
         {'loss': mean batch loss, 'steps': steps taken, 'seconds': wall time, 'stopped': 0/1}.
     """
     start, losses, stopped = time.perf_counter(), [], False
-    check_batch = getattr(getattr(loader, "dataset", None), "check_batch", None)
     for batch in loader:
-        if check_batch is not None:
-            check_batch(batch)
         result = train_step(model, optimizer, batch, config, scaler, device)
         losses.append(result.loss)
         progress.epoch_step += 1
@@ -372,7 +366,7 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
             the state before.
     """
     from sgraf.checkpoint import load_checkpoint, load_state_checked, non_finite_tensor, save_model
-    from sgraf.data.precomp import PrecompDataset, PrecompSplit, collate_batch, data_fingerprint
+    from sgraf.data.precomp import CheckedLoader, PrecompDataset, PrecompSplit, collate_batch, data_fingerprint
     from sgraf.data.vocab import Vocabulary
     from sgraf.model.sgraf import SGRAF
 
@@ -505,10 +499,10 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
                 set_learning_rate(optimizer, learning_rate(config, progress.epoch))
                 sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, progress.epoch,
                                             progress.epoch_step, info.rank, info.world_size)
-                loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch,
-                                    num_workers=config.workers,
-                                    generator=torch.Generator().manual_seed(config.seed),
-                                    pin_memory=device.type == "cuda")
+                loader = CheckedLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch,
+                                       num_workers=config.workers,
+                                       generator=torch.Generator().manual_seed(config.seed),
+                                       pin_memory=device.type == "cuda")   # NaN/inf batches refused
                 bar = _progress_bar(config, is_main, n_steps, progress, signals)
                 try:
                     stats = train_one_epoch(model, optimizer, loader, config, progress, scaler, device,
