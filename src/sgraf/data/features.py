@@ -123,6 +123,9 @@ def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image
     if missing or unexpected:
         raise InputError(f"{weights_path}: not EfficientNet-Lite0 weights (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{weights_path}: tensor {name!r} holds NaN/inf; expected finite weights")
     # The Lite models were trained on (pixel - 127) / 128 ("mean 127, std 128" on 0..255).
     return GridBackbone(_LiteTrunk(net), feature_dim=1280, image_size=image_size,
                         mean=(127.0 / 255,) * 3, std=(128.0 / 255,) * 3, name="efficientnet-lite0")
