@@ -78,6 +78,8 @@ def test_non_finite_feature_is_named_by_file_image_region_dim(tmp_path, bad):
         check_finite_features(values, "f.npy", first_image=10)
     with pytest.raises(InputError, match=r"feature \[image 14, region 2"):
         check_finite_features(torch.from_numpy(values), "f.npy", first_image=10)   # tensors too
+    with pytest.raises(InputError, match=r"feature \[image 14, region 2"):
+        check_finite_features(torch.from_numpy(values).bfloat16(), "f.npy", first_image=10)
     # a shuffled batch names each row's own image; one image (K, D) is image 0 (or first_image)
     with pytest.raises(InputError, match=r"feature \[image 31, region 2, dim 1\]"):
         check_finite_features(values[3:5], "f.npy", image_ids=[8, 31])

@@ -114,12 +114,14 @@ def check_finite_features(features: Any, source: str | os.PathLike[str] | None =
         first_image: the image index of row 0 (a block read from the middle of a file).
         image_ids: the image index of each row instead (a shuffled training batch).
     """
-    if isinstance(features, torch.Tensor):
+    if isinstance(features, torch.Tensor) and (features.device.type != "cpu" or features.dtype == torch.bfloat16):
         if bool(torch.isfinite(features).all()):
             return
         values = features.detach().float().cpu().numpy()
     else:
-        values = np.asarray(features)
+        # numpy for CPU tensors too (a view): its isfinite is ~20x cheaper in CPU time than
+        # torch's on a (128, 36, 2048) batch (benchmarks/bench_finite_check.py)
+        values = features.detach().numpy() if isinstance(features, torch.Tensor) else np.asarray(features)
         if np.isfinite(values).all():
             return
     if source is None:
