@@ -329,37 +329,35 @@ class Matcher:
     # ----------------------------------------------------------------------------- scoring
     @torch.no_grad()
     def score_embeddings(self, images: ImageEncoding | Sequence[torch.Tensor],
-                         texts: TextEncoding | tuple[Sequence[torch.Tensor], torch.Tensor],
-                         image_block: int = 256, text_block: int = 256) -> np.ndarray:
+                         texts: TextEncoding | tuple[Sequence[torch.Tensor], torch.Tensor]) -> np.ndarray:
         """Full SGRAF scores of encoded images against encoded texts, the ensemble mean.
+
+        Scored by the block scorer every entry point shares (`sgraf.model.blocks`): texts in
+        buckets of `batch_size` sorted by length, the weight folds, global vectors and Gram
+        matrices computed once per call, the models averaged in float64.
 
         Args:
             images: an `ImageEncoding`, or per model (n_img, K, d_m) region embeddings.
             texts: a `TextEncoding`, or (per model (n_txt, L, d_m) word embeddings, lengths).
-            image_block, text_block: block sizes that bound memory.
 
         Returns:
             (n_img, n_txt) float32 numpy.
         """
+        from sgraf.model import blocks
+
         regions = images.regions if isinstance(images, ImageEncoding) else list(images)
         if isinstance(texts, TextEncoding):
             words, lengths = texts.words, texts.lengths
         else:
             words, lengths = list(texts[0]), torch.as_tensor(texts[1])
-        n_img, n_txt = int(regions[0].shape[0]), int(lengths.shape[0])
-        total = np.zeros((n_img, n_txt), dtype=np.float32)
+        encoded = []
         for model, img_embs, cap_embs in zip(self.models, regions, words):
-            for t0 in range(0, n_txt, text_block):
-                block_lengths = torch.as_tensor(lengths[t0:t0 + text_block], dtype=torch.int64)
-                width = int(block_lengths.max())
-                block_caps = torch.as_tensor(cap_embs[t0:t0 + text_block, :width]).float().to(self.device)
-                block_lengths = block_lengths.to(self.device)
-                for i0 in range(0, n_img, image_block):
-                    block_imgs = torch.as_tensor(img_embs[i0:i0 + image_block]).float().to(self.device)
-                    with autocast(self.precision, self.device):
-                        sims = model.similarity(block_imgs, block_caps, block_lengths)  # (bi, bt)
-                    total[i0:i0 + image_block, t0:t0 + text_block] += sims.float().cpu().numpy()
-        return total / len(self.models)
+            img_embs = torch.as_tensor(img_embs).float().to(self.device)
+            buckets = blocks.bucket_words(model, torch.as_tensor(cap_embs), lengths, self.batch_size, self.precision)
+            encoded.append(blocks.Encoded(img_embs=img_embs, buckets=buckets, n_captions=int(len(lengths)),
+                                          img_glo=blocks.image_globals(model, img_embs, self.batch_size,
+                                                                       self.precision)))
+        return blocks.score_encoded(self.models, encoded, self.precision).numpy()
 
     def score(self, features: Any, texts: Sequence[str], allow_unknown: bool = False) -> np.ndarray:
         """Scores of region features (n_img, K, img_dim) against text strings: (n_img, n_txt)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 # Keys that may change when a run is resumed; the others define the run and stay as recorded.
 RESUMABLE_OVERRIDES = ("epochs", "val_every", "checkpoint_every", "log_every", "workers", "device",
-                       "progress", "val_batch_size")
+                       "progress", "val_batch_size", "tf32")
 
 
 def register(subparsers: Any) -> None:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from sgraf import distributed
 from sgraf.errors import InputError
-from sgraf.precision import autocast
+from sgraf.precision import autocast, tf32
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
 from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores, global_vector_scores,
@@ -365,6 +365,15 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         NonFiniteLossError: the loss or the weights became NaN/inf; `last.pt`, if written, is
             the state before.
     """
+    with tf32(config.tf32):
+        return _fit(config, data_dir, out_dir, resume=resume, preset=preset, allow_other_data=allow_other_data,
+                    allow_unknown_words=allow_unknown_words)
+
+
+def _fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+         resume: bool = False, preset: str | None = None, allow_other_data: bool = False,
+         allow_unknown_words: bool = False) -> dict[str, Any]:
+    """`fit` under its TF32 setting."""
     from sgraf.checkpoint import load_checkpoint, load_state_checked, non_finite_tensor, save_model
     from sgraf.data.precomp import CheckedLoader, PrecompDataset, PrecompSplit, collate_batch, data_fingerprint
     from sgraf.data.vocab import Vocabulary
