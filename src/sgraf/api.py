@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from sgraf.data.arrays import check_finite_features, mapped_file
 from sgraf.errors import InputError
 from sgraf.precision import autocast, check_precision
 
@@ -285,7 +286,13 @@ class Matcher:
 
     # ----------------------------------------------------------------------------- images
     def check_features(self, features: Any, what: str = "image features") -> torch.Tensor:
-        """Validate (n_img, K, img_dim) region features and return them as a float32 tensor."""
+        """Validate (n_img, K, img_dim) region features and return them as a float32 tensor.
+
+        Raises:
+            InputError: the wrong shape, no image, or NaN/inf (naming the image, region and
+                dimension, and the file of a memory map).
+        """
+        source, first_row = mapped_file(features)   # a memory map: its file and rows
         if not torch.is_tensor(features):
             features = torch.from_numpy(np.array(features, dtype=np.float32))  # copy: memmaps are read-only
         config = self.models[0].config
@@ -297,8 +304,7 @@ class Matcher:
         if features.shape[0] == 0:
             raise InputError(f"{what}: no image to encode")
         features = features.float()
-        if not torch.isfinite(features).all():
-            raise InputError(f"{what} contain NaN or infinite values")
+        check_finite_features(features, source or what, first_image=first_row)
         return features
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ scorer under autocast; embeddings and scores are kept in float32.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
@@ -56,8 +57,9 @@ def tokenize_captions(captions: Sequence[str], vocab: Any) -> list[list[int]]:
 
 
 def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: str = "fp32",
-                  progress: bool = False) -> torch.Tensor:
-    """Encode precomp image features in batches (`sgraf.model.blocks.encode_images`).
+                  progress: bool = False, source: str | os.PathLike[str] | None = None) -> torch.Tensor:
+    """Encode precomp image features in batches (`sgraf.model.blocks.encode_images`), refusing
+    NaN/inf in any batch.
 
     Args:
         model: the model (its device is used).
@@ -65,12 +67,16 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
         batch_size: images per batch.
         precision: ``"fp32"`` or ``"bf16"``.
         progress: show a progress bar on stderr.
+        source: the features file named in errors (default: a memory map's own file).
 
     Returns:
         (n_img, K, d) float32 region features on the model's device.
+
+    Raises:
+        InputError: a feature is NaN/inf (naming the file, image, region and dimension).
     """
     with _progress(len(images), "encoding images", progress, "img") as bar:
-        return blocks.encode_images(model, images, batch_size, precision, on_batch=bar.update)
+        return blocks.encode_images(model, images, batch_size, precision, on_batch=bar.update, source=source)
 
 
 def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_size: int = 128,
@@ -108,7 +114,8 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
     if device is not None and torch.device(device).type != model_device(model).type:  # type: ignore[arg-type]
         raise ValueError(f"encode_split: model is on {model_device(model)}, not on {device}")  # type: ignore[arg-type]
     token_ids = tokenize_captions(split.captions, vocab)
-    img_embs = encode_images(model, split.images, batch_size, precision, progress)
+    img_embs = encode_images(model, split.images, batch_size, precision, progress,
+                             source=getattr(split, "ims_path", None))
     buckets = encode_captions(model, token_ids, batch_size, precision, progress)
     logger.debug("encoded %d images and %d captions in %d buckets", len(img_embs), len(token_ids), len(buckets))
     return Encoded(img_embs=img_embs, buckets=buckets, n_captions=len(token_ids),

@@ -38,6 +38,8 @@ import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys
 from sgraf.atomic_write import temporary_folder, write_error
+from sgraf.data.arrays import check_finite_features, mapped_file, open_npy
+from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError
 from sgraf.signals import signals_deferred
 
@@ -130,7 +132,9 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     except OSError as error:
         raise write_error(out, error) from None
     try:
-        _write_index(matcher, features, list(captions), staging, dtype, batch_size)
+        captions_label = (f"the {source['split']} captions of {source['data_dir']}"
+                          if source and {"split", "data_dir"} <= set(source) else "the gallery captions")
+        _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -199,13 +203,16 @@ def _describe_file(path: Path) -> dict[str, Any]:
 
 
 def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: Path, dtype: str,
-                 batch_size: int) -> None:
+                 batch_size: int, captions_label: str) -> None:
     n_img, n_cap, n_models = int(features.shape[0]), len(captions), len(matcher.models)
+    source, first_row = mapped_file(features)   # a memory map: its file and rows
     # images, in chunks written straight into memory-mapped files
     regions_out: list[np.memmap] = []
     keys_out = None
     for start in range(0, n_img, batch_size):
-        encoding = matcher.encode_images(np.asarray(features[start:start + batch_size]))
+        chunk = np.asarray(features[start:start + batch_size], dtype=np.float32)
+        check_finite_features(chunk, source or "image features", first_image=first_row + start)
+        encoding = matcher.encode_images(chunk)
         if keys_out is None:
             keys_out = _open_out(folder / "image_keys.npy", (n_img, *shortlist_keys(encoding.global_vectors).shape[1:]),
                                  "float32")
@@ -217,6 +224,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
             regions_out[m][start:stop] = encoding.regions[m].numpy().astype(dtype)
     # captions: tokenise all first, for the padded width
     ids = [matcher.vocab.encode(caption) for caption in captions]
+    warn_unknown_share(matcher.vocab, ids, captions_label)
     lengths = np.array([len(i) for i in ids], dtype=np.int64)
     width = int(lengths.max())
     np.save(folder / "caption_lengths.npy", lengths)
@@ -283,11 +291,8 @@ def _open_array(folder: Path, name: str, manifest: dict[str, Any], verify: bool)
     if verify and _sha256_file(path) != entry["sha256"]:
         raise InputError(f"{path}: corrupted index file, its sha256 does not match the manifest; "
                          "rebuild the index")
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise InputError(f"{path}: corrupted index file, not a readable .npy array ({exc}); "
-                         "rebuild the index") from None
+    array = open_npy(path, f"the {entry['dtype']}{entry['shape']} array the manifest records; rebuild the index",
+                     what="corrupted index file, ")
     if list(array.shape) != entry["shape"] or str(array.dtype) != entry["dtype"]:
         raise InputError(f"{path}: corrupted index file, array {array.dtype}{list(array.shape)} where the "
                          f"manifest records {entry['dtype']}{entry['shape']}; rebuild the index")

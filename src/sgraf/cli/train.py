@@ -1,7 +1,7 @@
 """`sgraf train`: train SGR, SAF or a joint model from a preset, a YAML file and overrides.
 
     sgraf train --data DIR --out RUN_DIR [--preset NAME] [--config YAML] [--set key=value ...]
-    sgraf train --resume RUN_DIR [--set epochs=N ...]
+    sgraf train --resume RUN_DIR [--set epochs=N ...] [--data DIR --allow-other-data]
     torchrun --nproc_per_node N -m sgraf train ...      (several processes)
 
 Exit status: 0 when the run finished, 2 for bad input (a run folder locked by another run
@@ -38,6 +38,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+", default=[],
                         help="override config keys, e.g. --set module=saf epochs=10 precision=bf16")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last.pt")
+    parser.add_argument("--allow-other-data", action="store_true",
+                        help="with --resume: continue on a --data folder other than the run's (another folder, "
+                             "or its files changed since), which is refused otherwise: dev rsum would be "
+                             "compared across different dev splits")
+    parser.add_argument("--allow-unknown-words", action="store_true",
+                        help="train even when the vocabulary leaves over half of the training tokens unknown "
+                             "(refused otherwise; a warning above 10%%)")
     parser.add_argument("--list-keys", action="store_true", help="print the config keys of a preset and exit")
     parser.set_defaults(func=run)
 
@@ -70,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
                              f"{', '.join(RESUMABLE_OVERRIDES)}")
         out, resume = args.resume, True
         data = args.data or data
-        if overrides:
-            config = config.replace(**overrides)   # fit records the change in config.yaml for a later --resume
+        config = config.replace(**overrides)   # fit records it in config.yaml once the data is checked
     else:
+        if args.allow_other_data:
+            raise InputError("--allow-other-data applies to --resume RUN_DIR (a new run trains on its --data)")
         config, extras = resolve_config(args.preset, args.config, args.overrides)
         data = args.data or extras.get("data")
         if not data or not args.out:
@@ -81,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from sgraf import distributed
 
     try:
-        summary = fit(config, data, out, resume=resume, preset=preset)
+        summary = fit(config, data, out, resume=resume, preset=preset, allow_other_data=args.allow_other_data,
+                      allow_unknown_words=args.allow_unknown_words)
     except NonFiniteLossError as error:
         print(f"sgraf train: error: {error}", file=sys.stderr)
         return 1

@@ -172,8 +172,9 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
                 raise InputError(f"{tsv_path}:{number}: num_boxes x feature size is {row.features.shape}; "
                                  f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "
                                  "number of regions)")
-            if not np.isfinite(row.features).all():
-                raise InputError(f"{tsv_path}:{number}: field 'features' holds NaN or inf")
+            for field_name, values in (("features", row.features), ("boxes", row.boxes)):
+                if not np.isfinite(values).all():
+                    raise InputError(f"{tsv_path}:{number}: field {field_name!r} holds NaN or inf")
             ims[row_index] = row.features
             boxes[row_index] = row.boxes
             ids.append(f"{row.image_id}\t{row.image_w}\t{row.image_h}")

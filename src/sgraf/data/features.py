@@ -24,6 +24,7 @@ from torch import nn
 
 from sgraf.atomic_write import atomic_path, write_text
 from sgraf.data.layout import split_family
+from sgraf.data.arrays import check_finite_features
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
 from sgraf.weights_file import load_weights_only
@@ -126,6 +127,9 @@ def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image
     if missing or unexpected:
         raise InputError(f"{weights_path}: not EfficientNet-Lite0 weights (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{weights_path}: tensor {name!r} holds NaN/inf; expected finite weights")
     # The Lite models were trained on (pixel - 127) / 128 ("mean 127, std 128" on 0..255).
     return GridBackbone(_LiteTrunk(net), feature_dim=1280, image_size=image_size,
                         mean=(127.0 / 255,) * 3, std=(128.0 / 255,) * 3, name="efficientnet-lite0")
@@ -170,6 +174,11 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
     def flush(temporary: Path) -> None:
         nonlocal done, out
         features = backbone.extract(batch)  # (B, K, D)
+        try:
+            check_finite_features(features, f"{backbone.name} features", first_image=done)
+        except InputError as error:
+            raise InputError(f"{error} (the backbone's weights or the image are broken); {out_path} is not "
+                             "written") from None
         if out is None:
             out = np.lib.format.open_memmap(temporary, mode="w+", dtype=np.float32,
                                             shape=(n_images,) + tuple(features.shape[1:]))

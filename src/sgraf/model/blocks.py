@@ -22,6 +22,7 @@ Models are duck-typed (`Scorer`); nothing here imports the SGRAF network itself.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from sgraf import distributed
+from sgraf.data.arrays import check_finite_features, mapped_file
 from sgraf.errors import InputError
 from sgraf.kernels import tuning
 from sgraf.precision import autocast, check_precision
@@ -182,16 +184,22 @@ def frozen_weights(models: Sequence[Scorer]) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------- encoding
 def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: str = "fp32",
-                  on_batch: Callable[[int], Any] | None = None) -> torch.Tensor:
+                  on_batch: Callable[[int], Any] | None = None, source: str | os.PathLike[str] | None = None
+                  ) -> torch.Tensor:
     """Region features (n_img, K, D) (array, memory map or tensor) -> (n_img, K, d) float32 on the
-    model's device, in batches of `batch_size`; `on_batch(n)` after each batch (progress)."""
+    model's device, in batches of `batch_size`; `on_batch(n)` after each batch (progress).
+
+    Each batch is checked for NaN/inf as it is read (InputError naming `source`, default a
+    memory map's own file, and the image, region and dimension)."""
     device, dtype = model_device(model), model_dtype(model)  # type: ignore[arg-type]
+    source, first_row = (source, 0) if source else mapped_file(images)
     parts = []
     with eval_mode([model]):  # type: ignore[list-item]
         for start in range(0, len(images), batch_size):
             batch = images[start:start + batch_size]  # (b, K, D), read from the memory map
             if not isinstance(batch, torch.Tensor):
                 batch = torch.from_numpy(np.array(batch, dtype=np.float32))
+            check_finite_features(batch, source, first_image=first_row + start)
             batch = batch.to(dtype)
             if device.type == "cuda":   # page-locked, so the copy runs beside the previous batch's kernels
                 batch = batch.pin_memory().to(device, non_blocking=True)

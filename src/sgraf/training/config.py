@@ -196,7 +196,7 @@ def valid_keys() -> list[str]:
 
 
 # Keys a YAML file may hold besides the config fields (a run's config.yaml records them).
-_FILE_ONLY_KEYS = ("data", "preset", "sgraf_version")
+_FILE_ONLY_KEYS = ("data", "preset", "sgraf_version", "data_fingerprint")
 
 
 def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -204,7 +204,7 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str
 
     Returns:
         (fields, extras): config fields to apply, and the file-only keys (`data`, `preset`,
-        `sgraf_version`) it holds.
+        `sgraf_version`, `data_fingerprint`) it holds.
     """
     import yaml
 

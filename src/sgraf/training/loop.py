@@ -40,8 +40,25 @@ from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_
 logger = logging.getLogger(__name__)
 
 
+# A vocabulary leaving more than this share of the training tokens unknown is refused (the
+# model would learn from almost no words) unless asked for; above UNKNOWN_WARN_SHARE, a warning.
+UNKNOWN_REFUSE_SHARE = 0.5
+VOCAB_SAMPLE = 5000  # training captions tokenised to measure it (a share needs no more)
+
+
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+    """The loss (or the weights) became NaN or infinite; the run stops, its last checkpoint
+    kept as it was.
+
+    Attributes:
+        inputs_finite: whether the batch's inputs were finite (then training diverged).
+        step: the global step it happened at, when the raiser knows it.
+    """
+
+    def __init__(self, message: str, inputs_finite: bool = True, step: int | None = None) -> None:
+        super().__init__(message)
+        self.inputs_finite = inputs_finite
+        self.step = step
 
 
 @dataclass
@@ -110,7 +127,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         device: where the model lives.
 
     Raises:
-        NonFiniteLossError: the loss is NaN or infinite (nothing is updated).
+        NonFiniteLossError: the loss is NaN or infinite (nothing is updated); the message names
+            the images whose features are not finite, if any (`inputs_finite` otherwise).
     """
     from sgraf.model.loss import ranking_loss
 
@@ -133,6 +151,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
                                                                config.max_violation, positives)
     if not bool(torch.isfinite(loss)):
+        bad_images = (~torch.isfinite(images)).flatten(1).any(dim=1).cpu()
+        if bool(bad_images.any()):
+            raise NonFiniteLossError(f"the training loss is {loss.item()} on non-finite inputs: the features of "
+                                     f"images {batch.image_ids[bad_images][:5].tolist()} hold NaN/inf",
+                                     inputs_finite=False)
         raise NonFiniteLossError(f"the training loss is {loss.item()}")
     (scaler.scale(loss) if scaler is not None else loss).backward()
     average_gradients(params)
@@ -205,6 +228,9 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: 
         after_step: called after each step (progress already advanced); returning True stops
             the epoch early (a signal, say).
         bar: a tqdm bar to advance.
+
+    Raises:
+        InputError: a `CheckedLoader` found NaN/inf features (naming the file and the image).
 
     Returns:
         {'loss': mean batch loss, 'steps': steps taken, 'seconds': wall time, 'stopped': 0/1}.
@@ -313,7 +339,8 @@ def _seed_everything(seed: int) -> None:
 
 
 def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-        resume: bool = False, preset: str | None = None) -> dict[str, Any]:
+        resume: bool = False, preset: str | None = None, allow_other_data: bool = False,
+        allow_unknown_words: bool = False) -> dict[str, Any]:
     """Trains a model on a precomp data folder, writing the run folder; resumable.
 
     Everything that can be wrong with the input (config, output folder, data shapes,
@@ -327,6 +354,10 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         out_dir: the run folder.
         resume: continue the run in `out_dir` from its `last.pt`.
         preset: the preset name the config came from (recorded in config.yaml).
+        allow_other_data: resume on a data folder other than the run's (another folder, or
+            files changed since; see `run_dir.other_data`) instead of refusing it.
+        allow_unknown_words: train with a vocabulary that leaves more than
+            `UNKNOWN_REFUSE_SHARE` of the training tokens unknown instead of refusing it.
 
     Returns:
         {'status': 'finished' | 'interrupted', 'signal', 'epoch', 'global_step', 'best_rsum',
@@ -336,15 +367,17 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
     `sgraf.training.run_dir.prepare_run_dir`).
 
     Raises:
-        InputError: bad input (before the first step).
+        InputError: bad input (before the first step; NaN/inf training features when reached).
         FolderLockedError: another run owns `out_dir` (an `InputError`, naming it).
-        NonFiniteLossError: the loss became NaN/inf; `last.pt` is the last good state.
+        NonFiniteLossError: the loss or the weights became NaN/inf; `last.pt`, if written, is
+            the state before.
     """
     info = distributed.init_from_env(device=None if config.device == "auto" else config.device)
     run, run_lock = _claim_run_dir(out_dir, resume, info.is_main)
     try:
         with tf32(config.tf32):
-            return _fit(config, pathlib.Path(data_dir), run, resume, preset, info)
+            return _fit(config, pathlib.Path(data_dir), run, resume, preset, info, allow_other_data=allow_other_data,
+                        allow_unknown_words=allow_unknown_words)
     finally:
         if run_lock is not None:
             run_lock.release()
@@ -367,10 +400,10 @@ def _claim_run_dir(out_dir: str | os.PathLike[str], resume: bool,
 
 
 def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume: bool, preset: str | None,
-         info: Any) -> dict[str, Any]:
+         info: Any, *, allow_other_data: bool = False, allow_unknown_words: bool = False) -> dict[str, Any]:
     """`fit` in a run folder this process has claimed."""
-    from sgraf.checkpoint import load_checkpoint, load_state_checked, save_model
-    from sgraf.data.precomp import PrecompDataset, PrecompSplit, collate_batch
+    from sgraf.checkpoint import load_checkpoint, load_state_checked, non_finite_tensor, save_model
+    from sgraf.data.precomp import CheckedLoader, PrecompDataset, PrecompSplit, collate_batch, data_fingerprint
     from sgraf.data.vocab import Vocabulary
     from sgraf.model.sgraf import SGRAF
 
@@ -380,9 +413,13 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     if config.batch_size < max(2, info.world_size):
         raise InputError(f"batch_size={config.batch_size} is too small: it needs at least 2 captions "
                          f"and one per process ({info.world_size} processes)")
-    train = PrecompSplit(data_dir, "train")
-    dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir))
+    train = PrecompSplit(data_dir, "train")   # its features are checked batch by batch
+    # dev is read whole at the first validation: scanned now, not after an epoch of training
+    dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir), full_scan=True)
     dims = check_data_fits(config, [train, dev])
+    fingerprint = data_fingerprint(data_dir)
+    if resume:
+        _check_same_data(run, data_dir, fingerprint, allow_other_data)
 
     checkpoint = None
     if resume:
@@ -392,6 +429,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         vocab = Vocabulary.from_dict(checkpoint["vocab"], source=str(run / rd.LAST_CHECKPOINT))
     else:
         vocab = resolve_vocab(config, data_dir, train, dev)
+    check_vocab_coverage(vocab, train, allow_unknown_words)
     _seed_everything(config.seed)
     model_config = config.model_config(len(vocab), img_dim=dims[0], num_regions=dims[1])
     if checkpoint is not None:
@@ -414,8 +452,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                     progress.global_step, progress.best_rsum)
     elif info.rank > 0:
         torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
-    if is_main and (not resume or rd.load_run_config(run)[:2] != (config, str(data_dir.resolve()))):
-        rd.save_run_config(run, config, data_dir, preset)   # a resumed run records what changed
+    if is_main:   # on resume too: the config as changed by --set, the data as checked above
+        rd.save_run_config(run, config, data_dir, preset, fingerprint)
     distributed.barrier()
 
     dataset = PrecompDataset(train, vocab)
@@ -429,14 +467,24 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                 device, f", {info.world_size} processes" if info.world_size > 1 else "")
 
     last_loss = float("nan")
+    last_saved_step = progress.global_step if resume else None   # the step last.pt holds
+
+    def check_weights() -> None:
+        broken = non_finite_tensor(model.state_dict())
+        if broken is not None:
+            raise NonFiniteLossError(f"the weights hold NaN/inf (tensor {broken})", step=progress.global_step)
 
     def save_last() -> None:
+        nonlocal last_saved_step
+        check_weights()   # last.pt only ever holds a good state
+        last_saved_step = progress.global_step
         if is_main:
             extra = {"epoch": progress.epoch, "step": progress.global_step, "best_rsum": progress.best_rsum,
                      "train_config": config.to_dict(), STATE_KEY: build_train_state(progress, optimizer, scaler)}
             save_model(model, run / rd.LAST_CHECKPOINT, vocab=vocab, extra=extra)
 
     def run_validation(end_of_epoch: bool) -> None:
+        check_weights()
         result = validate(model, dev, vocab, config, device)
         loss = progress.loss_sum / progress.loss_steps if progress.loss_steps else None
         record = {"epoch": progress.epoch + (0 if end_of_epoch else 1), "step": progress.global_step,
@@ -480,40 +528,39 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                 save_last()
             return stop
 
-        while progress.epoch < config.epochs:
-            set_learning_rate(optimizer, learning_rate(config, progress.epoch))
-            sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, progress.epoch,
-                                        progress.epoch_step, info.rank, info.world_size)
-            loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch,
-                                num_workers=config.workers, generator=torch.Generator().manual_seed(config.seed),
-                                pin_memory=device.type == "cuda")
-            bar = _progress_bar(config, is_main, n_steps, progress, signals)
-            try:
-                stats = train_one_epoch(model, optimizer, loader, config, progress, scaler, device,
-                                        after_step=after_step, bar=bar)
-            except NonFiniteLossError as error:
-                raise NonFiniteLossError(
-                    f"{error} at epoch {progress.epoch + 1}, step {progress.global_step + 1}; stopping. "
-                    f"The last good checkpoint is {run / rd.LAST_CHECKPOINT}"
-                    f"{'' if (run / rd.LAST_CHECKPOINT).exists() else ' (none was written yet)'}; "
-                    "try a lower lr or precision=fp32") from None
-            finally:
-                if bar is not None:
-                    bar.close()
-            if stats["stopped"]:
-                status = "interrupted"
-                signal_name = _signal_name(signals.received)
-                break
-            progress.epoch += 1
-            progress.epoch_step = 0
-            run_validation(end_of_epoch=True)
-            if progress.epoch >= config.epochs:
-                progress.finished = True
-            save_last()
-            if _agree_on_stop(signals.received is not None):
-                if progress.epoch < config.epochs:
-                    status, signal_name = "interrupted", _signal_name(signals.received)
-                break
+        try:
+            while progress.epoch < config.epochs:
+                set_learning_rate(optimizer, learning_rate(config, progress.epoch))
+                sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, progress.epoch,
+                                            progress.epoch_step, info.rank, info.world_size)
+                loader = CheckedLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch,
+                                       num_workers=config.workers,
+                                       generator=torch.Generator().manual_seed(config.seed),
+                                       pin_memory=device.type == "cuda")   # NaN/inf batches refused
+                bar = _progress_bar(config, is_main, n_steps, progress, signals)
+                try:
+                    stats = train_one_epoch(model, optimizer, loader, config, progress, scaler, device,
+                                            after_step=after_step, bar=bar)
+                finally:
+                    if bar is not None:
+                        bar.close()
+                if stats["stopped"]:
+                    status = "interrupted"
+                    signal_name = _signal_name(signals.received)
+                    break
+                progress.epoch += 1
+                progress.epoch_step = 0
+                run_validation(end_of_epoch=True)
+                if progress.epoch >= config.epochs:
+                    progress.finished = True
+                save_last()
+                if _agree_on_stop(signals.received is not None):
+                    if progress.epoch < config.epochs:
+                        status, signal_name = "interrupted", _signal_name(signals.received)
+                    break
+        except NonFiniteLossError as error:
+            raise NonFiniteLossError(_non_finite_message(error, progress, config, run, last_saved_step),
+                                     error.inputs_finite, error.step) from None
     if tensorboard is not None:
         tensorboard.close()
     distributed.barrier()
@@ -524,6 +571,60 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         logger.info("stopped by %s at epoch %d, step %d; continue with: sgraf train --resume %s",
                     signal_name, progress.epoch + 1, progress.global_step, run)
     return summary
+
+
+def _non_finite_message(error: NonFiniteLossError, progress: Progress, config: TrainConfig, run: pathlib.Path,
+                        last_saved_step: int | None) -> str:
+    """What is known when training stops on NaN/inf: where, the cause, the checkpoint left."""
+    last = run / rd.LAST_CHECKPOINT
+    if last_saved_step is not None and last.is_file():
+        kept = f"{last} (step {last_saved_step}) was written before it and is kept"
+    else:
+        kept = f"No checkpoint was written before it (checkpoint_every={config.checkpoint_every})"
+    hint = ""
+    if error.inputs_finite:
+        hint = "; the inputs were finite, so training diverged: try a lower lr" + (
+            "" if config.precision == "fp32" else " or precision=fp32")
+    where = (f"after step {error.step}" if error.step is not None
+             else f"at epoch {progress.epoch + 1}, step {progress.global_step + 1}")
+    return f"{error} {where}; stopping. {kept}{hint}"
+
+
+def _check_same_data(run: pathlib.Path, data_dir: pathlib.Path, fingerprint: dict[str, str], allow: bool) -> None:
+    """Refuse to resume a run on data other than its own, unless `allow` (then a warning)."""
+    reason = rd.other_data(run, data_dir, fingerprint)
+    if reason is None:
+        return
+    if not allow:
+        raise InputError(f"--data {data_dir}: not the data this run trained on ({run / rd.CONFIG_FILE}): {reason}; "
+                         "resuming would train on other data and compare dev rsum across different dev "
+                         "splits. Pass --allow-other-data to resume on it anyway")
+    logger.warning("resuming %s on other data (--allow-other-data): %s; its earlier dev rsum and best.pt come "
+                   "from the other dev split", run, reason)
+
+
+def check_vocab_coverage(vocab: Any, train: Any, allow: bool = False) -> float:
+    """The share of unknown tokens in (a spread sample of) the training captions.
+
+    A WARNING above `UNKNOWN_WARN_SHARE`; refused above `UNKNOWN_REFUSE_SHARE` unless `allow`.
+
+    Raises:
+        InputError: naming the vocabulary, the captions file, the share and the limit.
+    """
+    from sgraf.data.vocab import warn_unknown_share
+
+    captions = train.captions
+    step = -(-len(captions) // VOCAB_SAMPLE)
+    sample = captions[::step]
+    where = str(train.caps_path) + (f" (a sample of {len(sample)} of its {len(captions)} captions)"
+                                    if step > 1 else "")
+    share = warn_unknown_share(vocab, [vocab.encode(c) for c in sample], where)
+    if share > UNKNOWN_REFUSE_SHARE and not allow:
+        raise InputError(f"{getattr(vocab, 'source', 'the vocabulary')}: {100 * share:.1f}% of the tokens of {where} are unknown to this "
+                         f"vocabulary (<unk>), above the {100 * UNKNOWN_REFUSE_SHARE:.0f}% limit: the model would "
+                         "learn from almost no words. Use this data's vocabulary (sgraf vocab build), or pass "
+                         "--allow-unknown-words to train anyway")
+    return share
 
 
 def _val_captions(config: TrainConfig, data_dir: pathlib.Path) -> int | None:

@@ -1,7 +1,8 @@
 """The run folder: `config.yaml`, `metrics.jsonl`, `last.pt`, `best.pt`, `curves.png`.
 
     RUN_DIR/
-      config.yaml     the resolved training config, plus the data folder it trains on
+      config.yaml     the resolved training config, plus the data folder it trains on and
+                      that folder's fingerprint (`sgraf.data.precomp.data_fingerprint`)
       metrics.jsonl   one JSON object per validation (epoch, step, rsum, recalls, loss, lr)
       last.pt         latest checkpoint, with the training state to resume from
       best.pt         checkpoint of the best validation rsum
@@ -89,14 +90,17 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
 
 
 def save_run_config(run: pathlib.Path, config: TrainConfig, data_dir: str | os.PathLike[str],
-                    preset: str | None) -> None:
-    """Writes config.yaml: the data folder, the preset it started from and every field."""
+                    preset: str | None, data_fingerprint: dict[str, str] | None = None) -> None:
+    """Writes config.yaml: the data folder (and its fingerprint), the preset it started from
+    and every field."""
     import yaml
 
     from sgraf import __version__
 
     content: dict[str, Any] = {"data": str(pathlib.Path(data_dir).resolve()), "preset": preset,
                                "sgraf_version": __version__}
+    if data_fingerprint is not None:
+        content["data_fingerprint"] = dict(data_fingerprint)
     content.update(config.to_dict())
     write_text(run / CONFIG_FILE, yaml.safe_dump(content, sort_keys=False))
 
@@ -107,6 +111,29 @@ def load_run_config(run: pathlib.Path) -> tuple[TrainConfig, str, str | None]:
     if not extras.get("data"):
         raise InputError(f"{run / CONFIG_FILE}: no 'data' entry (the data folder of the run)")
     return TrainConfig.from_dict(values, source=str(run / CONFIG_FILE)), str(extras["data"]), extras.get("preset")
+
+
+def other_data(run: pathlib.Path, data_dir: str | os.PathLike[str],
+               fingerprint: dict[str, str]) -> str | None:
+    """Why `data_dir` is not the data the run in `run` trained on, or None when it is.
+
+    The same data is the folder recorded in config.yaml (paths compared resolved) with the
+    recorded fingerprint, or a folder elsewhere with that fingerprint (the data moved). Runs
+    recorded before fingerprints existed compare the paths only.
+    """
+    _, extras = load_config_file(run / CONFIG_FILE)
+    recorded, recorded_fingerprint = extras.get("data"), extras.get("data_fingerprint")
+    given = pathlib.Path(data_dir).resolve()
+    same_folder = recorded is not None and pathlib.Path(str(recorded)).resolve() == given
+    if not isinstance(recorded_fingerprint, dict):
+        return None if same_folder else f"{given} is another folder than {recorded}"
+    if fingerprint == recorded_fingerprint:
+        return None
+    differ = sorted(name for name in set(fingerprint) | set(recorded_fingerprint)
+                    if fingerprint.get(name) != recorded_fingerprint.get(name))
+    if same_folder:
+        return f"the files of {given} changed since the run recorded them ({', '.join(differ)} differ)"
+    return f"{given} is another folder than {recorded}, with other files ({', '.join(differ)} differ)"
 
 
 def append_metrics(run: pathlib.Path, record: dict[str, Any]) -> None:
