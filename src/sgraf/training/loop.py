@@ -338,7 +338,7 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
     from sgraf.data.vocab import Vocabulary
     from sgraf.model.sgraf import SGRAF
 
-    info = distributed.init_from_env(device=None if config.device == "auto" else config.device)
+    info = distributed.init_from_env(device=config.device, what="training config field 'device'")
     device, is_main = info.device, info.is_main
     run = rd.prepare_run_dir(out_dir, resume=resume)
     data_dir = pathlib.Path(data_dir)
