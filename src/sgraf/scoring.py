@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from sgraf import distributed
-from sgraf.errors import InputError
+from sgraf.errors import InputError, check_positive_int
 from sgraf.kernels import tuning
 from sgraf.precision import autocast, check_precision
 
@@ -174,7 +174,7 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
     n_img = len(images)
     parts = []
     with eval_mode([model]), _progress(n_img, "encoding images", progress, "img") as bar:  # type: ignore[list-item]
-        for start in range(0, n_img, batch_size):
+        for start in range(0, n_img, check_positive_int(batch_size, "batch_size")):
             batch = images[start:start + batch_size]  # (b, K, D), read from the memory map
             if not isinstance(batch, torch.Tensor):
                 batch = torch.from_numpy(np.array(batch, dtype=np.float32))
@@ -202,7 +202,7 @@ def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_siz
     order = torch.sort(lengths, descending=True, stable=True).indices
     buckets = []
     with eval_mode([model]), _progress(len(token_ids), "encoding captions", progress, "cap") as bar:  # type: ignore[list-item]
-        for start in range(0, len(token_ids), batch_size):
+        for start in range(0, len(token_ids), check_positive_int(batch_size, "batch_size")):
             index = order[start:start + batch_size]
             bucket_lengths = lengths[index]
             padded = torch.zeros((len(index), int(bucket_lengths.max())), dtype=torch.int64)
@@ -234,8 +234,7 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
         The `Encoded` split, on the model's device.
     """
     check_precision(precision)
-    if batch_size < 1:
-        raise InputError(f"batch size must be a positive integer, got {batch_size}")
+    check_positive_int(batch_size, "batch_size")
     if device is not None and torch.device(device).type != model_device(model).type:  # type: ignore[arg-type]
         raise ValueError(f"encode_split: model is on {model_device(model)}, not on {device}")  # type: ignore[arg-type]
     token_ids = tokenize_captions(split.captions, vocab)
