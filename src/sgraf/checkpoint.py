@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from sgraf.config import ModelConfig
+from sgraf.data.files import torch_file_problem
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -90,15 +91,9 @@ def _torch_load(path: Path, map_location: Any) -> Any:
             raise InputError(f"{path}: refusing to load: the checkpoint pickles the class {found.group(1)}; only "
                              "tensors, plain values and argparse.Namespace (the authors' options) are "
                              "allowed") from None
-        raise InputError(f"{path}: not a readable PyTorch checkpoint ({_first_line(error)})") from None
+        raise InputError(f"{path}: not a readable PyTorch checkpoint ({torch_file_problem(path, error)})") from None
     except Exception as error:  # noqa: BLE001 - any parser failure on a foreign file means "not a checkpoint"
-        raise InputError(f"{path}: not a readable PyTorch checkpoint ({type(error).__name__}: "
-                         f"{_first_line(error)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "no details"
+        raise InputError(f"{path}: not a readable PyTorch checkpoint ({torch_file_problem(path, error)})") from None
 
 
 def config_from_official(opt: argparse.Namespace, state_dicts: list[dict[str, torch.Tensor]]) -> ModelConfig:

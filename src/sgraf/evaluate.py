@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from sgraf import distributed, metrics, scoring
+from sgraf.data.files import npy_problem
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -136,8 +137,8 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
         raise FileNotFoundError(2, "No such file", str(path))
     try:
         sims = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as error:
-        raise InputError(f"{path}: not a .npy score matrix ({error})") from None
+    except (ValueError, OSError, EOFError) as error:
+        raise InputError(f"{path}: not a .npy score matrix ({npy_problem(path, error)})") from None
     if not isinstance(sims, np.ndarray) or sims.ndim != 2 or sims.dtype.kind != "f":
         raise InputError(f"{path}: expected a 2-d float (n_images, n_captions) matrix, got "
                          f"{getattr(sims, 'dtype', type(sims).__name__)} of shape {getattr(sims, 'shape', '?')}")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sgraf.data.files import npy_problem
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -248,14 +249,21 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
     for suffix in (".png", ".jpg"):
         candidate = data_dir / "images" / split / f"{image_id:05d}{suffix}"
         if candidate.is_file():
-            from PIL import Image
+            from PIL import Image, UnidentifiedImageError
 
-            with Image.open(candidate) as handle:
-                picture = np.asarray(handle.convert("RGB"))
+            try:
+                with Image.open(candidate) as handle:
+                    picture = np.asarray(handle.convert("RGB"))
+            except (UnidentifiedImageError, OSError) as error:
+                raise InputError(f"{candidate}: not a readable image ({error})") from None
             break
     boxes_path = data_dir / f"{split}_boxes.npy"
     if boxes_path.is_file():
-        boxes = np.load(boxes_path, mmap_mode="r")
+        try:
+            boxes = np.load(boxes_path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as error:
+            raise InputError(f"{boxes_path}: not a readable .npy array ({npy_problem(boxes_path, error)}); expected "
+                             f"(n_images, {num_regions}, 4) region boxes") from None
         if boxes.ndim != 3 or boxes.shape[1:] != (num_regions, 4) or image_id >= boxes.shape[0]:
             raise InputError(f"{boxes_path}: expected (n_images, {num_regions}, 4) region boxes covering image "
                              f"{image_id}, got shape {boxes.shape}")
@@ -277,10 +285,10 @@ def _image_size(path: Path, image_id: int) -> tuple[int, int] | None:
     """(width, height) of row `image_id` of the TSV converter's `image_id<TAB>w<TAB>h` file, if any."""
     if not path.is_file():
         return None
-    with open(path, encoding="utf-8") as handle:
-        for row, line in enumerate(handle):
+    with open(path, "rb") as handle:
+        for row, raw in enumerate(handle):
             if row == image_id:
-                fields = line.rstrip("\n").split("\t")
+                fields = raw.decode("utf-8", "replace").rstrip("\n").split("\t")  # numbers only are read
                 try:
                     return int(float(fields[1])), int(float(fields[2]))
                 except (IndexError, ValueError):

