@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", metavar="RUN_DIR", help="run folder to create")
     parser.add_argument("--preset", metavar="NAME", help=f"named recipe: {', '.join(PRESETS)}")
     parser.add_argument("--config", metavar="YAML", help="YAML file of config keys (may also name 'data')")
-    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+", default=[],
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+",
                         help="override config keys, e.g. --set module=saf epochs=10 precision=bf16")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last.pt")
     parser.add_argument("--list-keys", action="store_true", help="print the config keys of a preset and exit")
@@ -43,6 +43,8 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
+
+    args.overrides = args.overrides or []
     from sgraf.training.config import parse_overrides, resolve_config
     from sgraf.training.loop import NonFiniteLossError, fit
     from sgraf.training.run_dir import load_run_config, save_run_config
