@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sgraf.config import ModelConfig
-from sgraf.data.files import torch_file_problem
+from sgraf.data.files import is_torch_file, torch_file_problem
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def _torch_load(path: Path, map_location: Any) -> Any:
         raise
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL ([\w.]+)", str(error))
-        if found:
+        if found and is_torch_file(path):  # text starting with 'c' reads as a GLOBAL opcode too
             raise InputError(f"{path}: refusing to load: the checkpoint pickles the class {found.group(1)}; only "
                              "tensors, plain values and argparse.Namespace (the authors' options) are "
                              "allowed") from None

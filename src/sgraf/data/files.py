@@ -39,12 +39,16 @@ def npy_problem(path: str | os.PathLike[str], error: BaseException) -> str:
     return _first_line(error)
 
 
+def is_torch_file(path: str | os.PathLike[str]) -> bool:
+    """Whether the file starts as `torch.save` writes: a zip archive, or (legacy) a binary pickle."""
+    return _head(path, len(ZIP_MAGIC)).startswith((ZIP_MAGIC, PICKLE_PROTOCOL))
+
+
 def torch_file_problem(path: str | os.PathLike[str], error: BaseException) -> str:
     """What is wrong with a file `torch.load(..., weights_only=True)` refused with `error`."""
-    head = _head(path, len(ZIP_MAGIC))
-    if not head:
+    if not _head(path, 1):
         return "empty file"
-    if not head.startswith((ZIP_MAGIC, PICKLE_PROTOCOL)):
+    if not is_torch_file(path):
         return "neither a torch.save archive nor a pickle"
     detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(error))
     return detail.group(1).strip() if detail else f"{type(error).__name__}: {_first_line(error)}"
