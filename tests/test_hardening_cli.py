@@ -280,6 +280,22 @@ def test_files_that_are_not_checkpoints_or_arrays_say_what_they_are_not(gallery,
     _one_line_error(capsys, main(["evaluate", "--sims", str(bad)]), f"{bad}: not a .npy score matrix ({npy_problem})")
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"config": {}}, "model config lacks the field(s) vocab_size"),
+    ({"config": {"module": "xyz"}}, "model config field 'module' must be one of"),
+    ({"vocab": "abc"}, "checkpoint field 'vocab' must be the vocabulary's content (a dict) or null, got str"),
+])
+def test_sgraf_checkpoints_with_bad_fields_are_named(gallery, tmp_path, capsys, change, message):
+    checkpoint = torch.load(gallery["checkpoint"], weights_only=True)
+    if change.get("config"):
+        change = {"config": {**checkpoint["config"], **change["config"]}}
+    bad = tmp_path / "bad.pt"
+    torch.save({**checkpoint, **change}, bad)
+    code = main(["index", "--checkpoint", str(bad), "--data", str(gallery["data"]), "--split", "test", "--out",
+                 str(tmp_path / "index")])
+    _one_line_error(capsys, code, f"{bad}: {message}")
+
+
 def test_explain_names_a_broken_picture_or_boxes_file(gallery, tmp_path):
     from sgraf.explain import region_layout
 
