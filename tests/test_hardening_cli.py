@@ -396,6 +396,26 @@ def test_text_that_is_not_utf8_is_refused_by_the_library(gallery):
         Matcher.load([gallery["checkpoint"]]).encode_texts([text])
 
 
+def test_caption_and_vocabulary_files_that_are_not_utf8_are_named_with_their_line(gallery, tmp_path, capsys):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(gallery["data"], data)
+    (data / "test_caps.txt").write_bytes(b"a dog\na red \xe9ball\n" * N_IMG)
+    code = main(["data", "check", "--data", str(data), "--split", "test"])
+    _one_line_error(capsys, code, f"{data / 'test_caps.txt'}:2: bytes are not valid UTF-8 (byte 0xe9 at column 7)")
+    vocab = tmp_path / "vocab.json"
+    vocab.write_bytes(b'{"word2idx": {"caf\xe9": 4}}')
+    code = main(["index", "--checkpoint", str(gallery["checkpoint"]), "--data", str(gallery["data"]), "--split",
+                 "test", "--out", str(tmp_path / "index"), "--vocab", str(vocab)])
+    _one_line_error(capsys, code, f"{vocab}:1: bytes are not valid UTF-8 (byte 0xe9)")
+    table = tmp_path / "captions.tsv"
+    table.write_bytes(b"1\ta dog\n2\ta \xffcat\n")
+    code = main(["convert-tsv", "--tsv", str(vocab), "--out", str(tmp_path / "out"), "--split", "test",
+                 "--captions", str(table)])
+    _one_line_error(capsys, code, f"{table}:2: bytes are not valid UTF-8")
+
+
 def test_training_config_that_is_not_utf8_is_named_with_its_line(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_bytes(b"epochs: 2\nmodule: s\xe9r\n")
