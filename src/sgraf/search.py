@@ -241,20 +241,25 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
     for key in ("models", "n_images", "n_captions", "files", "dtype"):
         if key not in manifest:
             raise InputError(f"{path}: corrupted index manifest, field {key!r} is missing")
-    expected = {"models": ("a list of model identities", lambda v: isinstance(v, list) and v
-                           and all(isinstance(m, dict) for m in v)),
-                "n_images": ("a positive integer", _is_count), "n_captions": ("a positive integer", _is_count),
-                "files": ("an object of file entries", lambda v: isinstance(v, dict)
-                          and all(isinstance(e, dict) for e in v.values())),
-                "caps_per_image": ("a positive integer or null", lambda v: v is None or _is_count(v))}
-    for key, (wanted, valid) in expected.items():
-        if not valid(manifest.get(key)):
-            raise InputError(f"{path}: corrupted index manifest, field {key!r} is {manifest.get(key)!r}, "
-                             f"expected {wanted}; rebuild the index")
-    if manifest.get("caps_per_image") and (manifest["n_images"] - 1) * manifest["caps_per_image"] >= manifest[
-            "n_captions"]:
-        raise InputError(f"{path}: corrupted index manifest, {manifest['n_images']} images with "
-                         f"{manifest['caps_per_image']} captions each do not fit {manifest['n_captions']} captions")
+    models, files, per_image = manifest["models"], manifest["files"], manifest.get("caps_per_image")
+    checks = (
+        ("models", "a list of model identities",
+         isinstance(models, list) and bool(models) and all(isinstance(m, dict) for m in models)),
+        ("n_images", "a positive integer", _is_count(manifest["n_images"])),
+        ("n_captions", "a positive integer", _is_count(manifest["n_captions"])),
+        ("files", "an object of file entries",
+         isinstance(files, dict) and all(isinstance(entry, dict) for entry in files.values())),
+        ("caps_per_image", "a positive integer or null", per_image is None or _is_count(per_image)),
+    )
+    for key, wanted, valid in checks:
+        if not valid:
+            found = repr(manifest.get(key))
+            found = found if len(found) <= 60 else found[:57] + "..."
+            raise InputError(f"{path}: corrupted index manifest, field {key!r} is {found}, expected {wanted}; "
+                             "rebuild the index")
+    if per_image and (manifest["n_images"] - 1) * per_image >= manifest["n_captions"]:
+        raise InputError(f"{path}: corrupted index manifest, {manifest['n_images']} images with {per_image} "
+                         f"captions each do not fit {manifest['n_captions']} captions; rebuild the index")
     return manifest
 
 
