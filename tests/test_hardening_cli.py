@@ -310,7 +310,8 @@ def test_explain_names_a_broken_picture_or_boxes_file(gallery, tmp_path):
 
 
 def test_generate_preview_must_be_a_png(capsys, tmp_path):
-    code = main(["generate", "--out", str(tmp_path / "g"), "--preview", str(tmp_path)])
+    code = main(["generate", "--out", str(tmp_path / "g"), "--features", "synthetic", "--n-train", "1", "--n-dev",
+                 "1", "--n-test", "1", "--no-images", "--preview", str(tmp_path)])
     _one_line_error(capsys, code, "argument --preview: expected a .png file name")
     assert not (tmp_path / "g").exists()
 
