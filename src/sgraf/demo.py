@@ -113,7 +113,7 @@ def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[s
     if meta_path.is_file():
         try:
             meta = json.loads(meta_path.read_bytes())
-        except ValueError:  # not JSON or not UTF-8: the data of an interrupted demo, generated again
+        except ValueError:  # not JSON or not UTF-8: the benchmark is generated again
             logger.warning("%s is unreadable: generating the benchmark again", meta_path)
             meta = {}
         if isinstance(meta, dict) and meta.get("images") == wanted_images and meta.get("seed") == seed and (

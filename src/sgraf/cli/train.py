@@ -43,11 +43,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
-
-    args.overrides = args.overrides or []
     from sgraf.training.config import parse_overrides, resolve_config
     from sgraf.training.loop import NonFiniteLossError, fit
     from sgraf.training.run_dir import load_run_config, save_run_config
+
+    args.overrides = args.overrides or []   # no --set (None, so that --help shows no default)
 
     if args.list_keys:
         config, _ = resolve_config(args.preset, args.config, args.overrides)

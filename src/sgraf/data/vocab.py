@@ -53,7 +53,7 @@ def tokenize(caption: str | bytes) -> list[str]:
         # bytes.lower() changes only ASCII letters, as the authors' Python 2 byte strings did.
         text = raw.strip().lower().decode("utf-8")
     except UnicodeError as error:  # lone surrogates: bytes that were not UTF-8 in argv or a file
-        raise InputError(f"text {caption!r} is not valid UTF-8 (at character {error.start + 1}); "
+        raise InputError(f"text {caption!r} is not valid UTF-8 (at position {error.start + 1}); "
                          "expected UTF-8 text") from None
     return _word_tokenize(text, preserve_line=True)
 

@@ -26,6 +26,7 @@ from sgraf.precision import PRECISIONS
 
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes 0 .. 2**32 - 1
 
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs besides the data folder and the run folder.
