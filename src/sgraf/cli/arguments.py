@@ -61,7 +61,7 @@ def png_path(value: str) -> str:
     return value
 
 
-def text(value: str) -> str:
+def utf8_text(value: str) -> str:
     """Text from the command line that must be valid Unicode.
 
     Bytes that are not UTF-8 in `argv` reach Python as lone surrogates (surrogateescape);

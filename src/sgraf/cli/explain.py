@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from sgraf.cli.arguments import device, non_negative_int, text
+from sgraf.cli.arguments import device, non_negative_int, utf8_text
 
 if TYPE_CHECKING:
     from sgraf.explain import Explanation
@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", required=True, help="split holding the image")
     parser.add_argument("--image-id", required=True, type=non_negative_int, metavar="N",
                         help="image index in the split")
-    parser.add_argument("--text", required=True, type=text, help="the caption to explain")
+    parser.add_argument("--text", required=True, type=utf8_text, help="the caption to explain")
     parser.add_argument("--out", required=True, metavar="FILE.png", help="PNG to write")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--allow-unknown", action="store_true", help="map unknown words to <unk>")
