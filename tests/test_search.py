@@ -151,7 +151,7 @@ def test_cli_search_json_lists_ids_and_scores_best_first(gallery, capsys):
     (["--text", "a zebra runs"], "'zebra' not in the model's vocabulary"),
     (["--text", "   "], "empty query"),
     (["--image-id", "99"], "image id 99 is out of range"),
-    (["--text", "a dog", "--top-k", "0"], "--top-k must be a positive integer"),
+    (["--text", "a dog", "--top-k", "0"], "argument --top-k: expected a positive integer, got 0"),
 ])
 def test_cli_search_bad_queries_are_one_line_errors(gallery, capsys, argv, message):
     assert main(["search", "--index", str(gallery["index"]), *argv]) == 2

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from sgraf.data.arrays import check_finite_features, mapped_file
-from sgraf.errors import InputError
+from sgraf.devices import resolve_device
+from sgraf.errors import InputError, check_positive_int
 from sgraf.precision import autocast, check_precision
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ class Matcher:
             their score matrices are averaged, as the paper's SGRAF averages SGR and SAF.
         vocab: the vocabulary used to tokenise text; default: the first model's `vocab`.
         sources: the checkpoint path of each model (kept in the identities), optional.
-        device: where to compute.
+        device: where to compute ('cpu', 'cuda', 'cuda:N', 'mps'; checked by
+            `sgraf.devices.resolve_device`).
         precision: 'fp32', 'bf16' or 'fp16' autocast for encoding and scoring.
         batch_size: images or texts encoded per forward pass.
     """
@@ -137,9 +139,9 @@ class Matcher:
                  precision: str = "fp32", batch_size: int = 128) -> None:
         if not models:
             raise InputError("a Matcher needs at least one model")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.precision = check_precision(precision)
-        self.batch_size = int(batch_size)
+        self.batch_size = check_positive_int(batch_size, "batch_size")
         self.models = [model.to(self.device).eval() for model in models]
         self.vocab = vocab if vocab is not None else getattr(self.models[0], "vocab", None)
         self.sources = list(sources) if sources is not None else [None] * len(self.models)
@@ -172,6 +174,7 @@ class Matcher:
         from sgraf.checkpoint import load_model
         from sgraf.data.vocab import load_vocab
 
+        device = resolve_device(device)  # before the loading, which can take a while
         paths = [checkpoints] if isinstance(checkpoints, (str, Path)) else list(checkpoints)
         if not paths:
             raise InputError("no checkpoint given")

@@ -126,6 +126,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
                 raise InputError(f"{path}: checkpoint field {key!r} must be a {kind.__name__}")
         raw.setdefault("vocab", None)
         raw.setdefault("extra", {})
+        if raw["vocab"] is not None and not isinstance(raw["vocab"], dict):
+            raise InputError(f"{path}: checkpoint field 'vocab' must be the vocabulary's content (a dict) or "
+                             f"null, got {type(raw['vocab']).__name__}")
         return raw
     if isinstance(raw, dict) and isinstance(raw.get("opt"), argparse.Namespace) and "model" in raw:
         parts = raw["model"]
@@ -199,6 +202,14 @@ def _vocab_size(vocab: Any) -> int:
     return len(vocab)
 
 
+def _model_config(checkpoint: dict[str, Any], path: str | os.PathLike) -> ModelConfig:
+    """The checkpoint's `ModelConfig`; a bad field is reported with the checkpoint's path."""
+    try:
+        return ModelConfig.from_dict(checkpoint["config"])
+    except InputError as error:
+        raise InputError(f"{path}: {error}") from None
+
+
 def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = None) -> torch.nn.Module:
     """The model of a checkpoint in either format, in eval mode.
 
@@ -212,7 +223,7 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
     from sgraf.model.sgraf import SGRAF
 
     checkpoint = load_checkpoint(path, map_location)
-    config = ModelConfig.from_dict(checkpoint["config"])
+    config = _model_config(checkpoint, path)
     model = SGRAF(config)
     load_state_checked(model, checkpoint["state_dict"], source=str(path))
     model.vocab = _resolve_vocab(vocab if vocab is not None else checkpoint.get("vocab"), source=str(path))
@@ -233,7 +244,7 @@ def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any 
     checkpoint = load_checkpoint(src)
     from sgraf.model.sgraf import SGRAF
 
-    config = ModelConfig.from_dict(checkpoint["config"])
+    config = _model_config(checkpoint, src)
     load_state_checked(SGRAF(config), checkpoint["state_dict"], source=str(src))
     resolved = _resolve_vocab(vocab) if vocab is not None else checkpoint.get("vocab")
     if resolved is not None and _vocab_size(resolved) != config.vocab_size:

@@ -90,6 +90,10 @@ class ModelConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise InputError(f"unknown model config keys {unknown}; valid keys: {sorted(known)}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
+                   and f.default is dataclasses.MISSING]
+        if missing:
+            raise InputError(f"model config lacks the field(s) {', '.join(missing)}")
         return cls(**values)
 
     def replace(self, **changes: Any) -> "ModelConfig":

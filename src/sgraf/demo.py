@@ -21,7 +21,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -57,16 +57,27 @@ class DemoSettings:
     shortlist: int = 50
 
 
+def merge_overrides(*groups: Iterable[str]) -> tuple[str, ...]:
+    """`key=value` overrides with each key once: a later value replaces an earlier one in place."""
+    merged: dict[str, str] = {}
+    for group in groups:
+        for pair in group:
+            key, _, value = pair.partition("=")
+            merged[key] = value
+    return tuple(f"{key}={value}" for key, value in merged.items())
+
+
 # The `demo` preset, smaller and with summed violations: trained from scratch with hardest
 # negatives only (the authors' max_violation), these models stayed at the loss of a constant
 # score (2 x margin x batch) for 5 epochs on this benchmark, while summed violations learn from
 # the first epoch (measured; see the README section "use").
 _SMALL = ("embed_size=64", "sim_dim=32", "word_dim=32", "batch_size=32", "lr=5e-4", "max_violation=false",
           "checkpoint_every=0")
-FULL = DemoSettings(n_train=1500, n_dev=100, n_test=300, train_overrides=(*_SMALL, "epochs=8", "lr_update=6"))
+FULL = DemoSettings(n_train=1500, n_dev=100, n_test=300,
+                    train_overrides=merge_overrides(_SMALL, ("epochs=8", "lr_update=6")))
 QUICK = DemoSettings(n_train=96, n_dev=24, n_test=32, shortlist=20,
-                     train_overrides=(*_SMALL, "epochs=1", "word_dim=16", "embed_size=32", "sim_dim=16",
-                                      "sgr_step=2"))
+                     train_overrides=merge_overrides(_SMALL, ("epochs=1", "word_dim=16", "embed_size=32",
+                                                              "sim_dim=16", "sgr_step=2")))
 
 
 def _choose_features(features: str) -> tuple[str, Any]:
@@ -112,8 +123,12 @@ def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[s
     wanted_images = {"train": settings.n_train, "dev": settings.n_dev, "test": settings.n_test}
     meta_path = data / "benchmark.json"
     if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("images") == wanted_images and meta.get("seed") == seed and (
+        try:
+            meta = json.loads(meta_path.read_bytes())
+        except ValueError:  # not JSON or not UTF-8: the benchmark is generated again
+            logger.warning("%s is unreadable: generating the benchmark again", meta_path)
+            meta = {}
+        if isinstance(meta, dict) and meta.get("images") == wanted_images and meta.get("seed") == seed and (
                 features == "auto" or meta.get("features") == features):
             logger.info("reusing the benchmark in %s", data)
             return meta
@@ -207,8 +222,8 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
 
     runs: dict[str, dict[str, Any]] = {}
     for label, changes in METHODS:
-        overrides = [*settings.train_overrides, f"seed={seed}", f"progress={progress}",
-                     *(f"{key}={value}" for key, value in changes.items())]
+        overrides = list(merge_overrides(settings.train_overrides, (f"seed={seed}", f"progress={progress}"),
+                                         (f"{key}={value}" for key, value in changes.items())))
         config, _ = resolve_config("demo", overrides=overrides)
         tic, tic_cpu = time.perf_counter(), time.process_time()
         logger.info("training %s (%s)", label, ", ".join(overrides))

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sgraf.devices import resolve_device
+from sgraf.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,25 +40,33 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def init_from_env(device: str | None = None, backend: str | None = None) -> DistInfo:
+def init_from_env(device: str | torch.device | None = None, backend: str | None = None,
+                  what: str = "device") -> DistInfo:
     """Join the process group described by the ``torchrun`` environment, if any.
 
     Args:
-        device: ``"cpu"``, ``"cuda"`` or None (CUDA when available). Under torchrun each process
-            takes the CUDA device of its ``LOCAL_RANK``.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or None (CUDA when available),
+            checked by `sgraf.devices.resolve_device`. Under torchrun each process takes the
+            CUDA device of its ``LOCAL_RANK``.
         backend: process-group backend; default NCCL for CUDA, gloo for CPU.
+        what: how the caller's user named the device setting, for error messages.
 
     Returns:
         This process's `DistInfo` (rank 0 of 1 when not launched by torchrun).
+
+    Raises:
+        InputError: a device this machine cannot use, or a ``LOCAL_RANK`` without its GPU.
     """
-    use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    target = resolve_device(device, what=what)
+    use_cuda = target.type == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
-        index = local_rank if launched_by_torchrun() else ((torch.device(device).index or 0) if device else 0)
+        index = local_rank if launched_by_torchrun() else (target.index or 0)
+        if index >= torch.cuda.device_count():
+            raise InputError(f"LOCAL_RANK {index} has no CUDA device: this machine has "
+                             f"{torch.cuda.device_count()}; start at most that many processes per node")
         torch.cuda.set_device(index)
         target = torch.device("cuda", index)
-    else:
-        target = torch.device(device or "cpu")
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"))
         logger.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(),

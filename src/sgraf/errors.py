@@ -4,9 +4,18 @@
 command line turns it into a one-line message and exit code 2.
 """
 
+import numbers
+
 
 class InputError(ValueError):
     """Bad user input: a file, field or tensor that is not what was expected.
 
     The message names the file (and line or field) or the argument, and what was expected.
     """
+
+
+def check_positive_int(value: object, name: str) -> int:
+    """`value` as an int if it is an integer >= 1 (a size or a count), else `InputError` naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)

@@ -250,10 +250,13 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
     for suffix in (".png", ".jpg"):
         candidate = data_dir / "images" / split / f"{image_id:05d}{suffix}"
         if candidate.is_file():
-            from PIL import Image
+            from PIL import Image, UnidentifiedImageError
 
-            with Image.open(candidate) as handle:
-                picture = np.asarray(handle.convert("RGB"))
+            try:
+                with Image.open(candidate) as handle:
+                    picture = np.asarray(handle.convert("RGB"))
+            except (UnidentifiedImageError, OSError) as error:
+                raise InputError(f"{candidate}: not a readable image ({error})") from None
             break
     boxes_path = data_dir / f"{split}_boxes.npy"
     if boxes_path.is_file():
@@ -284,10 +287,10 @@ def _image_size(path: Path, image_id: int) -> tuple[int, int] | None:
     """(width, height) of row `image_id` of the TSV converter's `image_id<TAB>w<TAB>h` file, if any."""
     if not path.is_file():
         return None
-    with open(path, encoding="utf-8") as handle:
-        for row, line in enumerate(handle):
+    with open(path, "rb") as handle:
+        for row, raw in enumerate(handle):
             if row == image_id:
-                fields = line.rstrip("\n").split("\t")
+                fields = raw.decode("utf-8", "replace").rstrip("\n").split("\t")  # numbers only are read
                 try:
                     return int(float(fields[1])), int(float(fields[2]))
                 except (IndexError, ValueError):

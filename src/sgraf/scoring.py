@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from sgraf import distributed
-from sgraf.errors import InputError
+from sgraf.errors import check_positive_int
 from sgraf.model import blocks
 from sgraf.model.blocks import (BLOCK_ELEMENTS, IMAGE_BLOCK, CaptionBucket, Encoded, Scorer, check_ensemble,
                                 encode_token_buckets, eval_mode, image_globals, model_device, score_encoded)
@@ -75,6 +75,7 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
     Raises:
         InputError: a feature is NaN/inf (naming the file, image, region and dimension).
     """
+    batch_size = check_positive_int(batch_size, "batch_size")
     with _progress(len(images), "encoding images", progress, "img") as bar:
         return blocks.encode_images(model, images, batch_size, precision, on_batch=bar.update, source=source)
 
@@ -86,6 +87,7 @@ def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_siz
     Returns:
         Buckets in decreasing length; ``bucket.index`` maps back to positions in `token_ids`.
     """
+    batch_size = check_positive_int(batch_size, "batch_size")
     with _progress(len(token_ids), "encoding captions", progress, "cap") as bar:
         return encode_token_buckets(model, token_ids, batch_size=batch_size, precision=precision,
                                     on_batch=bar.update)
@@ -109,8 +111,7 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
         The `Encoded` split, on the model's device.
     """
     check_precision(precision)
-    if batch_size < 1:
-        raise InputError(f"batch size must be a positive integer, got {batch_size}")
+    check_positive_int(batch_size, "batch_size")
     if device is not None and torch.device(device).type != model_device(model).type:  # type: ignore[arg-type]
         raise ValueError(f"encode_split: model is on {model_device(model)}, not on {device}")  # type: ignore[arg-type]
     token_ids = tokenize_captions(split.captions, vocab)

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from sgraf.api import Matcher, describe_identity, shortlist_keys
 from sgraf.atomic_write import temporary_folder, write_error
 from sgraf.data.arrays import check_finite_features, mapped_file, open_npy
 from sgraf.data.vocab import warn_unknown_share
-from sgraf.errors import InputError
+from sgraf.errors import InputError, check_positive_int
 from sgraf.signals import signals_deferred
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def _vocab_sha256(vocab: Any) -> str | None:
 # --------------------------------------------------------------------------------- building
 def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: str | Path, *,
                 caps_per_image: int | None = None, source: dict[str, Any] | None = None,
-                dtype: str = "float32", batch_size: int = 256) -> Path:
+                dtype: str = "float32", batch_size: int = 256, progress: bool = False) -> Path:
     """Encode a gallery and write it as an index folder.
 
     Args:
@@ -107,12 +108,14 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         source: where the gallery came from (data dir, split), stored in the manifest.
         dtype: storage of the embeddings, 'float32' (exact) or 'float16' (half the disk).
         batch_size: images / captions encoded per chunk.
+        progress: progress bars (images, then captions) on stderr.
 
     Returns:
         The index folder.
     """
     if dtype not in STORAGE_DTYPES:
         raise InputError(f"index dtype must be one of {', '.join(STORAGE_DTYPES)}, got {dtype!r}")
+    batch_size = check_positive_int(batch_size, "batch_size")
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
         raise InputError(f"{out} exists and is not an sgraf index; choose another --out")
@@ -134,7 +137,7 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     try:
         captions_label = (f"the {source['split']} captions of {source['data_dir']}"
                           if source and {"split", "data_dir"} <= set(source) else "the gallery captions")
-        _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label)
+        _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label, progress)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -202,26 +205,35 @@ def _describe_file(path: Path) -> dict[str, Any]:
     return entry
 
 
+def _progress(total: int, desc: str, unit: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, dynamic_ncols=True,
+                disable=not enabled, leave=False)
+
+
 def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: Path, dtype: str,
-                 batch_size: int, captions_label: str) -> None:
+                 batch_size: int, captions_label: str, progress: bool = False) -> None:
     n_img, n_cap, n_models = int(features.shape[0]), len(captions), len(matcher.models)
     source, first_row = mapped_file(features)   # a memory map: its file and rows
     # images, in chunks written straight into memory-mapped files
     regions_out: list[np.memmap] = []
     keys_out = None
-    for start in range(0, n_img, batch_size):
-        chunk = np.asarray(features[start:start + batch_size], dtype=np.float32)
-        check_finite_features(chunk, source or "image features", first_image=first_row + start)
-        encoding = matcher.encode_images(chunk)
-        if keys_out is None:
-            keys_out = _open_out(folder / "image_keys.npy", (n_img, *shortlist_keys(encoding.global_vectors).shape[1:]),
-                                 "float32")
-            regions_out = [_open_out(folder / f"image_regions.{m}.npy", (n_img, *encoding.regions[m].shape[1:]),
-                                     dtype) for m in range(n_models)]
-        stop = start + len(encoding)
-        keys_out[start:stop] = shortlist_keys(encoding.global_vectors)
-        for m in range(n_models):
-            regions_out[m][start:stop] = encoding.regions[m].numpy().astype(dtype)
+    with _progress(n_img, "encoding images", "img", progress) as bar:
+        for start in range(0, n_img, batch_size):
+            chunk = np.asarray(features[start:start + batch_size], dtype=np.float32)
+            check_finite_features(chunk, source or "image features", first_image=first_row + start)
+            encoding = matcher.encode_images(chunk)
+            if keys_out is None:
+                key_width = shortlist_keys(encoding.global_vectors).shape[1]
+                keys_out = _open_out(folder / "image_keys.npy", (n_img, key_width), "float32")
+                regions_out = [_open_out(folder / f"image_regions.{m}.npy", (n_img, *encoding.regions[m].shape[1:]),
+                                         dtype) for m in range(n_models)]
+            stop = start + len(encoding)
+            keys_out[start:stop] = shortlist_keys(encoding.global_vectors)
+            for m in range(n_models):
+                regions_out[m][start:stop] = encoding.regions[m].numpy().astype(dtype)
+            bar.update(stop - start)
     # captions: tokenise all first, for the padded width
     ids = [matcher.vocab.encode(caption) for caption in captions]
     warn_unknown_share(matcher.vocab, ids, captions_label)
@@ -232,19 +244,21 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
                            (n_cap, width, matcher.models[m].config.embed_size), dtype)
                  for m in range(n_models)]
     cap_keys_out = None
-    for start in range(0, n_cap, batch_size):
-        chunk = ids[start:start + batch_size]
-        padded = torch.zeros(len(chunk), max(len(c) for c in chunk), dtype=torch.int64)
-        for row, caption in enumerate(chunk):
-            padded[row, :len(caption)] = torch.tensor(caption)
-        encoding = matcher.encode_token_ids(padded, torch.from_numpy(lengths[start:start + len(chunk)]))
-        keys = shortlist_keys(encoding.global_vectors)
-        if cap_keys_out is None:
-            cap_keys_out = _open_out(folder / "caption_keys.npy", (n_cap, keys.shape[1]), "float32")
-        cap_keys_out[start:start + len(chunk)] = keys
-        for m in range(n_models):
-            block = encoding.words[m].numpy()
-            words_out[m][start:start + len(chunk), :block.shape[1]] = block.astype(dtype)
+    with _progress(n_cap, "encoding captions", "cap", progress) as bar:
+        for start in range(0, n_cap, batch_size):
+            chunk = ids[start:start + batch_size]
+            padded = torch.zeros(len(chunk), max(len(c) for c in chunk), dtype=torch.int64)
+            for row, caption in enumerate(chunk):
+                padded[row, :len(caption)] = torch.tensor(caption)
+            encoding = matcher.encode_token_ids(padded, torch.from_numpy(lengths[start:start + len(chunk)]))
+            keys = shortlist_keys(encoding.global_vectors)
+            if cap_keys_out is None:
+                cap_keys_out = _open_out(folder / "caption_keys.npy", (n_cap, keys.shape[1]), "float32")
+            cap_keys_out[start:start + len(chunk)] = keys
+            for m in range(n_models):
+                block = encoding.words[m].numpy()
+                words_out[m][start:start + len(chunk), :block.shape[1]] = block.astype(dtype)
+            bar.update(len(chunk))
     for array in [*regions_out, *words_out, keys_out, cap_keys_out]:
         array.flush()
     del regions_out, words_out, keys_out, cap_keys_out
@@ -275,14 +289,47 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
     for key in ("models", "n_images", "n_captions", "files", "dtype"):
         if key not in manifest:
             raise InputError(f"{path}: corrupted index manifest, field {key!r} is missing")
+    models, files, per_image = manifest["models"], manifest["files"], manifest.get("caps_per_image")
+    checks = (
+        ("models", "a list of model identities",
+         isinstance(models, list) and bool(models) and all(isinstance(m, dict) for m in models)),
+        ("n_images", "a positive integer", _is_count(manifest["n_images"])),
+        ("n_captions", "a positive integer", _is_count(manifest["n_captions"])),
+        ("files", "an object of file entries",
+         isinstance(files, dict) and all(isinstance(entry, dict) for entry in files.values())),
+        ("caps_per_image", "a positive integer or null", per_image is None or _is_count(per_image)),
+    )
+    for key, wanted, valid in checks:
+        if not valid:
+            found = repr(manifest.get(key))
+            found = found if len(found) <= 60 else found[:57] + "..."
+            raise InputError(f"{path}: corrupted index manifest, field {key!r} is {found}, expected {wanted}; "
+                             "rebuild the index")
+    if per_image and (manifest["n_images"] - 1) * per_image >= manifest["n_captions"]:
+        raise InputError(f"{path}: corrupted index manifest, {manifest['n_images']} images with {per_image} "
+                         f"captions each do not fit {manifest['n_captions']} captions; rebuild the index")
     return manifest
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _file_entry(folder: Path, name: str, manifest: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
+    """The manifest's record of index file `name`, with the fields that are read."""
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise InputError(f"{folder / MANIFEST}: corrupted index manifest, no entry for {name}")
+    missing = [field for field in fields if field not in entry]
+    if missing:
+        raise InputError(f"{folder / MANIFEST}: corrupted index manifest, the entry for {name} lacks "
+                         f"{', '.join(missing)}; rebuild the index")
+    return entry
 
 
 def _open_array(folder: Path, name: str, manifest: dict[str, Any], verify: bool) -> np.ndarray:
     path = folder / name
-    entry = manifest["files"].get(name)
-    if entry is None:
-        raise InputError(f"{folder / MANIFEST}: corrupted index manifest, no entry for {name}")
+    entry = _file_entry(folder, name, manifest, ("bytes", "sha256", "shape", "dtype"))
     if not path.is_file():
         raise InputError(f"{path}: index file is missing; rebuild the index with `sgraf index`")
     if path.stat().st_size != entry["bytes"]:
@@ -297,6 +344,27 @@ def _open_array(folder: Path, name: str, manifest: dict[str, Any], verify: bool)
         raise InputError(f"{path}: corrupted index file, array {array.dtype}{list(array.shape)} where the "
                          f"manifest records {entry['dtype']}{entry['shape']}; rebuild the index")
     return array
+
+
+def _read_captions(folder: Path, manifest: dict[str, Any], verify: bool) -> list[str]:
+    """The gallery's captions from captions.txt, checked against the manifest like the arrays."""
+    path = folder / CAPTIONS
+    entry = _file_entry(folder, CAPTIONS, manifest, ("bytes", "sha256"))
+    if not path.is_file():
+        raise InputError(f"{path}: index file is missing; rebuild the index with `sgraf index`")
+    data = path.read_bytes()
+    if len(data) != entry["bytes"]:
+        raise InputError(f"{path}: corrupted index file, {len(data)} bytes where the manifest records "
+                         f"{entry['bytes']} (truncated or overwritten); rebuild the index")
+    if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise InputError(f"{path}: corrupted index file, its sha256 does not match the manifest; rebuild the index")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{path}:{line}: corrupted index file, bytes that are not valid UTF-8 "
+                         f"(byte 0x{data[exc.start]:02x}); rebuild the index") from None
+    return text.split("\n")[:-1]
 
 
 def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str) -> None:
@@ -320,7 +388,8 @@ def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str
 
 def open_index(path: str | Path, matcher: Matcher | None = None,
                checkpoints: Sequence[str | Path] | None = None, vocab: Any | None = None,
-               verify: bool = True, first_stage: str = "auto") -> "GalleryIndex":
+               verify: bool = True, first_stage: str = "auto",
+               device: str | torch.device = "cpu") -> "GalleryIndex":
     """Open an index folder for search.
 
     Args:
@@ -333,6 +402,7 @@ def open_index(path: str | Path, matcher: Matcher | None = None,
         verify: check every file's sha256 against the manifest (reads the whole index once).
         first_stage: 'numpy' (exact inner products), 'faiss' (FAISS flat inner-product index,
             needs the `faiss` extra) or 'auto' (FAISS when installed).
+        device: where the loaded models encode and score (not used with `matcher`).
     """
     folder = Path(path)
     manifest = _read_manifest(folder)
@@ -344,7 +414,7 @@ def open_index(path: str | Path, matcher: Matcher | None = None,
         if missing:
             raise InputError(f"index {folder} was built with checkpoint(s) {', '.join(missing)}, which no "
                              "longer exist; pass --checkpoint with the same model(s)")
-        matcher = Matcher.load(paths, vocab=vocab)
+        matcher = Matcher.load(paths, vocab=vocab, device=device)
     check_identity(manifest, matcher, folder)
     return GalleryIndex(folder, manifest, matcher, verify=verify, first_stage=first_stage)
 
@@ -374,18 +444,32 @@ class GalleryIndex:
         self.caption_lengths = np.asarray(load("caption_lengths.npy"))      # (n_cap,)
         self.image_regions = [load(f"image_regions.{m}.npy") for m in range(n_models)]
         self.caption_words = [load(f"caption_words.{m}.npy") for m in range(n_models)]
-        captions_path = folder / CAPTIONS
-        if verify and _sha256_file(captions_path) != manifest["files"].get(CAPTIONS, {}).get("sha256"):
-            raise InputError(f"{captions_path}: corrupted index file, its sha256 does not match the manifest")
-        self.captions = captions_path.read_text(encoding="utf-8").split("\n")[:-1]
+        self.captions = _read_captions(folder, manifest, verify)
         if len(self.captions) != self.n_captions:
-            raise InputError(f"{captions_path}: corrupted index file, {len(self.captions)} captions where the "
+            raise InputError(f"{folder / CAPTIONS}: corrupted index file, {len(self.captions)} captions where the "
                              f"manifest records {self.n_captions}")
-        shapes = {"image_keys.npy": (self.image_keys.shape[0], self.n_images),
-                  "caption_keys.npy": (self.caption_keys.shape[0], self.n_captions)}
-        for name, (got, expected) in shapes.items():
-            if got != expected:
-                raise InputError(f"{folder / name}: corrupted index, {got} rows for {expected} items")
+        # What --no-verify leaves unchecked must still not crash a query: shapes, lengths, keys.
+        arrays = {"image_keys.npy": (self.image_keys, 2, self.n_images),
+                  "caption_keys.npy": (self.caption_keys, 2, self.n_captions),
+                  "caption_lengths.npy": (self.caption_lengths, 1, self.n_captions)}
+        for m in range(n_models):
+            arrays[f"image_regions.{m}.npy"] = (self.image_regions[m], 3, self.n_images)
+            arrays[f"caption_words.{m}.npy"] = (self.caption_words[m], 3, self.n_captions)
+        for name, (array, rank, rows) in arrays.items():
+            if array.ndim != rank or array.shape[0] != rows:
+                raise InputError(f"{folder / name}: corrupted index file, shape {array.shape} where {rows} rows "
+                                 f"of rank {rank} are expected; rebuild the index")
+        width = min(words.shape[1] for words in self.caption_words)
+        lengths = self.caption_lengths
+        if lengths.dtype.kind not in "iu" or int(lengths.min()) < 1 or int(lengths.max()) > width:
+            raise InputError(f"{folder / 'caption_lengths.npy'}: corrupted index file, lengths {lengths.min()}.."
+                             f"{lengths.max()} where 1..{width} (the width of the word embeddings) are expected; "
+                             "rebuild the index")
+        for name in ("image_keys.npy", "caption_keys.npy"):
+            keys = arrays[name][0]
+            if keys.dtype.kind != "f" or not np.isfinite(keys).all():
+                raise InputError(f"{folder / name}: corrupted index file, {keys.dtype} keys with NaN or infinite "
+                                 "values where finite floats are expected; rebuild the index")
         self._faiss = {"image": None, "caption": None}
         self.first_stage = first_stage
         if first_stage in ("auto", "faiss"):
@@ -438,6 +522,22 @@ class GalleryIndex:
                              "returns results from the shortlist only")
         return min(int(top_k), n), min(int(shortlist), n)
 
+    def _rows(self, kind: str, index: Any) -> list[torch.Tensor]:
+        """Rows `index` of every model's 'image_regions' or 'caption_words' as float32 tensors.
+
+        Only these rows are read from the memory maps; they are checked here because
+        `--no-verify` skips the checksum that would have caught damaged values.
+        """
+        arrays = self.image_regions if kind == "image_regions" else self.caption_words
+        rows = []
+        for m, array in enumerate(arrays):
+            block = np.array(array[index], dtype=np.float32)
+            if not np.isfinite(block).all():
+                raise InputError(f"{self.folder / f'{kind}.{m}.npy'}: corrupted index file, NaN or infinite "
+                                 "embeddings where finite values are expected; rebuild the index")
+            rows.append(torch.from_numpy(block))
+        return rows
+
     @staticmethod
     def _best(ids: np.ndarray, scores: np.ndarray, coarse: np.ndarray, top_k: int) -> list[tuple[int, float, float]]:
         order = np.lexsort((ids, -scores))[:top_k]  # best score first, ties by id
@@ -456,7 +556,7 @@ class GalleryIndex:
         top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_images)
         text = self.matcher.encode_texts([query], allow_unknown=allow_unknown)
         ids, coarse = self._coarse("image", shortlist_keys(text.global_vectors)[0], shortlist)
-        regions = [torch.from_numpy(np.array(r[ids], dtype=np.float32)) for r in self.image_regions]
+        regions = self._rows("image_regions", ids)
         scores = self.matcher.score_embeddings(regions, text)[:, 0]        # (shortlist,)
         hits = []
         for image_id, score, rough in self._best(ids, scores, coarse, top_k):
@@ -486,13 +586,12 @@ class GalleryIndex:
             if not isinstance(image_id, (int, np.integer)) or not 0 <= image_id < self.n_images:
                 raise InputError(f"image id {image_id!r} is out of range: the index holds images "
                                  f"0..{self.n_images - 1}")
-            regions = [torch.from_numpy(np.array(r[image_id:image_id + 1], dtype=np.float32))
-                       for r in self.image_regions]
+            regions = self._rows("image_regions", slice(image_id, image_id + 1))
             key = self.image_keys[image_id]
         ids, coarse = self._coarse("caption", key, shortlist)
         lengths = torch.from_numpy(np.array(self.caption_lengths[ids]))
         width = int(lengths.max())
-        words = [torch.from_numpy(np.array(w[ids, :width], dtype=np.float32)) for w in self.caption_words]
+        words = self._rows("caption_words", (ids, slice(0, width)))
         scores = self.matcher.score_embeddings(regions, (words, lengths))[0]   # (shortlist,)
         return [Hit(cap_id, score, rough, self.captions[cap_id])
                 for cap_id, score, rough in self._best(ids, scores, coarse, top_k)]

@@ -40,11 +40,14 @@ def load_weights_only(path: str | os.PathLike[str], map_location: Any = "cpu", a
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as error:  # noqa: BLE001 - any parser failure on a foreign file means "not a checkpoint"
+        from sgraf.data.files import is_torch_file, torch_file_problem
+
+        # a text file starting with 'c' reads as a pickle's GLOBAL opcode too: only a pickle is refused as one
+        pickled = is_torch_file(path) or _is_raw_pickle(path)
         refused = isinstance(error, pickle.UnpicklingError) and "GLOBAL" in str(error)
-        if refused or "weights_only" in str(error) or _is_raw_pickle(path):
+        if pickled and (refused or "weights_only" in str(error)) or _is_raw_pickle(path):
             raise _unsafe(path, str(error), what, allowed) from None
-        raise InputError(f"{path}: not a readable PyTorch {what} ({type(error).__name__}: "
-                         f"{_first_line(error)})") from None
+        raise InputError(f"{path}: not a readable PyTorch {what} ({torch_file_problem(path, error)})") from None
 
 
 def _unsafe(path: Path, message: str, what: str, allowed: Sequence[type]) -> InputError:
@@ -72,8 +75,3 @@ def _is_raw_pickle(path: Path) -> bool:
     except OSError:
         return False
     return not zipfile.is_zipfile(path) and (first[:1] == bytes([_PICKLE_PROTOCOL]) or first[:1] in (b"(", b"}", b"]"))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "no details"

@@ -5,8 +5,10 @@ which adds its parser and sets `func` to a callable `(args) -> int`. Modules imp
 dependencies inside their functions, so `sgraf --help` stays fast.
 
 Bad input (`ValueError`, which `sgraf.errors.InputError` subclasses, and missing or unreadable
-files) is reported in one line on stderr with exit code 2. SIGTERM and SIGINT stop a command
-with a one-line message and exit code 143 or 130, after its temporary files are removed.
+files) is reported in one line on stderr with exit code 2; so are arguments out of range, which
+the shared argparse types of `sgraf.cli.arguments` refuse before anything is loaded. `--help`
+shows every option's default. SIGTERM and SIGINT stop a command with a one-line message and
+exit code 143 or 130, after its temporary files are removed.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
-from typing import Sequence
+from typing import Any, NoReturn, Sequence
 
 # Order is the order of `sgraf --help`.
 COMMAND_MODULES = (
@@ -36,13 +39,52 @@ COMMAND_MODULES = (
 logger = logging.getLogger("sgraf")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default after its help text (flags and options without one aside)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        if "%(default)" in help_text or default is None or default is argparse.SUPPRESS or action.nargs == 0:
+            return help_text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{help_text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """`argparse.ArgumentParser` with `HelpFormatter`; sub-command parsers inherit it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """One line, like every other refusal of the command line (the usage is one --help away)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's own `__version__`."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as distribution_version
+
+    try:
+        return distribution_version("sgraf")
+    except PackageNotFoundError:
+        from sgraf import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="sgraf",
         description="Image-text matching with SGRAF (Similarity Graph Reasoning and Attention Filtration).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                       parser_class=ArgumentParser)
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(f"sgraf.cli.{name}")
@@ -56,10 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, --version (0) or a refused argument (2)
+        return int(stop.code or 0)
+    if callable(getattr(sys.stdout, "reconfigure", None)):
+        # A path given as bytes that are not UTF-8 reaches Python as lone surrogates; print it back
+        # as those bytes (as ls does) rather than fail after the work is done.
+        sys.stdout.reconfigure(errors="surrogateescape")
+    rank, world_size = _torchrun_rank()
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
+        level=log_level(args.verbose, rank),
+        format=("%(levelname)s %(name)s: %(message)s" if world_size <= 1
+                else f"%(levelname)s %(name)s [rank {rank}]: %(message)s"),
         stream=sys.stderr,
     )
     from sgraf.signals import Stopped, stop_on_sigterm
@@ -78,6 +129,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sgraf {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def log_level(verbose: bool, rank: int) -> int:
+    """DEBUG with --verbose; else INFO, but WARNING on the processes of torchrun other than rank 0."""
+    if verbose:
+        return logging.DEBUG
+    return logging.INFO if rank == 0 else logging.WARNING
+
+
+def _torchrun_rank() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) that torchrun set for this process; (0, 1) without torchrun."""
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        return 0, 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sgraf.cli.arguments import positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("data", help="inspect precomp data",
@@ -20,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--split", required=True, help="split name (train, dev, test, testall, ...)")
     check.add_argument("--vocab", help="vocabulary JSON (default: DIR/vocab.json when present)")
     check.add_argument("--full-scan", action="store_true", help="check every feature for NaN/inf")
-    check.add_argument("--max-captions", type=int, help="only the first N captions (the authors' dev: 5000)")
+    check.add_argument("--max-captions", type=positive_int, help="only the first N captions (the authors' dev: 5000)")
     check.set_defaults(func=run_check)
 
 

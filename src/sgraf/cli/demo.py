@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from sgraf.cli.arguments import seed
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -12,11 +14,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "them and the SGRAF ensemble on test, and write a report with pictures.")
     parser.add_argument("--quick", action="store_true", help="a small, fast run for smoke tests")
     parser.add_argument("--out", default="sgraf-demo", metavar="DIR",
-                        help="run folder (default: sgraf-demo); an earlier demo's folder is rewritten, any other "
+                        help="run folder; an earlier demo's folder is rewritten, any other "
                              "non-empty folder refused, and one that another demo is writing refused")
     parser.add_argument("--features", choices=("auto", "cnn", "synthetic"), default="auto",
                         help="benchmark features: CNN (vision extra) or synthetic; auto picks CNN when installed")
-    parser.add_argument("--seed", type=int, default=0, help="data and training seed")
+    parser.add_argument("--seed", type=seed, default=0, help="data and training seed")
     parser.set_defaults(func=run)
 
 

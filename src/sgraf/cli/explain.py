@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from sgraf.cli.arguments import device, non_negative_int, utf8_text
+
 if TYPE_CHECKING:
     from sgraf.explain import Explanation
 
@@ -18,11 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="model checkpoint; repeat for an ensemble (e.g. SGR and SAF)")
     parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
     parser.add_argument("--split", required=True, help="split holding the image")
-    parser.add_argument("--image-id", required=True, type=int, metavar="N", help="image index in the split")
-    parser.add_argument("--text", required=True, help="the caption to explain")
+    parser.add_argument("--image-id", required=True, type=non_negative_int, metavar="N",
+                        help="image index in the split")
+    parser.add_argument("--text", required=True, type=utf8_text, help="the caption to explain")
     parser.add_argument("--out", required=True, metavar="FILE.png", help="PNG to write")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--allow-unknown", action="store_true", help="map unknown words to <unk>")
+    parser.add_argument("--device", type=device, default="cpu", help="where to compute: cpu, cuda, cuda:N or mps")
     parser.set_defaults(func=run)
 
 
@@ -34,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.out.lower().endswith(".png"):
         raise InputError(f"--out must name a .png file, got {args.out!r}")
-    matcher = Matcher.load(args.checkpoint, vocab=args.vocab)
+    matcher = Matcher.load(args.checkpoint, vocab=args.vocab, device=args.device)
     split = PrecompSplit(args.data, args.split)
     if not 0 <= args.image_id < split.n_images:
         raise InputError(f"--image-id {args.image_id} is out of range: split {args.split!r} of {args.data} "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from sgraf.cli.arguments import device, positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -15,11 +17,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--images", required=True, help="folder of images")
     parser.add_argument("--captions", required=True, help="captions file: 'file_name<TAB>caption' per line")
     parser.add_argument("--out", required=True, help="output data directory")
-    parser.add_argument("--split", default="train", help="split name (default train)")
-    parser.add_argument("--backbone", default="efficientnet-lite0", help="backbone name (default efficientnet-lite0)")
+    parser.add_argument("--split", default="train", help="split name")
+    parser.add_argument("--backbone", default="efficientnet-lite0", help="backbone name")
     parser.add_argument("--weights", help="weights file (default: the one installed with the backbone)")
-    parser.add_argument("--image-size", type=int, default=192, help="input side in pixels (default 192)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-size", type=positive_int, default=192, help="input side in pixels")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass")
+    parser.add_argument("--device", type=device, default="cpu",
+                        help="where to run the backbone: cpu, cuda, cuda:N or mps")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the split's files the folder already holds; those an earlier sgraf run wrote and "
                              "this one does not (boxes, image ids, pictures, ...) are removed, so no stale companion "
@@ -30,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sgraf.data.features import extract_folder, get_backbone
 
-    backbone = get_backbone(args.backbone, weights_path=args.weights, image_size=args.image_size)
+    backbone = get_backbone(args.backbone, weights_path=args.weights, image_size=args.image_size).to(args.device)
     info = extract_folder(args.images, args.captions, args.out, args.split, backbone, batch_size=args.batch_size,
                           overwrite=args.overwrite)
     print(f"wrote {args.out}/{args.split}_ims.npy: {info['images']} images x {info['regions']} regions x "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from sgraf.cli.arguments import png_path, positive_int, seed
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -13,17 +15,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "negatives (binding, attribute, relation, count), and write train/dev/test in the "
                     "precomp layout with vocab.json. Same seed -> byte-identical files.")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="data seed")
     parser.add_argument("--features", choices=("cnn", "synthetic", "auto"), default="auto",
                         help="cnn: EfficientNet-Lite0 grid features (needs sgraf[vision]); synthetic: fast "
                              "features computed from the scene description (for tests); auto: cnn when the "
-                             "vision extra is installed (default)")
-    parser.add_argument("--n-train", type=int, default=3000, help="training images (default 3000)")
-    parser.add_argument("--n-dev", type=int, default=500, help="validation images (default 500)")
-    parser.add_argument("--n-test", type=int, default=500, help="test images (default 500)")
-    parser.add_argument("--synthetic-dim", type=int, default=128, help="feature size of --features synthetic")
+                             "vision extra is installed")
+    parser.add_argument("--n-train", type=positive_int, default=3000, help="training images")
+    parser.add_argument("--n-dev", type=positive_int, default=500, help="validation images")
+    parser.add_argument("--n-test", type=positive_int, default=500, help="test images")
+    parser.add_argument("--synthetic-dim", type=positive_int, default=128, help="feature size of --features synthetic")
     parser.add_argument("--no-images", action="store_true", help="do not keep the rendered PNGs")
-    parser.add_argument("--preview", metavar="PNG", help="also draw a grid of test images with captions")
+    parser.add_argument("--preview", metavar="PNG", type=png_path,
+                        help="also draw a grid of test images with captions")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the data the folder already holds (features, captions, pictures, vocabulary); "
                              "without it a folder holding precomp files is refused. Files of the earlier data set that "

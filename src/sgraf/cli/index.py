@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from sgraf.cli.arguments import device, positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -18,7 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                         help="storage of the embeddings: float32 (exact) or float16 (half the disk)")
-    parser.add_argument("--batch-size", type=int, default=256, help="images / captions encoded per chunk")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="images / captions encoded per chunk")
+    parser.add_argument("--device", type=device, default="cpu", help="where to encode: cpu, cuda, cuda:N or mps")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
 
@@ -29,11 +33,11 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.data.precomp import PrecompSplit
     from sgraf.search import build_index
 
-    matcher = Matcher.load(args.checkpoint, vocab=args.vocab, batch_size=args.batch_size)
+    matcher = Matcher.load(args.checkpoint, vocab=args.vocab, batch_size=args.batch_size, device=args.device)
     split = PrecompSplit(args.data, args.split)
     source = {"data_dir": str(Path(args.data).resolve()), "split": args.split}
     out = build_index(matcher, split.images, split.captions, args.out, caps_per_image=split.caps_per_image,
-                      source=source, dtype=args.dtype, batch_size=args.batch_size)
+                      source=source, dtype=args.dtype, batch_size=args.batch_size, progress=not args.quiet)
     print(f"indexed {split.n_images} images and {split.n_captions} captions of {args.data} [{args.split}] "
           f"with {len(args.checkpoint)} model(s) into {out}")
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from sgraf.cli.arguments import device, non_negative_int, positive_int, utf8_text
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -12,11 +14,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "score re-ranks them. Ids are image / caption indices in the split's order.")
     parser.add_argument("--index", required=True, metavar="INDEX", help="index folder (sgraf index)")
     query = parser.add_mutually_exclusive_group(required=True)
-    query.add_argument("--text", help="a text query: returns images")
-    query.add_argument("--image-id", type=int, metavar="N", help="an image of the index: returns captions")
-    parser.add_argument("--top-k", type=int, default=10, metavar="K", help="results to return (10)")
-    parser.add_argument("--shortlist", type=int, default=100, metavar="N",
-                        help="candidates re-ranked by the full score (100); 0 scores the whole gallery")
+    query.add_argument("--text", type=utf8_text, help="a text query: returns images")
+    query.add_argument("--image-id", type=non_negative_int, metavar="N",
+                       help="an image of the index: returns captions")
+    parser.add_argument("--top-k", type=positive_int, default=10, metavar="K", help="results to return")
+    parser.add_argument("--shortlist", type=non_negative_int, default=100, metavar="N",
+                        help="candidates re-ranked by the full score; 0 scores the whole gallery")
     parser.add_argument("--json", action="store_true", help='print [{"id", "score"}, ...], best first')
     parser.add_argument("--checkpoint", action="append", metavar="CKPT",
                         help="the index's model(s), if their recorded paths moved (must be the same weights)")
@@ -27,21 +30,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="map words unknown to the vocabulary to <unk> instead of refusing the query")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksum of every index file (faster for large galleries)")
+    parser.add_argument("--device", type=device, default="cpu",
+                        help="where to encode and score: cpu, cuda, cuda:N or mps")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from sgraf.errors import InputError
     from sgraf.search import open_index
 
-    if args.top_k < 1:
-        raise InputError(f"--top-k must be a positive integer, got {args.top_k}")
-    if args.shortlist < 0:
-        raise InputError(f"--shortlist must be 0 (whole gallery) or a positive integer, got {args.shortlist}")
     index = open_index(args.index, checkpoints=args.checkpoint, vocab=args.vocab, verify=not args.no_verify,
-                       first_stage=args.first_stage)
+                       first_stage=args.first_stage, device=args.device)
     shortlist = None if args.shortlist == 0 else max(args.shortlist, args.top_k)
     if args.text is not None:
         hits = index.search_text(args.text, top_k=args.top_k, shortlist=shortlist,

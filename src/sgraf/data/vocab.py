@@ -51,9 +51,13 @@ def tokenize(caption: str | bytes) -> list[str]:
         from nltk.tokenize import word_tokenize
 
         _word_tokenize = word_tokenize
-    raw = caption.encode("utf-8") if isinstance(caption, str) else bytes(caption)
-    # bytes.lower() changes only ASCII letters, as the authors' Python 2 byte strings did.
-    text = raw.strip().lower().decode("utf-8")
+    try:
+        raw = caption.encode("utf-8") if isinstance(caption, str) else bytes(caption)
+        # bytes.lower() changes only ASCII letters, as the authors' Python 2 byte strings did.
+        text = raw.strip().lower().decode("utf-8")
+    except UnicodeError as error:  # lone surrogates: bytes that were not UTF-8 in argv or a file
+        raise InputError(f"text {caption!r} is not valid UTF-8 (at position {error.start + 1}); "
+                         "expected UTF-8 text") from None
     return _word_tokenize(text, preserve_line=True)
 
 

@@ -24,6 +24,9 @@ from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, SIMILARITIES, ModelCon
 from sgraf.errors import InputError
 from sgraf.precision import PRECISIONS
 
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes 0 .. 2**32 - 1
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs besides the data folder and the run folder.
@@ -115,8 +118,9 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "lr_update", "word_dim", "embed_size", "sim_dim",
                      "num_layers", "sgr_step", "val_batch_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("workers", "val_every", "checkpoint_every", "log_every", "seed"):
+        for name in ("workers", "val_every", "checkpoint_every", "log_every"):
             _check_int(name, getattr(self, name), minimum=0)
+        _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         for name in ("img_dim", "num_regions", "val_max_captions"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
@@ -154,9 +158,11 @@ class TrainConfig:
         return ModelConfig(vocab_size=vocab_size, img_dim=img_dim, num_regions=num_regions, **values)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InputError(f"training config field {name!r} must be an integer >= {minimum}, got {value!r}")
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise InputError(f"training config field {name!r} must be an integer {bounds}, got {value!r}")
 
 
 # The authors' recipes (official.md): Adam 2e-4, batch 128, clip 2.0, margin 0.2, hardest
@@ -210,9 +216,15 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str
 
     path = pathlib.Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(2, "training config file not found", str(path)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{path}:{line}: bytes are not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
+                         "expected a UTF-8 YAML file of config keys") from None
     try:
         values = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -372,7 +372,7 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         NonFiniteLossError: the loss or the weights became NaN/inf; `last.pt`, if written, is
             the state before.
     """
-    info = distributed.init_from_env(device=None if config.device == "auto" else config.device)
+    info = distributed.init_from_env(device=config.device, what="training config field 'device'")
     run, run_lock = _claim_run_dir(out_dir, resume, info.is_main)
     try:
         with tf32(config.tf32):

@@ -152,14 +152,16 @@ def read_metrics(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         line = line.strip()
         if not line:
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)  # json decodes the UTF-8 bytes itself
+        except (json.JSONDecodeError, UnicodeDecodeError):
             continue  # a line cut short by a crash
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 

@@ -1,0 +1,77 @@
+"""Argument types shared by the sub-commands: numbers in range, seeds, devices, text.
+
+Each is an argparse `type=`: a bad value is refused while parsing, so argparse prints
+`argument --batch-size: expected a positive integer, got 0` with the usage and exit code 2,
+before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _integer(text: str, expected: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sizes, counts, batch sizes)."""
+    value = _integer(text, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (indices; counts where 0 means 'none' or 'all')."""
+    value = _integer(text, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A random seed, 0 .. 2**32 - 1 (what numpy accepts)."""
+    from sgraf.training.config import MAX_SEED
+
+    value = _integer(text, f"a seed in 0..{MAX_SEED}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a seed in 0..{MAX_SEED}, got {value}")
+    return value
+
+
+def device(text: str) -> str:
+    """A torch device this machine can use ('cpu', 'cuda', 'cuda:N', 'mps'), checked now."""
+    from sgraf.devices import resolve_device
+    from sgraf.errors import InputError
+
+    try:
+        return str(resolve_device(text))
+    except InputError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def png_path(value: str) -> str:
+    """A file name for a picture to write, which must end in .png (the format is taken from it)."""
+    if not value.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"expected a .png file name, got {value!r}")
+    return value
+
+
+def utf8_text(value: str) -> str:
+    """Text from the command line that must be valid Unicode.
+
+    Bytes that are not UTF-8 in `argv` reach Python as lone surrogates (surrogateescape);
+    they would fail later, inside the tokenizer, with a codec message.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raw = value[error.start].encode("utf-8", "surrogateescape")
+        raise argparse.ArgumentTypeError(
+            f"bytes that are not valid UTF-8 (byte 0x{raw[0]:02x} at character {error.start + 1}); "
+            "expected UTF-8 text") from None
+    return value
