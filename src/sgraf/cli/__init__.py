@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "index",
     "search",
     "explain",
+    "serve",
     "generate",
     "data",
     "vocab",
