@@ -260,6 +260,21 @@ def test_texts_that_wait_together_are_scored_as_one_batch(service):
         worker.stop()
 
 
+def test_several_compute_threads_answer_as_one(service):
+    worker = Worker(service, max_queue=32, max_batch=3, threads=2).start()
+    threads = list(worker._threads)
+    queries = ["a dog", "a red ball in the park", "the woman runs", "a cat", "blue grass", "a man plays"]
+    try:
+        futures = [worker.search_text(q, 3, 6) for q in queries] + [worker.call(service.search_image, 1, 2)]
+        answers = [f.result(30) for f in futures]
+    finally:
+        worker.stop()
+    assert len(threads) == 2 and not any(thread.is_alive() for thread in threads)
+    for query, answer in zip(queries, answers):
+        assert [r["id"] for r in answer] == [r["id"] for r in service.search_text(query, top_k=3)["results"]]
+    assert len(answers[-1]["results"]) == 2
+
+
 def test_scoring_runs_off_the_event_loop(service):
     with TestClient(create_app(service)) as client:
         worker = client.app.state.worker

@@ -30,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="requests waiting for the models at most; more are answered 503 (64)")
     parser.add_argument("--max-batch", type=int, default=16, metavar="N",
                         help="text searches scored together at most (16; 1 turns batching off)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="compute threads taking requests side by side (1)")
+    parser.add_argument("--threads", type=int, default=0, metavar="N",
+                        help="torch threads inside each operation (0: torch's default, one per core)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksum of every index file (faster start for large galleries)")
     parser.set_defaults(func=run)
@@ -48,16 +52,24 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--port must be in 0..65535, got {args.port}")
     if args.shortlist < 1:
         raise InputError(f"--shortlist must be a positive integer, got {args.shortlist}")
-    if args.max_queue < 1 or args.max_batch < 1:
-        raise InputError(f"--max-queue and --max-batch must be positive, got {args.max_queue} and {args.max_batch}")
+    for name in ("max_queue", "max_batch", "workers"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.threads < 0:
+        raise InputError(f"--threads must be 0 (torch's default) or a positive integer, got {args.threads}")
+
+    import torch
 
     from sgraf.serve.app import create_app
     from sgraf.serve.service import SearchService
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
     service = SearchService.open(args.index, checkpoints=args.checkpoint, vocab=args.vocab, device=args.device,
                                  precision=args.precision, shortlist=args.shortlist, verify=not args.no_verify,
                                  first_stage=args.first_stage, data_dir=args.data)
-    app = create_app(service, max_queue=args.max_queue, max_batch=args.max_batch)
+    app = create_app(service, max_queue=args.max_queue, max_batch=args.max_batch, workers=args.workers)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {args.index} ({service.index.n_images} images, {service.index.n_captions} captions) "
           f"at http://{host}:{args.port}/  (API reference: /docs; Ctrl-C stops)", flush=True)

@@ -45,15 +45,16 @@ TEXT = Query(None, description=f"a text query (1..{MAX_TEXT_CHARS} characters): 
 ALLOW_UNKNOWN = Query(False, description="map words the vocabulary does not know to <unk> instead of refusing them")
 
 
-def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16) -> FastAPI:
+def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16, workers: int = 1) -> FastAPI:
     """The application for an opened service.
 
     Args:
         service: the gallery and models, opened once.
         max_queue: requests waiting for the models at most; more are answered 503.
         max_batch: text searches scored together at most (1: one at a time).
+        workers: compute threads (see `Worker`).
     """
-    worker = Worker(service, max_queue=max_queue, max_batch=max_batch)
+    worker = Worker(service, max_queue=max_queue, max_batch=max_batch, threads=workers)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,7 +135,7 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16)
         """Gallery size, the models (their weight hashes), device, precision, queue."""
         answer = service.health()
         answer["queue"] = {"waiting": worker.waiting, "max_queue": worker.max_queue,
-                           "max_batch": worker.max_batch, "batches": worker.batches,
+                           "max_batch": worker.max_batch, "workers": worker.n_threads, "batches": worker.batches,
                            "batched_texts": worker.batched_texts}
         return answer
 

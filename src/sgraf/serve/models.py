@@ -87,6 +87,7 @@ class HealthAnswer(BaseModel):
     models: list[ModelInfo]
     device: str
     precision: str
+    torch_threads: int
     shortlist: int
     first_stage: str
     pictures: bool

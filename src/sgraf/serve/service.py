@@ -279,6 +279,8 @@ class SearchService:
     # ----------------------------------------------------------------------------- health
     def health(self) -> dict[str, Any]:
         """`GET /api/health`: the gallery, the models and how they run."""
+        import torch
+
         return {
             "status": "ok",
             "index": str(self.index.folder),
@@ -290,6 +292,7 @@ class SearchService:
                        for identity in self.matcher.identities],
             "device": str(self.matcher.device),
             "precision": self.matcher.precision,
+            "torch_threads": torch.get_num_threads(),
             "shortlist": self.shortlist,
             "first_stage": self.index.first_stage,
             "pictures": self.picture_dir is not None,

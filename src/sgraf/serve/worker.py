@@ -1,7 +1,7 @@
-"""One thread runs every model call of the server; text searches waiting together run as one batch.
+"""The threads that run the server's model calls; text searches waiting together run as one batch.
 
-The event loop never scores: a route puts a job on a bounded queue and awaits its future. The
-worker thread takes the job at the head of the queue and, with it, the text searches waiting
+The event loop never scores: a route puts a job on a bounded queue and awaits its future. A
+worker thread (one by default) takes the job at the head of the queue and, with it, the text searches waiting
 behind it (up to `max_batch`, those with the same shortlist, so a result never depends on
 what it was batched with): they are encoded in one pass and share one first-stage pass over
 the gallery's keys (`SearchService.search_texts`). Other jobs (image searches, explanations)
@@ -54,38 +54,46 @@ class _CallJob:
 
 
 class Worker:
-    """The server's compute thread.
+    """The server's compute threads.
 
     Args:
         service: a `SearchService` (its `search_texts` answers batches of text searches).
         max_queue: jobs waiting at most; more are refused with `Busy`.
         max_batch: text searches scored together at most (1: one at a time).
+        threads: compute threads taking jobs from the queue (several: jobs run side by side,
+            e.g. one per core with one torch thread each).
     """
 
-    def __init__(self, service: Any, max_queue: int = 64, max_batch: int = 16) -> None:
-        if max_queue < 1 or max_batch < 1:
-            raise ValueError(f"max_queue and max_batch must be positive, got {max_queue} and {max_batch}")
+    def __init__(self, service: Any, max_queue: int = 64, max_batch: int = 16, threads: int = 1) -> None:
+        if max_queue < 1 or max_batch < 1 or threads < 1:
+            raise ValueError(f"max_queue, max_batch and threads must be positive, got {max_queue}, {max_batch} "
+                             f"and {threads}")
         self.service = service
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.n_threads = threads
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._count = threading.Lock()
         self.batches = 0          # batches of text searches run, and the searches in them
         self.batched_texts = 0
 
     # ----------------------------------------------------------------------------- life
     def start(self) -> "Worker":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="sgraf-serve-worker", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._run, name=f"sgraf-serve-worker-{i}", daemon=True)
+                             for i in range(self.n_threads)]
+            for thread in self._threads:
+                thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the jobs already queued, then end the thread."""
-        if self._thread is not None:
+        """Finish the jobs already queued, then end the threads."""
+        for _ in self._threads:
             self._jobs.put(None)    # blocks while the queue is full: the queued jobs go first
-            self._thread.join(timeout)
-            self._thread = None
+        for thread in self._threads:
+            thread.join(timeout)
+        self._threads = []
 
     def __enter__(self) -> "Worker":
         return self.start()
@@ -95,7 +103,7 @@ class Worker:
 
     # ----------------------------------------------------------------------------- submitting
     def _put(self, job: Any) -> Future:
-        if self._thread is None:
+        if not self._threads:
             raise RuntimeError("the worker is not running")
         try:
             self._jobs.put_nowait(job)
@@ -143,7 +151,7 @@ class Worker:
                             break
                 self._run_batch(batch)
                 for other in held:
-                    if other is None:
+                    if other is None:        # this thread's stop signal
                         return
                     if isinstance(other, _CallJob):
                         _settle(other.future, other.call)
@@ -163,8 +171,9 @@ class Worker:
             if not isinstance(exc, Exception):
                 raise
             return
-        self.batches += 1
-        self.batched_texts += len(live)
+        with self._count:
+            self.batches += 1
+            self.batched_texts += len(live)
         for job, hits in zip(live, results):
             job.future.set_result(hits[:job.top_k])
 
