@@ -30,7 +30,8 @@ from sgraf.precision import autocast, check_precision
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Matcher", "ImageEncoding", "TextEncoding", "model_identity", "describe_identity"]
+__all__ = ["Matcher", "ImageEncoding", "TextEncoding", "model_identity", "describe_identity", "shortlist_keys",
+           "split_shortlist_keys"]
 
 
 def _weights_sha256(model: torch.nn.Module) -> str:
@@ -116,6 +117,24 @@ def shortlist_keys(global_vectors: Sequence[torch.Tensor]) -> np.ndarray:
     scale = 1.0 / np.sqrt(len(global_vectors))
     return np.concatenate([v.detach().cpu().float().numpy() * scale for v in global_vectors],
                           axis=1).astype(np.float32)
+
+
+def split_shortlist_keys(keys: np.ndarray, sizes: Sequence[int]) -> list[torch.Tensor] | None:
+    """The models' global vectors back from `shortlist_keys` (the inverse of its scaling).
+
+    Args:
+        keys: (n, sum of d_m) first-stage keys.
+        sizes: each model's d_m, in the matcher's order.
+
+    Returns:
+        per model, (n, d_m) float32; None when the widths do not add up.
+    """
+    if keys.ndim != 2 or keys.shape[1] != sum(sizes):
+        return None
+    scale = np.float32(np.sqrt(len(sizes)))
+    edges = np.cumsum([0, *sizes])
+    return [torch.from_numpy(np.ascontiguousarray(keys[:, a:b], dtype=np.float32) * scale)
+            for a, b in zip(edges[:-1], edges[1:])]
 
 
 class Matcher:
@@ -324,13 +343,19 @@ class Matcher:
     @torch.no_grad()
     def score_embeddings(self, images: ImageEncoding | Sequence[torch.Tensor],
                          texts: TextEncoding | tuple[Sequence[torch.Tensor], torch.Tensor],
-                         image_block: int = 256, text_block: int = 256) -> np.ndarray:
+                         image_block: int = 256, text_block: int = 256,
+                         image_globals: Sequence[torch.Tensor] | None = None,
+                         text_globals: Sequence[torch.Tensor] | None = None) -> np.ndarray:
         """Full SGRAF scores of encoded images against encoded texts, the ensemble mean.
 
         Args:
             images: an `ImageEncoding`, or per model (n_img, K, d_m) region embeddings.
             texts: a `TextEncoding`, or (per model (n_txt, L, d_m) word embeddings, lengths).
             image_block, text_block: block sizes that bound memory.
+            image_globals, text_globals: optional per model (n, d_m) self-attention global
+                vectors of these images / texts (an index stores them as its first-stage keys),
+                so the scorer does not compute them again; they must be the models' own
+                (`ImageEncoding.global_vectors`, `TextEncoding.global_vectors`).
 
         Returns:
             (n_img, n_txt) float32 numpy.
@@ -342,16 +367,24 @@ class Matcher:
             words, lengths = list(texts[0]), torch.as_tensor(texts[1])
         n_img, n_txt = int(regions[0].shape[0]), int(lengths.shape[0])
         total = np.zeros((n_img, n_txt), dtype=np.float32)
-        for model, img_embs, cap_embs in zip(self.models, regions, words):
+        def block_of(vectors: Sequence[torch.Tensor] | None, m: int, start: int, size: int) -> torch.Tensor | None:
+            if vectors is None:
+                return None
+            return torch.as_tensor(vectors[m][start:start + size]).float().to(self.device)
+
+        for m, (model, img_embs, cap_embs) in enumerate(zip(self.models, regions, words)):
             for t0 in range(0, n_txt, text_block):
                 block_lengths = torch.as_tensor(lengths[t0:t0 + text_block], dtype=torch.int64)
                 width = int(block_lengths.max())
                 block_caps = torch.as_tensor(cap_embs[t0:t0 + text_block, :width]).float().to(self.device)
                 block_lengths = block_lengths.to(self.device)
+                cap_glo = block_of(text_globals, m, t0, text_block)
                 for i0 in range(0, n_img, image_block):
                     block_imgs = torch.as_tensor(img_embs[i0:i0 + image_block]).float().to(self.device)
+                    img_glo = block_of(image_globals, m, i0, image_block)
                     with autocast(self.precision, self.device):
-                        sims = model.similarity(block_imgs, block_caps, block_lengths)  # (bi, bt)
+                        sims = model.similarity(block_imgs, block_caps, block_lengths,
+                                                img_glo=img_glo, cap_glo=cap_glo)  # (bi, bt)
                     total[i0:i0 + image_block, t0:t0 + text_block] += sims.float().cpu().numpy()
         return total / len(self.models)
 

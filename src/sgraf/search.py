@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from sgraf.api import Matcher, describe_identity, shortlist_keys
+from sgraf.api import Matcher, describe_identity, shortlist_keys, split_shortlist_keys
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -396,6 +396,13 @@ class GalleryIndex:
             result.append((ids[order], coarse[order]))
         return result
 
+    def _globals(self, keys: np.ndarray, ids: np.ndarray | None = None) -> list[torch.Tensor] | None:
+        """The models' global vectors of these items, from the first-stage keys the index stores
+        (computed from the exact embeddings when it was built), so that re-ranking does not
+        recompute them; None if the keys do not split into the models' sizes."""
+        rows = keys if ids is None else keys[ids]
+        return split_shortlist_keys(rows, [m.config.embed_size for m in self.matcher.models])
+
     def _check_sizes(self, top_k: int, shortlist: int | None, n: int) -> tuple[int, int]:
         if not isinstance(top_k, (int, np.integer)) or top_k < 1:
             raise InputError(f"top_k must be a positive integer, got {top_k!r}")
@@ -442,7 +449,9 @@ class GalleryIndex:
             regions = [torch.from_numpy(np.array(r[ids], dtype=np.float32)) for r in self.image_regions]
             length = int(texts.lengths[q])
             words = [w[q:q + 1, :length] for w in texts.words]
-            scores = self.matcher.score_embeddings(regions, (words, texts.lengths[q:q + 1]))[:, 0]   # (shortlist,)
+            scores = self.matcher.score_embeddings(
+                regions, (words, texts.lengths[q:q + 1]), image_globals=self._globals(self.image_keys, ids),
+                text_globals=[v[q:q + 1] for v in texts.global_vectors])[:, 0]          # (shortlist,)
             hits = []
             for image_id, score, rough in self._best(ids, scores, coarse, top_k):
                 caption = None
@@ -479,6 +488,7 @@ class GalleryIndex:
         lengths = torch.from_numpy(np.array(self.caption_lengths[ids]))
         width = int(lengths.max())
         words = [torch.from_numpy(np.array(w[ids, :width], dtype=np.float32)) for w in self.caption_words]
-        scores = self.matcher.score_embeddings(regions, (words, lengths))[0]   # (shortlist,)
+        scores = self.matcher.score_embeddings(regions, (words, lengths), image_globals=self._globals(key[None, :]),
+                                               text_globals=self._globals(self.caption_keys, ids))[0]  # (shortlist,)
         return [Hit(cap_id, score, rough, self.captions[cap_id])
                 for cap_id, score, rough in self._best(ids, scores, coarse, top_k)]
