@@ -14,10 +14,10 @@ explanations) `{data}/{split}_ims.npy`. `data_dir` overrides the recorded folder
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -272,9 +272,7 @@ class SearchService:
 
         explanation = self._explanation(image_id, text, allow_unknown)
         layout = self._layout(explanation.image_id)
-        with tempfile.TemporaryDirectory(prefix="sgraf-serve-") as folder:
-            path = render_explanation(explanation, layout, Path(folder) / "explain.png")
-            return path.read_bytes()
+        return render_explanation(explanation, layout, io.BytesIO()).getvalue()   # no file written
 
     # ----------------------------------------------------------------------------- health
     def health(self) -> dict[str, Any]:
