@@ -60,7 +60,8 @@ def gallery(tmp_path_factory) -> dict:
     np.save(data / "test_ims.npy", features)
     (data / "test_caps.txt").write_text("\n".join(captions) + "\n")
     for i in range(N_IMG):
-        Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(data / "images" / "test" / f"{i:05d}.png")
+        pixels = rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(data / "images" / "test" / f"{i:05d}.png")
     (root / "secret.png").write_bytes(b"not for the web")
     (data / "images" / "test" / "notes.txt").write_text("a file that is not a picture")
     vocab = Vocabulary.from_words(WORDS)

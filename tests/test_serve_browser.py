@@ -164,7 +164,8 @@ def test_type_a_caption_find_the_picture_and_open_its_explanation(server, browse
     assert first_word in caption
     pixels = browser.execute_script(
         "const c = arguments[0]; const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
-        "let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
+        "let lo = 255, hi = 0;"
+        "for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
         "return [lo, hi];", canvas)
     assert pixels[1] - pixels[0] > 50, "the attention picture is blank"
     before = canvas.screenshot_as_png

@@ -51,7 +51,8 @@ class SearchService:
             records. Pictures and explanations are off when it (or its files) is missing.
     """
 
-    def __init__(self, index: GalleryIndex, shortlist: int = 100, data_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, index: GalleryIndex, shortlist: int = 100,
+                 data_dir: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(shortlist, int) or shortlist < 1:
             raise InputError(f"--shortlist must be a positive integer, got {shortlist!r}")
         self.index = index
