@@ -169,6 +169,7 @@ function showWords(answer) {
   const offset = answer.nodes.length && answer.nodes[0].label === "[global]" ? 1 : 0;
   const tokens = answer.attention ? answer.attention.tokens : [];
   state.word = null;
+  let bestBeta = -1;
   answer.nodes.forEach((node, p) => {
     const row = el("li");
     const word = p - offset;
@@ -177,7 +178,9 @@ function showWords(answer) {
     button.disabled = !hasMap;
     if (hasMap) {
       button.addEventListener("click", () => { state.word = word; drawAttention(); });
-      if (state.word === null && !/^<.*>$/.test(node.label)) state.word = word;  // first real word
+      // start with the word SAF weighs most (or the first word without SAF)
+      const beta = node.saf_beta === null ? 0 : node.saf_beta;
+      if (!/^<.*>$/.test(node.label) && (state.word === null || beta > bestBeta)) { state.word = word; bestBeta = beta; }
     }
     row.appendChild(button);
     const bar = el("div", { class: "bar", title: `SAF beta ${fmt(node.saf_beta)}` });
