@@ -159,7 +159,8 @@ def test_type_a_caption_find_the_picture_and_open_its_explanation(server, browse
     card.click()
     wait.until(ready.visibility_of_element_located((By.ID, "explain-panel")))
     canvas = browser.find_element(By.ID, "attention")
-    wait.until(lambda d: canvas.get_attribute("data-drawn") not in (None, "", "picture"))
+    wait.until(lambda d: canvas.get_attribute("data-drawn") not in (None, "", "picture")
+               and canvas.get_attribute("data-picture") == "drawn")   # the word's map over the picture
     first_word = canvas.get_attribute("data-drawn")
     assert first_word in caption
     pixels = browser.execute_script(

@@ -206,6 +206,7 @@ function drawAttention() {
   const regions = answer.regions;
   const weights = answer.attention && state.word !== null ? answer.attention.weights[state.word] : null;
   if (state.picture) context.drawImage(state.picture, 0, 0, width, height);
+  canvas.dataset.picture = state.picture ? "drawn" : "none";
   if (!weights) {
     $("attention-caption").textContent = "no word attention for these models";
     canvas.dataset.drawn = "picture";
