@@ -99,6 +99,18 @@ def test_health_names_the_gallery_models_device_and_precision(client, gallery):
     assert answer["pictures"] and answer["explain"]
 
 
+def test_precision_is_the_models_autocast(gallery, service):
+    bf16 = SearchService.open(gallery["index"], precision="bf16", shortlist=N_IMG)
+    assert bf16.health()["precision"] == "bf16" and bf16.matcher.precision == "bf16"
+    query = "a red ball in the park"
+    low = bf16.search_text(query, top_k=N_IMG)["results"]
+    full = service.index.search_text(query, top_k=N_IMG, shortlist=N_IMG)
+    assert sorted(r["id"] for r in low) == list(range(N_IMG))
+    gap = max(abs(r["score"] - h.score) for r, h in zip(sorted(low, key=lambda r: r["id"]),
+                                                        sorted(full, key=lambda h: h.id)))
+    assert 0 < gap < 2e-2     # bfloat16 rounding, not another computation
+
+
 def test_text_search_is_the_index_search_best_first_with_picture_urls(client, service):
     query = "a red ball in the park"
     answer = client.get("/api/search", params={"text": query, "top_k": 5}).json()
