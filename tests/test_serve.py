@@ -152,8 +152,9 @@ def test_explain_is_what_explain_pair_computes(client, service, gallery):
     assert weights.shape == (len(expected.tokens), K) and answer["attention"]["tokens"] == expected.tokens
     np.testing.assert_allclose(weights, expected.attention, atol=1e-6)
     assert np.allclose(weights.sum(axis=1), 1.0, atol=1e-5)
-    assert answer["regions"] | {"source": None} == {"kind": "grid", "rows": 3, "cols": 3, "width": 24, "boxes": None,
-                                                    "height": 24, "source": None}
+    regions = answer["regions"]
+    assert [regions[k] for k in ("kind", "rows", "cols", "width", "height")] == ["grid", 3, 3, 24, 24]
+    assert regions["boxes"][0] == [0, 0, 8, 8] and regions["boxes"][5] == [16, 8, 24, 16]   # row 1, column 2
     assert answer["image"] == "/images/00002.png"
 
 

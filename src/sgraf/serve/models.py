@@ -57,7 +57,8 @@ class Regions(BaseModel):
     source: str
     rows: Optional[int] = None
     cols: Optional[int] = None
-    boxes: Optional[list[list[Optional[float]]]] = Field(default=None, description="x0, y0, x1, y1 in pixels")
+    boxes: Optional[list[list[Optional[float]]]] = Field(
+        default=None, description="per region, x0, y0, x1, y1 in the picture's pixels (a grid's cells too)")
     width: Optional[int] = None
     height: Optional[int] = None
 

@@ -239,8 +239,8 @@ class SearchService:
             `sgr_alignment`, None without that head), `attention` (`model`, `tokens`, and per
             token `weights` over the K regions; None for models without text-to-image local
             alignments), `regions` (`kind` 'grid' with `rows`/`cols`, row-major over the
-            picture, or 'boxes' with `boxes` [x0, y0, x1, y1] in pixels; `width`/`height` of
-            the picture when there is one).
+            picture, or 'boxes'; `boxes`: each region's [x0, y0, x1, y1] in the picture's
+            pixels (a grid's cells too), and its `width`/`height`, when there is a picture).
         """
         explanation = self._explanation(image_id, text, allow_unknown)
         layout = self._layout(explanation.image_id)
@@ -256,12 +256,17 @@ class SearchService:
             attention = {"model": explanation.attention_model, "tokens": explanation.tokens,
                          "weights": [[_finite(w) for w in row] for row in explanation.attention]}
         regions: dict[str, Any] = {"kind": layout.kind, "source": layout.source}
-        if layout.kind == "grid":
-            regions.update(rows=layout.grid[0], cols=layout.grid[1])
-        else:
-            regions["boxes"] = [[_finite(v) for v in box] for box in layout.boxes]
         if layout.image is not None:
             regions.update(height=int(layout.image.shape[0]), width=int(layout.image.shape[1]))
+        if layout.kind == "grid":
+            rows, cols = layout.grid
+            regions.update(rows=rows, cols=cols)
+            if layout.image is not None:   # each grid cell as a box in the picture's pixels, row-major
+                height, width = regions["height"], regions["width"]
+                regions["boxes"] = [[c * width / cols, r * height / rows, (c + 1) * width / cols,
+                                     (r + 1) * height / rows] for r in range(rows) for c in range(cols)]
+        else:
+            regions["boxes"] = [[_finite(v) for v in box] for box in layout.boxes]
         return {"image_id": explanation.image_id, "text": explanation.text,
                 "image": self.picture_url(explanation.image_id),
                 "scores": {k: _finite(v) for k, v in explanation.scores.items()},
