@@ -13,7 +13,8 @@ Queries are random 6-13 word texts over the gallery's vocabulary (each different
 throughput, p50/p95/p99 latency as the client sees it, errors (non-200 answers, must be 0), the
 server's RSS (and its anonymous part) before and after, and how the server batched. Each
 --server value is one server run with those extra `sgraf serve` options (e.g. "--max-batch 1"
-turns batching off, "--workers 2 --threads 1" runs two compute threads of one core each).
+turns batching off, "--threads 2" two torch threads per operation, "--workers 2" two compute
+threads).
 
     python benchmarks/bench_serve.py --workdir /tmp/serve-bench          # 100,000 images, 1,000 requests
     python benchmarks/bench_serve.py --gallery 20000 --requests 300 --server "" "--max-batch 1"
@@ -191,8 +192,10 @@ def bench(index_dir: Path, args: argparse.Namespace, options: str) -> None:
         before = _memory(server.pid)
         single = [client.search(text) for text in make(args.single)]
         single_ok = [s for status, s, _ in single if status == 200]
+        client.close()       # idle through the load: the server may have closed it (keep-alive timeout)
         load = run_load(port, make(args.requests), args.concurrency)
         after = _memory(server.pid)
+        client = Client(port)
         queue = client.get("/api/health")["queue"]
         client.close()
     finally:

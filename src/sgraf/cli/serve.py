@@ -32,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="text searches scored together at most (16; 1 turns batching off)")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="compute threads taking requests side by side (1)")
-    parser.add_argument("--threads", type=int, default=0, metavar="N",
-                        help="torch threads inside each operation (0: torch's default, one per core)")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="torch threads inside each operation (1: a query's small operations gain little "
+                             "from more, and their threads spin against other work; 0: torch's default)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksum of every index file (faster start for large galleries)")
     parser.set_defaults(func=run)
