@@ -85,13 +85,15 @@ def child(report: str, argv: list[str]) -> int:
     return code
 
 
-def run_command(out: Path, precision: str, batch_size: int, source: str | None = None) -> dict:
+def run_command(out: Path, precision: str, batch_size: int, source: str | None = None,
+                device: str = "cpu") -> dict:
     """`sgraf evaluate` in a fresh process: this checkout's code, or the `src` folder of `source`."""
     tag = "baseline" if source else "ours"
     sims = out / f"sims_{precision}_{tag}.npy"
     report = out / f"report_{precision}_{tag}.json"
     argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
-            "--precision", precision, "--batch-size", str(batch_size), "--json", "--quiet", "--save-sims", str(sims)]
+            "--precision", precision, "--batch-size", str(batch_size), "--json", "--quiet", "--save-sims", str(sims),
+            "--device", device]
     # measured choices (sgraf.kernels.tuning) are stored in the work folder: the first run of a
     # fresh machine pays for the probes, like a user's first run
     env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
@@ -108,7 +110,7 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
             "sims": np.load(sims)}
 
 
-def authors(out: Path, n_slice: int, seed: int) -> dict:
+def authors(out: Path, n_slice: int, seed: int, device: str = "cpu") -> dict:
     """The authors' evaluation as they run it, timed on a slice of captions and extrapolated.
 
     Their `encode_data` runs the image encoder on every (image, caption) pair of the loader, five
@@ -123,16 +125,18 @@ def authors(out: Path, n_slice: int, seed: int) -> dict:
     from sgraf.data.precomp import PrecompSplit
     from sgraf.model.oracle import authors_shard_scores
 
-    model = load_model(out / "model.pt")
+    model = load_model(out / "model.pt").to(device)
     split = PrecompSplit(out / "data", "test")
     start = time.perf_counter()
     with torch.no_grad():
         img_embs = scoring.encode_images(model, split.images, batch_size=128)
+    synchronize(device)
     encode_s = (time.perf_counter() - start) * CAPS_PER_IMAGE
     start = time.perf_counter()
     with torch.no_grad():
         token_ids = scoring.tokenize_captions(split.captions, model.vocab)
         buckets = scoring.encode_captions(model, token_ids, batch_size=128)
+    synchronize(device)
     encode_s += time.perf_counter() - start
     chosen = np.random.default_rng(seed).choice(split.n_captions, size=min(n_slice, split.n_captions), replace=False)
     columns, seconds = [], []
@@ -143,12 +147,19 @@ def authors(out: Path, n_slice: int, seed: int) -> dict:
             words, length = bucket.embs[row: row + 1], bucket.lengths[row: row + 1]
             start = time.perf_counter()
             scores = authors_shard_scores(model, img_embs, words, length)  # (n_img, 1)
+            synchronize(device)
             seconds.append(time.perf_counter() - start)
-            columns.append(scores[:, 0].numpy())
+            columns.append(scores[:, 0].cpu().numpy())
     per_caption = float(np.mean(seconds))
     return {"encode_s": encode_s, "per_caption_s": per_caption, "captions_timed": len(chosen),
             "extrapolated_s": encode_s + per_caption * split.n_captions, "chosen": chosen,
             "columns": np.stack(columns, axis=1)}
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so that timings are true."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def summarise(measured: list[dict]) -> dict:
@@ -178,6 +189,7 @@ def main() -> int:
                         help="also time the command with another checkout's code (its src/ first on PYTHONPATH), "
                              "runs interleaved with ours, e.g. a `git worktree` of an earlier commit")
     parser.add_argument("--no-authors", action="store_true", help="skip the authors' algorithm")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the command and the authors' loop run")
     parser.add_argument("--out", help="work directory (default: a temporary one, removed after)")
     args = parser.parse_args()
 
@@ -188,15 +200,17 @@ def main() -> int:
         start = time.perf_counter()
         build(out, args.images, args.module, args.seed)
         print(f"generated {args.images} images x {args.images * CAPS_PER_IMAGE} captions, paper-size "
-              f"{args.module.upper()} model, in {time.perf_counter() - start:.0f} s; {cpu_model()}, torch threads "
+              f"{args.module.upper()} model, in {time.perf_counter() - start:.0f} s; "
+              f"{torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else cpu_model()}, "
+              f"torch threads "
               f"{torch.get_num_threads()}, cpus {os.cpu_count()}", flush=True)
         runs = {}
         for precision in args.precisions:
             measured, baseline = [], []
             for _ in range(args.repeats):     # interleaved, so that a change of load hits both
-                measured.append(run_command(out, precision, args.batch_size))
+                measured.append(run_command(out, precision, args.batch_size, device=args.device))
                 if args.baseline:
-                    baseline.append(run_command(out, precision, args.batch_size, args.baseline))
+                    baseline.append(run_command(out, precision, args.batch_size, args.baseline, args.device))
             runs[precision] = summarise(measured)
             run = runs[precision]
             print(f"{precision}: runs {', '.join(f'{m:.1f}' for m in run['walls'])} s; median {run['wall_s']:.1f} s, "
@@ -211,7 +225,7 @@ def main() -> int:
                       flush=True)
         if args.no_authors:
             return 0
-        reference = authors(out, args.authors_captions, args.seed)
+        reference = authors(out, args.authors_captions, args.seed, args.device)
         print(f"authors' algorithm (shards of 100 x 100, one caption at a time): {reference['per_caption_s']:.3f} s "
               f"per caption over {reference['captions_timed']} captions + encoding {reference['encode_s']:.1f} s "
               f"-> extrapolated {reference['extrapolated_s']:.0f} s for the split", flush=True)

@@ -60,7 +60,7 @@ def main() -> int:
             return 1
         started = time.perf_counter()
         generate_benchmark(root, seed=0, features="synthetic", synthetic_dim=dim, n_train=n_train, n_dev=4,
-                           n_test=4, save_images=False)
+                           n_test=4, save_images=False, overwrite=True)   # its own data of another size
         print(f"generated {n_train} images in {time.perf_counter() - started:.0f}s")
     print(f"train_ims.npy: {ims.stat().st_size / 1e9:.2f} GB, {n_train} x {regions} x {dim} float32")
 

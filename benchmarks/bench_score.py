@@ -1,6 +1,13 @@
 """Image-caption pairs scored per second: the vectorised scorer vs the authors' per-caption loop.
 
-At the paper's size (2048-d regions, 1024-d embeddings, 256-d similarity, 36 regions) with
+First what users call: `SGRAF.score` on raw region features and token ids (--call-images x
+--call-captions, 80 x 160 by default, Flickr30K-like caption lengths), against the authors'
+algorithm as they run it (both encoders on the batch, then one caption at a time against all
+images: `sgraf.model.oracle.authors_forward`) and against the padded single-block call that
+`SGRAF.score` made before it shared the split scorer (every caption padded to the longest,
+constants recomputed), in fp32, timed in turns in the same run.
+
+Then, at the paper's size (2048-d regions, 1024-d embeddings, 256-d similarity, 36 regions) with
 caption lengths distributed like Flickr30K's (mean about 14 tokens with <start>/<end>), from
 precomputed embeddings, for SGR and SAF: ours in fp32 and under bf16 autocast against the
 oracle in fp32, measured in the same run (medians of --repeats), with the maximum absolute
@@ -22,7 +29,8 @@ import time
 import torch
 
 from sgraf.config import ModelConfig
-from sgraf.model.oracle import oracle_similarity
+from sgraf.kernels.tuning import cpu_model
+from sgraf.model.oracle import authors_forward, oracle_similarity
 from sgraf.model.sgraf import SGRAF
 from sgraf.precision import autocast
 
@@ -109,6 +117,44 @@ def timed_round_robin(runs: dict, repeats: int):
     return {name: statistics.median(t) for name, t in times.items()}, results, peaks
 
 
+def make_inputs(model: SGRAF, n_img: int, n_cap: int, seed: int):
+    """Raw inputs: region features (n_img, K, img_dim) and `<start> w... <end>` token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    lengths = caption_lengths(n_cap, generator)
+    images = torch.rand(n_img, cfg.num_regions, cfg.img_dim, generator=generator)
+    captions = torch.randint(4, cfg.vocab_size, (n_cap, int(lengths.max())), generator=generator)
+    for row, length in enumerate(lengths.tolist()):
+        captions[row, length:] = 0
+        captions[row, 0], captions[row, length - 1] = 1, 2
+    return images, captions, lengths
+
+
+def score_call(model: SGRAF, n_img: int, n_cap: int, repeats: int) -> None:
+    """`SGRAF.score` against the authors' algorithm and the padded single block, fp32."""
+    images, captions, lengths = make_inputs(model, n_img, n_cap, seed=3)
+    module = model.config.module
+
+    def authors():
+        with torch.no_grad():
+            return authors_forward(model.eval(), images, captions, lengths)[module]
+
+    def padded():
+        with torch.no_grad():
+            return model.similarity(model.encode_images(images), model.encode_captions(captions, lengths), lengths)
+
+    runs = {"authors": authors, "padded block": padded, "SGRAF.score": lambda: model.score(images, captions, lengths)}
+    seconds, results, peaks = timed_round_robin(runs, repeats)
+    pairs = n_img * n_cap
+    print(f"{module.upper()} SGRAF.score, {n_img} x {n_cap} from raw inputs (mean caption length "
+          f"{lengths.float().mean():.1f}, longest {int(lengths.max())}), fp32:")
+    for name in runs:
+        error = float((results[name] - results["authors"]).abs().max())
+        print(f"  {name:<13} {seconds[name]:7.3f} s  {pairs / seconds[name]:8.0f} pairs/s  "
+              f"x{seconds['authors'] / seconds[name]:5.2f} vs authors  peak +{peaks[name]:6.0f} MiB  "
+              f"max |diff| vs authors {error:.1e}")
+
+
 def structured_embeddings(model: SGRAF, n_img: int, n_cap: int, seed: int):
     """Captions that describe an image: caption c's words are noisy copies of regions of image c // 5."""
     img, cap, lengths = make_embeddings(model, n_img, n_cap, seed)
@@ -163,7 +209,9 @@ def ranking_check(model: SGRAF, n_img: int, n_cap: int, args, tie: float, struct
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, default=100, help="images in the throughput run")
+    parser.add_argument("--call-images", type=int, default=80, help="images of the SGRAF.score call (0: skip)")
+    parser.add_argument("--call-captions", type=int, default=160, help="captions of the SGRAF.score call")
+    parser.add_argument("--images", type=int, default=100, help="images in the throughput run (0: skip)")
     parser.add_argument("--captions", type=int, default=500, help="captions in the throughput run")
     parser.add_argument("--rank-images", type=int, default=1000)
     parser.add_argument("--rank-captions", type=int, default=5000)
@@ -180,11 +228,16 @@ def main(argv=None) -> None:
     if args.small:
         args.images, args.captions, args.rank_images, args.rank_captions, args.repeats = 40, 200, 200, 1000, 2
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads; throughput {args.images} x {args.captions} pairs, "
-          f"blocks {args.img_block} x {args.cap_block}, medians of {args.repeats}")
+    print(f"{cpu_model()}, torch {torch.__version__}, {args.threads} threads; medians of {args.repeats}")
     for module in args.modules:
         torch.manual_seed(0)
         model = SGRAF(ModelConfig(vocab_size=8481, module=module)).eval()
+        if args.call_images:
+            score_call(model, args.call_images, args.call_captions, args.repeats)
+        if not args.images:
+            continue
+        print(f"throughput {args.images} x {args.captions} pairs from embeddings, blocks {args.img_block} x "
+              f"{args.cap_block}")
         img, cap, lengths = make_embeddings(model, args.images, args.captions, seed=1)
         pairs = args.images * args.captions
         runs = {"oracle": lambda: oracle_matrix(model, img, cap, lengths),

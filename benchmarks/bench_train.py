@@ -39,7 +39,7 @@ def caption_lengths(n: int, generator):
 
 
 def child(module: str, impl: str, precision: str, batch_size: int, steps: int, threads: int,
-          chunk: int | None = None, checkpoint: bool = True) -> dict:
+          chunk: int | None = None, checkpoint: bool = True, device: str = "cpu") -> dict:
     import torch
     from types import SimpleNamespace
 
@@ -56,6 +56,7 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
     model = SGRAF(ModelConfig(vocab_size=8500, img_dim=2048, word_dim=300, embed_size=1024, sim_dim=256,
                               num_regions=36, module=module, dropout=0.0))
     model.train_chunk, model.train_checkpoint = chunk, checkpoint
+    model.to(device)
     optimizer = build_optimizer(model, config)
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(1)
@@ -64,8 +65,9 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
     for i, n in enumerate(lengths.tolist()):
         captions[i, n:] = 0
         captions[i, 0], captions[i, n - 1] = 1, 2
-    batch = SimpleNamespace(images=torch.randn(batch_size, 36, 2048, generator=gen), captions=captions,
-                            lengths=lengths, image_ids=torch.arange(batch_size))
+    batch = SimpleNamespace(images=torch.randn(batch_size, 36, 2048, generator=gen).to(device),
+                            captions=captions.to(device), lengths=lengths, image_ids=torch.arange(batch_size))
+    cuda = torch.device(device).type == "cuda"
     rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
     def authors_step() -> float:
@@ -73,7 +75,7 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
         # clip, Adam step.
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        with autocast(precision):
+        with autocast(precision, device):
             scores = authors_forward(model, batch.images, batch.captions, batch.lengths)[module]
         loss = batch_loss(scores, config)
         loss.backward()
@@ -82,7 +84,7 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
         return loss.item()
 
     def ours_step() -> float:
-        return train_step(model, optimizer, batch, config).loss
+        return train_step(model, optimizer, batch, config, device=device).loss
 
     step = authors_step if impl == "authors" else ours_step
     times, losses = [], []
@@ -91,15 +93,27 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
         losses.append(step())
         if k:
             times.append(time.perf_counter() - tic)
+    # the peak memory of the device that computed: the GPU's allocator, else the process's RSS
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"module": module, "impl": impl, "precision": precision, "seconds_per_step": statistics.median(times),
-            "times": times, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "times": times, "peak_rss_gib": peak, "device": device,
             "rss_after_setup_gib": rss_setup, "first_loss": losses[0], "threads": threads,
             "batch_size": batch_size}
 
 
-def main() -> None:
+def torch_device_name(device: str) -> str:
+    """The processor or GPU the benchmark runs on, for the printed figures."""
+    import torch
+
     from sgraf.kernels.tuning import cpu_model
 
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model()
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modules", nargs="+", default=["sgr", "saf"], choices=["sgr", "saf"])
     parser.add_argument("--batch", type=int, default=128)
@@ -108,26 +122,28 @@ def main() -> None:
     parser.add_argument("--no-authors", action="store_true", help="skip the slow reference (the authors' algorithm)")
     parser.add_argument("--chunk", type=int, help="ours: captions per chunk (default: from a memory budget)")
     parser.add_argument("--no-checkpoint", action="store_true", help="ours: keep every chunk's intermediates")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: the GPU allocator's there)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs=3, metavar=("MODULE", "IMPL", "PRECISION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child, args.batch, args.steps, args.threads, args.chunk,
-                               not args.no_checkpoint)))
+                               not args.no_checkpoint, args.device)))
         return
 
     runs = [("authors", "fp32"), ("ours", "fp32"), ("ours", "bf16")]
     if args.no_authors:
         runs = runs[1:]
     results = []
-    print(f"{cpu_model()}: batch {args.batch}, {args.steps} timed steps, {args.threads} threads, "
+    where = torch_device_name(args.device)
+    print(f"{where}: batch {args.batch}, {args.steps} timed steps, {args.threads} threads, "
           f"torch in a fresh process each")
-    print(f"{'module':<6} {'impl':<7} {'prec':<5} {'s/step':>8} {'peak RSS GiB':>13} {'first loss':>11}")
+    print(f"{'module':<6} {'impl':<7} {'prec':<5} {'s/step':>8} {'peak GiB':>13} {'first loss':>11}")
     for module in args.modules:
         for impl, precision in runs:
             proc = subprocess.run([sys.executable, __file__, "--child", module, impl, precision,
                                    "--batch", str(args.batch), "--steps", str(args.steps),
-                                   "--threads", str(args.threads)]
+                                   "--threads", str(args.threads), "--device", args.device]
                                   + (["--chunk", str(args.chunk)] if args.chunk else [])
                                   + (["--no-checkpoint"] if args.no_checkpoint else []),
                                   capture_output=True, text=True)

@@ -148,3 +148,87 @@ def test_atomic_save_leaves_no_partial_file_on_failure(tmp_path):
         atomic_save({"a": Unpicklable()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(2))   # old file intact
     assert os.listdir(tmp_path) == ["out.pt"]                                    # no temp left
+
+
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_a_raw_pickle_is_not_a_safe_checkpoint_and_nothing_suggests_weights_only_false(tmp_path, capsys, protocol):
+    import pickle
+
+    path = tmp_path / "model.pkl"
+    path.write_bytes(pickle.dumps({"state_dict": {"w": [1.0, 2.0]}, "note": "from pickle.dump"}, protocol=protocol))
+    with pytest.raises(InputError, match=r"model\.pkl: not a safe checkpoint: it is a raw Python pickle, a "
+                                         r"format that can run code when loaded") as caught:
+        load_checkpoint(path)
+    assert "weights_only" not in str(caught.value)
+    assert main(["convert-checkpoint", str(path), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not a safe checkpoint" in err and "weights_only" not in err
+
+
+def test_a_pickle_torch_cannot_read_safely_never_echoes_torchs_advice(tmp_path):
+    import pickle
+
+    path = tmp_path / "hook.pt"
+    path.write_bytes(pickle.dumps(Payload(), protocol=4))   # a class pickled without torch.save
+    with pytest.raises(InputError) as caught:
+        load_model(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: not a safe checkpoint") and "weights_only" not in message
+
+
+def test_backbone_weights_are_read_as_safely_as_checkpoints(tmp_path):
+    import pickle
+
+    from sgraf.weights_file import load_weights_only
+
+    path = tmp_path / "lite0.pth"
+    path.write_bytes(pickle.dumps({"conv.weight": [0.0]}, protocol=5))
+    with pytest.raises(InputError, match=r"lite0\.pth: not a safe weights file: .*; only tensors, plain values "
+                                         r"are allowed$"):
+        load_weights_only(path, what="weights file")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_holding_nan_or_inf_are_refused_naming_file_and_tensor(tmp_path, capsys, bad):
+    model = random_model(2)
+    path = tmp_path / "model.pt"
+    save_model(model, path, vocab=Vocabulary.from_words([f"w{i}" for i in range(26)]))
+    raw = torch.load(path, weights_only=True)
+    raw["state_dict"]["sim_enc.sim_eval_w.weight"][0, 3] = bad
+    torch.save(raw, path)
+    message = (rf"{path}: tensor 'sim_enc.sim_eval_w.weight' \(1 NaN/inf of \d+ values\); expected finite weights")
+    with pytest.raises(InputError, match=message):
+        load_model(path)
+    assert main(["convert-checkpoint", str(path), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "'sim_enc.sim_eval_w.weight'" in err and err.count("\n") == 1
+    assert not (tmp_path / "out.pt").exists()
+    # a BatchNorm statistic is a weight too; and the authors' files are checked the same way
+    official = torch.load(DATA / "official_ckpt_SGR.pth.tar", weights_only=False)
+    next(t for t in official["model"][2].values() if t.is_floating_point()).fill_(bad)
+    torch.save(official, tmp_path / "official.pth.tar")
+    with pytest.raises(InputError, match=r"official\.pth\.tar: tensor 'sim_enc\."):
+        load_model(tmp_path / "official.pth.tar")
+
+
+def test_a_model_with_non_finite_weights_is_never_written(tmp_path):
+    model = random_model(3)
+    with torch.no_grad():
+        model.img_enc.fc.bias[1] = float("nan")
+    with pytest.raises(ValueError, match=r"refusing to write .*bad\.pt: tensor 'img_enc\.fc\.bias' \(1 NaN/inf"):
+        save_model(model, tmp_path / "bad.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_given_vocabulary_that_differs_from_the_stored_one_is_named_in_a_warning(tmp_path, caplog):
+    words = [f"w{i}" for i in range(26)]
+    save_model(random_model(4), tmp_path / "model.pt", vocab=Vocabulary.from_words(words))
+    Vocabulary.from_words(reversed(words)).save(tmp_path / "other.json")   # same size, other word ids
+    with caplog.at_level("WARNING", logger="sgraf.checkpoint"):
+        load_model(tmp_path / "model.pt", vocab=Vocabulary.from_words(words))
+    assert caplog.text == ""
+    with caplog.at_level("WARNING", logger="sgraf.checkpoint"):
+        model = load_model(tmp_path / "model.pt", vocab=tmp_path / "other.json")
+    assert f"model.pt carries its own vocabulary, which differs from the one given ({tmp_path / 'other.json'})" \
+        in caplog.text
+    assert model.vocab.word2idx["w0"] == 29

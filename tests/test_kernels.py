@@ -175,22 +175,23 @@ def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monke
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_scorers_thread_mode_is_measured_once_per_precision(cache, precision):
-    from sgraf import scoring
+    from sgraf.model import blocks
 
     model = random_model(2, module="saf", num_regions=7)
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: nothing to share")
-    mode = scoring.thread_mode([model], precision, torch.device("cpu"))
-    assert mode in scoring.THREAD_MODES[precision]
+    mode = blocks.thread_mode([model], precision, torch.device("cpu"))
+    assert mode in blocks.THREAD_MODES[precision]
     entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu scoring threads|{precision}|{model.size_key()}"]
-    seconds = {m: entry["seconds"][json.dumps(m)] for m in scoring.THREAD_MODES[precision]}
-    assert entry["choice"] == mode == expected_choice(seconds, scoring.THREAD_MODES[precision])
-    assert scoring.score_workers(torch.device("cpu"), precision, 9, [model]) == (
+    seconds = {m: entry["seconds"][json.dumps(m)] for m in blocks.THREAD_MODES[precision]}
+    assert entry["choice"] == mode == expected_choice(seconds, blocks.THREAD_MODES[precision])
+    assert blocks.score_workers(torch.device("cpu"), precision, 9, [model]) == (
         min(torch.get_num_threads(), 9) if mode == "blocks" else 1)
 
 
 def test_only_large_splits_measure_before_scoring(cache, monkeypatch):
     from sgraf import scoring
+    from sgraf.model import blocks
     from test_scoring import TinyVocab, tiny_split
 
     model = random_model(4, vocab_size=40, img_dim=12, num_regions=6)
@@ -198,7 +199,7 @@ def test_only_large_splits_measure_before_scoring(cache, monkeypatch):
     small = scoring.score_matrix([model], [encoded], image_block=2)
     stored = json.loads(cache.read_text()) if cache.exists() else {}   # (the matmul route is measured)
     assert not any("scoring threads" in key or "chunk bytes" in key for key in stored)   # 4 x 20 pairs
-    monkeypatch.setattr(scoring, "TUNE_MIN_PAIRS", 80)
+    monkeypatch.setattr(blocks, "TUNE_MIN_PAIRS", 80)
     measured = scoring.score_matrix([model], [encoded], image_block=2)
     stored = json.loads(cache.read_text())
     assert any("cpu scoring threads|fp32" in key for key in stored) == (torch.get_num_threads() > 1)

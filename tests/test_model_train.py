@@ -209,3 +209,14 @@ def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
     model.train_chunk = 0
     with pytest.raises(ValueError, match="train_chunk"):
         model.train_chunks(3, lengths)
+
+
+def test_train_chunks_on_a_gpu_take_a_share_of_its_free_memory(monkeypatch):
+    import sgraf.model.sgraf as sgraf_module
+
+    model = random_model(2, module="saf")
+    assert model.train_chunk_bytes() == sgraf_module.TRAIN_CHUNK_BYTES          # CPU
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    assert model.train_chunk_bytes(torch.device("cuda")) == int(40 * 2**30 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
+    assert model.train_chunk_bytes(torch.device("cuda")) == sgraf_module.TRAIN_CHUNK_BYTES

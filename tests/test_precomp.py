@@ -93,24 +93,38 @@ def test_not_an_npy_file_and_integer_dtype(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_non_finite_features_sampled_and_full_scan(tmp_path, bad):
+def test_non_finite_features_are_refused_by_every_reader(tmp_path, bad, capsys):
     n_img = 3 * FINITE_SAMPLE
     images, _ = write_split(tmp_path, n_img=n_img, caps_per_image=1)
-    # first image: always in the sample
-    images[0, 2, 4] = bad
-    np.save(tmp_path / "train_ims.npy", images)
-    with pytest.raises(InputError, match=r"train_ims\.npy: feature \[image 0, region 2, dim 4\] is (nan|inf)"):
-        PrecompSplit(tmp_path, "train")
-    # an image between the sampled ones: only the full scan finds it
-    images[0, 2, 4] = 0
+    # an image between the ones `sgraf data check` samples: the readers still find it
     sampled = set(np.linspace(0, n_img - 1, FINITE_SAMPLE).astype(int))
     hidden = next(i for i in range(n_img) if i not in sampled)
     images[hidden, 1, 0] = bad
     np.save(tmp_path / "train_ims.npy", images)
-    PrecompSplit(tmp_path, "train")  # the cheap check misses it by design
-    with pytest.raises(InputError, match=rf"feature \[image {hidden}, region 1, dim 0\]"):
+    split = PrecompSplit(tmp_path, "train")  # opening reads no feature
+    message = rf"train_ims\.npy: feature \[image {hidden}, region 1, dim 0\] is (nan|inf); expected finite"
+    split.read_images(0, hidden)
+    with pytest.raises(InputError, match=message):
+        split.read_images(hidden - 1, hidden + 2)
+    with pytest.raises(InputError, match=message):
         PrecompSplit(tmp_path, "train", full_scan=True)
+    dataset = PrecompDataset(split, build_vocab(split.captions, min_count=1))
+    with pytest.raises(InputError, match=message):
+        dataset.check_batch(collate_batch([dataset[0], dataset[hidden + 1], dataset[hidden]]))
+    dataset.check_batch(collate_batch([dataset[0], dataset[hidden + 1]]))
+    with pytest.raises(InputError, match=message):
+        list(make_loader(dataset, batch_size=4, shuffle=True))   # the loader checks as batches arrive
+    assert len(list(make_loader(PrecompDataset(PrecompSplit(tmp_path, "train", max_captions=hidden), dataset.vocab),
+                                batch_size=4))) == -(-hidden // 4)
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "train"]) == 0   # the quick look
+    assert "sampled: none found" in capsys.readouterr().out
     assert main(["data", "check", "--data", str(tmp_path), "--split", "train", "--full-scan"]) == 2
+    assert f"image {hidden}, region 1" in capsys.readouterr().err
+    images[hidden, 1, 0] = 0
+    images[0, 2, 4] = bad  # the first image is always in the sample
+    np.save(tmp_path / "train_ims.npy", images)
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "train"]) == 2
+    assert "feature [image 0, region 2, dim 4]" in capsys.readouterr().err
 
 
 def test_empty_caption_line_names_line(tmp_path):

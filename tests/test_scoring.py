@@ -22,6 +22,7 @@ from torch import nn
 from numerics import BFLOAT16, REORDERED, SAME_PATH, assert_close
 from model_helpers import random_model
 from sgraf import scoring
+from sgraf.model import blocks
 
 pytestmark = pytest.mark.numeric
 
@@ -243,11 +244,11 @@ def test_blocks_scored_by_several_threads_fill_the_same_matrix(monkeypatch):
     split = tiny_split(n_img=9)
     encoded = scoring.encode_split(model, split, TinyVocab(), batch_size=4)
     # without a model to measure, the defaults: ops-parallel in fp32, one block per core in bf16
-    assert scoring.score_workers(torch.device("cpu"), "fp32", 5) == 1
-    assert scoring.score_workers(torch.device("cpu"), "bf16", 5) == min(torch.get_num_threads(), 5)
-    monkeypatch.setattr(scoring, "score_workers", lambda *args: 1)
+    assert blocks.score_workers(torch.device("cpu"), "fp32", 5) == 1
+    assert blocks.score_workers(torch.device("cpu"), "bf16", 5) == min(torch.get_num_threads(), 5)
+    monkeypatch.setattr(blocks, "score_workers", lambda *args: 1)
     sequential = scoring.score_matrix([model], [encoded], image_block=2)
-    monkeypatch.setattr(scoring, "score_workers", lambda *args: 3)
+    monkeypatch.setattr(blocks, "score_workers", lambda *args: 3)
     calls = []  # (grad mode, thread) of each eval fast-path call
     fast_forward = model.sim_enc.fast_forward
 

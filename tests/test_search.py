@@ -251,3 +251,33 @@ def test_several_texts_at_once_rank_as_one_by_one(gallery):
     keys = shortlist_keys(index.matcher.encode_texts(queries).global_vectors)
     for q, (ids, _) in enumerate(index._coarse_many("image", keys, 5)):
         assert set(ids.tolist()) == set(np.argsort(-(index.image_keys @ keys[q]))[:5].tolist())
+
+
+def test_index_out_replaces_an_index_whole_but_never_a_file_it_does_not_list(gallery, tmp_path):
+    import shutil
+
+    index = tmp_path / "index"
+    shutil.copytree(gallery["index"], index)
+    matcher = Matcher.load(gallery["paths"])
+    (index / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match=r"notes\.txt is not part of the sgraf index in .* and would be deleted"):
+        build_index(matcher, gallery["features"][:4], gallery["captions"][:20], index)
+    (index / "notes.txt").unlink()
+    build_index(matcher, gallery["features"][:4], gallery["captions"][:20], index)
+    assert open_index(index).n_images == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index"]     # no staging or earlier index left
+
+
+def test_index_write_errors_name_the_index_not_its_staging_folder(gallery, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    matcher = Matcher.load(gallery["paths"])
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), *args[:1])
+
+    monkeypatch.setattr(os, "replace", no_space)
+    with pytest.raises(InputError, match=f"^cannot write {tmp_path / 'gallery'}: No space left on device$"):
+        build_index(matcher, gallery["features"][:4], gallery["captions"][:20], tmp_path / "gallery")
+    assert list(tmp_path.iterdir()) == []

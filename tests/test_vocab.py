@@ -8,7 +8,7 @@ import torch
 import sgraf
 from sgraf.cli import main
 from sgraf.data.precomp import read_captions
-from sgraf.data.vocab import Vocabulary, build_vocab, load_vocab, tokenize
+from sgraf.data.vocab import Vocabulary, build_vocab, load_vocab, tokenize, unknown_share, warn_unknown_share
 from sgraf.errors import InputError
 
 E2E = "e2e/data"
@@ -116,3 +116,21 @@ def test_cli_vocab_build(tmp_path, data_dir):
     expected = build_vocab(read_captions(tmp_path / "train_caps.txt"), min_count=3)
     assert vocab == expected and "a" in vocab and "jalapeño" not in vocab
     assert main(["vocab", "build", "--data", str(tmp_path), "--out", str(out), "--splits", "nope"]) == 2
+
+
+def test_unknown_share_warns_naming_the_vocabulary_the_captions_and_the_threshold(tmp_path, caplog):
+    path = tmp_path / "other_vocab.json"
+    Vocabulary.from_words(["dog", "cat"]).save(path)
+    vocab = load_vocab(path)
+    encoded = [vocab.encode("a dog and a cat"), vocab.encode("the dog")]   # 4 of 7 words unknown
+    assert unknown_share(vocab, encoded) == (pytest.approx(4 / 7), 7)
+    with caplog.at_level("WARNING", logger="sgraf.data.vocab"):
+        assert warn_unknown_share(vocab, encoded, "test_caps.txt") == pytest.approx(4 / 7)
+    assert f"{path}: 57.1% of the 7 tokens of test_caps.txt are unknown to this vocabulary (<unk>), above the " \
+           "10% warning threshold" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sgraf.data.vocab"):
+        warn_unknown_share(vocab, [vocab.encode("dog cat dog")], "test_caps.txt")
+    assert caplog.text == ""
+    built = build_vocab(["a dog", "a dog"], min_count=2)
+    assert built.source == "the vocabulary built from the captions (min count 2)"

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from sgraf.data.arrays import check_finite_features, mapped_file
 from sgraf.errors import InputError
 from sgraf.precision import autocast, check_precision
 
@@ -304,7 +305,13 @@ class Matcher:
 
     # ----------------------------------------------------------------------------- images
     def check_features(self, features: Any, what: str = "image features") -> torch.Tensor:
-        """Validate (n_img, K, img_dim) region features and return them as a float32 tensor."""
+        """Validate (n_img, K, img_dim) region features and return them as a float32 tensor.
+
+        Raises:
+            InputError: the wrong shape, no image, or NaN/inf (naming the image, region and
+                dimension, and the file of a memory map).
+        """
+        source, first_row = mapped_file(features)   # a memory map: its file and rows
         if not torch.is_tensor(features):
             features = torch.from_numpy(np.array(features, dtype=np.float32))  # copy: memmaps are read-only
         config = self.models[0].config
@@ -316,8 +323,7 @@ class Matcher:
         if features.shape[0] == 0:
             raise InputError(f"{what}: no image to encode")
         features = features.float()
-        if not torch.isfinite(features).all():
-            raise InputError(f"{what} contain NaN or infinite values")
+        check_finite_features(features, source or what, first_image=first_row)
         return features
 
     @torch.no_grad()
@@ -343,50 +349,42 @@ class Matcher:
     @torch.no_grad()
     def score_embeddings(self, images: ImageEncoding | Sequence[torch.Tensor],
                          texts: TextEncoding | tuple[Sequence[torch.Tensor], torch.Tensor],
-                         image_block: int = 256, text_block: int = 256,
-                         image_globals: Sequence[torch.Tensor] | None = None,
-                         text_globals: Sequence[torch.Tensor] | None = None) -> np.ndarray:
+                         image_globals: Sequence[torch.Tensor] | None = None) -> np.ndarray:
         """Full SGRAF scores of encoded images against encoded texts, the ensemble mean.
+
+        Scored by the block scorer every entry point shares (`sgraf.model.blocks`): texts in
+        buckets of `batch_size` sorted by length, the weight folds, global vectors and Gram
+        matrices computed once per call, the models averaged in float64.
 
         Args:
             images: an `ImageEncoding`, or per model (n_img, K, d_m) region embeddings.
             texts: a `TextEncoding`, or (per model (n_txt, L, d_m) word embeddings, lengths).
-            image_block, text_block: block sizes that bound memory.
-            image_globals, text_globals: optional per model (n, d_m) self-attention global
-                vectors of these images / texts (an index stores them as its first-stage keys),
-                so the scorer does not compute them again; they must be the models' own
-                (`ImageEncoding.global_vectors`, `TextEncoding.global_vectors`).
+            image_globals: optional per model (n_img, d_m) self-attention global vectors of
+                these images (an index stores them as its first-stage keys), so the scorer does
+                not compute them again; they must be the models' own (`ImageEncoding.global_vectors`).
 
         Returns:
             (n_img, n_txt) float32 numpy.
         """
+        from sgraf.model import blocks
+
         regions = images.regions if isinstance(images, ImageEncoding) else list(images)
         if isinstance(texts, TextEncoding):
             words, lengths = texts.words, texts.lengths
         else:
             words, lengths = list(texts[0]), torch.as_tensor(texts[1])
-        n_img, n_txt = int(regions[0].shape[0]), int(lengths.shape[0])
-        total = np.zeros((n_img, n_txt), dtype=np.float32)
-        def block_of(vectors: Sequence[torch.Tensor] | None, m: int, start: int, size: int) -> torch.Tensor | None:
-            if vectors is None:
-                return None
-            return torch.as_tensor(vectors[m][start:start + size]).float().to(self.device)
-
+        encoded = []
         for m, (model, img_embs, cap_embs) in enumerate(zip(self.models, regions, words)):
-            for t0 in range(0, n_txt, text_block):
-                block_lengths = torch.as_tensor(lengths[t0:t0 + text_block], dtype=torch.int64)
-                width = int(block_lengths.max())
-                block_caps = torch.as_tensor(cap_embs[t0:t0 + text_block, :width]).float().to(self.device)
-                block_lengths = block_lengths.to(self.device)
-                cap_glo = block_of(text_globals, m, t0, text_block)
-                for i0 in range(0, n_img, image_block):
-                    block_imgs = torch.as_tensor(img_embs[i0:i0 + image_block]).float().to(self.device)
-                    img_glo = block_of(image_globals, m, i0, image_block)
-                    with autocast(self.precision, self.device):
-                        sims = model.similarity(block_imgs, block_caps, block_lengths,
-                                                img_glo=img_glo, cap_glo=cap_glo)  # (bi, bt)
-                    total[i0:i0 + image_block, t0:t0 + text_block] += sims.float().cpu().numpy()
-        return total / len(self.models)
+            img_embs = torch.as_tensor(img_embs).float().to(self.device)
+            buckets = blocks.bucket_words(model, torch.as_tensor(cap_embs), lengths, self.batch_size, self.precision)
+            # the stored vectors stand in only where the model's scorer uses global vectors at all
+            if image_globals is not None and blocks.image_globals(model, img_embs[:1], 1, self.precision) is not None:
+                img_glo = torch.as_tensor(image_globals[m]).float().to(self.device)
+            else:
+                img_glo = blocks.image_globals(model, img_embs, self.batch_size, self.precision)
+            encoded.append(blocks.Encoded(img_embs=img_embs, buckets=buckets, n_captions=int(len(lengths)),
+                                          img_glo=img_glo))
+        return blocks.score_encoded(self.models, encoded, self.precision).numpy()
 
     def score(self, features: Any, texts: Sequence[str], allow_unknown: bool = False) -> np.ndarray:
         """Scores of region features (n_img, K, img_dim) against text strings: (n_img, n_txt)."""

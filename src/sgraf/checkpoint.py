@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
-import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sgraf.atomic_write import atomic_path
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
+from sgraf.weights_file import load_weights_only
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +33,13 @@ OFFICIAL_PREFIXES = ("img_enc", "txt_enc", "sim_enc")
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """`torch.save` to a temporary file beside `path`, then `os.replace` it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`torch.save` to a temporary file beside `path`, then `os.replace` it into place.
+
+    Raises:
+        InputError: the file cannot be written (the message names `path`).
+    """
+    with atomic_path(path) as temporary, open(temporary, "wb") as handle:
+        torch.save(obj, handle)
 
 
 def _vocab_dict(vocab: Any) -> dict | None:
@@ -57,6 +50,16 @@ def _vocab_dict(vocab: Any) -> dict | None:
     raise InputError(f"vocab must be a Vocabulary, its to_dict() content or None, got {type(vocab).__name__}")
 
 
+def non_finite_tensor(state_dict: dict[str, Any]) -> str | None:
+    """The name of the first floating tensor of `state_dict` holding NaN/inf, with what it holds
+    (e.g. "'sim_enc.fc.weight' (3 NaN/inf of 4096 values)"), or None when all are finite."""
+    for name, tensor in state_dict.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            count = int((~torch.isfinite(tensor)).sum())
+            return f"{name!r} ({count} NaN/inf of {tensor.numel()} values)"
+    return None
+
+
 def save_model(model: torch.nn.Module, path: str | os.PathLike, vocab: Any = None,
                extra: dict[str, Any] | None = None) -> None:
     """Write `model` (an `SGRAF`) in our format, atomically.
@@ -64,7 +67,15 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike, vocab: Any = Non
     Args:
         vocab: a `Vocabulary` or its `to_dict()` content; defaults to `model.vocab`.
         extra: plain values to keep beside the weights (epoch, metrics, ...).
+
+    Raises:
+        ValueError: a weight holds NaN/inf (the file would be refused on loading); nothing is
+            written.
     """
+    broken = non_finite_tensor(model.state_dict())
+    if broken is not None:
+        raise ValueError(f"refusing to write {path}: tensor {broken} of the model; a checkpoint must hold "
+                         "finite weights")
     checkpoint = {
         "format": FORMAT,
         "version": VERSION,
@@ -79,26 +90,7 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike, vocab: Any = Non
 
 def _torch_load(path: Path, map_location: Any) -> Any:
     """`torch.load(weights_only=True)` with exactly `argparse.Namespace` allow-listed."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
-        raise
-    except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL ([\w.]+)", str(error))
-        if found:
-            raise InputError(f"{path}: refusing to load: the checkpoint pickles the class {found.group(1)}; only "
-                             "tensors, plain values and argparse.Namespace (the authors' options) are "
-                             "allowed") from None
-        raise InputError(f"{path}: not a readable PyTorch checkpoint ({_first_line(error)})") from None
-    except Exception as error:  # noqa: BLE001 - any parser failure on a foreign file means "not a checkpoint"
-        raise InputError(f"{path}: not a readable PyTorch checkpoint ({type(error).__name__}: "
-                         f"{_first_line(error)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "no details"
+    return load_weights_only(path, map_location, allowed=[argparse.Namespace])
 
 
 def config_from_official(opt: argparse.Namespace, state_dicts: list[dict[str, torch.Tensor]]) -> ModelConfig:
@@ -162,7 +154,8 @@ def _plain(value: Any) -> Any:
 
 
 def load_state_checked(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """`load_state_dict` that names the key and the shapes of anything that does not fit."""
+    """`load_state_dict` that names the key and the shapes of anything that does not fit, and
+    refuses weights holding NaN/inf (naming the tensor)."""
     expected = model.state_dict()
     missing = [key for key in expected if key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]
@@ -176,10 +169,14 @@ def load_state_checked(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
         if tuple(tensor.shape) != tuple(expected[key].shape):
             raise InputError(f"{source}: tensor {key!r} has shape {tuple(tensor.shape)} but the configuration "
                              f"expects {tuple(expected[key].shape)}")
+    broken = non_finite_tensor(state_dict)
+    if broken is not None:
+        raise InputError(f"{source}: tensor {broken}; expected finite weights (the checkpoint is broken, "
+                         "e.g. saved after training diverged)")
     model.load_state_dict(state_dict, strict=True)
 
 
-def _resolve_vocab(vocab: Any) -> Any:
+def _resolve_vocab(vocab: Any, source: str = "vocabulary") -> Any:
     """A Vocabulary from a Vocabulary, its dict content or a JSON path (dict kept if the class is absent)."""
     if vocab is None or hasattr(vocab, "word2idx"):
         return vocab
@@ -192,7 +189,7 @@ def _resolve_vocab(vocab: Any) -> Any:
             raise InputError("loading a vocabulary file needs sgraf.data.vocab")
         return vocab_module.load_vocab(vocab)
     if isinstance(vocab, dict):
-        return vocab_module.Vocabulary.from_dict(vocab) if vocab_module is not None else vocab
+        return vocab_module.Vocabulary.from_dict(vocab, source=source) if vocab_module is not None else vocab
     raise InputError(f"vocab must be a Vocabulary, a dict or a JSON path, got {type(vocab).__name__}")
 
 
@@ -209,7 +206,8 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
         path: our checkpoint or the authors' `.pth.tar`.
         map_location: passed to `torch.load`.
         vocab: a Vocabulary (or its dict, or a JSON path) to attach; defaults to the one stored
-            in the checkpoint (the authors' files have none).
+            in the checkpoint (the authors' files have none). One that differs from the stored
+            one is used, with a WARNING: the word ids would not be the ones the model learned.
     """
     from sgraf.model.sgraf import SGRAF
 
@@ -217,10 +215,16 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
     config = ModelConfig.from_dict(checkpoint["config"])
     model = SGRAF(config)
     load_state_checked(model, checkpoint["state_dict"], source=str(path))
-    model.vocab = _resolve_vocab(vocab if vocab is not None else checkpoint.get("vocab"))
+    model.vocab = _resolve_vocab(vocab if vocab is not None else checkpoint.get("vocab"), source=str(path))
     if model.vocab is not None and _vocab_size(model.vocab) != config.vocab_size:
         raise InputError(f"{path}: the vocabulary has {_vocab_size(model.vocab)} words but the model's "
                          f"embedding has vocab_size={config.vocab_size}")
+    stored = checkpoint.get("vocab")
+    given = _vocab_dict(model.vocab) if vocab is not None else None
+    if given is not None and isinstance(stored, dict) and given.get("word2idx") != stored.get("word2idx"):
+        logger.warning("%s carries its own vocabulary, which differs from the one given (%s); using the one given, "
+                       "whose word ids are not the ones the model learned", path,
+                       getattr(model.vocab, "source", "vocab"))
     return model.eval()
 
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from sgraf.atomic_write import atomic_path, ensure_folder, write_text
 from sgraf.errors import InputError
+from sgraf.folder_lock import LOCK_FILE, FolderLock
+from sgraf.signals import Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +84,24 @@ def _choose_features(features: str) -> tuple[str, Any]:
         return "synthetic", None
 
 
+# What a demo writes at the top of its folder; removed when the next demo starts, so that a
+# stopped demo never leaves the report of an earlier one beside its new runs.
+OUTPUTS = ("results.json", "report.md", "curves.png", "retrieval_t2i.png", "retrieval_i2t.png",
+           "explain_positive.png", "explain_negative.png", "runs", "index")
+
+
 def _prepare_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file, expected a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
+    """Makes `out` a demo folder (refusing one with other content); the caller holds its lock."""
+    content = [p for p in out.iterdir() if p.name != LOCK_FILE]
+    if content and not (out / MARKER).exists():
         raise InputError(f"--out {out} is not empty and holds no earlier demo; choose another folder")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by sgraf demo; the folder is rewritten by the next demo run\n")
-    for name in ("runs", "index"):
-        if (out / name).exists():
-            shutil.rmtree(out / name)
+    write_text(out / MARKER, "written by sgraf demo; the folder is rewritten by the next demo run\n")
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[str, Any]:
@@ -107,7 +119,7 @@ def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[s
             return meta
     kind, backbone = _choose_features(features)
     return generate_benchmark(data, seed=seed, features=kind, n_train=settings.n_train, n_dev=settings.n_dev,
-                              n_test=settings.n_test, backbone=backbone)
+                              n_test=settings.n_test, backbone=backbone, overwrite=True)
 
 
 def _evaluate(models: dict[str, Any], split: Any) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
@@ -163,18 +175,29 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
     Returns:
         The content of `results.json`: settings, timings, per-method test metrics, the story
         check, and the paths of the pictures.
-    """
-    from sgraf.checkpoint import load_model
-    from sgraf.data.precomp import PrecompSplit
-    from sgraf.training import fit, resolve_config
 
+    Raises:
+        InputError: bad arguments, or `out` holds something else or is in use by another demo.
+        Stopped: SIGTERM or SIGINT stopped a training run (its `last.pt` is saved; no results
+            or report are written).
+    """
     if features not in ("auto", "cnn", "synthetic"):
         raise InputError(f"features must be auto, cnn or synthetic, got {features!r}")
     settings = QUICK if quick else FULL
     if quick and features == "auto":
         features = "synthetic"  # a smoke test should not spend its time in the CNN
-    out = Path(out)
-    _prepare_out(out)
+    out = ensure_folder(out, "--out")
+    with FolderLock(out):
+        _prepare_out(out)
+        return _run(out, settings, quick, features, seed, progress)
+
+
+def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: int, progress: bool) -> dict[str, Any]:
+    """The demo's stages in a prepared folder (see `run_demo`)."""
+    from sgraf.checkpoint import load_model
+    from sgraf.data.precomp import PrecompSplit
+    from sgraf.training import fit, resolve_config
+
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -190,6 +213,10 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
         tic, tic_cpu = time.perf_counter(), time.process_time()
         logger.info("training %s (%s)", label, ", ".join(overrides))
         summary = fit(config, data, out / "runs" / label.lower(), preset="demo")
+        if summary["status"] == "interrupted":
+            raise Stopped(signal.Signals[summary["signal"]],
+                          f"while training {label}: its last.pt is saved in {out / 'runs' / label.lower()}; "
+                          "no results or report written")
         timings[f"train {label}"] = time.perf_counter() - tic
         cpu[f"train {label}"] = time.process_time() - tic_cpu
         runs[label] = {"summary": summary, "config": config.to_dict()}
@@ -220,7 +247,7 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
         "pictures": pictures,
         "table": table,
     }
-    (out / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    write_text(out / "results.json", json.dumps(record, indent=1, default=str) + "\n")
     write_report(out, record)
     return record
 
@@ -293,7 +320,8 @@ def _curves(out: Path, path: Path) -> str:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=90)
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=90)
     plt.close(figure)
     return path.name
 
@@ -334,7 +362,8 @@ def _draw_t2i(queries: list[tuple[str, int, list[Any]]], data: Path, path: Path)
             axis.set_title(f"#{col} image {hit.id}\n{hit.score:.3f}", fontsize=8, color=colour)
     figure.suptitle("text \u2192 image: top 5 (green = the caption's image)", fontsize=11)
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=80)
     plt.close(figure)
     return path.name
 
@@ -360,7 +389,8 @@ def _draw_i2t(queries: list[tuple[int, list[Any]]], data: Path, cpi: int, path: 
                               fontsize=9, color=colour, va="center", transform=axes[row, 1].transAxes)
     figure.suptitle("image \u2192 text: top 5 (green = a caption of the image)", fontsize=11)
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=80)
     plt.close(figure)
     return path.name
 
@@ -434,5 +464,5 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         "",
     ]
     path = out / "report.md"
-    path.write_text("\n".join(lines))
+    write_text(path, "\n".join(lines))
     return path

@@ -17,6 +17,9 @@ import numpy as np
 import torch
 
 from sgraf import distributed, metrics, scoring
+from sgraf.atomic_write import atomic_path
+from sgraf.data.arrays import open_npy
+from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -120,13 +123,8 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Any:
 
 def save_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
     """Write a float32 .npy atomically (temporary file, then `os.replace`)."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as handle:
+    with atomic_path(path) as temporary, open(temporary, "wb") as handle:
         np.save(handle, np.asarray(sims, dtype=np.float32))
-    os.replace(temporary, path)
 
 
 def load_matrix(path: str | os.PathLike) -> np.ndarray:
@@ -134,14 +132,21 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(2, "No such file", str(path))
-    try:
-        sims = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as error:
-        raise InputError(f"{path}: not a .npy score matrix ({error})") from None
-    if not isinstance(sims, np.ndarray) or sims.ndim != 2 or sims.dtype.kind != "f":
+    sims = open_npy(path, "a float (n_images, n_captions) score matrix (sgraf evaluate --save-sims)")
+    if sims.ndim != 2 or sims.dtype.kind != "f":
         raise InputError(f"{path}: expected a 2-d float (n_images, n_captions) matrix, got "
                          f"{getattr(sims, 'dtype', type(sims).__name__)} of shape {getattr(sims, 'shape', '?')}")
     return sims
+
+
+def _check_finite_matrix(sims: np.ndarray, path: str | os.PathLike, rows_per_chunk: int = 1024) -> None:
+    """InputError naming the file and the first image row holding NaN/inf, read in row chunks."""
+    for start in range(0, sims.shape[0], rows_per_chunk):
+        finite = np.isfinite(sims[start:start + rows_per_chunk])
+        if not finite.all():
+            row, column = (int(v) for v in np.argwhere(~finite)[0])
+            raise InputError(f"{path}: score [image {start + row}, caption {column}] is "
+                             f"{sims[start + row, column]}; expected finite scores")
 
 
 def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,
@@ -174,6 +179,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
     models, vocabulary = load_ensemble(checkpoints, vocab, device)
     for model, path in zip(models, checkpoints):
         check_split_fits(model, precomp, str(path))
+    warn_unknown_share(vocabulary, scoring.tokenize_captions(precomp.captions, vocabulary), str(precomp.caps_path))
     logger.info("evaluating %s on %s (%d images, %d captions)", ", ".join(map(str, checkpoints)),
                 precomp.caps_path, precomp.n_images, precomp.n_captions)
     result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress)
@@ -205,6 +211,7 @@ def evaluate_sims_files(paths: Sequence[str | os.PathLike], folds: int = 1,
         if sims.shape != expected:
             raise InputError(f"{path}: score matrix of shape {sims.shape}, expected {expected} "
                              f"(n_images, n_captions) as {where}")
+        _check_finite_matrix(sims, path)
     sims = matrices[0] if len(matrices) == 1 else scoring.average_matrices(matrices)
     result = metrics.evaluate_sims(sims, folds=folds)
     if save_sims is not None:

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sgraf.atomic_write import atomic_path
+from sgraf.data.arrays import open_npy
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -255,11 +257,16 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
             break
     boxes_path = data_dir / f"{split}_boxes.npy"
     if boxes_path.is_file():
-        boxes = np.load(boxes_path, mmap_mode="r")
-        if boxes.ndim != 3 or boxes.shape[1:] != (num_regions, 4) or image_id >= boxes.shape[0]:
-            raise InputError(f"{boxes_path}: expected (n_images, {num_regions}, 4) region boxes covering image "
-                             f"{image_id}, got shape {boxes.shape}")
+        expected = f"(n_images, {num_regions}, 4) float region boxes covering image {image_id}"
+        boxes = open_npy(boxes_path, expected)
+        if boxes.ndim != 3 or boxes.shape[1:] != (num_regions, 4) or image_id >= boxes.shape[0] \
+                or boxes.dtype.kind not in "fiu":
+            raise InputError(f"{boxes_path}: expected {expected}, got {boxes.dtype} of shape {boxes.shape}")
         boxes = np.asarray(boxes[image_id], dtype=np.float64)
+        if not np.isfinite(boxes).all():
+            region = int(np.argwhere(~np.isfinite(boxes))[0][0])
+            raise InputError(f"{boxes_path}: the box of image {image_id}, region {region} is {boxes[region].tolist()}; "
+                             "expected finite (x1, y1, x2, y2) coordinates")
         if picture is None:  # no picture: a blank canvas of the image's size (or the boxes' extent)
             width, height = _image_size(data_dir / f"{split}_image_ids.txt", image_id) or (
                 int(np.ceil(boxes[:, 2].max())), int(np.ceil(boxes[:, 3].max())))
@@ -367,9 +374,11 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
         plt.close(figure)
         return out
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=90, bbox_inches="tight")
-    plt.close(figure)
+    try:
+        with atomic_path(out) as temporary:
+            figure.savefig(temporary, format="png", dpi=90, bbox_inches="tight")
+    finally:
+        plt.close(figure)
     logger.info("wrote %s", out)
     return out
 

@@ -37,7 +37,11 @@ import numpy as np
 import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys, split_shortlist_keys
+from sgraf.atomic_write import temporary_folder, write_error
+from sgraf.data.arrays import check_finite_features, mapped_file, open_npy
+from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError
+from sgraf.signals import signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +116,7 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
         raise InputError(f"{out} exists and is not an sgraf index; choose another --out")
+    _check_only_index_files(out)
     n_img, n_cap = int(features.shape[0]), len(captions)
     if n_img == 0 or n_cap == 0:
         raise InputError(f"an index needs images and captions, got {n_img} images and {n_cap} captions")
@@ -121,10 +126,15 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         if "\n" in caption or not caption.strip():
             raise InputError(f"caption {row} is empty or spans several lines: {caption!r}")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write_index(matcher, features, list(captions), staging, dtype, batch_size)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = temporary_folder(out.parent, f".{out.name}.")
+    except OSError as error:
+        raise write_error(out, error) from None
+    try:
+        captions_label = (f"the {source['split']} captions of {source['data_dir']}"
+                          if source and {"split", "data_dir"} <= set(source) else "the gallery captions")
+        _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -138,15 +148,50 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
             "files": {path.name: _describe_file(path) for path in sorted(staging.iterdir())},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
+        _swap_in(staging, out)
+    except OSError as error:   # name the index the user asked for, not the staging folder
+        shutil.rmtree(staging, ignore_errors=True)
+        raise write_error(out, error) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     logger.info("indexed %d images and %d captions with %d model(s) into %s", n_img, n_cap,
                 len(matcher.models), out)
     return out
+
+
+def _check_only_index_files(out: Path) -> None:
+    """An earlier index is replaced whole: refuse when it holds a file its manifest does not list."""
+    if not (out / MANIFEST).is_file():
+        return
+    try:
+        listed = set(json.loads((out / MANIFEST).read_text(encoding="utf-8"))["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    extra = sorted(p.name for p in out.iterdir() if p.name != MANIFEST and p.name not in listed)
+    if extra:
+        raise InputError(f"{out / extra[0]} is not part of the sgraf index in {out} (its manifest does not list it) "
+                         "and would be deleted with it; move it away or choose another --out")
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Puts the finished index `staging` at `out`: the earlier index is moved aside first, so
+    `out` holds one whole index or the other, and removed once the new one is in place."""
+    aside = None
+    try:
+        with signals_deferred():
+            if out.exists():
+                aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                os.replace(out, aside / out.name)
+            try:
+                os.replace(staging, out)
+            except BaseException:
+                if aside is not None and not out.exists():
+                    os.replace(aside / out.name, out)   # the earlier index back in its place
+                raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _describe_file(path: Path) -> dict[str, Any]:
@@ -158,13 +203,16 @@ def _describe_file(path: Path) -> dict[str, Any]:
 
 
 def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: Path, dtype: str,
-                 batch_size: int) -> None:
+                 batch_size: int, captions_label: str) -> None:
     n_img, n_cap, n_models = int(features.shape[0]), len(captions), len(matcher.models)
+    source, first_row = mapped_file(features)   # a memory map: its file and rows
     # images, in chunks written straight into memory-mapped files
     regions_out: list[np.memmap] = []
     keys_out = None
     for start in range(0, n_img, batch_size):
-        encoding = matcher.encode_images(np.asarray(features[start:start + batch_size]))
+        chunk = np.asarray(features[start:start + batch_size], dtype=np.float32)
+        check_finite_features(chunk, source or "image features", first_image=first_row + start)
+        encoding = matcher.encode_images(chunk)
         if keys_out is None:
             keys_out = _open_out(folder / "image_keys.npy", (n_img, *shortlist_keys(encoding.global_vectors).shape[1:]),
                                  "float32")
@@ -176,6 +224,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
             regions_out[m][start:stop] = encoding.regions[m].numpy().astype(dtype)
     # captions: tokenise all first, for the padded width
     ids = [matcher.vocab.encode(caption) for caption in captions]
+    warn_unknown_share(matcher.vocab, ids, captions_label)
     lengths = np.array([len(i) for i in ids], dtype=np.int64)
     width = int(lengths.max())
     np.save(folder / "caption_lengths.npy", lengths)
@@ -242,11 +291,8 @@ def _open_array(folder: Path, name: str, manifest: dict[str, Any], verify: bool)
     if verify and _sha256_file(path) != entry["sha256"]:
         raise InputError(f"{path}: corrupted index file, its sha256 does not match the manifest; "
                          "rebuild the index")
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise InputError(f"{path}: corrupted index file, not a readable .npy array ({exc}); "
-                         "rebuild the index") from None
+    array = open_npy(path, f"the {entry['dtype']}{entry['shape']} array the manifest records; rebuild the index",
+                     what="corrupted index file, ")
     if list(array.shape) != entry["shape"] or str(array.dtype) != entry["dtype"]:
         raise InputError(f"{path}: corrupted index file, array {array.dtype}{list(array.shape)} where the "
                          f"manifest records {entry['dtype']}{entry['shape']}; rebuild the index")
@@ -450,8 +496,8 @@ class GalleryIndex:
             length = int(texts.lengths[q])
             words = [w[q:q + 1, :length] for w in texts.words]
             scores = self.matcher.score_embeddings(
-                regions, (words, texts.lengths[q:q + 1]), image_globals=self._globals(self.image_keys, ids),
-                text_globals=[v[q:q + 1] for v in texts.global_vectors])[:, 0]          # (shortlist,)
+                regions, (words, texts.lengths[q:q + 1]),
+                image_globals=self._globals(self.image_keys, ids))[:, 0]          # (shortlist,)
             hits = []
             for image_id, score, rough in self._best(ids, scores, coarse, top_k):
                 caption = None
@@ -488,7 +534,7 @@ class GalleryIndex:
         lengths = torch.from_numpy(np.array(self.caption_lengths[ids]))
         width = int(lengths.max())
         words = [torch.from_numpy(np.array(w[ids, :width], dtype=np.float32)) for w in self.caption_words]
-        scores = self.matcher.score_embeddings(regions, (words, lengths), image_globals=self._globals(key[None, :]),
-                                               text_globals=self._globals(self.caption_keys, ids))[0]  # (shortlist,)
+        scores = self.matcher.score_embeddings(regions, (words, lengths),
+                                               image_globals=self._globals(key[None, :]))[0]   # (shortlist,)
         return [Hit(cap_id, score, rough, self.captions[cap_id])
                 for cap_id, score, rough in self._best(ids, scores, coarse, top_k)]

@@ -5,7 +5,8 @@ which adds its parser and sets `func` to a callable `(args) -> int`. Modules imp
 dependencies inside their functions, so `sgraf --help` stays fast.
 
 Bad input (`ValueError`, which `sgraf.errors.InputError` subclasses, and missing or unreadable
-files) is reported in one line on stderr with exit code 2.
+files) is reported in one line on stderr with exit code 2. SIGTERM and SIGINT stop a command
+with a one-line message and exit code 143 or 130, after its temporary files are removed.
 """
 
 from __future__ import annotations
@@ -62,8 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from sgraf.signals import Stopped, stop_on_sigterm
+
     try:
-        return int(args.func(args) or 0)
+        with stop_on_sigterm():
+            return int(args.func(args) or 0)
+    except Stopped as stop:
+        print(f"sgraf {args.command}: {stop}", file=sys.stderr)
+        return stop.exit_code
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
         message = str(exc) if not isinstance(exc, OSError) or not exc.filename else (
             f"{exc.filename}: {exc.strerror}")

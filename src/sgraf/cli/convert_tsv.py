@@ -16,13 +16,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", required=True, help="split name, e.g. train")
     parser.add_argument("--captions", help="captions file: 'image_id<TAB>caption' per line")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the split's files the folder already holds; those an earlier sgraf run wrote and "
+                             "this one does not (captions, boxes, ...) are removed, so no stale companion stays beside "
+                             "the new features; files sgraf did not write are never deleted")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from sgraf.data.convert import convert_tsv
 
-    info = convert_tsv(args.tsv, args.out, args.split, captions_path=args.captions, progress=not args.no_progress)
+    info = convert_tsv(args.tsv, args.out, args.split, captions_path=args.captions, progress=not args.no_progress,
+                       overwrite=args.overwrite)
     print(f"wrote {args.out}/{args.split}_ims.npy: {info['images']} images x {info['regions']} regions x "
           f"{info['feature_dim']}" + (f"; {info['captions']} captions" if args.captions else ""))
     return 0

@@ -29,6 +29,8 @@ def run_check(args: argparse.Namespace) -> int:
     from sgraf.data.vocab import load_vocab
 
     split = PrecompSplit(args.data, args.split, max_captions=args.max_captions, full_scan=args.full_scan)
+    if not args.full_scan:
+        split.check_finite(full=False)   # a quick look; every command checks what it reads anyway
     vocab_path = Path(args.vocab) if args.vocab else Path(args.data) / "vocab.json"
     vocab = load_vocab(vocab_path) if args.vocab or vocab_path.is_file() else None
     s = split.summary()

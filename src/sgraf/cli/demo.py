@@ -11,7 +11,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generate the embedded benchmark, train SGR, SAF and a global-only baseline, evaluate "
                     "them and the SGRAF ensemble on test, and write a report with pictures.")
     parser.add_argument("--quick", action="store_true", help="a small, fast run for smoke tests")
-    parser.add_argument("--out", default="sgraf-demo", metavar="DIR", help="run folder (default: sgraf-demo)")
+    parser.add_argument("--out", default="sgraf-demo", metavar="DIR",
+                        help="run folder (default: sgraf-demo); an earlier demo's folder is rewritten, any other "
+                             "non-empty folder refused, and one that another demo is writing refused")
     parser.add_argument("--features", choices=("auto", "cnn", "synthetic"), default="auto",
                         help="benchmark features: CNN (vision extra) or synthetic; auto picks CNN when installed")
     parser.add_argument("--seed", type=int, default=0, help="data and training seed")

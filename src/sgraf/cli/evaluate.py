@@ -41,6 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--save-sims", metavar="FILE.npy", help="write the float32 score matrix (caption-file order)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="default: fp32")
+    parser.add_argument("--tf32", action="store_true",
+                        help="on CUDA, fp32 matmuls and cuDNN in TF32 (faster, 10-bit mantissa; default: exact fp32)")
     parser.add_argument("--batch-size", type=_positive_int, default=128, metavar="N",
                         help="captions/images per encoder batch and captions per scoring bucket (default: 128)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available; under "
@@ -52,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sgraf import distributed, evaluate, metrics
     from sgraf.errors import InputError
+    from sgraf.precision import tf32
 
     if args.sims:
         if args.vocab:
@@ -63,10 +66,11 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--data DIR is required with --checkpoint")
         info = distributed.init_from_env(device=args.device)
         try:
-            result = evaluate.evaluate_checkpoints(
-                args.checkpoint, args.data, args.split, vocab=args.vocab, folds=args.folds,
-                precision=args.precision, batch_size=args.batch_size, device=info.device,
-                progress=not args.quiet, save_sims=args.save_sims)
+            with tf32(args.tf32):
+                result = evaluate.evaluate_checkpoints(
+                    args.checkpoint, args.data, args.split, vocab=args.vocab, folds=args.folds,
+                    precision=args.precision, batch_size=args.batch_size, device=info.device,
+                    progress=not args.quiet, save_sims=args.save_sims)
         finally:
             distributed.cleanup()
         if not info.is_main:

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.image_id < split.n_images:
         raise InputError(f"--image-id {args.image_id} is out of range: split {args.split!r} of {args.data} "
                          f"has images 0..{split.n_images - 1}")
-    explanation = explain_pair(matcher, split.images[args.image_id], args.text, allow_unknown=args.allow_unknown)
+    features = split.read_images(args.image_id, args.image_id + 1)[0]   # NaN/inf refused, naming the file
+    explanation = explain_pair(matcher, features, args.text, allow_unknown=args.allow_unknown)
     explanation.image_id = args.image_id
     layout = region_layout(args.data, args.split, args.image_id, split.num_regions)
     out = render_explanation(explanation, layout, args.out)

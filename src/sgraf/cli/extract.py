@@ -20,6 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--weights", help="weights file (default: the one installed with the backbone)")
     parser.add_argument("--image-size", type=int, default=192, help="input side in pixels (default 192)")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the split's files the folder already holds; those an earlier sgraf run wrote and "
+                             "this one does not (boxes, image ids, pictures, ...) are removed, so no stale companion "
+                             "stays beside the new features; files sgraf did not write are never deleted")
     parser.set_defaults(func=run)
 
 
@@ -27,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.data.features import extract_folder, get_backbone
 
     backbone = get_backbone(args.backbone, weights_path=args.weights, image_size=args.image_size)
-    info = extract_folder(args.images, args.captions, args.out, args.split, backbone, batch_size=args.batch_size)
+    info = extract_folder(args.images, args.captions, args.out, args.split, backbone, batch_size=args.batch_size,
+                          overwrite=args.overwrite)
     print(f"wrote {args.out}/{args.split}_ims.npy: {info['images']} images x {info['regions']} regions x "
           f"{info['feature_dim']}; {info['captions']} captions")
     return 0

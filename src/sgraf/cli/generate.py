@@ -24,6 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--synthetic-dim", type=int, default=128, help="feature size of --features synthetic")
     parser.add_argument("--no-images", action="store_true", help="do not keep the rendered PNGs")
     parser.add_argument("--preview", metavar="PNG", help="also draw a grid of test images with captions")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the data the folder already holds (features, captions, pictures, vocabulary); "
+                             "without it a folder holding precomp files is refused. Files of the earlier data set that "
+                             "sgraf wrote are removed, so none is left beside the new one; files sgraf did not write "
+                             "are never deleted")
     parser.set_defaults(func=run)
 
 
@@ -44,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     meta = generate_benchmark(args.out, seed=args.seed, features=features, n_train=args.n_train,
                               n_dev=args.n_dev, n_test=args.n_test, save_images=not args.no_images,
-                              synthetic_dim=args.synthetic_dim, progress=True)
+                              synthetic_dim=args.synthetic_dim, progress=True, overwrite=args.overwrite)
     elapsed = time.perf_counter() - started
     k, d = meta["feature_shape"]
     images = meta["images"]

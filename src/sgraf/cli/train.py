@@ -1,12 +1,12 @@
 """`sgraf train`: train SGR, SAF or a joint model from a preset, a YAML file and overrides.
 
     sgraf train --data DIR --out RUN_DIR [--preset NAME] [--config YAML] [--set key=value ...]
-    sgraf train --resume RUN_DIR [--set epochs=N ...]
+    sgraf train --resume RUN_DIR [--set epochs=N ...] [--data DIR --allow-other-data]
     torchrun --nproc_per_node N -m sgraf train ...      (several processes)
 
-Exit status: 0 when the run finished, 2 for bad input, 1 when the loss became NaN/inf,
-128 + the signal number (143 for SIGTERM, 130 for SIGINT) when a signal stopped the run after
-saving `last.pt`.
+Exit status: 0 when the run finished, 2 for bad input (a run folder locked by another run
+included), 1 when the loss became NaN/inf, 128 + the signal number (143 for SIGTERM, 130 for
+SIGINT) when a signal stopped the run after saving `last.pt`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 # Keys that may change when a run is resumed; the others define the run and stay as recorded.
 RESUMABLE_OVERRIDES = ("epochs", "val_every", "checkpoint_every", "log_every", "workers", "device",
-                       "progress", "val_batch_size")
+                       "progress", "val_batch_size", "tf32")
 
 
 def register(subparsers: Any) -> None:
@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
         "train", help="train a model (paper recipes, resumable, several processes with torchrun)",
         description="Train SGRAF on a precomp data folder. The config is resolved from the defaults, "
                     "then --preset, then --config, then --set. The run folder gets config.yaml, "
-                    "metrics.jsonl, last.pt, best.pt and curves.png.",
+                    "metrics.jsonl, last.pt, best.pt and curves.png; while the run owns it, it is locked "
+                    "(RUN_DIR/.sgraf-lock): a second run there is refused, naming the first.",
         epilog="presets: " + ", ".join(PRESETS) + ". Valid --set keys: see --list-keys.")
     parser.add_argument("--data", metavar="DIR", help="precomp folder with train_* and dev_* files")
     parser.add_argument("--out", metavar="RUN_DIR", help="run folder to create")
@@ -37,6 +38,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+", default=[],
                         help="override config keys, e.g. --set module=saf epochs=10 precision=bf16")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last.pt")
+    parser.add_argument("--allow-other-data", action="store_true",
+                        help="with --resume: continue on a --data folder other than the run's (another folder, "
+                             "or its files changed since), which is refused otherwise: dev rsum would be "
+                             "compared across different dev splits")
+    parser.add_argument("--allow-unknown-words", action="store_true",
+                        help="train even when the vocabulary leaves over half of the training tokens unknown "
+                             "(refused otherwise; a warning above 10%%)")
     parser.add_argument("--list-keys", action="store_true", help="print the config keys of a preset and exit")
     parser.set_defaults(func=run)
 
@@ -45,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
     from sgraf.training.config import parse_overrides, resolve_config
     from sgraf.training.loop import NonFiniteLossError, fit
-    from sgraf.training.run_dir import load_run_config, save_run_config
+    from sgraf.training.run_dir import load_run_config
 
     if args.list_keys:
         config, _ = resolve_config(args.preset, args.config, args.overrides)
@@ -69,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
                              f"{', '.join(RESUMABLE_OVERRIDES)}")
         out, resume = args.resume, True
         data = args.data or data
-        if overrides or args.data:
-            config = config.replace(**overrides)
-            save_run_config(Path(out), config, data, preset)   # a later --resume sees the change
+        config = config.replace(**overrides)   # fit records it in config.yaml once the data is checked
     else:
+        if args.allow_other_data:
+            raise InputError("--allow-other-data applies to --resume RUN_DIR (a new run trains on its --data)")
         config, extras = resolve_config(args.preset, args.config, args.overrides)
         data = args.data or extras.get("data")
         if not data or not args.out:
@@ -81,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from sgraf import distributed
 
     try:
-        summary = fit(config, data, out, resume=resume, preset=preset)
+        summary = fit(config, data, out, resume=resume, preset=preset, allow_other_data=args.allow_other_data,
+                      allow_unknown_words=args.allow_unknown_words)
     except NonFiniteLossError as error:
         print(f"sgraf train: error: {error}", file=sys.stderr)
         return 1

@@ -35,7 +35,8 @@ Files written to `out_dir`: `{train,dev,test}_ims.npy`, `{train,dev,test}_caps.t
 `vocab.json` (from train + dev captions, min count 4, as the authors build theirs),
 `{split}_scenes.jsonl` (one JSON object per image: family, variant, objects with boxes),
 `images/{split}/{index:05d}.png` (the rendered images, for `sgraf explain`), and
-`benchmark.json` (the generation settings). Same seed and settings -> byte-identical files.
+`benchmark.json` (the generation settings), and `.sgraf-files.json` (the list of the files
+sgraf wrote, see `sgraf.output_folder`). Same seed and settings -> byte-identical files.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,9 +51,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from sgraf.atomic_write import atomic_path, write_text
+from sgraf.data.layout import data_set_family
 from sgraf.data.render import CANVAS, COLOURS, HALF_SIZE, LAYOUT, SHAPES, SIZES, SceneObject, render_scene
 from sgraf.data.vocab import Vocabulary, build_vocab
 from sgraf.errors import InputError
+from sgraf.output_folder import NewGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ SYNTHETIC_DIM = 128
 SYNTHETIC_TABLE_SEED = 20210202  # fixed: the meaning of synthetic features never depends on the data seed
 SYNTHETIC_NOISE = 0.15
 VARIANTS = ("binding", "attribute", "relation", "count")
+DATA_SET_FILES_WRITTEN = ("vocab.json", "benchmark.json")
 
 NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four"}
 PLURAL = {"square": "squares", "circle": "circles", "triangle": "triangles", "diamond": "diamonds",
@@ -362,35 +366,24 @@ def _split_scenes(n_images: int, seed: int, split_index: int) -> tuple[list[Scen
     return scenes[:n_images], captions[:n_images], np.random.default_rng([seed, split_index, 1])
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(text.encode("utf-8"))
-    os.replace(tmp, path)
-
-
-def _write_split(out_dir: Path, split: str, split_index: int, n_images: int, seed: int, features: str,
-                 backbone: Any, save_images: bool, synthetic_dim: int, progress: bool) -> list[str]:
+def _write_split(generation: NewGeneration, split: str, split_index: int, n_images: int, seed: int,
+                 features: str, backbone: Any, save_images: bool, synthetic_dim: int, progress: bool) -> list[str]:
     started = time.perf_counter()
     scenes, captions, rng = _split_scenes(n_images, seed, split_index)
     flat = [c for caps in captions for c in caps]
-    _write_text(out_dir / f"{split}_caps.txt", "".join(c + "\n" for c in flat))
-    _write_text(out_dir / f"{split}_scenes.jsonl",
-                "".join(json.dumps({"index": i, **s.to_dict(), "captions": captions[i]}, sort_keys=True) + "\n"
-                        for i, s in enumerate(scenes)))
-    image_dir = out_dir / "images" / split
-    if save_images:
-        if image_dir.exists():
-            shutil.rmtree(image_dir)
-        image_dir.mkdir(parents=True)
+    write_text(generation.path(f"{split}_caps.txt"), "".join(c + "\n" for c in flat))
+    write_text(generation.path(f"{split}_scenes.jsonl"),
+               "".join(json.dumps({"index": i, **s.to_dict(), "captions": captions[i]}, sort_keys=True) + "\n"
+                       for i, s in enumerate(scenes)))
 
     def rendered() -> Iterator[Any]:
         for i, scene in enumerate(scenes):
             image = render_scene(scene.objects)
             if save_images:
-                image.save(image_dir / f"{i:05d}.png", compress_level=6)
+                image.save(generation.path(_image_name(split, i)), format="PNG", compress_level=6)
             yield image
 
-    ims_path = out_dir / f"{split}_ims.npy"
+    ims_path = generation.path(f"{split}_ims.npy")
     if features == "cnn":
         from sgraf.data.features import extract_to_npy
 
@@ -399,15 +392,14 @@ def _write_split(out_dir: Path, split: str, split_index: int, n_images: int, see
         if save_images:
             for _ in rendered():
                 pass
-        tmp = ims_path.with_name(f".{ims_path.name}.tmp")
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                        shape=(len(scenes), GRID * GRID, synthetic_dim))
-        chunk = 512
-        for start in range(0, len(scenes), chunk):
-            out[start: start + chunk] = synthetic_features(scenes[start: start + chunk], rng, synthetic_dim)
-        out.flush()
-        del out
-        os.replace(tmp, ims_path)
+        with atomic_path(ims_path) as temporary:
+            out = np.lib.format.open_memmap(temporary, mode="w+", dtype=np.float32,
+                                            shape=(len(scenes), GRID * GRID, synthetic_dim))
+            chunk = 512
+            for start in range(0, len(scenes), chunk):
+                out[start: start + chunk] = synthetic_features(scenes[start: start + chunk], rng, synthetic_dim)
+            out.flush()
+            del out
     logger.info("%s: %d images, %d captions in %.1fs", split, len(scenes), len(flat), time.perf_counter() - started)
     return flat
 
@@ -415,11 +407,16 @@ def _write_split(out_dir: Path, split: str, split_index: int, n_images: int, see
 def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features: str = "synthetic",
                        n_train: int = 3000, n_dev: int = 500, n_test: int = 500, save_images: bool = True,
                        synthetic_dim: int = SYNTHETIC_DIM, min_count: int = 4, backbone: Any = None,
-                       progress: bool = False) -> dict[str, Any]:
+                       progress: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Write the embedded benchmark in the precomp layout (see the module docstring).
 
+    The files are written into a staging folder inside `out_dir` and moved into place at the end
+    (`sgraf.output_folder.NewGeneration`): an interrupted run leaves the folder as it was, and a
+    folder that already holds data (files of the precomp layout) is refused unless `overwrite`,
+    which replaces the earlier generation as a whole (pictures included).
+
     Args:
-        out_dir: directory to write (created; existing benchmark files are overwritten).
+        out_dir: directory to write (created).
         seed: data seed; the same seed and settings give byte-identical files.
         features: "cnn" (EfficientNet-Lite0, needs `sgraf[vision]`) or "synthetic".
         n_train, n_dev, n_test: images per split (5 captions each).
@@ -428,9 +425,13 @@ def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features:
         min_count: vocabulary threshold (the authors' is 4).
         backbone: a `GridBackbone` for the cnn mode (default: EfficientNet-Lite0 at 192 px).
         progress: show progress bars.
+        overwrite: replace the data a folder already holds (only files sgraf wrote are deleted).
 
     Returns:
         The metadata written to `benchmark.json`.
+
+    Raises:
+        InputError: bad settings, `out_dir` is a file, or it holds other data (see above).
     """
     if features not in ("cnn", "synthetic"):
         raise InputError(f"features={features!r}: expected 'cnn' or 'synthetic'")
@@ -440,33 +441,35 @@ def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features:
     if synthetic_dim < 1:
         raise InputError(f"synthetic_dim={synthetic_dim}: expected a positive size")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if features == "cnn" and backbone is None:
-        from sgraf.data.features import efficientnet_lite0
-
-        backbone = efficientnet_lite0(image_size=CANVAS)
-    started = time.perf_counter()
     sizes = {"train": n_train, "dev": n_dev, "test": n_test}
-    captions: dict[str, list[str]] = {}
-    for index, split in enumerate(SPLITS):
-        captions[split] = _write_split(out_dir, split, index, sizes[split], seed, features, backbone,
-                                       save_images, synthetic_dim, progress)
-    vocab: Vocabulary = build_vocab(captions["train"] + captions["dev"], min_count=min_count)
-    vocab.save(out_dir / "vocab.json")
-    meta = {
-        "name": "sgraf-shapes",
-        "generator_version": GENERATOR_VERSION,
-        "seed": seed,
-        "features": features,
-        "backbone": getattr(backbone, "name", None) if features == "cnn" else None,
-        "feature_shape": [GRID * GRID, int(backbone.feature_dim) if features == "cnn" else synthetic_dim],
-        "images": sizes,
-        "captions_per_image": CAPTIONS_PER_IMAGE,
-        "family_size": FAMILY_SIZE,
-        "vocab_size": len(vocab),
-        "images_dir": "images" if save_images else None,
-    }
-    _write_text(out_dir / "benchmark.json", json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    outputs = _outputs(sizes, save_images)
+    with NewGeneration(out_dir, outputs, data_set_family, "generate", overwrite=overwrite, exclusive=True,
+                       earlier=_generated_before(out_dir)) as generation:
+        if features == "cnn" and backbone is None:
+            from sgraf.data.features import efficientnet_lite0
+
+            backbone = efficientnet_lite0(image_size=CANVAS)
+        started = time.perf_counter()
+        captions: dict[str, list[str]] = {}
+        for index, split in enumerate(SPLITS):
+            captions[split] = _write_split(generation, split, index, sizes[split], seed, features, backbone,
+                                           save_images, synthetic_dim, progress)
+        vocab: Vocabulary = build_vocab(captions["train"] + captions["dev"], min_count=min_count)
+        vocab.save(generation.path("vocab.json"))
+        meta = {
+            "name": "sgraf-shapes",
+            "generator_version": GENERATOR_VERSION,
+            "seed": seed,
+            "features": features,
+            "backbone": getattr(backbone, "name", None) if features == "cnn" else None,
+            "feature_shape": [GRID * GRID, int(backbone.feature_dim) if features == "cnn" else synthetic_dim],
+            "images": sizes,
+            "captions_per_image": CAPTIONS_PER_IMAGE,
+            "family_size": FAMILY_SIZE,
+            "vocab_size": len(vocab),
+            "images_dir": "images" if save_images else None,
+        }
+        write_text(generation.path("benchmark.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     logger.info("benchmark written to %s in %.1fs (%s features)", out_dir, time.perf_counter() - started, features)
     return meta
 
@@ -484,9 +487,32 @@ def load_scenes(data_dir: str | os.PathLike[str], split: str) -> list[dict[str, 
     return rows
 
 
+def _generated_before(out_dir: Path) -> list[str]:
+    """The files an earlier `generate_benchmark` wrote into `out_dir`, as its benchmark.json tells
+    (folders generated before sgraf recorded the files it writes)."""
+    try:
+        meta = json.loads((out_dir / "benchmark.json").read_text(encoding="utf-8"))
+        sizes = {split: int(meta["images"][split]) for split in SPLITS}
+        with_images = bool(meta.get("images_dir"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return _outputs(sizes, with_images) if meta.get("name") == "sgraf-shapes" else []
+
+
+def _outputs(sizes: dict[str, int], save_images: bool) -> list[str]:
+    """The files `generate_benchmark` writes for these split sizes (relative paths)."""
+    return [*DATA_SET_FILES_WRITTEN,
+            *(f"{split}{suffix}" for split in SPLITS for suffix in ("_ims.npy", "_caps.txt", "_scenes.jsonl")),
+            *(_image_name(split, i) for split in SPLITS if save_images for i in range(sizes[split]))]
+
+
+def _image_name(split: str, index: int) -> str:
+    return f"images/{split}/{index:05d}.png"
+
+
 def image_path(data_dir: str | os.PathLike[str], split: str, index: int) -> Path:
     """Where the rendered image `index` of `split` is stored."""
-    return Path(data_dir) / "images" / split / f"{index:05d}.png"
+    return Path(data_dir) / _image_name(split, index)
 
 
 def write_preview(data_dir: str | os.PathLike[str], path: str | os.PathLike[str], split: str = "test",

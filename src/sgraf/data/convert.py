@@ -23,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from sgraf.data.layout import split_family
 from sgraf.errors import InputError
+from sgraf.output_folder import NewGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -106,17 +108,21 @@ def read_caption_table(path: Path) -> dict[str, list[str]]:
 
 
 def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], split: str,
-                captions_path: str | os.PathLike[str] | None = None, progress: bool = True) -> dict[str, int]:
+                captions_path: str | os.PathLike[str] | None = None, progress: bool = True,
+                overwrite: bool = False) -> dict[str, int]:
     """Stream a bottom-up-attention TSV into the precomp layout (see the module docstring).
 
-    Every row must have the same number of boxes and feature size. Files are written to
-    temporary names and moved into place only when the whole TSV has been read.
+    Every row must have the same number of boxes and feature size. The files are one
+    generation (`sgraf.output_folder.NewGeneration`): written aside and moved into place only
+    when the whole TSV has been read; a folder that already holds files of the split is
+    refused unless `overwrite`, which replaces them and removes the split's files an earlier
+    sgraf run wrote that this one does not (captions of a run with `captions_path`, say).
+    Without `captions_path`, captions the user put there (not written by sgraf) stay, paired
+    with the new features; any other file of the split that sgraf did not write is refused.
 
     Returns:
         `{"images", "regions", "feature_dim", "captions"}`.
     """
-    from tqdm import tqdm
-
     tsv_path, out_dir = Path(tsv_path), Path(out_dir)
     if not tsv_path.is_file():
         raise InputError(f"{tsv_path}: missing TSV file")
@@ -124,62 +130,72 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     n_rows = _count_rows(tsv_path)
     if n_rows == 0:
         raise InputError(f"{tsv_path}: no rows")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final = {"ims": out_dir / f"{split}_ims.npy", "boxes": out_dir / f"{split}_boxes.npy",
-             "ids": out_dir / f"{split}_image_ids.txt", "caps": out_dir / f"{split}_caps.txt"}
-    tmp = {k: p.with_name(f".{p.name}.tmp") for k, p in final.items()}
+    names = {"ims": f"{split}_ims.npy", "boxes": f"{split}_boxes.npy", "ids": f"{split}_image_ids.txt"}
+    if table is not None:
+        names["caps"] = f"{split}_caps.txt"
+    with NewGeneration(out_dir, names.values(), split_family(split), "convert-tsv", overwrite=overwrite,
+                       paired=[f"{split}_caps.txt"] if table is None else []) as generation:
+        shape, n_caps = _convert_rows(tsv_path, n_rows, table, captions_path,
+                                      {key: generation.path(name) for key, name in names.items()}, progress)
+    logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, out_dir / names["ims"], *shape)
+    return {"images": shape[0], "regions": shape[1], "feature_dim": shape[2], "captions": n_caps}
+
+
+def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | None,
+                  captions_path: str | os.PathLike[str] | None, paths: dict[str, Path],
+                  progress: bool) -> tuple[tuple[int, int, int], int]:
+    """Writes the TSV's rows to `paths` ('ims', 'boxes', 'ids', 'caps' when `table`).
+
+    Returns:
+        ((images, regions, feature size), captions written).
+    """
+    from tqdm import tqdm
+
     ims = boxes = None
     ids: list[str] = []
-    try:
-        with open(tsv_path, "rb") as f, \
-                tqdm(total=n_rows, desc=f"{tsv_path.name}", unit="img", disable=not progress) as bar:
-            row_index = 0
-            for number, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise InputError(f"{tsv_path}:{number}: bytes are not valid UTF-8") from None
-                row = parse_tsv_line(text, tsv_path, number)
-                if ims is None:
-                    k, d = row.features.shape
-                    ims = np.lib.format.open_memmap(tmp["ims"], mode="w+", dtype=np.float32, shape=(n_rows, k, d))
-                    boxes = np.lib.format.open_memmap(tmp["boxes"], mode="w+", dtype=np.float32, shape=(n_rows, k, 4))
-                elif row.features.shape != ims.shape[1:]:
-                    raise InputError(f"{tsv_path}:{number}: num_boxes x feature size is {row.features.shape}; "
-                                     f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "
-                                     "number of regions)")
-                if not np.isfinite(row.features).all():
-                    raise InputError(f"{tsv_path}:{number}: field 'features' holds NaN or inf")
-                ims[row_index] = row.features
-                boxes[row_index] = row.boxes
-                ids.append(f"{row.image_id}\t{row.image_w}\t{row.image_h}")
-                row_index += 1
-                bar.update(1)
-        n_caps = 0
-        if table is not None:
-            per_image = {len(table.get(i.split('\t')[0], [])) for i in ids}
-            missing = [i.split("\t")[0] for i in ids if i.split("\t")[0] not in table]
-            if missing:
-                raise InputError(f"{captions_path}: no captions for image_id {missing[0]!r} "
-                                 f"({len(missing)} images without captions)")
-            if len(per_image) != 1:
-                raise InputError(f"{captions_path}: images have {sorted(per_image)} captions; precomp needs the "
-                                 "same number for every image")
-            lines = [c for i in ids for c in table[i.split("\t")[0]]]
-            n_caps = len(lines)
-            tmp["caps"].write_bytes("".join(c + "\n" for c in lines).encode("utf-8"))
-        tmp["ids"].write_text("".join(i + "\n" for i in ids), encoding="utf-8")
-        shape = ims.shape
-        ims.flush()
-        boxes.flush()
-        del ims, boxes
-        for key, path in tmp.items():
-            if path.exists():
-                os.replace(path, final[key])
-    finally:
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
-    logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, final["ims"], shape[0], shape[1], shape[2])
-    return {"images": shape[0], "regions": shape[1], "feature_dim": shape[2], "captions": n_caps}
+    with open(tsv_path, "rb") as f, \
+            tqdm(total=n_rows, desc=f"{tsv_path.name}", unit="img", disable=not progress) as bar:
+        row_index = 0
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{tsv_path}:{number}: bytes are not valid UTF-8") from None
+            row = parse_tsv_line(text, tsv_path, number)
+            if ims is None:
+                k, d = row.features.shape
+                ims = np.lib.format.open_memmap(paths["ims"], mode="w+", dtype=np.float32, shape=(n_rows, k, d))
+                boxes = np.lib.format.open_memmap(paths["boxes"], mode="w+", dtype=np.float32, shape=(n_rows, k, 4))
+            elif row.features.shape != ims.shape[1:]:
+                raise InputError(f"{tsv_path}:{number}: num_boxes x feature size is {row.features.shape}; "
+                                 f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "
+                                 "number of regions)")
+            for field_name, values in (("features", row.features), ("boxes", row.boxes)):
+                if not np.isfinite(values).all():
+                    raise InputError(f"{tsv_path}:{number}: field {field_name!r} holds NaN or inf")
+            ims[row_index] = row.features
+            boxes[row_index] = row.boxes
+            ids.append(f"{row.image_id}\t{row.image_w}\t{row.image_h}")
+            row_index += 1
+            bar.update(1)
+    n_caps = 0
+    if table is not None:
+        per_image = {len(table.get(i.split('\t')[0], [])) for i in ids}
+        missing = [i.split("\t")[0] for i in ids if i.split("\t")[0] not in table]
+        if missing:
+            raise InputError(f"{captions_path}: no captions for image_id {missing[0]!r} "
+                             f"({len(missing)} images without captions)")
+        if len(per_image) != 1:
+            raise InputError(f"{captions_path}: images have {sorted(per_image)} captions; precomp needs the "
+                             "same number for every image")
+        lines = [c for i in ids for c in table[i.split("\t")[0]]]
+        n_caps = len(lines)
+        paths["caps"].write_bytes("".join(c + "\n" for c in lines).encode("utf-8"))
+    paths["ids"].write_text("".join(i + "\n" for i in ids), encoding="utf-8")
+    shape = ims.shape
+    ims.flush()
+    boxes.flush()
+    del ims, boxes
+    return (int(shape[0]), int(shape[1]), int(shape[2])), n_caps

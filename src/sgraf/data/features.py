@@ -22,7 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from sgraf.atomic_write import atomic_path, write_text
+from sgraf.data.layout import split_family
+from sgraf.data.arrays import check_finite_features
 from sgraf.errors import InputError
+from sgraf.output_folder import NewGeneration
+from sgraf.weights_file import load_weights_only
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -117,11 +122,14 @@ def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image
     if image_size % 32:
         raise InputError(f"image_size={image_size}: expected a multiple of 32 (the network's total stride)")
     net = EfficientNet.from_name("efficientnet-lite0", image_size=image_size)
-    state = torch.load(weights_path, map_location="cpu", weights_only=True)
+    state = load_weights_only(weights_path, what="weights file")
     missing, unexpected = net.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise InputError(f"{weights_path}: not EfficientNet-Lite0 weights (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{weights_path}: tensor {name!r} holds NaN/inf; expected finite weights")
     # The Lite models were trained on (pixel - 127) / 128 ("mean 127, std 128" on 0..255).
     return GridBackbone(_LiteTrunk(net), feature_dim=1280, image_size=image_size,
                         mean=(127.0 / 255,) * 3, std=(128.0 / 255,) * 3, name="efficientnet-lite0")
@@ -158,18 +166,21 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
     from tqdm import tqdm
 
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
     out = None  # opened once the first batch tells the number of regions
     done = 0
     batch: list = []
     bar = tqdm(total=n_images, desc=f"{backbone.name} features", unit="img", disable=not progress)
 
-    def flush() -> None:
+    def flush(temporary: Path) -> None:
         nonlocal done, out
         features = backbone.extract(batch)  # (B, K, D)
+        try:
+            check_finite_features(features, f"{backbone.name} features", first_image=done)
+        except InputError as error:
+            raise InputError(f"{error} (the backbone's weights or the image are broken); {out_path} is not "
+                             "written") from None
         if out is None:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
+            out = np.lib.format.open_memmap(temporary, mode="w+", dtype=np.float32,
                                             shape=(n_images,) + tuple(features.shape[1:]))
         out[done: done + len(batch)] = features
         done += len(batch)
@@ -177,22 +188,19 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
         batch.clear()
 
     try:
-        for image in images:
-            if done + len(batch) >= n_images:
-                raise InputError(f"more than the expected {n_images} images for {out_path}")
-            batch.append(image)
-            if len(batch) == batch_size:
-                flush()
-        if batch:
-            flush()
-        if done != n_images or out is None:
-            raise InputError(f"{out_path}: got {done} images, expected {n_images}")
-        out.flush()
-        del out
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(out_path) as temporary:
+            for image in images:
+                if done + len(batch) >= n_images:
+                    raise InputError(f"more than the expected {n_images} images for {out_path}")
+                batch.append(image)
+                if len(batch) == batch_size:
+                    flush(temporary)
+            if batch:
+                flush(temporary)
+            if done != n_images or out is None:
+                raise InputError(f"{out_path}: got {done} images, expected {n_images}")
+            out.flush()
+            del out
     finally:
         bar.close()
     return np.load(out_path, mmap_mode="r")
@@ -200,13 +208,15 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
 
 def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.PathLike[str],
                    out_dir: str | os.PathLike[str], split: str, backbone: GridBackbone,
-                   batch_size: int = 32, progress: bool = True) -> dict[str, int]:
+                   batch_size: int = 32, progress: bool = True, overwrite: bool = False) -> dict[str, int]:
     """A folder of images + a captions file -> a precomp split through `backbone`.
 
     The captions file has lines `file_name<TAB>caption` (file names relative to
     `images_dir`); images are taken in order of first appearance and every image needs the
     same number of captions. Writes `{split}_ims.npy`, `{split}_caps.txt` (grouped by image)
-    and `{split}_image_names.txt`.
+    and `{split}_image_names.txt`, as one generation (`sgraf.output_folder.NewGeneration`): a
+    folder that already holds files of the split is refused unless `overwrite`, which
+    replaces them and removes the split's files an earlier sgraf run wrote (boxes, ids, ...).
 
     Returns:
         `{"images", "captions", "regions", "feature_dim"}`.
@@ -236,11 +246,15 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
             except (UnidentifiedImageError, OSError) as exc:
                 raise InputError(f"{images_dir / name}: not a readable image ({exc})") from None
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    features = extract_to_npy(load(), len(names), backbone, out_dir / f"{split}_ims.npy",
-                              batch_size=batch_size, progress=progress)
-    captions = [c for name in names for c in table[name]]
-    (out_dir / f"{split}_caps.txt").write_bytes("".join(c + "\n" for c in captions).encode("utf-8"))
-    (out_dir / f"{split}_image_names.txt").write_text("".join(n + "\n" for n in names), encoding="utf-8")
-    return {"images": len(names), "captions": len(captions), "regions": int(features.shape[1]),
-            "feature_dim": int(features.shape[2])}
+    outputs = {key: f"{split}{suffix}" for key, suffix in
+               (("ims", "_ims.npy"), ("caps", "_caps.txt"), ("names", "_image_names.txt"))}
+    with NewGeneration(out_dir, outputs.values(), split_family(split), "extract", overwrite=overwrite) as generation:
+        features = extract_to_npy(load(), len(names), backbone, generation.path(outputs["ims"]),
+                                  batch_size=batch_size, progress=progress)
+        shape = features.shape
+        del features  # the memory map, before its file moves
+        captions = [c for name in names for c in table[name]]
+        write_text(generation.path(outputs["caps"]), "".join(c + "\n" for c in captions))
+        write_text(generation.path(outputs["names"]), "".join(n + "\n" for n in names))
+    return {"images": len(names), "captions": len(captions), "regions": int(shape[1]),
+            "feature_dim": int(shape[2])}

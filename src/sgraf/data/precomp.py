@@ -14,24 +14,27 @@ The authors validate on the first 5,000 `dev` captions only; here that is the ex
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from sgraf.data.arrays import check_finite_features, open_npy
 from sgraf.data.vocab import Vocabulary
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
 
 STANDARD_SPLITS = ("train", "dev", "test", "testall")
-FINITE_SAMPLE = 64  # images checked for NaN/inf by default (evenly spread)
+FINITE_SAMPLE = 64  # images `sgraf data check` looks at without --full-scan (evenly spread)
 _SCAN_CHUNK_BYTES = 64 << 20  # full scans read this much at a time
+_FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a features file
 
 
 def split_files(data_dir: str | os.PathLike[str], split: str) -> tuple[Path, Path]:
@@ -48,6 +51,29 @@ def available_splits(data_dir: str | os.PathLike[str]) -> list[str]:
     names = {p.name[: -len("_ims.npy")] for p in data_dir.glob("*_ims.npy")}
     names = {n for n in names if (data_dir / f"{n}_caps.txt").is_file()}
     return [s for s in STANDARD_SPLITS if s in names] + sorted(names - set(STANDARD_SPLITS))
+
+
+def data_fingerprint(data_dir: str | os.PathLike[str], splits: Sequence[str] = ("train", "dev")) -> dict[str, str]:
+    """A cheap identity of the splits' files: `{file name: sha256 hex digest}`.
+
+    Caption files are hashed whole (tens of MB at most); a features file by its size and its
+    first and last MiB, since hashing a 33 GB MSCOCO file would take minutes. Equal
+    fingerprints mean the same captions and, short of an edit inside a features file that
+    keeps its size, the same features.
+    """
+    fingerprint = {}
+    for split in splits:
+        ims_path, caps_path = split_files(data_dir, split)
+        fingerprint[caps_path.name] = hashlib.sha256(caps_path.read_bytes()).hexdigest()
+        size = ims_path.stat().st_size
+        digest = hashlib.sha256(str(size).encode())
+        with open(ims_path, "rb") as handle:
+            digest.update(handle.read(_FINGERPRINT_EDGE))
+            if size > _FINGERPRINT_EDGE:
+                handle.seek(max(_FINGERPRINT_EDGE, size - _FINGERPRINT_EDGE))
+                digest.update(handle.read())
+        fingerprint[ims_path.name] = digest.hexdigest()
+    return fingerprint
 
 
 def read_captions(path: str | os.PathLike[str]) -> list[str]:
@@ -79,13 +105,7 @@ def read_captions(path: str | os.PathLike[str]) -> list[str]:
 
 def _open_features(path: Path) -> np.ndarray:
     """Open `path` memory-mapped and check it is a (n, K, D) floating array."""
-    try:
-        images = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise InputError(f"{path}: not a readable .npy array ({exc}); expected float32 features "
-                         "of shape (n_images, regions, dim)") from None
-    if not isinstance(images, np.ndarray):
-        raise InputError(f"{path}: expected a single .npy array, found {type(images).__name__}")
+    images = open_npy(path, "float32 features of shape (n_images, regions, dim)")
     if images.ndim != 3:
         raise InputError(f"{path}: array has rank {images.ndim} (shape {images.shape}); expected rank 3, "
                          "(n_images, regions, dim)")
@@ -108,7 +128,9 @@ class PrecompSplit:
         max_captions: keep only the first `max_captions` captions and their images (the
             authors validate on `dev` with 5000); must be a multiple of the captions per
             image. None keeps everything.
-        full_scan: check every feature for NaN/inf instead of a sample of images.
+        full_scan: read every feature now and refuse NaN/inf. Without it nothing is read on
+            opening: every reader checks each block it reads (`read_images`, `check_batch`,
+            the scorer's batches), so NaN/inf is refused wherever it is, when it is reached.
 
     Attributes:
         images: (n_images, K, D) memory-mapped array (read-only).
@@ -116,7 +138,8 @@ class PrecompSplit:
 
     Raises:
         InputError: a missing file, a wrong array rank or dtype, a caption count that is
-            not a multiple of the image count, NaN/inf features, bad UTF-8, empty lines.
+            not a multiple of the image count, NaN/inf features (with `full_scan`), bad
+            UTF-8, empty lines.
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], split: str, max_captions: int | None = None,
@@ -153,7 +176,8 @@ class PrecompSplit:
         self.n_images = n_img
         self.n_captions = n_cap
         self._images: np.ndarray | None = images
-        self.check_finite(full=full_scan)
+        if full_scan:
+            self.check_finite(full=True)
 
     @property
     def images(self) -> np.ndarray:
@@ -174,29 +198,35 @@ class PrecompSplit:
         """The image of caption `k`: k // caps_per_image."""
         return k // self.caps_per_image
 
+    def read_images(self, start: int, stop: int) -> np.ndarray:
+        """Images [start, stop) as a float32 (n, K, D) copy, refused if any value is NaN/inf.
+
+        Raises:
+            InputError: naming the features file and the image, region and dimension.
+        """
+        block = np.array(self.images[start:stop], dtype=np.float32)
+        check_finite_features(block, self.ims_path, first_image=start)
+        return block
+
     def check_finite(self, full: bool = False) -> None:
         """Raise InputError naming the image and region of the first NaN/inf feature.
 
-        By default only `FINITE_SAMPLE` images spread evenly over the file (first and last
-        included) are read; `full=True` reads everything in chunks of ~64 MB.
+        `full=True` reads everything, in chunks of ~64 MB; by default only `FINITE_SAMPLE`
+        images spread evenly over the file (first and last included) are read, the quick look
+        of `sgraf data check` (readers check every block they read in any case).
         """
         images = self.images
         if full:
-            per_image = max(1, images[0].nbytes)
-            step = max(1, _SCAN_CHUNK_BYTES // per_image)
-            starts = range(0, self.n_images, step)
-            blocks = ((s, np.arange(s, min(s + step, self.n_images))) for s in starts)
-        else:
-            index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
-            blocks = iter([(0, index)])
-        for _, index in blocks:
-            chunk = np.asarray(images[index[0]: index[-1] + 1] if full else images[index])
-            bad = ~np.isfinite(chunk)
-            if bad.any():
-                i, r, d = (int(v) for v in np.argwhere(bad)[0])
-                raise InputError(f"{self.ims_path}: feature [image {int(index[i])}, region {r}, dim {d}] is "
-                                 f"{chunk[i, r, d]}; expected finite values"
-                                 + ("" if full else " (found by the sampled check)"))
+            step = max(1, _SCAN_CHUNK_BYTES // max(1, images[0].nbytes))
+            for start in range(0, self.n_images, step):
+                block = np.asarray(images[start:start + step], dtype=np.float32)  # as readers see it
+                check_finite_features(block, self.ims_path, first_image=start)
+            return
+        index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
+        try:
+            check_finite_features(images[index], self.ims_path, image_ids=index)
+        except InputError as error:
+            raise InputError(f"{error} (found by the sampled check)") from None
 
     def summary(self) -> dict[str, Any]:
         """Counts and shapes for `sgraf data check`."""
@@ -277,6 +307,15 @@ class PrecompDataset(Dataset):
             ids = self._ids[k] = self.vocab.encode(self.split.captions[k])
         return ids
 
+    def check_batch(self, batch: Batch) -> None:
+        """Refuse a batch whose features hold NaN/inf, naming the features file and the image.
+
+        Items are not checked in `__getitem__`: in a DataLoader worker the error would reach
+        the user as a worker traceback. `CheckedLoader` calls this on each batch instead, in
+        the process that consumes the batches.
+        """
+        check_finite_features(batch.images, self.split.ims_path, image_ids=batch.image_ids)
+
     def __getitem__(self, k: int) -> tuple[np.ndarray, list[int], int, int]:
         if not 0 <= k < len(self):
             raise IndexError(f"caption index {k} out of range for {len(self)} captions")
@@ -324,14 +363,28 @@ class EpochShuffleSampler(torch.utils.data.Sampler[int]):
         return iter(torch.randperm(self.n, generator=generator).tolist())
 
 
+class CheckedLoader(DataLoader):
+    """A DataLoader over a `PrecompDataset` that refuses NaN/inf features batch by batch.
+
+    Each batch is checked (`PrecompDataset.check_batch`: one `isfinite().all()`) as it
+    arrives, in the process that consumes it, so the error names the features file and the
+    image in one line whether or not worker processes read the batch.
+    """
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in super().__iter__():
+            self.dataset.check_batch(batch)
+            yield batch
+
+
 def make_loader(dataset: PrecompDataset, batch_size: int, shuffle: bool = False, seed: int = 0,
-                num_workers: int = 0, drop_last: bool = False, epoch: int = 0) -> DataLoader:
-    """A DataLoader of `Batch`es; shuffled order depends only on `seed` and the epoch.
+                num_workers: int = 0, drop_last: bool = False, epoch: int = 0) -> CheckedLoader:
+    """A `CheckedLoader` of `Batch`es; shuffled order depends only on `seed` and the epoch.
 
     With `shuffle`, the loader's sampler is an `EpochShuffleSampler` (reach it as
     `loader.sampler` to `set_epoch`); the same seed gives the same batches whatever
     `num_workers` is. Without, captions come in file order.
     """
     sampler = EpochShuffleSampler(len(dataset), seed=seed, epoch=epoch) if shuffle else None
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+    return CheckedLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       collate_fn=collate_batch, drop_last=drop_last, persistent_workers=num_workers > 0)

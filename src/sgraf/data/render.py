@@ -10,6 +10,8 @@ from typing import Sequence
 
 from PIL import Image, ImageDraw, ImageFont
 
+from sgraf.atomic_write import atomic_path
+
 logger = logging.getLogger(__name__)
 
 CANVAS = 192  # pixels; EfficientNet-Lite0 turns 192 x 192 into a 6 x 6 grid of regions
@@ -131,7 +133,7 @@ def preview_grid(images: Sequence[Image.Image], captions: Sequence[Sequence[str]
         for i, line in enumerate(lines):
             draw.text((x, y + CANVAS + 4 + i * line_h), line, fill=(20, 20, 20), font=font)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sheet.save(path, optimize=True)
+    with atomic_path(path) as temporary:
+        sheet.save(temporary, format="PNG", optimize=True)
     logger.info("wrote %s (%d images)", path, len(images))
     return path

@@ -20,11 +20,13 @@ from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.kernels import tuning
 from sgraf.kernels.cpu import fast_linear
+from sgraf.model import blocks
 from sgraf.model.encoders import ImageEncoder, TextEncoder
 from sgraf.model.filtration import AttentionFiltration, average_scores
 from sgraf.model.reasoning import (GraphReasoning, fast_graph_reasoning, fold_steps, graph_reasoning,
                                    train_graph_reasoning)
 from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, inverse_norm
+from sgraf.precision import current_precision
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,10 @@ HEADS = ("sgr", "saf")
 # (n_img, n_cap, L, d) float32 block is about this many bytes (its other intermediates are
 # a few times that).
 TRAIN_CHUNK_BYTES = 64 * 2**20
+# On a GPU the chunks are sized from the free device memory instead: one chunk's block may take
+# this share of it (a GPU runs a large block in about the time of a small one; the CPU constant
+# cut a batch of 128 into 17 chunks and thousands of kernel launches).
+TRAIN_GPU_MEMORY_SHARE = 1 / 32
 # With light nodes (see `_train_similarity_heads`), the heads' intermediates of the first chunks
 # are kept for backward up to about this many bytes; the later chunks' are recomputed.
 TRAIN_KEEP_BYTES = 1024 * 2**20
@@ -180,7 +186,7 @@ class SGRAF(nn.Module):
         self.txt_enc = TextEncoder(config.vocab_size, config.word_dim, config.embed_size, config.num_layers,
                                    config.bi_gru, config.txt_norm, config.dropout)
         self.sim_enc = SimilarityEncoder(config)
-        # train-mode scoring: captions per chunk (None: from TRAIN_CHUNK_BYTES) and whether chunks'
+        # train-mode scoring: captions per chunk (None: from `train_chunk_bytes`) and whether chunks'
         # intermediates may be recomputed in backward instead of kept (activation checkpointing;
         # with light nodes only beyond TRAIN_KEEP_BYTES, see `_train_similarity_heads`)
         self.train_chunk: int | None = None
@@ -446,7 +452,7 @@ class SGRAF(nn.Module):
     def region_grams(self, img_embs: torch.Tensor) -> torch.Tensor | None:
         """(n_img, K, K) float32 Gram matrices of region embeddings for `similarity(..., gram=...)`,
         or None for models whose eval path does not use them."""
-        if not (self.sim_enc.supports_fast() and self.sim_enc.use_local):
+        if not (self.sim_enc.supports_fast() and self.sim_enc.use_local) or img_embs.dtype == torch.float64:
             return None
         with torch.autocast(img_embs.device.type, enabled=False):  # float32 whatever the precision
             return self.sim_enc.region_gram(img_embs)
@@ -454,18 +460,29 @@ class SGRAF(nn.Module):
     @torch.no_grad()
     def image_globals(self, img_embs: torch.Tensor) -> torch.Tensor | None:
         """Eval-mode global vectors (n_img, d) float32 of region embeddings, at the current
-        autocast precision, for `similarity(..., img_glo=...)`; None without a global node."""
-        if not self.sim_enc.supports_fast():
+        autocast precision, for `similarity(..., img_glo=...)`; None without a global node or
+        for float64 embeddings (which take the plain path)."""
+        if not self.sim_enc.supports_fast() or img_embs.dtype == torch.float64:
             return None
         return self.sim_enc.eval_image_globals(img_embs, compute_dtype(img_embs.device))
 
     @torch.no_grad()
     def caption_globals(self, cap_embs: torch.Tensor, lengths: Any) -> torch.Tensor | None:
         """Eval-mode global vectors (n_cap, d) float32 of word embeddings (see `image_globals`)."""
-        if not self.sim_enc.supports_fast():
+        if not self.sim_enc.supports_fast() or cap_embs.dtype == torch.float64:
             return None
         words, word_mask, _ = _masked_words(cap_embs, lengths)
         return self.sim_enc.eval_caption_globals(words, word_mask, compute_dtype(cap_embs.device))
+
+    def train_chunk_bytes(self, device: torch.device | None = None) -> int:
+        """Bytes of one train-mode chunk's (images x captions x words x d) float32 block on
+        `device` (default: the model's): on a CUDA device `TRAIN_GPU_MEMORY_SHARE` of its free
+        memory (at least the CPU budget), else `TRAIN_CHUNK_BYTES`."""
+        device = device or next(self.parameters()).device
+        if device.type != "cuda":
+            return TRAIN_CHUNK_BYTES
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(TRAIN_CHUNK_BYTES, int(free * TRAIN_GPU_MEMORY_SHARE))
 
     def train_chunks(self, n_img: int, lengths: torch.Tensor) -> list[torch.Tensor]:
         """Caption indices of each train-mode chunk: captions sorted by length, so a chunk is
@@ -476,7 +493,7 @@ class SGRAF(nn.Module):
             if not isinstance(self.train_chunk, int) or self.train_chunk < 1:
                 raise InputError(f"train_chunk must be a positive number of captions, got {self.train_chunk!r}")
             return list(torch.split(order, self.train_chunk))
-        budget_words = max(1, TRAIN_CHUNK_BYTES // (4 * n_img * self.config.embed_size))
+        budget_words = max(1, self.train_chunk_bytes() // (4 * n_img * self.config.embed_size))
         chunks, start = [], 0
         for end in range(1, len(order) + 1):
             # sorted ascending: the chunk [start, end) is padded to sorted_lengths[end - 1]
@@ -574,17 +591,19 @@ class SGRAF(nn.Module):
         return scores if self.config.module == "joint" else scores[self.config.module]
 
     @torch.no_grad()
-    def score(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any) -> torch.Tensor:
-        """Validated eval-mode (n_img, n_cap) float32 score matrix (region features, token ids)."""
+    def score(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any,
+              batch_size: int = 128) -> torch.Tensor:
+        """Validated eval-mode (n_img, n_cap) float32 score matrix (region features, token ids),
+        on the images' device, at the precision of the autocast context it is called in.
+
+        Scored by the block scorer every entry point shares (`sgraf.model.blocks`): captions in
+        buckets of `batch_size` sorted by length (each padded to its own longest caption), the
+        weight folds, global vectors and Gram matrices computed once per call.
+        """
         lengths = self.validate_inputs(images, captions, lengths)
-        was_training = self.training
-        self.eval()
-        try:
-            img_embs = self.encode_images(images)
-            cap_embs = self.encode_captions(captions, lengths)
-            return self.similarity(img_embs, cap_embs, lengths).float()
-        finally:
-            self.train(was_training)
+        precision = current_precision(images.device)
+        encoded = blocks.encode(self, images, captions, lengths, batch_size, precision)
+        return blocks.score_encoded([self], [encoded], precision).to(images.device)
 
 
 def _masked_words(cap_embs: torch.Tensor, lengths: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -52,6 +52,8 @@ class TrainConfig:
             retrieval embedding, so a search shortlist on them loses little (README, search).
         seed: seeds the initialisation, the shuffling and dropout.
         precision: 'fp32', 'bf16' or 'fp16' autocast (fp16 uses a gradient scaler).
+        tf32: on CUDA, let float32 matmuls and cuDNN (the GRU) use TF32 (faster, 10-bit
+            mantissa); off by default, so fp32 stays exact float32.
         device: 'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'.
         workers: DataLoader worker processes (0 loads in the main process).
         val_max_captions: validate on the first N dev captions (the authors use 5000);
@@ -92,6 +94,7 @@ class TrainConfig:
     global_loss_weight: float = 0.0
     seed: int = 0
     precision: str = "fp32"
+    tf32: bool = False
     device: str = "auto"
     workers: int = 0
     val_max_captions: int | None = 5000
@@ -193,7 +196,7 @@ def valid_keys() -> list[str]:
 
 
 # Keys a YAML file may hold besides the config fields (a run's config.yaml records them).
-_FILE_ONLY_KEYS = ("data", "preset", "sgraf_version")
+_FILE_ONLY_KEYS = ("data", "preset", "sgraf_version", "data_fingerprint")
 
 
 def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -201,7 +204,7 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str
 
     Returns:
         (fields, extras): config fields to apply, and the file-only keys (`data`, `preset`,
-        `sgraf_version`) it holds.
+        `sgraf_version`, `data_fingerprint`) it holds.
     """
     import yaml
 

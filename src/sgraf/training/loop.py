@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader, Sampler
 
 from sgraf import distributed
 from sgraf.errors import InputError
-from sgraf.precision import autocast
+from sgraf.folder_lock import FolderLock
+from sgraf.precision import autocast, tf32
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
 from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores, global_vector_scores,
@@ -39,8 +40,25 @@ from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_
 logger = logging.getLogger(__name__)
 
 
+# A vocabulary leaving more than this share of the training tokens unknown is refused (the
+# model would learn from almost no words) unless asked for; above UNKNOWN_WARN_SHARE, a warning.
+UNKNOWN_REFUSE_SHARE = 0.5
+VOCAB_SAMPLE = 5000  # training captions tokenised to measure it (a share needs no more)
+
+
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+    """The loss (or the weights) became NaN or infinite; the run stops, its last checkpoint
+    kept as it was.
+
+    Attributes:
+        inputs_finite: whether the batch's inputs were finite (then training diverged).
+        step: the global step it happened at, when the raiser knows it.
+    """
+
+    def __init__(self, message: str, inputs_finite: bool = True, step: int | None = None) -> None:
+        super().__init__(message)
+        self.inputs_finite = inputs_finite
+        self.step = step
 
 
 @dataclass
@@ -109,7 +127,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         device: where the model lives.
 
     Raises:
-        NonFiniteLossError: the loss is NaN or infinite (nothing is updated).
+        NonFiniteLossError: the loss is NaN or infinite (nothing is updated); the message names
+            the images whose features are not finite, if any (`inputs_finite` otherwise).
     """
     from sgraf.model.loss import ranking_loss
 
@@ -132,6 +151,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
                                                                config.max_violation, positives)
     if not bool(torch.isfinite(loss)):
+        bad_images = (~torch.isfinite(images)).flatten(1).any(dim=1).cpu()
+        if bool(bad_images.any()):
+            raise NonFiniteLossError(f"the training loss is {loss.item()} on non-finite inputs: the features of "
+                                     f"images {batch.image_ids[bad_images][:5].tolist()} hold NaN/inf",
+                                     inputs_finite=False)
         raise NonFiniteLossError(f"the training loss is {loss.item()}")
     (scaler.scale(loss) if scaler is not None else loss).backward()
     average_gradients(params)
@@ -204,6 +228,9 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: 
         after_step: called after each step (progress already advanced); returning True stops
             the epoch early (a signal, say).
         bar: a tqdm bar to advance.
+
+    Raises:
+        InputError: a `CheckedLoader` found NaN/inf features (naming the file and the image).
 
     Returns:
         {'loss': mean batch loss, 'steps': steps taken, 'seconds': wall time, 'stopped': 0/1}.
@@ -294,13 +321,15 @@ def check_model_fits(model_config: Any, dims: tuple[int, int], source: str) -> N
                          f"features, but the data has {dims[1]} x {dims[0]}")
 
 
-def _open_tensorboard(run: pathlib.Path) -> Any | None:
+def _open_tensorboard(run: pathlib.Path, resumed_step: int | None = None) -> Any | None:
+    """A SummaryWriter into `run/tensorboard`; a resumed run drops the events its killed
+    predecessor logged after `resumed_step`, as `truncate_metrics` does for metrics.jsonl."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except (ImportError, ModuleNotFoundError):
         logger.debug("tensorboard is not installed: no event files")
         return None
-    return SummaryWriter(log_dir=str(run / "tensorboard"))
+    return SummaryWriter(log_dir=str(run / rd.TENSORBOARD_DIR), purge_step=resumed_step)
 
 
 def _seed_everything(seed: int) -> None:
@@ -310,7 +339,8 @@ def _seed_everything(seed: int) -> None:
 
 
 def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-        resume: bool = False, preset: str | None = None) -> dict[str, Any]:
+        resume: bool = False, preset: str | None = None, allow_other_data: bool = False,
+        allow_unknown_words: bool = False) -> dict[str, Any]:
     """Trains a model on a precomp data folder, writing the run folder; resumable.
 
     Everything that can be wrong with the input (config, output folder, data shapes,
@@ -324,32 +354,72 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         out_dir: the run folder.
         resume: continue the run in `out_dir` from its `last.pt`.
         preset: the preset name the config came from (recorded in config.yaml).
+        allow_other_data: resume on a data folder other than the run's (another folder, or
+            files changed since; see `run_dir.other_data`) instead of refusing it.
+        allow_unknown_words: train with a vocabulary that leaves more than
+            `UNKNOWN_REFUSE_SHARE` of the training tokens unknown instead of refusing it.
 
     Returns:
         {'status': 'finished' | 'interrupted', 'signal', 'epoch', 'global_step', 'best_rsum',
         'best_step', 'last_loss', 'run_dir'}.
 
+    The run folder is locked while the run owns it (`RUN_DIR/.sgraf-lock`, see
+    `sgraf.training.run_dir.prepare_run_dir`).
+
     Raises:
-        InputError: bad input (before the first step).
-        NonFiniteLossError: the loss became NaN/inf; `last.pt` is the last good state.
+        InputError: bad input (before the first step; NaN/inf training features when reached).
+        FolderLockedError: another run owns `out_dir` (an `InputError`, naming it).
+        NonFiniteLossError: the loss or the weights became NaN/inf; `last.pt`, if written, is
+            the state before.
     """
-    from sgraf.checkpoint import load_checkpoint, load_state_checked, save_model
-    from sgraf.data.precomp import PrecompDataset, PrecompSplit, collate_batch
+    info = distributed.init_from_env(device=None if config.device == "auto" else config.device)
+    run, run_lock = _claim_run_dir(out_dir, resume, info.is_main)
+    try:
+        with tf32(config.tf32):
+            return _fit(config, pathlib.Path(data_dir), run, resume, preset, info, allow_other_data=allow_other_data,
+                        allow_unknown_words=allow_unknown_words)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _claim_run_dir(out_dir: str | os.PathLike[str], resume: bool,
+                   is_main: bool) -> tuple[pathlib.Path, FolderLock | None]:
+    """The run folder, locked by the main process; every process raises if that failed."""
+    try:
+        run, run_lock = rd.prepare_run_dir(out_dir, resume=resume, lock=is_main)
+        failure = None
+    except InputError as error:
+        run, run_lock, failure = pathlib.Path(out_dir), None, error
+    if _agree_on_stop(failure is not None):
+        if run_lock is not None:
+            run_lock.release()
+        raise failure if failure is not None else InputError(f"{out_dir}: the main process could not take the "
+                                                             "run folder (see its error)")
+    return run, run_lock
+
+
+def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume: bool, preset: str | None,
+         info: Any, *, allow_other_data: bool = False, allow_unknown_words: bool = False) -> dict[str, Any]:
+    """`fit` in a run folder this process has claimed."""
+    from sgraf.checkpoint import load_checkpoint, load_state_checked, non_finite_tensor, save_model
+    from sgraf.data.precomp import CheckedLoader, PrecompDataset, PrecompSplit, collate_batch, data_fingerprint
     from sgraf.data.vocab import Vocabulary
     from sgraf.model.sgraf import SGRAF
 
-    info = distributed.init_from_env(device=None if config.device == "auto" else config.device)
     device, is_main = info.device, info.is_main
-    run = rd.prepare_run_dir(out_dir, resume=resume)
-    data_dir = pathlib.Path(data_dir)
     if not data_dir.is_dir():
         raise InputError(f"data folder {data_dir} does not exist or is not a folder")
     if config.batch_size < max(2, info.world_size):
         raise InputError(f"batch_size={config.batch_size} is too small: it needs at least 2 captions "
                          f"and one per process ({info.world_size} processes)")
-    train = PrecompSplit(data_dir, "train")
-    dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir))
+    train = PrecompSplit(data_dir, "train")   # its features are checked batch by batch
+    # dev is read whole at the first validation: scanned now, not after an epoch of training
+    dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir), full_scan=True)
     dims = check_data_fits(config, [train, dev])
+    fingerprint = data_fingerprint(data_dir)
+    if resume:
+        _check_same_data(run, data_dir, fingerprint, allow_other_data)
 
     checkpoint = None
     if resume:
@@ -359,6 +429,7 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         vocab = Vocabulary.from_dict(checkpoint["vocab"], source=str(run / rd.LAST_CHECKPOINT))
     else:
         vocab = resolve_vocab(config, data_dir, train, dev)
+    check_vocab_coverage(vocab, train, allow_unknown_words)
     _seed_everything(config.seed)
     model_config = config.model_config(len(vocab), img_dim=dims[0], num_regions=dims[1])
     if checkpoint is not None:
@@ -381,8 +452,8 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
                     progress.global_step, progress.best_rsum)
     elif info.rank > 0:
         torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
-    if is_main and not resume:
-        rd.save_run_config(run, config, data_dir, preset)
+    if is_main:   # on resume too: the config as changed by --set, the data as checked above
+        rd.save_run_config(run, config, data_dir, preset, fingerprint)
     distributed.barrier()
 
     dataset = PrecompDataset(train, vocab)
@@ -390,20 +461,30 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
     if n_steps == 0:
         raise InputError(f"{train.caps_path}: {len(dataset)} training captions make no batch of "
                          f"at least 2 (batch_size={config.batch_size})")
-    tensorboard = _open_tensorboard(run) if is_main else None
+    tensorboard = _open_tensorboard(run, progress.global_step if resume else None) if is_main else None
     logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
                 model_config.module, data_dir, len(dataset), n_steps, config.epochs, config.precision,
                 device, f", {info.world_size} processes" if info.world_size > 1 else "")
 
     last_loss = float("nan")
+    last_saved_step = progress.global_step if resume else None   # the step last.pt holds
+
+    def check_weights() -> None:
+        broken = non_finite_tensor(model.state_dict())
+        if broken is not None:
+            raise NonFiniteLossError(f"the weights hold NaN/inf (tensor {broken})", step=progress.global_step)
 
     def save_last() -> None:
+        nonlocal last_saved_step
+        check_weights()   # last.pt only ever holds a good state
+        last_saved_step = progress.global_step
         if is_main:
             extra = {"epoch": progress.epoch, "step": progress.global_step, "best_rsum": progress.best_rsum,
                      "train_config": config.to_dict(), STATE_KEY: build_train_state(progress, optimizer, scaler)}
             save_model(model, run / rd.LAST_CHECKPOINT, vocab=vocab, extra=extra)
 
     def run_validation(end_of_epoch: bool) -> None:
+        check_weights()
         result = validate(model, dev, vocab, config, device)
         loss = progress.loss_sum / progress.loss_steps if progress.loss_steps else None
         record = {"epoch": progress.epoch + (0 if end_of_epoch else 1), "step": progress.global_step,
@@ -447,40 +528,39 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
                 save_last()
             return stop
 
-        while progress.epoch < config.epochs:
-            set_learning_rate(optimizer, learning_rate(config, progress.epoch))
-            sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, progress.epoch,
-                                        progress.epoch_step, info.rank, info.world_size)
-            loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch,
-                                num_workers=config.workers, generator=torch.Generator().manual_seed(config.seed),
-                                pin_memory=device.type == "cuda")
-            bar = _progress_bar(config, is_main, n_steps, progress, signals)
-            try:
-                stats = train_one_epoch(model, optimizer, loader, config, progress, scaler, device,
-                                        after_step=after_step, bar=bar)
-            except NonFiniteLossError as error:
-                raise NonFiniteLossError(
-                    f"{error} at epoch {progress.epoch + 1}, step {progress.global_step + 1}; stopping. "
-                    f"The last good checkpoint is {run / rd.LAST_CHECKPOINT}"
-                    f"{'' if (run / rd.LAST_CHECKPOINT).exists() else ' (none was written yet)'}; "
-                    "try a lower lr or precision=fp32") from None
-            finally:
-                if bar is not None:
-                    bar.close()
-            if stats["stopped"]:
-                status = "interrupted"
-                signal_name = _signal_name(signals.received)
-                break
-            progress.epoch += 1
-            progress.epoch_step = 0
-            run_validation(end_of_epoch=True)
-            if progress.epoch >= config.epochs:
-                progress.finished = True
-            save_last()
-            if _agree_on_stop(signals.received is not None):
-                if progress.epoch < config.epochs:
-                    status, signal_name = "interrupted", _signal_name(signals.received)
-                break
+        try:
+            while progress.epoch < config.epochs:
+                set_learning_rate(optimizer, learning_rate(config, progress.epoch))
+                sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, progress.epoch,
+                                            progress.epoch_step, info.rank, info.world_size)
+                loader = CheckedLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch,
+                                       num_workers=config.workers,
+                                       generator=torch.Generator().manual_seed(config.seed),
+                                       pin_memory=device.type == "cuda")   # NaN/inf batches refused
+                bar = _progress_bar(config, is_main, n_steps, progress, signals)
+                try:
+                    stats = train_one_epoch(model, optimizer, loader, config, progress, scaler, device,
+                                            after_step=after_step, bar=bar)
+                finally:
+                    if bar is not None:
+                        bar.close()
+                if stats["stopped"]:
+                    status = "interrupted"
+                    signal_name = _signal_name(signals.received)
+                    break
+                progress.epoch += 1
+                progress.epoch_step = 0
+                run_validation(end_of_epoch=True)
+                if progress.epoch >= config.epochs:
+                    progress.finished = True
+                save_last()
+                if _agree_on_stop(signals.received is not None):
+                    if progress.epoch < config.epochs:
+                        status, signal_name = "interrupted", _signal_name(signals.received)
+                    break
+        except NonFiniteLossError as error:
+            raise NonFiniteLossError(_non_finite_message(error, progress, config, run, last_saved_step),
+                                     error.inputs_finite, error.step) from None
     if tensorboard is not None:
         tensorboard.close()
     distributed.barrier()
@@ -491,6 +571,60 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         logger.info("stopped by %s at epoch %d, step %d; continue with: sgraf train --resume %s",
                     signal_name, progress.epoch + 1, progress.global_step, run)
     return summary
+
+
+def _non_finite_message(error: NonFiniteLossError, progress: Progress, config: TrainConfig, run: pathlib.Path,
+                        last_saved_step: int | None) -> str:
+    """What is known when training stops on NaN/inf: where, the cause, the checkpoint left."""
+    last = run / rd.LAST_CHECKPOINT
+    if last_saved_step is not None and last.is_file():
+        kept = f"{last} (step {last_saved_step}) was written before it and is kept"
+    else:
+        kept = f"No checkpoint was written before it (checkpoint_every={config.checkpoint_every})"
+    hint = ""
+    if error.inputs_finite:
+        hint = "; the inputs were finite, so training diverged: try a lower lr" + (
+            "" if config.precision == "fp32" else " or precision=fp32")
+    where = (f"after step {error.step}" if error.step is not None
+             else f"at epoch {progress.epoch + 1}, step {progress.global_step + 1}")
+    return f"{error} {where}; stopping. {kept}{hint}"
+
+
+def _check_same_data(run: pathlib.Path, data_dir: pathlib.Path, fingerprint: dict[str, str], allow: bool) -> None:
+    """Refuse to resume a run on data other than its own, unless `allow` (then a warning)."""
+    reason = rd.other_data(run, data_dir, fingerprint)
+    if reason is None:
+        return
+    if not allow:
+        raise InputError(f"--data {data_dir}: not the data this run trained on ({run / rd.CONFIG_FILE}): {reason}; "
+                         "resuming would train on other data and compare dev rsum across different dev "
+                         "splits. Pass --allow-other-data to resume on it anyway")
+    logger.warning("resuming %s on other data (--allow-other-data): %s; its earlier dev rsum and best.pt come "
+                   "from the other dev split", run, reason)
+
+
+def check_vocab_coverage(vocab: Any, train: Any, allow: bool = False) -> float:
+    """The share of unknown tokens in (a spread sample of) the training captions.
+
+    A WARNING above `UNKNOWN_WARN_SHARE`; refused above `UNKNOWN_REFUSE_SHARE` unless `allow`.
+
+    Raises:
+        InputError: naming the vocabulary, the captions file, the share and the limit.
+    """
+    from sgraf.data.vocab import warn_unknown_share
+
+    captions = train.captions
+    step = -(-len(captions) // VOCAB_SAMPLE)
+    sample = captions[::step]
+    where = str(train.caps_path) + (f" (a sample of {len(sample)} of its {len(captions)} captions)"
+                                    if step > 1 else "")
+    share = warn_unknown_share(vocab, [vocab.encode(c) for c in sample], where)
+    if share > UNKNOWN_REFUSE_SHARE and not allow:
+        raise InputError(f"{getattr(vocab, 'source', 'the vocabulary')}: {100 * share:.1f}% of the tokens of {where} are unknown to this "
+                         f"vocabulary (<unk>), above the {100 * UNKNOWN_REFUSE_SHARE:.0f}% limit: the model would "
+                         "learn from almost no words. Use this data's vocabulary (sgraf vocab build), or pass "
+                         "--allow-unknown-words to train anyway")
+    return share
 
 
 def _val_captions(config: TrainConfig, data_dir: pathlib.Path) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+from sgraf.atomic_write import atomic_path
 from sgraf.training.run_dir import CURVES_FILE, read_metrics
 
 
@@ -36,8 +37,9 @@ def plot_curves(run: str | os.PathLike[str], path: str | os.PathLike[str] | None
     for ax in (ax_loss, ax_rsum):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        with atomic_path(out) as temporary:
+            fig.savefig(temporary, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return out

@@ -1,12 +1,14 @@
 """The run folder: `config.yaml`, `metrics.jsonl`, `last.pt`, `best.pt`, `curves.png`.
 
     RUN_DIR/
-      config.yaml     the resolved training config, plus the data folder it trains on
+      config.yaml     the resolved training config, plus the data folder it trains on and
+                      that folder's fingerprint (`sgraf.data.precomp.data_fingerprint`)
       metrics.jsonl   one JSON object per validation (epoch, step, rsum, recalls, loss, lr)
       last.pt         latest checkpoint, with the training state to resume from
       best.pt         checkpoint of the best validation rsum
       curves.png      training loss and validation rsum against the step
       tensorboard/    event files, when TensorBoard is installed
+      .sgraf-lock     while a run owns the folder: its lock and who holds it (pid, host, start, command)
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import pathlib
 import tempfile
 from typing import Any
 
+from sgraf.atomic_write import write_error, write_text
 from sgraf.errors import InputError
+from sgraf.folder_lock import FolderLock
 from sgraf.training.config import TrainConfig, load_config_file
 
 CONFIG_FILE = "config.yaml"
@@ -25,52 +29,80 @@ METRICS_FILE = "metrics.jsonl"
 LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
 CURVES_FILE = "curves.png"
+TENSORBOARD_DIR = "tensorboard"
 
 
-def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool) -> pathlib.Path:
-    """Creates (or, when resuming, checks) the run folder and proves it is writable.
+def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
+                    lock: bool = True) -> tuple[pathlib.Path, FolderLock | None]:
+    """Creates (or, when resuming, checks) the run folder, locks it and proves it is writable.
+
+    The lock (`sgraf.folder_lock`, `RUN_DIR/.sgraf-lock`) is held until released: a second run
+    into the same folder is refused, naming the first; a lock left by a killed run is free.
+
+    Args:
+        lock: take the folder's lock (the process that writes the files; under torchrun, rank 0).
+
+    Returns:
+        The folder and its lock (None when `lock` is False); release the lock when the run ends.
 
     Raises:
+        FolderLockedError: another run owns the folder.
         InputError: the folder cannot be created or written, it already holds a run and
             `resume` is False, or it holds no run and `resume` is True.
     """
     run = pathlib.Path(out_dir)
     if run.exists() and not run.is_dir():
         raise InputError(f"output folder {run} is a file, expected a folder")
-    if resume:
-        for name in (CONFIG_FILE, LAST_CHECKPOINT):
-            if not (run / name).is_file():
-                raise InputError(f"cannot resume {run}: it has no {name} (not a sgraf run folder, "
-                                 "or the run never reached its first checkpoint)")
-    elif (run / LAST_CHECKPOINT).exists():
-        raise InputError(f"output folder {run} already holds a run ({LAST_CHECKPOINT}); continue it with "
-                         f"--resume {run} or choose another --out")
+    if not resume:
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"output folder {run} is not writable: {exc.strerror or exc}") from None
+    elif not run.is_dir():
+        raise InputError(f"cannot resume {run}: no such folder")
+    run_lock = FolderLock(run) if lock else None
+    if run_lock is not None:
+        run_lock.acquire()
     try:
-        run.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run, prefix=".write-test-"):
-            pass
-    except OSError as exc:
-        raise InputError(f"output folder {run} is not writable: {exc.strerror or exc}") from None
-    return run
-
-
-def write_text_atomic(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+        if resume:
+            for name in (CONFIG_FILE, LAST_CHECKPOINT):
+                if not (run / name).is_file():
+                    raise InputError(f"cannot resume {run}: it has no {name} (not a sgraf run folder, "
+                                     "or the run never reached its first checkpoint)")
+        elif (run / LAST_CHECKPOINT).exists():
+            raise InputError(f"output folder {run} already holds a run ({LAST_CHECKPOINT}); continue it with "
+                             f"--resume {run} or choose another --out")
+        else:   # a run stopped between its first validation and its first last.pt: its records would mix
+            earlier = [name for name in (METRICS_FILE, BEST_CHECKPOINT, TENSORBOARD_DIR) if (run / name).exists()]
+            if earlier:
+                raise InputError(f"output folder {run} holds {' and '.join(earlier)} of an earlier run, which has "
+                                 f"no {LAST_CHECKPOINT} to resume from; choose another --out or move them away")
+        try:
+            with tempfile.NamedTemporaryFile(dir=run, prefix=".write-test-"):
+                pass
+        except OSError as exc:
+            raise InputError(f"output folder {run} is not writable: {exc.strerror or exc}") from None
+    except BaseException:
+        if run_lock is not None:
+            run_lock.release()
+        raise
+    return run, run_lock
 
 
 def save_run_config(run: pathlib.Path, config: TrainConfig, data_dir: str | os.PathLike[str],
-                    preset: str | None) -> None:
-    """Writes config.yaml: the data folder, the preset it started from and every field."""
+                    preset: str | None, data_fingerprint: dict[str, str] | None = None) -> None:
+    """Writes config.yaml: the data folder (and its fingerprint), the preset it started from
+    and every field."""
     import yaml
 
     from sgraf import __version__
 
     content: dict[str, Any] = {"data": str(pathlib.Path(data_dir).resolve()), "preset": preset,
                                "sgraf_version": __version__}
+    if data_fingerprint is not None:
+        content["data_fingerprint"] = dict(data_fingerprint)
     content.update(config.to_dict())
-    write_text_atomic(run / CONFIG_FILE, yaml.safe_dump(content, sort_keys=False))
+    write_text(run / CONFIG_FILE, yaml.safe_dump(content, sort_keys=False))
 
 
 def load_run_config(run: pathlib.Path) -> tuple[TrainConfig, str, str | None]:
@@ -81,11 +113,37 @@ def load_run_config(run: pathlib.Path) -> tuple[TrainConfig, str, str | None]:
     return TrainConfig.from_dict(values, source=str(run / CONFIG_FILE)), str(extras["data"]), extras.get("preset")
 
 
+def other_data(run: pathlib.Path, data_dir: str | os.PathLike[str],
+               fingerprint: dict[str, str]) -> str | None:
+    """Why `data_dir` is not the data the run in `run` trained on, or None when it is.
+
+    The same data is the folder recorded in config.yaml (paths compared resolved) with the
+    recorded fingerprint, or a folder elsewhere with that fingerprint (the data moved). Runs
+    recorded before fingerprints existed compare the paths only.
+    """
+    _, extras = load_config_file(run / CONFIG_FILE)
+    recorded, recorded_fingerprint = extras.get("data"), extras.get("data_fingerprint")
+    given = pathlib.Path(data_dir).resolve()
+    same_folder = recorded is not None and pathlib.Path(str(recorded)).resolve() == given
+    if not isinstance(recorded_fingerprint, dict):
+        return None if same_folder else f"{given} is another folder than {recorded}"
+    if fingerprint == recorded_fingerprint:
+        return None
+    differ = sorted(name for name in set(fingerprint) | set(recorded_fingerprint)
+                    if fingerprint.get(name) != recorded_fingerprint.get(name))
+    if same_folder:
+        return f"the files of {given} changed since the run recorded them ({', '.join(differ)} differ)"
+    return f"{given} is another folder than {recorded}, with other files ({', '.join(differ)} differ)"
+
+
 def append_metrics(run: pathlib.Path, record: dict[str, Any]) -> None:
-    with open(run / METRICS_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(run / METRICS_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        raise write_error(run / METRICS_FILE, error) from None
 
 
 def read_metrics(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -111,4 +169,4 @@ def truncate_metrics(run: pathlib.Path, last_step: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_metrics(run) if r.get("step", 0) <= last_step]
-    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    write_text(path, "".join(json.dumps(r) + "\n" for r in kept))

@@ -1,0 +1,122 @@
+"""Writing a file atomically, with errors that name the file the user asked for.
+
+Every file sgraf writes goes to a temporary file beside its destination and is moved into
+place with `os.replace` once complete, so a reader never sees half a file and a crash leaves
+the previous version. The temporary name (`.NAME.x8f2k.tmp`) is an internal detail: when the
+write fails (permission denied, disk full, a missing or non-folder parent, the destination is
+a folder) the error is an `InputError` naming the destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pathlib
+import secrets
+from typing import Iterator
+
+from sgraf.errors import InputError
+
+_ATTEMPTS = 100
+
+
+def write_error(path: str | os.PathLike[str], error: OSError) -> InputError:
+    """A one-line `InputError` for a failed write of `path` (never the temporary file)."""
+    reason = error.strerror or (os.strerror(error.errno) if error.errno else None) or str(error) or type(error).__name__
+    return InputError(f"cannot write {path}: {reason}")
+
+
+def ensure_folder(folder: str | os.PathLike[str], what: str = "output folder") -> pathlib.Path:
+    """Creates `folder` (and its parents); `InputError` naming it when it is a file or cannot be made."""
+    folder = pathlib.Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{what} {folder} is a file, expected a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(f"cannot create {what} {folder}: {error.strerror or error}") from None
+    return folder
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
+    """A temporary path beside `path`, moved onto `path` when the block ends without error.
+
+    The block writes the temporary path by name (a memory map, `savefig`, `Image.save`; give
+    those the format explicitly, the temporary name ends in `.tmp`). An `OSError` raised in the
+    block or by the move becomes an `InputError` naming `path`; the temporary file is removed.
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise write_error(path, IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR)))
+    blocker = next((p for p in path.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise InputError(f"cannot write {path}: {blocker} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = _new_temporary_file(path)
+    except OSError as error:
+        raise write_error(path, error) from None
+    try:
+        yield temporary
+        _fsync(temporary)
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise write_error(path, error) from None
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def temporary_folder(parent: str | os.PathLike[str], prefix: str) -> pathlib.Path:
+    """A new, empty folder in `parent` that will be moved into place whole (an index).
+
+    Unlike `tempfile.mkdtemp` (mode 0700), its permissions follow the umask, as the folder's
+    would if it were written in place.
+    """
+    for _ in range(_ATTEMPTS):
+        candidate = pathlib.Path(parent) / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
+
+
+def _new_temporary_file(path: pathlib.Path) -> pathlib.Path:
+    """An empty `.NAME.RANDOM.tmp` beside `path`, with the permissions the umask gives a new file
+    (`tempfile.mkstemp` makes them 0600, which the replaced file would keep)."""
+    for _ in range(_ATTEMPTS):
+        candidate = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Writes `data` to `path` atomically (see `atomic_path`)."""
+    with atomic_path(path) as temporary, open(temporary, "wb") as handle:
+        handle.write(data)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Writes `text` as UTF-8 to `path` atomically (see `atomic_path`)."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def _fsync(path: pathlib.Path) -> None:
+    """Flush a finished temporary file to the disk before it replaces the previous version."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EBADF):  # file systems without fsync of read handles
+            raise
+    finally:
+        os.close(handle)

@@ -1,0 +1,138 @@
+"""Reading `.npy` files without trusting them, and checking region features for NaN/inf.
+
+`open_npy` opens a file memory-mapped and never unpickles: a file numpy would refuse (not a
+`.npy`, a `.npz` archive, Python objects, a corrupted header, fewer bytes than its header
+describes) gets a one-line `InputError` naming the file, what is wrong and what was expected,
+in our words rather than numpy's (whose advice to load pickles "unsafely" is not for users of
+a data file).
+
+`check_finite_features` is the NaN/inf check every reader of region features runs on each
+block it reads (a batch off the memory map, a training batch, a chunk of a gallery): one
+vectorised `isfinite(...).all()` per block, and only on failure the work to name the image,
+region and dimension.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from sgraf.errors import InputError
+
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def open_npy(path: str | os.PathLike[str], expected: str, what: str = "") -> np.ndarray:
+    """A `.npy` file as a read-only memory map; never unpickles anything.
+
+    Args:
+        path: the file.
+        expected: what the caller needs, for the error message ("float32 features of shape
+            (n_images, regions, dim)").
+        what: words put before "not a readable .npy array" ("corrupted index file, ").
+
+    Raises:
+        FileNotFoundError: no such file.
+        InputError: the file is not a plain `.npy` array (the message says why, names the
+            file and ends with "expected <expected>").
+    """
+    path = Path(path)
+    with open(path, "rb") as handle:
+        head = handle.read(len(NPY_MAGIC))
+    if not head.startswith(NPY_MAGIC):
+        raise InputError(f"{path}: {what}not a readable .npy array: {_not_npy(head)}; expected {expected}")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError):
+        raise InputError(f"{path}: {what}not a readable .npy array: {_why_unreadable(path)}; "
+                         f"expected {expected}") from None
+    if not isinstance(array, np.ndarray):  # np.load's other results (archives) are ruled out above
+        raise InputError(f"{path}: {what}not a readable .npy array; expected {expected}")
+    return array
+
+
+def _not_npy(head: bytes) -> str:
+    if not head:
+        return "the file is empty"
+    if head.startswith(ZIP_MAGIC):
+        return "it is a zip archive (.npz?), not a single array"
+    return "it does not start with the NumPy header (another format, or a pickle, which sgraf never loads)"
+
+
+def _why_unreadable(path: Path) -> str:
+    """Why numpy refused a file that starts like a `.npy`, from its header."""
+    with open(path, "rb") as handle:
+        try:
+            version = np.lib.format.read_magic(handle)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(handle)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(handle)
+        except (ValueError, OSError, EOFError, SyntaxError, TypeError):
+            return "its header is corrupted"
+        data_start = handle.tell()
+    if dtype.hasobject:
+        return f"it holds Python objects (dtype {dtype}), which sgraf never unpickles"
+    needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    present = path.stat().st_size - data_start
+    if present < needed:
+        return (f"truncated: its header describes a {dtype} array of shape {tuple(shape)} ({needed} bytes of "
+                f"data) but only {present} bytes follow")
+    return f"numpy cannot map its {dtype} array of shape {tuple(shape)}"
+
+
+def mapped_file(features: Any) -> tuple[str | None, int]:
+    """The file of a memory-mapped array (or of a view of whole images of one) and the file row
+    of its row 0; (None, 0) for anything else."""
+    filename = getattr(features, "filename", None)
+    if filename is None or not isinstance(features, np.ndarray):
+        return None, 0
+    root = features
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    offset = features.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    row_bytes = root.strides[0] if root.ndim else 0
+    if row_bytes <= 0 or offset % row_bytes:
+        return None, 0   # not a slice of whole images: no file row to name
+    return str(filename), offset // row_bytes
+
+
+def check_finite_features(features: Any, source: str | os.PathLike[str] | None = None, first_image: int = 0,
+                          image_ids: Sequence[int] | torch.Tensor | None = None) -> None:
+    """Raise `InputError` naming the file and the image of the first NaN/inf in region features.
+
+    Args:
+        features: (n, K, D) region features (numpy array, memory map or tensor); (K, D) is
+            one image.
+        source: the file named in the message; default: the file of a memory map (its rows
+            then counted from the file's first image), else "image features".
+        first_image: the image index of row 0 (a block read from the middle of a file).
+        image_ids: the image index of each row instead (a shuffled training batch).
+    """
+    if isinstance(features, torch.Tensor) and (features.device.type != "cpu" or features.dtype == torch.bfloat16):
+        if bool(torch.isfinite(features).all()):
+            return
+        values = features.detach().float().cpu().numpy()
+    else:
+        # numpy for CPU tensors too (a view): its isfinite is ~20x cheaper in CPU time than
+        # torch's on a (128, 36, 2048) batch (benchmarks/bench_finite_check.py)
+        values = features.detach().numpy() if isinstance(features, torch.Tensor) else np.asarray(features)
+        if np.isfinite(values).all():
+            return
+    if source is None:
+        source, first_row = mapped_file(features)
+        source, first_image = source or "image features", first_image + first_row
+    if values.ndim == 2:
+        values = values[None]
+    bad = ~np.isfinite(values)
+    row, region, dim = (int(v) for v in np.argwhere(bad)[0])
+    images = int(bad.reshape(len(bad), -1).any(axis=1).sum())
+    image = int(image_ids[row]) if image_ids is not None else first_image + row
+    others = f" ({images - 1} more image{'s' if images > 2 else ''} in this block too)" if images > 1 else ""
+    raise InputError(f"{source}: feature [image {image}, region {region}, dim {dim}] is {values[row, region, dim]}; "
+                     f"expected finite values{others}")

@@ -1,0 +1,36 @@
+"""Which files of a precomp data folder belong together (read as one).
+
+    DATA/{split}_ims.npy          features             (precomp, convert-tsv, extract, generate)
+    DATA/{split}_caps.txt         captions, grouped by image
+    DATA/{split}_boxes.npy        region boxes         (convert-tsv; explain draws them)
+    DATA/{split}_image_ids.txt    image ids and sizes  (convert-tsv)
+    DATA/{split}_image_names.txt  image file names     (extract)
+    DATA/{split}_scenes.jsonl     scene descriptions   (generate)
+    DATA/images/{split}/...       rendered pictures    (generate; explain draws them)
+    DATA/vocab.json, DATA/benchmark.json               (generate: the whole data set)
+
+A writer of one split replaces the split's files as a whole (`sgraf.output_folder`); the
+benchmark generator replaces the whole layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+SPLIT_SUFFIXES = ("_ims.npy", "_caps.txt", "_boxes.npy", "_image_ids.txt", "_image_names.txt", "_scenes.jsonl")
+DATA_SET_FILES = ("vocab.json", "benchmark.json")
+IMAGES = "images"
+
+
+def split_family(split: str) -> Callable[[str], bool]:
+    """Predicate over relative paths: the files of `split` (features and every companion)."""
+    names = {split + suffix for suffix in SPLIT_SUFFIXES}
+    pictures = f"{IMAGES}/{split}/"
+    return lambda name: name in names or name.startswith(pictures)
+
+
+def data_set_family(name: str) -> bool:
+    """Whether a relative path is a file of the precomp layout (any split, vocabulary, pictures)."""
+    top_level = "/" not in name
+    return ((top_level and (name.endswith(SPLIT_SUFFIXES) or name in DATA_SET_FILES))
+            or name.startswith(IMAGES + "/"))

@@ -1,0 +1,555 @@
+"""The block scorer behind every entry point: images x captions in length buckets, with what does
+not depend on a block computed once per call.
+
+`SGRAF.score`, `Matcher.score` / `score_embeddings` (and so gallery search re-ranking), training
+validation and `sgraf evaluate` all score through `score_encoded`:
+
+- captions are sorted by length and held in buckets, each padded only to its own longest
+  caption (`encode_token_buckets` from token ids, `bucket_words` from word embeddings), so no
+  block pays for padding to the longest caption of the call;
+- per model and call, the weight-only constants (folded SGR weights, cast similarity layers)
+  are prepared once (`frozen_weights`), the self-attention global vectors of every image and
+  caption are computed once (`image_globals`, `CaptionBucket.glo`), and each image block's Gram
+  matrices once (`region_grams`), not once per block;
+- the work is cut into (image block, caption bucket) tasks, each scored whole by one worker.
+  On a CPU the thread mode and the chunk size are measured once per machine (`thread_mode`,
+  `tune_models`); on a GPU the blocks are sized from the device's free memory (`block_sizes`)
+  and the scores stay on the device until the end (no host synchronisation per block).
+
+Models are duck-typed (`Scorer`); nothing here imports the SGRAF network itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from sgraf import distributed
+from sgraf.data.arrays import check_finite_features, mapped_file
+from sgraf.errors import InputError
+from sgraf.kernels import tuning
+from sgraf.precision import autocast, check_precision
+
+# CPU: images per scoring block, and an upper bound on image x caption x word x feature elements
+# of one block (the size of the largest per-pair intermediate: float32 128 MiB); the eval fast
+# path then cuts a block into cache-sized chunks. Fixed (never derived from the number of
+# processes), so that every block, and therefore every float, is the same whether one process
+# or several score a split.
+IMAGE_BLOCK = 16
+BLOCK_ELEMENTS = 1 << 25
+# GPU: images per block, and the share of the free device memory that a block's largest
+# intermediate may take (the block's other intermediates are a few times its size). Large blocks
+# keep the GPU busy instead of waiting on kernel launches (256 x 1,024 scored MSCOCO-5K-size
+# 4x faster than 16 x 128 on an H100: ../shared/gpu/README.md).
+GPU_IMAGE_BLOCK = 256
+# GPU: consecutive caption buckets (sorted by length, so little padding is added) are scored
+# together up to this many captions: 256 x 1,024 blocks scored twice as fast as 256 x 128.
+GPU_CAPTION_BLOCK = 1024
+GPU_MEMORY_SHARE = 1 / 16
+GPU_MAX_ELEMENTS = 1 << 31
+# Calls scoring at least this many pairs (a Flickr30K or MSCOCO-1K test split has 5 million)
+# measure the CPU thread mode and chunk size for this machine if they were never measured (2-4 s
+# at the paper's size, 1-2 % of such a split's first scoring); smaller ones take the stored
+# choices or the defaults.
+TUNE_MIN_PAIRS = 4_000_000
+# How the CPU's cores share the scoring: "ops" scores one block at a time with PyTorch's threads
+# inside each op; "blocks" scores one block per core in Python threads, each op on one core (the
+# scorer's many small ops spread over cores better that way on some processors). The first is
+# the default (2-core AMD EPYC Zen 5: blocks about 1.2x faster in bf16, no gain in fp32); which
+# is faster is measured once per machine, precision and model size (`thread_mode`).
+THREAD_MODES = {"fp32": ("ops", "blocks"), "bf16": ("blocks", "ops"), "fp16": ("ops", "blocks")}
+
+
+class Scorer(Protocol):
+    """What the scorer needs from a model (`sgraf.model.sgraf.SGRAF` provides it; the optional
+    `image_globals`, `caption_globals`, `region_grams`, `frozen_weights`, `probe_block` and
+    `tune_eval_chunks` are used when present)."""
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_captions(self, captions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor: ...
+
+    def similarity(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: torch.Tensor,
+                   head: str | None = None) -> torch.Tensor: ...
+
+
+@dataclass
+class CaptionBucket:
+    """Captions of similar length, encoded together.
+
+    Attributes:
+        index: (n_b,) int64 positions of these captions among all captions of the call.
+        embs: (n_b, L_b, d) float32 word features, zero beyond each length; L_b the longest here.
+        lengths: (n_b,) int64 token counts (``<start>`` and ``<end>`` included).
+        glo: (n_b, d) float32 eval-mode global vectors of these captions, for models that
+            provide ``caption_globals`` (None otherwise); computed once here, not per block.
+    """
+
+    index: torch.Tensor
+    embs: torch.Tensor
+    lengths: torch.Tensor
+    glo: torch.Tensor | None = None
+
+
+@dataclass
+class Encoded:
+    """Images and captions after one model's encoders: images once each, captions in buckets.
+
+    Attributes:
+        img_embs: (n_img, K, d) float32 region features.
+        buckets: caption buckets, by decreasing length; together they hold every caption once.
+        n_captions: number of captions.
+        img_glo: (n_img, d) float32 eval-mode global vectors of the images, for models that
+            provide ``image_globals`` (None otherwise).
+    """
+
+    img_embs: torch.Tensor
+    buckets: list[CaptionBucket]
+    n_captions: int
+    img_glo: torch.Tensor | None = None
+
+    @property
+    def n_images(self) -> int:
+        return int(self.img_embs.shape[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(n_cap,) caption lengths in the callers' caption order."""
+        lengths = torch.zeros(self.n_captions, dtype=torch.int64)
+        for bucket in self.buckets:
+            lengths[bucket.index.cpu()] = bucket.lengths.cpu()
+        return lengths
+
+    @property
+    def cap_embs(self) -> torch.Tensor:
+        """(n_cap, L, d) word features in the callers' order, padded to the longest caption.
+
+        Materialises a padded copy: meant for small splits and tests; the scorer uses buckets.
+        """
+        longest = max(int(b.embs.shape[1]) for b in self.buckets)
+        first = self.buckets[0].embs
+        out = first.new_zeros((self.n_captions, longest, first.shape[2]))
+        for bucket in self.buckets:
+            out[bucket.index.to(out.device), : bucket.embs.shape[1]] = bucket.embs
+        return out
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's parameters (CPU for a model without parameters)."""
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's floating-point parameters (float32 for a model without any):
+    inputs are cast to it, and embeddings kept in it (a float64 model scores in float64)."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+@contextlib.contextmanager
+def eval_mode(models: Sequence[nn.Module]) -> Iterator[None]:
+    """Put `models` in eval mode and without gradients; restore their train/eval state after."""
+    was_training = [model.training for model in models]
+    for model in models:
+        model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for model, training in zip(models, was_training):
+            model.train(training)
+
+
+@contextlib.contextmanager
+def frozen_weights(models: Sequence[Scorer]) -> Iterator[None]:
+    """Let each model that offers ``frozen_weights`` prepare its weight-only constants once."""
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            if hasattr(model, "frozen_weights"):
+                stack.enter_context(model.frozen_weights())
+        yield
+
+
+# ---------------------------------------------------------------------------------- encoding
+def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: str = "fp32",
+                  on_batch: Callable[[int], Any] | None = None, source: str | os.PathLike[str] | None = None
+                  ) -> torch.Tensor:
+    """Region features (n_img, K, D) (array, memory map or tensor) -> (n_img, K, d) float32 on the
+    model's device, in batches of `batch_size`; `on_batch(n)` after each batch (progress).
+
+    Each batch is checked for NaN/inf as it is read (InputError naming `source`, default a
+    memory map's own file, and the image, region and dimension)."""
+    device, dtype = model_device(model), model_dtype(model)  # type: ignore[arg-type]
+    source, first_row = (source, 0) if source else mapped_file(images)
+    parts = []
+    with eval_mode([model]):  # type: ignore[list-item]
+        for start in range(0, len(images), batch_size):
+            batch = images[start:start + batch_size]  # (b, K, D), read from the memory map
+            if not isinstance(batch, torch.Tensor):
+                batch = torch.from_numpy(np.array(batch, dtype=np.float32))
+            check_finite_features(batch, source, first_image=first_row + start)
+            batch = batch.to(dtype)
+            if device.type == "cuda":   # page-locked, so the copy runs beside the previous batch's kernels
+                batch = batch.pin_memory().to(device, non_blocking=True)
+            with autocast(precision, device):
+                parts.append(model.encode_images(batch.to(device)).to(dtype))  # (b, K, d)
+            if on_batch is not None:
+                on_batch(len(batch))
+    return torch.cat(parts, dim=0)
+
+
+def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | torch.Tensor,
+                         lengths: torch.Tensor | None = None, batch_size: int = 128, precision: str = "fp32",
+                         on_batch: Callable[[int], Any] | None = None) -> list[CaptionBucket]:
+    """Encode captions in buckets of similar length.
+
+    Captions are sorted by decreasing length (stably), cut into buckets of `batch_size`, and
+    each bucket is encoded padded only to its own longest caption; the model's caption global
+    vectors are computed per bucket, once.
+
+    Args:
+        token_ids: lists of token ids, or a padded (n, L) int64 tensor with `lengths`.
+
+    Returns:
+        Buckets by decreasing length; ``bucket.index`` maps back to positions in `token_ids`.
+    """
+    device, dtype = model_device(model), model_dtype(model)  # type: ignore[arg-type]
+    if isinstance(token_ids, torch.Tensor):
+        padded_all = token_ids
+        lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
+    else:
+        padded_all = None
+        lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    if len(lengths) and int(lengths.min()) < 1:
+        raise InputError(f"caption {int(torch.argmin(lengths))}: no tokens")
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    caption_globals = getattr(model, "caption_globals", None)
+    buckets = []
+    with eval_mode([model]):  # type: ignore[list-item]
+        for start in range(0, len(lengths), batch_size):
+            index = order[start:start + batch_size]
+            bucket_lengths = lengths[index]
+            width = int(bucket_lengths.max())
+            if padded_all is not None:
+                padded = padded_all[index.to(padded_all.device), :width]
+            else:
+                padded = torch.zeros((len(index), width), dtype=torch.int64)
+                for row, k in enumerate(index.tolist()):
+                    padded[row, : len(token_ids[k])] = torch.as_tensor(token_ids[k], dtype=torch.int64)
+            with autocast(precision, device):
+                embs = model.encode_captions(padded.to(device), bucket_lengths.to(device)).to(dtype)  # (b, L_b, d)
+                glo = caption_globals(embs, bucket_lengths.to(device)) if caption_globals else None
+            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths.to(device), glo=glo))
+            if on_batch is not None:
+                on_batch(len(index))
+    return buckets
+
+
+def bucket_words(model: Scorer, words: torch.Tensor, lengths: torch.Tensor, batch_size: int = 128,
+                 precision: str = "fp32") -> list[CaptionBucket]:
+    """Already encoded word features (n, L, d), zero beyond each length, in length buckets as
+    `encode_token_buckets` makes them (each trimmed to its own longest caption), with the
+    model's caption global vectors computed once per bucket."""
+    device = model_device(model)  # type: ignore[arg-type]
+    lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    caption_globals = getattr(model, "caption_globals", None)
+    buckets = []
+    with eval_mode([model]):  # type: ignore[list-item]
+        for start in range(0, len(lengths), batch_size):
+            index = order[start:start + batch_size]
+            bucket_lengths = lengths[index]
+            embs = words[index.to(words.device), : int(bucket_lengths.max())].to(device, model_dtype(model))
+            with autocast(precision, device):
+                glo = caption_globals(embs, bucket_lengths.to(device)) if caption_globals else None
+            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths.to(device), glo=glo))
+    return buckets
+
+
+def image_globals(model: Scorer, img_embs: torch.Tensor, batch_size: int = 128,
+                  precision: str = "fp32") -> torch.Tensor | None:
+    """(n_img, d) float32 eval-mode global vectors of encoded images, in batches, for models
+    that provide ``image_globals`` (the scorer then skips recomputing them per block); else None."""
+    return _per_image(model, "image_globals", img_embs, batch_size, precision)
+
+
+def _per_image(model: Scorer, method: str, img_embs: torch.Tensor, batch_size: int,
+               precision: str = "fp32") -> torch.Tensor | None:
+    """The model's optional per-image `method` (``image_globals``, ``region_grams``) of encoded
+    images, in batches, concatenated; None if the model lacks it or returns None."""
+    compute = getattr(model, method, None)
+    if compute is None or len(img_embs) == 0:
+        return None
+    parts = []
+    with eval_mode([model]), autocast(precision, img_embs.device):  # type: ignore[list-item]
+        for start in range(0, len(img_embs), batch_size):
+            part = compute(img_embs[start:start + batch_size])
+            if part is None:
+                return None
+            parts.append(part)
+    return torch.cat(parts)
+
+
+def encode(model: Scorer, images: Any, token_ids: Sequence[Sequence[int]] | torch.Tensor,
+           lengths: torch.Tensor | None = None, batch_size: int = 128, precision: str = "fp32") -> Encoded:
+    """Images and captions through one model's encoders, as the scorer takes them."""
+    img_embs = encode_images(model, images, batch_size, precision)
+    buckets = encode_token_buckets(model, token_ids, lengths, batch_size, precision)
+    return Encoded(img_embs=img_embs, buckets=buckets, n_captions=sum(len(b.index) for b in buckets),
+                   img_glo=image_globals(model, img_embs, batch_size, precision))
+
+
+# ---------------------------------------------------------------------------------- scoring
+def block_sizes(device: torch.device, precision: str, embed_size: int | None = None) -> tuple[int, int]:
+    """(images per block, bound on a block's image x caption x word x feature elements).
+
+    CPU: `IMAGE_BLOCK`, `BLOCK_ELEMENTS` (the eval fast path cuts blocks into cache-sized
+    chunks). CUDA: `GPU_IMAGE_BLOCK` images, and as many elements as `GPU_MEMORY_SHARE` of the
+    device's free memory holds in the matmul dtype (at most `GPU_MAX_ELEMENTS`, at least the CPU
+    bound), so that a block is one launch of each kernel over thousands of pairs.
+    """
+    if device.type != "cuda":
+        return IMAGE_BLOCK, BLOCK_ELEMENTS
+    free, _ = torch.cuda.mem_get_info(device)
+    itemsize = 4 if precision == "fp32" else 2
+    elements = int(free * GPU_MEMORY_SHARE) // itemsize
+    return GPU_IMAGE_BLOCK, max(BLOCK_ELEMENTS, min(GPU_MAX_ELEMENTS, elements))
+
+
+def merge_buckets(buckets: Sequence[CaptionBucket], max_captions: int) -> list[CaptionBucket]:
+    """Consecutive buckets joined into buckets of at most `max_captions` captions (a bucket
+    larger than that stays whole), each padded to its own longest caption. Buckets come sorted
+    by decreasing length, so a joined bucket pads its later captions only a little."""
+    groups: list[list[CaptionBucket]] = []
+    for bucket in buckets:
+        if groups and sum(len(b.index) for b in groups[-1]) + len(bucket.index) <= max_captions:
+            groups[-1].append(bucket)
+        else:
+            groups.append([bucket])
+    merged = []
+    for group in groups:
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        width = max(int(b.embs.shape[1]) for b in group)
+        embs = torch.cat([nn.functional.pad(b.embs, (0, 0, 0, width - b.embs.shape[1])) for b in group])
+        glo = None if any(b.glo is None for b in group) else torch.cat([b.glo for b in group])  # type: ignore[misc]
+        merged.append(CaptionBucket(index=torch.cat([b.index for b in group]), embs=embs,
+                                    lengths=torch.cat([b.lengths for b in group]), glo=glo))
+    return merged
+
+
+def check_ensemble(encoded: Sequence[Encoded]) -> None:
+    """ValueError unless every model's encoding has the same sizes and the same buckets."""
+    n_img, n_cap = encoded[0].n_images, encoded[0].n_captions
+    for enc in encoded[1:]:
+        if (enc.n_images, enc.n_captions) != (n_img, n_cap):
+            raise ValueError("the encodings of the ensemble differ in size: "
+                             f"({n_img}, {n_cap}) vs ({enc.n_images}, {enc.n_captions})")
+        if len(enc.buckets) != len(encoded[0].buckets) or any(
+                not torch.equal(a.index, b.index) for a, b in zip(enc.buckets, encoded[0].buckets)):
+            raise ValueError("the ensemble's captions were bucketed differently "
+                             "(encode every model with the same vocabulary and batch size)")
+
+
+def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precision: str = "fp32",
+                  rows: tuple[int, int] | None = None, image_block: int | None = None,
+                  block_elements: int | None = None, head: str | None = None,
+                  on_block: Callable[[int], Any] | None = None,
+                  caption_block: int | None = None) -> torch.Tensor:
+    """Scores of images `rows` (default: all) against every caption, one model or the mean of
+    several: float32 (n_rows, n_cap) on the CPU, in the callers' caption order.
+
+    Args:
+        models: one model, or several for an ensemble (each in eval mode during the call).
+        encoded: each model's `Encoded` (same images, same caption buckets).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast around the similarity).
+        rows: (first, end) image rows to score; must start on an `image_block` boundary.
+        image_block, block_elements: block sizes (default: `block_sizes` for the device).
+        head: passed to ``similarity`` (``"sgr"``/``"saf"`` of a joint model; None: its score).
+        on_block: called with the number of pairs of each block scored (progress).
+        caption_block: join consecutive caption buckets up to this many captions (default: on
+            CUDA `GPU_CAPTION_BLOCK`; on the CPU the buckets stay as encoded).
+
+    Several models are averaged block by block in float64, then rounded once to float32.
+    """
+    check_precision(precision)
+    if not models or len(models) != len(encoded):
+        raise ValueError(f"{len(models)} models but {len(encoded)} encodings")
+    check_ensemble(encoded)
+    device = encoded[0].img_embs.device
+    if caption_block is None and device.type == "cuda":
+        caption_block = GPU_CAPTION_BLOCK
+    if caption_block is not None:
+        if caption_block < 1:
+            raise ValueError("caption_block must be positive")
+        encoded = [Encoded(img_embs=enc.img_embs, buckets=merge_buckets(enc.buckets, caption_block),
+                           n_captions=enc.n_captions, img_glo=enc.img_glo) for enc in encoded]
+    default_block, default_elements = block_sizes(device, precision)
+    image_block = image_block or default_block
+    block_elements = block_elements or default_elements
+    if image_block < 1 or block_elements < 1:
+        raise ValueError("image_block and block_elements must be positive")
+    n_img, n_cap = encoded[0].n_images, encoded[0].n_captions
+    first_row, last_row = rows if rows is not None else (0, n_img)
+    # on a GPU the scores stay on the device until the end: no host synchronisation per block
+    share = torch.zeros((last_row - first_row, n_cap), dtype=torch.float32,
+                        device=device if device.type == "cuda" else "cpu")
+    indices = [bucket.index.to(share.device) for bucket in encoded[0].buckets]
+
+    def score_task(task: tuple[int, int]) -> None:
+        row, bucket_id = task
+        block_rows = slice(row, min(row + image_block, last_row))
+        local = slice(block_rows.start - first_row, block_rows.stop - first_row)
+        reference = encoded[0].buckets[bucket_id]
+        block_grams = [None if gram is None else gram[local] for gram in grams]
+        with torch.no_grad():  # grad mode is per thread
+            for cols in _caption_blocks(reference, image_block, block_elements):
+                block = _score_block(models, encoded, block_rows, bucket_id, cols, precision, head, block_grams)
+                share[local, indices[bucket_id][cols]] = block.to(share.device)
+                if on_block is not None:
+                    on_block(block.numel())
+
+    # (image block, caption bucket) tasks in row-major order: small enough that parallel workers
+    # finish together; each block is still scored whole by one worker
+    tasks = [(row, bucket_id) for row in range(first_row, last_row, image_block)
+             for bucket_id in range(len(encoded[0].buckets))]
+    with eval_mode(models), frozen_weights(models):  # type: ignore[arg-type]
+        measure = n_img * n_cap >= TUNE_MIN_PAIRS
+        workers = score_workers(device, precision, len(tasks), models, measure)
+        # per model, the Gram matrices of these images: once, not once per caption block
+        grams = [_per_image(model, "region_grams", enc.img_embs[first_row:last_row], image_block, precision)
+                 for model, enc in zip(models, encoded)]
+        if measure:
+            tune_models(models, precision, device, workers)
+        with _one_thread_per_op() if workers > 1 else contextlib.nullcontext():
+            if workers > 1:
+                with ThreadPoolExecutor(workers) as pool:
+                    list(pool.map(score_task, tasks))
+            else:
+                for task in tasks:
+                    score_task(task)
+    return share.cpu()
+
+
+def _caption_blocks(bucket: CaptionBucket, image_block: int, block_elements: int) -> Iterator[slice]:
+    """Slices of a bucket small enough that image_block x captions x L x d <= block_elements."""
+    n_b, length, dim = bucket.embs.shape
+    per_caption = image_block * length * dim
+    step = max(1, block_elements // max(per_caption, 1))
+    for start in range(0, n_b, step):
+        yield slice(start, start + step)
+
+
+def _score_block(models: Sequence[Scorer], encoded: Sequence[Encoded], rows: slice, bucket_id: int,
+                 cols: slice, precision: str, head: str | None,
+                 grams: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """One (images x captions) block, averaged over the models: float32 on the models' device."""
+    blocks = []
+    for index, (model, enc) in enumerate(zip(models, encoded)):
+        bucket = enc.buckets[bucket_id]
+        cached = {}
+        if enc.img_glo is not None and bucket.glo is not None:
+            cached = {"img_glo": enc.img_glo[rows], "cap_glo": bucket.glo[cols]}
+        if grams is not None and grams[index] is not None:
+            cached["gram"] = grams[index]
+        with autocast(precision, enc.img_embs.device):
+            scores = model.similarity(enc.img_embs[rows], bucket.embs[cols], bucket.lengths[cols],
+                                      head=head, **cached)  # (b_img, b_cap)
+        blocks.append(scores.float())
+    if len(blocks) == 1:
+        return blocks[0]
+    # Average in float64 and round once: the float32 nearest to the exact mean of the models.
+    return torch.stack(blocks).double().mean(dim=0).float()
+
+
+# ---------------------------------------------------------------------------------- CPU threads
+def score_workers(device: torch.device, precision: str, n_tasks: int, models: Sequence[Scorer] = (),
+                  measure: bool = False) -> int:
+    """Threads that score (image block, caption bucket) tasks side by side: 1 ("ops", or not on a
+    CPU), else one per core ("blocks"; see `THREAD_MODES` and `thread_mode`, which measures only
+    if `measure`). Each block is computed by one thread from start to end, so the result does not
+    depend on which thread took it."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads < 2 or n_tasks < 2:
+        return 1
+    return min(threads, n_tasks) if thread_mode(models, precision, device, measure) == "blocks" else 1
+
+
+def thread_mode(models: Sequence[Scorer], precision: str, device: torch.device, measure: bool = True) -> str:
+    """"ops" or "blocks" for scoring `models` at `precision` on this CPU: measured once per machine
+    on a synthetic block of the first model (`probe_block`), stored (`sgraf.kernels.tuning`).
+    The stored choice or the default when not `measure`, for models without a probe, and under
+    torchrun (see `tune_models`)."""
+    candidates = THREAD_MODES[precision]
+    model = models[0] if models else None
+    probe = getattr(model, "probe_block", None)
+    name = f"cpu scoring threads|{precision}|{model.size_key() if probe else 'any model'}"  # type: ignore[union-attr]
+    if not measure or probe is None or distributed.is_distributed():
+        return tuning.peek(name, candidates)
+    threads = torch.get_num_threads()
+    blocks: list[Any] = []          # the synthetic block, made at the first measurement only
+
+    def seconds(mode: str) -> float:
+        if not blocks:
+            blocks.append(probe())
+        return block_timer(precision, device, threads if mode == "blocks" else 1)(blocks[0])
+
+    return tuning.choose(name, candidates, seconds)
+
+
+def block_timer(precision: str, device: torch.device, workers: int) -> Callable[[Callable[[], None]], float]:
+    """A function that times a block-scoring function the way the scorer runs blocks: seconds per
+    block, best of 2 after a warm-up, one block at a time, or `workers` blocks at once in Python
+    threads with one thread per op (so that the cores share the caches and memory as they will)."""
+    def timer(score_block: Callable[[], None]) -> float:
+        def one(_: Any = None) -> None:
+            with autocast(precision, device):     # autocast is per thread
+                score_block()
+
+        if workers == 1:
+            return tuning.best_time(one, repeats=2)
+        with _one_thread_per_op(), ThreadPoolExecutor(workers) as pool:
+            return tuning.best_time(lambda: list(pool.map(one, range(workers))), repeats=2) / workers
+
+    return timer
+
+
+def tune_models(models: Sequence[Scorer], precision: str, device: torch.device, workers: int = 1) -> None:
+    """Let each model that offers ``tune_eval_chunks`` measure its chunk size for this machine and
+    precision (once per machine, see `sgraf.kernels.tuning`) the way the scorer will run blocks
+    (`workers` at once), and use it for the call (inside its ``frozen_weights``). Skipped under
+    torchrun: processes that measured apart could choose apart, and the matrix must not depend
+    on the number of processes (each takes the stored choice or the default)."""
+    if distributed.is_distributed():
+        return
+    for model in models:
+        tune = getattr(model, "tune_eval_chunks", None)
+        if tune is not None:
+            with autocast(precision, device):
+                tune(device, block_timer(precision, device, workers),
+                     f"{workers} blocks at once" if workers > 1 else "")
+
+
+@contextlib.contextmanager
+def _one_thread_per_op() -> Iterator[None]:
+    """PyTorch's intra-op threads (a process-wide setting) set to 1 for the duration, then restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+

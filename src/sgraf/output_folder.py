@@ -1,0 +1,213 @@
+"""Writing a generation of files into a folder that may hold an earlier one.
+
+A data folder is read as a whole: `test_ims.npy` with `test_caps.txt`, `test_boxes.npy` and the
+pictures under `images/test/`. Replacing some of these files and leaving the others would make
+readers pair new features with old captions, boxes or pictures without a word. So a command
+that writes such files (`sgraf generate`, `convert-tsv`, `extract`) does it through
+`NewGeneration`:
+
+- It holds the folder's lock (`sgraf.folder_lock`) while it works.
+- It refuses, before any work, a folder that already holds files it would write or files an
+  earlier sgraf generation wrote that are read together with them ("other data"), unless the
+  caller passes `overwrite=True` (`--overwrite`). A whole-data-set writer (`exclusive=True`,
+  `sgraf generate`) also counts files of the layout that sgraf did not write.
+- The new files are written into a staging folder inside the folder. When all are written,
+  the files of the earlier generation are removed first (those of the same names and those the
+  new one does not write), then the new ones moved in: at no moment does the folder hold files
+  of both. A failure or signal before that point leaves the folder as it was.
+- sgraf only deletes files it wrote: the folder's record `.sgraf-files.json` lists them (name
+  -> command). A file of the same family that sgraf did not write and the new generation
+  would not replace is never deleted; the command refuses and names it instead (unless the
+  caller pairs it with the new files on purpose: captions kept beside converted features).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Callable, Iterable
+
+from sgraf.atomic_write import ensure_folder, write_error, write_text
+from sgraf.errors import InputError
+from sgraf.folder_lock import LOCK_FILE, FolderLock
+from sgraf.signals import signals_deferred
+
+RECORD = ".sgraf-files.json"
+STAGING_PREFIX = ".sgraf-staging-"
+
+
+def read_record(folder: pathlib.Path) -> dict[str, str]:
+    """{relative path: command} of the files sgraf wrote into `folder` (empty if none)."""
+    try:
+        content = json.loads((folder / RECORD).read_text(encoding="utf-8"))
+        files = content["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {str(k): str(v) for k, v in files.items()} if isinstance(files, dict) else {}
+
+
+def _write_record(folder: pathlib.Path, files: dict[str, str]) -> None:
+    content = {"format": "sgraf-files", "version": 1,
+               "note": "files written by sgraf; only these are ever deleted by a later --overwrite",
+               "files": dict(sorted(files.items()))}
+    write_text(folder / RECORD, json.dumps(content, indent=1) + "\n")
+
+
+def _own_name(name: str) -> bool:
+    return name in (LOCK_FILE, RECORD) or name.startswith(STAGING_PREFIX)
+
+
+def folder_files(folder: pathlib.Path) -> list[str]:
+    """Relative posix paths of the files under `folder`, sgraf's lock, record and staging left out."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        base = pathlib.Path(root)
+        if base == folder:
+            dirs[:] = [d for d in dirs if not _own_name(d)]
+            files = [f for f in files if not _own_name(f)]
+        found.extend((base / f).relative_to(folder).as_posix() for f in files)
+    return sorted(found)
+
+
+def _describe(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+
+
+class NewGeneration:
+    """Writes one generation of files into `folder`; a context manager (see the module docstring).
+
+    Inside the block, write each file at `generation.path(name)`; the generation moves them in
+    when the block ends without error, and discards them otherwise.
+
+    Args:
+        folder: the output folder (created when missing).
+        outputs: the relative paths the generation will write (checked before any work).
+        family: which relative paths are read together with the outputs.
+        command: the sgraf command, recorded for the files and named in errors.
+        overwrite: the caller allows replacing other data (`--overwrite`).
+        exclusive: every file of `family` already there is other data (a whole data set),
+            not only the outputs' names and files of an earlier sgraf generation.
+        earlier: files known to be sgraf's although the record does not list them (written
+            by an sgraf from before the record, as its own metadata tells).
+        paired: files of the family that the user may keep beside the new generation although
+            sgraf did not write them (captions given apart from converted features).
+
+    Raises (on enter):
+        InputError: `folder` is a file or holds other data (without `overwrite`), or holds a
+            file of the family sgraf did not write that would stay beside the new ones.
+        FolderLockedError: another process writes the folder.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], outputs: Iterable[str], family: Callable[[str], bool],
+                 command: str, overwrite: bool = False, exclusive: bool = False,
+                 earlier: Iterable[str] = (), paired: Iterable[str] = ()) -> None:
+        self.folder = pathlib.Path(folder)
+        self.outputs = set(outputs)
+        self.family = family
+        self.command = command
+        self.overwrite = overwrite
+        self.exclusive = exclusive
+        self.earlier = set(earlier)
+        self.paired = set(paired)
+        self.staging: pathlib.Path | None = None
+        self._lock = FolderLock(self.folder)
+
+    def __enter__(self) -> "NewGeneration":
+        ensure_folder(self.folder)
+        self._lock.acquire()
+        try:
+            for leftover in self.folder.glob(STAGING_PREFIX + "*"):   # of a killed run: we hold the lock
+                shutil.rmtree(leftover, ignore_errors=True)
+            self._check()
+            self.staging = pathlib.Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.folder))
+        except OSError as error:
+            self._lock.release()
+            raise write_error(self.folder, error) from None
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                self._commit()
+            else:
+                self._name_the_user_path(error)
+        finally:
+            if self.staging is not None:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            self._lock.release()
+
+    def _name_the_user_path(self, error: BaseException | None) -> None:
+        """Errors from inside the block name the folder's file, not the staging copy."""
+        staging = str(self.staging)
+        if isinstance(error, OSError):
+            filename = str(error.filename or "")
+            if filename.startswith(staging):
+                raise write_error(self.folder / filename[len(staging) + 1:], error) from None
+            if not filename:   # a write that failed without naming its file (ENOSPC from write())
+                raise write_error(self.folder, error) from None
+        if isinstance(error, InputError) and staging in str(error):
+            raise InputError(str(error).replace(staging, str(self.folder))) from None
+
+    def path(self, name: str) -> pathlib.Path:
+        """Where to write the output `name` (a relative path) during the block."""
+        if self.staging is None:
+            raise RuntimeError("NewGeneration.path() outside its with-block")
+        target = self.staging / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+    def _check(self) -> None:
+        record = set(read_record(self.folder)) | self.earlier
+        existing = [name for name in folder_files(self.folder) if self.family(name)]
+        if self.exclusive:
+            other = existing
+        else:
+            other = [name for name in existing if name in self.outputs or name in record]
+        if other and not self.overwrite:
+            raise InputError(f"{self.folder} already holds other data ({_describe(other)}); pass --overwrite "
+                             f"to replace it with the output of sgraf {self.command}, or choose another folder")
+        foreign = [name for name in existing if name not in self.outputs and name not in record
+                   and name not in self.paired]
+        if foreign:
+            raise InputError(f"{self.folder / foreign[0]} was not written by sgraf and would stay beside the new "
+                             f"output of sgraf {self.command} (sgraf deletes only files it wrote); move it away"
+                             + (f" with the {len(foreign) - 1} other such files" if len(foreign) > 1 else ""))
+
+    def _commit(self) -> None:
+        assert self.staging is not None
+        written = folder_files(self.staging)
+        record = read_record(self.folder)
+        earlier = [name for name in folder_files(self.folder) if self.family(name)
+                   and (name in written or name in record or name in self.earlier)]
+        for name in earlier:
+            record.pop(name, None)
+        record.update({name: self.command for name in written})
+        current = self.folder / RECORD          # the user's path named if a step fails
+        try:
+            with signals_deferred():                # a signal waits for the swap to end
+                _write_record(self.folder, record)  # first: a crash below leaves only files sgraf may delete
+                for name in earlier:                # the earlier generation out, then the new one in
+                    current = self.folder / name
+                    current.unlink(missing_ok=True)
+                current = self.folder
+                _remove_empty_folders(self.folder, {str(pathlib.PurePosixPath(n).parent) for n in earlier})
+                for name in written:
+                    current = self.folder / name
+                    current.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(self.staging / name, current)
+        except OSError as error:
+            raise write_error(current, error) from None
+
+
+def _remove_empty_folders(folder: pathlib.Path, parents: set[str]) -> None:
+    for parent in sorted(parents, key=len, reverse=True):
+        path = folder / parent
+        while path != folder and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+            path = path.parent

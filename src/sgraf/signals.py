@@ -1,0 +1,76 @@
+"""A command stopped by a signal: unwind (temporary files removed), exit 128 + the signal number.
+
+Python's default SIGTERM kills the process where it stands, so the `finally` blocks that remove
+temporary files and staging folders never run. `stop_on_sigterm()` turns SIGTERM into the
+exception `Stopped`, as Python already turns SIGINT into `KeyboardInterrupt`; the command line
+reports either in one line and exits with 143 or 130. Code that catches a signal itself to stop
+cleanly (the training loop saves `last.pt`) raises `Stopped` once it has done so, when its caller
+has more stages to run (`sgraf demo`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator
+
+
+class Stopped(BaseException):
+    """A signal stopped the command (a BaseException, like KeyboardInterrupt: not an error to catch).
+
+    Attributes:
+        signum: the signal number.
+        detail: where it stopped and what was kept, for the one-line message.
+    """
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        self.signum = int(signum)
+        self.detail = detail
+        super().__init__(f"stopped by {self.name}" + (f" {detail}" if detail else ""))
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises `Stopped` inside the block (main thread only; the previous handler is restored)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT wait until the block ends (a few renames that must not stop halfway).
+
+    A signal received inside is delivered again, to the handler that was in place, on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    numbers = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum)) for signum in numbers}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)

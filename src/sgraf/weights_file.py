@@ -1,0 +1,79 @@
+"""Reading a PyTorch file of tensors and plain values, and refusing anything else by name.
+
+`torch.load(weights_only=True)` never runs code from the file, but when it refuses a file its
+own message advises re-running with `weights_only=False`, which would run whatever the pickle
+holds. sgraf never suggests that: a refused file is reported as not a safe checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from sgraf.errors import InputError
+
+_PICKLE_PROTOCOL = 0x80   # first byte of a pickle of protocol 2 or higher
+
+
+def load_weights_only(path: str | os.PathLike[str], map_location: Any = "cpu", allowed: Sequence[type] = (),
+                      what: str = "checkpoint") -> Any:
+    """`torch.load(path, weights_only=True)`, with the classes in `allowed` also accepted.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, PermissionError: as `open` raises them.
+        InputError: the file pickles a class or object that is not allowed (named when torch
+            names it), is a raw Python pickle, or is not a PyTorch file at all.
+    """
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(allowed)), warnings.catch_warnings():
+            # a raw pickle's protocol draws a warning before the refusal, which says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except Exception as error:  # noqa: BLE001 - any parser failure on a foreign file means "not a checkpoint"
+        refused = isinstance(error, pickle.UnpicklingError) and "GLOBAL" in str(error)
+        if refused or "weights_only" in str(error) or _is_raw_pickle(path):
+            raise _unsafe(path, str(error), what, allowed) from None
+        raise InputError(f"{path}: not a readable PyTorch {what} ({type(error).__name__}: "
+                         f"{_first_line(error)})") from None
+
+
+def _unsafe(path: Path, message: str, what: str, allowed: Sequence[type]) -> InputError:
+    """The refusal: never torch's text, which advises loading the file unsafely."""
+    found = re.search(r"GLOBAL ([\w.]+)", message)
+    accepted = "only tensors, plain values" + "".join(f" and {_class_name(c)}" for c in allowed) + " are allowed"
+    if found:
+        return InputError(f"{path}: refusing to load: the {what} pickles the class {found.group(1)}; {accepted}")
+    kind = "a raw Python pickle" if _is_raw_pickle(path) else "a pickle of Python objects"
+    return InputError(f"{path}: not a safe {what}: it is {kind}, a format that can run code when loaded, not a "
+                      f"file of tensors and plain values; {accepted}")
+
+
+def _class_name(cls: type) -> str:
+    if cls.__module__ == "argparse" and cls.__name__ == "Namespace":
+        return "argparse.Namespace (the authors' options)"
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+def _is_raw_pickle(path: Path) -> bool:
+    """A pickle written by `pickle.dump` rather than `torch.save` (which writes a zip archive)."""
+    try:
+        with open(path, "rb") as handle:
+            first = handle.read(2)
+    except OSError:
+        return False
+    return not zipfile.is_zipfile(path) and (first[:1] == bytes([_PICKLE_PROTOCOL]) or first[:1] in (b"(", b"}", b"]"))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no details"

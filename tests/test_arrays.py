@@ -1,0 +1,95 @@
+"""Untrusted .npy files and the NaN/inf check of region features (sgraf.data.arrays)."""
+
+from __future__ import annotations
+
+import pickle
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from sgraf.data.arrays import check_finite_features, open_npy
+from sgraf.errors import InputError
+
+EXPECTED = "float32 features of shape (n_images, regions, dim)"
+
+
+def _garbage(path, kind):
+    if kind == "pickle":
+        path.write_bytes(pickle.dumps({"features": [1.0, 2.0]}))
+    elif kind == "object array":
+        np.save(path, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    elif kind == "truncated":
+        np.save(path, np.zeros((4, 3, 5), np.float32))
+        path.write_bytes(path.read_bytes()[:-7])
+    elif kind == "npz":
+        with open(path, "wb") as handle:
+            np.savez(handle, images=np.zeros((2, 3, 5), np.float32))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "header":
+        np.save(path, np.zeros((4, 3, 5), np.float32))
+        raw = bytearray(path.read_bytes())
+        raw[12:40] = b"{'descr': <<garbage>>, 'sh"
+        path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("pickle", r"does not start with the NumPy header \(another format, or a pickle, which sgraf never loads\)"),
+    ("object array", r"it holds Python objects \(dtype object\), which sgraf never unpickles"),
+    ("truncated", r"truncated: its header describes a float32 array of shape \(4, 3, 5\) \(240 bytes of data\) "
+                  r"but only 233 bytes follow"),
+    ("npz", r"it is a zip archive \(\.npz\?\), not a single array"),
+    ("empty", r"the file is empty"),
+    ("header", r"its header is corrupted"),
+])
+def test_garbage_npy_gets_our_one_line_message(tmp_path, kind, reason):
+    path = tmp_path / "train_ims.npy"
+    _garbage(path, kind)
+    with pytest.raises(InputError) as error:
+        open_npy(path, EXPECTED)
+    message = str(error.value)
+    assert message.startswith(f"{path}: not a readable .npy array: ")
+    assert message.endswith(f"; expected {EXPECTED}")
+    assert re.search(reason, message), message
+    # numpy's own advice (allow_pickle, "load it unsafely") never reaches the user
+    assert "allow_pickle" not in message and "unsafe" not in message and "\n" not in message
+
+
+def test_open_npy_maps_a_good_file_read_only(tmp_path):
+    values = np.arange(60, dtype=np.float32).reshape(4, 3, 5)
+    np.save(tmp_path / "ok.npy", values)
+    array = open_npy(tmp_path / "ok.npy", EXPECTED)
+    assert isinstance(array, np.memmap) and not array.flags.writeable
+    np.testing.assert_array_equal(array, values)
+    with pytest.raises(FileNotFoundError):
+        open_npy(tmp_path / "missing.npy", EXPECTED)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_feature_is_named_by_file_image_region_dim(tmp_path, bad):
+    values = np.ones((6, 3, 5), np.float32)
+    values[4, 2, 1] = bad
+    values[5, 0, 0] = bad
+    check_finite_features(values[:4], "f.npy")  # the good rows pass
+    message = r"f\.npy: feature \[image 14, region 2, dim 1\] is (nan|inf|-inf); expected finite values \(1 more"
+    with pytest.raises(InputError, match=message):
+        check_finite_features(values, "f.npy", first_image=10)
+    with pytest.raises(InputError, match=r"feature \[image 14, region 2"):
+        check_finite_features(torch.from_numpy(values), "f.npy", first_image=10)   # tensors too
+    with pytest.raises(InputError, match=r"feature \[image 14, region 2"):
+        check_finite_features(torch.from_numpy(values).bfloat16(), "f.npy", first_image=10)
+    # a shuffled batch names each row's own image; one image (K, D) is image 0 (or first_image)
+    with pytest.raises(InputError, match=r"feature \[image 31, region 2, dim 1\]"):
+        check_finite_features(values[3:5], "f.npy", image_ids=[8, 31])
+    with pytest.raises(InputError, match=r"image features: feature \[image 7, region 2, dim 1\]"):
+        check_finite_features(values[4], first_image=7)
+    # a memory map names its own file
+    np.save(tmp_path / "dev_ims.npy", values)
+    mapped = np.load(tmp_path / "dev_ims.npy", mmap_mode="r")
+    for view in (mapped, mapped[3:6], mapped[4]):   # views count from the file's first image
+        with pytest.raises(InputError, match=r"dev_ims\.npy: feature \[image 4, region 2, dim 1\]"):
+            check_finite_features(view)
+    with pytest.raises(InputError, match=r"^image features: feature \[image 0, region 1, dim 1\]"):
+        check_finite_features(mapped[4:5, 1:])   # not whole images: no file position is claimed

@@ -1,0 +1,63 @@
+"""On a CUDA device (skipped elsewhere): the same numbers as the CPU's float32 path.
+
+These run only where `torch.cuda.is_available()`; CI machines have no GPU, so there they are
+reported as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import DATA, golden_model, random_batch, random_model
+from numerics import GRADIENT, assert_close, largest
+from sgraf.model.loss import ranking_loss
+from sgraf.precision import autocast
+
+pytestmark = [pytest.mark.numeric,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")]
+
+
+@pytest.mark.parametrize("module", ["SGR", "SAF"])
+def test_gpu_scores_equal_the_cpu_float32_path_on_the_golden_data(module):
+    entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)[module]
+    model = golden_model(entry, module)
+    cpu = model.score(entry["images"], entry["captions"], entry["lengths"])
+    gpu = model.cuda().score(entry["images"].cuda(), entry["captions"].cuda(), entry["lengths"])
+    assert gpu.device.type == "cuda"
+    assert (gpu.cpu() - cpu).abs().max() <= 1e-5
+    assert_close(gpu, entry["sims"], 16)
+
+
+@pytest.mark.parametrize("module", ["SGR", "SAF"])
+def test_gpu_gradients_equal_the_authors_within_float32_noise(module):
+    entry = torch.load(DATA / "golden_train.pt", weights_only=True)[module]
+    model = golden_model(entry, module, state_key="state_dict_before", dropout=0.0).cuda().train()
+    ranking_loss(model(entry["images"].cuda(), entry["captions"].cuda(), entry["lengths"])).backward()
+    scale = largest(entry["grads"])
+    for name, param in model.named_parameters():
+        assert_close(param.grad, entry["grads"][name], GRADIENT, scale=scale, what=name)
+
+
+def test_bf16_keeps_the_fp32_top_1_outside_near_ties():
+    """A top-1 change counts as a near-tie when the fp32 scores of the two candidates differ by
+    less than twice the largest bf16 error measured on other data (so the bound is not taken
+    from the matrix it judges)."""
+    model = random_model(5, module="sgr", num_regions=36, img_dim=64, embed_size=128, sim_dim=64).cuda()
+
+    def both(seed):
+        lengths = torch.randint(3, 20, (256,), generator=torch.Generator().manual_seed(seed)).tolist()
+        images, captions, lengths = random_batch(model, 64, lengths, seed=seed)
+        images, captions = images.cuda(), captions.cuda()
+        fp32 = model.score(images, captions, lengths)
+        with autocast("bf16", "cuda"):
+            return fp32, model.score(images, captions, lengths)
+
+    fp32, bf16 = both(2)
+    tie = 2 * float((bf16 - fp32).abs().max())
+    fp32, bf16 = both(1)
+    for dim in (0, 1):
+        changed = (fp32.argmax(dim) != bf16.argmax(dim)).nonzero().flatten()
+        best = fp32.max(dim).values
+        chosen = fp32.gather(dim, bf16.argmax(dim).unsqueeze(dim)).squeeze(dim)
+        assert ((best - chosen)[changed] < tie).all()

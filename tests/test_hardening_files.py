@@ -1,0 +1,446 @@
+"""No data lost or mixed, no temporary names in errors, signals end commands cleanly (issue 14).
+
+Folder locks (`sgraf.folder_lock`), generations of output files (`sgraf.output_folder`),
+atomic writes (`sgraf.atomic_write`) and SIGTERM/SIGINT (`sgraf.signals`), through the
+commands that use them.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sgraf import folder_lock
+from sgraf.atomic_write import write_text
+from sgraf.cli import main
+from sgraf.data.benchmark import generate_benchmark
+from sgraf.data.convert import convert_tsv
+from sgraf.data.features import GridBackbone, extract_folder
+from sgraf.data.render import SceneObject, render_scene
+from sgraf.errors import InputError
+from sgraf.folder_lock import LOCK_FILE, FolderLock, FolderLockedError
+from sgraf.output_folder import RECORD, STAGING_PREFIX
+from sgraf.training.run_dir import prepare_run_dir
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def tiny(n_test: int = 8) -> list[str]:
+    """`sgraf generate` arguments of a benchmark generated in a fraction of a second."""
+    return ["--features", "synthetic", "--n-train", "4", "--n-dev", "4", "--n-test", str(n_test),
+            "--synthetic-dim", "8"]
+
+
+TINY = tiny()
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def _hold_lock_in_another_process(folder: Path) -> subprocess.Popen:
+    code = ("import sys, time; from sgraf.folder_lock import FolderLock; FolderLock(sys.argv[1]).acquire(); "
+            "print('locked', flush=True); time.sleep(60)")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+# --------------------------------------------------------------------------------- folder locks
+def test_a_second_training_run_into_a_locked_run_folder_is_refused_naming_the_holder(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = _hold_lock_in_another_process(run)
+    try:
+        # the lock is checked before the data: a missing data folder is not what is reported
+        assert main(["train", "--data", str(tmp_path / "data"), "--out", str(run)]) == 2
+        err = _one_line_error(capsys)
+        assert f"{run} is in use by another sgraf process (pid {holder.pid} on host {socket.gethostname()}, " \
+               "started 20" in err and f"command: python -c {run})" in err
+        assert not (run / "config.yaml").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_left_by_a_killed_run_does_not_block_resume(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("data: x\n")
+    (run / "last.pt").write_bytes(b"")
+    holder = _hold_lock_in_another_process(run)
+    with pytest.raises(FolderLockedError, match=f"pid {holder.pid}"):
+        prepare_run_dir(run, resume=True)
+    holder.kill()                                    # SIGKILL: the holder's record stays behind
+    holder.wait()
+    assert str(holder.pid) in (run / LOCK_FILE).read_text()
+    claimed, lock = prepare_run_dir(run, resume=True)
+    assert claimed == run and lock.held and f'"pid": {os.getpid()}' in (run / LOCK_FILE).read_text()
+    lock.release()
+    assert not (run / LOCK_FILE).exists()
+
+
+def test_a_second_lock_in_the_same_process_is_refused_too(tmp_path):
+    with FolderLock(tmp_path):
+        with pytest.raises(FolderLockedError, match=f"pid {os.getpid()} on host"):
+            FolderLock(tmp_path).acquire()
+    with FolderLock(tmp_path) as again:      # released on exit
+        assert again.held
+
+
+def test_without_file_system_locks_the_record_decides(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(folder_lock.fcntl, "flock", no_locks)
+    record = {"pid": 0, "host": socket.gethostname(), "started": "then", "command": "sgraf train"}
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record["pid"] = int(dead.stdout)                 # a process of this host that has ended
+    (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+    with FolderLock(tmp_path):
+        pass
+    record["pid"] = os.getppid()                     # alive
+    (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+    with pytest.raises(FolderLockedError, match=f"pid {os.getppid()}"):
+        FolderLock(tmp_path).acquire()
+    record["host"] = "elsewhere.example"             # cannot be checked from here
+    (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+    with pytest.raises(FolderLockedError, match=f"delete {tmp_path / LOCK_FILE} if that run is gone"):
+        FolderLock(tmp_path).acquire()
+
+
+def test_demo_refuses_a_folder_another_demo_is_writing(tmp_path, capsys):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / ".sgraf-demo").write_text("an earlier demo\n")
+    with FolderLock(out):
+        assert main(["demo", "--quick", "--out", str(out)]) == 2
+    assert f"{out} is in use by another sgraf process (pid {os.getpid()}" in _one_line_error(capsys)
+
+
+def test_generate_refuses_a_folder_another_command_is_writing(tmp_path, capsys):
+    with FolderLock(tmp_path):
+        assert main(["generate", "--out", str(tmp_path), *TINY]) == 2
+    assert "is in use by another sgraf process" in _one_line_error(capsys)
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------- generations
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_generate_refuses_existing_data_and_overwrite_leaves_no_earlier_picture(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["generate", "--out", str(out), *TINY]) == 0
+    before = _files(out)
+    assert len(list((out / "images" / "test").glob("*.png"))) == 8
+    capsys.readouterr()
+    assert main(["generate", "--out", str(out), *tiny(4), "--seed", "3"]) == 2
+    err = _one_line_error(capsys)
+    assert f"{out} already holds other data (" in err and "pass --overwrite" in err
+    assert _files(out) == before                                   # refused before writing anything
+    assert main(["generate", "--out", str(out), *tiny(4), "--seed", "3", "--overwrite"]) == 0
+    assert sorted(p.name for p in (out / "images" / "test").iterdir()) == [f"{i:05d}.png" for i in range(4)]
+    scenes = [json.loads(line) for line in (out / "test_scenes.jsonl").read_text().splitlines()]
+    assert len(scenes) == 4 and np.load(out / "test_ims.npy").shape[0] == 4
+    assert (out / "test_caps.txt").read_bytes() != before["test_caps.txt"]
+    assert main(["generate", "--out", str(out), *TINY, "--no-images", "--overwrite"]) == 0
+    assert not (out / "images").exists()                           # pictures of no generation left
+    assert not [p for p in out.iterdir() if p.name.startswith((STAGING_PREFIX, LOCK_FILE))]
+
+
+def test_generate_overwrite_never_deletes_files_sgraf_did_not_write(tmp_path, capsys):
+    out = tmp_path / "bench"
+    generate_benchmark(out, features="synthetic", n_train=4, n_dev=4, n_test=4, synthetic_dim=8)
+    (out / "notes.txt").write_text("mine")                         # not data: kept, never in the way
+    np.save(out / "test_boxes.npy", np.zeros((4, 36, 4), np.float32))   # would describe the old test images
+    before = _files(out)
+    assert main(["generate", "--out", str(out), *TINY, "--overwrite"]) == 2
+    err = _one_line_error(capsys)
+    assert f"{out / 'test_boxes.npy'} was not written by sgraf and would stay beside the new output" in err
+    assert _files(out) == before
+    (out / "test_boxes.npy").unlink()
+    assert main(["generate", "--out", str(out), *TINY, "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    recorded = json.loads((out / RECORD).read_text())["files"]
+    assert "notes.txt" not in recorded and recorded["test_ims.npy"] == "generate"
+
+
+def test_overwrite_replaces_a_benchmark_generated_before_sgraf_recorded_its_files(tmp_path):
+    out = tmp_path / "bench"
+    generate_benchmark(out, features="synthetic", n_train=4, n_dev=4, n_test=8, synthetic_dim=8)
+    (out / RECORD).unlink()                       # as an earlier sgraf left it: benchmark.json tells the files
+    generate_benchmark(out, features="synthetic", n_train=4, n_dev=4, n_test=4, synthetic_dim=8, overwrite=True)
+    assert len(list((out / "images" / "test").iterdir())) == 4
+
+
+def test_generate_out_naming_a_file_is_one_line_error(tmp_path, capsys):
+    target = tmp_path / "data.npy"
+    target.write_bytes(b"keep")
+    assert main(["generate", "--out", str(target), *TINY]) == 2
+    assert _one_line_error(capsys) == f"sgraf generate: error: output folder {target} is a file, expected a folder"
+    assert target.read_bytes() == b"keep"
+
+
+def test_an_interrupted_generation_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    out = tmp_path / "bench"
+    generate_benchmark(out, features="synthetic", n_train=4, n_dev=4, n_test=4, synthetic_dim=8)
+    before = _files(out)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("sgraf.data.benchmark.build_vocab", interrupted)   # after every split is written
+    with pytest.raises(KeyboardInterrupt):
+        generate_benchmark(out, seed=5, features="synthetic", n_train=4, n_dev=4, n_test=8, synthetic_dim=8,
+                           overwrite=True)
+    assert _files(out) == before
+
+
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array, dtype=np.float32).tobytes()).decode("ascii")
+
+
+def _tsv(path: Path, n: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    rows = [f"{1000 + i}\t640\t480\t2\t{_b64(rng.random((2, 4)) * 100)}\t{_b64(rng.random((2, 3)))}" for i in range(n)]
+    path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_convert_tsv_removes_the_captions_of_an_earlier_run_only_with_overwrite(tmp_path, capsys):
+    out = tmp_path / "data"
+    captions = tmp_path / "caps.tsv"
+    captions.write_text("".join(f"{1000 + i}\tcaption of {i}\n" for i in range(3)))
+    convert_tsv(_tsv(tmp_path / "a.tsv", 3, 0), out, "test", captions_path=captions, progress=False)
+    second = _tsv(tmp_path / "b.tsv", 2, 1)
+    argv = ["convert-tsv", "--tsv", str(second), "--out", str(out), "--split", "test", "--no-progress"]
+    assert main(argv) == 2
+    assert f"{out} already holds other data (test_boxes.npy and 3 more); pass --overwrite" in _one_line_error(capsys)
+    assert main([*argv, "--overwrite"]) == 0
+    assert not (out / "test_caps.txt").exists()                    # the earlier run's captions: stale, removed
+    assert np.load(out / "test_ims.npy").shape == (2, 2, 3) and np.load(out / "test_boxes.npy").shape == (2, 2, 4)
+
+
+def test_convert_tsv_writes_features_beside_the_users_own_captions(tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "test_caps.txt").write_text("a\nb\n")                   # the user's: not refused, never removed
+    convert_tsv(_tsv(tmp_path / "a.tsv", 2, 0), out, "test", progress=False)
+    convert_tsv(_tsv(tmp_path / "b.tsv", 2, 1), out, "test", progress=False, overwrite=True)
+    assert (out / "test_caps.txt").read_text() == "a\nb\n"
+    (out / "test_scenes.jsonl").write_text("{}\n")                # not the user's captions: in the way
+    with pytest.raises(InputError, match=r"test_scenes\.jsonl was not written by sgraf and would stay beside"):
+        convert_tsv(_tsv(tmp_path / "c.tsv", 2, 2), out, "test", progress=False, overwrite=True)
+
+
+def test_a_companion_sgraf_did_not_write_is_refused_even_where_nothing_is_replaced(tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    np.save(out / "test_boxes.npy", np.zeros((1, 4, 4), np.float32))   # left of features deleted by hand
+    render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(tmp_path / "im.png")
+    (tmp_path / "caps.tsv").write_text("im.png\ta red square\n")
+    with pytest.raises(InputError, match=f"^{out / 'test_boxes.npy'} was not written by sgraf and would stay "
+                                         "beside the new output of sgraf extract"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False)
+    assert sorted(os.listdir(out)) == ["test_boxes.npy"]
+
+
+def _tiny_backbone() -> GridBackbone:
+    torch.manual_seed(0)
+    return GridBackbone(nn.Conv2d(3, 4, kernel_size=32, stride=32), feature_dim=4, image_size=64, name="tiny")
+
+
+def test_extract_overwrite_removes_boxes_and_ids_an_earlier_conversion_left(tmp_path):
+    out = tmp_path / "data"
+    convert_tsv(_tsv(tmp_path / "a.tsv", 3, 0), out, "test", progress=False)
+    render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(tmp_path / "im.png")
+    (tmp_path / "caps.tsv").write_text("im.png\ta red square\n")
+    with pytest.raises(InputError, match=r"already holds other data \(test_boxes\.npy and 2 more\); pass --overwrite"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False)
+    extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False, overwrite=True)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "test_caps.txt", "test_image_names.txt", "test_ims.npy"]
+
+
+# --------------------------------------------------------------------------------- write errors
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _assert_no_temporary_left(folder: Path) -> None:
+    assert not [p for p in folder.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(STAGING_PREFIX)]
+
+
+def test_atomic_writes_name_the_users_path_when_the_disk_is_full(tmp_path, monkeypatch):
+    from sgraf.checkpoint import atomic_save
+    from sgraf.data.vocab import build_vocab
+    from sgraf.evaluate import save_matrix
+
+    monkeypatch.setattr(os, "replace", _no_space)
+    writers = {"model.pt": lambda p: atomic_save({"a": torch.ones(1)}, p),
+               "vocab.json": lambda p: build_vocab(["a cat"], min_count=1).save(p),
+               "sims.npy": lambda p: save_matrix(np.zeros((1, 1)), p),
+               "notes.txt": lambda p: write_text(p, "text")}
+    for name, write in writers.items():
+        with pytest.raises(InputError) as caught:
+            write(tmp_path / name)
+        assert str(caught.value) == f"cannot write {tmp_path / name}: No space left on device", name
+    _assert_no_temporary_left(tmp_path)
+
+
+def test_a_path_below_a_file_is_named_not_a_temporary_file(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train_caps.txt").write_text("a cat\n" * 4)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(blocker / "v.json")]) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith(f"sgraf vocab: error: cannot write {blocker / 'v.json'}: ") and ".tmp" not in err
+    assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "data")]) == 2
+    assert _one_line_error(capsys) == f"sgraf vocab: error: cannot write {tmp_path / 'data'}: Is a directory"
+
+
+def test_a_failed_generation_names_the_folders_file_not_the_staging_copy(tmp_path, monkeypatch):
+    out = tmp_path / "data"
+    import sgraf.output_folder as output_folder
+
+    monkeypatch.setattr(output_folder.os, "replace", _no_space)
+    with pytest.raises(InputError) as caught:
+        convert_tsv(_tsv(tmp_path / "a.tsv", 2, 0), out, "test", progress=False)
+    assert str(caught.value).startswith(f"cannot write {out}{os.sep}") and "No space left" in str(caught.value)
+    assert STAGING_PREFIX not in str(caught.value) and ".tmp" not in str(caught.value)
+    monkeypatch.undo()
+
+    def full_disk(self, *args, **kwargs):       # inside the block: the staging copy fails to write
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    tsv = _tsv(tmp_path / "b.tsv", 2, 0)
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(InputError, match=f"^cannot write {out / 'test_image_ids.txt'}: No space left on device$"):
+        convert_tsv(tsv, out, "test", progress=False)
+    _assert_no_temporary_left(out)
+
+
+# --------------------------------------------------------------------------------- signals
+def test_sigterm_during_generate_exits_143_and_leaves_nothing_half_written(tmp_path):
+    out = tmp_path / "bench"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    command = [sys.executable, "-m", "sgraf", "generate", "--out", str(out), "--features", "synthetic",
+               "--n-train", "3000", "--n-dev", "4", "--n-test", "4", "--synthetic-dim", "8"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while not list(out.glob(STAGING_PREFIX + "*/images/train/00010.png")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "sgraf generate: stopped by SIGTERM" and "Traceback" not in err
+    assert os.listdir(out) == []                                   # no staging, no lock, no half data set
+
+
+def test_sigterm_during_a_demo_training_exits_143_without_results(tmp_path, monkeypatch, capsys):
+    import sgraf.training.loop as loop
+
+    real_step = loop.train_step
+
+    def step_then_sigterm(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)      # the training loop saves last.pt and stops
+        return result
+
+    monkeypatch.setattr(loop, "train_step", step_then_sigterm)
+    out = tmp_path / "demo"
+    handler = signal.getsignal(signal.SIGTERM)
+    assert main(["demo", "--quick", "--out", str(out)]) == 143
+    err = _one_line_error(capsys)
+    assert err == (f"sgraf demo: stopped by SIGTERM while training global-only: its last.pt is saved in "
+                   f"{out / 'runs' / 'global-only'}; no results or report written")
+    assert (out / "runs" / "global-only" / "last.pt").is_file()
+    assert not (out / "results.json").exists() and not (out / "report.md").exists()
+    assert not (out / LOCK_FILE).exists() and signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_sigterm_and_sigint_in_any_command_exit_143_and_130(tmp_path, monkeypatch, capsys):
+    (tmp_path / "train_caps.txt").write_text("a cat\n")
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        def stopped(*args, signum=signum, **kwargs):
+            os.kill(os.getpid(), signum)
+            time.sleep(5)                           # the handler interrupts this
+
+        monkeypatch.setattr("sgraf.data.vocab.build_vocab", stopped)
+        assert main(["vocab", "build", "--data", str(tmp_path), "--out", str(tmp_path / "v.json")]) == code
+        assert _one_line_error(capsys) in ("sgraf vocab: stopped by SIGTERM", "sgraf vocab: interrupted")
+        assert not (tmp_path / "v.json").exists()
+
+
+def test_a_new_run_never_appends_to_the_records_of_an_earlier_one(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 10, "rsum": 50.0}\n')   # stopped before its first last.pt
+    assert main(["train", "--data", str(tmp_path), "--out", str(run)]) == 2
+    assert _one_line_error(capsys) == (f"sgraf train: error: output folder {run} holds metrics.jsonl of an earlier "
+                                       "run, which has no last.pt to resume from; choose another --out or move "
+                                       "them away")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 10, "rsum": 50.0}\n'
+
+
+def test_written_files_and_index_folders_keep_the_umask_permissions(tmp_path):
+    import stat
+
+    from sgraf.atomic_write import temporary_folder
+
+    umask = os.umask(0o027)
+    try:
+        write_text(tmp_path / "shared.txt", "for the group")
+        folder = temporary_folder(tmp_path, ".index.")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "shared.txt").stat().st_mode) == 0o640      # not mkstemp's 0600
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o750                        # not mkdtemp's 0700
+
+
+def test_a_resumed_run_drops_tensorboard_events_newer_than_its_checkpoint(tmp_path, monkeypatch):
+    import types
+
+    from sgraf.training.config import preset
+    from sgraf.training.loop import fit
+    from train_helpers import make_toy_precomp
+
+    purge_steps = []
+
+    class Writer:                                   # TensorBoard itself need not be installed
+        def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+            purge_steps.append(purge_step)
+
+        def add_scalar(self, *args: object) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    monkeypatch.setenv("SGRAF_TUNE", "off")          # no timing probes: this test is about files
+    data = make_toy_precomp(tmp_path / "data", n_train=2, n_dev=2)
+    config = preset("tiny").replace(epochs=1, batch_size=10, progress=False)   # one step per epoch
+    first = fit(config, data, tmp_path / "run")
+    fit(config.replace(epochs=2), data, tmp_path / "run", resume=True)
+    assert purge_steps == [None, first["global_step"]]   # events after the checkpoint are dropped
