@@ -126,3 +126,22 @@ def test_identity_follows_the_weights_not_the_object(vocab):
         b.sim_enc.sim_eval_w.bias.add_(1e-6)
     assert model_identity(a)["weights_sha256"] != model_identity(b)["weights_sha256"]
     assert model_identity(a)["config"] == a.config.to_dict()
+
+
+def test_scoring_with_the_stored_global_vectors_is_scoring_without(vocab, features):
+    from sgraf.api import shortlist_keys, split_shortlist_keys
+
+    matcher = Matcher([_model("sgr", vocab, 0), _model("saf", vocab, 1)])
+    images = matcher.encode_images(features)
+    texts = matcher.encode_texts(["a dog runs on the grass", "a red ball", "the woman"])
+    keys = shortlist_keys(images.global_vectors)
+    back = split_shortlist_keys(keys, [12, 12])
+    for vector, original in zip(back, images.global_vectors):
+        assert_close(vector.numpy(), original.numpy(), SAME_PATH)
+    assert split_shortlist_keys(keys, [12, 8]) is None
+    plain = matcher.score_embeddings(images, texts)
+    given = matcher.score_embeddings(images, texts, image_globals=back)
+    assert_close(given, plain, REORDERED)
+    # they are used: other vectors give other scores
+    moved = [torch.roll(v, 1, dims=0) for v in back]
+    assert np.abs(matcher.score_embeddings(images, texts, image_globals=moved) - plain).max() > 1e-4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,3 +79,17 @@ def test_demo_refuses_a_folder_it_did_not_write(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 2
     assert "is not empty and holds no earlier demo" in capsys.readouterr().err
     assert (tmp_path / "thesis.tex").read_text() == "keep me"
+
+
+def test_demo_ends_by_printing_the_serve_command(demo, capsys, monkeypatch):
+    out, _ = demo
+    record = json.loads((out / "results.json").read_text())
+    monkeypatch.setattr("sgraf.demo.run_demo", lambda *args, **kwargs: record)   # the run above, reported again
+    capsys.readouterr()
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith(f"sgraf serve --index {out / 'index'}")
+    from sgraf.cli import build_parser
+
+    args = build_parser().parse_args(last.split("search it in a browser: ")[1].split()[1:])
+    assert args.command == "serve" and (out / "index" / "manifest.json") == Path(args.index) / "manifest.json"

@@ -237,6 +237,22 @@ def test_index_out_refuses_a_folder_that_is_not_an_index(gallery, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_several_texts_at_once_rank_as_one_by_one(gallery):
+    index = open_index(gallery["index"])
+    queries = ["a cat in the park", "a red ball", "the man plays with a blue ball in the grass"]
+    for shortlist in (5, None):
+        together = index.search_texts(queries, top_k=4, shortlist=shortlist)
+        assert len(together) == len(queries)
+        for query, hits in zip(queries, together):
+            alone = index.search_text(query, top_k=4, shortlist=shortlist)
+            assert [h.id for h in hits] == [h.id for h in alone]
+            assert_close(np.array([h.score for h in hits]), np.array([h.score for h in alone]), REORDERED)
+    # the first stage of a batch is each query's own: same shortlist as the numpy reference
+    keys = shortlist_keys(index.matcher.encode_texts(queries).global_vectors)
+    for q, (ids, _) in enumerate(index._coarse_many("image", keys, 5)):
+        assert set(ids.tolist()) == set(np.argsort(-(index.image_keys @ keys[q]))[:5].tolist())
+
+
 def test_index_out_replaces_an_index_whole_but_never_a_file_it_does_not_list(gallery, tmp_path):
     import shutil
 

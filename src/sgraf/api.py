@@ -32,7 +32,8 @@ from sgraf.precision import autocast, check_precision
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Matcher", "ImageEncoding", "TextEncoding", "model_identity", "describe_identity"]
+__all__ = ["Matcher", "ImageEncoding", "TextEncoding", "model_identity", "describe_identity", "shortlist_keys",
+           "split_shortlist_keys"]
 
 
 def _weights_sha256(model: torch.nn.Module) -> str:
@@ -118,6 +119,24 @@ def shortlist_keys(global_vectors: Sequence[torch.Tensor]) -> np.ndarray:
     scale = 1.0 / np.sqrt(len(global_vectors))
     return np.concatenate([v.detach().cpu().float().numpy() * scale for v in global_vectors],
                           axis=1).astype(np.float32)
+
+
+def split_shortlist_keys(keys: np.ndarray, sizes: Sequence[int]) -> list[torch.Tensor] | None:
+    """The models' global vectors back from `shortlist_keys` (the inverse of its scaling).
+
+    Args:
+        keys: (n, sum of d_m) first-stage keys.
+        sizes: each model's d_m, in the matcher's order.
+
+    Returns:
+        per model, (n, d_m) float32; None when the widths do not add up.
+    """
+    if keys.ndim != 2 or keys.shape[1] != sum(sizes):
+        return None
+    scale = np.float32(np.sqrt(len(sizes)))
+    edges = np.cumsum([0, *sizes])
+    return [torch.from_numpy(np.ascontiguousarray(keys[:, a:b], dtype=np.float32) * scale)
+            for a, b in zip(edges[:-1], edges[1:])]
 
 
 class Matcher:
@@ -332,7 +351,8 @@ class Matcher:
     # ----------------------------------------------------------------------------- scoring
     @torch.no_grad()
     def score_embeddings(self, images: ImageEncoding | Sequence[torch.Tensor],
-                         texts: TextEncoding | tuple[Sequence[torch.Tensor], torch.Tensor]) -> np.ndarray:
+                         texts: TextEncoding | tuple[Sequence[torch.Tensor], torch.Tensor],
+                         image_globals: Sequence[torch.Tensor] | None = None) -> np.ndarray:
         """Full SGRAF scores of encoded images against encoded texts, the ensemble mean.
 
         Scored by the block scorer every entry point shares (`sgraf.model.blocks`): texts in
@@ -342,6 +362,9 @@ class Matcher:
         Args:
             images: an `ImageEncoding`, or per model (n_img, K, d_m) region embeddings.
             texts: a `TextEncoding`, or (per model (n_txt, L, d_m) word embeddings, lengths).
+            image_globals: optional per model (n_img, d_m) self-attention global vectors of
+                these images (an index stores them as its first-stage keys), so the scorer does
+                not compute them again; they must be the models' own (`ImageEncoding.global_vectors`).
 
         Returns:
             (n_img, n_txt) float32 numpy.
@@ -354,12 +377,16 @@ class Matcher:
         else:
             words, lengths = list(texts[0]), torch.as_tensor(texts[1])
         encoded = []
-        for model, img_embs, cap_embs in zip(self.models, regions, words):
+        for m, (model, img_embs, cap_embs) in enumerate(zip(self.models, regions, words)):
             img_embs = torch.as_tensor(img_embs).float().to(self.device)
             buckets = blocks.bucket_words(model, torch.as_tensor(cap_embs), lengths, self.batch_size, self.precision)
+            # the stored vectors stand in only where the model's scorer uses global vectors at all
+            if image_globals is not None and blocks.image_globals(model, img_embs[:1], 1, self.precision) is not None:
+                img_glo = torch.as_tensor(image_globals[m]).float().to(self.device)
+            else:
+                img_glo = blocks.image_globals(model, img_embs, self.batch_size, self.precision)
             encoded.append(blocks.Encoded(img_embs=img_embs, buckets=buckets, n_captions=int(len(lengths)),
-                                          img_glo=blocks.image_globals(model, img_embs, self.batch_size,
-                                                                       self.precision)))
+                                          img_glo=img_glo))
         return blocks.score_encoded(self.models, encoded, self.precision).numpy()
 
     def score(self, features: Any, texts: Sequence[str], allow_unknown: bool = False) -> np.ndarray:

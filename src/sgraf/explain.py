@@ -26,7 +26,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 import torch
@@ -299,14 +299,15 @@ def _image_size(path: Path, image_id: int) -> tuple[int, int] | None:
 
 
 # --------------------------------------------------------------------------------- drawing
-def render_explanation(explanation: Explanation, layout: RegionLayout, out: str | os.PathLike[str],
-                       title: str | None = None, columns: int = 8) -> Path:
+def render_explanation(explanation: Explanation, layout: RegionLayout, out: str | os.PathLike[str] | BinaryIO,
+                       title: str | None = None, columns: int = 8) -> Path | BinaryIO:
     """Draw an `Explanation` to a PNG.
 
     Args:
         explanation: from `explain_pair`.
         layout: from `region_layout`.
-        out: the PNG path (parent folders are created).
+        out: the PNG path (parent folders are created), or a binary file object to write it to
+            (a server answers with the bytes without writing a file).
         title: the figure title (default: the caption and the scores).
         columns: token panels per row.
     """
@@ -371,6 +372,10 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
     if n_panels:
         figure.text(0.5, 0.005, f"attention of each token over the regions ({explanation.attention_model} model; "
                     f"{layout.source}); brighter = more weight", ha="center", fontsize=8)
+    if hasattr(out, "write"):
+        figure.savefig(out, format="png", dpi=90, bbox_inches="tight")
+        plt.close(figure)
+        return out
     out = Path(out)
     try:
         with atomic_path(out) as temporary:

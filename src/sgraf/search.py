@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from sgraf.api import Matcher, describe_identity, shortlist_keys
+from sgraf.api import Matcher, describe_identity, shortlist_keys, split_shortlist_keys
 from sgraf.atomic_write import temporary_folder, write_error
 from sgraf.data.arrays import check_finite_features, mapped_file, open_npy
 from sgraf.data.vocab import warn_unknown_share
@@ -490,10 +490,21 @@ class GalleryIndex:
         Returns:
             (ids, coarse scores), ids sorted ascending (so the memory maps are read in order).
         """
+        return self._coarse_many(gallery, query_key[None, :], shortlist)[0]
+
+    def _coarse_many(self, gallery: str, query_keys: np.ndarray,
+                     shortlist: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The first stage of several queries (n_q, G) at once: the gallery's keys are read once.
+
+        Returns:
+            per query, (ids, coarse scores) as `_coarse`.
+        """
         keys = self.image_keys if gallery == "image" else self.caption_keys
         n = keys.shape[0]
+        query_keys = np.ascontiguousarray(query_keys, dtype=np.float32)
         if shortlist >= n:
-            return np.arange(n), keys @ query_key
+            every = keys @ query_keys.T                                      # (n, n_q)
+            return [(np.arange(n), every[:, q]) for q in range(query_keys.shape[0])]
         if self.first_stage == "faiss":
             import faiss
 
@@ -501,14 +512,26 @@ class GalleryIndex:
                 index = faiss.IndexFlatIP(keys.shape[1])
                 index.add(keys)
                 self._faiss[gallery] = index
-            coarse, ids = self._faiss[gallery].search(query_key[None, :].astype(np.float32), shortlist)
-            ids, coarse = ids[0].astype(np.int64), coarse[0]
+            coarse, ids = self._faiss[gallery].search(query_keys, shortlist)   # (n_q, shortlist)
+            found = [(ids[q].astype(np.int64), coarse[q]) for q in range(query_keys.shape[0])]
         else:
-            scores = keys @ query_key                                        # (n,)
-            ids = np.argpartition(-scores, shortlist - 1)[:shortlist]
-            coarse = scores[ids]
-        order = np.argsort(ids)
-        return ids[order], coarse[order]
+            scores = keys @ query_keys.T                                     # (n, n_q)
+            found = []
+            for q in range(query_keys.shape[0]):
+                ids = np.argpartition(-scores[:, q], shortlist - 1)[:shortlist]
+                found.append((ids, scores[ids, q]))
+        result = []
+        for ids, coarse in found:
+            order = np.argsort(ids)
+            result.append((ids[order], coarse[order]))
+        return result
+
+    def _globals(self, keys: np.ndarray, ids: np.ndarray | None = None) -> list[torch.Tensor] | None:
+        """The models' global vectors of these items, from the first-stage keys the index stores
+        (computed from the exact embeddings when it was built), so that re-ranking does not
+        recompute them; None if the keys do not split into the models' sizes."""
+        rows = keys if ids is None else keys[ids]
+        return split_shortlist_keys(rows, [m.config.embed_size for m in self.matcher.models])
 
     def _check_sizes(self, top_k: int, shortlist: int | None, n: int) -> tuple[int, int]:
         if not isinstance(top_k, (int, np.integer)) or top_k < 1:
@@ -553,18 +576,36 @@ class GalleryIndex:
             top_k: results returned.
             shortlist: candidates kept by the first stage for re-ranking (None: all, exhaustive).
         """
+        return self.search_texts([query], top_k=top_k, shortlist=shortlist, allow_unknown=allow_unknown)[0]
+
+    def search_texts(self, queries: Sequence[str], top_k: int = 10, shortlist: int | None = 100,
+                     allow_unknown: bool = False) -> list[list[Hit]]:
+        """Several texts -> the top-k images of each, as `search_text` gives them one by one.
+
+        The texts are encoded in one pass and the first stage reads the gallery's keys once for
+        all of them (what a server gains by taking queries that arrive together as one batch);
+        each text's shortlist is then re-ranked on its own, so no pair is scored that a single
+        query would not score.
+        """
         top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_images)
-        text = self.matcher.encode_texts([query], allow_unknown=allow_unknown)
-        ids, coarse = self._coarse("image", shortlist_keys(text.global_vectors)[0], shortlist)
-        regions = self._rows("image_regions", ids)
-        scores = self.matcher.score_embeddings(regions, text)[:, 0]        # (shortlist,)
-        hits = []
-        for image_id, score, rough in self._best(ids, scores, coarse, top_k):
-            caption = None
-            if self.caps_per_image:
-                caption = self.captions[image_id * self.caps_per_image]
-            hits.append(Hit(image_id, score, rough, caption))
-        return hits
+        texts = self.matcher.encode_texts(list(queries), allow_unknown=allow_unknown)
+        shortlists = self._coarse_many("image", shortlist_keys(texts.global_vectors), shortlist)
+        results = []
+        for q, (ids, coarse) in enumerate(shortlists):
+            regions = self._rows("image_regions", ids)
+            length = int(texts.lengths[q])
+            words = [w[q:q + 1, :length] for w in texts.words]
+            scores = self.matcher.score_embeddings(
+                regions, (words, texts.lengths[q:q + 1]),
+                image_globals=self._globals(self.image_keys, ids))[:, 0]          # (shortlist,)
+            hits = []
+            for image_id, score, rough in self._best(ids, scores, coarse, top_k):
+                caption = None
+                if self.caps_per_image:
+                    caption = self.captions[image_id * self.caps_per_image]
+                hits.append(Hit(image_id, score, rough, caption))
+            results.append(hits)
+        return results
 
     def search_image(self, image_id: int | None = None, features: Any | None = None, top_k: int = 10,
                      shortlist: int | None = 100) -> list[Hit]:
@@ -592,6 +633,7 @@ class GalleryIndex:
         lengths = torch.from_numpy(np.array(self.caption_lengths[ids]))
         width = int(lengths.max())
         words = self._rows("caption_words", (ids, slice(0, width)))
-        scores = self.matcher.score_embeddings(regions, (words, lengths))[0]   # (shortlist,)
+        scores = self.matcher.score_embeddings(regions, (words, lengths),
+                                               image_globals=self._globals(key[None, :]))[0]   # (shortlist,)
         return [Hit(cap_id, score, rough, self.captions[cap_id])
                 for cap_id, score, rough in self._best(ids, scores, coarse, top_k)]

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "index",
     "search",
     "explain",
+    "serve",
     "generate",
     "data",
     "vocab",

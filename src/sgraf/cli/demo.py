@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
     from sgraf.demo import run_demo
 
     record = run_demo(args.out, quick=args.quick, features=args.features, seed=args.seed,
@@ -32,4 +35,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"SGRAF >= better of SGR/SAF: {'yes' if check['sgraf_ge_best_single'] else 'no'}; "
           f"better single > global-only: {'yes' if check['best_single_gt_global'] else 'no'}")
     print(f"report: {args.out}/report.md ({record['timings_s']['total']:.0f} s)")
+    print(f"search it in a browser: sgraf serve --index {shlex.quote(str(Path(args.out) / 'index'))}")
     return 0

@@ -1,0 +1,233 @@
+"""The ASGI application of `sgraf serve` (FastAPI): thin routes over `SearchService` and `Worker`.
+
+    app = create_app(SearchService.open("gallery"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: `/` (the web page, shipped in this package), `/static/*` (its script and style),
+`/images/<file>` (the gallery's pictures, from its picture folder only), `/api/search`,
+`/api/explain`, `/api/explain.png`, `/api/health`, `/openapi.json` and `/docs` (the API
+reference, rendered here from the OpenAPI schema: it needs no script from elsewhere).
+
+Every error is `{"error": "..."}`: 400 for bad arguments (the message names the problem), 404
+for what is not there, 503 with `Retry-After` when the work queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+import time
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sgraf import __version__
+from sgraf.serve.models import ErrorAnswer, ExplainAnswer, HealthAnswer, SearchAnswer
+from sgraf.serve.service import MAX_TEXT_CHARS, MAX_TOP_K, NotFound, SearchService
+from sgraf.serve.worker import Busy, Worker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["create_app"]
+
+ERRORS = {400: {"model": ErrorAnswer, "description": "bad arguments; the message names the problem"},
+          404: {"model": ErrorAnswer, "description": "not there"},
+          503: {"model": ErrorAnswer, "description": "the work queue is full; retry after `Retry-After` seconds"}}
+
+TEXT = Query(None, description=f"a text query (1..{MAX_TEXT_CHARS} characters): returns images")
+ALLOW_UNKNOWN = Query(False, description="map words the vocabulary does not know to <unk> instead of refusing them")
+
+
+def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16, workers: int = 1) -> FastAPI:
+    """The application for an opened service.
+
+    Args:
+        service: the gallery and models, opened once.
+        max_queue: requests waiting for the models at most; more are answered 503.
+        max_batch: text searches scored together at most (1: one at a time).
+        workers: compute threads (see `Worker`).
+    """
+    worker = Worker(service, max_queue=max_queue, max_batch=max_batch, threads=workers)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="sgraf serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Gallery search and explanations with SGRAF (AAAI 2021) over an index written by "
+                              "`sgraf index`. Errors are `{\"error\": \"...\"}` with a 4xx status.")
+    app.state.service = service
+    app.state.worker = worker
+    _add_error_handlers(app)
+    app.mount("/static", StaticFiles(packages=[("sgraf.serve", "static")]), name="static")
+
+    async def wait(future: Any) -> Any:
+        return await asyncio.wrap_future(future)
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(_static_text("index.html"))
+
+    @app.get("/images/{relative:path}", include_in_schema=False)
+    async def picture(relative: str) -> FileResponse:
+        return FileResponse(service.picture_file(relative))
+
+    @app.get("/api/search", response_model=SearchAnswer, responses=ERRORS, summary="search the gallery")
+    async def search(text: Optional[str] = TEXT,
+                     image_id: Optional[int] = Query(None, description="an image of the gallery: returns captions"),
+                     top_k: int = Query(10, description=f"results, 1..{MAX_TOP_K}"),
+                     allow_unknown: bool = ALLOW_UNKNOWN) -> dict[str, Any]:
+        """Text -> the best images (`results`: `id`, `score`, `image` URL), or image -> the best
+        captions (`results`: `id`, `score`, `caption`), best first. Give exactly one of `text` and
+        `image_id`."""
+        started = time.perf_counter()
+        kind = service.check_query(text, image_id)
+        top_k = service.check_top_k(top_k)
+        if kind == "text":
+            text = service.check_text(text, allow_unknown)
+            results = await wait(worker.search_text(text, top_k, service.shortlist_for(top_k)))
+            answer = {"query": text, "results": results}
+        else:
+            image_id = service.check_image_id(image_id)
+            answer = await wait(worker.call(service.search_image, image_id, top_k))
+        answer["ms"] = (time.perf_counter() - started) * 1000.0
+        return answer
+
+    @app.get("/api/explain", response_model=ExplainAnswer, responses=ERRORS, summary="explain a match")
+    async def explain(image_id: int = Query(description="an image of the gallery"),
+                      text: str = Query(description=f"the caption (1..{MAX_TEXT_CHARS} characters)"),
+                      allow_unknown: bool = ALLOW_UNKNOWN) -> dict[str, Any]:
+        """What `sgraf explain` computes for an image and a caption: each token's SAF weight, SGR's
+        per-alignment agreement, each token's attention over the K regions with their grid cells
+        or boxes, and the scores."""
+        started = time.perf_counter()
+        service.check_image_id(image_id)
+        service.check_text(text, allow_unknown)
+        answer = await wait(worker.call(service.explain, image_id, text, allow_unknown))
+        answer["ms"] = (time.perf_counter() - started) * 1000.0
+        return answer
+
+    @app.get("/api/explain.png", responses={**ERRORS, 200: {"content": {"image/png": {}},
+                                                           "description": "the picture"}},
+             response_class=Response, summary="explain a match, as a picture")
+    async def explain_png(image_id: int = Query(description="an image of the gallery"),
+                          text: str = Query(description="the caption"),
+                          allow_unknown: bool = ALLOW_UNKNOWN) -> Response:
+        """The picture `sgraf explain --out` draws for these arguments (PNG)."""
+        service.check_image_id(image_id)
+        service.check_text(text, allow_unknown)
+        png = await wait(worker.call(service.explain_png, image_id, text, allow_unknown))
+        return Response(png, media_type="image/png")
+
+    @app.get("/api/health", response_model=HealthAnswer, summary="the gallery, the models, the queue")
+    async def health() -> dict[str, Any]:
+        """Gallery size, the models (their weight hashes), device, precision, queue."""
+        answer = service.health()
+        answer["queue"] = {"waiting": worker.waiting, "max_queue": worker.max_queue,
+                           "max_batch": worker.max_batch, "workers": worker.n_threads, "batches": worker.batches,
+                           "batched_texts": worker.batched_texts}
+        return answer
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(render_docs(app.openapi()))
+
+    return app
+
+
+# --------------------------------------------------------------------------------- errors
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ValueError)          # InputError and the library's other argument errors
+    async def bad_input(_: Request, exc: ValueError) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(NotFound)
+    async def not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return _error(404, str(exc))
+
+    @app.exception_handler(Busy)
+    async def busy(_: Request, exc: Busy) -> JSONResponse:
+        return _error(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, "; ".join(_describe_validation(e) for e in exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _describe_validation(error: dict[str, Any]) -> str:
+    name = str(error.get("loc", ("?",))[-1])
+    kind = error.get("type", "")
+    given = error.get("input")
+    if kind == "missing":
+        return f"{name} is missing"
+    if kind.startswith("int"):
+        return f"{name} must be an integer, got {given!r}"
+    if kind.startswith("bool"):
+        return f"{name} must be true or false, got {given!r}"
+    return f"{name}: {error.get('msg', 'invalid')} (got {given!r})"
+
+
+# --------------------------------------------------------------------------------- pages
+def _static_text(name: str) -> str:
+    return resources.files("sgraf.serve").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def render_docs(schema: dict[str, Any]) -> str:
+    """The API reference as one HTML page, from the OpenAPI schema (no script, nothing fetched)."""
+    esc = html.escape
+    info = schema.get("info", {})
+    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{esc(info.get('title', 'API'))}"
+             " - API</title><link rel='stylesheet' href='/static/style.css'></head><body class='docs'>",
+             f"<h1>{esc(info.get('title', 'API'))} {esc(info.get('version', ''))}</h1>",
+             f"<p>{esc(info.get('description', ''))}</p>",
+             "<p>The machine-readable schema: <a href='/openapi.json'>/openapi.json</a>. The web page: "
+             "<a href='/'>/</a>.</p>"]
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            parts.append(f"<section><h2><code>{esc(method.upper())} {esc(path)}</code></h2>")
+            parts.append(f"<p><b>{esc(operation.get('summary', ''))}</b></p>")
+            if operation.get("description"):
+                parts.append(f"<p>{esc(operation['description'])}</p>")
+            parameters = operation.get("parameters", [])
+            if parameters:
+                parts.append("<table><tr><th>parameter</th><th>type</th><th>required</th><th>default</th>"
+                             "<th>description</th></tr>")
+                for parameter in parameters:
+                    schema_ = parameter.get("schema", {})
+                    kinds = [s.get("type") for s in schema_.get("anyOf", [])] or [schema_.get("type")]
+                    kind = " or ".join(str(k) for k in kinds if k and k != "null")
+                    parts.append(f"<tr><td><code>{esc(parameter['name'])}</code></td><td>{esc(kind)}</td>"
+                                 f"<td>{'yes' if parameter.get('required') else 'no'}</td>"
+                                 f"<td>{esc(str(schema_.get('default', '')))}</td>"
+                                 f"<td>{esc(parameter.get('description', ''))}</td></tr>")
+                parts.append("</table>")
+            parts.append("<ul>")
+            for status, response in operation.get("responses", {}).items():
+                parts.append(f"<li><code>{esc(status)}</code>: {esc(response.get('description', ''))}</li>")
+            parts.append("</ul></section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

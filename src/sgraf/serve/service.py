@@ -1,0 +1,311 @@
+"""What `sgraf serve` computes, as plain functions over an opened gallery index.
+
+`SearchService` holds the index (models loaded once), where the gallery's pictures and region
+features are, and the limits of a request. Its methods check a request's arguments (raising
+`InputError` with a message naming the problem, which the HTTP layer answers with 400), do the
+work with `sgraf.search` and `sgraf.explain`, and return JSON-ready dicts. Nothing here knows
+about HTTP; the routes in `sgraf.serve.app` only translate.
+
+Where pictures and features come from: the index records the data folder and split it was
+built from (`manifest.json`, `source`); the pictures are `{data}/images/{split}/{id:05d}.png`
+(or `.jpg`), as the embedded benchmark writes them, and the region features (for
+explanations) `{data}/{split}_ims.npy`. `data_dir` overrides the recorded folder when it moved.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from sgraf.errors import InputError
+from sgraf.search import GalleryIndex, Hit
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SearchService", "NotFound", "MAX_TEXT_CHARS", "MAX_TOP_K", "PICTURE_SUFFIXES"]
+
+MAX_TEXT_CHARS = 500
+MAX_TOP_K = 1000
+PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg")
+PICTURE_ROUTE = "/images/"
+
+
+class NotFound(LookupError):
+    """What a request asks for is not there (HTTP 404): a picture path that does not name a file
+    inside the gallery's picture folder, or explanations without the gallery's features."""
+
+
+class SearchService:
+    """An opened gallery index with its pictures and features, ready to answer requests.
+
+    Args:
+        index: from `sgraf.search.open_index`.
+        shortlist: first-stage candidates re-ranked per query (at least `top_k` are kept).
+        data_dir: the precomp folder the index was built from; default: the one its manifest
+            records. Pictures and explanations are off when it (or its files) is missing.
+    """
+
+    def __init__(self, index: GalleryIndex, shortlist: int = 100,
+                 data_dir: str | os.PathLike[str] | None = None) -> None:
+        if not isinstance(shortlist, int) or shortlist < 1:
+            raise InputError(f"--shortlist must be a positive integer, got {shortlist!r}")
+        self.index = index
+        self.matcher = index.matcher
+        self.shortlist = shortlist
+        source = index.manifest.get("source") or {}
+        self.split = source.get("split")
+        recorded = source.get("data_dir")
+        self.data_dir = Path(data_dir) if data_dir is not None else (Path(recorded) if recorded else None)
+        if data_dir is not None and not self.data_dir.is_dir():
+            raise InputError(f"--data {data_dir}: no such folder")
+        self.picture_dir = self._find_picture_dir()
+        self.features, self.why_no_explain = self._open_features()
+
+    @classmethod
+    def open(cls, index: str | os.PathLike[str], checkpoints: Sequence[str | os.PathLike[str]] | None = None,
+             vocab: str | None = None, device: str = "cpu", precision: str = "fp32", shortlist: int = 100,
+             verify: bool = True, first_stage: str = "auto",
+             data_dir: str | os.PathLike[str] | None = None) -> "SearchService":
+        """Open an index as `sgraf search` does (same checks, same messages), then the service.
+
+        Args:
+            index: the index folder; checkpoints / vocab / verify / first_stage as `open_index`.
+            device, precision: where and how the models compute ('fp32', 'bf16', 'fp16').
+        """
+        from sgraf.api import Matcher
+        from sgraf.search import check_identity, open_index
+
+        opened = open_index(index, checkpoints=checkpoints, vocab=vocab, verify=verify, first_stage=first_stage)
+        loaded = opened.matcher
+        if str(device) != "cpu" or precision != "fp32":
+            opened.matcher = Matcher(loaded.models, vocab=loaded.vocab, sources=loaded.sources, device=device,
+                                     precision=precision, batch_size=loaded.batch_size)
+            check_identity(opened.manifest, opened.matcher, opened.folder)
+        return cls(opened, shortlist=shortlist, data_dir=data_dir)
+
+    # ----------------------------------------------------------------------------- start-up
+    def _find_picture_dir(self) -> Path | None:
+        if self.data_dir is None or self.split is None:
+            return None
+        folder = self.data_dir / "images" / self.split
+        return folder.resolve() if folder.is_dir() else None
+
+    def _open_features(self) -> tuple[Any | None, str | None]:
+        """The split's region features (memory-mapped) for explanations, or why there are none."""
+        from sgraf.data.precomp import PrecompSplit
+
+        if self.data_dir is None or self.split is None:
+            return None, "the index does not record the data folder it was built from; start with --data DIR"
+        try:
+            split = PrecompSplit(self.data_dir, self.split)
+        except (FileNotFoundError, InputError) as exc:
+            message = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else str(exc)
+            logger.warning("explanations are off: %s", message)
+            return None, f"explanations need the gallery's region features: {message} (start with --data DIR)"
+        if split.n_images != self.index.n_images:
+            raise InputError(f"{self.data_dir} [{self.split}] holds {split.n_images} images but the index "
+                             f"{self.index.folder} holds {self.index.n_images}: not the data it was built from")
+        config = self.matcher.models[0].config
+        if (split.num_regions, split.feature_dim) != (config.num_regions, config.img_dim):
+            raise InputError(f"{self.data_dir} [{self.split}] has {split.num_regions} x {split.feature_dim} "
+                             f"regions, the model expects {config.num_regions} x {config.img_dim}")
+        return split.images, None
+
+    # ----------------------------------------------------------------------------- checks
+    def check_text(self, text: Any, allow_unknown: bool = False) -> str:
+        """A query text, refused (naming why) when empty, too long or with unknown words."""
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("text is empty: give at least one word")
+        if len(text) > MAX_TEXT_CHARS:
+            raise InputError(f"text is too long: {len(text)} characters, the limit is {MAX_TEXT_CHARS}")
+        self.matcher.tokenize(text, allow_unknown=allow_unknown)    # names unknown words
+        return text
+
+    @staticmethod
+    def check_top_k(top_k: Any) -> int:
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= MAX_TOP_K:
+            raise InputError(f"top_k must be an integer in 1..{MAX_TOP_K}, got {top_k!r}")
+        return int(top_k)
+
+    def check_image_id(self, image_id: Any) -> int:
+        n = self.index.n_images
+        if isinstance(image_id, bool) or not isinstance(image_id, (int, np.integer)) or not 0 <= image_id < n:
+            raise InputError(f"image_id {image_id!r} is out of range: the gallery holds images 0..{n - 1}")
+        return int(image_id)
+
+    @staticmethod
+    def check_query(text: str | None, image_id: int | None) -> str:
+        """'text' or 'image': exactly one of the two must be given."""
+        if text is None and image_id is None:
+            raise InputError("give either text=... (text -> images) or image_id=N (image -> captions)")
+        if text is not None and image_id is not None:
+            raise InputError("give either text or image_id, not both")
+        return "text" if text is not None else "image"
+
+    def shortlist_for(self, top_k: int) -> int:
+        """The first-stage shortlist of a query that asks for `top_k` results."""
+        return max(self.shortlist, top_k)
+
+    # ----------------------------------------------------------------------------- pictures
+    def picture_url(self, image_id: int) -> str | None:
+        """The URL path of image `image_id`'s picture, or None when the gallery has none."""
+        if self.picture_dir is None:
+            return None
+        for suffix in PICTURE_SUFFIXES:
+            name = f"{image_id:05d}{suffix}"
+            if (self.picture_dir / name).is_file():
+                return PICTURE_ROUTE + name
+        return None
+
+    def picture_file(self, relative: str) -> Path:
+        """The file behind `/images/<relative>`, only inside the picture folder.
+
+        Raises:
+            NotFound: no picture folder; a path that is absolute, climbs out (`..`) or
+                leads out through a link once resolved; not a picture file.
+        """
+        if self.picture_dir is None:
+            raise NotFound("this gallery has no pictures")
+        candidate = Path(relative)
+        if not relative or candidate.is_absolute() or ".." in candidate.parts or "\\" in relative \
+                or "\x00" in relative:
+            raise NotFound(f"no picture {relative!r}")
+        path = (self.picture_dir / candidate).resolve()
+        if not path.is_relative_to(self.picture_dir) or path.suffix.lower() not in PICTURE_SUFFIXES \
+                or not path.is_file():
+            raise NotFound(f"no picture {relative!r}")
+        return path
+
+    # ----------------------------------------------------------------------------- searches
+    def search_texts(self, texts: Sequence[str], top_k: int, shortlist: int) -> list[list[dict[str, Any]]]:
+        """Text -> images for several checked texts at once (one encoding and first-stage pass).
+
+        Args:
+            texts: texts that passed `check_text` (unknown words then map to `<unk>` only for
+                the queries that allowed it).
+            top_k: results per text.
+            shortlist: the first-stage shortlist (`shortlist_for(top_k)` of each request).
+        """
+        hits = self.index.search_texts(list(texts), top_k=top_k, shortlist=shortlist, allow_unknown=True)
+        return [[self._image_result(hit) for hit in per_text] for per_text in hits]
+
+    def search_text(self, text: str, top_k: int = 10, allow_unknown: bool = False) -> dict[str, Any]:
+        """`GET /api/search?text=...`: the best images, best first."""
+        text = self.check_text(text, allow_unknown)
+        top_k = self.check_top_k(top_k)
+        return {"query": text, "results": self.search_texts([text], top_k, self.shortlist_for(top_k))[0]}
+
+    def search_image(self, image_id: int, top_k: int = 10) -> dict[str, Any]:
+        """`GET /api/search?image_id=N`: the best captions of the gallery, best first."""
+        image_id = self.check_image_id(image_id)
+        top_k = self.check_top_k(top_k)
+        hits = self.index.search_image(image_id=image_id, top_k=top_k, shortlist=self.shortlist_for(top_k))
+        return {"query": {"image_id": image_id, "image": self.picture_url(image_id)},
+                "results": [{"id": hit.id, "score": _finite(hit.score), "caption": hit.text} for hit in hits]}
+
+    def _image_result(self, hit: Hit) -> dict[str, Any]:
+        return {"id": hit.id, "score": _finite(hit.score), "image": self.picture_url(hit.id)}
+
+    # ----------------------------------------------------------------------------- explanations
+    def _explanation(self, image_id: int, text: str, allow_unknown: bool) -> Any:
+        from sgraf.explain import explain_pair
+
+        image_id = self.check_image_id(image_id)
+        text = self.check_text(text, allow_unknown)
+        if self.features is None:
+            raise NotFound(self.why_no_explain)
+        explanation = explain_pair(self.matcher, np.asarray(self.features[image_id]), text,
+                                   allow_unknown=allow_unknown)
+        explanation.image_id = image_id
+        return explanation
+
+    def _layout(self, image_id: int) -> Any:
+        from sgraf.explain import region_layout
+
+        return region_layout(self.data_dir, self.split, image_id, self.matcher.models[0].config.num_regions)
+
+    def explain(self, image_id: int, text: str, allow_unknown: bool = False) -> dict[str, Any]:
+        """`GET /api/explain`: what `sgraf explain` computes, as JSON.
+
+        Returns:
+            `image_id`, `text`, `image` (picture URL or None), `scores` (per model and the
+            ensemble), `nodes` (per similarity node: `label`, SAF's `saf_beta`, SGR's
+            `sgr_alignment`, None without that head), `attention` (`model`, `tokens`, and per
+            token `weights` over the K regions; None for models without text-to-image local
+            alignments), `regions` (`kind` 'grid' with `rows`/`cols`, row-major over the
+            picture, or 'boxes'; `boxes`: each region's [x0, y0, x1, y1] in the picture's
+            pixels (a grid's cells too), and its `width`/`height`, when there is a picture).
+        """
+        explanation = self._explanation(image_id, text, allow_unknown)
+        layout = self._layout(explanation.image_id)
+        nodes = []
+        for p, label in enumerate(explanation.node_labels):
+            nodes.append({
+                "label": label,
+                "saf_beta": None if explanation.saf_beta is None else _finite(explanation.saf_beta[p]),
+                "sgr_alignment": None if explanation.sgr_alignment is None else _finite(explanation.sgr_alignment[p]),
+            })
+        attention = None
+        if explanation.attention is not None:
+            attention = {"model": explanation.attention_model, "tokens": explanation.tokens,
+                         "weights": [[_finite(w) for w in row] for row in explanation.attention]}
+        regions: dict[str, Any] = {"kind": layout.kind, "source": layout.source}
+        if layout.image is not None:
+            regions.update(height=int(layout.image.shape[0]), width=int(layout.image.shape[1]))
+        if layout.kind == "grid":
+            rows, cols = layout.grid
+            regions.update(rows=rows, cols=cols)
+            if layout.image is not None:   # each grid cell as a box in the picture's pixels, row-major
+                height, width = regions["height"], regions["width"]
+                regions["boxes"] = [[c * width / cols, r * height / rows, (c + 1) * width / cols,
+                                     (r + 1) * height / rows] for r in range(rows) for c in range(cols)]
+        else:
+            regions["boxes"] = [[_finite(v) for v in box] for box in layout.boxes]
+        return {"image_id": explanation.image_id, "text": explanation.text,
+                "image": self.picture_url(explanation.image_id),
+                "scores": {k: _finite(v) for k, v in explanation.scores.items()},
+                "nodes": nodes, "attention": attention, "regions": regions}
+
+    def explain_png(self, image_id: int, text: str, allow_unknown: bool = False) -> bytes:
+        """`GET /api/explain.png`: the picture `sgraf explain --out` draws, as PNG bytes."""
+        from sgraf.explain import render_explanation
+
+        explanation = self._explanation(image_id, text, allow_unknown)
+        layout = self._layout(explanation.image_id)
+        return render_explanation(explanation, layout, io.BytesIO()).getvalue()   # no file written
+
+    # ----------------------------------------------------------------------------- health
+    def health(self) -> dict[str, Any]:
+        """`GET /api/health`: the gallery, the models and how they run."""
+        import torch
+
+        return {
+            "status": "ok",
+            "index": str(self.index.folder),
+            "gallery": {"images": self.index.n_images, "captions": self.index.n_captions,
+                        "caps_per_image": self.index.caps_per_image},
+            "models": [{"module": identity["config"].get("module"),
+                        "embed_size": identity["config"].get("embed_size"),
+                        "weights_sha256": identity["weights_sha256"], "source": identity.get("source")}
+                       for identity in self.matcher.identities],
+            "device": str(self.matcher.device),
+            "precision": self.matcher.precision,
+            "torch_threads": torch.get_num_threads(),
+            "shortlist": self.shortlist,
+            "first_stage": self.index.first_stage,
+            "pictures": self.picture_dir is not None,
+            "explain": self.features is not None,
+            "limits": {"text_chars": MAX_TEXT_CHARS, "top_k": MAX_TOP_K},
+        }
+
+
+def _finite(value: Any) -> float | None:
+    """A float for JSON (which has no NaN or infinity: those become null)."""
+    value = float(value)
+    return value if math.isfinite(value) else None

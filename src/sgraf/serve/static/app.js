@@ -1,0 +1,255 @@
+// sgraf serve: the search page. Plain script, no library, nothing fetched from elsewhere.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { query: "", explanation: null, picture: null, word: null };
+
+function setStatus(message, isError) {
+  const status = $("status");
+  status.textContent = message || "";
+  status.className = isError ? "error" : "";
+}
+
+async function getJSON(url) {
+  const response = await fetch(url);
+  let body = null;
+  try { body = await response.json(); } catch (e) { body = null; }
+  if (!response.ok) {
+    const message = body && body.error ? body.error : `HTTP ${response.status}`;
+    const retry = response.headers.get("Retry-After");
+    throw new Error(retry ? `${message} (retry in ${retry} s)` : message);
+  }
+  return body;
+}
+
+function el(tag, attributes, text) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attributes || {})) {
+    if (value !== null && value !== undefined) node.setAttribute(key, value);
+  }
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function fmt(value, digits) {
+  return value === null || value === undefined ? "-" : Number(value).toFixed(digits === undefined ? 4 : digits);
+}
+
+// ------------------------------------------------------------------------- health
+async function loadHealth() {
+  try {
+    const health = await getJSON("/api/health");
+    const models = health.models.map((m) => `${m.module} (${m.weights_sha256.slice(0, 8)})`).join(" + ");
+    $("gallery-info").textContent =
+      `${health.gallery.images} pictures, ${health.gallery.captions} captions; models ${models}; ` +
+      `${health.device}, ${health.precision}, shortlist ${health.shortlist}` +
+      (health.pictures ? "" : "; this gallery has no pictures") +
+      (health.explain ? "" : "; explanations are off");
+    $("image-id").max = String(health.gallery.images - 1);
+  } catch (error) {
+    $("gallery-info").textContent = `health check failed: ${error.message}`;
+  }
+}
+
+// ------------------------------------------------------------------------- text -> images
+async function searchText(event) {
+  event.preventDefault();
+  const text = $("query").value;
+  const params = new URLSearchParams({ text, top_k: $("top-k").value });
+  if ($("allow-unknown").checked) params.set("allow_unknown", "true");
+  setStatus("searching\u2026");
+  try {
+    const answer = await getJSON(`/api/search?${params}`);
+    state.query = answer.query;
+    showResults(answer);
+    setStatus(`${answer.results.length} pictures in ${fmt(answer.ms, 0)} ms`);
+  } catch (error) {
+    setStatus(error.message, true);
+  }
+}
+
+function showResults(answer) {
+  const list = $("results");
+  list.replaceChildren();
+  $("results-title").textContent = `Pictures for \u201c${answer.query}\u201d`;
+  answer.results.forEach((hit, rank) => {
+    const card = el("li", { class: "card", tabindex: "0", "data-id": String(hit.id), "data-rank": String(rank + 1) });
+    if (hit.image) {
+      card.appendChild(el("img", { src: hit.image, alt: `picture ${hit.id}`, loading: "lazy" }));
+    } else {
+      card.appendChild(el("div", { class: "no-picture" }, `image ${hit.id}`));
+    }
+    const meta = el("div", { class: "meta" });
+    meta.appendChild(el("span", { class: "rank" }, `#${rank + 1}`));
+    meta.appendChild(el("span", { class: "id" }, `image ${hit.id}`));
+    meta.appendChild(el("span", { class: "score", title: "SGRAF score" }, fmt(hit.score, 3)));
+    card.appendChild(meta);
+    const captions = el("button", { class: "captions-link", type: "button" }, "its best captions");
+    captions.addEventListener("click", (event) => { event.stopPropagation(); searchImage(hit.id); });
+    card.appendChild(captions);
+    const open = () => {
+      for (const other of list.children) other.classList.remove("selected");
+      card.classList.add("selected");
+      explain(hit.id, state.query);
+    };
+    card.addEventListener("click", open);
+    card.addEventListener("keydown", (event) => { if (event.key === "Enter") open(); });
+    list.appendChild(card);
+  });
+  $("results-panel").hidden = false;
+}
+
+// ------------------------------------------------------------------------- image -> captions
+async function searchImage(imageId) {
+  setStatus("searching\u2026");
+  const params = new URLSearchParams({ image_id: String(imageId), top_k: $("top-k").value });
+  try {
+    const answer = await getJSON(`/api/search?${params}`);
+    const list = $("captions");
+    list.replaceChildren();
+    $("captions-title").textContent = `Best captions for picture ${answer.query.image_id}`;
+    const picture = $("captions-picture");
+    if (answer.query.image) { picture.src = answer.query.image; picture.hidden = false; } else { picture.hidden = true; }
+    picture.alt = `picture ${answer.query.image_id}`;
+    for (const hit of answer.results) {
+      const item = el("li", { "data-id": String(hit.id), tabindex: "0" });
+      item.appendChild(el("span", { class: "caption" }, hit.caption));
+      item.appendChild(el("span", { class: "score" }, fmt(hit.score, 3)));
+      item.addEventListener("click", () => explain(answer.query.image_id, hit.caption, true));
+      list.appendChild(item);
+    }
+    $("captions-panel").hidden = false;
+    setStatus(`${answer.results.length} captions in ${fmt(answer.ms, 0)} ms`);
+  } catch (error) {
+    setStatus(error.message, true);
+  }
+}
+
+function searchImageForm(event) {
+  event.preventDefault();
+  const value = $("image-id").value.trim();
+  if (value === "") { setStatus("give a picture number", true); return; }
+  searchImage(value);
+}
+
+// ------------------------------------------------------------------------- explanation
+async function explain(imageId, text, allowUnknown) {
+  const params = new URLSearchParams({ image_id: String(imageId), text });
+  if (allowUnknown || $("allow-unknown").checked) params.set("allow_unknown", "true");
+  setStatus("explaining\u2026");
+  try {
+    const answer = await getJSON(`/api/explain?${params}`);
+    state.explanation = answer;
+    $("explain-title").textContent = `Why picture ${answer.image_id} matches \u201c${answer.text}\u201d`;
+    $("explain-scores").textContent = "scores: " +
+      Object.entries(answer.scores).map(([name, value]) => `${name} ${fmt(value)}`).join(", ");
+    $("explain-png").href = `/api/explain.png?${params}`;
+    showWords(answer);
+    state.picture = null;
+    if (answer.image) {
+      const picture = new Image();
+      picture.onload = () => { state.picture = picture; drawAttention(); };
+      picture.onerror = () => drawAttention();
+      picture.src = answer.image;
+    }
+    $("explain-panel").hidden = false;
+    drawAttention();
+    setStatus(`explained in ${fmt(answer.ms, 0)} ms`);
+    $("explain-panel").scrollIntoView({ block: "nearest" });
+  } catch (error) {
+    setStatus(error.message, true);
+  }
+}
+
+function showWords(answer) {
+  const list = $("words");
+  list.replaceChildren();
+  const betas = answer.nodes.map((n) => n.saf_beta || 0);
+  const maxBeta = Math.max(1e-12, ...betas);
+  const offset = answer.nodes.length && answer.nodes[0].label === "[global]" ? 1 : 0;
+  const tokens = answer.attention ? answer.attention.tokens : [];
+  state.word = null;
+  let bestBeta = -1;
+  answer.nodes.forEach((node, p) => {
+    const row = el("li");
+    const word = p - offset;
+    const hasMap = answer.attention && word >= 0 && word < tokens.length;
+    const button = el("button", { type: "button", "data-word": hasMap ? String(word) : null }, node.label);
+    button.disabled = !hasMap;
+    if (hasMap) {
+      button.addEventListener("click", () => { state.word = word; drawAttention(); });
+      // start with the word SAF weighs most (or the first word without SAF)
+      const beta = node.saf_beta === null ? 0 : node.saf_beta;
+      if (!/^<.*>$/.test(node.label) && (state.word === null || beta > bestBeta)) { state.word = word; bestBeta = beta; }
+    }
+    row.appendChild(button);
+    const bar = el("div", { class: "bar", title: `SAF beta ${fmt(node.saf_beta)}` });
+    bar.style.width = node.saf_beta === null ? "0" : `${(100 * node.saf_beta / maxBeta).toFixed(1)}%`;
+    row.appendChild(bar);
+    row.appendChild(el("span", { class: "sgr", title: "SGR: cosine of the reasoned read-out with this alignment" },
+      fmt(node.sgr_alignment, 2)));
+    list.appendChild(row);
+  });
+  if (state.word === null && tokens.length) state.word = 0;
+}
+
+function drawAttention() {
+  const answer = state.explanation;
+  const canvas = $("attention");
+  const context = canvas.getContext("2d");
+  const width = canvas.width, height = canvas.height;
+  context.clearRect(0, 0, width, height);
+  for (const button of $("words").querySelectorAll("button")) {
+    button.classList.toggle("active", button.dataset.word === String(state.word));
+  }
+  if (!answer) return;
+  const regions = answer.regions;
+  const weights = answer.attention && state.word !== null ? answer.attention.weights[state.word] : null;
+  if (state.picture) context.drawImage(state.picture, 0, 0, width, height);
+  canvas.dataset.picture = state.picture ? "drawn" : "none";
+  if (!weights) {
+    $("attention-caption").textContent = "no word attention for these models";
+    canvas.dataset.drawn = "picture";
+    return;
+  }
+  const top = Math.max(1e-12, ...weights);
+  const best = weights.indexOf(Math.max(...weights));
+  if (regions.kind === "grid") {
+    const cellW = width / regions.cols, cellH = height / regions.rows;
+    weights.forEach((weight, k) => {
+      const x = (k % regions.cols) * cellW, y = Math.floor(k / regions.cols) * cellH;
+      const share = weight / top;
+      if (state.picture) {
+        context.fillStyle = `rgba(0, 0, 0, ${(0.75 * (1 - share)).toFixed(3)})`;   // darken what it ignores
+      } else {
+        context.fillStyle = `rgba(255, 190, 40, ${share.toFixed(3)})`;
+      }
+      context.fillRect(x, y, cellW, cellH);
+    });
+    context.strokeStyle = "yellow";
+    context.lineWidth = 2;
+    context.strokeRect((best % regions.cols) * cellW + 1, Math.floor(best / regions.cols) * cellH + 1, cellW - 2, cellH - 2);
+  } else {
+    const sx = width / (regions.width || width), sy = height / (regions.height || height);
+    weights.forEach((weight, k) => {
+      const [x0, y0, x1, y1] = regions.boxes[k];
+      context.fillStyle = `rgba(255, 190, 40, ${(0.6 * weight / top).toFixed(3)})`;
+      context.fillRect(x0 * sx, y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy);
+    });
+    const [x0, y0, x1, y1] = regions.boxes[best];
+    context.strokeStyle = "yellow";
+    context.lineWidth = 2;
+    context.strokeRect(x0 * sx, y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy);
+  }
+  const token = answer.attention.tokens[state.word];
+  $("attention-caption").textContent =
+    `\u201c${token}\u201d: attention over the ${weights.length} regions (${answer.attention.model} model); ` +
+    `brighter = more weight, yellow frame = the most`;
+  canvas.dataset.drawn = token;
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("text-form").addEventListener("submit", searchText);
+  $("image-form").addEventListener("submit", searchImageForm);
+  loadHealth();
+});
