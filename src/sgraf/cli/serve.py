@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from sgraf.cli.arguments import device, non_negative_int, positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -13,28 +15,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--index", required=True, metavar="INDEX", help="index folder (sgraf index)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
-    parser.add_argument("--port", type=int, default=8000, help="port (8000)")
+    parser.add_argument("--port", type=non_negative_int, default=8000, help="port (0: any free one)")
     parser.add_argument("--checkpoint", action="append", metavar="CKPT",
                         help="the index's model(s), if their recorded paths moved (must be the same weights)")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--data", metavar="DIR",
                         help="the precomp folder the index was built from, if it moved (pictures, explanations)")
-    parser.add_argument("--device", default="cpu", help="where the models compute (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--device", type=device, default="cpu", help="where the models compute (cpu, cuda, cuda:1, ...)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="autocast precision of encoding and scoring")
-    parser.add_argument("--shortlist", type=int, default=100, metavar="N",
-                        help="first-stage candidates re-ranked by the full score per query (100)")
+    parser.add_argument("--shortlist", type=positive_int, default=100, metavar="N",
+                        help="first-stage candidates re-ranked by the full score per query")
     parser.add_argument("--first-stage", choices=("auto", "numpy", "faiss"), default="auto",
                         help="shortlist with FAISS (when installed) or numpy inner products")
-    parser.add_argument("--max-queue", type=int, default=64, metavar="N",
-                        help="requests waiting for the models at most; more are answered 503 (64)")
-    parser.add_argument("--max-batch", type=int, default=16, metavar="N",
-                        help="text searches scored together at most (16; 1 turns batching off)")
-    parser.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="compute threads taking requests side by side (1)")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
+    parser.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
+                        help="requests waiting for the models at most; more are answered 503")
+    parser.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
+                        help="text searches scored together at most (1 turns batching off)")
+    parser.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                        help="compute threads taking requests side by side")
+    parser.add_argument("--threads", type=non_negative_int, default=1, metavar="N",
                         help="torch threads inside each operation (1: a query's small operations gain little "
-                             "from more, and their threads spin against other work; 0: torch's default)")
+                             "from more, and their threads spin against other work; 0: torch's own number)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksum of every index file (faster start for large galleries)")
     parser.set_defaults(func=run)
