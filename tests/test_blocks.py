@@ -136,3 +136,17 @@ def test_joined_caption_buckets_score_the_same_and_pad_little(monkeypatch):
     assert_close(joined, separate, SAME_PATH)
     with pytest.raises(ValueError, match="caption_block"):
         blocks.score_encoded([model], [encoded], caption_block=0)
+
+
+def test_a_call_with_few_captions_scores_its_images_in_one_block(monkeypatch):
+    """A search re-ranking its shortlist (many images, one caption) is one block per model on the
+    CPU, not one per 16 images; split scorers, which pass their blocks, keep them."""
+    model = random_model(9, module="sgr", num_regions=7)
+    images, captions, lengths = random_batch(model, 40, [6], seed=6)
+    encoded = blocks.encode(model, images, captions, lengths)
+    record = _recording(monkeypatch, model)
+    one_block = blocks.score_encoded([model], [encoded])
+    assert len(record["widths"]) == 1
+    fixed = blocks.score_encoded([model], [encoded], image_block=blocks.IMAGE_BLOCK)
+    assert len(record["widths"]) == 1 + 3
+    assert_close(one_block, fixed, SAME_PATH)

@@ -160,16 +160,20 @@ def model_dtype(model: nn.Module) -> torch.dtype:
 
 @contextlib.contextmanager
 def eval_mode(models: Sequence[nn.Module]) -> Iterator[None]:
-    """Put `models` in eval mode and without gradients; restore their train/eval state after."""
-    was_training = [model.training for model in models]
-    for model in models:
+    """Put `models` in eval mode and without gradients; restore their train/eval state after.
+
+    Models already in eval mode are left alone: `eval()` walks every submodule, which cost a
+    quarter of a small call (a search re-ranking 50 images) when done on every block.
+    """
+    training = [model for model in models if model.training]
+    for model in training:
         model.eval()
     try:
         with torch.no_grad():
             yield
     finally:
-        for model, training in zip(models, was_training):
-            model.train(training)
+        for model in training:
+            model.train()
 
 
 @contextlib.contextmanager
@@ -377,7 +381,8 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
         encoded: each model's `Encoded` (same images, same caption buckets).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast around the similarity).
         rows: (first, end) image rows to score; must start on an `image_block` boundary.
-        image_block, block_elements: block sizes (default: `block_sizes` for the device).
+        image_block, block_elements: block sizes (default: `block_sizes` for the device; on a CPU
+            a call with few captions takes as many images per block as `block_elements` allows).
         head: passed to ``similarity`` (``"sgr"``/``"saf"`` of a joint model; None: its score).
         on_block: called with the number of pairs of each block scored (progress).
         caption_block: join consecutive caption buckets up to this many captions (default: on
@@ -398,12 +403,18 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
         encoded = [Encoded(img_embs=enc.img_embs, buckets=merge_buckets(enc.buckets, caption_block),
                            n_captions=enc.n_captions, img_glo=enc.img_glo) for enc in encoded]
     default_block, default_elements = block_sizes(device, precision)
-    image_block = image_block or default_block
     block_elements = block_elements or default_elements
-    if image_block < 1 or block_elements < 1:
-        raise ValueError("image_block and block_elements must be positive")
     n_img, n_cap = encoded[0].n_images, encoded[0].n_captions
     first_row, last_row = rows if rows is not None else (0, n_img)
+    if image_block is None and device.type != "cuda":
+        # few captions (a search re-ranking its shortlist): as many images per block as the
+        # element bound allows, not 16, so that a call is a few large ops instead of many small
+        # ones (2.5x faster for 50 images x 1 caption); split scorers pass their fixed blocks
+        widest = max((b.embs.shape[0] * b.embs.shape[1] * b.embs.shape[2] for b in encoded[0].buckets), default=1)
+        image_block = max(default_block, min(last_row - first_row, block_elements // max(widest, 1)))
+    image_block = image_block or default_block
+    if image_block < 1 or block_elements < 1:
+        raise ValueError("image_block and block_elements must be positive")
     # on a GPU the scores stay on the device until the end: no host synchronisation per block
     share = torch.zeros((last_row - first_row, n_cap), dtype=torch.float32,
                         device=device if device.type == "cuda" else "cpu")
