@@ -33,7 +33,9 @@ Features (`features=`):
 
 Files written to `out_dir`: `{train,dev,test}_ims.npy`, `{train,dev,test}_caps.txt`,
 `vocab.json` (from train + dev captions, min count 4, as the authors build theirs),
-`{split}_scenes.jsonl` (one JSON object per image: family, variant, objects with boxes),
+`{split}_scenes.jsonl` (one JSON object per image: index, family, variant, objects with boxes,
+captions, and `false_for`: per caption, the split indices of the images of its family of which
+it is false, decided from the scenes by `sgraf.data.scenes`),
 `images/{split}/{index:05d}.png` (the rendered images, for `sgraf explain`), and
 `benchmark.json` (the generation settings), and `.sgraf-files.json` (the list of the files
 sgraf wrote, see `sgraf.output_folder`). Same seed and settings -> byte-identical files.
@@ -54,6 +56,8 @@ import numpy as np
 from sgraf.atomic_write import atomic_path, write_text
 from sgraf.data.layout import data_set_family
 from sgraf.data.render import CANVAS, COLOURS, HALF_SIZE, LAYOUT, SHAPES, SIZES, SceneObject, render_scene
+from sgraf.data.scenes import Claim, describe
+from sgraf.data.scenes import false_for as captions_false_for
 from sgraf.data.vocab import Vocabulary, build_vocab
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
@@ -209,6 +213,11 @@ def _np(obj: SceneObject, det: str, size: bool) -> str:
     return " ".join([det] + words)
 
 
+def _said(obj: SceneObject, size: bool) -> dict[str, Any]:
+    """The description `_np(obj, ..., size)` says."""
+    return describe(obj.colour, obj.shape, obj.size if size else None)
+
+
 def _join(parts: Sequence[str]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
@@ -222,7 +231,7 @@ def _relation(a: SceneObject, b: SceneObject, rng: np.random.Generator) -> str |
     return _pick(rng, options) if options else None
 
 
-def _caption_relation(objects: Sequence[SceneObject], rng: np.random.Generator) -> str | None:
+def _caption_relation(objects: Sequence[SceneObject], rng: np.random.Generator) -> tuple[str, Claim] | None:
     i, j = (int(x) for x in rng.permutation(len(objects))[:2])
     a, b = objects[i], objects[j]
     rel = _relation(a, b, rng)
@@ -231,26 +240,28 @@ def _caption_relation(objects: Sequence[SceneObject], rng: np.random.Generator) 
     phrase = _pick(rng, RELATIONS[rel])
     size = bool(rng.random() < 0.4)
     form = int(rng.integers(4))
+    claim = {"kind": "relation", "a": _said(a, size), "relation": rel, "b": _said(b, size)}
     if form == 0:
-        return f"{_np(a, 'a', size)} is {phrase} {_np(b, 'a', size)}"
+        return f"{_np(a, 'a', size)} is {phrase} {_np(b, 'a', size)}", claim
     if form == 1:
-        return f"there is {_np(a, 'a', size)} {phrase} {_np(b, 'a', size)}"
+        return f"there is {_np(a, 'a', size)} {phrase} {_np(b, 'a', size)}", claim
     if form == 2:
-        return f"{_np(a, 'a', size)} {phrase} {_np(b, 'a', size)}"
-    return f"the {_np(a, '', size).strip()} is {phrase} the {_np(b, '', size).strip()}"
+        return f"{_np(a, 'a', size)} {phrase} {_np(b, 'a', size)}", claim
+    return f"the {_np(a, '', size).strip()} is {phrase} the {_np(b, '', size).strip()}", claim
 
 
-def _caption_list(objects: Sequence[SceneObject], rng: np.random.Generator) -> str:
+def _caption_list(objects: Sequence[SceneObject], rng: np.random.Generator) -> tuple[str, Claim]:
     order = [objects[int(i)] for i in rng.permutation(len(objects))]
     size = bool(rng.random() < 0.5)
     items = _join([_np(o, "a", size) for o in order])
     prefix = _pick(rng, ("a picture of", "an image with", "there is", "we see", "a scene with"))
+    claim = {"kind": "list", "items": [_said(o, size) for o in order], "total": None}
     if rng.random() < 0.3:
-        return f"{NUMBERS[len(objects)]} shapes : {items}"
-    return f"{prefix} {items}"
+        return f"{NUMBERS[len(objects)]} shapes : {items}", {**claim, "total": len(objects)}
+    return f"{prefix} {items}", claim
 
 
-def _caption_count(objects: Sequence[SceneObject], rng: np.random.Generator) -> str:
+def _caption_count(objects: Sequence[SceneObject], rng: np.random.Generator) -> tuple[str, Claim]:
     by_colour = rng.random() < 0.4
     groups: dict[str, int] = {}
     for o in objects:
@@ -266,31 +277,39 @@ def _caption_count(objects: Sequence[SceneObject], rng: np.random.Generator) -> 
         parts.append(f"{'an' if det == 'a' and noun[0] in 'aeiou' else det} {noun}")
     order = [parts[int(i)] for i in rng.permutation(len(parts))]
     verb = "is" if order[0].split()[0] in ("a", "an", "one") else "are"
-    return f"there {verb} {_join(order)}" if rng.random() < 0.6 else _join(order)
+    claim = {"kind": "count", "by": "colour" if by_colour else "shape", "groups": groups}
+    return (f"there {verb} {_join(order)}" if rng.random() < 0.6 else _join(order)), claim
 
 
-def _caption_attribute(objects: Sequence[SceneObject], rng: np.random.Generator) -> str | None:
+def _caption_attribute(objects: Sequence[SceneObject], rng: np.random.Generator) -> tuple[str, Claim] | None:
     shapes = [o.shape for o in objects]
     unique = [o for o in objects if shapes.count(o.shape) == 1]
     if len(unique) < 2:
         return None
     a, b = (unique[int(i)] for i in rng.permutation(len(unique))[:2])
     if rng.random() < 0.3:
-        return f"the {a.shape} is {a.size} and {a.colour} and the {b.shape} is {b.colour}"
-    return f"the {a.shape} is {a.colour} and the {b.shape} is {b.colour}"
+        return (f"the {a.shape} is {a.size} and {a.colour} and the {b.shape} is {b.colour}",
+                {"kind": "attribute", "pairs": [_said(a, True), _said(b, False)]})
+    return (f"the {a.shape} is {a.colour} and the {b.shape} is {b.colour}",
+            {"kind": "attribute", "pairs": [_said(a, False), _said(b, False)]})
 
 
-def _caption_position(objects: Sequence[SceneObject], rng: np.random.Generator) -> str:
+def _caption_position(objects: Sequence[SceneObject], rng: np.random.Generator) -> tuple[str, Claim]:
     o = objects[int(rng.integers(len(objects)))]
+    row: int | None = o.row
+    col: int | None = o.col
     if (o.row, o.col) == (1, 1):
         where = "in the middle"
     elif o.row == 1 or o.col == 1:
         side = ROW_NAMES[o.row] if o.col == 1 else COL_NAMES[o.col]
         where = f"on the {side}"
+        # "on the top" says the row only, "on the left" the column only
+        row, col = (o.row, None) if o.col == 1 else (None, o.col)
     else:
         where = f"in the {ROW_NAMES[o.row]} {COL_NAMES[o.col]} corner"
     size = bool(rng.random() < 0.5)
-    return f"{_np(o, 'a', size)} {where}" if rng.random() < 0.5 else f"there is {_np(o, 'a', size)} {where}"
+    claim = {"kind": "position", "object": _said(o, size), "row": row, "col": col}
+    return (f"{_np(o, 'a', size)} {where}" if rng.random() < 0.5 else f"there is {_np(o, 'a', size)} {where}"), claim
 
 
 # Order of preference: relations and lists carry the binding; others add counts and positions.
@@ -300,16 +319,21 @@ _CAPTION_PLAN = (_caption_relation, _caption_list, _caption_relation, _caption_c
 
 def scene_captions(scene: Scene, rng: np.random.Generator) -> list[str]:
     """Five distinct true captions of a scene."""
-    captions: list[str] = []
+    return [caption for caption, _ in scene_claims(scene, rng)]
+
+
+def scene_claims(scene: Scene, rng: np.random.Generator) -> list[tuple[str, Claim]]:
+    """Five distinct true captions of a scene, each with its claim (`sgraf.data.scenes`)."""
+    captions: list[tuple[str, Claim]] = []
     plan = list(_CAPTION_PLAN)
     attempt = 0
     while len(captions) < CAPTIONS_PER_IMAGE:
         make = plan[attempt % len(plan)] if attempt < 40 else _caption_list
         attempt += 1
-        caption = make(scene.objects, rng)
+        made = make(scene.objects, rng)
         # Distinct captions; a repeat only if a scene ever ran out of them (never seen in practice).
-        if caption is not None and (caption not in captions or attempt > 400):
-            captions.append(caption)
+        if made is not None and (made[0] not in [c for c, _ in captions] or attempt > 400):
+            captions.append(made)
     return captions
 
 
@@ -348,32 +372,39 @@ def synthetic_features(scenes: Sequence[Scene], rng: np.random.Generator, dim: i
 
 # ---------------------------------------------------------------- writing a split
 
-def _split_scenes(n_images: int, seed: int, split_index: int) -> tuple[list[Scene], list[list[str]], np.random.Generator]:
-    """Scenes and captions of a split, plus the generator of its feature noise.
+def _split_scenes(n_images: int, seed: int, split_index: int
+                  ) -> tuple[list[Scene], list[list[str]], list[list[list[int]]], np.random.Generator]:
+    """Scenes, captions and their `false_for` lists of a split, plus the generator of its feature noise.
 
     Family by family from one stream, and the noise from another, so the first m images of
     a split are the same whatever its size.
     """
     rng = np.random.default_rng([seed, split_index, 0])
     scenes: list[Scene] = []
-    captions: list[list[str]] = []
+    claims: list[list[tuple[str, Claim]]] = []
     family = 0
     while len(scenes) < n_images:
         for scene in scene_family(rng, family):
             scenes.append(scene)
-            captions.append(scene_captions(scene, rng))
+            claims.append(scene_claims(scene, rng))
         family += 1
-    return scenes[:n_images], captions[:n_images], np.random.default_rng([seed, split_index, 1])
+    scenes, claims = scenes[:n_images], claims[:n_images]
+    # truth within the split: a family cut short by the split's end is compared among what is kept
+    false_for = captions_false_for([[claim for _, claim in c] for c in claims], [s.objects for s in scenes],
+                                   [s.family for s in scenes])
+    return (scenes, [[caption for caption, _ in c] for c in claims], false_for,
+            np.random.default_rng([seed, split_index, 1]))
 
 
 def _write_split(generation: NewGeneration, split: str, split_index: int, n_images: int, seed: int,
                  features: str, backbone: Any, save_images: bool, synthetic_dim: int, progress: bool) -> list[str]:
     started = time.perf_counter()
-    scenes, captions, rng = _split_scenes(n_images, seed, split_index)
+    scenes, captions, false_for, rng = _split_scenes(n_images, seed, split_index)
     flat = [c for caps in captions for c in caps]
     write_text(generation.path(f"{split}_caps.txt"), "".join(c + "\n" for c in flat))
     write_text(generation.path(f"{split}_scenes.jsonl"),
-               "".join(json.dumps({"index": i, **s.to_dict(), "captions": captions[i]}, sort_keys=True) + "\n"
+               "".join(json.dumps({"index": i, **s.to_dict(), "captions": captions[i],
+                                   "false_for": false_for[i]}, sort_keys=True) + "\n"
                        for i, s in enumerate(scenes)))
 
     def rendered() -> Iterator[Any]:
