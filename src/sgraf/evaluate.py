@@ -155,6 +155,8 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
                          save_sims: str | os.PathLike | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint, or the average of several, on ``data_dir/{split}_*``.
 
+    `evaluate_checkpoints_with_sims` takes the same arguments and also returns the matrix.
+
     Args:
         checkpoints: one path, or several for an ensemble.
         data_dir: the precomp directory.
@@ -170,6 +172,16 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
     Returns:
         The `sgraf.metrics.evaluate_sims` dict.
     """
+    return evaluate_checkpoints_with_sims(checkpoints, data_dir, split, vocab, folds, precision, batch_size,
+                                          device, progress, save_sims)[0]
+
+
+def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike,
+                                   split: str, vocab: str | os.PathLike | Any = None, folds: int = 1,
+                                   precision: str = "fp32", batch_size: int = 128,
+                                   device: torch.device | str = "cpu", progress: bool = False,
+                                   save_sims: str | os.PathLike | None = None) -> tuple[dict[str, Any], np.ndarray]:
+    """`evaluate_checkpoints`, returning ``(metrics, (n_img, n_cap) float32 score matrix)``."""
     if isinstance(folds, bool) or not isinstance(folds, int) or folds < 1:
         raise InputError(f"--folds must be a positive integer, got {folds!r}")
     precomp = open_split(data_dir, split)
@@ -186,7 +198,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
     if save_sims is not None and distributed.is_main_process():
         save_matrix(sims, save_sims)
         logger.info("wrote the %s score matrix to %s", sims.shape, save_sims)
-    return result
+    return result, sims
 
 
 def evaluate_sims_files(paths: Sequence[str | os.PathLike], folds: int = 1,
@@ -195,7 +207,15 @@ def evaluate_sims_files(paths: Sequence[str | os.PathLike], folds: int = 1,
     """Evaluate saved score matrices, averaging several (float64 mean, rounded once to float32).
 
     With `data_dir` the matrices must have the split's (n_images, n_captions) shape.
+    `evaluate_sims_files_with_sims` takes the same arguments and also returns the matrix.
     """
+    return evaluate_sims_files_with_sims(paths, folds, data_dir, split, save_sims)[0]
+
+
+def evaluate_sims_files_with_sims(paths: Sequence[str | os.PathLike], folds: int = 1,
+                                  data_dir: str | os.PathLike | None = None, split: str | None = None,
+                                  save_sims: str | os.PathLike | None = None) -> tuple[dict[str, Any], np.ndarray]:
+    """`evaluate_sims_files`, returning ``(metrics, the (averaged) score matrix)``."""
     if not paths:
         raise InputError("no score matrix given")
     matrices = [load_matrix(path) for path in paths]
@@ -216,4 +236,4 @@ def evaluate_sims_files(paths: Sequence[str | os.PathLike], folds: int = 1,
     result = metrics.evaluate_sims(sims, folds=folds)
     if save_sims is not None:
         save_matrix(sims, save_sims)
-    return result
+    return result, sims

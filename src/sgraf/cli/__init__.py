@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "demo",
     "train",
     "evaluate",
+    "diagnose",
     "index",
     "search",
     "explain",

@@ -1,0 +1,75 @@
+"""`sgraf diagnose`: Winoground scores per kind of hard negative, and truth-aware recall."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from sgraf.cli.arguments import device, positive_int
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "diagnose",
+        help="Winoground text / image / group scores per kind of hard negative, and truth-aware recall",
+        description="Score a checkpoint, an ensemble (averaged, as sgraf evaluate) or saved score matrices on "
+                    "a split of the embedded benchmark (sgraf generate), pairing each hard negative with its "
+                    "family's base picture the Winoground way; chance is 25 / 25 / 16.7 %. Truth-aware "
+                    "recall counts a picture of the caption's family as correct unless the caption is false "
+                    "for it.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", action="append", metavar="PATH",
+                        help="our checkpoint or the authors' .pth.tar; repeat for an ensemble")
+    source.add_argument("--sims", nargs="+", metavar="FILE.npy",
+                        help="saved (n_images, n_captions) score matrices of the split (averaged)")
+    parser.add_argument("--data", metavar="DIR", required=True,
+                        help="a folder written by sgraf generate (with {SPLIT}_scenes.jsonl)")
+    parser.add_argument("--split", default="test", help="split name")
+    parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
+    parser.add_argument("--save-sims", metavar="FILE.npy", help="write the float32 score matrix (caption-file order)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="encoder and scorer precision (bf16: autocast, scores stay float32)")
+    parser.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
+                        help="captions/images per encoder batch and captions per scoring bucket")
+    parser.add_argument("--device", type=device, default="auto", help="cpu, cuda, cuda:N or mps; auto: cuda "
+                        "when available")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sgraf import diagnose, evaluate
+    from sgraf.data.benchmark import load_scenes
+    from sgraf.errors import InputError
+
+    scenes_path = Path(args.data) / f"{args.split}_scenes.jsonl"
+    if not scenes_path.is_file():
+        raise InputError(f"--data {args.data}: no {scenes_path.name}; diagnose needs a data set written by "
+                         "sgraf generate")
+    scenes = load_scenes(args.data, args.split)
+    if scenes and any("false_for" not in row for row in scenes):
+        raise InputError(f"{scenes_path}: the captions carry no false_for (written by an earlier sgraf); "
+                         "regenerate the data with sgraf generate --overwrite")
+    if args.sims:
+        if args.vocab:
+            raise InputError("--vocab applies to --checkpoint, not to --sims")
+        _, sims = evaluate.evaluate_sims_files_with_sims(args.sims, data_dir=args.data, split=args.split,
+                                                         save_sims=args.save_sims)
+    else:
+        _, sims = evaluate.evaluate_checkpoints_with_sims(
+            args.checkpoint, args.data, args.split, vocab=args.vocab, precision=args.precision,
+            batch_size=args.batch_size, device=args.device, progress=not args.quiet, save_sims=args.save_sims)
+    diagnose.check_scenes(scenes, *sims.shape, str(scenes_path))
+    result = diagnose.diagnose_sims(sims, scenes)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(diagnose.format_report(result))
+    return 0

@@ -1,0 +1,168 @@
+"""What a model tells apart in the benchmark's families: Winoground scores and truth-aware recall.
+
+Every family of the embedded benchmark holds a base picture and its hard negatives
+(`binding`, `attribute`, `relation`, `count`), and every caption carries `false_for`, the
+pictures of its family of which it is false (`sgraf.data.scenes`). With `s(i, c)` the score of
+picture i and caption c:
+
+- Winoground (Thrush et al., 2022). For each negative n of kind k and its family's base b, let
+  C_b be the captions of b false for n and C_n those of n false for b. For each pair
+  (c_b, c_n) in C_b x C_n: **text** correct when s(b, c_b) > s(b, c_n) and s(n, c_n) > s(n, c_b)
+  (each picture prefers its own caption); **image** correct when s(b, c_b) > s(n, c_b) and
+  s(n, c_n) > s(b, c_n) (each caption prefers its own picture); **group** when both. Scores
+  are the means over all pairs of a kind (and over all pairs, `all`); chance is 25 / 25 /
+  16.7 %. Ties count as wrong.
+- Truth-aware recall. A caption is often true of a twin too ("there are two circles" of a
+  binding twin), which standard recall counts as a miss. Here a picture is a correct answer to
+  a caption when it is the caption's own picture, or a picture of the same family that the
+  caption is not false for. i2t R@K: the share of pictures with a correct caption among their
+  K best-scored captions; t2i R@K: the share of captions with a correct picture among their K
+  best-scored pictures. Ties are broken in the model's favour (rank = number of strictly
+  higher scores than the best correct answer).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from sgraf.data.benchmark import VARIANTS
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+SCORES = ("text", "image", "group")
+RECALL_AT = (1, 5, 10)
+
+
+def check_scenes(scenes: Sequence[Mapping[str, Any]], n_images: int, n_captions: int, where: str) -> int:
+    """Captions per image, after checking that the scenes describe this (n_images, n_captions) split.
+
+    Raises:
+        InputError: scenes without `false_for`, or not one per picture in order, or a caption count
+            that differs from the matrix's.
+    """
+    if not scenes:
+        raise InputError(f"{where}: no scenes; diagnose needs a data set written by sgraf generate")
+    if any("false_for" not in row for row in scenes):
+        raise InputError(f"{where}: the captions carry no false_for (written by an earlier sgraf); regenerate "
+                         "the data with sgraf generate --overwrite")
+    if len(scenes) != n_images or [row.get("index") for row in scenes] != list(range(n_images)):
+        raise InputError(f"{where}: {len(scenes)} scenes, but the score matrix has {n_images} images; expected "
+                         "one scene per image, in order")
+    per_image = {len(row["false_for"]) for row in scenes}
+    if len(per_image) != 1 or n_captions != n_images * next(iter(per_image)):
+        raise InputError(f"{where}: the scenes hold {sum(len(r['false_for']) for r in scenes)} captions, but the "
+                         f"score matrix has {n_captions}")
+    return per_image.pop()
+
+
+def winoground(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Winoground text / image / group scores per kind of negative and overall (module docstring).
+
+    Args:
+        sims: (n_images, n_captions) scores, captions in file order (image i owns captions
+            i * per, ..., i * per + per - 1).
+        scenes: the split's rows of `{split}_scenes.jsonl` (`index`, `family`, `variant`,
+            `false_for`).
+
+    Returns:
+        ``{kind: {"text", "image", "group": fraction in 0..1 or None without pairs, "pairs": n}}``
+        for each of `VARIANTS` and ``"all"``.
+    """
+    sims = np.asarray(sims)
+    per = check_scenes(scenes, sims.shape[0], sims.shape[1], "scenes")
+    bases = {row["family"]: row["index"] for row in scenes if row["variant"] == "base"}
+    correct = {kind: np.zeros(len(SCORES), dtype=np.int64) for kind in (*VARIANTS, "all")}
+    pairs = dict.fromkeys((*VARIANTS, "all"), 0)
+    for row in scenes:
+        n, kind = row["index"], row["variant"]
+        b = bases.get(row["family"])
+        if kind not in VARIANTS or b is None:  # a base, or a family whose base another split holds
+            continue
+        c_b = np.array([b * per + j for j, wrong in enumerate(scenes[b]["false_for"]) if n in wrong], dtype=np.int64)
+        c_n = np.array([n * per + j for j, wrong in enumerate(row["false_for"]) if b in wrong], dtype=np.int64)
+        if not (len(c_b) and len(c_n)):
+            continue
+        b_cb, n_cb = sims[b, c_b][:, None], sims[n, c_b][:, None]  # (|C_b|, 1)
+        b_cn, n_cn = sims[b, c_n][None, :], sims[n, c_n][None, :]  # (1, |C_n|)
+        text = (b_cb > b_cn) & (n_cn > n_cb)
+        image = (b_cb > n_cb) & (n_cn > b_cn)
+        counts = np.array([text.sum(), image.sum(), (text & image).sum()])
+        for key in (kind, "all"):
+            correct[key] += counts
+            pairs[key] += text.size
+    return {key: {**{score: (float(correct[key][i]) / pairs[key] if pairs[key] else None)
+                     for i, score in enumerate(SCORES)}, "pairs": int(pairs[key])}
+            for key in (*VARIANTS, "all")}
+
+
+def truth_matrix(scenes: Sequence[Mapping[str, Any]], per: int) -> np.ndarray:
+    """(n_images, n_captions) bool: caption c is true of picture i as far as the data set knows
+    (its own picture, or one of its family it is not false for; pictures of other families: no)."""
+    n = len(scenes)
+    family = np.array([row["family"] for row in scenes])
+    owner = np.repeat(np.arange(n), per)
+    truth = family[:, None] == family[owner][None, :]
+    for row in scenes:
+        for j, wrong in enumerate(row["false_for"]):
+            truth[list(wrong), row["index"] * per + j] = False
+    truth[owner, np.arange(n * per)] = True
+    return truth
+
+
+def truth_recall(sims: Any, scenes: Sequence[Mapping[str, Any]],
+                 ks: Sequence[int] = RECALL_AT) -> dict[str, dict[str, float]]:
+    """Truth-aware R@K in percent: ``{"i2t": {"r1", "r5", "r10"}, "t2i": {...}}`` (module docstring)."""
+    sims = np.asarray(sims, dtype=np.float32)
+    per = check_scenes(scenes, sims.shape[0], sims.shape[1], "scenes")
+    truth = truth_matrix(scenes, per)
+    best_caption = np.where(truth, sims, -np.inf).max(axis=1)  # (n_img,)
+    i2t_ranks = (sims > best_caption[:, None]).sum(axis=1)
+    best_image = np.where(truth, sims, -np.inf).max(axis=0)  # (n_cap,)
+    t2i_ranks = (sims > best_image[None, :]).sum(axis=0)
+    return {name: {f"r{k}": float(100.0 * np.mean(ranks < k)) for k in ks}
+            for name, ranks in (("i2t", i2t_ranks), ("t2i", t2i_ranks))}
+
+
+def diagnose_sims(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Winoground scores per kind, plus standard and truth-aware recall, of a score matrix.
+
+    Returns:
+        `winoground`'s dict, with ``"recall"``: ``{"standard": {"i2t", "t2i"}, "truth": {"i2t",
+        "t2i"}}`` (R@1/5/10 in percent; standard as `sgraf.metrics.evaluate_sims`).
+    """
+    from sgraf import metrics
+
+    result: dict[str, Any] = winoground(sims, scenes)
+    per = check_scenes(scenes, *np.shape(sims), "scenes")
+    standard = metrics.evaluate_sims(sims, caps_per_image=per)
+    result["recall"] = {
+        "standard": {d: {f"r{k}": standard[d][f"r{k}"] for k in RECALL_AT} for d in ("i2t", "t2i")},
+        "truth": truth_recall(sims, scenes),
+    }
+    return result
+
+
+def format_report(result: Mapping[str, Any]) -> str:
+    """A plain-text table of `diagnose_sims`' result."""
+
+    def percent(value: float | None) -> str:
+        return "   -" if value is None else f"{100 * value:5.1f}"
+
+    lines = [f"{'kind':<10} {'text':>6} {'image':>6} {'group':>6} {'pairs':>7}"]
+    for kind in (*VARIANTS, "all"):
+        row = result[kind]
+        lines.append(f"{kind:<10} {percent(row['text']):>6} {percent(row['image']):>6} "
+                     f"{percent(row['group']):>6} {row['pairs']:>7}")
+    lines.append(f"{'chance':<10} {25.0:>6.1f} {25.0:>6.1f} {16.7:>6.1f}")
+    if "recall" in result:
+        lines.append("")
+        lines.append(f"{'recall':<16} {'R@1':>6} {'R@5':>6} {'R@10':>6}")
+        for name, recall in result["recall"].items():
+            for direction in ("i2t", "t2i"):
+                r = recall[direction]
+                lines.append(f"{name + ' ' + direction:<16} {r['r1']:6.1f} {r['r5']:6.1f} {r['r10']:6.1f}")
+    return "\n".join(lines)
