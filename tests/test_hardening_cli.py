@@ -561,7 +561,7 @@ def test_readme_commands_parse_and_use_what_earlier_commands_write():
         elif args.command == "demo":
             produced.update(f"{args.out}/runs/{name}/best.pt" for name in ("sgr", "saf", "global-only"))
             produced.add(f"{args.out}/data")
-        elif args.command == "evaluate" and args.save_sims:
+        elif args.command in ("evaluate", "diagnose") and args.save_sims:
             produced.add(args.save_sims)
         elif args.command == "convert-checkpoint":
             produced.add(args.dst)
