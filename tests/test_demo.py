@@ -93,3 +93,19 @@ def test_demo_ends_by_printing_the_serve_command(demo, capsys, monkeypatch):
 
     args = build_parser().parse_args(last.split("search it in a browser: ")[1].split()[1:])
     assert args.command == "serve" and (out / "index" / "manifest.json") == Path(args.index) / "manifest.json"
+
+
+def test_quick_demo_data_diagnoses_with_the_demo_numbers(demo, capsys):
+    out, _ = demo
+    capsys.readouterr()
+    assert main(["diagnose", "--checkpoint", str(out / "runs" / "sgr" / "best.pt"), "--checkpoint",
+                 str(out / "runs" / "saf" / "best.pt"), "--data", str(out / "data"), "--split", "test",
+                 "--json", "--quiet", "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    record = json.loads((out / "results.json").read_text())
+    assert result["all"]["pairs"] > 0
+    for direction in ("i2t", "t2i"):
+        for k in ("r1", "r5", "r10"):
+            assert result["recall"]["standard"][direction][k] == pytest.approx(
+                record["results"]["SGRAF"][direction][k], abs=1e-6)
+            assert result["recall"]["truth"][direction][k] >= result["recall"]["standard"][direction][k]

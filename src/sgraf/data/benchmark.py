@@ -64,7 +64,7 @@ from sgraf.output_folder import NewGeneration
 
 logger = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: each caption of {split}_scenes.jsonl carries false_for
 FAMILY_SIZE = 4
 CAPTIONS_PER_IMAGE = 5
 SPLITS = ("train", "dev", "test")
