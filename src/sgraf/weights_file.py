@@ -40,8 +40,6 @@ def load_weights_only(path: str | os.PathLike[str], map_location: Any = "cpu", a
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as error:  # noqa: BLE001 - any parser failure on a foreign file means "not a checkpoint"
-        from sgraf.data.files import is_torch_file, torch_file_problem
-
         # a text file starting with 'c' reads as a pickle's GLOBAL opcode too: only a pickle is refused as one
         pickled = is_torch_file(path) or _is_raw_pickle(path)
         refused = isinstance(error, pickle.UnpicklingError) and "GLOBAL" in str(error)
@@ -75,3 +73,33 @@ def _is_raw_pickle(path: Path) -> bool:
     except OSError:
         return False
     return not zipfile.is_zipfile(path) and (first[:1] == bytes([_PICKLE_PROTOCOL]) or first[:1] in (b"(", b"}", b"]"))
+
+
+_ZIP_MAGIC = b"PK\x03\x04"   # torch.save's archive format (PyTorch >= 1.6)
+
+
+def _head(path: Path, size: int) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(size)
+    except OSError:
+        return b""
+
+
+def is_torch_file(path: str | os.PathLike[str]) -> bool:
+    """Whether the file starts as `torch.save` writes: a zip archive, or (legacy) a binary pickle."""
+    return _head(Path(path), len(_ZIP_MAGIC)).startswith((_ZIP_MAGIC, bytes([_PICKLE_PROTOCOL])))
+
+
+def torch_file_problem(path: str | os.PathLike[str], error: BaseException) -> str:
+    """What is wrong with a file `torch.load(..., weights_only=True)` refused with `error`, in
+    our words (torch's own advice is to load the file unsafely, wrong for a file given by mistake)."""
+    if not _head(Path(path), 1):
+        return "empty file"
+    if not is_torch_file(path):
+        return "neither a torch.save archive nor a pickle"
+    detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(error))
+    if detail:
+        return detail.group(1).strip()
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else 'no details'}"
