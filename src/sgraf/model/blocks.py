@@ -238,13 +238,10 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
         lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
     if len(lengths) and int(lengths.min()) < 1:
         raise InputError(f"caption {int(torch.argmin(lengths))}: no tokens")
-    order = torch.sort(lengths, descending=True, stable=True).indices
     caption_globals = getattr(model, "caption_globals", None)
     buckets = []
     with eval_mode([model]):  # type: ignore[list-item]
-        for start in range(0, len(lengths), batch_size):
-            index = order[start:start + batch_size]
-            bucket_lengths = lengths[index]
+        for index, bucket_lengths in _length_buckets(lengths, batch_size):
             width = int(bucket_lengths.max())
             if padded_all is not None:
                 padded = padded_all[index.to(padded_all.device), :width]
@@ -261,6 +258,16 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
     return buckets
 
 
+def _length_buckets(lengths: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(positions, lengths) of each bucket: captions sorted by decreasing length (stably), cut
+    into buckets of `batch_size`. `encode_token_buckets` and `bucket_words` bucket alike, so an
+    ensemble encoded either way shares its buckets."""
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    for start in range(0, len(lengths), batch_size):
+        index = order[start:start + batch_size]
+        yield index, lengths[index]
+
+
 def bucket_words(model: Scorer, words: torch.Tensor, lengths: torch.Tensor, batch_size: int = 128,
                  precision: str = "fp32") -> list[CaptionBucket]:
     """Already encoded word features (n, L, d), zero beyond each length, in length buckets as
@@ -268,13 +275,10 @@ def bucket_words(model: Scorer, words: torch.Tensor, lengths: torch.Tensor, batc
     model's caption global vectors computed once per bucket."""
     device = model_device(model)  # type: ignore[arg-type]
     lengths = torch.as_tensor(lengths, dtype=torch.int64).cpu()
-    order = torch.sort(lengths, descending=True, stable=True).indices
     caption_globals = getattr(model, "caption_globals", None)
     buckets = []
     with eval_mode([model]):  # type: ignore[list-item]
-        for start in range(0, len(lengths), batch_size):
-            index = order[start:start + batch_size]
-            bucket_lengths = lengths[index]
+        for index, bucket_lengths in _length_buckets(lengths, batch_size):
             embs = words[index.to(words.device), : int(bucket_lengths.max())].to(device, model_dtype(model))
             with autocast(precision, device):
                 glo = caption_globals(embs, bucket_lengths.to(device)) if caption_globals else None
