@@ -19,3 +19,17 @@ def check_positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise InputError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def decode_utf8(data: bytes, path: object, expected: str, column: bool = False) -> str:
+    """`data` (the bytes of the file `path`) as text, else `InputError` naming the line, the
+    first bad byte (and its column if `column`) and `expected`."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        where = f"byte 0x{data[error.start]:02x}"
+        if column:
+            line_start = data.rfind(b"\n", 0, error.start) + 1
+            where += f" at column {error.start - line_start + 1}"
+        raise InputError(f"{path}:{line}: bytes are not valid UTF-8 ({where}); expected {expected}") from None

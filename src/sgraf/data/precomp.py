@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from sgraf.data.arrays import check_finite_features, open_npy
 from sgraf.data.vocab import Vocabulary
-from sgraf.errors import InputError
+from sgraf.errors import InputError, decode_utf8
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +84,7 @@ def read_captions(path: str | os.PathLike[str]) -> list[str]:
     """
     path = Path(path)
     data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise InputError(f"{path}:{line}: bytes are not valid UTF-8 (byte 0x{data[exc.start]:02x} at column "
-                         f"{column}); expected UTF-8 text, one caption per line") from None
+    decode_utf8(data, path, "UTF-8 text, one caption per line", column=True)
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the newline that ends the last line

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sgraf.atomic_write import write_text
-from sgraf.errors import InputError
+from sgraf.errors import InputError, decode_utf8
 
 logger = logging.getLogger(__name__)
 
@@ -183,12 +183,7 @@ def load_vocab(path: str | os.PathLike[str]) -> Vocabulary:
     if not path.is_file():
         raise FileNotFoundError(2, "vocabulary file not found", str(path))
     data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise InputError(f"{path}:{line}: bytes are not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
-                         "expected a UTF-8 JSON vocabulary") from None
+    text = decode_utf8(data, path, "a UTF-8 JSON vocabulary")
     try:
         content = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, SIMILARITIES, ModelConfig
-from sgraf.errors import InputError
+from sgraf.errors import InputError, decode_utf8
 from sgraf.precision import PRECISIONS
 
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes 0 .. 2**32 - 1
@@ -219,12 +219,7 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str
         data = path.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(2, "training config file not found", str(path)) from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise InputError(f"{path}:{line}: bytes are not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
-                         "expected a UTF-8 YAML file of config keys") from None
+    text = decode_utf8(data, path, "a UTF-8 YAML file of config keys")
     try:
         values = yaml.safe_load(text)
     except yaml.YAMLError as exc:
