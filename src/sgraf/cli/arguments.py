@@ -75,3 +75,19 @@ def utf8_text(value: str) -> str:
             f"bytes that are not valid UTF-8 (byte 0x{raw[0]:02x} at character {error.start + 1}); "
             "expected UTF-8 text") from None
     return value
+
+
+def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False) -> None:
+    """The options of a command that scores a split with checkpoints as `sgraf evaluate` does
+    (`evaluate`, `diagnose`): vocabulary, saved matrix, JSON, precision, batch size, device, quiet."""
+    parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
+    parser.add_argument("--save-sims", metavar="FILE.npy", help="write the float32 score matrix (caption-file order)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="encoder and scorer precision (bf16: autocast, scores stay float32)")
+    parser.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
+                        help="captions/images per encoder batch and captions per scoring bucket")
+    parser.add_argument("--device", type=device, default="auto",
+                        help="cpu, cuda, cuda:N or mps; auto: cuda when available"
+                             + (" (under torchrun each process takes its LOCAL_RANK device)" if torchrun else ""))
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")

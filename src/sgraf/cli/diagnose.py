@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import device, positive_int
+from sgraf.cli.arguments import add_scoring_options
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", metavar="DIR", required=True,
                         help="a folder written by sgraf generate (with {SPLIT}_scenes.jsonl)")
     parser.add_argument("--split", default="test", help="split name")
-    parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
-    parser.add_argument("--save-sims", metavar="FILE.npy", help="write the float32 score matrix (caption-file order)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="encoder and scorer precision (bf16: autocast, scores stay float32)")
-    parser.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
-                        help="captions/images per encoder batch and captions per scoring bucket")
-    parser.add_argument("--device", type=device, default="auto", help="cpu, cuda, cuda:N or mps; auto: cuda "
-                        "when available")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_scoring_options(parser)
     parser.set_defaults(func=run)
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import device, positive_int
+from sgraf.cli.arguments import add_scoring_options, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -27,20 +27,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", metavar="DIR", help="directory with {SPLIT}_ims.npy and {SPLIT}_caps.txt "
                         "(required with --checkpoint; with --sims, checks the matrices' shape)")
     parser.add_argument("--split", default="test", help="split name (MSCOCO: testall)")
-    parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
     parser.add_argument("--folds", type=positive_int, default=1, metavar="K",
                         help="average over K consecutive equal folds (MSCOCO 1K: --split testall --folds 5)")
-    parser.add_argument("--save-sims", metavar="FILE.npy", help="write the float32 score matrix (caption-file order)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="encoder and scorer precision (bf16: autocast, scores stay float32)")
     parser.add_argument("--tf32", action="store_true",
                         help="on CUDA, fp32 matmuls and cuDNN in TF32 (faster, 10-bit mantissa; default: exact fp32)")
-    parser.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
-                        help="captions/images per encoder batch and captions per scoring bucket")
-    parser.add_argument("--device", type=device, default="auto", help="cpu, cuda, cuda:N or mps; auto: cuda "
-                        "when available (under torchrun each process takes its LOCAL_RANK device)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_scoring_options(parser, torchrun=True)
     parser.set_defaults(func=run)
 
 
