@@ -84,26 +84,31 @@ def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
 
 
 def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, precision: str = "fp32",
-                batch_size: int = 128, progress: bool = False, head: str | None = None) -> np.ndarray:
+                batch_size: int = 128, progress: bool = False, head: str | None = None,
+                token_ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
     """The (n_img, n_cap) float32 score matrix of a model or an ensemble on a split.
 
-    Under ``torchrun`` every process must call this; each scores a share of the images and every
+    The captions are tokenised once for every model (unless `token_ids` gives them). Under
+    ``torchrun`` every process must call this; each scores a share of the images and every
     process returns the whole matrix.
     """
+    if token_ids is None:
+        token_ids = scoring.tokenize_captions(split.captions, vocab)
     encoded = [scoring.encode_split(model, split, vocab, batch_size=batch_size, precision=precision,
-                                    progress=progress and distributed.is_main_process())
+                                    progress=progress and distributed.is_main_process(), token_ids=token_ids)
                for model in models]
     return scoring.score_matrix(list(models), encoded, precision=precision, progress=progress, head=head)
 
 
 def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, folds: int = 1,
                    precision: str = "fp32", batch_size: int = 128, progress: bool = False,
-                   head: str | None = None) -> tuple[dict[str, Any], np.ndarray]:
+                   head: str | None = None,
+                   token_ids: Sequence[Sequence[int]] | None = None) -> tuple[dict[str, Any], np.ndarray]:
     """Metrics (`sgraf.metrics.evaluate_sims`) and the score matrix of models on a split.
 
     This is what training validation calls, so that it matches `sgraf evaluate` exactly.
     """
-    sims = score_split(models, split, vocab, precision, batch_size, progress, head)
+    sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids)
     return metrics.evaluate_sims(sims, folds=folds, caps_per_image=split.caps_per_image), sims
 
 
@@ -191,10 +196,12 @@ def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], dat
     models, vocabulary = load_ensemble(checkpoints, vocab, device)
     for model, path in zip(models, checkpoints):
         check_split_fits(model, precomp, str(path))
-    warn_unknown_share(vocabulary, scoring.tokenize_captions(precomp.captions, vocabulary), str(precomp.caps_path))
+    token_ids = scoring.tokenize_captions(precomp.captions, vocabulary)   # once: the check and every model
+    warn_unknown_share(vocabulary, token_ids, str(precomp.caps_path))
     logger.info("evaluating %s on %s (%d images, %d captions)", ", ".join(map(str, checkpoints)),
                 precomp.caps_path, precomp.n_images, precomp.n_captions)
-    result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress)
+    result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress,
+                                  token_ids=token_ids)
     if save_sims is not None and distributed.is_main_process():
         save_matrix(sims, save_sims)
         logger.info("wrote the %s score matrix to %s", sims.shape, save_sims)

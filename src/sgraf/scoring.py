@@ -94,7 +94,8 @@ def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_siz
 
 
 def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, precision: str = "fp32",
-                 device: torch.device | str | None = None, progress: bool = False) -> Encoded:
+                 device: torch.device | str | None = None, progress: bool = False,
+                 token_ids: Sequence[Sequence[int]] | None = None) -> Encoded:
     """Run the encoders over a split once.
 
     Args:
@@ -106,6 +107,8 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
         precision: ``"fp32"`` or ``"bf16"``.
         device: accepted for symmetry with the callers; must be the model's device if given.
         progress: progress bars on stderr.
+        token_ids: the captions already tokenised with `vocab` (`tokenize_captions`), for a
+            caller that needed them before (an ensemble, the unknown-word check).
 
     Returns:
         The `Encoded` split, on the model's device.
@@ -114,7 +117,8 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
     check_positive_int(batch_size, "batch_size")
     if device is not None and torch.device(device).type != model_device(model).type:  # type: ignore[arg-type]
         raise ValueError(f"encode_split: model is on {model_device(model)}, not on {device}")  # type: ignore[arg-type]
-    token_ids = tokenize_captions(split.captions, vocab)
+    if token_ids is None:
+        token_ids = tokenize_captions(split.captions, vocab)
     img_embs = encode_images(model, split.images, batch_size, precision, progress,
                              source=getattr(split, "ims_path", None))
     buckets = encode_captions(model, token_ids, batch_size, precision, progress)
