@@ -33,7 +33,8 @@ def test_quick_demo_prints_the_table_and_writes_the_report(demo, capsys):
                                                                  "Ours(SGRAF)"]
     report = (out / "report.md").read_text()
     assert record["table"] in report
-    for name in ("curves.png", "retrieval_t2i.png", "retrieval_i2t.png", "explain_positive.png",
+    assert record["diagnosis_table"] in report
+    for name in ("curves.png", "diagnose.png", "retrieval_t2i.png", "retrieval_i2t.png", "explain_positive.png",
                  "explain_negative.png"):
         assert f"({name})" in report
         with Image.open(out / name) as picture:
@@ -109,3 +110,81 @@ def test_quick_demo_data_diagnoses_with_the_demo_numbers(demo, capsys):
             assert result["recall"]["standard"][direction][k] == pytest.approx(
                 record["results"]["SGRAF"][direction][k], abs=1e-6)
             assert result["recall"]["truth"][direction][k] >= result["recall"]["standard"][direction][k]
+
+
+def test_quick_demo_reports_what_each_model_tells_apart(demo):
+    out, _ = demo
+    record = json.loads((out / "results.json").read_text())
+    from sgraf.data.benchmark import load_scenes
+    from sgraf.diagnose import diagnose_sims
+
+    test = PrecompSplit(out / "data", "test")
+    sgr = load_model(out / "runs" / "sgr" / "best.pt")
+    from sgraf.scoring import encode_split, score_matrix
+
+    sims = score_matrix([sgr], [encode_split(sgr, test, sgr.vocab)])
+    expected = diagnose_sims(sims, load_scenes(out / "data", "test"))
+    assert record["diagnose"]["SGR"]["all"] == expected["all"]
+    for direction in ("i2t", "t2i"):
+        assert record["diagnose"]["SGR"]["recall"]["truth"][direction] == pytest.approx(
+            expected["recall"]["truth"][direction])
+    row = next(line for line in record["diagnosis_table"].splitlines() if line.startswith("Ours(SGR)"))
+    cells = row.replace("|", " ").split()[1:]
+    assert cells == [f"{100 * expected[k]['group']:.1f}" for k in ("binding", "attribute", "relation", "count", "all")] \
+        + [f"{expected['recall']['truth'][d]['r1']:.1f}" for d in ("i2t", "t2i")]
+    assert record["seeds"] == [0] and len(record["per_seed"]) == 1
+    assert record["summary"]["results"]["SGR"]["rsum"] == {"mean": record["results"]["SGR"]["rsum"], "sd": None}
+
+
+def test_demo_with_several_seeds_reports_mean_and_sd(tmp_path, capsys):
+    out = tmp_path / "seeds"
+    assert main(["demo", "--quick", "--out", str(out), "--seed", "4", "--seeds", "2", "--set", "sgr_step=1"]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((out / "results.json").read_text())
+    assert record["seeds"] == [4, 5] and [entry["seed"] for entry in record["per_seed"]] == [4, 5]
+    assert "sgr_step=1" in record["settings"]["train_overrides"] and "sgr_step=2" not in record["settings"]["train_overrides"]
+    for label, run in (("SGR", out / "runs" / "sgr"), ("SAF", out / "runs" / "seed-5" / "saf")):
+        assert (run / "best.pt").is_file()
+    assert load_model(out / "runs" / "seed-5" / "sgr" / "best.pt").config.sgr_step == 1
+    first, second = (entry["results"]["SGR"]["rsum"] for entry in record["per_seed"])
+    assert first != second                                   # the seeds train different models
+    assert record["results"]["SGR"]["rsum"] == first         # runs/ holds the first seed's models
+    summary = record["summary"]["results"]["SGR"]["rsum"]
+    assert summary["mean"] == pytest.approx((first + second) / 2)
+    assert summary["sd"] == pytest.approx(abs(first - second) / np.sqrt(2))
+    groups = [entry["diagnose"]["SAF"]["count"]["group"] for entry in record["per_seed"]]
+    assert record["summary"]["diagnose"]["SAF"]["count"]["group"]["mean"] == pytest.approx(np.mean(groups))
+    assert "mean \u00b1 sd over 2 training seeds (4, 5)" in record["table"]
+    sgr_row = next(line for line in record["table"].splitlines() if line.startswith("Ours(SGR)"))
+    assert sgr_row.rstrip().endswith(f"{summary['mean']:.1f}\u00b1{summary['sd']:.1f}")
+    assert record["table"] in printed and record["diagnosis_table"] in printed
+    assert "\u00b1" in record["diagnosis_table"]
+    assert "2 seeds (4, 5)" in (out / "report.md").read_text()
+    with Image.open(out / "diagnose.png") as picture:
+        assert picture.format == "PNG"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--set", "seed=3"], "--set seed=3: the demo sets seed itself"),
+    (["--set", "module=saf"], "--set module=saf: the demo sets module itself"),
+    (["--set", "epochs"], "--set epochs: expected KEY=VALUE"),
+    (["--set", "warmup_epochs=1"], "'warmup_epochs' .* needs max_violation=true"),
+    (["--set", "epochz=3"], "unknown"),
+    (["--seeds", "0"], "argument --seeds: expected a positive integer, got 0"),
+])
+def test_demo_refuses_bad_settings_before_it_writes(tmp_path, capsys, extra, message):
+    import re
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out), *extra]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_mean_sd_of_nested_results():
+    from sgraf.demo import mean_sd
+
+    summary = mean_sd([{"a": 1.0, "b": {"c": 2, "d": None}, "e": "x"}, {"a": 3.0, "b": {"c": 4, "d": None}, "e": "x"}])
+    assert summary == {"a": {"mean": 2.0, "sd": pytest.approx(np.sqrt(2))}, "b": {"c": {"mean": 3.0,
+                       "sd": pytest.approx(np.sqrt(2))}, "d": None}, "e": "x"}
+    assert mean_sd([{"a": 5.0}]) == {"a": {"mean": 5.0, "sd": None}}

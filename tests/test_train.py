@@ -85,6 +85,8 @@ def test_unknown_key_lists_valid_keys(tmp_path):
     ("precision=fp8", "'precision' must be one of fp32, bf16, fp16"),
     ("bi_gru=maybe", "'bi_gru' expects true or false"),
     ("lr", "--set expects key=value"),
+    ("warmup_epochs=-1", "'warmup_epochs' must be an integer >= 0"),
+    ("warmup_epochs=1", "'warmup_epochs' .* it needs max_violation=true"),   # tiny sums throughout
 ])
 def test_bad_values_are_named(override, message):
     with pytest.raises(InputError, match=message):
@@ -121,6 +123,32 @@ def test_sampler_depends_on_seed_and_epoch_only_and_shards_the_global_batch():
         assert sum((s[k] for s in shards), []) == batch.tolist() if hasattr(batch, "tolist") else batch
     assert list(EpochBatchSampler(50, 16, 3, 2, start_batch=2)) == batches[2:]
     assert len(EpochBatchSampler(50, 16, 3, 2, start_batch=2)) == 2
+
+
+def test_warm_up_sums_the_hinge_for_its_epochs_then_takes_the_hardest_negatives():
+    config = preset("tiny").replace(max_violation=True, warmup_epochs=2)
+    assert [config.loss_for_epoch(e).max_violation for e in range(4)] == [False, False, True, True]
+    assert config.loss_for_epoch(3) is config and config.loss_for_epoch(0).warmup_epochs == 0
+    scores = torch.tensor([[0.9, 0.8, 0.75], [0.85, 0.9, 0.8], [0.8, 0.85, 0.9]])   # two violators per row
+    summed, hardest = batch_loss(scores, config.loss_for_epoch(0)), batch_loss(scores, config)
+    # violations (0.2 + s - 0.9): rows 0.1 + 0.05, 0.15 + 0.1, 0.1 + 0.15; columns 0.15 + 0.1, 0.1 + 0.15, 0.05 + 0.1
+    assert summed.item() == pytest.approx(1.3, abs=1e-6)
+    assert hardest.item() == pytest.approx(0.8, abs=1e-6)     # the largest of each: 0.4 over rows, 0.4 over columns
+
+
+def test_training_with_a_warm_up_switches_the_loss_at_the_epoch(toy_data, tmp_path, monkeypatch, caplog):
+    hardest = []
+    real_step = loop.train_step
+
+    def step(model, optimizer, batch, config, *args, **kwargs):
+        hardest.append(config.max_violation)
+        return real_step(model, optimizer, batch, config, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", step)
+    caplog.set_level("INFO", logger="sgraf.training.loop")
+    assert _train(toy_data, tmp_path / "run", "--set", "epochs=3", "max_violation=true", "warmup_epochs=1") == 0
+    assert hardest == [False] * 15 + [True] * 30      # 15 steps per epoch
+    assert "summed over all negatives for the first 1 epoch(s), then the hardest negatives" in caplog.text
 
 
 def test_same_image_option_removes_those_pairs_from_the_negatives():

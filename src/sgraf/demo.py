@@ -6,9 +6,14 @@
    Table 3 row 1: FC + sigmoid on the global alignment alone, `alignments='global'`,
    `module='ave'`) with the training engine (`sgraf.training.fit`, the `demo` preset).
 3. Evaluate each, and the SGRAF ensemble (the mean of the SGR and SAF score matrices), on
-   the test split; print a table laid out like the paper's Table 1.
-4. Write a run folder: `report.md`, `results.json`, the training curves, retrieval examples
-   (through a gallery index and two-stage search) and attention pictures (`sgraf.explain`).
+   the test split; print a table laid out like the paper's Table 1, and what each model tells
+   apart in the benchmark's families (`sgraf.diagnose`: Winoground scores per kind of hard
+   negative, truth-aware recall).
+4. With several training seeds, repeat 2-3 per seed on the same data and report the mean and
+   standard deviation of every figure.
+5. Write a run folder: `report.md`, `results.json`, the training curves, the per-kind group
+   scores, retrieval examples (through a gallery index and two-stage search) and attention
+   pictures (`sgraf.explain`), the pictures from the first seed's models.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ METHODS = (  # label, training overrides
     ("SAF", {"module": "saf"}),
     ("SGR", {"module": "sgr"}),
 )
+LABELS = ("global-only", "SAF", "SGR", "SGRAF")
+# Training keys the demo sets itself (per model, per seed), so `--set` may not change them.
+FIXED_KEYS = ("module", "alignments", "seed")
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ def _choose_features(features: str) -> tuple[str, Any]:
 
 # What a demo writes at the top of its folder; removed when the next demo starts, so that a
 # stopped demo never leaves the report of an earlier one beside its new runs.
-OUTPUTS = ("results.json", "report.md", "curves.png", "retrieval_t2i.png", "retrieval_i2t.png",
+OUTPUTS = ("results.json", "report.md", "curves.png", "diagnose.png", "retrieval_t2i.png", "retrieval_i2t.png",
            "explain_positive.png", "explain_negative.png", "runs", "index")
 
 
@@ -117,7 +125,7 @@ def _prepare_out(out: Path) -> None:
 
 def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[str, Any]:
     """Generate the benchmark, or reuse the one a previous demo left with the same settings."""
-    from sgraf.data.benchmark import generate_benchmark
+    from sgraf.data.benchmark import GENERATOR_VERSION, generate_benchmark
 
     data = out / "data"
     wanted_images = {"train": settings.n_train, "dev": settings.n_dev, "test": settings.n_test}
@@ -128,7 +136,8 @@ def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[s
         except ValueError:  # not JSON or not UTF-8: the benchmark is generated again
             logger.warning("%s is unreadable: generating the benchmark again", meta_path)
             meta = {}
-        if isinstance(meta, dict) and meta.get("images") == wanted_images and meta.get("seed") == seed and (
+        if isinstance(meta, dict) and meta.get("images") == wanted_images and meta.get("seed") == seed and meta.get(
+                "generator_version") == GENERATOR_VERSION and (
                 features == "auto" or meta.get("features") == features):
             logger.info("reusing the benchmark in %s", data)
             return meta
@@ -137,8 +146,15 @@ def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[s
                               n_test=settings.n_test, backbone=backbone, overwrite=True)
 
 
-def _evaluate(models: dict[str, Any], split: Any) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
-    """Test metrics of each model and of the SGR + SAF ensemble; also the score matrices."""
+def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]] | None
+              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, np.ndarray]]:
+    """Test metrics and diagnosis of each model and of the SGR + SAF ensemble; also the score matrices.
+
+    Returns:
+        ({label: `evaluate_sims` result}, {label: `diagnose_sims` result, empty without scenes},
+        {label: (n_images, n_captions) scores}).
+    """
+    from sgraf.diagnose import diagnose_sims
     from sgraf.metrics import evaluate_sims
     from sgraf.scoring import encode_split, score_matrix
 
@@ -147,36 +163,124 @@ def _evaluate(models: dict[str, Any], split: Any) -> tuple[dict[str, dict[str, A
         encoded = encode_split(model, split, model.vocab, batch_size=128)
         sims[label] = score_matrix([model], [encoded])
     sims["SGRAF"] = (sims["SGR"] + sims["SAF"]) / 2
-    return {label: evaluate_sims(matrix) for label, matrix in sims.items()}, sims
+    results = {label: evaluate_sims(matrix) for label, matrix in sims.items()}
+    diagnosis = {label: diagnose_sims(matrix, scenes) for label, matrix in sims.items()} if scenes else {}
+    return results, diagnosis, sims
+
+
+def mean_sd(values: list[Any]) -> Any:
+    """The mean and sample standard deviation of numbers at the same place in nested dicts.
+
+    `[{"rsum": 1.0, "i2t": {"r1": 2.0}}, ...]` -> `{"rsum": {"mean", "sd"}, "i2t": {"r1": {...}}}`;
+    `sd` is None for one value; a place that is None in every dict stays None.
+    """
+    first = values[0]
+    if isinstance(first, dict):
+        return {key: mean_sd([value[key] for value in values]) for key in first}
+    if first is None or isinstance(first, (str, bool)):
+        return first
+    numbers = np.asarray(values, dtype=np.float64)
+    return {"mean": float(numbers.mean()), "sd": float(numbers.std(ddof=1)) if len(numbers) > 1 else None}
+
+
+def _cell(value: Any, width: int) -> str:
+    """A number, or `mean±sd` from `mean_sd`, right-aligned in `width` characters."""
+    if value is None:
+        return f"{'-':>{width}}"
+    if isinstance(value, dict):
+        if value["sd"] is None:
+            return f"{value['mean']:>{width}.1f}"
+        return f"{value['mean']:.1f}\u00b1{value['sd']:.1f}".rjust(width)
+    return f"{value:>{width}.1f}"
+
+
+def _name(label: str) -> str:
+    return label if label == "global-only" else f"Ours({label})"
 
 
 def format_table(results: dict[str, dict[str, Any]], title: str) -> str:
-    """The test results in the layout of the paper's Table 1 (R@K in %, plus rsum)."""
-    order = [m for m in ("global-only", "SAF", "SGR", "SGRAF") if m in results]
-    lines = [title,
-             f"{'':<14}| {'Sentence Retrieval':^20} | {'Image Retrieval':^20} |",
-             f"{'Methods':<14}| {'R@1':>6}{'R@5':>7}{'R@10':>7} | {'R@1':>6}{'R@5':>7}{'R@10':>7} | {'rsum':>6}",
-             "-" * 66]
+    """The test results in the layout of the paper's Table 1 (R@K in %, plus rsum).
+
+    `results` holds `evaluate_sims` results, or their `mean_sd` summaries (cells `mean±sd`).
+    """
+    order = [m for m in LABELS if m in results]
+    spread = any(isinstance(results[m]["rsum"], dict) and results[m]["rsum"]["sd"] is not None for m in order)
+    width = 10 if spread else 7
+    rsum_width = width + 1 if spread else width
+    side = 3 * width - 1
+    rows = []
     for label in order:
         result = results[label]
-        name = label if label == "global-only" else f"Ours({label})"
         i2t, t2i = result["i2t"], result["t2i"]
-        lines.append(f"{name:<14}| {i2t['r1']:>6.1f}{i2t['r5']:>7.1f}{i2t['r10']:>7.1f} | "
-                     f"{t2i['r1']:>6.1f}{t2i['r5']:>7.1f}{t2i['r10']:>7.1f} | {result['rsum']:>6.1f}")
-    return "\n".join(lines)
+        rows.append(f"{_name(label):<14}|{_cell(i2t['r1'], width)}{_cell(i2t['r5'], width)}{_cell(i2t['r10'], width)} |"
+                    f"{_cell(t2i['r1'], width)}{_cell(t2i['r5'], width)}{_cell(t2i['r10'], width)} |"
+                    f"{_cell(result['rsum'], rsum_width)}")
+    return "\n".join([title,
+                      f"{'':<14}| {'Sentence Retrieval':^{side}} | {'Image Retrieval':^{side}} |",
+                      f"{'Methods':<14}| {'R@1':>{width - 1}}{'R@5':>{width}}{'R@10':>{width}} | "
+                      f"{'R@1':>{width - 1}}{'R@5':>{width}}{'R@10':>{width}} |{'rsum':>{rsum_width}}",
+                      "-" * max(len(row) for row in rows), *rows])
+
+
+def format_diagnosis(diagnosis: dict[str, dict[str, Any]], title: str) -> str:
+    """Winoground group score per kind of hard negative, and truth-aware R@1, per model (in %).
+
+    `diagnosis` holds `diagnose_sims` results, or their `mean_sd` summaries.
+    """
+    from sgraf.data.benchmark import VARIANTS
+
+    def percent(value: Any) -> Any:   # fractions -> percent, keeping the mean_sd shape
+        if isinstance(value, dict):
+            return {"mean": 100 * value["mean"], "sd": None if value["sd"] is None else 100 * value["sd"]}
+        return None if value is None else 100 * value
+
+    order = [m for m in LABELS if m in diagnosis]
+    spread = any(isinstance(diagnosis[m]["all"]["group"], dict) and diagnosis[m]["all"]["group"]["sd"] is not None
+                 for m in order)
+    width = 11 if spread else 10
+    kinds = (*VARIANTS, "all")
+    rows = []
+    for label in order:
+        row = diagnosis[label]
+        truth = row["recall"]["truth"]
+        rows.append(f"{_name(label):<14}|" + "".join(_cell(percent(row[kind]["group"]), width) for kind in kinds)
+                    + " |" + _cell(truth["i2t"]["r1"], width) + _cell(truth["t2i"]["r1"], width))
+    return "\n".join([title,
+                      f"{'':<14}|{'Winoground group score (chance 16.7)':^{width * len(kinds)}} |"
+                      f"{'truth-aware R@1':^{2 * width}}",
+                      f"{'Methods':<14}|" + "".join(f"{kind:>{width}}" for kind in kinds) + " |"
+                      + f"{'i2t':>{width}}{'t2i':>{width}}",
+                      "-" * max(len(row) for row in rows), *rows])
 
 
 def story(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Whether the run tells the paper's story, in rsum: SGRAF >= max(SGR, SAF) > global-only."""
+    """Whether the run tells the paper's story, in rsum: SGRAF >= max(SGR, SAF) > global-only.
+
+    `results` holds `evaluate_sims` results or `mean_sd` summaries (then the means are compared).
+    """
     rsum = {label: results[label]["rsum"] for label in results}
+    rsum = {label: value["mean"] if isinstance(value, dict) else value for label, value in rsum.items()}
     best_single = max(rsum["SGR"], rsum["SAF"])
     return {"sgraf_ge_best_single": rsum["SGRAF"] >= best_single,
             "best_single_gt_global": best_single > rsum["global-only"],
             "rsum": rsum}
 
 
+def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
+    """The demo's `--set` pairs, refusing keys the demo sets itself and pairs without '='."""
+    pairs = tuple(overrides)
+    for pair in pairs:
+        key, equals, _ = pair.partition("=")
+        if not equals:
+            raise InputError(f"--set {pair}: expected KEY=VALUE")
+        if key in FIXED_KEYS:
+            raise InputError(f"--set {pair}: the demo sets {key} itself ({', '.join(FIXED_KEYS)} are per model or "
+                             "per seed; use --seed and --seeds for the seeds)")
+    return pairs
+
+
 def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, features: str = "auto",
-             seed: int = 0, progress: bool = True) -> dict[str, Any]:
+             seed: int = 0, progress: bool = True, seeds: int = 1, overrides: Iterable[str] = ()) -> dict[str, Any]:
     """Run the demo end to end (see the module docstring).
 
     Args:
@@ -184,34 +288,73 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
         quick: a small, fast configuration for smoke tests (under a minute on 2 CPU cores).
         features: 'auto' (CNN when the vision extra is installed; synthetic with `quick`),
             'cnn' or 'synthetic'.
-        seed: data and training seed.
+        seed: the data seed, and the first training seed.
         progress: progress bars while training.
+        seeds: training seeds `seed, seed + 1, ...`, each training every model on the same data;
+            the first seed's runs are `runs/{label}`, the others `runs/seed-{s}/{label}`.
+        overrides: `key=value` training overrides applied over the demo's settings (not
+            module, alignments or seed).
 
     Returns:
-        The content of `results.json`: settings, timings, per-method test metrics, the story
-        check, and the paths of the pictures.
+        The content of `results.json`: settings, timings, the first seed's test metrics and
+        diagnosis, every seed's, their mean and sd, the story check, and the pictures' paths.
 
     Raises:
         InputError: bad arguments, or `out` holds something else or is in use by another demo.
         Stopped: SIGTERM or SIGINT stopped a training run (its `last.pt` is saved; no results
             or report are written).
     """
+    from sgraf.training import resolve_config
+    from sgraf.training.config import MAX_SEED
+
     if features not in ("auto", "cnn", "synthetic"):
         raise InputError(f"features must be auto, cnn or synthetic, got {features!r}")
+    if not isinstance(seeds, int) or seeds < 1 or seed + seeds - 1 > MAX_SEED:
+        raise InputError(f"seeds must be an integer >= 1 with seed + seeds - 1 <= {MAX_SEED}, got {seeds!r}")
     settings = QUICK if quick else FULL
+    user = check_overrides(overrides)
+    if user:
+        settings = DemoSettings(settings.n_train, settings.n_dev, settings.n_test,
+                                merge_overrides(settings.train_overrides, user), settings.shortlist)
+        resolve_config("demo", overrides=settings.train_overrides)   # a bad key or value: refused before anything runs
     if quick and features == "auto":
         features = "synthetic"  # a smoke test should not spend its time in the CNN
     out = ensure_folder(out, "--out")
     with FolderLock(out):
         _prepare_out(out)
-        return _run(out, settings, quick, features, seed, progress)
+        return _run(out, settings, quick, features, seed, list(range(seed, seed + seeds)), progress)
 
 
-def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: int, progress: bool) -> dict[str, Any]:
+def _train(out: Path, runs: Path, settings: DemoSettings, seed: int, progress: bool, suffix: str,
+           timings: dict[str, float], cpu: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Trains every model of `METHODS` with one seed into `runs/{label}`; timings under
+    `train {label}{suffix}`."""
+    from sgraf.training import fit, resolve_config
+
+    trained: dict[str, dict[str, Any]] = {}
+    for label, changes in METHODS:
+        overrides = list(merge_overrides(settings.train_overrides, (f"seed={seed}", f"progress={progress}"),
+                                         (f"{key}={value}" for key, value in changes.items())))
+        config, _ = resolve_config("demo", overrides=overrides)
+        run = runs / label.lower()
+        tic, tic_cpu = time.perf_counter(), time.process_time()
+        logger.info("training %s (%s)", label, ", ".join(overrides))
+        summary = fit(config, out / "data", run, preset="demo")
+        if summary["status"] == "interrupted":
+            raise Stopped(signal.Signals[summary["signal"]],
+                          f"while training {label}: its last.pt is saved in {run}; no results or report written")
+        key = f"train {label}{suffix}"
+        timings[key], cpu[key] = time.perf_counter() - tic, time.process_time() - tic_cpu
+        trained[label] = {"summary": summary, "config": config.to_dict()}
+    return trained
+
+
+def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: int, seeds: list[int],
+         progress: bool) -> dict[str, Any]:
     """The demo's stages in a prepared folder (see `run_demo`)."""
     from sgraf.checkpoint import load_model
+    from sgraf.data.benchmark import load_scenes
     from sgraf.data.precomp import PrecompSplit
-    from sgraf.training import fit, resolve_config
 
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
@@ -220,47 +363,60 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
     timings["data"], cpu["data"] = time.perf_counter() - started, time.process_time() - started_cpu
     data = out / "data"
 
-    runs: dict[str, dict[str, Any]] = {}
-    for label, changes in METHODS:
-        overrides = list(merge_overrides(settings.train_overrides, (f"seed={seed}", f"progress={progress}"),
-                                         (f"{key}={value}" for key, value in changes.items())))
-        config, _ = resolve_config("demo", overrides=overrides)
+    per_seed: list[dict[str, Any]] = []
+    for training_seed in seeds:
+        runs = out / "runs" if training_seed == seeds[0] else out / "runs" / f"seed-{training_seed}"
+        suffix = f" seed {training_seed}" if len(seeds) > 1 else ""
+        trained = _train(out, runs, settings, training_seed, progress, suffix, timings, cpu)
         tic, tic_cpu = time.perf_counter(), time.process_time()
-        logger.info("training %s (%s)", label, ", ".join(overrides))
-        summary = fit(config, data, out / "runs" / label.lower(), preset="demo")
-        if summary["status"] == "interrupted":
-            raise Stopped(signal.Signals[summary["signal"]],
-                          f"while training {label}: its last.pt is saved in {out / 'runs' / label.lower()}; "
-                          "no results or report written")
-        timings[f"train {label}"] = time.perf_counter() - tic
-        cpu[f"train {label}"] = time.process_time() - tic_cpu
-        runs[label] = {"summary": summary, "config": config.to_dict()}
+        if training_seed == seeds[0]:
+            test = PrecompSplit(data, "test")
+            scenes = load_scenes(data, "test") or None
+        models = {label: load_model(runs / label.lower() / "best.pt") for label, _ in METHODS}
+        results, diagnosis, sims = _evaluate(models, test, scenes)
+        timings[f"evaluate{suffix}"] = time.perf_counter() - tic
+        cpu[f"evaluate{suffix}"] = time.process_time() - tic_cpu
+        per_seed.append({"seed": training_seed, "runs": str(runs), "training": trained, "results": results,
+                         "diagnose": diagnosis})
+        if training_seed == seeds[0]:
+            first_models, first_sims = models, sims
 
+    summary = {"results": mean_sd([entry["results"] for entry in per_seed]),
+               "diagnose": mean_sd([entry["diagnose"] for entry in per_seed]) if scenes else {}}
     tic, tic_cpu = time.perf_counter(), time.process_time()
-    test = PrecompSplit(data, "test")
-    models = {label: load_model(out / "runs" / label.lower() / "best.pt") for label, _ in METHODS}
-    results, sims = _evaluate(models, test)
-    timings["evaluate"], cpu["evaluate"] = time.perf_counter() - tic, time.process_time() - tic_cpu
-
-    tic, tic_cpu = time.perf_counter(), time.process_time()
-    pictures = write_pictures(out, data, test, models, sims, settings.shortlist)
+    pictures = write_pictures(out, data, test, first_models, first_sims, settings.shortlist)
+    if scenes:
+        pictures["diagnose"] = _draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
     timings["pictures"], cpu["pictures"] = time.perf_counter() - tic, time.process_time() - tic_cpu
     timings["total"], cpu["total"] = time.perf_counter() - started, time.process_time() - started_cpu
 
-    table = format_table(results, f"Test split of the embedded benchmark: {test.n_images} images, "
-                                  f"{test.n_captions} captions ({meta['features']} features)")
+    where = (f"Test split of the embedded benchmark: {test.n_images} images, {test.n_captions} captions "
+             f"({meta['features']} features)")
+    if len(seeds) > 1:
+        where += f"; mean \u00b1 sd over {len(seeds)} training seeds ({', '.join(map(str, seeds))})"
+    shown = summary["results"] if len(seeds) > 1 else per_seed[0]["results"]
+    table = format_table(shown, where)
+    diagnosis_table = None
+    if scenes:
+        diagnosis_table = format_diagnosis(summary["diagnose"] if len(seeds) > 1 else per_seed[0]["diagnose"],
+                                           "What each model tells apart in the test families (%)")
     record = {
         "settings": asdict(settings),
         "quick": quick,
         "seed": seed,
+        "seeds": seeds,
         "benchmark": meta,
-        "training": runs,
-        "results": results,
-        "story": story(results),
+        "training": per_seed[0]["training"],
+        "results": per_seed[0]["results"],
+        "diagnose": per_seed[0]["diagnose"],
+        "per_seed": per_seed,
+        "summary": summary,
+        "story": story(shown),
         "timings_s": timings,
         "cpu_s": cpu,
         "pictures": pictures,
         "table": table,
+        "diagnosis_table": diagnosis_table,
     }
     write_text(out / "results.json", json.dumps(record, indent=1, default=str) + "\n")
     write_report(out, record)
@@ -334,6 +490,41 @@ def _curves(out: Path, path: Path) -> str:
     for axis in (loss_axis, rsum_axis):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
+    figure.tight_layout()
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=90)
+    plt.close(figure)
+    return path.name
+
+
+def _draw_diagnosis(summary: dict[str, dict[str, Any]], n_seeds: int, path: Path) -> str:
+    """Bars of the Winoground group score per kind of hard negative and model (mean over seeds,
+    with the standard deviation as error bars), the chance level dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    from sgraf.data.benchmark import VARIANTS
+
+    kinds = (*VARIANTS, "all")
+    labels = [label for label in LABELS if label in summary]
+    figure, axis = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(labels)
+    for number, label in enumerate(labels):
+        cells = [summary[label][kind]["group"] for kind in kinds]
+        means = [100 * cell["mean"] if cell else 0.0 for cell in cells]
+        errors = [100 * cell["sd"] if cell and cell["sd"] is not None else 0.0 for cell in cells]
+        positions = np.arange(len(kinds)) + (number - (len(labels) - 1) / 2) * width
+        axis.bar(positions, means, width, yerr=errors if n_seeds > 1 else None, capsize=3, label=label)
+    axis.axhline(100 / 6, color="grey", linestyle="--", linewidth=1, label="chance (16.7)")
+    axis.set_xticks(np.arange(len(kinds)), kinds)
+    axis.set(ylabel="Winoground group score (%)",
+             title="What each model tells apart, per kind of hard negative (test split"
+                   + (f"; mean \u00b1 sd over {n_seeds} seeds)" if n_seeds > 1 else ")"))
+    axis.grid(axis="y", alpha=0.3)
+    axis.legend(fontsize=8, ncol=5, loc="upper left")
+    axis.set_ylim(0, 105)
     figure.tight_layout()
     with atomic_path(path) as temporary:
         figure.savefig(temporary, format="png", dpi=90)
@@ -431,12 +622,39 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
                    f"global-only ({rsum['global-only']:.1f}).")
     settings = record["settings"]
     training = record["training"]["SGR"]["config"]
+    seeds = record.get("seeds", [record["seed"]])
+    if len(seeds) > 1:
+        seeds_text = (f"Every model was trained with {len(seeds)} seeds ({', '.join(map(str, seeds))}) on the "
+                      "same data; each figure is the mean \u00b1 the sample standard deviation over the seeds "
+                      "(every seed's figures are in `results.json`; the pictures come from the first seed's "
+                      "models).")
+    else:
+        seeds_text = "One training seed: differences of a point or two are within seed noise."
+    diagnosis = []
+    if record.get("diagnosis_table"):
+        diagnosis = [
+            "## What each model tells apart",
+            "",
+            "Every test family holds a base picture and its binding, attribute, relation and count twins. "
+            "For each twin, its captions false for the base and the base's captions false for it are "
+            "paired (`sgraf diagnose`): the **group** score counts a pair correct when each picture "
+            "scores its own caption higher and each caption scores its own picture higher (chance "
+            "16.7 %). Truth-aware R@1 counts a retrieved picture of the caption's family as correct "
+            "unless the caption is false for it.",
+            "",
+            "```",
+            record["diagnosis_table"],
+            "```",
+            "",
+            "![group scores per kind](diagnose.png)",
+            "",
+        ]
     lines = [
         "# sgraf demo report",
         "",
         f"{'Quick (smoke-test) run' if record['quick'] else 'Full run'} on the embedded benchmark "
         f"(`{record['benchmark']['features']}` features, {settings['n_train']} / {settings['n_dev']} / "
-        f"{settings['n_test']} train / dev / test images, 5 captions each, seed {record['seed']}).",
+        f"{settings['n_test']} train / dev / test images, 5 captions each, data seed {record['seed']}).",
         "",
         f"Each model trained independently with the `demo` preset plus `{' '.join(settings['train_overrides'])}` "
         f"(embed {training['embed_size']}, sim {training['sim_dim']}, {training['epochs']} epochs, "
@@ -448,9 +666,12 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         record["table"],
         "```",
         "",
-        "The paper's story (rsum):",
+        seeds_text,
+        "",
+        "The paper's story (rsum" + (", means" if len(seeds) > 1 else "") + "):",
         *verdict,
         "",
+        *diagnosis,
         f"Wall-clock timings: {timings}. CPU time of this process (all threads): {cpu}; on a "
         "machine shared with other work the wall clock overstates the cost.",
         "",

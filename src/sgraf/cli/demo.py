@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import seed
+from sgraf.cli.arguments import positive_int, seed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,7 +18,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "non-empty folder refused, and one that another demo is writing refused")
     parser.add_argument("--features", choices=("auto", "cnn", "synthetic"), default="auto",
                         help="benchmark features: CNN (vision extra) or synthetic; auto picks CNN when installed")
-    parser.add_argument("--seed", type=seed, default=0, help="data and training seed")
+    parser.add_argument("--seed", type=seed, default=0, help="data seed, and the first training seed")
+    parser.add_argument("--seeds", type=positive_int, default=1, metavar="N",
+                        help="train every model with N seeds (--seed, --seed + 1, ...) on the same data and report "
+                             "the mean and standard deviation of each figure")
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+",
+                        help="training overrides over the demo's settings (not module, alignments or seed), "
+                             "e.g. --set max_violation=false")
     parser.set_defaults(func=run)
 
 
@@ -29,8 +35,12 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.demo import run_demo
 
     record = run_demo(args.out, quick=args.quick, features=args.features, seed=args.seed,
-                      progress=not args.quick)
+                      progress=not args.quick, seeds=args.seeds, overrides=args.overrides or ())
     print(record["table"])
+    if record.get("diagnosis_table"):
+        print()
+        print(record["diagnosis_table"])
+        print()
     check = record["story"]
     print(f"SGRAF >= better of SGR/SAF: {'yes' if check['sgraf_ge_best_single'] else 'no'}; "
           f"better single > global-only: {'yes' if check['best_single_gt_global'] else 'no'}")

@@ -48,6 +48,10 @@ class TrainConfig:
         grad_clip: clip the global gradient norm to this value (0 disables clipping).
         margin: hinge margin of the ranking loss.
         max_violation: hardest negatives only (VSE++); False sums over all negatives.
+        warmup_epochs: with `max_violation`, sum the hinge over all negatives for the first
+            N epochs, then take the hardest negatives (0: hardest from the first step, the
+            authors' loss). Trained from scratch, hardest negatives can sit on the plateau of
+            a constant score; a summed warm-up leaves it (README, the demo's loss).
         same_image_positive: do not count another caption of the batch's same image as a
             negative (off in the authors' code).
         global_loss_weight: weight of an auxiliary ranking loss on the cosines of the
@@ -93,6 +97,7 @@ class TrainConfig:
     grad_clip: float = 2.0
     margin: float = 0.2
     max_violation: bool = True
+    warmup_epochs: int = 0
     same_image_positive: bool = False
     global_loss_weight: float = 0.0
     seed: int = 0
@@ -118,7 +123,7 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "lr_update", "word_dim", "embed_size", "sim_dim",
                      "num_layers", "sgr_step", "val_batch_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("workers", "val_every", "checkpoint_every", "log_every"):
+        for name in ("workers", "val_every", "checkpoint_every", "log_every", "warmup_epochs"):
             _check_int(name, getattr(self, name), minimum=0)
         _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         for name in ("img_dim", "num_regions", "val_max_captions"):
@@ -134,6 +139,10 @@ class TrainConfig:
         if self.global_loss_weight > 0 and self.alignments == "local":
             raise InputError("training config field 'global_loss_weight' needs the global vectors: alignments must be "
                              "'both' or 'global', got 'local'")
+        if self.warmup_epochs and not self.max_violation:
+            raise InputError("training config field 'warmup_epochs' sums the hinge over all negatives before "
+                             "switching to the hardest ones: it needs max_violation=true (with "
+                             f"max_violation=false the loss is summed throughout), got warmup_epochs={self.warmup_epochs}")
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"training config field 'dropout' must be in [0, 1), got {self.dropout!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -150,6 +159,12 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **_coerce_all(changes, "override"))
+
+    def loss_for_epoch(self, epoch: int) -> "TrainConfig":
+        """The config whose loss fields hold during 0-based `epoch`: summed during a warm-up."""
+        if epoch < self.warmup_epochs:
+            return dataclasses.replace(self, max_violation=False, warmup_epochs=0)
+        return self
 
     def model_config(self, vocab_size: int, img_dim: int, num_regions: int) -> ModelConfig:
         """The `ModelConfig` of this recipe for a vocabulary and data of the given sizes."""

@@ -224,6 +224,9 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: 
                     bar: Any | None = None) -> dict[str, float]:
     """Trains on the batches of `loader` (the rest of the epoch `progress.epoch`).
 
+    The hinge is summed over all negatives while `progress.epoch` is in the config's warm-up
+    (`TrainConfig.loss_for_epoch`), then follows `max_violation`.
+
     Args:
         after_step: called after each step (progress already advanced); returning True stops
             the epoch early (a signal, say).
@@ -236,6 +239,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: 
         {'loss': mean batch loss, 'steps': steps taken, 'seconds': wall time, 'stopped': 0/1}.
     """
     start, losses, stopped = time.perf_counter(), [], False
+    config = config.loss_for_epoch(progress.epoch)   # summed hinge during a warm-up
     for batch in loader:
         result = train_step(model, optimizer, batch, config, scaler, device)
         losses.append(result.loss)
@@ -465,6 +469,9 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
                 model_config.module, data_dir, len(dataset), n_steps, config.epochs, config.precision,
                 device, f", {info.world_size} processes" if info.world_size > 1 else "")
+    if config.warmup_epochs:
+        logger.info("loss: the hinge summed over all negatives for the first %d epoch(s), then the hardest "
+                    "negatives", config.warmup_epochs)
 
     last_loss = float("nan")
     last_saved_step = progress.global_step if resume else None   # the step last.pt holds
