@@ -61,3 +61,27 @@ def test_bf16_keeps_the_fp32_top_1_outside_near_ties():
         best = fp32.max(dim).values
         chosen = fp32.gather(dim, bf16.argmax(dim).unsqueeze(dim)).squeeze(dim)
         assert ((best - chosen)[changed] < tie).all()
+
+
+def test_the_block_loop_never_waits_for_the_device(monkeypatch):
+    """Inside the scorer's (image block x caption block) loop nothing synchronises with the GPU:
+    the buckets' lengths stay on the CPU, the scores stay on the device (one copy at the end)."""
+    from sgraf.model import blocks
+
+    model = random_model(6, module="sgr", num_regions=36, img_dim=64, embed_size=128, sim_dim=64).cuda()
+    lengths = torch.randint(3, 20, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    images, captions, lengths = random_batch(model, 40, lengths, seed=4)
+    encoded = blocks.encode(model, images.cuda(), captions.cuda(), torch.tensor(lengths), 128, "fp32")
+    assert all(bucket.lengths.device.type == "cpu" for bucket in encoded.buckets)
+    expected = blocks.score_encoded([model], [encoded], image_block=8)   # also fills the cached constants
+    real_block = blocks._score_block
+
+    def strict_block(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_block(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(blocks, "_score_block", strict_block)
+    assert torch.equal(blocks.score_encoded([model], [encoded], image_block=8), expected)

@@ -88,7 +88,8 @@ class CaptionBucket:
     Attributes:
         index: (n_b,) int64 positions of these captions among all captions of the call.
         embs: (n_b, L_b, d) float32 word features, zero beyond each length; L_b the longest here.
-        lengths: (n_b,) int64 token counts (``<start>`` and ``<end>`` included).
+        lengths: (n_b,) int64 token counts (``<start>`` and ``<end>`` included), on the CPU
+            whatever the device: the scorer sizes its blocks from them without waiting for it.
         glo: (n_b, d) float32 eval-mode global vectors of these captions, for models that
             provide ``caption_globals`` (None otherwise); computed once here, not per block.
     """
@@ -250,9 +251,9 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
                 for row, k in enumerate(index.tolist()):
                     padded[row, : len(token_ids[k])] = torch.as_tensor(token_ids[k], dtype=torch.int64)
             with autocast(precision, device):
-                embs = model.encode_captions(padded.to(device), bucket_lengths.to(device)).to(dtype)  # (b, L_b, d)
-                glo = caption_globals(embs, bucket_lengths.to(device)) if caption_globals else None
-            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths.to(device), glo=glo))
+                embs = model.encode_captions(padded.to(device), bucket_lengths).to(dtype)  # (b, L_b, d)
+                glo = caption_globals(embs, bucket_lengths) if caption_globals else None
+            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths, glo=glo))
             if on_batch is not None:
                 on_batch(len(index))
     return buckets
@@ -281,8 +282,8 @@ def bucket_words(model: Scorer, words: torch.Tensor, lengths: torch.Tensor, batc
         for index, bucket_lengths in _length_buckets(lengths, batch_size):
             embs = words[index.to(words.device), : int(bucket_lengths.max())].to(device, model_dtype(model))
             with autocast(precision, device):
-                glo = caption_globals(embs, bucket_lengths.to(device)) if caption_globals else None
-            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths.to(device), glo=glo))
+                glo = caption_globals(embs, bucket_lengths) if caption_globals else None
+            buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths, glo=glo))
     return buckets
 
 

@@ -254,8 +254,11 @@ class SGRAF(nn.Module):
         return self.img_enc(images)
 
     def encode_captions(self, captions: torch.Tensor, lengths: Any) -> torch.Tensor:
-        """(n_cap, L) ids, lengths in any order -> (n_cap, max(lengths), d), zero beyond each length."""
-        lengths = _as_lengths(lengths, captions.device)
+        """(n_cap, L) ids, lengths in any order -> (n_cap, max(lengths), d), zero beyond each length.
+
+        Lengths stay where they are given: on the CPU (where the GRU's packing reads them) they
+        are read without waiting for the device."""
+        lengths = _as_lengths(lengths, None)
         return self.txt_enc(captions[:, : int(lengths.max())], lengths)
 
     # ------------------------------------------------------------------ similarity
@@ -271,10 +274,12 @@ class SGRAF(nn.Module):
             gram: optional `region_grams(img_embs)`, for a scorer that scores the same images
                 against many caption blocks. Ignored in training.
         """
+        host_lengths = _host_lengths(lengths)
         words, word_mask, lengths = _masked_words(cap_embs, lengths)
         if not self.training and not torch.is_grad_enabled() and self.sim_enc.supports_fast() \
                 and img_embs.dtype != torch.float64 and words.dtype != torch.float64:
-            return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo, gram)
+            return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo, gram,
+                                               host_lengths)
         if self.training:
             return self._train_similarity_heads(img_embs, words, word_mask, lengths)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
@@ -416,10 +421,13 @@ class SGRAF(nn.Module):
 
     def _eval_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                                lengths: torch.Tensor, img_glo: torch.Tensor | None,
-                               cap_glo: torch.Tensor | None, gram: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                               cap_glo: torch.Tensor | None, gram: torch.Tensor | None,
+                               host_lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Eval fast path: explicit precision instead of autocast (see `fast_forward`), in
         cache-sized chunks; the global vectors (or given), the global nodes, the Gram matrices
-        (or given) and the casts to the matmul dtype done once for the block."""
+        (or given) and the casts to the matmul dtype done once for the block. `host_lengths`, the
+        lengths on the CPU when the caller has them there, size the chunks without waiting for
+        the device."""
         sim = self.sim_enc
         device = words.device
         low = compute_dtype(device)
@@ -438,7 +446,8 @@ class SGRAF(nn.Module):
                 gram = sim.region_gram(img_embs)
             regions, words = img_embs.to(low), words.to(low)
             for rows, cols in self.eval_chunks(n_img, n_cap, words.size(1), low, device):
-                n_words = int(lengths[cols].max())   # a chunk is padded to its own longest caption
+                # a chunk is padded to its own longest caption
+                n_words = int((lengths if host_lengths is None else host_lengths)[cols].max())
                 nodes, node_mask = sim.fast_forward(
                     regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
                     None if glo_nodes is None else glo_nodes[rows, cols], None if gram is None else gram[rows],
@@ -606,14 +615,29 @@ class SGRAF(nn.Module):
         return blocks.score_encoded([self], [encoded], precision).to(images.device)
 
 
+def _host_lengths(lengths: Any) -> torch.Tensor | None:
+    """`lengths` if they are a tensor on the CPU (read without waiting for a device), else None."""
+    return lengths if isinstance(lengths, torch.Tensor) and lengths.device.type == "cpu" else None
+
+
 def _masked_words(cap_embs: torch.Tensor, lengths: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Word embeddings trimmed to the longest caption and zeroed beyond each length.
 
+    Lengths given on the CPU size the trim there and are copied to the embeddings' device
+    without a host synchronisation (the block scorer keeps its buckets' lengths on the CPU).
+
     Returns:
-        words (n_cap, L, d), word_mask (n_cap, L) bool, lengths (n_cap,) int64.
+        words (n_cap, L, d), word_mask (n_cap, L) bool, lengths (n_cap,) int64 on the
+        embeddings' device.
     """
-    lengths = _as_lengths(lengths, cap_embs.device)
-    n_words = int(lengths.max())
+    host = _host_lengths(lengths)
+    if host is not None:
+        host = _as_lengths(host, host.device)
+        n_words = int(host.max())
+        lengths = host.to(cap_embs.device, non_blocking=True)
+    else:
+        lengths = _as_lengths(lengths, cap_embs.device)
+        n_words = int(lengths.max())
     if n_words > cap_embs.size(1):
         raise InputError(f"a caption length ({n_words}) exceeds the word embeddings' length {cap_embs.size(1)}")
     word_mask = torch.arange(n_words, device=cap_embs.device) < lengths.unsqueeze(1)    # (n_cap, L)
@@ -621,8 +645,9 @@ def _masked_words(cap_embs: torch.Tensor, lengths: Any) -> tuple[torch.Tensor, t
     return words, word_mask, lengths
 
 
-def _as_lengths(lengths: Any, device: torch.device) -> torch.Tensor:
-    """Lengths as a 1-D int64 tensor; InputError if they are not whole numbers."""
+def _as_lengths(lengths: Any, device: torch.device | str | None) -> torch.Tensor:
+    """Lengths as a 1-D int64 tensor on `device` (None: a tensor stays where it is, anything
+    else goes to the CPU); InputError if they are not whole numbers."""
     try:
         tensor = torch.as_tensor(lengths, device=device)
     except (TypeError, ValueError, RuntimeError) as error:
