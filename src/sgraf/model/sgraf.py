@@ -281,7 +281,7 @@ class SGRAF(nn.Module):
             return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo, gram,
                                                host_lengths)
         if self.training:
-            return self._train_similarity_heads(img_embs, words, word_mask, lengths)
+            return self._train_similarity_heads(img_embs, words, word_mask, lengths, host_lengths)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
         return self.sim_enc.head_scores(nodes, node_mask, self.heads)
 
@@ -515,8 +515,12 @@ class SGRAF(nn.Module):
         return chunks
 
     def _train_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                                lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+                                lengths: torch.Tensor, host_lengths: torch.Tensor | None = None
+                                ) -> dict[str, torch.Tensor]:
         """Train-mode scores, the captions in chunks; each chunk recomputed in backward.
+
+        The chunks are cut from the lengths on the CPU (`host_lengths` when the caller has them
+        there, as the training loop does: no wait for the device; else one copy).
 
         Only the BatchNorm-free, RNG-free part runs per chunk (`train_nodes` and the heads); the
         global vectors (VisualSA's BatchNorm, the dropouts) are computed once, before. SAF's
@@ -544,10 +548,11 @@ class SGRAF(nn.Module):
 
         columns: dict[str, list[torch.Tensor]] = {head: [] for head in heads}
         means, variances = [], []
-        chunks = self.train_chunks(img_embs.size(0), lengths)
+        host_lengths = lengths.cpu() if host_lengths is None else host_lengths
+        chunks = self.train_chunks(img_embs.size(0), host_lengths)
         for index in chunks:
+            n_words = int(host_lengths[index].max())
             index = index.to(words.device)
-            n_words = int(lengths[index].max())
             chunk_words, chunk_mask = words[index, :n_words], word_mask[index, :n_words]
             chunk_glo = None if cap_glo is None else cap_glo[index]
             args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo)

@@ -136,7 +136,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     device = torch.device(device)
     images = batch.images.to(device, non_blocking=True)          # (n, K, img_dim)
     captions = batch.captions.to(device, non_blocking=True)      # (n, L)
-    lengths = batch.lengths.to(device)                           # (n,)
+    lengths = batch.lengths                                      # (n,) on the CPU: read there, no device wait
     params = [p for p in model.parameters() if p.requires_grad]
     norms = per_caption_norms(model) if distributed.is_distributed() else []
     norms_before = snapshot_norms(norms)
