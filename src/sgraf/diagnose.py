@@ -37,6 +37,13 @@ SCORES = ("text", "image", "group")
 RECALL_AT = (1, 5, 10)
 
 
+def check_false_for(scenes: Sequence[Mapping[str, Any]], where: str) -> None:
+    """InputError if the scenes' captions carry no `false_for` (a data set from an earlier sgraf)."""
+    if any("false_for" not in row for row in scenes):
+        raise InputError(f"{where}: the captions carry no false_for (written by an earlier sgraf); regenerate "
+                         "the data with sgraf generate --overwrite")
+
+
 def check_scenes(scenes: Sequence[Mapping[str, Any]], n_images: int, n_captions: int, where: str) -> int:
     """Captions per image, after checking that the scenes describe this (n_images, n_captions) split.
 
@@ -46,9 +53,7 @@ def check_scenes(scenes: Sequence[Mapping[str, Any]], n_images: int, n_captions:
     """
     if not scenes:
         raise InputError(f"{where}: no scenes; diagnose needs a data set written by sgraf generate")
-    if any("false_for" not in row for row in scenes):
-        raise InputError(f"{where}: the captions carry no false_for (written by an earlier sgraf); regenerate "
-                         "the data with sgraf generate --overwrite")
+    check_false_for(scenes, where)
     if len(scenes) != n_images or [row.get("index") for row in scenes] != list(range(n_images)):
         raise InputError(f"{where}: {len(scenes)} scenes, but the score matrix has {n_images} images; expected "
                          "one scene per image, in order")

@@ -77,6 +77,23 @@ def utf8_text(value: str) -> str:
     return value
 
 
+def add_score_source(parser: argparse.ArgumentParser, sims_help: str) -> None:
+    """Exactly one of `--checkpoint PATH` (repeatable: an ensemble) or `--sims FILE.npy ...`
+    (saved score matrices), for the commands that score a split (`evaluate`, `diagnose`)."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", action="append", metavar="PATH",
+                        help="our checkpoint or the authors' .pth.tar; repeat for an ensemble")
+    source.add_argument("--sims", nargs="+", metavar="FILE.npy", help=sims_help)
+
+
+def check_score_source(args: argparse.Namespace) -> None:
+    """InputError for options that apply to `--checkpoint` only but came with `--sims`."""
+    from sgraf.errors import InputError
+
+    if args.sims and args.vocab:
+        raise InputError("--vocab applies to --checkpoint, not to --sims")
+
+
 def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False) -> None:
     """The options of a command that scores a split with checkpoints as `sgraf evaluate` does
     (`evaluate`, `diagnose`): vocabulary, saved matrix, JSON, precision, batch size, device, quiet."""

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import add_scoring_options
+from sgraf.cli.arguments import add_score_source, add_scoring_options, check_score_source
 
 logger = logging.getLogger(__name__)
 
@@ -21,11 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "recall counts a picture of the caption's family as correct unless the caption is false "
                     "for it.",
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", action="append", metavar="PATH",
-                        help="our checkpoint or the authors' .pth.tar; repeat for an ensemble")
-    source.add_argument("--sims", nargs="+", metavar="FILE.npy",
-                        help="saved (n_images, n_captions) score matrices of the split (averaged)")
+    add_score_source(parser, "saved (n_images, n_captions) score matrices of the split (averaged)")
     parser.add_argument("--data", metavar="DIR", required=True,
                         help="a folder written by sgraf generate (with {SPLIT}_scenes.jsonl)")
     parser.add_argument("--split", default="test", help="split name")
@@ -45,12 +41,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--data {args.data}: no {scenes_path.name}; diagnose needs a data set written by "
                          "sgraf generate")
     scenes = load_scenes(args.data, args.split)
-    if scenes and any("false_for" not in row for row in scenes):
-        raise InputError(f"{scenes_path}: the captions carry no false_for (written by an earlier sgraf); "
-                         "regenerate the data with sgraf generate --overwrite")
+    diagnose.check_false_for(scenes, str(scenes_path))   # before scoring, which takes the time
+    check_score_source(args)
     if args.sims:
-        if args.vocab:
-            raise InputError("--vocab applies to --checkpoint, not to --sims")
         _, sims = evaluate.evaluate_sims_files_with_sims(args.sims, data_dir=args.data, split=args.split,
                                                          save_sims=args.save_sims)
     else:

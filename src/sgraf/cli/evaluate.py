@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import add_scoring_options, positive_int
+from sgraf.cli.arguments import add_score_source, add_scoring_options, check_score_source, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -19,11 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "--checkpoint (or --sims) are evaluated on the average of their score matrices. "
                     "Runs on several processes with torchrun, each scoring a share of the images.",
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", action="append", metavar="PATH",
-                        help="our checkpoint or the authors' .pth.tar; repeat for an ensemble")
-    source.add_argument("--sims", nargs="+", metavar="FILE.npy",
-                        help="saved (n_images, n_captions) score matrices to evaluate or average")
+    add_score_source(parser, "saved (n_images, n_captions) score matrices to evaluate or average")
     parser.add_argument("--data", metavar="DIR", help="directory with {SPLIT}_ims.npy and {SPLIT}_caps.txt "
                         "(required with --checkpoint; with --sims, checks the matrices' shape)")
     parser.add_argument("--split", default="test", help="split name (MSCOCO: testall)")
@@ -40,9 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
     from sgraf.precision import tf32
 
+    check_score_source(args)
     if args.sims:
-        if args.vocab:
-            raise InputError("--vocab applies to --checkpoint, not to --sims")
         result = evaluate.evaluate_sims_files(args.sims, folds=args.folds, data_dir=args.data,
                                               split=args.split if args.data else None, save_sims=args.save_sims)
     else:
