@@ -635,14 +635,9 @@ def _masked_words(cap_embs: torch.Tensor, lengths: Any) -> tuple[torch.Tensor, t
         words (n_cap, L, d), word_mask (n_cap, L) bool, lengths (n_cap,) int64 on the
         embeddings' device.
     """
-    host = _host_lengths(lengths)
-    if host is not None:
-        host = _as_lengths(host, host.device)
-        n_words = int(host.max())
-        lengths = host.to(cap_embs.device, non_blocking=True)
-    else:
-        lengths = _as_lengths(lengths, cap_embs.device)
-        n_words = int(lengths.max())
+    lengths = _as_lengths(lengths, None)   # a tensor stays where it is, a sequence goes to the CPU
+    n_words = int(lengths.max())
+    lengths = lengths.to(cap_embs.device, non_blocking=True)
     if n_words > cap_embs.size(1):
         raise InputError(f"a caption length ({n_words}) exceeds the word embeddings' length {cap_embs.size(1)}")
     word_mask = torch.arange(n_words, device=cap_embs.device) < lengths.unsqueeze(1)    # (n_cap, L)
