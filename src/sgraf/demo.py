@@ -149,12 +149,12 @@ def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[s
                               n_test=settings.n_test, backbone=backbone, overwrite=True)
 
 
-def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]] | None
+def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]
               ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, np.ndarray]]:
     """Test metrics and diagnosis of each model and of the SGR + SAF ensemble; also the score matrices.
 
     Returns:
-        ({label: `evaluate_sims` result}, {label: `diagnose_sims` result, empty without scenes},
+        ({label: `evaluate_sims` result}, {label: `diagnose_sims` result},
         {label: (n_images, n_captions) scores}).
     """
     from sgraf.diagnose import diagnose_sims
@@ -167,7 +167,7 @@ def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]] |
         sims[label] = score_matrix([model], [encoded])
     sims["SGRAF"] = (sims["SGR"] + sims["SAF"]) / 2
     results = {label: evaluate_sims(matrix) for label, matrix in sims.items()}
-    diagnosis = {label: diagnose_sims(matrix, scenes) for label, matrix in sims.items()} if scenes else {}
+    diagnosis = {label: diagnose_sims(matrix, scenes) for label, matrix in sims.items()}
     return results, diagnosis, sims
 
 
@@ -374,7 +374,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         tic, tic_cpu = time.perf_counter(), time.process_time()
         if training_seed == seeds[0]:
             test = PrecompSplit(data, "test")
-            scenes = load_scenes(data, "test") or None
+            scenes = load_scenes(data, "test")
         models = {label: load_model(runs / label.lower() / "best.pt") for label, _ in METHODS}
         results, diagnosis, sims = _evaluate(models, test, scenes)
         timings[f"evaluate{suffix}"] = time.perf_counter() - tic
@@ -385,11 +385,10 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
             first_models, first_sims = models, sims
 
     summary = {"results": mean_sd([entry["results"] for entry in per_seed]),
-               "diagnose": mean_sd([entry["diagnose"] for entry in per_seed]) if scenes else {}}
+               "diagnose": mean_sd([entry["diagnose"] for entry in per_seed])}
     tic, tic_cpu = time.perf_counter(), time.process_time()
     pictures = write_pictures(out, data, test, first_models, first_sims, settings.shortlist)
-    if scenes:
-        pictures["diagnose"] = _draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
+    pictures["diagnose"] = _draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
     timings["pictures"], cpu["pictures"] = time.perf_counter() - tic, time.process_time() - tic_cpu
     timings["total"], cpu["total"] = time.perf_counter() - started, time.process_time() - started_cpu
 
@@ -397,12 +396,9 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
              f"({meta['features']} features)")
     if len(seeds) > 1:
         where += f"; mean \u00b1 sd over {len(seeds)} training seeds ({', '.join(map(str, seeds))})"
-    shown = summary["results"] if len(seeds) > 1 else per_seed[0]["results"]
-    table = format_table(shown, where)
-    diagnosis_table = None
-    if scenes:
-        diagnosis_table = format_diagnosis(summary["diagnose"] if len(seeds) > 1 else per_seed[0]["diagnose"],
-                                           "What each model tells apart in the test families (%)")
+    # with one seed the summary's cells are that seed's figures (no sd): the same tables
+    table = format_table(summary["results"], where)
+    diagnosis_table = format_diagnosis(summary["diagnose"], "What each model tells apart in the test families (%)")
     record = {
         "settings": asdict(settings),
         "quick": quick,
@@ -414,7 +410,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "diagnose": per_seed[0]["diagnose"],
         "per_seed": per_seed,
         "summary": summary,
-        "story": story(shown),
+        "story": story(summary["results"]),
         "timings_s": timings,
         "cpu_s": cpu,
         "pictures": pictures,
@@ -625,7 +621,7 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
                    f"global-only ({rsum['global-only']:.1f}).")
     settings = record["settings"]
     training = record["training"]["SGR"]["config"]
-    seeds = record.get("seeds", [record["seed"]])
+    seeds = record["seeds"]
     if len(seeds) > 1:
         seeds_text = (f"Every model was trained with {len(seeds)} seeds ({', '.join(map(str, seeds))}) on the "
                       "same data; each figure is the mean \u00b1 the sample standard deviation over the seeds "
@@ -633,25 +629,23 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
                       "models).")
     else:
         seeds_text = "One training seed: differences of a point or two are within seed noise."
-    diagnosis = []
-    if record.get("diagnosis_table"):
-        diagnosis = [
-            "## What each model tells apart",
-            "",
-            "Every test family holds a base picture and its binding, attribute, relation and count twins. "
-            "For each twin, its captions false for the base and the base's captions false for it are "
-            "paired (`sgraf diagnose`): the **group** score counts a pair correct when each picture "
-            "scores its own caption higher and each caption scores its own picture higher (chance "
-            "16.7 %). Truth-aware R@1 counts a retrieved picture of the caption's family as correct "
-            "unless the caption is false for it.",
-            "",
-            "```",
-            record["diagnosis_table"],
-            "```",
-            "",
-            "![group scores per kind](diagnose.png)",
-            "",
-        ]
+    diagnosis = [
+        "## What each model tells apart",
+        "",
+        "Every test family holds a base picture and its binding, attribute, relation and count twins. "
+        "For each twin, its captions false for the base and the base's captions false for it are "
+        "paired (`sgraf diagnose`): the **group** score counts a pair correct when each picture "
+        "scores its own caption higher and each caption scores its own picture higher (chance "
+        "16.7 %). Truth-aware R@1 counts a retrieved picture of the caption's family as correct "
+        "unless the caption is false for it.",
+        "",
+        "```",
+        record["diagnosis_table"],
+        "```",
+        "",
+        "![group scores per kind](diagnose.png)",
+        "",
+    ]
     lines = [
         "# sgraf demo report",
         "",

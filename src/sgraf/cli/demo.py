@@ -37,10 +37,9 @@ def run(args: argparse.Namespace) -> int:
     record = run_demo(args.out, quick=args.quick, features=args.features, seed=args.seed,
                       progress=not args.quick, seeds=args.seeds, overrides=args.overrides or ())
     print(record["table"])
-    if record.get("diagnosis_table"):
-        print()
-        print(record["diagnosis_table"])
-        print()
+    print()
+    print(record["diagnosis_table"])
+    print()
     check = record["story"]
     print(f"SGRAF >= better of SGR/SAF: {'yes' if check['sgraf_ge_best_single'] else 'no'}; "
           f"better single > global-only: {'yes' if check['best_single_gt_global'] else 'no'}")
