@@ -314,8 +314,8 @@ def test_a_path_below_a_file_is_named_not_a_temporary_file(tmp_path, capsys):
     assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(blocker / "v.json")]) == 2
     err = _one_line_error(capsys)
     assert err.startswith(f"sgraf vocab: error: cannot write {blocker / 'v.json'}: ") and ".tmp" not in err
-    assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "data")]) == 2
-    assert _one_line_error(capsys) == f"sgraf vocab: error: cannot write {tmp_path / 'data'}: Is a directory"
+    assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(tmp_path)]) == 2
+    assert _one_line_error(capsys) == f"sgraf vocab: error: cannot write {tmp_path}: Is a directory"
 
 
 def test_a_failed_generation_names_the_folders_file_not_the_staging_copy(tmp_path, monkeypatch):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -107,23 +106,49 @@ def _choose_features(features: str) -> tuple[str, Any]:
 
 
 # What a demo writes at the top of its folder; removed when the next demo starts, so that a
-# stopped demo never leaves the report of an earlier one beside its new runs.
+# stopped demo never leaves the report of an earlier one beside its new runs. Only the files a
+# demo recorded writing (`.sgraf-files.json`, see `sgraf.output_folder`) are ever removed: a file
+# the user put under runs/ stays, one under index/ (which is replaced whole) is refused.
 OUTPUTS = ("results.json", "report.md", "curves.png", "diagnose.png", "retrieval_t2i.png", "retrieval_i2t.png",
            "explain_positive.png", "explain_negative.png", "runs", "index")
+_TOP_FILES = OUTPUTS[:-2]
 
 
 def _prepare_out(out: Path) -> None:
     """Makes `out` a demo folder (refusing one with other content); the caller holds its lock."""
+    from sgraf.output_folder import folder_files, read_record, record_files, remove_recorded
+
     content = [p for p in out.iterdir() if p.name != LOCK_FILE]
     if content and not (out / MARKER).exists():
         raise InputError(f"--out {out} is not empty and holds no earlier demo; choose another folder")
+    recorded = set(read_record(out)) or _written_before_the_record(out)
+    earlier = [name for name in folder_files(out) if name.split("/")[0] in OUTPUTS and name in recorded]
+    foreign = [name for name in folder_files(out) if name.startswith("index/") and name not in recorded]
+    if foreign:
+        raise InputError(f"{out / foreign[0]} was not written by sgraf demo and would be deleted with the earlier "
+                         "demo's index (sgraf deletes only files it wrote); move it away")
     write_text(out / MARKER, "written by sgraf demo; the folder is rewritten by the next demo run\n")
-    for name in OUTPUTS:
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+    remove_recorded(out, earlier)
+    record_files(out, _TOP_FILES, "demo")
+
+
+def _written_before_the_record(out: Path) -> set[str]:
+    """The files a demo from before `.sgraf-files.json` wrote under `out`, known by their names:
+    the report and pictures, each run folder's files, and the index's manifest and what it lists."""
+    from sgraf.output_folder import folder_files
+    from sgraf.training.run_dir import RUN_FILES, TENSORBOARD_DIR
+
+    names = {name for name in _TOP_FILES if (out / name).is_file()}
+    for name in folder_files(out):
+        parts = name.split("/")
+        if parts[0] == "runs" and (parts[-1] in RUN_FILES or TENSORBOARD_DIR in parts[:-1]):
+            names.add(name)
+    try:
+        manifest = json.loads((out / "index" / "manifest.json").read_text(encoding="utf-8"))
+        names.update(f"index/{name}" for name in [*manifest["files"], "manifest.json"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return names
 
 
 def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[str, Any]:
@@ -332,7 +357,9 @@ def _train(out: Path, runs: Path, settings: DemoSettings, seed: int, progress: b
            timings: dict[str, float], cpu: dict[str, float]) -> dict[str, dict[str, Any]]:
     """Trains every model of `METHODS` with one seed into `runs/{label}`; timings under
     `train {label}{suffix}`."""
+    from sgraf.output_folder import folder_files, record_files
     from sgraf.training import fit, resolve_config
+    from sgraf.training.run_dir import RUN_FILES, TENSORBOARD_DIR
 
     trained: dict[str, dict[str, Any]] = {}
     for label, changes in METHODS:
@@ -342,7 +369,13 @@ def _train(out: Path, runs: Path, settings: DemoSettings, seed: int, progress: b
         run = runs / label.lower()
         tic, tic_cpu = time.perf_counter(), time.process_time()
         logger.info("training %s (%s)", label, ", ".join(overrides))
-        summary = fit(config, out / "data", run, preset="demo")
+        relative = run.relative_to(out).as_posix()
+        record_files(out, [f"{relative}/{name}" for name in RUN_FILES if name != TENSORBOARD_DIR], "demo")
+        try:
+            summary = fit(config, out / "data", run, preset="demo")
+        finally:   # event files are named as they are written
+            record_files(out, [f"{relative}/{TENSORBOARD_DIR}/{name}"
+                               for name in folder_files(run / TENSORBOARD_DIR)], "demo")
         if summary["status"] == "interrupted":
             raise Stopped(signal.Signals[summary["signal"]],
                           f"while training {label}: its last.pt is saved in {run}; no results or report written")
@@ -432,6 +465,7 @@ def write_pictures(out: Path, data: Path, test: Any, models: dict[str, Any], sim
     """
     from sgraf.api import Matcher
     from sgraf.explain import explain_pair, region_layout, render_explanation
+    from sgraf.output_folder import folder_files, record_files
     from sgraf.search import build_index, open_index
 
     pictures = {"curves": _curves(out, out / "curves.png")}
@@ -439,6 +473,7 @@ def write_pictures(out: Path, data: Path, test: Any, models: dict[str, Any], sim
                       sources=[str((out / "runs" / name / "best.pt").resolve()) for name in ("sgr", "saf")])
     build_index(matcher, test.images, test.captions, out / "index", caps_per_image=test.caps_per_image,
                 source={"data_dir": str(data.resolve()), "split": "test"})
+    record_files(out, [f"index/{name}" for name in folder_files(out / "index")], "demo")
     index = open_index(out / "index", matcher=matcher)
     cpi = test.caps_per_image
     query_captions = [k * cpi + k % cpi for k in _spread(test.n_images, 3)]

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sgraf import text_files
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import open_npy
 from sgraf.errors import InputError
@@ -287,14 +288,13 @@ def _image_size(path: Path, image_id: int) -> tuple[int, int] | None:
     """(width, height) of row `image_id` of the TSV converter's `image_id<TAB>w<TAB>h` file, if any."""
     if not path.is_file():
         return None
-    with open(path, "rb") as handle:
-        for row, raw in enumerate(handle):
-            if row == image_id:
-                fields = raw.decode("utf-8", "replace").rstrip("\n").split("\t")  # numbers only are read
-                try:
-                    return int(float(fields[1])), int(float(fields[2]))
-                except (IndexError, ValueError):
-                    raise InputError(f"{path}:{row + 1}: expected image_id<TAB>width<TAB>height") from None
+    for number, raw in text_files.lines(path):
+        if number == image_id + 1:
+            fields = raw.decode("utf-8", "replace").rstrip("\n").split("\t")  # numbers only are read
+            try:
+                return int(float(fields[1])), int(float(fields[2]))
+            except (IndexError, ValueError):
+                raise InputError(f"{path}:{number}: expected image_id<TAB>width<TAB>height") from None
     return None
 
 

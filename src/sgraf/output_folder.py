@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 from sgraf.atomic_write import ensure_folder, write_error, write_text
 from sgraf.errors import InputError
 from sgraf.folder_lock import LOCK_FILE, FolderLock
+from sgraf.io_paths import check_outputs
 from sgraf.signals import signals_deferred
 
 RECORD = ".sgraf-files.json"
@@ -47,6 +48,32 @@ def read_record(folder: pathlib.Path) -> dict[str, str]:
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     return {str(k): str(v) for k, v in files.items()} if isinstance(files, dict) else {}
+
+
+def record_files(folder: pathlib.Path, names: Iterable[str], command: str) -> None:
+    """Adds `names` (relative paths sgraf is about to write into `folder`) to its record, so that a
+    later run may delete them; written before the files, so a crash never leaves a file of
+    sgraf's that the record does not list."""
+    record = read_record(folder)
+    record.update({name: command for name in names})
+    _write_record(folder, record)
+
+
+def remove_recorded(folder: pathlib.Path, names: Iterable[str]) -> None:
+    """Deletes the files `names` of `folder` (which the caller checked are sgraf's), drops them from
+    the record and removes the folders they leave empty."""
+    names = sorted(set(names))
+    record = read_record(folder)
+    for name in names:
+        record.pop(name, None)
+    try:
+        with signals_deferred():
+            _write_record(folder, record)
+            for name in names:
+                (folder / name).unlink(missing_ok=True)
+            _remove_empty_folders(folder, {str(pathlib.PurePosixPath(n).parent) for n in names})
+    except OSError as error:
+        raise write_error(folder, error) from None
 
 
 def _write_record(folder: pathlib.Path, files: dict[str, str]) -> None:
@@ -94,16 +121,20 @@ class NewGeneration:
             by an sgraf from before the record, as its own metadata tells).
         paired: files of the family that the user may keep beside the new generation although
             sgraf did not write them (captions given apart from converted features).
+        inputs: (label, path) of the files the command reads; none may be a file the generation
+            writes or removes (`sgraf.io_paths.check_outputs`).
 
     Raises (on enter):
         InputError: `folder` is a file or holds other data (without `overwrite`), or holds a
-            file of the family sgraf did not write that would stay beside the new ones.
+            file of the family sgraf did not write that would stay beside the new ones, or an
+            input is a file the generation would write or remove.
         FolderLockedError: another process writes the folder.
     """
 
     def __init__(self, folder: str | os.PathLike[str], outputs: Iterable[str], family: Callable[[str], bool],
                  command: str, overwrite: bool = False, exclusive: bool = False,
-                 earlier: Iterable[str] = (), paired: Iterable[str] = ()) -> None:
+                 earlier: Iterable[str] = (), paired: Iterable[str] = (),
+                 inputs: Iterable[tuple[str, str | os.PathLike[str] | None]] = ()) -> None:
         self.folder = pathlib.Path(folder)
         self.outputs = set(outputs)
         self.family = family
@@ -112,6 +143,7 @@ class NewGeneration:
         self.exclusive = exclusive
         self.earlier = set(earlier)
         self.paired = set(paired)
+        self.inputs = list(inputs)
         self.staging: pathlib.Path | None = None
         self._lock = FolderLock(self.folder)
 
@@ -122,6 +154,7 @@ class NewGeneration:
             for leftover in self.folder.glob(STAGING_PREFIX + "*"):   # of a killed run: we hold the lock
                 shutil.rmtree(leftover, ignore_errors=True)
             self._check()
+            self._check_inputs()
             self.staging = pathlib.Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.folder))
         except OSError as error:
             self._lock.release()
@@ -178,6 +211,14 @@ class NewGeneration:
             raise InputError(f"{self.folder / foreign[0]} was not written by sgraf and would stay beside the new "
                              f"output of sgraf {self.command} (sgraf deletes only files it wrote); move it away"
                              + (f" with the {len(foreign) - 1} other such files" if len(foreign) > 1 else ""))
+
+    def _check_inputs(self) -> None:
+        """No input may be a file this generation writes or removes."""
+        record = set(read_record(self.folder)) | self.earlier
+        existing = [name for name in folder_files(self.folder) if self.family(name)]
+        removed = existing if self.exclusive else [name for name in existing if name in record]
+        removed = removed if self.overwrite else []
+        check_outputs(self.inputs, [("--out", self.folder / name) for name in sorted(self.outputs | set(removed))])
 
     def _commit(self) -> None:
         assert self.staging is not None

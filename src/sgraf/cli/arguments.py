@@ -108,3 +108,24 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False)
                         help="cpu, cuda, cuda:N or mps; auto: cuda when available"
                              + (" (under torchrun each process takes its LOCAL_RANK device)" if torchrun else ""))
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def data_inputs(data: str | None, splits: list[str] | tuple[str, ...], label: str = "--data") -> list[tuple[str, str]]:
+    """The data folder `data` and the files of `splits` in it (features, captions, boxes, scenes,
+    pictures), labelled for `sgraf.io_paths.check_outputs`: what a command reading those splits
+    must not write over."""
+    from sgraf.data.layout import split_paths
+
+    if not data:
+        return []
+    return [(label, data)] + [(label, path) for split in splits for path in split_paths(data, split)]
+
+
+def check_score_outputs(args: argparse.Namespace) -> None:
+    """`--save-sims` of `evaluate` / `diagnose`: a .npy name that is none of the command's inputs."""
+    from sgraf.io_paths import check_outputs, labelled, require_suffix
+
+    require_suffix("--save-sims", args.save_sims, ".npy", "a NumPy score matrix")
+    inputs = [*labelled("--checkpoint", args.checkpoint), *labelled("--sims", args.sims), ("--vocab", args.vocab),
+              *data_inputs(args.data, [args.split])]
+    check_outputs(inputs, [("--save-sims", args.save_sims)])

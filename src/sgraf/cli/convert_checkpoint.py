@@ -20,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sgraf.checkpoint import convert_official
+    from sgraf.io_paths import check_outputs
+
+    check_outputs([("SRC", args.src), ("--vocab", args.vocab)], [("DST", args.dst)])
 
     checkpoint = convert_official(args.src, args.dst, vocab=args.vocab)
     config = checkpoint["config"]

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import add_score_source, add_scoring_options, check_score_source
+from sgraf.cli.arguments import add_score_source, add_scoring_options, check_score_outputs, check_score_source
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +36,14 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.data.benchmark import load_scenes
     from sgraf.errors import InputError
 
+    check_score_source(args)
+    check_score_outputs(args)
     scenes_path = Path(args.data) / f"{args.split}_scenes.jsonl"
     if not scenes_path.is_file():
         raise InputError(f"--data {args.data}: no {scenes_path.name}; diagnose needs a data set written by "
                          "sgraf generate")
     scenes = load_scenes(args.data, args.split)
     diagnose.check_false_for(scenes, str(scenes_path))   # before scoring, which takes the time
-    check_score_source(args)
     if args.sims:
         _, sims = evaluate.evaluate_sims_files_with_sims(args.sims, data_dir=args.data, split=args.split,
                                                          save_sims=args.save_sims)

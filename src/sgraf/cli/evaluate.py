@@ -6,7 +6,8 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import add_score_source, add_scoring_options, check_score_source, positive_int
+from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
+                                 positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.precision import tf32
 
     check_score_source(args)
+    check_score_outputs(args)
     if args.sims:
         result = evaluate.evaluate_sims_files(args.sims, folds=args.folds, data_dir=args.data,
                                               split=args.split if args.data else None, save_sims=args.save_sims)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from sgraf.cli.arguments import device, non_negative_int, utf8_text
+from sgraf.cli.arguments import data_inputs, device, non_negative_int, utf8_text
 
 if TYPE_CHECKING:
     from sgraf.explain import Explanation
@@ -35,9 +35,13 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.data.precomp import PrecompSplit
     from sgraf.errors import InputError
     from sgraf.explain import explain_pair, region_layout, render_explanation
+    from sgraf.io_paths import check_outputs, labelled
 
     if not args.out.lower().endswith(".png"):
         raise InputError(f"--out must name a .png file, got {args.out!r}")
+    check_outputs([*labelled("--checkpoint", args.checkpoint), ("--vocab", args.vocab),
+                   *data_inputs(args.data, [args.split]),
+                   ("--data", f"{args.data}/images/{args.split}/{args.image_id:05d}.png")], [("--out", args.out)])
     matcher = Matcher.load(args.checkpoint, vocab=args.vocab, device=args.device)
     split = PrecompSplit(args.data, args.split)
     if not 0 <= args.image_id < split.n_images:

@@ -48,6 +48,13 @@ def resolve_features(choice: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from sgraf.data.benchmark import generate_benchmark, write_preview
 
+    if args.preview:   # written after the data set: it must not replace one of its files
+        from sgraf.data.benchmark import output_names
+        from sgraf.io_paths import check_outputs
+
+        names = output_names(args.n_train, args.n_dev, args.n_test, save_images=not args.no_images)
+        check_outputs([], [("--preview", args.preview), ("--out", args.out),
+                           *(("--out", f"{args.out}/{name}") for name in names)])
     features = resolve_features(args.features)
     started = time.perf_counter()
     meta = generate_benchmark(args.out, seed=args.seed, features=features, n_train=args.n_train,

@@ -89,7 +89,13 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("sgraf train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")
         out, resume, preset = args.out, False, args.preset or extras.get("preset")
     from sgraf import distributed
+    from sgraf.cli.arguments import data_inputs
+    from sgraf.io_paths import check_outputs
+    from sgraf.training.run_dir import RUN_FILES
 
+    out_label = "--resume" if resume else "--out"
+    check_outputs([*data_inputs(data, ["train", "dev"]), ("--config", args.config)],
+                  [(out_label, out), *((out_label, f"{out}/{name}") for name in RUN_FILES)])
     try:
         summary = fit(config, data, out, resume=resume, preset=preset, allow_other_data=args.allow_other_data,
                       allow_unknown_words=args.allow_unknown_words)

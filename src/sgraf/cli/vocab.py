@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import positive_int
+from sgraf.cli.arguments import data_inputs, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +29,9 @@ def run_build(args: argparse.Namespace) -> int:
     from sgraf.data.precomp import read_captions
     from sgraf.data.vocab import build_vocab
     from sgraf.errors import InputError
+    from sgraf.io_paths import check_outputs
 
+    check_outputs(data_inputs(args.data, args.splits), [("--out", args.out)])
     captions: list[str] = []
     used = []
     for split in args.splits:

@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from sgraf import text_files
 from sgraf.atomic_write import atomic_path, write_text
 from sgraf.data.layout import data_set_family
 from sgraf.data.render import CANVAS, COLOURS, HALF_SIZE, LAYOUT, SHAPES, SIZES, SceneObject, render_scene
@@ -509,15 +510,14 @@ def load_scenes(data_dir: str | os.PathLike[str], split: str) -> list[dict[str, 
     """The scene descriptions of a generated split (`{split}_scenes.jsonl`)."""
     path = Path(data_dir) / f"{split}_scenes.jsonl"
     rows = []
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            except UnicodeDecodeError:
-                raise InputError(f"{path}:{number}: bytes are not valid UTF-8; expected a JSON object per "
-                                 "line") from None
+    for number, line in text_files.lines(path):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        except UnicodeDecodeError:
+            raise InputError(f"{path}:{number}: bytes are not valid UTF-8; expected a JSON object per "
+                             "line") from None
     return rows
 
 
@@ -531,6 +531,11 @@ def _generated_before(out_dir: Path) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError):
         return []
     return _outputs(sizes, with_images) if meta.get("name") == "sgraf-shapes" else []
+
+
+def output_names(n_train: int, n_dev: int, n_test: int, save_images: bool = True) -> list[str]:
+    """The relative paths `generate_benchmark` writes for these split sizes."""
+    return _outputs({"train": n_train, "dev": n_dev, "test": n_test}, save_images)
 
 
 def _outputs(sizes: dict[str, int], save_images: bool) -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sgraf import text_files
 from sgraf.data.layout import split_family
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
@@ -43,9 +44,8 @@ class TsvRow:
 
 def _count_rows(path: Path) -> int:
     rows = 0
-    with open(path, "rb") as f:
-        for line in f:
-            rows += bool(line.strip())
+    for _, line in text_files.lines(path):
+        rows += bool(line.strip())
     return rows
 
 
@@ -92,7 +92,7 @@ def read_caption_table(path: Path) -> dict[str, list[str]]:
     if not path.is_file():
         raise InputError(f"{path}: missing captions file")
     table: dict[str, list[str]] = {}
-    data = path.read_bytes()
+    data = text_files.read_bytes(path)
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
@@ -134,7 +134,8 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     if table is not None:
         names["caps"] = f"{split}_caps.txt"
     with NewGeneration(out_dir, names.values(), split_family(split), "convert-tsv", overwrite=overwrite,
-                       paired=[f"{split}_caps.txt"] if table is None else []) as generation:
+                       paired=[f"{split}_caps.txt"] if table is None else [],
+                       inputs=[("--tsv", tsv_path), ("--captions", captions_path)]) as generation:
         shape, n_caps = _convert_rows(tsv_path, n_rows, table, captions_path,
                                       {key: generation.path(name) for key, name in names.items()}, progress)
     logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, out_dir / names["ims"], *shape)
@@ -153,10 +154,9 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
 
     ims = boxes = None
     ids: list[str] = []
-    with open(tsv_path, "rb") as f, \
-            tqdm(total=n_rows, desc=f"{tsv_path.name}", unit="img", disable=not progress) as bar:
+    with tqdm(total=n_rows, desc=f"{tsv_path.name}", unit="img", disable=not progress) as bar:
         row_index = 0
-        for number, raw in enumerate(f, start=1):
+        for number, raw in text_files.lines(tsv_path):
             if not raw.strip():
                 continue
             try:

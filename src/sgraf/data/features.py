@@ -287,7 +287,9 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
 
     outputs = {key: f"{split}{suffix}" for key, suffix in
                (("ims", "_ims.npy"), ("caps", "_caps.txt"), ("names", "_image_names.txt"))}
-    with NewGeneration(out_dir, outputs.values(), split_family(split), "extract", overwrite=overwrite) as generation:
+    inputs = [("--captions", captions_path), *(("--images", images_dir / name) for name in names)]
+    with NewGeneration(out_dir, outputs.values(), split_family(split), "extract", overwrite=overwrite,
+                       inputs=inputs) as generation:
         features = extract_to_npy(load(), len(names), backbone, generation.path(outputs["ims"]),
                                   batch_size=batch_size, progress=progress)
         shape = features.shape

@@ -34,3 +34,9 @@ def data_set_family(name: str) -> bool:
     top_level = "/" not in name
     return ((top_level and (name.endswith(SPLIT_SUFFIXES) or name in DATA_SET_FILES))
             or name.startswith(IMAGES + "/"))
+
+
+def split_paths(data_dir: str, split: str) -> list[str]:
+    """The paths of `split`'s files in `data_dir` (whether they exist or not), and its pictures
+    folder: what a command reading the split must never write over."""
+    return [f"{data_dir}/{split}{suffix}" for suffix in SPLIT_SUFFIXES] + [f"{data_dir}/{IMAGES}/{split}"]

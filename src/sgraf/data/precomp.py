@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from sgraf.data.arrays import check_finite_features, open_npy
 from sgraf.data.vocab import Vocabulary
+from sgraf import text_files
 from sgraf.errors import InputError, decode_utf8
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def read_captions(path: str | os.PathLike[str]) -> list[str]:
         InputError: bytes that are not UTF-8 or an empty caption line (with the line number).
     """
     path = Path(path)
-    data = path.read_bytes()
+    data = text_files.read_bytes(path)
     decode_utf8(data, path, "UTF-8 text, one caption per line", column=True)
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":

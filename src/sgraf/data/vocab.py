@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sgraf.atomic_write import write_text
-from sgraf.errors import InputError, decode_utf8
+from sgraf import text_files
+from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +183,7 @@ def load_vocab(path: str | os.PathLike[str]) -> Vocabulary:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(2, "vocabulary file not found", str(path))
-    data = path.read_bytes()
-    text = decode_utf8(data, path, "a UTF-8 JSON vocabulary")
+    text = text_files.read_text(path, "a UTF-8 JSON vocabulary")
     try:
         content = json.loads(text)
     except json.JSONDecodeError as exc:

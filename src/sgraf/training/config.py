@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, SIMILARITIES, ModelConfig
-from sgraf.errors import InputError, decode_utf8
+from sgraf import text_files
+from sgraf.errors import InputError
 from sgraf.precision import PRECISIONS
 
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes 0 .. 2**32 - 1
@@ -231,10 +232,9 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str
 
     path = pathlib.Path(path)
     try:
-        data = path.read_bytes()
+        text = text_files.read_text(path, "a UTF-8 YAML file of config keys")
     except FileNotFoundError:
         raise FileNotFoundError(2, "training config file not found", str(path)) from None
-    text = decode_utf8(data, path, "a UTF-8 YAML file of config keys")
     try:
         values = yaml.safe_load(text)
     except yaml.YAMLError as exc:

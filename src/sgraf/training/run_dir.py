@@ -19,6 +19,7 @@ import pathlib
 import tempfile
 from typing import Any
 
+from sgraf import text_files
 from sgraf.atomic_write import write_error, write_text
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
@@ -30,6 +31,7 @@ LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
 CURVES_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, LAST_CHECKPOINT, BEST_CHECKPOINT, CURVES_FILE, TENSORBOARD_DIR)
 
 
 def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
@@ -152,7 +154,7 @@ def read_metrics(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records = []
-    for line in path.read_bytes().splitlines():
+    for line in text_files.read_bytes(path).splitlines():
         line = line.strip()
         if not line:
             continue
