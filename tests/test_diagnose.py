@@ -53,7 +53,7 @@ def test_truth_aware_recall_counts_a_true_twin():
     sims[2, 7] = 1.0  # picture 2's best caption: picture 3's second, true of it
     sims[3, 0] = 1.0  # picture 3's best caption belongs to another family: wrong
     recall = diagnose.truth_recall(sims, SCENES, ks=(1,))
-    assert recall["i2t"] == {"r1": 50.0}
+    assert recall["i2t"] == {"r1": 50.0, "ties": 50.0}   # pictures 0 and 3: a wrong caption also scores 0
     standard = diagnose.diagnose_sims(sims, SCENES)["recall"]["standard"]
     assert standard["i2t"]["r1"] == 25.0
 

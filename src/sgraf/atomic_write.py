@@ -5,6 +5,11 @@ place with `os.replace` once complete, so a reader never sees half a file and a 
 the previous version. The temporary name (`.NAME.x8f2k.tmp`) is an internal detail: when the
 write fails (permission denied, disk full, a missing or non-folder parent, the destination is
 a folder) the error is an `InputError` naming the destination.
+
+A destination that is a symlink is written through: its target is replaced (atomically, as
+above) and the link stays a link. A full disk ("No space left on device") is found before any
+byte of a memory-mapped file is written: `preallocated_memmap` reserves the file's blocks
+first, where writing through the map would kill the process with SIGBUS.
 """
 
 from __future__ import annotations
@@ -47,27 +52,70 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
     those the format explicitly, the temporary name ends in `.tmp`). An `OSError` raised in the
     block or by the move becomes an `InputError` naming `path`; the temporary file is removed.
     """
-    path = pathlib.Path(path)
+    given = path = pathlib.Path(path)
+    if path.is_symlink():                   # written through: the link keeps pointing at the new file
+        path = pathlib.Path(os.path.realpath(path))
     if path.is_dir():
-        raise write_error(path, IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR)))
+        raise write_error(given, IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR)))
     blocker = next((p for p in path.parents if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
-        raise InputError(f"cannot write {path}: {blocker} is a file, not a folder")
+        raise InputError(f"cannot write {given}: {blocker} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = _new_temporary_file(path)
     except OSError as error:
-        raise write_error(path, error) from None
+        raise write_error(given, error) from None
     try:
         yield temporary
         _fsync(temporary)
         os.replace(temporary, path)
     except OSError as error:
         temporary.unlink(missing_ok=True)
-        raise write_error(path, error) from None
+        raise write_error(given, error) from None
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def preallocated_memmap(path: str | os.PathLike[str], dtype: object, shape: tuple[int, ...]) -> "np.memmap":
+    """A new `.npy` file at `path` opened as a writable memory map, its blocks reserved first.
+
+    `numpy.lib.format.open_memmap(mode="w+")` makes a sparse file: on a full disk the first
+    write through the map that needs a new block kills the process with SIGBUS, before any
+    cleanup can run. Here the whole file is allocated (`posix_fallocate`) before it is mapped,
+    so a full disk is an `OSError` (ENOSPC) raised here, that the caller's `atomic_path` or
+    `NewGeneration` turns into one line naming the user's path.
+    """
+    import numpy as np
+
+    header = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    offset, size = header.offset, header.nbytes
+    del header   # sparse so far: nothing was written through it
+    handle = os.open(path, os.O_RDWR)
+    try:
+        _allocate(handle, offset, offset + size)
+    finally:
+        os.close(handle)
+    return np.lib.format.open_memmap(path, mode="r+")
+
+
+def _allocate(handle: int, start: int, size: int) -> None:
+    """Reserves the first `size` bytes of the open file `handle` on the disk (ENOSPC when they are
+    not free); the bytes from `start` on are zeros."""
+    if size == 0:
+        return
+    try:
+        os.posix_fallocate(handle, 0, size)
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        # a file system without fallocate: write the zeros (slower, as safe)
+        block = b"\0" * (1 << 20)
+        os.lseek(handle, start, os.SEEK_SET)
+        for offset in range(start, size, len(block)):
+            os.write(handle, block[: min(len(block), size - offset)])
+    except AttributeError:   # no posix_fallocate on this platform (macOS)
+        os.ftruncate(handle, size)
 
 
 def temporary_folder(parent: str | os.PathLike[str], prefix: str) -> pathlib.Path:

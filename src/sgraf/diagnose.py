@@ -17,8 +17,10 @@ picture i and caption c:
   a caption when it is the caption's own picture, or a picture of the same family that the
   caption is not false for. i2t R@K: the share of pictures with a correct caption among their
   K best-scored captions; t2i R@K: the share of captions with a correct picture among their K
-  best-scored pictures. Ties are broken in the model's favour (rank = number of strictly
-  higher scores than the best correct answer).
+  best-scored pictures. Ties count against the model: the rank of a query is the number of
+  wrong answers scoring at least as high as its best correct answer, so a constant model
+  (every score equal) gets R@K = 0 where it would get 100 with ties in its favour. Beside
+  the recalls, `ties` is the share of queries (%) whose best correct answer ties a wrong one.
 """
 
 from __future__ import annotations
@@ -120,16 +122,19 @@ def truth_matrix(scenes: Sequence[Mapping[str, Any]], per: int) -> np.ndarray:
 
 def truth_recall(sims: Any, scenes: Sequence[Mapping[str, Any]],
                  ks: Sequence[int] = RECALL_AT) -> dict[str, dict[str, float]]:
-    """Truth-aware R@K in percent: ``{"i2t": {"r1", "r5", "r10"}, "t2i": {...}}`` (module docstring)."""
+    """Truth-aware R@K in percent, ties counted against the model, and the share of queries with
+    such a tie: ``{"i2t": {"r1", "r5", "r10", "ties"}, "t2i": {...}}`` (module docstring)."""
     sims = np.asarray(sims, dtype=np.float32)
     per = check_scenes(scenes, sims.shape[0], sims.shape[1], "scenes")
     truth = truth_matrix(scenes, per)
-    best_caption = np.where(truth, sims, -np.inf).max(axis=1)  # (n_img,)
-    i2t_ranks = (sims > best_caption[:, None]).sum(axis=1)
-    best_image = np.where(truth, sims, -np.inf).max(axis=0)  # (n_cap,)
-    t2i_ranks = (sims > best_image[None, :]).sum(axis=0)
-    return {name: {f"r{k}": float(100.0 * np.mean(ranks < k)) for k in ks}
-            for name, ranks in (("i2t", i2t_ranks), ("t2i", t2i_ranks))}
+    result = {}
+    for name, axis in (("i2t", 1), ("t2i", 0)):
+        best = np.expand_dims(np.where(truth, sims, -np.inf).max(axis=axis), axis)   # best correct answer
+        ranks = ((sims >= best) & ~truth).sum(axis=axis)      # wrong answers at or above it
+        tied = ((sims == best) & ~truth).any(axis=axis)
+        result[name] = {**{f"r{k}": float(100.0 * np.mean(ranks < k)) for k in ks},
+                        "ties": float(100.0 * np.mean(tied))}
+    return result
 
 
 def diagnose_sims(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -170,4 +175,8 @@ def format_report(result: Mapping[str, Any]) -> str:
             for direction in ("i2t", "t2i"):
                 r = recall[direction]
                 lines.append(f"{name + ' ' + direction:<16} {r['r1']:6.1f} {r['r5']:6.1f} {r['r10']:6.1f}")
+        truth = result["recall"].get("truth", {})
+        if any(truth.get(d, {}).get("ties") for d in ("i2t", "t2i")):
+            lines.append(f"truth-aware recall counts ties against the model; queries whose best correct answer "
+                         f"ties a wrong one: i2t {truth['i2t']['ties']:.1f} %, t2i {truth['t2i']['ties']:.1f} %")
     return "\n".join(lines)

@@ -133,9 +133,13 @@ class FolderLock:
                 break
             os.close(fd)
         self._fd = fd
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, json.dumps(holder_record()).encode() + b"\n")
+        try:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, json.dumps(holder_record()).encode() + b"\n")
+        except OSError as error:   # a full disk: the lock file stays empty, so release it
+            self.release()
+            raise InputError(f"cannot lock {self.folder}: {error.strerror or error} (writing {self.path.name})") from None
 
     def release(self) -> None:
         if self._fd is None:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys, split_shortlist_keys
-from sgraf.atomic_write import temporary_folder, write_error
+from sgraf.atomic_write import preallocated_memmap, temporary_folder, write_error
 from sgraf.data.arrays import check_finite_features, mapped_file, open_npy
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError, check_positive_int
@@ -117,6 +117,8 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         raise InputError(f"index dtype must be one of {', '.join(STORAGE_DTYPES)}, got {dtype!r}")
     batch_size = check_positive_int(batch_size, "batch_size")
     out = Path(out)
+    if out.is_symlink():   # a link to an index folder is written through: the link stays
+        out = Path(os.path.realpath(out))
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
         raise InputError(f"{out} exists and is not an sgraf index; choose another --out")
     _check_only_index_files(out)
@@ -266,7 +268,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
 
 
 def _open_out(path: Path, shape: tuple[int, ...], dtype: str) -> np.memmap:
-    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    return preallocated_memmap(path, dtype, shape)   # ENOSPC here, not SIGBUS while writing
 
 
 # --------------------------------------------------------------------------------- opening

@@ -14,6 +14,7 @@ exit code 143 or 130, after its temporary files are removed.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
@@ -131,6 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sgraf {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.errno not in _DISK_FULL:
+            raise
+        # a writer that did not name its file (each of sgraf's does): still one line
+        print(f"sgraf {args.command}: error: cannot write {exc.filename or 'its output'}: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def log_level(verbose: bool, rank: int) -> int:

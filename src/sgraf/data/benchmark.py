@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from sgraf import text_files
-from sgraf.atomic_write import atomic_path, write_text
+from sgraf.atomic_write import atomic_path, preallocated_memmap, write_text
 from sgraf.data.layout import data_set_family
 from sgraf.data.render import CANVAS, COLOURS, HALF_SIZE, LAYOUT, SHAPES, SIZES, SceneObject, render_scene
 from sgraf.data.scenes import Claim, describe
@@ -425,8 +425,7 @@ def _write_split(generation: NewGeneration, split: str, split_index: int, n_imag
             for _ in rendered():
                 pass
         with atomic_path(ims_path) as temporary:
-            out = np.lib.format.open_memmap(temporary, mode="w+", dtype=np.float32,
-                                            shape=(len(scenes), GRID * GRID, synthetic_dim))
+            out = preallocated_memmap(temporary, np.float32, (len(scenes), GRID * GRID, synthetic_dim))
             chunk = 512
             for start in range(0, len(scenes), chunk):
                 out[start: start + chunk] = synthetic_features(scenes[start: start + chunk], rng, synthetic_dim)

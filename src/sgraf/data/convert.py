@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from sgraf import text_files
+from sgraf.atomic_write import preallocated_memmap
 from sgraf.data.layout import split_family
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
@@ -166,8 +167,8 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
             row = parse_tsv_line(text, tsv_path, number)
             if ims is None:
                 k, d = row.features.shape
-                ims = np.lib.format.open_memmap(paths["ims"], mode="w+", dtype=np.float32, shape=(n_rows, k, d))
-                boxes = np.lib.format.open_memmap(paths["boxes"], mode="w+", dtype=np.float32, shape=(n_rows, k, 4))
+                ims = preallocated_memmap(paths["ims"], np.float32, (n_rows, k, d))
+                boxes = preallocated_memmap(paths["boxes"], np.float32, (n_rows, k, 4))
             elif row.features.shape != ims.shape[1:]:
                 raise InputError(f"{tsv_path}:{number}: num_boxes x feature size is {row.features.shape}; "
                                  f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "

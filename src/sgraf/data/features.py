@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sgraf.atomic_write import atomic_path, write_text
+from sgraf.atomic_write import atomic_path, preallocated_memmap, write_text
 from sgraf.data.layout import split_family
 from sgraf.data.arrays import check_finite_features
 from sgraf.errors import InputError, check_positive_int
@@ -218,8 +218,7 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
             raise InputError(f"{error} (the backbone's weights or the image are broken); {out_path} is not "
                              "written") from None
         if out is None:
-            out = np.lib.format.open_memmap(temporary, mode="w+", dtype=np.float32,
-                                            shape=(n_images,) + tuple(features.shape[1:]))
+            out = preallocated_memmap(temporary, np.float32, (n_images,) + tuple(features.shape[1:]))
         out[done: done + len(batch)] = features
         done += len(batch)
         bar.update(len(batch))
