@@ -46,6 +46,25 @@ def check_false_for(scenes: Sequence[Mapping[str, Any]], where: str) -> None:
                          "the data with sgraf generate --overwrite")
 
 
+def check_captions(scenes: Sequence[Mapping[str, Any]], captions: Sequence[str], scenes_path: str,
+                   captions_path: str) -> None:
+    """InputError unless the scenes' captions, in order, are the lines of the caption file: scenes of
+    another generation beside the captions (and features) would be scored without a word.
+
+    The message names both files and the first line where they differ.
+    """
+    described = [c.strip() for row in scenes for c in row["captions"]]
+    for number, (scene_caption, caption) in enumerate(zip(described, captions), start=1):
+        if scene_caption != caption:
+            raise InputError(f"{scenes_path} does not describe {captions_path}: line {number} of the captions is "
+                             f"{caption!r}, the scenes' caption {number} is {scene_caption!r}; both files must come "
+                             "from the same sgraf generate run")
+    if len(described) != len(captions):
+        raise InputError(f"{scenes_path} does not describe {captions_path}: the scenes hold {len(described)} "
+                         f"captions, the caption file {len(captions)} lines; both files must come from the same "
+                         "sgraf generate run")
+
+
 def check_scenes(scenes: Sequence[Mapping[str, Any]], n_images: int, n_captions: int, where: str) -> int:
     """Captions per image, after checking that the scenes describe this (n_images, n_captions) split.
 

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     from sgraf import diagnose, evaluate
     from sgraf.data.benchmark import load_scenes
+    from sgraf.data.precomp import read_captions
     from sgraf.errors import InputError
 
     check_score_source(args)
@@ -44,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
                          "sgraf generate")
     scenes = load_scenes(args.data, args.split)
     diagnose.check_false_for(scenes, str(scenes_path))   # before scoring, which takes the time
+    captions_path = Path(args.data) / f"{args.split}_caps.txt"
+    if captions_path.is_file():   # else the scoring names the missing file
+        diagnose.check_captions(scenes, read_captions(captions_path), str(scenes_path), str(captions_path))
     if args.sims:
         _, sims = evaluate.evaluate_sims_files_with_sims(args.sims, data_dir=args.data, split=args.split,
                                                          save_sims=args.save_sims)

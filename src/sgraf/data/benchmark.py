@@ -506,7 +506,13 @@ def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features:
 
 
 def load_scenes(data_dir: str | os.PathLike[str], split: str) -> list[dict[str, Any]]:
-    """The scene descriptions of a generated split (`{split}_scenes.jsonl`)."""
+    """The scene descriptions of a generated split (`{split}_scenes.jsonl`), checked line by line.
+
+    Raises:
+        InputError: a line that is not JSON, not an object, or whose `index`, `family`,
+            `variant`, `captions` or `false_for` is missing or not what the generator writes,
+            naming the file, the line and the field.
+    """
     path = Path(data_dir) / f"{split}_scenes.jsonl"
     rows = []
     for number, line in text_files.lines(path):
@@ -517,7 +523,43 @@ def load_scenes(data_dir: str | os.PathLike[str], split: str) -> list[dict[str, 
         except UnicodeDecodeError:
             raise InputError(f"{path}:{number}: bytes are not valid UTF-8; expected a JSON object per "
                              "line") from None
+    for number, row in enumerate(rows, start=1):
+        _check_scene(row, f"{path}:{number}", number - 1, len(rows))
     return rows
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_scene(row: Any, where: str, index: int, n_scenes: int) -> None:
+    """InputError naming `where` (file:line) and the field when `row` is not a scene as written
+    by the generator. `false_for` may be missing (data of an earlier sgraf; `sgraf diagnose`
+    names that case itself)."""
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: expected a JSON object (one scene), got {json.dumps(row)[:40]}")
+
+    def refuse(field: str, expected: str) -> InputError:
+        shown = json.dumps(row[field])[:40] if field in row else "missing"
+        return InputError(f"{where}: field {field!r} is {shown}; expected {expected}")
+
+    if not _is_int(row.get("index")) or row["index"] != index:
+        raise refuse("index", f"{index} (the scene's line number - 1)")
+    if not _is_int(row.get("family")) or row["family"] < 0:
+        raise refuse("family", "an integer >= 0")
+    if row.get("variant") not in ("base", *VARIANTS):
+        raise refuse("variant", "one of " + ", ".join(("base", *VARIANTS)))
+    captions = row.get("captions")
+    if not isinstance(captions, list) or not captions or not all(isinstance(c, str) and c.strip() for c in captions):
+        raise refuse("captions", "a list of caption texts")
+    if "false_for" not in row:
+        return
+    false_for = row["false_for"]
+    if not isinstance(false_for, list) or len(false_for) != len(captions):
+        raise refuse("false_for", f"a list of {len(captions)} lists (one per caption) of scene indices")
+    for wrong in false_for:
+        if not isinstance(wrong, list) or not all(_is_int(i) and 0 <= i < n_scenes for i in wrong):
+            raise refuse("false_for", f"a list of {len(captions)} lists of scene indices in 0..{n_scenes - 1}")
 
 
 def _generated_before(out_dir: Path) -> list[str]:

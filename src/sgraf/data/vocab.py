@@ -228,12 +228,22 @@ def build_vocab(captions: Iterable[str | bytes], min_count: int = 4) -> Vocabula
     Args:
         captions: the captions to count tokens in.
         min_count: smallest number of occurrences for a word to get its own id.
+
+    Raises:
+        InputError: `min_count` < 1, or no word is seen `min_count` times (a vocabulary of the
+            special tokens alone would map every word to `<unk>`).
     """
     if min_count < 1:
         raise InputError(f"min_count must be >= 1, got {min_count}")
     counter: Counter[str] = Counter()
     for caption in captions:
         counter.update(tokenize(caption))
+    words = {w: n for w, n in counter.items() if w not in SPECIAL_TOKENS}
+    if not any(n >= min_count for n in words.values()):
+        most = max(words.values(), default=0)
+        raise InputError(f"min count {min_count} leaves no word in the vocabulary: the most frequent of the "
+                         f"{len(words)} distinct words is seen {most} times; expected a min count of at most "
+                         f"{most}" if most else "the captions hold no word")
     vocab = Vocabulary.from_words(w for w, n in counter.items() if n >= min_count and w not in SPECIAL_TOKENS)
     vocab.source = f"the vocabulary built from the captions (min count {min_count})"
     logger.info("vocabulary: %d of %d distinct tokens seen >= %d times", len(vocab) - 4, len(counter), min_count)

@@ -14,6 +14,7 @@ checked against the data before the first step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import types
 import typing
@@ -130,6 +131,10 @@ class TrainConfig:
         for name in ("img_dim", "num_regions", "val_max_captions"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
+        for field in dataclasses.fields(self):   # inf passes every range check below
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InputError(f"training config field {field.name!r} must be a finite number, got {value!r}")
         if not self.lr > 0:
             raise InputError(f"training config field 'lr' must be > 0, got {self.lr!r}")
         if self.grad_clip < 0 or self.margin < 0:
