@@ -1,5 +1,6 @@
 import os
 import pathlib
+import signal
 import tempfile
 
 import pytest
@@ -16,11 +17,37 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def _deterministic_threads():
-    # Keep tests reproducible and light on the 2-core CI machines (SGRAF_TEST_THREADS: another count,
-    # for the kernel matrix).
+def _process_state():
+    """Each test starts with the same process-wide state and leaves it as it found it, however the
+    suite was started (from a terminal, or in the background where SIGINT is inherited ignored):
+    torch threads, SIGINT/SIGTERM handlers, umask, working folder and environment."""
+    threads = torch.get_num_threads()
+    # reproducible and light on the 2-core CI machines (SGRAF_TEST_THREADS: another count, for the kernel matrix)
     torch.set_num_threads(int(os.environ.get("SGRAF_TEST_THREADS", "2")))
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    cwd = os.getcwd()
+    environ = dict(os.environ)
     yield
+    torch.set_num_threads(threads)
+    for signum, handler in handlers.items():
+        if handler is not None:   # None: set outside Python, cannot be put back
+            signal.signal(signum, handler)
+    os.umask(umask)
+    os.chdir(cwd)
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT raises KeyboardInterrupt in the test, as in a terminal (a suite started in the
+    background inherits SIGINT ignored); the handler found is put back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -379,7 +379,7 @@ def test_sigterm_during_a_demo_training_exits_143_without_results(tmp_path, monk
     assert not (out / LOCK_FILE).exists() and signal.getsignal(signal.SIGTERM) == handler
 
 
-def test_sigterm_and_sigint_in_any_command_exit_143_and_130(tmp_path, monkeypatch, capsys):
+def test_sigterm_and_sigint_in_any_command_exit_143_and_130(tmp_path, monkeypatch, capsys, python_sigint):
     (tmp_path / "train_caps.txt").write_text("a cat\n")
     for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         def stopped(*args, signum=signum, **kwargs):
