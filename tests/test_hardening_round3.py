@@ -1,0 +1,266 @@
+"""Issue 22 (reliability, round 3), the file, data and command-line half.
+
+1. No command writes over its inputs (`sgraf.io_paths.check_outputs`, walked over every
+   command), a demo folder loses only the files sgraf recorded writing.
+2. No data set is silently mixed: scenes against captions, a byte-order mark in every text
+   reader (walked over every command), ties in truth-aware recall, an empty vocabulary.
+3. Every writer survives a full disk (walked over every command, on a small tmpfs), malformed
+   scenes lines, `--set lr=inf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sgraf.checkpoint import save_model
+from sgraf.cli import build_parser, main
+from sgraf.config import ModelConfig
+from sgraf.data.benchmark import generate_benchmark, load_scenes
+from sgraf.data.render import SceneObject, render_scene
+from sgraf.data.vocab import load_vocab
+from sgraf.errors import InputError
+from sgraf.model.sgraf import SGRAF
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+BOM = b"\xef\xbb\xbf"
+
+
+def _one_line_error(capsys, code: int) -> str:
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    err = "\n".join(line for line in err.splitlines() if not line.startswith("INFO "))   # the log
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array, dtype=np.float32).tobytes()).decode("ascii")
+
+
+def _make_world(root: Path) -> dict:
+    """A tiny generated data set, a checkpoint for it, its score matrix, a TSV with captions and a
+    folder of pictures with captions (the inputs of every command)."""
+    data = root / "data"
+    generate_benchmark(data, features="synthetic", n_train=4, n_dev=4, n_test=8, synthetic_dim=8)
+    vocab = load_vocab(data / "vocab.json")
+    torch.manual_seed(0)
+    model = SGRAF(ModelConfig(vocab_size=len(vocab), img_dim=8, word_dim=4, embed_size=8, sim_dim=4,
+                              num_regions=36, sgr_step=1))
+    save_model(model, root / "ck.pt", vocab=vocab)
+    np.save(root / "sims.npy", np.random.default_rng(0).standard_normal((8, 40)).astype(np.float32))
+    rng = np.random.default_rng(1)
+    (root / "a.tsv").write_text("".join(f"{1000 + i}\t640\t480\t2\t{_b64(rng.random((2, 4)) * 100)}\t"
+                                        f"{_b64(rng.random((2, 3)))}\n" for i in range(3)))
+    (root / "tsv_caps.txt").write_text("".join(f"{1000 + i}\ta caption of {i}\n" for i in range(3)))
+    pictures = root / "pictures"
+    pictures.mkdir()
+    render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(pictures / "im.png")
+    (root / "pictures.tsv").write_text("im.png\ta red square\n")
+    (root / "config.yaml").write_text("lr: 0.001\nepochs: 1\n")
+    return {"root": root, "data": data, "ck": root / "ck.pt", "sims": root / "sims.npy", "vocab": data / "vocab.json"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    return _make_world(tmp_path_factory.mktemp("round3"))
+
+
+@pytest.fixture
+def tiny_backbone(monkeypatch):
+    """`--backbone tiny-test` for `sgraf extract`, registered for this test only."""
+    from torch import nn
+
+    from sgraf.data import features
+
+    def factory(**_):
+        torch.manual_seed(0)
+        return features.GridBackbone(nn.Conv2d(3, 4, kernel_size=32, stride=32), feature_dim=4, image_size=64,
+                                     name="tiny")
+
+    monkeypatch.setitem(features._BACKBONES, "tiny-test", factory)
+
+
+def _leaf_commands(parser: argparse.ArgumentParser, prefix: str = "") -> list[str]:
+    """Every runnable command of the parser: 'evaluate', 'vocab build', ..."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                below = _leaf_commands(sub, f"{prefix}{name} ")
+                found.extend(below or [f"{prefix}{name}"])
+    return found
+
+
+def _walks_every_command(table: dict, exempt: dict) -> None:
+    commands = set(_leaf_commands(build_parser()))
+    assert len(commands) >= 14
+    assert set(table) | set(exempt) == commands, sorted(commands ^ (set(table) | set(exempt)))
+    assert not set(table) & set(exempt)
+
+
+# ------------------------------------------------------------------ 1. no output is an input
+def _same_file_cases(w: dict, tmp: Path) -> dict[str, list[tuple[list[str], str, Path]]]:
+    """{command: [(argv, fragment of the refusal, the input that must stay untouched)]}."""
+    root, data, ck, sims = w["root"], w["data"], str(w["ck"]), str(w["sims"])
+    link = tmp / "link.npy"
+    link.symlink_to(w["sims"])
+    hard = tmp / "hard.pt"
+    os.link(w["ck"], hard)
+    out = tmp / "converted"
+    out.mkdir()
+    (out / "test_caps.txt").write_text("1000\tmine\n1001\tmine\n1002\tmine\n")   # a caption table, not captions
+    extracted = tmp / "extracted"
+    extracted.mkdir()
+    (extracted / "test_caps.txt").write_text("im.png\ta red square\n")
+    run = tmp / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("lr: 0.001\n")
+    source = ["--checkpoint", ck, "--data", str(data)]
+    return {
+        "evaluate": [(["evaluate", "--sims", sims, "--data", str(data), "--save-sims", str(link)],
+                      f"--save-sims {link} is the input --sims {sims}", w["sims"]),
+                     (["evaluate", *source, "--save-sims", f"{data}/./test_ims.npy"],
+                      f"--save-sims {data}/./test_ims.npy is the input --data {data}/test_ims.npy",
+                      data / "test_ims.npy"),
+                     (["evaluate", *source, "--save-sims", ck], "--save-sims must name a .npy file", w["ck"])],
+        "diagnose": [(["diagnose", *source, "--save-sims", f"{data}/../data/test_ims.npy"],
+                      "is the input --data", data / "test_ims.npy")],
+        "vocab build": [(["vocab", "build", "--data", str(data), "--out", str(data / "train_caps.txt")],
+                         f"--out {data / 'train_caps.txt'} is the input --data {data / 'train_caps.txt'}",
+                         data / "train_caps.txt")],
+        "convert-checkpoint": [(["convert-checkpoint", ck, str(hard)], f"DST {hard} is the input SRC {ck}", w["ck"]),
+                               (["convert-checkpoint", ck, str(w["vocab"]), "--vocab", str(w["vocab"])],
+                                "is the input --vocab", w["vocab"])],
+        "explain": [(["explain", *source, "--split", "test", "--image-id", "0", "--text", "a circle", "--out",
+                      str(data / "images" / "test" / "00000.png")], "is the input --data",
+                     data / "images" / "test" / "00000.png")],
+        "index": [(["index", *source, "--split", "test", "--out", str(data)],
+                   f"--out {data} is the input --data {data}", data / "test_ims.npy"),
+                  (["index", *source, "--split", "test", "--out", str(root)],
+                   f"--out {root} holds the input --checkpoint {ck}", w["ck"])],
+        "train": [(["train", "--data", str(data), "--out", str(data)], f"--out {data} is the input --data {data}",
+                   data / "train_caps.txt"),
+                  (["train", "--data", str(data), "--config", str(run / "config.yaml"), "--out", str(run)],
+                   f"--out {run}/config.yaml is the input --config {run / 'config.yaml'}", run / "config.yaml")],
+        "generate": [(["generate", "--out", str(tmp / "gen"), "--features", "synthetic", "--n-train", "2",
+                       "--n-dev", "2", "--n-test", "2", "--preview", str(tmp / "gen" / "images/test/00001.png")],
+                      "are the same file", None)],
+        "convert-tsv": [(["convert-tsv", "--tsv", str(root / "a.tsv"), "--captions", str(out / "test_caps.txt"),
+                          "--out", str(out), "--split", "test", "--overwrite", "--no-progress"],
+                         f"--out {out / 'test_caps.txt'} is the input --captions {out / 'test_caps.txt'}",
+                         out / "test_caps.txt")],
+        "extract": [(["extract", "--images", str(root / "pictures"), "--captions", str(extracted / "test_caps.txt"),
+                      "--out", str(extracted), "--split", "test", "--backbone", "tiny-test", "--overwrite"],
+                     f"--out {extracted / 'test_caps.txt'} is the input --captions {extracted / 'test_caps.txt'}",
+                     extracted / "test_caps.txt")],
+    }
+
+
+NOT_WRITERS = {"search": "writes no file", "serve": "writes no file", "data check": "writes no file",
+               "demo": "reads no file the user names (its one path is --out, checked below)"}
+
+
+def test_no_command_writes_over_its_inputs(world, tmp_path, capsys, tiny_backbone):
+    cases = _same_file_cases(world, tmp_path)
+    _walks_every_command(cases, NOT_WRITERS)
+    for command, runs in cases.items():
+        for argv, fragment, kept in runs:
+            before = kept.read_bytes() if kept is not None else None
+            code = main(argv)
+            assert code == 2, (command, argv, capsys.readouterr())
+            err = _one_line_error(capsys, code)
+            assert fragment in err, (command, err)
+            if kept is not None:
+                assert kept.read_bytes() == before, command
+    assert not (tmp_path / "gen").exists()     # the preview clash is refused before generating
+
+
+def test_the_same_file_under_every_name(tmp_path, monkeypatch):
+    from sgraf.io_paths import check_outputs
+
+    monkeypatch.chdir(tmp_path)
+    Path("x").write_text("1")
+    Path("sub").mkdir()
+    os.symlink("x", "link")
+    os.link("x", "hard")
+    for name in ("x", "./x", "sub/../x", str(tmp_path / "x"), "link", "hard"):
+        with pytest.raises(InputError, match=f"^--out {name} is the input --in x; an output must not be an input"):
+            check_outputs([("--in", "x")], [("--out", name)])
+    check_outputs([("--in", "x")], [("--out", "y")])                  # another file: fine
+    check_outputs([("--in", "sub")], [("--out", "sub/y")])            # a new file inside an input folder: fine
+    with pytest.raises(InputError, match="^--out . holds the input --in sub/y"):
+        check_outputs([("--in", "sub/y")], folders=[("--out", ".")])
+    with pytest.raises(InputError, match="^--b ./y and --a y are the same file"):
+        check_outputs([], [("--a", "y"), ("--b", "./y")])
+
+
+def test_a_symlinked_output_is_written_through_to_its_target(world, tmp_path, capsys):
+    target = tmp_path / "real.npy"
+    target.write_bytes(b"old")
+    link = tmp_path / "sims.npy"
+    link.symlink_to(target)
+    assert main(["evaluate", "--sims", str(world["sims"]), "--save-sims", str(link), "--json"]) == 0
+    capsys.readouterr()
+    assert link.is_symlink() and np.array_equal(np.load(target), np.load(world["sims"]))
+    index_target = tmp_path / "index-real"
+    index_target.mkdir()
+    (tmp_path / "index").symlink_to(index_target)
+    assert main(["index", "--checkpoint", str(world["ck"]), "--data", str(world["data"]), "--split", "test",
+                 "--out", str(tmp_path / "index"), "--quiet"]) == 0
+    assert (tmp_path / "index").is_symlink() and (index_target / "manifest.json").is_file()
+
+
+def test_a_demo_rerun_deletes_only_what_a_demo_recorded_writing(tmp_path, monkeypatch, capsys):
+    import sgraf.demo as demo
+    from sgraf.output_folder import read_record, record_files
+
+    monkeypatch.setattr(demo, "_run", lambda out, *args: {})       # the folder's preparation only
+    out = tmp_path / "demo"
+    demo.run_demo(out, quick=True)
+    for name in ("runs/sgr/best.pt", "runs/sgr/config.yaml", "index/manifest.json", "report.md"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("demo's")
+    record_files(out, ["runs/sgr/best.pt", "runs/sgr/config.yaml", "index/manifest.json"], "demo")
+    (out / "runs" / "notes.txt").write_text("mine")
+    (out / "runs" / "sgr" / "my-eval.npy").write_text("mine")
+    demo.run_demo(out, quick=True)
+    assert (out / "runs" / "notes.txt").read_text() == "mine"
+    assert (out / "runs" / "sgr" / "my-eval.npy").read_text() == "mine"
+    assert not (out / "runs" / "sgr" / "best.pt").exists() and not (out / "index").exists()
+    assert not (out / "report.md").exists() and "report.md" in read_record(out)
+    (out / "index").mkdir()
+    (out / "index" / "mine.txt").write_text("mine")                 # the index is replaced whole: refused
+    err = _one_line_error(capsys, main(["demo", "--quick", "--out", str(out)]))
+    assert err == (f"sgraf demo: error: {out / 'index' / 'mine.txt'} was not written by sgraf demo and would "
+                           "be deleted with the earlier demo's index (sgraf deletes only files it wrote); move it away")
+    assert (out / "index" / "mine.txt").read_text() == "mine" and (out / "runs" / "notes.txt").exists()
+
+
+def test_a_demo_folder_from_before_the_record_loses_only_the_demos_files(tmp_path, monkeypatch):
+    import sgraf.demo as demo
+
+    monkeypatch.setattr(demo, "_run", lambda out, *args: {})
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / demo.MARKER).write_text("an earlier demo")
+    for name in ("runs/sgr/last.pt", "runs/sgr/tensorboard/events.1", "index/manifest.json", "index/captions.txt",
+                 "results.json"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("demo's")
+    (out / "index" / "manifest.json").write_text(json.dumps({"files": {"captions.txt": {}}}))
+    (out / "runs" / "sgr" / "analysis.ipynb").write_text("mine")
+    demo.run_demo(out, quick=True)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()
+                  and not p.name.startswith(".")) == ["runs/sgr/analysis.ipynb"]
