@@ -264,3 +264,67 @@ def test_a_demo_folder_from_before_the_record_loses_only_the_demos_files(tmp_pat
     demo.run_demo(out, quick=True)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()
                   and not p.name.startswith(".")) == ["runs/sgr/analysis.ipynb"]
+
+
+# ------------------------------------------------------------------ 2. a byte-order mark, every text reader
+TEXT_FILES = ("data/*_caps.txt", "data/*_scenes.jsonl", "data/vocab.json", "a.tsv", "tsv_caps.txt", "pictures.tsv",
+              "config.yaml")
+
+
+def _with_bom(world: dict, root: Path) -> dict:
+    """A copy of the world whose every text file starts with a UTF-8 byte-order mark."""
+    shutil.copytree(world["root"], root)
+    marked = 0
+    for pattern in TEXT_FILES:
+        for path in root.glob(pattern):
+            path.write_bytes(BOM + path.read_bytes())
+            marked += 1
+    assert marked >= 10
+    return {"root": root, "data": root / "data", "ck": root / "ck.pt", "vocab": root / "data" / "vocab.json"}
+
+
+def _bom_runs(w: dict, out: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """{command: (argv reading the text files of `w`, files it writes under `out` to compare)}."""
+    d, ck, vocab = str(w["data"]), str(w["ck"]), str(w["vocab"])
+    scoring = ["--checkpoint", ck, "--data", d, "--vocab", vocab, "--json", "--quiet"]
+    return {
+        "evaluate": (["evaluate", *scoring], []),
+        "diagnose": (["diagnose", *scoring], []),
+        "index": (["index", "--checkpoint", ck, "--data", d, "--split", "test", "--vocab", vocab, "--quiet",
+                   "--out", str(out / "index")], ["index/captions.txt"]),
+        "search": (["search", "--index", str(out / "index"), "--vocab", vocab, "--text",
+                    "a large red square", "--json", "--allow-unknown"], []),
+        "explain": (["explain", "--checkpoint", ck, "--data", d, "--split", "test", "--image-id", "1", "--text",
+                     "a large red square", "--allow-unknown", "--vocab", vocab, "--out", str(out / "e.png")], []),
+        "data check": (["data", "check", "--data", d, "--split", "test", "--vocab", vocab], []),
+        "vocab build": (["vocab", "build", "--data", d, "--out", str(out / "v.json"), "--min-count", "1"], ["v.json"]),
+        "convert-tsv": (["convert-tsv", "--tsv", str(w["root"] / "a.tsv"), "--captions",
+                         str(w["root"] / "tsv_caps.txt"), "--out", str(out / "c"), "--split", "test",
+                         "--no-progress"], ["c/test_caps.txt", "c/test_image_ids.txt", "c/test_ims.npy"]),
+        "extract": (["extract", "--images", str(w["root"] / "pictures"), "--captions",
+                     str(w["root"] / "pictures.tsv"), "--out", str(out / "x"), "--split", "test", "--backbone",
+                     "tiny-test"], ["x/test_caps.txt", "x/test_image_names.txt"]),
+        "convert-checkpoint": (["convert-checkpoint", ck, str(out / "ck.pt"), "--vocab", vocab], []),
+        "train": (["train", "--config", str(w["root"] / "config.yaml"), "--list-keys"], []),
+    }
+
+
+NO_TEXT_READ = {"generate": "reads no text file", "demo": "reads no text file the user gives",
+                "serve": "opens the index and --vocab as search does (the same readers), then serves"}
+
+
+def test_every_text_reader_strips_a_byte_order_mark(world, tmp_path, capsys, tiny_backbone):
+    marked = _with_bom(world, tmp_path / "marked")
+    clean_out, marked_out = tmp_path / "clean-out" / "o", tmp_path / "marked-out" / "o"
+    clean_runs, marked_runs = _bom_runs(world, clean_out), _bom_runs(marked, marked_out)
+    _walks_every_command(clean_runs, NO_TEXT_READ)
+    for command in clean_runs:
+        printed = []
+        for root, out, runs in ((world["root"], clean_out, clean_runs), (marked["root"], marked_out, marked_runs)):
+            assert main(runs[command][0]) == 0, (command, capsys.readouterr().err)
+            printed.append(capsys.readouterr().out.replace(str(out), "OUT").replace(str(root), "ROOT"))
+        assert printed[0] == printed[1], command
+        for name in clean_runs[command][1]:
+            assert (clean_out / name).read_bytes() == (marked_out / name).read_bytes(), (command, name)
+    assert "\ufeff" not in json.dumps(load_vocab(marked_out / "v.json").word2idx)
+    assert torch.load(marked_out / "ck.pt")["vocab"] == torch.load(clean_out / "ck.pt")["vocab"]
