@@ -328,3 +328,102 @@ def test_every_text_reader_strips_a_byte_order_mark(world, tmp_path, capsys, tin
             assert (clean_out / name).read_bytes() == (marked_out / name).read_bytes(), (command, name)
     assert "\ufeff" not in json.dumps(load_vocab(marked_out / "v.json").word2idx)
     assert torch.load(marked_out / "ck.pt")["vocab"] == torch.load(clean_out / "ck.pt")["vocab"]
+
+
+# ------------------------------------------------------------------ 3. a full disk, every writer
+class FullDisk:
+    """A small tmpfs mounted for one test, filled up to `free` bytes (it needs root)."""
+
+    def __init__(self, mountpoint: Path) -> None:
+        self.path = mountpoint
+        mountpoint.mkdir()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)],
+                                 capture_output=True, text=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip() or 'mount failed'}); the full-disk "
+                        "walk needs root, test_hardening_files simulates ENOSPC in the writers instead")
+
+    def fill(self, free: int = 0) -> None:
+        """Leaves `free` bytes (rounded to pages) and nothing else but the filler."""
+        self.clear()
+        handle = os.open(self.path / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(handle, b"\0" * 4096)
+        finally:
+            os.close(handle)
+        if free:
+            os.truncate(self.path / "filler", os.path.getsize(self.path / "filler") - free)
+
+    def clear(self) -> None:
+        for entry in self.path.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+    def left(self) -> list[str]:
+        """What the commands left: files (the filler aside) and hidden (staging, temporary) entries."""
+        return sorted(p.relative_to(self.path).as_posix() for p in self.path.rglob("*")
+                      if p.name != "filler" and (p.is_file() or p.name.startswith(".")))
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", str(self.path)], check=False)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; test_hardening_files simulates ENOSPC in the writers instead")
+    disk = FullDisk(tmp_path / "full")
+    yield disk
+    disk.unmount()
+
+
+def _writers(w: dict, full: Path) -> dict[str, list[str]]:
+    d, ck = str(w["data"]), str(w["ck"])
+    return {
+        "demo": ["demo", "--quick", "--out", str(full / "demo")],
+        "train": ["train", "--data", d, "--out", str(full / "run"), "--preset", "tiny", "--set", "epochs=1",
+                  "progress=false"],
+        "evaluate": ["evaluate", "--checkpoint", ck, "--data", d, "--save-sims", str(full / "s.npy"), "--quiet"],
+        "diagnose": ["diagnose", "--checkpoint", ck, "--data", d, "--save-sims", str(full / "s.npy"), "--quiet"],
+        "index": ["index", "--checkpoint", ck, "--data", d, "--split", "test", "--out", str(full / "index"),
+                  "--quiet"],
+        "explain": ["explain", "--checkpoint", ck, "--data", d, "--split", "test", "--image-id", "0", "--text",
+                    "a large red square", "--allow-unknown", "--out", str(full / "e.png")],
+        "generate": ["generate", "--out", str(full / "gen"), "--features", "synthetic", "--n-train", "2",
+                     "--n-dev", "2", "--n-test", "2", "--synthetic-dim", "8"],
+        "vocab build": ["vocab", "build", "--data", d, "--out", str(full / "v.json")],
+        "extract": ["extract", "--images", str(w["root"] / "pictures"), "--captions", str(w["root"] / "pictures.tsv"),
+                    "--out", str(full / "x"), "--split", "test", "--backbone", "tiny-test"],
+        "convert-tsv": ["convert-tsv", "--tsv", str(w["root"] / "a.tsv"), "--out", str(full / "c"), "--split",
+                        "test", "--no-progress"],
+        "convert-checkpoint": ["convert-checkpoint", ck, str(full / "c.pt")],
+    }
+
+
+def test_every_writer_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(world, full_disk, capsys,
+                                                                            tiny_backbone, monkeypatch):
+    monkeypatch.setenv("SGRAF_TUNE", "off")
+    writers = _writers(world, full_disk.path)
+    _walks_every_command(writers, {"search": "writes no file", "serve": "writes no file",
+                                   "data check": "writes no file"})
+    for command, argv in writers.items():
+        full_disk.fill()
+        err = _one_line_error(capsys, main(argv))
+        assert "No space left on device" in err and str(full_disk.path) in err, (command, err)
+        assert full_disk.left() == [], (command, full_disk.left())
+
+
+def test_an_index_onto_a_nearly_full_disk_is_one_line_not_sigbus(world, full_disk):
+    """The small files fit, the memory-mapped embeddings do not: before their blocks were reserved
+    the first write through the map killed the process with SIGBUS, leaving its staging folder."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "SGRAF_TUNE": "off"}
+    for free in (12288, 20480):
+        full_disk.fill(free)
+        run = subprocess.run([sys.executable, "-m", "sgraf", "index", "--checkpoint", str(world["ck"]), "--data",
+                              str(world["data"]), "--split", "test", "--out", str(full_disk.path / "index"),
+                              "--quiet"], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2, (free, run.returncode, run.stderr)
+        assert run.stderr.strip().splitlines()[-1] == (f"sgraf index: error: cannot write {full_disk.path / 'index'}: "
+                                                       "No space left on device")
+        assert full_disk.left() == []
