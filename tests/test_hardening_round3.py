@@ -427,3 +427,29 @@ def test_an_index_onto_a_nearly_full_disk_is_one_line_not_sigbus(world, full_dis
         assert run.stderr.strip().splitlines()[-1] == (f"sgraf index: error: cannot write {full_disk.path / 'index'}: "
                                                        "No space left on device")
         assert full_disk.left() == []
+
+
+def test_train_onto_a_nearly_full_disk_is_one_line(world, full_disk, capsys, monkeypatch):
+    """torch's zip writer turns the full disk into a RuntimeError of its own while closing the
+    archive; the checkpoint writer reports the OSError under it, naming last.pt."""
+    monkeypatch.setenv("SGRAF_TUNE", "off")
+    run = full_disk.path / "run"
+    for free in (8192,):
+        full_disk.fill(free)
+        err = _one_line_error(capsys, main(["train", "--data", str(world["data"]), "--out", str(run), "--preset",
+                                            "tiny", "--set", "epochs=1", "progress=false"]))
+        assert err in (f"sgraf train: error: cannot write {run / name}: No space left on device"
+                       for name in ("last.pt", "best.pt")), (free, err)
+        assert full_disk.left() == ["run/config.yaml"]   # whole; the same command runs again into the folder
+
+
+def test_a_checkpoint_cut_short_by_a_full_disk_is_named(full_disk):
+    from sgraf.checkpoint import atomic_save
+
+    path = full_disk.path / "model.pt"
+    for free in range(4096, 131072, 12288):      # the disk fills up at every point of the archive
+        full_disk.fill(free)
+        with pytest.raises(InputError) as caught:
+            atomic_save({"weights": torch.zeros(40_000)}, path)
+        assert str(caught.value) == f"cannot write {path}: No space left on device", free
+        assert full_disk.left() == []

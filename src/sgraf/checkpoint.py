@@ -39,7 +39,15 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         InputError: the file cannot be written (the message names `path`).
     """
     with atomic_path(path) as temporary, open(temporary, "wb") as handle:
-        torch.save(obj, handle)
+        try:
+            torch.save(obj, handle)
+        except RuntimeError as error:
+            # torch's zip writer meets a full disk (OSError) and then fails to close the archive with
+            # a RuntimeError of its own: the OSError is what happened (atomic_path names the path)
+            reason = error.__context__ or error.__cause__
+            if isinstance(reason, OSError):
+                raise reason from None
+            raise
 
 
 def _vocab_dict(vocab: Any) -> dict | None:
