@@ -15,6 +15,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -453,3 +454,75 @@ def test_a_checkpoint_cut_short_by_a_full_disk_is_named(full_disk):
             atomic_save({"weights": torch.zeros(40_000)}, path)
         assert str(caught.value) == f"cannot write {path}: No space left on device", free
         assert full_disk.left() == []
+
+
+# ------------------------------------------------------------------ cases of sections 2 and 3
+def test_diagnose_refuses_scenes_of_another_generation(world, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(world["data"], data)
+    generate_benchmark(tmp_path / "other", seed=1, features="synthetic", n_train=4, n_dev=4, n_test=8,
+                       synthetic_dim=8, save_images=False)
+    shutil.copy(tmp_path / "other" / "test_scenes.jsonl", data / "test_scenes.jsonl")   # same size, other data
+    first_caption = json.loads((data / "test_scenes.jsonl").read_text().splitlines()[0])["captions"][0]
+    err = _one_line_error(capsys, main(["diagnose", "--checkpoint", str(world["ck"]), "--data", str(data),
+                                        "--quiet"]))
+    own = (data / "test_caps.txt").read_text().splitlines()[0]
+    assert err == (f"sgraf diagnose: error: {data / 'test_scenes.jsonl'} does not describe {data / 'test_caps.txt'}: "
+                   f"line 1 of the captions is {own!r}, the scenes' caption 1 is {first_caption!r}; both files must "
+                   "come from the same sgraf generate run")
+
+
+def test_truth_aware_recall_counts_ties_against_the_model(world):
+    from sgraf.diagnose import diagnose_sims, format_report, truth_recall
+
+    scenes = load_scenes(world["data"], "test")
+    constant = truth_recall(np.zeros((8, 40), dtype=np.float32), scenes)
+    assert constant["i2t"] == {"r1": 0.0, "r5": 0.0, "r10": 0.0, "ties": 100.0}   # was 100 / 100 / 100
+    # 8 pictures: ten of them are all the gallery (with ties in its favour R@1 was 100 too)
+    assert constant["t2i"]["r1"] == 0.0 and constant["t2i"]["r10"] == 100.0 and constant["t2i"]["ties"] == 100.0
+    perfect = np.full((8, 40), -1.0, dtype=np.float32)
+    perfect[np.repeat(np.arange(8), 5), np.arange(40)] = 1.0          # each caption on its own picture
+    assert truth_recall(perfect, scenes)["t2i"] == {"r1": 100.0, "r5": 100.0, "r10": 100.0, "ties": 0.0}
+    report = format_report(diagnose_sims(np.zeros((8, 40), dtype=np.float32), scenes))
+    assert ("truth-aware recall counts ties against the model; queries whose best correct answer ties a wrong one: "
+            "i2t 100.0 %, t2i 100.0 %") in report
+
+
+def test_vocab_build_refuses_a_min_count_that_leaves_no_word(world, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    err = _one_line_error(capsys, main(["vocab", "build", "--data", str(world["data"]), "--out", str(out),
+                                        "--min-count", "100000"]))
+    assert re.fullmatch(r"sgraf vocab: error: min count 100000 leaves no word in the vocabulary: the most frequent "
+                        r"of the \d+ distinct words is seen (\d+) times; expected a min count of at most \1", err), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("change, field, expected", [
+    (lambda row: None, None, "expected a JSON object (one scene), got null"),
+    (lambda row: 7, None, "expected a JSON object (one scene), got 7"),
+    (lambda row: {**row, "false_for": None}, "false_for", "is null; expected a list of 5 lists"),
+    (lambda row: {**row, "false_for": "1"}, "false_for", 'is "1"; expected a list of 5 lists'),
+    (lambda row: {**row, "false_for": [[1.5]] * 5}, "false_for", "is [[1.5], [1.5], [1.5], [1.5], [1.5]]; expected"),
+    (lambda row: {**row, "false_for": [[8]] * 5}, "false_for", "scene indices in 0..7"),
+    (lambda row: {**row, "false_for": [[-1]] * 5}, "false_for", "scene indices in 0..7"),
+    (lambda row: {k: v for k, v in row.items() if k != "family"}, "family", "is missing; expected an integer >= 0"),
+    (lambda row: {k: v for k, v in row.items() if k != "variant"}, "variant", "is missing; expected one of base, "),
+    (lambda row: {**row, "index": True}, "index", "is true; expected 2 (the scene's line number - 1)"),
+])
+def test_malformed_scenes_lines_are_named_by_file_line_and_field(world, tmp_path, capsys, change, field, expected):
+    data = tmp_path / "data"
+    shutil.copytree(world["data"], data)
+    path = data / "test_scenes.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2] = json.dumps(change(json.loads(lines[2])))
+    path.write_text("\n".join(lines) + "\n")
+    err = _one_line_error(capsys, main(["diagnose", "--sims", str(world["sims"]), "--data", str(data)]))
+    where = f"sgraf diagnose: error: {path}:3: " + (f"field {field!r} " if field else "")
+    assert err.startswith(where) and expected in err, err
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_non_finite_training_numbers_are_refused_up_front(tmp_path, capsys, value):
+    err = _one_line_error(capsys, main(["demo", "--quick", "--out", str(tmp_path / "demo"), "--set", f"lr={value}"]))
+    assert err == f"sgraf demo: error: training config field 'lr' must be a finite number, got {float(value)!r}"
+    assert not (tmp_path / "demo").exists()
