@@ -526,3 +526,19 @@ def test_non_finite_training_numbers_are_refused_up_front(tmp_path, capsys, valu
     err = _one_line_error(capsys, main(["demo", "--quick", "--out", str(tmp_path / "demo"), "--set", f"lr={value}"]))
     assert err == f"sgraf demo: error: training config field 'lr' must be a finite number, got {float(value)!r}"
     assert not (tmp_path / "demo").exists()
+
+
+def test_the_reliability_page_commands_parse_and_its_messages_are_one_line():
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    parser = build_parser()
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for line in block.splitlines()]
+    assert len(commands) >= 10
+    for line in commands:
+        words = shlex.split(line)
+        assert words[0] == "sgraf", line
+        parser.parse_args(words[1:])            # an unknown flag or a bad value exits here
+    for block in re.findall(r"```text\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():        # messages, never commands
+            assert not line.startswith("sgraf ") or re.match(r"sgraf [\w-]+: error: ", line), line
