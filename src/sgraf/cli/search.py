@@ -38,11 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from sgraf.search import open_index
+    from sgraf.search import open_index, shortlist_for
 
     index = open_index(args.index, checkpoints=args.checkpoint, vocab=args.vocab, verify=not args.no_verify,
                        first_stage=args.first_stage, device=args.device)
-    shortlist = None if args.shortlist == 0 else max(args.shortlist, args.top_k)
+    shortlist = shortlist_for(args.shortlist, args.top_k)
     if args.text is not None:
         hits = index.search_text(args.text, top_k=args.top_k, shortlist=shortlist,
                                  allow_unknown=args.allow_unknown)
