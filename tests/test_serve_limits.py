@@ -58,6 +58,9 @@ def test_sgraf_search_text_has_the_same_limit(gallery, capsys):
     assert capsys.readouterr().err == (f"sgraf search: error: text is too long: {MAX_TEXT_WORDS + 1} words, "
                                        f"the limit is {MAX_TEXT_WORDS}\n")
     assert main(["search", "--index", str(gallery["index"]), "--text", " ".join(["a"] * MAX_TEXT_WORDS)]) == 0
+    capsys.readouterr()
+    main(["search", "--help"])
+    assert f"at most {MAX_TEXT_CHARS} characters and {MAX_TEXT_WORDS} words" in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_explanation_picture_of_the_longest_text_stays_small(client):

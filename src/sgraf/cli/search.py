@@ -14,7 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "score re-ranks them. Ids are image / caption indices in the split's order.")
     parser.add_argument("--index", required=True, metavar="INDEX", help="index folder (sgraf index)")
     query = parser.add_mutually_exclusive_group(required=True)
-    query.add_argument("--text", type=utf8_text, help="a text query: returns images")
+    query.add_argument("--text", type=utf8_text,
+                       help="a text query (at most 500 characters and 64 words, as sgraf serve takes): returns images")
     query.add_argument("--image-id", type=non_negative_int, metavar="N",
                        help="an image of the index: returns captions")
     parser.add_argument("--top-k", type=positive_int, default=10, metavar="K", help="results to return")
