@@ -33,7 +33,30 @@ from sgraf.precision import autocast, check_precision
 logger = logging.getLogger(__name__)
 
 __all__ = ["Matcher", "ImageEncoding", "TextEncoding", "model_identity", "describe_identity", "shortlist_keys",
-           "split_shortlist_keys"]
+           "split_shortlist_keys", "MAX_TEXT_CHARS", "MAX_TEXT_WORDS", "check_text_length"]
+
+# The one limit on a query text, for every entry point that takes one (`Matcher.tokenize`, so
+# `sgraf search --text`, `sgraf explain`, and the service's search and explanations). It bounds
+# a request's cost: encoding and scoring grow with the words, an explanation's picture has a
+# panel per word. The longest Flickr30K / MSCOCO captions are well under 64 words.
+MAX_TEXT_CHARS = 500
+MAX_TEXT_WORDS = 64
+
+
+def check_text_length(text: str, n_words: int | None = None) -> None:
+    """Refuse a query text over `MAX_TEXT_CHARS` characters or `MAX_TEXT_WORDS` words.
+
+    Args:
+        text: the text as given (its characters are counted before any tokenisation).
+        n_words: its words after tokenisation, when known.
+
+    Raises:
+        InputError: "text is too long: N characters, the limit is 500" (or words, 64).
+    """
+    if len(text) > MAX_TEXT_CHARS:
+        raise InputError(f"text is too long: {len(text)} characters, the limit is {MAX_TEXT_CHARS}")
+    if n_words is not None and n_words > MAX_TEXT_WORDS:
+        raise InputError(f"text is too long: {n_words} words, the limit is {MAX_TEXT_WORDS}")
 
 
 def _weights_sha256(model: torch.nn.Module) -> str:
@@ -231,16 +254,19 @@ class Matcher:
             (tokens, ids): the words, and their ids framed by `<start>` ... `<end>`.
 
         Raises:
-            InputError: empty text, no vocabulary, or (unless `allow_unknown`) words that the
-                vocabulary does not know, named in the message.
+            InputError: empty text, a text over `MAX_TEXT_CHARS` characters or `MAX_TEXT_WORDS`
+                words, no vocabulary, or (unless `allow_unknown`) words that the vocabulary does
+                not know, named in the message.
         """
         if self.vocab is None:
             raise InputError("this matcher has no vocabulary; load it with vocab=PATH")
         if not isinstance(text, str) or not text.strip():
             raise InputError(f"empty query text {text!r}: give at least one word")
+        check_text_length(text)                     # before the tokeniser reads a long text
         tokens = self.vocab.tokenize(text)
         if not tokens:
             raise InputError(f"query text {text!r} has no words after tokenisation")
+        check_text_length(text, len(tokens))
         if not allow_unknown:
             unknown = [t for t in tokens if t not in self.vocab.word2idx]
             if unknown:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
@@ -36,6 +37,9 @@ from sgraf import text_files
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import open_npy
 from sgraf.errors import InputError
+
+TITLE_CHARS_PER_LINE = 110   # the figure's title wraps here (the text can be 500 characters)
+LABEL_CHARS = 16             # words longer than this are cut in the picture's labels
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +354,7 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
                 axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
                           color="white" if values[i, j] > 0.65 else "black")
         axis.set_yticks(range(len(labels)), labels, fontsize=9)
-        axis.set_xticks(range(len(explanation.node_labels)), explanation.node_labels, rotation=45,
+        axis.set_xticks(range(len(explanation.node_labels)), [_short(n) for n in explanation.node_labels], rotation=45,
                         ha="right", fontsize=8)
         axis.tick_params(length=0)
     else:
@@ -366,9 +370,11 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
             cell = gridspec.GridSpecFromSubplotSpec(1, columns, subplot_spec=outer[1 + row], wspace=0.05)
             axis = figure.add_subplot(cell[col])
             _draw_picture(axis, layout, explanation.attention[index])
-            axis.set_title(token, fontsize=9)
+            axis.set_title(_short(token), fontsize=9)
     scores = ", ".join(f"{name} {value:.4f}" for name, value in explanation.scores.items())
-    figure.suptitle(title or f"\u201c{explanation.text}\u201d\nscore: {scores}", fontsize=11)
+    # wrapped, so that a long text (up to sgraf.api.MAX_TEXT_CHARS) does not widen the picture
+    quoted = textwrap.fill(f"\u201c{explanation.text}\u201d", TITLE_CHARS_PER_LINE)
+    figure.suptitle(title or f"{quoted}\nscore: {scores}", fontsize=11)
     if n_panels:
         figure.text(0.5, 0.005, f"attention of each token over the regions ({explanation.attention_model} model; "
                     f"{layout.source}); brighter = more weight", ha="center", fontsize=8)
@@ -384,6 +390,11 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
         plt.close(figure)
     logger.info("wrote %s", out)
     return out
+
+
+def _short(label: str, limit: int = LABEL_CHARS) -> str:
+    """A word as a label: a long one cut (a word can be any length), so it cannot widen the picture."""
+    return label if len(label) <= limit else label[:limit - 1] + "\u2026"
 
 
 def _draw_picture(axis: Any, layout: RegionLayout, weights: np.ndarray | None) -> None:

@@ -52,8 +52,15 @@ MANIFEST = "manifest.json"
 CAPTIONS = "captions.txt"
 STORAGE_DTYPES = ("float32", "float16")
 FIRST_STAGES = ("auto", "numpy", "faiss")
+KEY_QUERIES = 16     # queries per first-stage matrix product (always this many columns: see _coarse_many)
 
-__all__ = ["Hit", "GalleryIndex", "build_index", "open_index"]
+__all__ = ["Hit", "GalleryIndex", "build_index", "open_index", "shortlist_for"]
+
+
+def shortlist_for(shortlist: int, top_k: int) -> int | None:
+    """What `--shortlist N` means for a query of `top_k` results, in `sgraf search` and
+    `sgraf serve` alike: 0 scores the whole gallery (None), else max(N, top_k) candidates."""
+    return None if shortlist == 0 else max(shortlist, top_k)
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,8 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
             anything else.
         caps_per_image: captions per image (caption k describes image k // caps_per_image);
             default n_captions / n_images when that divides, else None.
-        source: where the gallery came from (data dir, split), stored in the manifest.
+        source: where the gallery came from (data dir, split), stored in the manifest with the
+            split's `data_fingerprint` (so that a server refuses other data given for it).
         dtype: storage of the embeddings, 'float32' (exact) or 'float16' (half the disk).
         batch_size: images / captions encoded per chunk.
         progress: progress bars (images, then captions) on stderr.
@@ -131,6 +139,9 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         if "\n" in caption or not caption.strip():
             raise InputError(f"caption {row} is empty or spans several lines: {caption!r}")
 
+    source = dict(source or {})
+    if {"data_dir", "split"} <= set(source) and "data_fingerprint" not in source:
+        source["data_fingerprint"] = _split_fingerprint(source["data_dir"], source["split"])
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = temporary_folder(out.parent, f".{out.name}.")
@@ -149,7 +160,7 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
             "n_captions": n_cap,
             "caps_per_image": caps_per_image,
             "dtype": dtype,
-            "source": source or {},
+            "source": source,
             "files": {path.name: _describe_file(path) for path in sorted(staging.iterdir())},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -163,6 +174,17 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     logger.info("indexed %d images and %d captions with %d model(s) into %s", n_img, n_cap,
                 len(matcher.models), out)
     return out
+
+
+def _split_fingerprint(data_dir: str | os.PathLike[str], split: str) -> dict[str, str] | None:
+    """`precomp.data_fingerprint` of the split an index is built from (None if its files are not
+    there, e.g. features given as an array): a server compares it with the data it is given."""
+    from sgraf.data.precomp import data_fingerprint
+
+    try:
+        return data_fingerprint(data_dir, splits=(split,))
+    except (OSError, InputError):
+        return None
 
 
 def _check_only_index_files(out: Path) -> None:
@@ -496,7 +518,13 @@ class GalleryIndex:
 
     def _coarse_many(self, gallery: str, query_keys: np.ndarray,
                      shortlist: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The first stage of several queries (n_q, G) at once: the gallery's keys are read once.
+        """The first stage of several queries (n_q, G) at once: the gallery's keys are read from
+        memory once per `KEY_QUERIES` queries.
+
+        The queries go through the inner products in groups of exactly `KEY_QUERIES` rows (zero
+        rows fill the last group): a matrix product of one shape, whose columns do not depend on
+        one another, so a query's coarse scores and shortlist are the same bits alone or with
+        others (a product of another width would take another kernel and round differently).
 
         Returns:
             per query, (ids, coarse scores) as `_coarse`.
@@ -504,27 +532,33 @@ class GalleryIndex:
         keys = self.image_keys if gallery == "image" else self.caption_keys
         n = keys.shape[0]
         query_keys = np.ascontiguousarray(query_keys, dtype=np.float32)
-        if shortlist >= n:
-            every = keys @ query_keys.T                                      # (n, n_q)
-            return [(np.arange(n), every[:, q]) for q in range(query_keys.shape[0])]
-        if self.first_stage == "faiss":
+        n_q = query_keys.shape[0]
+        use_faiss = shortlist < n and self.first_stage == "faiss"
+        if use_faiss and self._faiss[gallery] is None:
             import faiss
 
-            if self._faiss[gallery] is None:
-                index = faiss.IndexFlatIP(keys.shape[1])
-                index.add(keys)
-                self._faiss[gallery] = index
-            coarse, ids = self._faiss[gallery].search(query_keys, shortlist)   # (n_q, shortlist)
-            found = [(ids[q].astype(np.int64), coarse[q]) for q in range(query_keys.shape[0])]
-        else:
-            scores = keys @ query_keys.T                                     # (n, n_q)
-            found = []
-            for q in range(query_keys.shape[0]):
-                ids = np.argpartition(-scores[:, q], shortlist - 1)[:shortlist]
-                found.append((ids, scores[ids, q]))
+            index = faiss.IndexFlatIP(keys.shape[1])
+            index.add(keys)
+            self._faiss[gallery] = index
+        found = []
+        for start in range(0, n_q, KEY_QUERIES):
+            group = np.zeros((KEY_QUERIES, query_keys.shape[1]), dtype=np.float32)
+            group[:min(KEY_QUERIES, n_q - start)] = query_keys[start:start + KEY_QUERIES]
+            rows = range(min(KEY_QUERIES, n_q - start))
+            if use_faiss:
+                coarse, ids = self._faiss[gallery].search(group, shortlist)      # (KEY_QUERIES, shortlist)
+                found += [(ids[q].astype(np.int64), coarse[q]) for q in rows]
+                continue
+            scores = keys @ group.T                                             # (n, KEY_QUERIES)
+            for q in rows:
+                if shortlist >= n:
+                    found.append((np.arange(n), np.ascontiguousarray(scores[:, q])))
+                else:
+                    ids = np.argpartition(-scores[:, q], shortlist - 1)[:shortlist]
+                    found.append((ids, scores[ids, q]))
         result = []
         for ids, coarse in found:
-            order = np.argsort(ids)
+            order = np.argsort(ids, kind="stable")
             result.append((ids[order], coarse[order]))
         return result
 
@@ -584,21 +618,22 @@ class GalleryIndex:
                      allow_unknown: bool = False) -> list[list[Hit]]:
         """Several texts -> the top-k images of each, as `search_text` gives them one by one.
 
-        The texts are encoded in one pass and the first stage reads the gallery's keys once for
-        all of them (what a server gains by taking queries that arrive together as one batch);
-        each text's shortlist is then re-ranked on its own, so no pair is scored that a single
-        query would not score.
+        The first stage reads the gallery's keys from memory once for up to `KEY_QUERIES` texts
+        (what a server gains by taking queries that arrive together as one batch), in a product
+        of fixed shape; each text is encoded on its own and its shortlist re-ranked on its own.
+        So each answer is, to the last bit, the answer `search_text` gives for that text alone,
+        whatever it was batched with (tested on this machine's BLAS: a product whose shape
+        followed the batch's size rounded differently).
         """
         top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_images)
-        texts = self.matcher.encode_texts(list(queries), allow_unknown=allow_unknown)
-        shortlists = self._coarse_many("image", shortlist_keys(texts.global_vectors), shortlist)
+        texts = [self.matcher.encode_texts([query], allow_unknown=allow_unknown) for query in queries]
+        keys = np.concatenate([shortlist_keys(text.global_vectors) for text in texts])
+        shortlists = self._coarse_many("image", keys, shortlist)
         results = []
-        for q, (ids, coarse) in enumerate(shortlists):
+        for text, (ids, coarse) in zip(texts, shortlists):
             regions = self._rows("image_regions", ids)
-            length = int(texts.lengths[q])
-            words = [w[q:q + 1, :length] for w in texts.words]
             scores = self.matcher.score_embeddings(
-                regions, (words, texts.lengths[q:q + 1]),
+                regions, (text.words, text.lengths),
                 image_globals=self._globals(self.image_keys, ids))[:, 0]          # (shortlist,)
             hits = []
             for image_id, score, rough in self._best(ids, scores, coarse, top_k):

@@ -14,7 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "score re-ranks them. Ids are image / caption indices in the split's order.")
     parser.add_argument("--index", required=True, metavar="INDEX", help="index folder (sgraf index)")
     query = parser.add_mutually_exclusive_group(required=True)
-    query.add_argument("--text", type=utf8_text, help="a text query: returns images")
+    query.add_argument("--text", type=utf8_text,
+                       help="a text query (at most 500 characters and 64 words, as sgraf serve takes): returns images")
     query.add_argument("--image-id", type=non_negative_int, metavar="N",
                        help="an image of the index: returns captions")
     parser.add_argument("--top-k", type=positive_int, default=10, metavar="K", help="results to return")
@@ -38,11 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from sgraf.search import open_index
+    from sgraf.search import open_index, shortlist_for
 
     index = open_index(args.index, checkpoints=args.checkpoint, vocab=args.vocab, verify=not args.no_verify,
                        first_stage=args.first_stage, device=args.device)
-    shortlist = None if args.shortlist == 0 else max(args.shortlist, args.top_k)
+    shortlist = shortlist_for(args.shortlist, args.top_k)
     if args.text is not None:
         hits = index.search_text(args.text, top_k=args.top_k, shortlist=shortlist,
                                  allow_unknown=args.allow_unknown)

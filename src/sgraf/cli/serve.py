@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import socket
+from typing import Any
 
 from sgraf.cli.arguments import device, non_negative_int, positive_int
 
@@ -24,8 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", type=device, default="cpu", help="where the models compute (cpu, cuda, cuda:1, ...)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="autocast precision of encoding and scoring")
-    parser.add_argument("--shortlist", type=positive_int, default=100, metavar="N",
-                        help="first-stage candidates re-ranked by the full score per query")
+    parser.add_argument("--shortlist", type=non_negative_int, default=100, metavar="N",
+                        help="candidates re-ranked by the full score per query (at least top_k); 0 scores the "
+                             "whole gallery (as sgraf search --shortlist)")
     parser.add_argument("--first-stage", choices=("auto", "numpy", "faiss"), default="auto",
                         help="shortlist with FAISS (when installed) or numpy inner products")
     parser.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
@@ -53,8 +56,6 @@ def run(args: argparse.Namespace) -> int:
                          "pip install 'sgraf[serve]'") from None
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {args.port}")
-    if args.shortlist < 1:
-        raise InputError(f"--shortlist must be a positive integer, got {args.shortlist}")
     for name in ("max_queue", "max_batch", "workers"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
@@ -72,9 +73,85 @@ def run(args: argparse.Namespace) -> int:
     service = SearchService.open(args.index, checkpoints=args.checkpoint, vocab=args.vocab, device=args.device,
                                  precision=args.precision, shortlist=args.shortlist, verify=not args.no_verify,
                                  first_stage=args.first_stage, data_dir=args.data)
+    listening = bind(args.host, args.port)       # a busy port or a bad address: one line, before announcing
+    port = listening.getsockname()[1]
     app = create_app(service, max_queue=args.max_queue, max_batch=args.max_batch, workers=args.workers)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {args.index} ({service.index.n_images} images, {service.index.n_captions} captions) "
-          f"at http://{host}:{args.port}/  (API reference: /docs; Ctrl-C stops)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    return 0
+          f"at http://{host}:{port}/  (API reference: /docs; Ctrl-C stops)", flush=True)
+    server = _server_class(uvicorn)(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
+    try:
+        server.run(sockets=[listening])
+    finally:
+        listening.close()
+    return server.exit_code()
+
+
+SHUTDOWN_GRACE_S = 3   # once a signal came, the requests being computed get this long, then 503
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host`:`port`, or an `InputError` in one line saying why not."""
+    import errno
+
+    from sgraf.errors import InputError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise InputError(f"--host {host}: not an address or a known host name ({reason})") from None
+    listening = socket.socket(family, kind, proto)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+        listening.listen(2048)
+    except OSError as exc:
+        listening.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise InputError(f"--port {port}: the port is already in use on {host} (another server?); "
+                             "choose another --port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise InputError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+        if exc.errno == errno.EACCES:
+            raise InputError(f"--port {port}: permission denied (ports below 1024 need privileges)") from None
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    listening.set_inheritable(True)
+    return listening
+
+
+def _server_class(uvicorn: Any) -> type:
+    """uvicorn's server, with the shutdown `sgraf serve` promises: on SIGTERM or Ctrl-C the
+    requests still queued are refused at once (503), the ones being computed finish, and the
+    command ends like every other: one line, exit 143 or 130."""
+    import asyncio
+    import signal
+
+    from sgraf.signals import Stopped
+
+    class Server(uvicorn.Server):
+        signum: int | None = None
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            self.signum = self.signum or sig
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: list | None = None) -> None:
+            worker = getattr(getattr(self.config.app, "state", None), "worker", None)
+            if worker is not None:
+                worker.close()                  # the queued requests are answered 503 now
+                asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, worker.abandon)
+            await super().shutdown(sockets)
+
+        def exit_code(self) -> int:
+            # uvicorn raises the signal again once it has stopped; where that did not end the
+            # command (SIGINT ignored, as in a background job), end it here the same way
+            if self.signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            if self.signum is not None:
+                raise Stopped(self.signum)
+            return 0
+
+    return Server

@@ -9,7 +9,13 @@ Routes: `/` (the web page, shipped in this package), `/static/*` (its script and
 reference, rendered here from the OpenAPI schema: it needs no script from elsewhere).
 
 Every error is `{"error": "..."}`: 400 for bad arguments (the message names the problem), 404
-for what is not there, 503 with `Retry-After` when the work queue is full.
+for what is not there, 503 with `Retry-After` when the work queue is full or the server is
+shutting down. No answer shows the server's absolute paths (`SearchService.public`).
+
+Every answer carries `X-Content-Type-Options: nosniff`, `Referrer-Policy: no-referrer` and a
+Content-Security-Policy that lets the page load only its own files (`SECURITY_HEADERS`); API
+answers also `Cache-Control: no-store`. A request whose client disconnects while its job waits
+is taken off the queue (`wait`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgraf import __version__
 from sgraf.serve.models import ErrorAnswer, ExplainAnswer, HealthAnswer, SearchAnswer
-from sgraf.serve.service import MAX_TEXT_CHARS, MAX_TOP_K, NotFound, SearchService
+from sgraf.serve.service import MAX_TEXT_CHARS, MAX_TEXT_WORDS, MAX_TOP_K, NotFound, SearchService
 from sgraf.serve.worker import Busy, Worker
 
 logger = logging.getLogger(__name__)
@@ -41,7 +47,18 @@ ERRORS = {400: {"model": ErrorAnswer, "description": "bad arguments; the message
           404: {"model": ErrorAnswer, "description": "not there"},
           503: {"model": ErrorAnswer, "description": "the work queue is full; retry after `Retry-After` seconds"}}
 
-TEXT = Query(None, description=f"a text query (1..{MAX_TEXT_CHARS} characters): returns images")
+SECURITY_HEADERS = {
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    # the page's script, style and pictures come from this server only; no inline script, no frames
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+}
+STOP_WAIT_S = 1.0     # at shutdown, how long the threads' jobs in hand are still waited for
+API_CACHE_CONTROL = "no-store"     # answers depend on the server's state (queue, loaded index)
+
+TEXT_LIMIT = f"1..{MAX_TEXT_CHARS} characters, at most {MAX_TEXT_WORDS} words"
+TEXT = Query(None, description=f"a text query ({TEXT_LIMIT}): returns images")
 ALLOW_UNKNOWN = Query(False, description="map words the vocabulary does not know to <unk> instead of refusing them")
 
 
@@ -61,19 +78,37 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         worker.start()
         try:
             yield
-        finally:
-            await asyncio.to_thread(worker.stop)
+        finally:   # queued jobs are refused; a job still running after the server's grace period is
+            # abandoned (the threads are daemons) rather than holding the process
+            await asyncio.to_thread(worker.stop, STOP_WAIT_S)
 
     app = FastAPI(title="sgraf serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Gallery search and explanations with SGRAF (AAAI 2021) over an index written by "
                               "`sgraf index`. Errors are `{\"error\": \"...\"}` with a 4xx status.")
     app.state.service = service
     app.state.worker = worker
-    _add_error_handlers(app)
+    _add_error_handlers(app, service)
+    app.add_middleware(SecurityHeaders)
     app.mount("/static", StaticFiles(packages=[("sgraf.serve", "static")]), name="static")
 
-    async def wait(future: Any) -> Any:
-        return await asyncio.wrap_future(future)
+    async def wait(request: Request, future: Any) -> Any:
+        """The job's result; if the client disconnects first, the job is cancelled (a job not yet
+        started is never run) and the route ends with `ClientGone`."""
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        result = asyncio.wrap_future(future)
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait((result, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not result.done():
+            future.cancel()       # leaves the queue unless a thread is running it already
+            result.cancel()
+            raise ClientGone()
+        return result.result()
 
     @app.get("/", include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -84,7 +119,7 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         return FileResponse(service.picture_file(relative))
 
     @app.get("/api/search", response_model=SearchAnswer, responses=ERRORS, summary="search the gallery")
-    async def search(text: Optional[str] = TEXT,
+    async def search(request: Request, text: Optional[str] = TEXT,
                      image_id: Optional[int] = Query(None, description="an image of the gallery: returns captions"),
                      top_k: int = Query(10, description=f"results, 1..{MAX_TOP_K}"),
                      allow_unknown: bool = ALLOW_UNKNOWN) -> dict[str, Any]:
@@ -96,17 +131,17 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         top_k = service.check_top_k(top_k)
         if kind == "text":
             text = service.check_text(text, allow_unknown)
-            results = await wait(worker.search_text(text, top_k, service.shortlist_for(top_k)))
+            results = await wait(request, worker.search_text(text, top_k, service.shortlist_for(top_k)))
             answer = {"query": text, "results": results}
         else:
             image_id = service.check_image_id(image_id)
-            answer = await wait(worker.call(service.search_image, image_id, top_k))
+            answer = await wait(request, worker.call(service.search_image, image_id, top_k))
         answer["ms"] = (time.perf_counter() - started) * 1000.0
         return answer
 
     @app.get("/api/explain", response_model=ExplainAnswer, responses=ERRORS, summary="explain a match")
-    async def explain(image_id: int = Query(description="an image of the gallery"),
-                      text: str = Query(description=f"the caption (1..{MAX_TEXT_CHARS} characters)"),
+    async def explain(request: Request, image_id: int = Query(description="an image of the gallery"),
+                      text: str = Query(description=f"the caption ({TEXT_LIMIT})"),
                       allow_unknown: bool = ALLOW_UNKNOWN) -> dict[str, Any]:
         """What `sgraf explain` computes for an image and a caption: each token's SAF weight, SGR's
         per-alignment agreement, each token's attention over the K regions with their grid cells
@@ -114,20 +149,20 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         started = time.perf_counter()
         service.check_image_id(image_id)
         service.check_text(text, allow_unknown)
-        answer = await wait(worker.call(service.explain, image_id, text, allow_unknown))
+        answer = await wait(request, worker.call(service.explain, image_id, text, allow_unknown, heavy=True))
         answer["ms"] = (time.perf_counter() - started) * 1000.0
         return answer
 
     @app.get("/api/explain.png", responses={**ERRORS, 200: {"content": {"image/png": {}},
                                                            "description": "the picture"}},
              response_class=Response, summary="explain a match, as a picture")
-    async def explain_png(image_id: int = Query(description="an image of the gallery"),
-                          text: str = Query(description="the caption"),
+    async def explain_png(request: Request, image_id: int = Query(description="an image of the gallery"),
+                          text: str = Query(description=f"the caption ({TEXT_LIMIT})"),
                           allow_unknown: bool = ALLOW_UNKNOWN) -> Response:
         """The picture `sgraf explain --out` draws for these arguments (PNG)."""
         service.check_image_id(image_id)
         service.check_text(text, allow_unknown)
-        png = await wait(worker.call(service.explain_png, image_id, text, allow_unknown))
+        png = await wait(request, worker.call(service.explain_png, image_id, text, allow_unknown, heavy=True))
         return Response(png, media_type="image/png")
 
     @app.get("/api/health", response_model=HealthAnswer, summary="the gallery, the models, the queue")
@@ -136,7 +171,8 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         answer = service.health()
         answer["queue"] = {"waiting": worker.waiting, "max_queue": worker.max_queue,
                            "max_batch": worker.max_batch, "workers": worker.n_threads, "batches": worker.batches,
-                           "batched_texts": worker.batched_texts}
+                           "batched_texts": worker.batched_texts, "dropped": worker.dropped,
+                           "refused": worker.refused}
         return answer
 
     @app.get("/docs", include_in_schema=False)
@@ -146,23 +182,60 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
     return app
 
 
+# --------------------------------------------------------------------------------- headers
+class SecurityHeaders:
+    """ASGI middleware: `SECURITY_HEADERS` on every answer, `Cache-Control` on the API's."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        api = scope.get("path", "").startswith("/api/")
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(name, value) for name, value in message.get("headers", [])
+                           if name.decode("latin-1").lower() not in SECURITY_HEADERS]
+                headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in SECURITY_HEADERS.items()]
+                if api:
+                    headers = [(n, v) for n, v in headers if n.lower() != b"cache-control"]
+                    headers.append((b"cache-control", API_CACHE_CONTROL.encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
 # --------------------------------------------------------------------------------- errors
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready (nobody reads the answer)."""
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, service: SearchService) -> None:
+    public = service.public
+
     @app.exception_handler(ValueError)          # InputError and the library's other argument errors
     async def bad_input(_: Request, exc: ValueError) -> JSONResponse:
-        return _error(400, str(exc))
+        return _error(400, public(str(exc)))
 
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> JSONResponse:
-        return _error(404, str(exc))
+        return _error(404, public(str(exc)))
 
     @app.exception_handler(Busy)
     async def busy(_: Request, exc: Busy) -> JSONResponse:
         return _error(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(ClientGone)
+    async def gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)          # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -175,7 +248,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed")
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+        return _error(500, f"internal error ({type(exc).__name__}); the server's log has the details")
 
 
 def _describe_validation(error: dict[str, Any]) -> str:

@@ -18,19 +18,23 @@ import io
 import logging
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from sgraf.api import MAX_TEXT_CHARS, MAX_TEXT_WORDS
 from sgraf.errors import InputError
-from sgraf.search import GalleryIndex, Hit
+from sgraf.search import GalleryIndex, Hit, shortlist_for
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SearchService", "NotFound", "MAX_TEXT_CHARS", "MAX_TOP_K", "PICTURE_SUFFIXES"]
+# an absolute path inside a message (after a space, quote, parenthesis or the start)
+_ABSOLUTE_PATH = re.compile(r"(?:^|(?<=[\s'\"(=]))/[^\s'\"():,]+")
 
-MAX_TEXT_CHARS = 500
+__all__ = ["SearchService", "NotFound", "MAX_TEXT_CHARS", "MAX_TEXT_WORDS", "MAX_TOP_K", "PICTURE_SUFFIXES"]
+
 MAX_TOP_K = 1000
 PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg")
 PICTURE_ROUTE = "/images/"
@@ -46,15 +50,16 @@ class SearchService:
 
     Args:
         index: from `sgraf.search.open_index`.
-        shortlist: first-stage candidates re-ranked per query (at least `top_k` are kept).
+        shortlist: first-stage candidates re-ranked per query (at least `top_k` are kept); 0
+            scores the whole gallery (as `sgraf search --shortlist 0`).
         data_dir: the precomp folder the index was built from; default: the one its manifest
             records. Pictures and explanations are off when it (or its files) is missing.
     """
 
     def __init__(self, index: GalleryIndex, shortlist: int = 100,
                  data_dir: str | os.PathLike[str] | None = None) -> None:
-        if not isinstance(shortlist, int) or shortlist < 1:
-            raise InputError(f"--shortlist must be a positive integer, got {shortlist!r}")
+        if isinstance(shortlist, bool) or not isinstance(shortlist, int) or shortlist < 0:
+            raise InputError(f"--shortlist must be 0 (the whole gallery) or a positive integer, got {shortlist!r}")
         self.index = index
         self.matcher = index.matcher
         self.shortlist = shortlist
@@ -64,6 +69,8 @@ class SearchService:
         self.data_dir = Path(data_dir) if data_dir is not None else (Path(recorded) if recorded else None)
         if data_dir is not None and not self.data_dir.is_dir():
             raise InputError(f"--data {data_dir}: no such folder")
+        self._index_root = Path(index.folder).resolve()
+        self._public_roots = self._roots()
         self.picture_dir = self._find_picture_dir()
         self.features, self.why_no_explain = self._open_features()
 
@@ -90,6 +97,21 @@ class SearchService:
         return cls(opened, shortlist=shortlist, data_dir=data_dir)
 
     # ----------------------------------------------------------------------------- start-up
+    def _roots(self) -> list[tuple[str, str]]:
+        """(absolute folder as it may appear in a message, how answers show it), longest first."""
+        folders = {Path(self.index.folder), self._index_root}
+        if self.data_dir is not None:
+            folders |= {self.data_dir, self.data_dir.resolve()}
+        for source in self.matcher.sources:
+            if source is not None:
+                folders |= {Path(source).parent, Path(source).resolve().parent}
+        roots = {}
+        for folder in folders:
+            absolute = str(folder.absolute())
+            if absolute != "/":
+                roots[absolute] = os.path.relpath(folder.resolve(), self._index_root)
+        return sorted(roots.items(), key=lambda item: -len(item[0]))
+
     def _find_picture_dir(self) -> Path | None:
         if self.data_dir is None or self.split is None:
             return None
@@ -107,24 +129,47 @@ class SearchService:
         except (FileNotFoundError, InputError) as exc:
             message = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else str(exc)
             logger.warning("explanations are off: %s", message)
-            return None, f"explanations need the gallery's region features: {message} (start with --data DIR)"
+            return None, self.public(f"explanations need the gallery's region features: {message} "
+                                     "(start with --data DIR)")
         if split.n_images != self.index.n_images:
             raise InputError(f"{self.data_dir} [{self.split}] holds {split.n_images} images but the index "
                              f"{self.index.folder} holds {self.index.n_images}: not the data it was built from")
+        self._check_same_data()
         config = self.matcher.models[0].config
         if (split.num_regions, split.feature_dim) != (config.num_regions, config.img_dim):
             raise InputError(f"{self.data_dir} [{self.split}] has {split.num_regions} x {split.feature_dim} "
                              f"regions, the model expects {config.num_regions} x {config.img_dim}")
         return split.images, None
 
+    def _check_same_data(self) -> None:
+        """Refuse data other than what the index was built from: its split's fingerprint
+        (`precomp.data_fingerprint`, recorded by `build_index`) must match. The same files in
+        another folder (the data moved) are accepted; indexes without a fingerprint are not
+        checked."""
+        from sgraf.data.precomp import data_fingerprint
+
+        source = self.index.manifest.get("source") or {}
+        recorded = source.get("data_fingerprint")
+        if not isinstance(recorded, dict):
+            return
+        found = data_fingerprint(self.data_dir, splits=(self.split,))
+        if found == recorded:
+            return
+        differ = ", ".join(sorted(name for name in set(found) | set(recorded) if found.get(name) != recorded.get(name)))
+        given, built_from = self.data_dir.resolve(), source.get("data_dir")
+        if built_from is not None and Path(built_from).resolve() == given:
+            raise InputError(f"the files of {given} changed since the index {self.index.folder} was built from them "
+                             f"({differ} differ); rebuild the index with sgraf index")
+        raise InputError(f"--data {given} is not the data the index {self.index.folder} was built from "
+                         f"({built_from}): {differ} differ; give that data (or a copy of it)")
+
     # ----------------------------------------------------------------------------- checks
     def check_text(self, text: Any, allow_unknown: bool = False) -> str:
-        """A query text, refused (naming why) when empty, too long or with unknown words."""
+        """A query text, refused (naming why) when empty, too long (`sgraf.api.MAX_TEXT_CHARS`,
+        `MAX_TEXT_WORDS`: the limit `sgraf search` has too) or with unknown words."""
         if not isinstance(text, str) or not text.strip():
             raise InputError("text is empty: give at least one word")
-        if len(text) > MAX_TEXT_CHARS:
-            raise InputError(f"text is too long: {len(text)} characters, the limit is {MAX_TEXT_CHARS}")
-        self.matcher.tokenize(text, allow_unknown=allow_unknown)    # names unknown words
+        self.matcher.tokenize(text, allow_unknown=allow_unknown)    # the length limit; names unknown words
         return text
 
     @staticmethod
@@ -148,9 +193,10 @@ class SearchService:
             raise InputError("give either text or image_id, not both")
         return "text" if text is not None else "image"
 
-    def shortlist_for(self, top_k: int) -> int:
-        """The first-stage shortlist of a query that asks for `top_k` results."""
-        return max(self.shortlist, top_k)
+    def shortlist_for(self, top_k: int) -> int | None:
+        """The first-stage shortlist of a query that asks for `top_k` results (None: the whole
+        gallery, for `shortlist=0`), as `sgraf search` takes it (`sgraf.search.shortlist_for`)."""
+        return shortlist_for(self.shortlist, top_k)
 
     # ----------------------------------------------------------------------------- pictures
     def picture_url(self, image_id: int) -> str | None:
@@ -172,15 +218,33 @@ class SearchService:
         """
         if self.picture_dir is None:
             raise NotFound("this gallery has no pictures")
+        shown = relative if len(relative) <= 80 else relative[:77] + "..."
         candidate = Path(relative)
         if not relative or candidate.is_absolute() or ".." in candidate.parts or "\\" in relative \
                 or "\x00" in relative:
-            raise NotFound(f"no picture {relative!r}")
-        path = (self.picture_dir / candidate).resolve()
-        if not path.is_relative_to(self.picture_dir) or path.suffix.lower() not in PICTURE_SUFFIXES \
-                or not path.is_file():
-            raise NotFound(f"no picture {relative!r}")
+            raise NotFound(f"no picture {shown!r}")
+        try:   # a name too long for the file system, a link loop, a folder we may not read: not there
+            path = (self.picture_dir / candidate).resolve(strict=True)
+            found = path.is_relative_to(self.picture_dir) and path.suffix.lower() in PICTURE_SUFFIXES \
+                and path.is_file()
+        except (OSError, RuntimeError):
+            found = False
+        if not found:
+            raise NotFound(f"no picture {shown!r}")
         return path
+
+    def public(self, message: str) -> str:
+        """`message` as an answer may show it: the server's absolute paths made relative to the
+        index folder (`../data/test_ims.npy`), any other absolute path cut to its file name."""
+        for root, shown in self._public_roots:
+            message = message.replace(root, shown)
+        return _ABSOLUTE_PATH.sub(lambda match: Path(match.group(0)).name or "/", message)
+
+    def public_path(self, path: str | os.PathLike[str] | None) -> str | None:
+        """A path as an answer shows it: relative to the index folder."""
+        if path is None:
+            return None
+        return os.path.relpath(Path(path).resolve(), self._index_root)
 
     # ----------------------------------------------------------------------------- searches
     def search_texts(self, texts: Sequence[str], top_k: int, shortlist: int) -> list[list[dict[str, Any]]]:
@@ -287,12 +351,13 @@ class SearchService:
 
         return {
             "status": "ok",
-            "index": str(self.index.folder),
+            "index": self.index.folder.name if self.index.folder.name else ".",
             "gallery": {"images": self.index.n_images, "captions": self.index.n_captions,
                         "caps_per_image": self.index.caps_per_image},
             "models": [{"module": identity["config"].get("module"),
                         "embed_size": identity["config"].get("embed_size"),
-                        "weights_sha256": identity["weights_sha256"], "source": identity.get("source")}
+                        "weights_sha256": identity["weights_sha256"],
+                        "source": self.public_path(identity.get("source"))}
                        for identity in self.matcher.identities],
             "device": str(self.matcher.device),
             "precision": self.matcher.precision,
@@ -301,7 +366,7 @@ class SearchService:
             "first_stage": self.index.first_stage,
             "pictures": self.picture_dir is not None,
             "explain": self.features is not None,
-            "limits": {"text_chars": MAX_TEXT_CHARS, "top_k": MAX_TOP_K},
+            "limits": {"text_chars": MAX_TEXT_CHARS, "text_words": MAX_TEXT_WORDS, "top_k": MAX_TOP_K},
         }
 
 

@@ -1,12 +1,22 @@
 """The threads that run the server's model calls; text searches waiting together run as one batch.
 
 The event loop never scores: a route puts a job on a bounded queue and awaits its future. A
-worker thread (one by default) takes the job at the head of the queue and, with it, the text searches waiting
-behind it (up to `max_batch`, those with the same shortlist, so a result never depends on
-what it was batched with): they are encoded in one pass and share one first-stage pass over
-the gallery's keys (`SearchService.search_texts`). Other jobs (image searches, explanations)
-run one at a time in arrival order. A full queue refuses new jobs at once (`Busy`, which the
-HTTP layer answers with 503 and `Retry-After`) instead of letting waiting requests pile up.
+worker thread (one by default) takes the job at the head of the queue and, with it, the text
+searches waiting behind it (up to `max_batch`, those with the same shortlist): they are encoded
+in one pass and share one first-stage pass over the gallery's keys
+(`SearchService.search_texts`), each computed as it would be alone. Other jobs (image searches,
+explanations) run one at a time in arrival order.
+
+What a request may cost is bounded here and in `SearchService`:
+- A full queue refuses new jobs at once (`Busy`, which the HTTP layer answers with 503 and
+  `Retry-After`) instead of letting waiting requests pile up.
+- Jobs are light (searches) or heavy (explanations, which draw a picture). When both wait, the
+  threads alternate between them, so a search waits behind at most one explanation per thread
+  however many are queued.
+- A job whose future is cancelled (its client went away) leaves the queue at once and is never
+  run (`dropped` counts them).
+- `close()` (shutdown) refuses new jobs and every job still queued (`ShuttingDown`); the jobs
+  in hand finish, or are answered `ShuttingDown` by `abandon()` when the grace period ends.
 
 The models' weight-only constants are prepared once for the worker's life (`frozen_weights`):
 weights never change while serving.
@@ -14,17 +24,17 @@ weights never change while serving.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
-import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Busy", "Worker"]
+__all__ = ["Busy", "ShuttingDown", "Worker"]
 
 
 class Busy(RuntimeError):
@@ -39,17 +49,23 @@ class Busy(RuntimeError):
         self.retry_after = retry_after
 
 
-@dataclass
+class ShuttingDown(Busy):
+    """The server is stopping: the request was not run (and will not be)."""
+
+
+@dataclass(eq=False)
 class _TextJob:
     text: str
     top_k: int
-    shortlist: int
+    shortlist: int | None
     future: Future = field(default_factory=Future)
+    heavy = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _CallJob:
     call: Callable[[], Any]
+    heavy: bool = False
     future: Future = field(default_factory=Future)
 
 
@@ -72,25 +88,68 @@ class Worker:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.n_threads = threads
-        self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._light: collections.deque = collections.deque()     # searches, in arrival order
+        self._heavy: collections.deque = collections.deque()     # explanations, in arrival order
+        self._heavy_next = False          # alternate: after a light round, a heavy job if one waits
+        self._changed = threading.Condition()
+        self._closed = False
+        self._running: set[Any] = set()      # jobs the threads are computing now
         self._threads: list[threading.Thread] = []
-        self._count = threading.Lock()
         self.batches = 0          # batches of text searches run, and the searches in them
         self.batched_texts = 0
+        self.dropped = 0          # jobs cancelled (their client went away) before they ran
+        self.refused = 0          # jobs refused when the server shut down with them queued
 
     # ----------------------------------------------------------------------------- life
     def start(self) -> "Worker":
-        if not self._threads:
-            self._threads = [threading.Thread(target=self._run, name=f"sgraf-serve-worker-{i}", daemon=True)
-                             for i in range(self.n_threads)]
-            for thread in self._threads:
-                thread.start()
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("the worker was stopped; make a new one")
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._run, name=f"sgraf-serve-worker-{i}", daemon=True)
+                                 for i in range(self.n_threads)]
+                for thread in self._threads:
+                    thread.start()
         return self
 
+    def close(self, reason: str = "the server is shutting down") -> int:
+        """Refuse new jobs and every job still waiting (their futures get `ShuttingDown`); the
+        jobs being run finish. Returns how many waiting jobs were refused."""
+        with self._changed:
+            self._closed = True
+            waiting = [*self._light, *self._heavy]
+            self._light.clear()
+            self._heavy.clear()
+            self._changed.notify_all()
+        refused = 0
+        for job in waiting:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(ShuttingDown(f"{reason}: this request was not run; retry on the "
+                                                      "restarted server"))
+                refused += 1
+        with self._changed:
+            self.refused += refused
+        if refused:
+            logger.warning("shutting down: %d waiting request(s) refused", refused)
+        return refused
+
+    def abandon(self, reason: str = "the server is shutting down") -> int:
+        """Answer the jobs still being computed with `ShuttingDown` now (at the end of a shutdown's
+        grace period); their threads finish the work, and the result is dropped. Returns how many."""
+        with self._changed:
+            running = list(self._running)
+        abandoned = 0
+        for job in running:
+            try:
+                job.future.set_exception(ShuttingDown(f"{reason}: this request did not finish in time"))
+                abandoned += 1
+            except InvalidStateError:     # it finished meanwhile
+                pass
+        return abandoned
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the jobs already queued, then end the threads."""
-        for _ in self._threads:
-            self._jobs.put(None)    # blocks while the queue is full: the queued jobs go first
+        """`close()`, then wait (at most `timeout` seconds) for the jobs in hand to end."""
+        self.close()
         for thread in self._threads:
             thread.join(timeout)
         self._threads = []
@@ -103,60 +162,89 @@ class Worker:
 
     # ----------------------------------------------------------------------------- submitting
     def _put(self, job: Any) -> Future:
-        if not self._threads:
-            raise RuntimeError("the worker is not running")
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise Busy(f"the server is busy: {self.max_queue} requests are waiting; retry shortly") from None
+        with self._changed:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down: this request was not run")
+            if not self._threads:
+                raise RuntimeError("the worker is not running")
+            if len(self._light) + len(self._heavy) >= self.max_queue:
+                raise Busy(f"the server is busy: {self.max_queue} requests are waiting; retry shortly")
+            (self._heavy if job.heavy else self._light).append(job)
+            self._changed.notify()
+        job.future.add_done_callback(lambda future: future.cancelled() and self._forget(job))
         return job.future
 
-    def search_text(self, text: str, top_k: int, shortlist: int) -> Future:
+    def _forget(self, job: Any) -> None:
+        """A cancelled job leaves the queue now (its place is free for another request)."""
+        with self._changed:
+            for jobs in (self._light, self._heavy):
+                try:
+                    jobs.remove(job)
+                except ValueError:
+                    continue
+                self.dropped += 1
+                return
+
+    def search_text(self, text: str, top_k: int, shortlist: int | None) -> Future:
         """Queue a checked text search; the future's result is its list of result dicts."""
         return self._put(_TextJob(text, top_k, shortlist))
 
-    def call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
-        """Queue any other model call (image search, explanation); the future gets its result."""
-        return self._put(_CallJob(lambda: function(*args, **kwargs)))
+    def call(self, function: Callable[..., Any], *args: Any, heavy: bool = False, **kwargs: Any) -> Future:
+        """Queue any other model call (an image search; `heavy=True` for an explanation); the
+        future gets its result."""
+        return self._put(_CallJob(lambda: function(*args, **kwargs), heavy))
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        """Jobs queued and not yet taken by a thread (cancelled ones are not counted)."""
+        with self._changed:
+            return len(self._light) + len(self._heavy)
 
     # ----------------------------------------------------------------------------- the thread
+    def _next(self) -> list[Any] | None:
+        """The next job(s) to run (a batch of text searches, or one other job); None: stop."""
+        with self._changed:
+            while not self._light and not self._heavy:
+                if self._closed:
+                    return None
+                self._changed.wait()
+            if self._heavy and (self._heavy_next or not self._light):
+                self._heavy_next = False
+                job = self._heavy.popleft()
+                self._running.add(job)
+                return [job]
+            self._heavy_next = True
+            first = self._light.popleft()
+            if not isinstance(first, _TextJob):
+                self._running.add(first)
+                return [first]
+            batch = [first]
+            for job in list(self._light):     # the text searches waiting behind it, same shortlist
+                if len(batch) >= self.max_batch:
+                    break
+                if isinstance(job, _TextJob) and job.shortlist == first.shortlist:
+                    self._light.remove(job)
+                    batch.append(job)
+            self._running.update(batch)
+            return batch
+
     def _run(self) -> None:
         with contextlib.ExitStack() as stack:
             for model in self.service.matcher.models:
                 if hasattr(model, "frozen_weights"):
                     stack.enter_context(model.frozen_weights())
             while True:
-                job = self._jobs.get()
-                if job is None:
+                jobs = self._next()
+                if jobs is None:
                     return
-                if isinstance(job, _CallJob):
-                    _settle(job.future, job.call)
-                    continue
-                batch = [job]
-                held: list[Any] = []     # jobs taken out while gathering, run after the batch in order
-                while len(batch) < self.max_batch:
-                    try:
-                        other = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if isinstance(other, _TextJob) and other.shortlist == job.shortlist:
-                        batch.append(other)
+                try:
+                    if isinstance(jobs[0], _CallJob):
+                        _settle(jobs[0].future, jobs[0].call)
                     else:
-                        held.append(other)
-                        if other is None or len(held) >= self.max_batch:
-                            break
-                self._run_batch(batch)
-                for other in held:
-                    if other is None:        # this thread's stop signal
-                        return
-                    if isinstance(other, _CallJob):
-                        _settle(other.future, other.call)
-                    else:
-                        self._run_batch([other])
+                        self._run_batch(jobs)
+                finally:
+                    with self._changed:
+                        self._running.difference_update(jobs)
 
     def _run_batch(self, batch: list[_TextJob]) -> None:
         live = [job for job in batch if job.future.set_running_or_notify_cancel()]
@@ -167,21 +255,34 @@ class Worker:
             results = self.service.search_texts([job.text for job in live], top_k, live[0].shortlist)
         except BaseException as exc:  # noqa: BLE001  (every waiting request gets the error)
             for job in live:
-                job.future.set_exception(exc)
+                _answer(job.future, exception=exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        with self._count:
+        with self._changed:
             self.batches += 1
             self.batched_texts += len(live)
         for job, hits in zip(live, results):
-            job.future.set_result(hits[:job.top_k])
+            _answer(job.future, hits[:job.top_k])
 
 
 def _settle(future: Future, call: Callable[[], Any]) -> None:
     if not future.set_running_or_notify_cancel():
         return
     try:
-        future.set_result(call())
+        result = call()
     except Exception as exc:  # noqa: BLE001  (the request that asked gets it)
-        future.set_exception(exc)
+        _answer(future, exception=exc)
+    else:
+        _answer(future, result)
+
+
+def _answer(future: Future, result: Any = None, exception: BaseException | None = None) -> None:
+    """Settle a running job's future, unless shutdown already answered it (`Worker.abandon`)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
