@@ -524,10 +524,10 @@ def test_demo_logs_each_override_once(tmp_path, monkeypatch, caplog):
     assert "word_dim=32" in line and "seed=3" in line  # the full run's values, the last logged
 
 
-# --------------------------------------------------------------------------------- 6. README
-def _readme_commands() -> list[str]:
-    """Every `sgraf ...` command of README.md's shell blocks, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
+# --------------------------------------------------------------------------------- 6. README and docs
+def _shell_commands(path: Path) -> list[list[str]]:
+    """Every `sgraf ...` command of a Markdown file's shell blocks, continuation lines joined."""
+    text = path.read_text(encoding="utf-8")
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -538,11 +538,34 @@ def _readme_commands() -> list[str]:
     return commands
 
 
-def test_readme_commands_parse_and_use_what_earlier_commands_write():
+def _readme_commands() -> list[list[str]]:
+    return _shell_commands(ROOT / "README.md")
+
+
+def _site_pages() -> list[Path]:
+    """The documentation site's Markdown pages in the order of mkdocs.yml's nav (a reader's
+    order: a page may use what an earlier page's commands write), then any page not in it."""
+    import yaml
+
+    def walk(node: object) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, dict):
+            return [page for value in node.values() for page in walk(value)]
+        if isinstance(node, list):
+            return [page for item in node for page in walk(item)]
+        return []
+
+    nav = walk(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    pages = [ROOT / "docs" / page for page in nav]
+    return pages + sorted(set((ROOT / "docs").rglob("*.md")) - set(pages))
+
+
+def _check_command_sequence(commands: list[list[str]], where: str) -> None:
+    """Each command parses with the real parser, and what it reads an earlier command wrote
+    (downloaded precomp sets under data/ excepted)."""
     parser = build_parser()
     produced: set[str] = set()
-    commands = _readme_commands()
-    assert len(commands) >= 20
     for words in commands:
         args = parser.parse_args(words)   # an unknown flag or a bad value exits here
         consumed = [*(getattr(args, "checkpoint", None) or []), *(getattr(args, "sims", None) or [])]
@@ -553,7 +576,7 @@ def test_readme_commands_parse_and_use_what_earlier_commands_write():
             consumed.append(data)
         for path in consumed:
             if path.endswith((".pt", ".npy")) or path in (data, getattr(args, "index", None), "..."):
-                assert path in produced, f"sgraf {' '.join(words)}: {path} is written by no earlier command"
+                assert path in produced, f"{where}: sgraf {' '.join(words)}: {path} is written by no earlier command"
         if args.command == "generate":
             produced.add(args.out)
         elif args.command == "train" and args.out:
@@ -567,3 +590,19 @@ def test_readme_commands_parse_and_use_what_earlier_commands_write():
             produced.add(args.dst)
         elif args.command == "index":
             produced.add(args.out)
+
+
+def test_readme_commands_parse_and_use_what_earlier_commands_write():
+    commands = _readme_commands()
+    assert len(commands) >= 6
+    assert ["serve", "--index", "sgraf-demo/index"] in commands     # the demo's last line
+    _check_command_sequence(commands, "README.md")
+
+
+def test_site_commands_parse_and_use_what_earlier_pages_write():
+    """Every `sgraf ...` command shown on the documentation site, read in the nav's order."""
+    pages = _site_pages()
+    assert all(page.is_file() for page in pages), [str(p) for p in pages if not p.is_file()]
+    commands = [words for page in pages for words in _shell_commands(page)]
+    assert len(commands) >= 20
+    _check_command_sequence(commands, "docs/")

@@ -318,6 +318,9 @@ def test_docs_and_openapi_describe_the_api(client):
     assert names == {"text", "image_id", "top_k", "allow_unknown"}
     docs = client.get("/docs").text
     assert "GET /api/search" in docs and "top_k" in docs and "/openapi.json" in docs
+    # the descriptions' Markdown is rendered, never shown as backticks
+    assert "`" not in docs
+    assert "<code>image_id</code>" in docs and "<code>sgraf explain</code>" in docs and "<code>Retry-After</code>" in docs
 
 
 # --------------------------------------------------------------------------------- command line

@@ -156,6 +156,7 @@ def test_type_a_caption_find_the_picture_and_open_its_explanation(server, browse
     assert picture.get_attribute("src").endswith(f"/images/{image_id:05d}.png")
     wait.until(lambda d: d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", picture) > 0)
     screenshot = os.environ.get("SGRAF_SERVE_SCREENSHOT")
+    _assert_labels_apart(browser)
 
     # the explanation: the picture with the chosen word's attention over it, SAF's weight per word
     card.click()
@@ -186,11 +187,42 @@ def test_type_a_caption_find_the_picture_and_open_its_explanation(server, browse
         browser.execute_script("window.scrollTo(0, 0)")
         browser.save_screenshot(screenshot)
 
-    # search from the picture: its best captions
+    # search from the picture: its best captions; the earlier explanation leaves the screen
     card.find_element(By.CSS_SELECTOR, ".captions-link").click()
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#captions li")) >= 5)
+    if os.environ.get("SGRAF_SERVE_SCREENSHOT_CAPTIONS"):
+        browser.save_screenshot(os.environ["SGRAF_SERVE_SCREENSHOT_CAPTIONS"])
+    assert not browser.find_element(By.ID, "explain-panel").is_displayed(), \
+        "the explanation of the earlier search stays on screen under the picture's captions"
+    assert not browser.find_elements(By.CSS_SELECTOR, "#results .card.selected")
     assert f"picture {image_id}" in browser.find_element(By.ID, "captions-title").text
     expected = server["service"].search_image(image_id, top_k=10)["results"]
     shown = [item.find_element(By.CSS_SELECTOR, ".caption").text
              for item in browser.find_elements(By.CSS_SELECTOR, "#captions li")]
     assert shown == [hit["caption"] for hit in expected]
+
+    # a caption explains again; a new text search then clears both the explanation and the captions
+    browser.find_elements(By.CSS_SELECTOR, "#captions li")[0].click()
+    wait.until(ready.visibility_of_element_located((By.ID, "explain-panel")))
+    assert f"picture {image_id}" in browser.find_element(By.ID, "explain-title").text
+    box.clear()
+    box.send_keys(demo_gallery["captions"][5])
+    browser.find_element(By.ID, "search-button").click()
+    wait.until(lambda d: demo_gallery["captions"][5] in d.find_element(By.ID, "results-title").text)
+    assert not browser.find_element(By.ID, "explain-panel").is_displayed()
+    assert not browser.find_element(By.ID, "captions-panel").is_displayed()
+
+
+def _assert_labels_apart(browser) -> None:
+    """Every card's rank, picture number and score stand apart: labels on one line keep a gap."""
+    boxes = browser.execute_script(
+        "return [...document.querySelectorAll('#results .card')].map(card =>"
+        " ['.rank', '.id', '.score'].map(s => { const r = card.querySelector(s).getBoundingClientRect();"
+        " return [r.left, r.right, r.top, r.bottom, card.querySelector(s).textContent]; }));")
+    assert boxes, "no cards"
+    for card in boxes:
+        for i, a in enumerate(card):
+            for b in card[i + 1:]:
+                same_line = a[2] < b[3] and b[2] < a[3]
+                gap = max(b[0] - a[1], a[0] - b[1])
+                assert not same_line or gap >= 4, f"card labels run together: {a[4]!r} and {b[4]!r} ({gap:.1f} px)"

@@ -85,7 +85,12 @@ def _assert_same_run(a: Path, b: Path) -> None:
     assert all(torch.equal(best_a[k], best_b[k]) for k in best_a)
 
 
-def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(data, uninterrupted, tmp_path):
+def _resume_line(caplog) -> str:
+    return next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming"))
+
+
+def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(data, uninterrupted, tmp_path, caplog):
+    caplog.set_level("INFO", logger="sgraf.training.loop")
     run = tmp_path / "killed"
     proc = _start(data, run)
     _wait_for_step_checkpoint(proc, run)
@@ -98,6 +103,21 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(data, uninterrupted,
     assert progress["global_step"] % 4 == 0 and progress["epoch_step"] > 0   # a mid-epoch step checkpoint
     assert main(["train", "--resume", str(run)]) == 0
     _assert_same_run(uninterrupted, run)
+    line = _resume_line(caplog)                                       # said in words, never "-inf"
+    assert "-inf" not in line and "inf" not in line.split("(")[-1], line
+    if progress["best_step"] < 0:                                     # killed before the validation at step 10
+        assert line.endswith("(no validation yet)"), line
+    else:
+        assert f"(best rsum {progress['best_rsum']:.2f} at step {progress['best_step']})" in line, line
+
+
+def test_progress_describes_its_best_validation():
+    from sgraf.training.state import Progress
+
+    assert Progress().describe_best() == "no validation yet"
+    assert Progress(best_rsum=123.456, best_step=10).describe_best() == "best rsum 123.46 at step 10"
+    restored = Progress.from_dict(Progress().to_dict())                  # as a resumed checkpoint holds it
+    assert restored.describe_best() == "no validation yet"
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes_exactly(data, uninterrupted, tmp_path):
@@ -114,12 +134,15 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(data, uninterrupted, tm
     _assert_same_run(uninterrupted, run)
 
 
-def test_resume_can_extend_a_finished_run(data, uninterrupted, tmp_path):
+def test_resume_can_extend_a_finished_run(data, uninterrupted, tmp_path, caplog):
     import shutil
 
+    caplog.set_level("INFO", logger="sgraf.training.loop")
     run = tmp_path / "extended"
     shutil.copytree(uninterrupted, run)
+    best = _progress(run)
     assert main(["train", "--resume", str(run), "--set", "epochs=4"]) == 0
+    assert _resume_line(caplog).endswith(f"(best rsum {best['best_rsum']:.2f} at step {best['best_step']})")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["epoch"] == 4 and _progress(run)["finished"]
     assert "epochs: 4" in (run / "config.yaml").read_text()

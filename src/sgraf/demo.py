@@ -415,12 +415,12 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         per_seed.append({"seed": training_seed, "runs": str(runs), "training": trained, "results": results,
                          "diagnose": diagnosis})
         if training_seed == seeds[0]:
-            first_models, first_sims = models, sims
+            first_models = models
 
     summary = {"results": mean_sd([entry["results"] for entry in per_seed]),
                "diagnose": mean_sd([entry["diagnose"] for entry in per_seed])}
     tic, tic_cpu = time.perf_counter(), time.process_time()
-    pictures = write_pictures(out, data, test, first_models, first_sims, settings.shortlist)
+    pictures = write_pictures(out, data, test, scenes, first_models, settings.shortlist)
     pictures["diagnose"] = _draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
     timings["pictures"], cpu["pictures"] = time.perf_counter() - tic, time.process_time() - tic_cpu
     timings["total"], cpu["total"] = time.perf_counter() - started, time.process_time() - started_cpu
@@ -456,14 +456,16 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
 
 
 # --------------------------------------------------------------------------------- pictures
-def write_pictures(out: Path, data: Path, test: Any, models: dict[str, Any], sims: dict[str, np.ndarray],
+def write_pictures(out: Path, data: Path, test: Any, scenes: list[dict[str, Any]], models: dict[str, Any],
                    shortlist: int) -> dict[str, str]:
-    """Curves, retrieval examples (through a gallery index) and attention pictures.
+    """Curves, retrieval examples (through a gallery index; `sgraf.demo_retrieval`) and
+    attention pictures.
 
     Returns:
         {name: path relative to `out`}.
     """
     from sgraf.api import Matcher
+    from sgraf.demo_retrieval import retrieval_pictures
     from sgraf.explain import explain_pair, region_layout, render_explanation
     from sgraf.output_folder import folder_files, record_files
     from sgraf.search import build_index, open_index
@@ -475,16 +477,10 @@ def write_pictures(out: Path, data: Path, test: Any, models: dict[str, Any], sim
                 source={"data_dir": str(data.resolve()), "split": "test"})
     record_files(out, [f"index/{name}" for name in folder_files(out / "index")], "demo")
     index = open_index(out / "index", matcher=matcher)
-    cpi = test.caps_per_image
-    query_captions = [k * cpi + k % cpi for k in _spread(test.n_images, 3)]
-    t2i = [(test.captions[c], c // cpi, index.search_text(test.captions[c], top_k=5, shortlist=shortlist,
-                                                           allow_unknown=True)) for c in query_captions]
-    pictures["retrieval_t2i"] = _draw_t2i(t2i, data, out / "retrieval_t2i.png")
-    i2t = [(image, index.search_image(image_id=image, top_k=5, shortlist=shortlist))
-           for image in _spread(test.n_images, 3)]
-    pictures["retrieval_i2t"] = _draw_i2t(i2t, data, cpi, out / "retrieval_i2t.png")
+    pictures.update(retrieval_pictures(index, test, scenes, data, out, shortlist))
 
     # attention: an image with its own caption and with the caption of its hard negative
+    cpi = test.caps_per_image
     image_id = 0
     own = test.captions[:cpi]
     negative = next((c for c in test.captions[cpi:2 * cpi] if c not in own), test.captions[cpi])
@@ -497,10 +493,6 @@ def write_pictures(out: Path, data: Path, test: Any, models: dict[str, Any], sim
                                  + ", ".join(f"{k} {v:.4f}" for k, v in explanation.scores.items()))
         pictures[name] = f"{name}.png"
     return {name: str(path) for name, path in pictures.items()}
-
-
-def _spread(n: int, count: int) -> list[int]:
-    return sorted({int(round(i)) for i in np.linspace(0, n - 1, num=min(count, n))})
 
 
 def _curves(out: Path, path: Path) -> str:
@@ -564,81 +556,6 @@ def _draw_diagnosis(summary: dict[str, dict[str, Any]], n_seeds: int, path: Path
         figure.savefig(temporary, format="png", dpi=90)
     plt.close(figure)
     return path.name
-
-
-def _thumbnail(data: Path, image_id: int) -> np.ndarray | None:
-    from PIL import Image
-
-    from sgraf.data.benchmark import image_path
-
-    path = image_path(data, "test", image_id)
-    if not path.is_file():
-        return None
-    with Image.open(path) as handle:
-        return np.asarray(handle.convert("RGB"))
-
-
-def _draw_t2i(queries: list[tuple[str, int, list[Any]]], data: Path, path: Path) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(len(queries), 6, figsize=(13, 2.4 * len(queries)), squeeze=False,
-                                gridspec_kw={"width_ratios": [2.2, 1, 1, 1, 1, 1]})
-    for row, (text, truth, hits) in enumerate(queries):
-        axes[row, 0].axis("off")
-        axes[row, 0].text(0, 0.5, _wrap(text, 34), fontsize=9, va="center", ha="left")
-        for col, hit in enumerate(hits, start=1):
-            axis = axes[row, col]
-            picture = _thumbnail(data, hit.id)
-            axis.imshow(picture if picture is not None else np.full((8, 8, 3), 230, np.uint8))
-            axis.set_xticks([])
-            axis.set_yticks([])
-            colour = "green" if hit.id == truth else "red"
-            for spine in axis.spines.values():
-                spine.set_edgecolor(colour)
-                spine.set_linewidth(3)
-            axis.set_title(f"#{col} image {hit.id}\n{hit.score:.3f}", fontsize=8, color=colour)
-    figure.suptitle("text \u2192 image: top 5 (green = the caption's image)", fontsize=11)
-    figure.tight_layout()
-    with atomic_path(path) as temporary:
-        figure.savefig(temporary, format="png", dpi=80)
-    plt.close(figure)
-    return path.name
-
-
-def _draw_i2t(queries: list[tuple[int, list[Any]]], data: Path, cpi: int, path: Path) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(len(queries), 2, figsize=(11, 2.3 * len(queries)), squeeze=False,
-                                gridspec_kw={"width_ratios": [1, 4]})
-    for row, (image_id, hits) in enumerate(queries):
-        picture = _thumbnail(data, image_id)
-        axes[row, 0].imshow(picture if picture is not None else np.full((8, 8, 3), 230, np.uint8))
-        axes[row, 0].set_xticks([])
-        axes[row, 0].set_yticks([])
-        axes[row, 0].set_title(f"image {image_id}", fontsize=9)
-        axes[row, 1].axis("off")
-        for rank, hit in enumerate(hits):
-            colour = "green" if hit.id // cpi == image_id else "red"
-            axes[row, 1].text(0, 1 - (rank + 0.5) / len(hits), f"{rank + 1}. ({hit.score:.3f}) {hit.text}",
-                              fontsize=9, color=colour, va="center", transform=axes[row, 1].transAxes)
-    figure.suptitle("image \u2192 text: top 5 (green = a caption of the image)", fontsize=11)
-    figure.tight_layout()
-    with atomic_path(path) as temporary:
-        figure.savefig(temporary, format="png", dpi=80)
-    plt.close(figure)
-    return path.name
-
-
-def _wrap(text: str, width: int) -> str:
-    import textwrap
-
-    return "\n".join(textwrap.wrap(text, width))
 
 
 # --------------------------------------------------------------------------------- report
@@ -714,7 +631,11 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         "## Retrieval examples",
         "",
         f"Through a gallery index of the test split (`index/`) and two-stage search (shortlist "
-        f"{settings['shortlist']} by global vectors, re-ranked by the SGR + SAF ensemble).",
+        f"{settings['shortlist']} by global vectors, re-ranked by the SGR + SAF ensemble). A result is a "
+        "hit when the caption is true of the picture: its own picture, or a twin of its family it is not "
+        "false for (green: solid for its own, dashed for a twin); red, dotted: a miss. Every test caption "
+        "and picture is searched, and the rows are the queries at the 12.5, 37.5, 62.5 and 87.5 % quantiles "
+        "of the rank of their first hit, so hits and misses appear about as often as the search gives them.",
         "",
         "![text to image](retrieval_t2i.png)",
         "",

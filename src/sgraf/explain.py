@@ -319,24 +319,30 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    from matplotlib import gridspec
 
     tokens = explanation.tokens
     n_panels = len(tokens) if explanation.attention is not None else 0
     panel_rows = math.ceil(n_panels / columns) if n_panels else 0
     width = max(12.0, 1.6 * columns)
-    figure = plt.figure(figsize=(width, 3.6 + 1.9 * panel_rows))
-    outer = gridspec.GridSpec(1 + panel_rows, 1, figure=figure, height_ratios=[3.2] + [1.8] * panel_rows,
-                              hspace=0.35)
-    top = gridspec.GridSpecFromSubplotSpec(1, 2, subplot_spec=outer[0], width_ratios=[1, 3.2], wspace=0.3)
+    # constrained layout sizes each part to its content: the weight row's rotated node labels get
+    # their own room above the attention panels, whose rows are as tall as their square pictures
+    panel_height = width / columns + 0.35
+    top_height = 4.0
+    figure = plt.figure(figsize=(width, top_height + 0.6 + panel_height * panel_rows + (0.4 if n_panels else 0)),
+                        layout="constrained")
+    if n_panels:
+        upper, lower = figure.subfigures(2, 1, height_ratios=[top_height, panel_height * panel_rows + 0.4])
+    else:
+        upper, lower = figure, None
+    top = upper.add_gridspec(1, 2, width_ratios=[1, 3.2])
 
     # the image itself
-    axis = figure.add_subplot(top[0])
+    axis = upper.add_subplot(top[0])
     _draw_picture(axis, layout, None)
     axis.set_title(f"image {explanation.image_id}" if explanation.image_id is not None else "image", fontsize=9)
 
     # SAF beta and SGR final-vs-raw alignment per node
-    axis = figure.add_subplot(top[1])
+    axis = upper.add_subplot(top[1])
     rows, labels = [], []
     if explanation.saf_beta is not None:
         rows.append(explanation.saf_beta / explanation.saf_beta.max())
@@ -364,20 +370,20 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
                    "read-out with each raw node", fontsize=8)
 
     # each token's attention over the image
-    if n_panels:
-        for index, token in enumerate(tokens):
-            row, col = divmod(index, columns)
-            cell = gridspec.GridSpecFromSubplotSpec(1, columns, subplot_spec=outer[1 + row], wspace=0.05)
-            axis = figure.add_subplot(cell[col])
+    if lower is not None:
+        panels = lower.subplots(panel_rows, columns, squeeze=False)
+        for index, axis in enumerate(panels.flat):
+            if index >= n_panels:
+                axis.axis("off")
+                continue
             _draw_picture(axis, layout, explanation.attention[index])
-            axis.set_title(_short(token), fontsize=9)
+            axis.set_title(_short(tokens[index]), fontsize=9)
+        lower.suptitle(f"attention of each token over the regions ({explanation.attention_model} model; "
+                       f"{layout.source}); brighter = more weight, the most attended region framed", fontsize=9)
     scores = ", ".join(f"{name} {value:.4f}" for name, value in explanation.scores.items())
     # wrapped, so that a long text (up to sgraf.api.MAX_TEXT_CHARS) does not widen the picture
     quoted = textwrap.fill(f"\u201c{explanation.text}\u201d", TITLE_CHARS_PER_LINE)
     figure.suptitle(title or f"{quoted}\nscore: {scores}", fontsize=11)
-    if n_panels:
-        figure.text(0.5, 0.005, f"attention of each token over the regions ({explanation.attention_model} model; "
-                    f"{layout.source}); brighter = more weight", ha="center", fontsize=8)
     if hasattr(out, "write"):
         figure.savefig(out, format="png", dpi=90, bbox_inches="tight")
         plt.close(figure)

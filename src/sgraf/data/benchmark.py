@@ -450,7 +450,9 @@ def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features:
         out_dir: directory to write (created).
         seed: data seed; the same seed and settings give byte-identical files.
         features: "cnn" (EfficientNet-Lite0, needs `sgraf[vision]`) or "synthetic".
-        n_train, n_dev, n_test: images per split (5 captions each).
+        n_train: training images (5 captions each).
+        n_dev: validation images.
+        n_test: test images.
         save_images: also write the rendered PNGs under `images/{split}/`.
         synthetic_dim: feature size of the synthetic mode.
         min_count: vocabulary threshold (the authors' is 4).

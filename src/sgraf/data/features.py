@@ -44,7 +44,8 @@ class GridBackbone(nn.Module):
         trunk: maps (B, 3, H, W) float pixels (already normalised) to (B, D, h, w).
         feature_dim: D.
         image_size: the side images are resized to (square).
-        mean, std: per-channel normalisation of [0, 1] pixels.
+        mean: per-channel mean subtracted from [0, 1] pixels.
+        std: per-channel divisor after the mean.
         name: a label for logs and metadata.
     """
 

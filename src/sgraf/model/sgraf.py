@@ -268,9 +268,10 @@ class SGRAF(nn.Module):
         """Scores (n_img, n_cap) of every head of the model, from embeddings, for a whole block.
 
         Args:
-            img_glo, cap_glo: optional eval-mode global vectors of these images and captions,
-                from `image_globals` and `caption_globals` under the same precision; a scorer
-                computes them once per split instead of once per block. Ignored in training.
+            img_glo: optional eval-mode global vectors of these images, from `image_globals`
+                under the same precision; a scorer computes them once per split instead of once
+                per block. Ignored in training.
+            cap_glo: the same for the captions, from `caption_globals`.
             gram: optional `region_grams(img_embs)`, for a scorer that scores the same images
                 against many caption blocks. Ignored in training.
         """
@@ -588,8 +589,9 @@ class SGRAF(nn.Module):
         Args:
             head: 'sgr' or 'saf' for one head of a joint model; None gives the model's score
                 (for a joint model, the mean of its two heads).
-            img_glo, cap_glo, gram: optional precomputed global vectors and Gram matrices (see
-                `similarity_heads`).
+            img_glo: optional precomputed image global vectors (see `similarity_heads`).
+            cap_glo: optional precomputed caption global vectors.
+            gram: optional precomputed Gram matrices.
         """
         if head is not None and head not in self.heads:
             raise InputError(f"head {head!r} is not one of this model's heads {self.heads}")

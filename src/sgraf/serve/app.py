@@ -35,6 +35,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgraf import __version__
+from sgraf.serve import markdown
 from sgraf.serve.models import ErrorAnswer, ExplainAnswer, HealthAnswer, SearchAnswer
 from sgraf.serve.service import MAX_TEXT_CHARS, MAX_TEXT_WORDS, MAX_TOP_K, NotFound, SearchService
 from sgraf.serve.worker import Busy, Worker
@@ -276,7 +277,7 @@ def render_docs(schema: dict[str, Any]) -> str:
     parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{esc(info.get('title', 'API'))}"
              " - API</title><link rel='stylesheet' href='/static/style.css'></head><body class='docs'>",
              f"<h1>{esc(info.get('title', 'API'))} {esc(info.get('version', ''))}</h1>",
-             f"<p>{esc(info.get('description', ''))}</p>",
+             markdown.block(info.get("description", "")),
              "<p>The machine-readable schema: <a href='/openapi.json'>/openapi.json</a>. The web page: "
              "<a href='/'>/</a>.</p>"]
     for path, operations in schema.get("paths", {}).items():
@@ -284,7 +285,7 @@ def render_docs(schema: dict[str, Any]) -> str:
             parts.append(f"<section><h2><code>{esc(method.upper())} {esc(path)}</code></h2>")
             parts.append(f"<p><b>{esc(operation.get('summary', ''))}</b></p>")
             if operation.get("description"):
-                parts.append(f"<p>{esc(operation['description'])}</p>")
+                parts.append(markdown.block(operation["description"]))
             parameters = operation.get("parameters", [])
             if parameters:
                 parts.append("<table><tr><th>parameter</th><th>type</th><th>required</th><th>default</th>"
@@ -296,11 +297,11 @@ def render_docs(schema: dict[str, Any]) -> str:
                     parts.append(f"<tr><td><code>{esc(parameter['name'])}</code></td><td>{esc(kind)}</td>"
                                  f"<td>{'yes' if parameter.get('required') else 'no'}</td>"
                                  f"<td>{esc(str(schema_.get('default', '')))}</td>"
-                                 f"<td>{esc(parameter.get('description', ''))}</td></tr>")
+                                 f"<td>{markdown.inline(parameter.get('description', ''))}</td></tr>")
                 parts.append("</table>")
             parts.append("<ul>")
             for status, response in operation.get("responses", {}).items():
-                parts.append(f"<li><code>{esc(status)}</code>: {esc(response.get('description', ''))}</li>")
+                parts.append(f"<li><code>{esc(status)}</code>: {markdown.inline(response.get('description', ''))}</li>")
             parts.append("</ul></section>")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -40,9 +40,19 @@ class TrainConfig:
             representation feeding SGR and SAF, trained with L_r + L_f, Table 6).
         img_dim: region feature size; None takes it from the data, a number must match it.
         num_regions: regions per image; None takes it from the data, a number must match it.
-        word_dim, embed_size, sim_dim, num_layers, bi_gru, img_norm, txt_norm, sgr_step,
-            alignments, similarity, attention, lambda_softmax, dropout: the model's
-            hyper-parameters (see `sgraf.config.ModelConfig`).
+        word_dim: the model's `word_dim` (see `sgraf.config.ModelConfig`).
+        embed_size: the model's `embed_size` (see `sgraf.config.ModelConfig`).
+        sim_dim: the model's `sim_dim` (see `sgraf.config.ModelConfig`).
+        num_layers: the model's `num_layers` (see `sgraf.config.ModelConfig`).
+        bi_gru: the model's `bi_gru` (see `sgraf.config.ModelConfig`).
+        img_norm: the model's `img_norm` (see `sgraf.config.ModelConfig`).
+        txt_norm: the model's `txt_norm` (see `sgraf.config.ModelConfig`).
+        sgr_step: the model's `sgr_step` (see `sgraf.config.ModelConfig`).
+        alignments: the model's `alignments` (see `sgraf.config.ModelConfig`).
+        similarity: the model's `similarity` (see `sgraf.config.ModelConfig`).
+        attention: the model's `attention` (see `sgraf.config.ModelConfig`).
+        lambda_softmax: the model's `lambda_softmax` (see `sgraf.config.ModelConfig`).
+        dropout: the model's `dropout` (see `sgraf.config.ModelConfig`).
         epochs: passes over the training captions.
         batch_size: captions (each with its image) per optimisation step, over all processes.
         lr: Adam's initial learning rate.

@@ -452,8 +452,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         progress = restore_train_state(checkpoint["extra"][STATE_KEY], optimizer, scaler)
         if is_main:
             rd.truncate_metrics(run, progress.last_val_step)
-        logger.info("resuming %s at epoch %d, step %d (best rsum %.2f)", run, progress.epoch + 1,
-                    progress.global_step, progress.best_rsum)
+        logger.info("resuming %s at epoch %d, step %d (%s)", run, progress.epoch + 1,
+                    progress.global_step, progress.describe_best())   # never "best rsum -inf"
     elif info.rank > 0:
         torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
     if is_main:   # on resume too: the config as changed by --set, the data as checked above

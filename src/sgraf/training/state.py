@@ -59,6 +59,12 @@ class Progress:
                 "loss_steps": self.loss_steps, "last_val_step": self.last_val_step,
                 "finished": self.finished}
 
+    def describe_best(self) -> str:
+        """The best validation so far in words, for logs ("no validation yet" before the first)."""
+        if self.best_step < 0:
+            return "no validation yet"
+        return f"best rsum {self.best_rsum:.2f} at step {self.best_step}"
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "Progress":
         return cls(**{k: values[k] for k in cls().to_dict()})

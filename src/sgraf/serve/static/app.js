@@ -2,7 +2,9 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { query: "", explanation: null, picture: null, word: null };
+// explainTicket: the number of the latest explanation asked for; an answer to an older one,
+// or one asked before a newer search, is dropped
+const state = { query: "", explanation: null, picture: null, word: null, explainTicket: 0 };
 
 function setStatus(message, isError) {
   const status = $("status");
@@ -61,6 +63,8 @@ async function searchText(event) {
   try {
     const answer = await getJSON(`/api/search?${params}`);
     state.query = answer.query;
+    forgetExplanation();
+    $("captions-panel").hidden = true;   // the captions of a picture of the earlier search
     showResults(answer);
     setStatus(`${answer.results.length} pictures in ${fmt(answer.ms, 0)} ms`);
   } catch (error) {
@@ -82,8 +86,8 @@ function showResults(answer) {
     const meta = el("div", { class: "meta" });
     meta.appendChild(el("span", { class: "rank" }, `#${rank + 1}`));
     meta.appendChild(el("span", { class: "id" }, `image ${hit.id}`));
-    meta.appendChild(el("span", { class: "score", title: "SGRAF score" }, fmt(hit.score, 3)));
     card.appendChild(meta);
+    card.appendChild(el("div", { class: "score", title: "SGRAF score" }, `score ${fmt(hit.score, 3)}`));
     const captions = el("button", { class: "captions-link", type: "button" }, "its best captions");
     captions.addEventListener("click", (event) => { event.stopPropagation(); searchImage(hit.id); });
     card.appendChild(captions);
@@ -105,6 +109,7 @@ async function searchImage(imageId) {
   const params = new URLSearchParams({ image_id: String(imageId), top_k: $("top-k").value });
   try {
     const answer = await getJSON(`/api/search?${params}`);
+    forgetExplanation();   // the explanation belonged to the earlier search
     const list = $("captions");
     list.replaceChildren();
     $("captions-title").textContent = `Best captions for picture ${answer.query.image_id}`;
@@ -133,12 +138,24 @@ function searchImageForm(event) {
 }
 
 // ------------------------------------------------------------------------- explanation
+function forgetExplanation() {
+  state.explainTicket += 1;
+  state.explanation = null;
+  state.picture = null;
+  state.word = null;
+  $("explain-panel").hidden = true;
+  $("words").replaceChildren();
+  for (const card of $("results").children) card.classList.remove("selected");
+}
+
 async function explain(imageId, text, allowUnknown) {
   const params = new URLSearchParams({ image_id: String(imageId), text });
   if (allowUnknown || $("allow-unknown").checked) params.set("allow_unknown", "true");
   setStatus("explaining\u2026");
+  const ticket = ++state.explainTicket;
   try {
     const answer = await getJSON(`/api/explain?${params}`);
+    if (ticket !== state.explainTicket) return;   // a newer search or explanation was asked for
     state.explanation = answer;
     $("explain-title").textContent = `Why picture ${answer.image_id} matches \u201c${answer.text}\u201d`;
     $("explain-scores").textContent = "scores: " +
@@ -148,7 +165,7 @@ async function explain(imageId, text, allowUnknown) {
     state.picture = null;
     if (answer.image) {
       const picture = new Image();
-      picture.onload = () => { state.picture = picture; drawAttention(); };
+      picture.onload = () => { if (ticket === state.explainTicket) { state.picture = picture; drawAttention(); } };
       picture.onerror = () => drawAttention();
       picture.src = answer.image;
     }
@@ -157,7 +174,7 @@ async function explain(imageId, text, allowUnknown) {
     setStatus(`explained in ${fmt(answer.ms, 0)} ms`);
     $("explain-panel").scrollIntoView({ block: "nearest" });
   } catch (error) {
-    setStatus(error.message, true);
+    if (ticket === state.explainTicket) setStatus(error.message, true);
   }
 }
 
