@@ -170,13 +170,13 @@ def test_generate_overwrite_never_deletes_files_sgraf_did_not_write(tmp_path, ca
     out = tmp_path / "bench"
     generate_benchmark(out, features="synthetic", n_train=4, n_dev=4, n_test=4, synthetic_dim=8)
     (out / "notes.txt").write_text("mine")                         # not data: kept, never in the way
-    np.save(out / "test_boxes.npy", np.zeros((4, 36, 4), np.float32))   # would describe the old test images
+    (out / "test_image_ids.txt").write_text("1\t192\t192\n")   # would describe the old test images
     before = _files(out)
     assert main(["generate", "--out", str(out), *TINY, "--overwrite"]) == 2
     err = _one_line_error(capsys)
-    assert f"{out / 'test_boxes.npy'} was not written by sgraf and would stay beside the new output" in err
+    assert f"{out / 'test_image_ids.txt'} was not written by sgraf and would stay beside the new output" in err
     assert _files(out) == before
-    (out / "test_boxes.npy").unlink()
+    (out / "test_image_ids.txt").unlink()
     assert main(["generate", "--out", str(out), *TINY, "--overwrite"]) == 0
     assert (out / "notes.txt").read_text() == "mine"
     recorded = json.loads((out / RECORD).read_text())["files"]

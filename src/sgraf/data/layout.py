@@ -2,8 +2,8 @@
 
     DATA/{split}_ims.npy          features             (precomp, convert-tsv, extract, generate)
     DATA/{split}_caps.txt         captions, grouped by image
-    DATA/{split}_boxes.npy        region boxes, pixels (convert-tsv, extract; explain draws them)
-    DATA/{split}_image_sizes.npy  picture sizes        (convert-tsv, extract: width, height in pixels)
+    DATA/{split}_boxes.npy        region boxes, pixels (generate, convert-tsv, extract; explain draws them)
+    DATA/{split}_image_sizes.npy  picture sizes        (beside the boxes: models read boxes / size)
     DATA/{split}_image_ids.txt    image ids and sizes  (convert-tsv)
     DATA/{split}_image_names.txt  image file names     (extract)
     DATA/{split}_scenes.jsonl     scene descriptions   (generate)

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from sgraf.data.arrays import check_finite_features, open_npy
+from sgraf.data.boxes import read_boxes
 from sgraf.data.vocab import Vocabulary
 from sgraf.errors import InputError, decode_utf8
 
@@ -170,6 +171,8 @@ class PrecompSplit:
         self.n_images = n_img
         self.n_captions = n_cap
         self._images: np.ndarray | None = images
+        self._boxes: np.ndarray | None = None
+        self._boxes_read = False
         if full_scan:
             self.check_finite(full=True)
 
@@ -179,6 +182,32 @@ class PrecompSplit:
         if self._images is None:  # after unpickling in a DataLoader worker
             self._images = _open_features(self.ims_path)
         return self._images[: self.n_images]
+
+    @property
+    def boxes(self) -> np.ndarray | None:
+        """(n_images, K, 4) float32 region boxes normalised to [0, 1] of each picture
+        (`sgraf.data.boxes.read_boxes`, read and checked on first use), or None if the split has
+        none (or boxes without `{split}_image_sizes.npy`)."""
+        if not self._boxes_read:
+            self._boxes = self.read_boxes(required=False)
+            self._boxes_read = True
+        return self._boxes
+
+    def read_boxes(self, required: bool = False) -> np.ndarray | None:
+        """`boxes`, or with `required` an InputError in one line when the split has none (what a
+        model with positions needs)."""
+        if self._boxes_read and (self._boxes is not None or not required):
+            return self._boxes
+        boxes = read_boxes(self.data_dir, self.split, int(self._open_images().shape[0]), self.num_regions,
+                           required=required)
+        self._boxes = None if boxes is None else boxes[: self.n_images]
+        self._boxes_read = True
+        return self._boxes
+
+    def _open_images(self) -> np.ndarray:
+        if self._images is None:
+            self._images = _open_features(self.ims_path)
+        return self._images
 
     @property
     def num_regions(self) -> int:

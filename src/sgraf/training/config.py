@@ -20,7 +20,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, SIMILARITIES, ModelConfig
+from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, POSITIONS, SIMILARITIES, ModelConfig
 from sgraf.errors import InputError, decode_utf8
 from sgraf.precision import PRECISIONS
 
@@ -39,8 +39,9 @@ class TrainConfig:
         img_dim: region feature size; None takes it from the data, a number must match it.
         num_regions: regions per image; None takes it from the data, a number must match it.
         word_dim, embed_size, sim_dim, num_layers, bi_gru, img_norm, txt_norm, sgr_step,
-            alignments, similarity, attention, lambda_softmax, dropout: the model's
-            hyper-parameters (see `sgraf.config.ModelConfig`).
+            alignments, similarity, attention, lambda_softmax, dropout, positions: the model's
+            hyper-parameters (see `sgraf.config.ModelConfig`; `positions` other than 'none'
+            needs the data's region boxes, `sgraf.data.boxes`).
         epochs: passes over the training captions.
         batch_size: captions (each with its image) per optimisation step, over all processes.
         lr: Adam's initial learning rate.
@@ -90,6 +91,7 @@ class TrainConfig:
     attention: str = "t2i"
     lambda_softmax: float = 9.0
     dropout: float = 0.4
+    positions: str = "none"
     epochs: int = 40
     batch_size: int = 128
     lr: float = 2e-4
@@ -115,7 +117,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"module": MODULES, "alignments": ALIGNMENTS, "similarity": SIMILARITIES,
-                   "attention": ATTENTIONS, "precision": PRECISIONS}
+                   "attention": ATTENTIONS, "precision": PRECISIONS, "positions": POSITIONS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InputError(f"training config field {name!r} must be one of {', '.join(allowed)}, "
