@@ -8,7 +8,7 @@ from torch import nn
 
 from numerics import DEEP_NETWORK, SAME_PATH, assert_close
 from sgraf.cli import main
-from sgraf.data.features import GridBackbone, extract_folder, get_backbone, grid_boxes, register_backbone
+from sgraf.data.features import GridBackbone, extract_folder, get_backbone, register_backbone
 from sgraf.data.precomp import PrecompSplit
 from sgraf.data.render import SceneObject, render_scene
 from sgraf.errors import InputError
@@ -58,12 +58,6 @@ def test_extract_folder_with_a_registered_backbone(tmp_path):
     assert_close(split.images[:2], expected, SAME_PATH)
 
 
-def test_grid_boxes_are_the_cells_row_major():
-    assert grid_boxes(2, 3, 60, 40).tolist() == [[0, 0, 20, 20], [20, 0, 40, 20], [40, 0, 60, 20],
-                                                 [0, 20, 20, 40], [20, 20, 40, 40], [40, 20, 60, 40]]
-    assert tiny_backbone().grid_shape() == (2, 2)
-
-
 def test_extract_writes_each_regions_cell_in_pixels_of_its_picture(tmp_path):
     register_backbone("tiny-test", tiny_backbone)
     Image.new("RGB", (100, 60), "red").save(tmp_path / "wide.png")     # resized to 64 x 64 for the backbone
@@ -71,6 +65,7 @@ def test_extract_writes_each_regions_cell_in_pixels_of_its_picture(tmp_path):
     (tmp_path / "caps.tsv").write_text("wide.png\ta red picture\ntall.png\ta blue picture\n", encoding="utf-8")
     assert main(["extract", "--images", str(tmp_path), "--captions", str(tmp_path / "caps.tsv"), "--out",
                  str(tmp_path / "out"), "--split", "test", "--backbone", "tiny-test"]) == 0
+    assert tiny_backbone().grid_shape() == (2, 2)
     boxes = np.load(tmp_path / "out" / "test_boxes.npy")
     sizes = np.load(tmp_path / "out" / "test_image_sizes.npy")
     assert boxes.dtype == np.float32 and sizes.dtype == np.float32

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sgraf.data.boxes import OUTSIDE_TOLERANCE_PX, write_boxes
 from sgraf.data.layout import split_family
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
@@ -33,10 +34,6 @@ from sgraf.output_folder import NewGeneration
 logger = logging.getLogger(__name__)
 
 TSV_FIELDS = ("image_id", "image_w", "image_h", "num_boxes", "boxes", "features")
-
-# How far (in pixels) a box may reach past the picture's border: detectors clip to [0, w - 1] or
-# [0, w]; a box beyond that belongs to another picture size (the wrong image_w / image_h).
-BOX_TOLERANCE_PX = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,11 +100,13 @@ def parse_tsv_line(text: str, path: Path, line: int) -> TsvRow:
 def check_row_boxes(row: TsvRow, path: Path, line: int) -> None:
     """Refuses a row whose boxes are not finite x1, y1, x2, y2 inside its picture.
 
-    The message names the file, the line, the image and the first bad region.
+    The message names the file, the line, the image and the first bad region. A box may reach
+    `sgraf.data.boxes.OUTSIDE_TOLERANCE_PX` past the border (detectors clip to [0, w - 1] or
+    [0, w]), as the reader allows.
     """
     boxes = row.boxes.astype(np.float64)
     x1, y1, x2, y2 = boxes.T
-    tolerance = BOX_TOLERANCE_PX
+    tolerance = OUTSIDE_TOLERANCE_PX
     problems = (
         (~np.isfinite(boxes).all(axis=1), "holds NaN or inf"),
         (x2 < x1, "has x2 < x1"),
@@ -167,24 +166,27 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     if n_rows == 0:
         raise InputError(f"{tsv_path}: no rows")
     names = {"ims": f"{split}_ims.npy", "boxes": f"{split}_boxes.npy", "sizes": f"{split}_image_sizes.npy",
-             "ids": f"{split}_image_ids.txt"}
+             "ids": f"{split}_image_ids.txt"}   # boxes and sizes: `sgraf.data.boxes.write_boxes`
     if table is not None:
         names["caps"] = f"{split}_caps.txt"
     with NewGeneration(out_dir, names.values(), split_family(split), "convert-tsv", overwrite=overwrite,
                        paired=[f"{split}_caps.txt"] if table is None else []) as generation:
-        shape, n_caps = _convert_rows(tsv_path, n_rows, table, captions_path,
-                                      {key: generation.path(name) for key, name in names.items()}, progress)
+        shape, n_caps, boxes, sizes = _convert_rows(tsv_path, n_rows, table, captions_path,
+                                                    {key: generation.path(name) for key, name in names.items()},
+                                                    progress)
+        write_boxes(generation, split, boxes, sizes)
     logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, out_dir / names["ims"], *shape)
     return {"images": shape[0], "regions": shape[1], "feature_dim": shape[2], "captions": n_caps}
 
 
 def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | None,
                   captions_path: str | os.PathLike[str] | None, paths: dict[str, Path],
-                  progress: bool) -> tuple[tuple[int, int, int], int]:
-    """Writes the TSV's rows to `paths` ('ims', 'boxes', 'sizes', 'ids', 'caps' when `table`).
+                  progress: bool) -> tuple[tuple[int, int, int], int, np.ndarray, np.ndarray]:
+    """Writes the TSV's rows to `paths` ('ims', 'ids', 'caps' when `table`).
 
     Returns:
-        ((images, regions, feature size), captions written).
+        ((images, regions, feature size), captions written, the boxes (n, K, 4) in pixels,
+        the pictures' sizes (n, 2)), the boxes checked row by row (`check_row_boxes`).
     """
     from tqdm import tqdm
 
@@ -205,7 +207,7 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
             if ims is None:
                 k, d = row.features.shape
                 ims = np.lib.format.open_memmap(paths["ims"], mode="w+", dtype=np.float32, shape=(n_rows, k, d))
-                boxes = np.lib.format.open_memmap(paths["boxes"], mode="w+", dtype=np.float32, shape=(n_rows, k, 4))
+                boxes = np.zeros((n_rows, k, 4), dtype=np.float32)   # 16 bytes a region: kept in memory
             elif row.features.shape != ims.shape[1:]:
                 raise InputError(f"{tsv_path}:{number}: num_boxes x feature size is {row.features.shape}; "
                                  f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "
@@ -233,9 +235,7 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
         n_caps = len(lines)
         paths["caps"].write_bytes("".join(c + "\n" for c in lines).encode("utf-8"))
     paths["ids"].write_text("".join(i + "\n" for i in ids), encoding="utf-8")
-    np.save(paths["sizes"], sizes)
     shape = ims.shape
     ims.flush()
-    boxes.flush()
-    del ims, boxes
-    return (int(shape[0]), int(shape[1]), int(shape[2])), n_caps
+    del ims
+    return (int(shape[0]), int(shape[1]), int(shape[2])), n_caps, boxes, sizes

