@@ -8,6 +8,7 @@ the data has none.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -184,7 +185,7 @@ def test_index_and_explain_refuse_data_without_boxes_for_a_model_with_positions(
     assert "image_boxes.npy" not in json.loads((tmp_path / "index" / "manifest.json").read_text())["files"]
 
 
-def test_an_index_without_the_boxes_its_model_needs_is_refused(gallery, tmp_path):
+def test_an_index_without_the_boxes_its_model_needs_is_refused(gallery, tmp_path, capsys):
     matcher = Matcher.load(gallery["paths"]["box"])
     with pytest.raises(InputError, match="reads region positions and needs each region's box"):
         build_index(matcher, gallery["features"], gallery["captions"], tmp_path / "index")
@@ -194,9 +195,14 @@ def test_an_index_without_the_boxes_its_model_needs_is_refused(gallery, tmp_path
     del manifest["files"]["image_boxes.npy"]             # an index that lost its boxes
     manifest_path.write_text(json.dumps(manifest))
     (tmp_path / "index" / "image_boxes.npy").unlink()
-    with pytest.raises(InputError, match=rf"^index {tmp_path / 'index'} holds no image_boxes\.npy, but model 1 "
-                                         r"\(sgr, positions='box'\) reads region positions; rebuild the index"):
+    message = (f"index {tmp_path / 'index'} holds no image_boxes.npy, but model 1 (sgr, positions='box') reads "
+               "region positions; rebuild the index with `sgraf index` from data with boxes")
+    with pytest.raises(InputError, match=f"^{re.escape(message)}$"):
         open_index(tmp_path / "index", matcher=matcher)
+    capsys.readouterr()
+    for command, query in (("search", ["--text", "a dog"]), ("serve", [])):   # serve opens it as search does
+        assert main([command, "--index", str(tmp_path / "index"), *query]) == 2
+        assert _one_line_error(capsys) == f"sgraf {command}: error: {message}"
 
 
 def test_a_damaged_boxes_file_of_an_index_is_named(gallery, tmp_path):
