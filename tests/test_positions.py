@@ -138,3 +138,53 @@ def test_checkpoint_records_positions(tmp_path):
     boxes = _boxes(2, 5)
     assert torch.equal(loaded.score(images, captions, lengths, boxes=boxes),
                        model.score(images, captions, lengths, boxes=boxes))
+
+
+# ------------------------------------------------------------------ training, evaluate (tiny data)
+
+@pytest.fixture(scope="module")
+def toy_with_boxes(tmp_path_factory):
+    """The training tests' toy data (6 regions) with each region a cell of a 2 x 3 grid."""
+    from sgraf.data.boxes import grid_boxes, write_boxes
+    from train_helpers import make_toy_precomp
+
+    root = make_toy_precomp(tmp_path_factory.mktemp("toy") / "data", n_train=24, n_dev=8)
+    for split, n in (("train", 24), ("dev", 8)):
+        write_boxes(root, split, *grid_boxes(n, 2, 3, 60, 40))
+    return root
+
+
+def test_training_evaluate_and_the_refusals_of_data_without_boxes(toy_with_boxes, tmp_path, capsys):
+    from sgraf.cli import main
+    from sgraf.data.precomp import PrecompDataset, PrecompSplit, collate_batch
+    from sgraf.data.vocab import build_vocab
+
+    torch.set_num_threads(1)
+    split = PrecompSplit(toy_with_boxes, "dev")
+    dataset = PrecompDataset(split, build_vocab(split.captions, min_count=1), with_boxes=True)
+    batch = collate_batch([dataset[0], dataset[7]])
+    assert batch.boxes.shape == (2, 6, 4) and torch.equal(batch.boxes[1, 4], torch.tensor([1 / 3, 0.5, 2 / 3, 1]))
+    assert collate_batch([PrecompDataset(split, dataset.vocab)[0]]).boxes is None
+
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(toy_with_boxes), "--out", str(run), "--preset", "tiny",
+                 "--set", "positions=relation", "epochs=1"]) == 0
+    assert load_model(run / "best.pt").config.positions == "relation"
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(run / "best.pt"), "--data", str(toy_with_boxes), "--split", "dev",
+                 "--json", "--quiet"]) == 0
+    assert '"rsum"' in capsys.readouterr().out
+
+    # the same data without boxes: training and evaluation refuse it in one line
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("train_ims.npy", "train_caps.txt", "dev_ims.npy", "dev_caps.txt"):
+        (bare / name).write_bytes((toy_with_boxes / name).read_bytes())
+    assert main(["train", "--data", str(bare), "--out", str(tmp_path / "r2"), "--preset", "tiny",
+                 "--set", "positions=box"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train_boxes.npy: missing file; this model uses region positions" in err
+    assert not (tmp_path / "r2" / "last.pt").exists()
+    assert main(["evaluate", "--checkpoint", str(run / "best.pt"), "--data", str(bare), "--split", "dev"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(positions='relation'): " in err and "dev_boxes.npy: missing file" in err
