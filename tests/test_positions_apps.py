@@ -245,3 +245,19 @@ def test_serve_explains_with_the_boxes_the_index_encoded_with(gallery, tmp_path)
     np.testing.assert_allclose(answer["regions"]["boxes"], _grid_pixels()[3])
     results = service.search_text(text, top_k=3)["results"]
     assert [r["id"] for r in results] == [h.id for h in service.index.search_text(text, 3, shortlist=N_IMG)]
+
+
+def test_the_commands_of_the_positions_apps_page_parse():
+    import pathlib
+    import shlex
+
+    from sgraf.cli import build_parser
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "positions-apps.md").read_text(encoding="utf-8")
+    commands = [shlex.split(line)[1:] for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+                for line in block.splitlines() if line.startswith("sgraf ")]
+    assert {c[0] for c in commands} == {"convert-tsv", "extract", "generate", "train", "index", "search", "serve",
+                                        "explain"}
+    parser = build_parser()
+    for words in commands:
+        parser.parse_args(words)   # an unknown flag or a bad value exits here
