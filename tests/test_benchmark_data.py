@@ -168,3 +168,22 @@ def test_cli_generate_with_preview(tmp_path, capsys):
 
     with Image.open(png) as image:
         assert image.width == 4 * 208 and image.height > 3 * 192  # 3 families x 4 images
+
+
+def test_boxes_are_the_grid_cells_where_the_objects_lie(bench):
+    out, _ = bench
+    split = PrecompSplit(out, "test")
+    pixels = np.load(out / "test_boxes.npy")
+    assert pixels.shape == (24, 36, 4) and np.load(out / "test_image_sizes.npy").tolist() == [[192, 192]] * 24
+    assert pixels[0, 7].tolist() == [32, 32, 64, 64]                 # row 1, column 1 of the 6 x 6 grid
+    np.testing.assert_allclose(split.boxes, pixels / 192, rtol=1e-6)
+    # the synthetic region that holds most of an object is the cell around the object's centre
+    from sgraf.data.benchmark import _synthetic_tables
+    tables = _synthetic_tables(128)
+    for index, scene in enumerate(load_scenes(out, "test")[:4]):
+        for obj in scene["objects"]:
+            code = tables["colour"][obj["colour"]] + tables["shape"][obj["shape"]] + tables["size"][obj["size"]]
+            region = int(np.argmax(split.images[index] @ code))
+            x1, y1, x2, y2 = pixels[index, region]
+            box = obj["box"]
+            assert x1 < box[2] and box[0] < x2 and y1 < box[3] and box[1] < y2, (index, obj, region)

@@ -18,7 +18,8 @@ def b64(array):
 def make_rows(n=3, k=4, d=6, seed=0):
     rng = np.random.default_rng(seed)
     feats = rng.random((n, k, d)).astype(np.float32)
-    boxes = (rng.random((n, k, 4)) * 100).astype(np.float32)
+    corners = rng.random((n, k, 2, 2)) * 400          # two corners inside 640 x 480 .. 642 x 478
+    boxes = np.concatenate([corners.min(axis=2), corners.max(axis=2)], axis=2).astype(np.float32)
     rows = [f"{1000 + i}\t{640 + i}\t{480 - i}\t{k}\t{b64(boxes[i])}\t{b64(feats[i])}" for i in range(n)]
     return rows, feats, boxes
 
@@ -39,6 +40,8 @@ def test_convert_streams_rows_into_precomp(tmp_path):
     assert info == {"images": 3, "regions": 4, "feature_dim": 6, "captions": 6}
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "train_ims.npy"), feats)
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "train_boxes.npy"), boxes)
+    sizes = np.load(tmp_path / "out" / "train_image_sizes.npy")
+    assert sizes.dtype == np.float32 and sizes.tolist() == [[640, 480], [641, 479], [642, 478]]
     assert (tmp_path / "out" / "train_image_ids.txt").read_text().splitlines() == \
         ["1000\t640\t480", "1001\t641\t479", "1002\t642\t478"]
     split = PrecompSplit(tmp_path / "out", "train")
@@ -61,11 +64,13 @@ def test_cli_convert_tsv(tmp_path, capsys):
     (lambda r: r[:-8] + "!!!!" + r[-4:], r"feats\.tsv:2: field 'features' is not valid base64"),
     (lambda r: "\t".join(r.split("\t")[:3] + ["four"] + r.split("\t")[4:]), r"feats\.tsv:2: field 'num_boxes' is 'four'"),
     (lambda r: "\t".join(r.split("\t")[:3] + ["5"] + r.split("\t")[4:]), r"feats\.tsv:2: field 'boxes' decodes to 64 bytes"),
+    (lambda r: "\t".join(r.split("\t")[:4] + [b64(np.zeros((5, 4)))] + r.split("\t")[5:]),   # 5 boxes for 4
+     r"feats\.tsv:2: field 'boxes' decodes to 80 bytes \(20 float32\); expected num_boxes=4 x 4 float32 \(64 bytes\)"),
     (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.zeros((4, 7)))]),
      r"feats\.tsv:2: num_boxes x feature size is \(4, 7\); expected \(4, 6\)"),
     (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.full((4, 6), np.nan))]), r"feats\.tsv:2: field 'features' holds NaN"),
-    (lambda r: "\t".join(r.split("\t")[:4] + [b64(np.full((4, 4), np.inf))] + r.split("\t")[5:]),
-     r"feats\.tsv:2: field 'boxes' holds NaN or inf"),
+    (lambda r: "\t".join(r.split("\t")[:1] + ["0"] + r.split("\t")[2:]),
+     r"feats\.tsv:2: field 'image_w' is 0; expected the picture's size in pixels"),
 ])
 def test_bad_rows_name_file_line_and_field(tmp_path, mutate, message):
     rows, _, _ = make_rows()
@@ -75,6 +80,49 @@ def test_bad_rows_name_file_line_and_field(tmp_path, mutate, message):
         convert_tsv(tsv, tmp_path / "out", "train", progress=False)
     assert not (tmp_path / "out" / "train_ims.npy").exists()  # nothing half-written left behind
     assert not list((tmp_path / "out").glob(".*tmp"))
+
+
+def test_convert_keeps_hand_made_boxes_and_sizes_exactly(tmp_path):
+    # two pictures of other sizes; boxes on the border (the detector's clip to w, h) are inside
+    boxes = np.array([[[0, 0, 100, 50], [10.5, 20.25, 30.75, 40.5]],
+                      [[0, 0, 20, 30], [5, 5, 5, 5]]], np.float32)
+    feats = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)
+    rows = [f"7\t100\t50\t2\t{b64(boxes[0])}\t{b64(feats[0])}", f"8\t20\t30\t2\t{b64(boxes[1])}\t{b64(feats[1])}"]
+    convert_tsv(write(tmp_path / "f.tsv", rows), tmp_path / "out", "test", progress=False)
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "test_boxes.npy"), boxes)
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "test_image_sizes.npy"), [[100, 50], [20, 30]])
+
+
+def box_row(box, region=2, k=4, d=6, image_id=1001):
+    boxes = np.tile(np.array([[1, 2, 30, 40]], np.float32), (k, 1))
+    boxes[region] = box
+    return f"{image_id}\t64\t48\t{k}\t{b64(boxes)}\t{b64(np.ones((k, d)))}"
+
+
+@pytest.mark.parametrize("box,problem", [
+    ([np.nan, 0, 5, 5], r"box \[nan, 0, 5, 5\] holds NaN or inf"),
+    ([0, 0, np.inf, 5], r"box \[0, 0, inf, 5\] holds NaN or inf"),
+    ([10, 0, 5, 5], r"box \[10, 0, 5, 5\] has x2 < x1"),
+    ([0, 9, 5, 3], r"box \[0, 9, 5, 3\] has y2 < y1"),
+    ([0, 0, 70, 5], r"box \[0, 0, 70, 5\] lies outside the 64 x 48 picture \(image_w x image_h\)"),
+    ([-3, 0, 5, 5], r"box \[-3, 0, 5, 5\] lies outside the 64 x 48 picture \(image_w x image_h\)"),
+    ([0, 0, 5, 49.5], r"box \[0, 0, 5, 49\.5\] lies outside the 64 x 48 picture \(image_w x image_h\)"),
+])
+def test_bad_boxes_name_file_line_image_and_region(tmp_path, box, problem):
+    rows, _, _ = make_rows()
+    rows[1] = box_row(box)
+    tsv = write(tmp_path / "feats.tsv", rows)
+    with pytest.raises(InputError, match=rf"^{tsv}:2: image_id '1001', region 2: {problem}; expected 0 <= x1 <= x2 "
+                                         r"<= image_w and 0 <= y1 <= y2 <= image_h \(pixels\)$"):
+        convert_tsv(tsv, tmp_path / "out", "train", progress=False)
+    assert not (tmp_path / "out" / "train_boxes.npy").exists()
+
+
+def test_boxes_one_pixel_past_the_border_are_kept(tmp_path):
+    rows, _, _ = make_rows(n=1)
+    rows.append(box_row([-1, -0.5, 65, 49]))
+    convert_tsv(write(tmp_path / "feats.tsv", rows), tmp_path / "out", "train", progress=False)
+    assert np.load(tmp_path / "out" / "train_boxes.npy")[1, 2].tolist() == [-1, -0.5, 65, 49]
 
 
 def test_caption_table_errors(tmp_path):

@@ -58,6 +58,23 @@ def test_extract_folder_with_a_registered_backbone(tmp_path):
     assert_close(split.images[:2], expected, SAME_PATH)
 
 
+def test_extract_writes_each_regions_cell_in_pixels_of_its_picture(tmp_path):
+    register_backbone("tiny-test", tiny_backbone)
+    Image.new("RGB", (100, 60), "red").save(tmp_path / "wide.png")     # resized to 64 x 64 for the backbone
+    Image.new("RGB", (30, 90), "blue").save(tmp_path / "tall.png")
+    (tmp_path / "caps.tsv").write_text("wide.png\ta red picture\ntall.png\ta blue picture\n", encoding="utf-8")
+    assert main(["extract", "--images", str(tmp_path), "--captions", str(tmp_path / "caps.tsv"), "--out",
+                 str(tmp_path / "out"), "--split", "test", "--backbone", "tiny-test"]) == 0
+    assert tiny_backbone().grid_shape() == (2, 2)
+    boxes = np.load(tmp_path / "out" / "test_boxes.npy")
+    sizes = np.load(tmp_path / "out" / "test_image_sizes.npy")
+    assert boxes.dtype == np.float32 and sizes.dtype == np.float32
+    assert sizes.tolist() == [[100, 60], [30, 90]]
+    # 2 x 2 feature map: region row * 2 + col is that quarter of the picture
+    assert boxes.tolist() == [[[0, 0, 50, 30], [50, 0, 100, 30], [0, 30, 50, 60], [50, 30, 100, 60]],
+                              [[0, 0, 15, 45], [15, 0, 30, 45], [0, 45, 15, 90], [15, 45, 30, 90]]]
+
+
 def test_extract_errors(tmp_path):
     register_backbone("tiny-test", tiny_backbone)
     (tmp_path / "caps.tsv").write_text("missing.png\ta caption\n", encoding="utf-8")

@@ -170,13 +170,13 @@ def test_generate_overwrite_never_deletes_files_sgraf_did_not_write(tmp_path, ca
     out = tmp_path / "bench"
     generate_benchmark(out, features="synthetic", n_train=4, n_dev=4, n_test=4, synthetic_dim=8)
     (out / "notes.txt").write_text("mine")                         # not data: kept, never in the way
-    np.save(out / "test_boxes.npy", np.zeros((4, 36, 4), np.float32))   # would describe the old test images
+    (out / "test_image_ids.txt").write_text("1\t192\t192\n")   # would describe the old test images
     before = _files(out)
     assert main(["generate", "--out", str(out), *TINY, "--overwrite"]) == 2
     err = _one_line_error(capsys)
-    assert f"{out / 'test_boxes.npy'} was not written by sgraf and would stay beside the new output" in err
+    assert f"{out / 'test_image_ids.txt'} was not written by sgraf and would stay beside the new output" in err
     assert _files(out) == before
-    (out / "test_boxes.npy").unlink()
+    (out / "test_image_ids.txt").unlink()
     assert main(["generate", "--out", str(out), *TINY, "--overwrite"]) == 0
     assert (out / "notes.txt").read_text() == "mine"
     recorded = json.loads((out / RECORD).read_text())["files"]
@@ -220,7 +220,8 @@ def _b64(array: np.ndarray) -> str:
 
 def _tsv(path: Path, n: int, seed: int) -> Path:
     rng = np.random.default_rng(seed)
-    rows = [f"{1000 + i}\t640\t480\t2\t{_b64(rng.random((2, 4)) * 100)}\t{_b64(rng.random((2, 3)))}" for i in range(n)]
+    boxes = np.sort(rng.random((n, 2, 2, 2)) * 400, axis=2).reshape(n, 2, 4)   # x1 <= x2, y1 <= y2 inside
+    rows = [f"{1000 + i}\t640\t480\t2\t{_b64(boxes[i])}\t{_b64(rng.random((2, 3)))}" for i in range(n)]
     path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
     return path
 
@@ -233,7 +234,7 @@ def test_convert_tsv_removes_the_captions_of_an_earlier_run_only_with_overwrite(
     second = _tsv(tmp_path / "b.tsv", 2, 1)
     argv = ["convert-tsv", "--tsv", str(second), "--out", str(out), "--split", "test", "--no-progress"]
     assert main(argv) == 2
-    assert f"{out} already holds other data (test_boxes.npy and 3 more); pass --overwrite" in _one_line_error(capsys)
+    assert f"{out} already holds other data (test_boxes.npy and 4 more); pass --overwrite" in _one_line_error(capsys)
     assert main([*argv, "--overwrite"]) == 0
     assert not (out / "test_caps.txt").exists()                    # the earlier run's captions: stale, removed
     assert np.load(out / "test_ims.npy").shape == (2, 2, 3) and np.load(out / "test_boxes.npy").shape == (2, 2, 4)
@@ -254,13 +255,13 @@ def test_convert_tsv_writes_features_beside_the_users_own_captions(tmp_path):
 def test_a_companion_sgraf_did_not_write_is_refused_even_where_nothing_is_replaced(tmp_path):
     out = tmp_path / "data"
     out.mkdir()
-    np.save(out / "test_boxes.npy", np.zeros((1, 4, 4), np.float32))   # left of features deleted by hand
+    (out / "test_image_ids.txt").write_text("17\t64\t64\n")          # left of features deleted by hand
     render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(tmp_path / "im.png")
     (tmp_path / "caps.tsv").write_text("im.png\ta red square\n")
-    with pytest.raises(InputError, match=f"^{out / 'test_boxes.npy'} was not written by sgraf and would stay "
+    with pytest.raises(InputError, match=f"^{out / 'test_image_ids.txt'} was not written by sgraf and would stay "
                                          "beside the new output of sgraf extract"):
         extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False)
-    assert sorted(os.listdir(out)) == ["test_boxes.npy"]
+    assert sorted(os.listdir(out)) == ["test_image_ids.txt"]
 
 
 def _tiny_backbone() -> GridBackbone:
@@ -273,11 +274,13 @@ def test_extract_overwrite_removes_boxes_and_ids_an_earlier_conversion_left(tmp_
     convert_tsv(_tsv(tmp_path / "a.tsv", 3, 0), out, "test", progress=False)
     render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(tmp_path / "im.png")
     (tmp_path / "caps.tsv").write_text("im.png\ta red square\n")
-    with pytest.raises(InputError, match=r"already holds other data \(test_boxes\.npy and 2 more\); pass --overwrite"):
+    with pytest.raises(InputError, match=r"already holds other data \(test_boxes\.npy and 3 more\); pass --overwrite"):
         extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False)
     extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False, overwrite=True)
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
-        "test_caps.txt", "test_image_names.txt", "test_ims.npy"]
+        "test_boxes.npy", "test_caps.txt", "test_image_names.txt", "test_image_sizes.npy", "test_ims.npy"]
+    assert np.load(out / "test_boxes.npy").tolist() == [[[0, 0, 96, 96], [96, 0, 192, 96], [0, 96, 96, 192],
+                                                         [96, 96, 192, 192]]]   # the extractor's cells
 
 
 # --------------------------------------------------------------------------------- write errors

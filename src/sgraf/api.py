@@ -6,8 +6,15 @@ strings into word ids:
 
     matcher = Matcher.load(["runs/sgr/model_best.pt", "runs/saf/model_best.pt"])
     images = matcher.encode_images(features)            # features: (n_img, K, img_dim)
+                                                         # (boxes=(n_img, K, 4) for a model with positions)
     texts = matcher.encode_texts(["a dog runs on the grass"])
     scores = matcher.score_embeddings(images, texts)     # (n_img, n_txt) numpy float32
+
+A model with positions (`ModelConfig.positions` not 'none', `SGRAF.needs_boxes`) reads each
+region's box (x1, y1, x2, y2 normalised to [0, 1] of its picture, as `sgraf.data.boxes.read_boxes`
+returns them) in its image encoder: `encode_images(features, boxes)` and `score(features, texts,
+boxes)` take them, and refuse in one line to encode images without them. An ensemble may mix
+models with and without positions: each model gets the boxes only if it reads them.
 
 Encodings keep, per model, the l2-normalised region / word embeddings that the full SGRAF
 scorer needs, plus the model's self-attention global vectors (Eq. 3 of the paper) that a
@@ -355,18 +362,83 @@ class Matcher:
         check_finite_features(features, source or what, first_image=first_row)
         return features
 
+    @property
+    def needs_boxes(self) -> bool:
+        """Whether a model of the matcher reads region boxes (a model with positions)."""
+        return any(getattr(model, "needs_boxes", False) for model in self.models)
+
+    def boxes_needed_by(self) -> str:
+        """The models that read boxes, for messages: 'model 1 (sgr, positions='box')'."""
+        named = [f"model {m + 1} ({model.config.module}, positions={model.config.positions!r})"
+                 for m, model in enumerate(self.models) if getattr(model, "needs_boxes", False)]
+        return ", ".join(named)
+
+    def check_boxes(self, boxes: Any, n_images: int, what: str = "boxes") -> torch.Tensor | None:
+        """Validate (n_img, K, 4) region boxes normalised to [0, 1] for `n_images` images.
+
+        Returns:
+            float32 tensor (n_img, K, 4), or None when the matcher reads no boxes (they are
+            then ignored) and none were given.
+
+        Raises:
+            InputError: none given to a matcher whose models need them; the wrong shape; NaN,
+                inf, a box outside [0, 1] or with x2 < x1 / y2 < y1 (naming image and region).
+        """
+        if boxes is None:
+            if self.needs_boxes:
+                raise InputError(f"{self.boxes_needed_by()} reads region positions and needs each region's box "
+                                 "(n_images, K, 4) normalised to [0, 1]; got images without boxes")
+            return None
+        if not self.needs_boxes:
+            return None                           # no model reads them: not worth a check
+        source, first_row = mapped_file(boxes)
+        where = source or what
+        if not torch.is_tensor(boxes):
+            boxes = torch.from_numpy(np.array(boxes, dtype=np.float32))
+        boxes = boxes.float()
+        if boxes.dim() == 2:
+            boxes = boxes.unsqueeze(0)
+        k = self.models[0].config.num_regions
+        if tuple(boxes.shape) != (n_images, k, 4):
+            raise InputError(f"{where} must have shape ({n_images}, {k}, 4) (x1, y1, x2, y2 per region of each "
+                             f"image), got {tuple(boxes.shape)}")
+        x1, y1, x2, y2 = boxes.unbind(-1)
+        problems = ((~torch.isfinite(boxes).all(dim=-1), "is not finite"),
+                    ((x2 < x1) | (y2 < y1), "has x2 < x1 or y2 < y1"),
+                    ((boxes < 0).any(dim=-1) | (boxes > 1).any(dim=-1), "lies outside [0, 1]"))
+        for bad, problem in problems:
+            if bool(bad.any()):
+                image, region = (int(v) for v in bad.nonzero()[0])
+                box = ", ".join(f"{v:.4g}" for v in boxes[image, region].tolist())
+                raise InputError(f"{where}: the box of image {first_row + image}, region {region} [{box}] "
+                                 f"{problem}; expected x1 <= x2, y1 <= y2 normalised to [0, 1] of the picture")
+        return boxes
+
     @torch.no_grad()
-    def encode_images(self, features: Any) -> ImageEncoding:
-        """Encode region features (n_img, K, img_dim) (numpy, memmap or tensor) with every model."""
+    def encode_images(self, features: Any, boxes: Any = None) -> ImageEncoding:
+        """Encode region features (n_img, K, img_dim) (numpy, memmap or tensor) with every model.
+
+        Args:
+            features: the region features.
+            boxes: (n_img, K, 4) each region's box normalised to [0, 1] (array, memmap or
+                tensor), for models with positions; required when one of them needs boxes,
+                ignored otherwise.
+        """
         features = self.check_features(features)
+        boxes = self.check_boxes(boxes, int(features.shape[0]))
         regions: list[torch.Tensor] = []
         globals_: list[torch.Tensor] = []
         for model in self.models:
             model_regions, model_globals = [], []
+            reads_boxes = getattr(model, "needs_boxes", False)
             for start in range(0, features.shape[0], self.batch_size):
                 batch = features[start:start + self.batch_size].to(self.device)
                 with autocast(self.precision, self.device):
-                    img_embs = model.encode_images(batch)  # (b, K, d)
+                    if reads_boxes:
+                        batch_boxes = boxes[start:start + self.batch_size].to(self.device)
+                        img_embs = model.encode_images(batch, boxes=batch_boxes)  # (b, K, d)
+                    else:
+                        img_embs = model.encode_images(batch)  # (b, K, d)
                 img_embs = img_embs.float()
                 model_regions.append(img_embs.cpu())
                 model_globals.append(image_global_vectors(model, img_embs).float().cpu())
@@ -415,9 +487,12 @@ class Matcher:
                                           img_glo=img_glo))
         return blocks.score_encoded(self.models, encoded, self.precision).numpy()
 
-    def score(self, features: Any, texts: Sequence[str], allow_unknown: bool = False) -> np.ndarray:
-        """Scores of region features (n_img, K, img_dim) against text strings: (n_img, n_txt)."""
-        return self.score_embeddings(self.encode_images(features),
+    def score(self, features: Any, texts: Sequence[str], boxes: Any = None, allow_unknown: bool = False) -> np.ndarray:
+        """Scores of region features (n_img, K, img_dim) against text strings: (n_img, n_txt).
+
+        `boxes`: (n_img, K, 4) normalised region boxes, as `encode_images` takes them.
+        """
+        return self.score_embeddings(self.encode_images(features, boxes=boxes),
                                      self.encode_texts(texts, allow_unknown=allow_unknown))
 
 

@@ -17,6 +17,7 @@ MODULES = ("sgr", "saf", "ave", "joint")
 SIMILARITIES = ("vector", "scalar")
 ATTENTIONS = ("t2i", "i2t")
 ALIGNMENTS = ("both", "global", "local")
+POSITIONS = ("none", "box", "relation")  # region positions in the image encoder: sgraf.model.positions
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class ModelConfig:
         attention: 't2i' text-to-image (default) or 'i2t' image-to-text attention (Table 5).
         lambda_softmax: attention temperature (9).
         dropout: dropout after the word embedding (0.4).
+        positions: region positions in the image encoder (issue 21, not in the paper): 'none'
+            (the authors' model), 'box' (an embedding of each region's box added to it) or
+            'relation' (that, plus self-attention over regions with a pairwise geometry bias);
+            models other than 'none' need boxes (`sgraf.data.boxes`).
     """
 
     vocab_size: int
@@ -62,6 +67,7 @@ class ModelConfig:
     attention: str = "t2i"
     lambda_softmax: float = 9.0
     dropout: float = 0.4
+    positions: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "img_dim", "word_dim", "embed_size", "sim_dim", "num_regions",
@@ -70,7 +76,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"model config field {name!r} must be a positive integer, got {value!r}")
         choices = {"module": MODULES, "similarity": SIMILARITIES, "attention": ATTENTIONS,
-                   "alignments": ALIGNMENTS}
+                   "alignments": ALIGNMENTS, "positions": POSITIONS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InputError(f"model config field {name!r} must be one of {', '.join(allowed)}, "

@@ -81,6 +81,11 @@ def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
     if (regions, dim) != (config.num_regions, config.img_dim):
         raise InputError(f"{split.ims_path}: features of shape (n, {regions}, {dim}), but {name} expects "
                          f"(n, {config.num_regions}, {config.img_dim}) (num_regions, img_dim)")
+    if getattr(model, "needs_boxes", False):
+        try:
+            split.read_boxes(required=True)
+        except InputError as error:
+            raise InputError(f"{name} (positions={config.positions!r}): {error}") from None
 
 
 def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, precision: str = "fp32",

@@ -15,8 +15,9 @@ scores rebuilt from them equal `SGRAF.similarity`.
 `render_explanation` draws the PNG (matplotlib, imported when called): the image, a strip of
 SAF beta and SGR alignment per token, and one panel per token with its attention over the
 image: over the rendered image when the data folder has it (the embedded benchmark keeps them
-under `images/{split}/`), over region boxes when the TSV converter kept them
-(`{split}_boxes.npy`), else over an abstract grid of the K regions.
+under `images/{split}/`), over region boxes when the data has them (`{split}_boxes.npy`, in
+pixels: the image panel outlines every region's box), else over an abstract grid of the K
+regions.
 """
 
 from __future__ import annotations
@@ -141,13 +142,16 @@ def _label(model: torch.nn.Module, position: int, models: Sequence[torch.nn.Modu
 
 
 @torch.no_grad()
-def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = False) -> Explanation:
+def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = False,
+                 boxes: Any = None) -> Explanation:
     """The attention quantities of one image and one caption.
 
     Args:
         matcher: a `sgraf.api.Matcher` (one model or an ensemble).
         features: (K, img_dim) region features of the image.
         text: the caption; unknown words are refused unless `allow_unknown`.
+        boxes: (K, 4) the regions' boxes normalised to [0, 1] (`PrecompSplit.boxes[i]`), for
+            models with positions (refused without them); ignored by the others.
 
     Returns:
         An `Explanation`. SAF weights come from the first model with a SAF head, SGR's
@@ -157,6 +161,7 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
     image = matcher.check_features(features)
     if image.shape[0] != 1:
         raise InputError(f"explain one image at a time, got features of {image.shape[0]} images")
+    boxes = matcher.check_boxes(boxes, 1, what="the image's boxes")
     tokens, ids = matcher.tokenize(text, allow_unknown=allow_unknown)
     captions = torch.tensor([ids], dtype=torch.int64, device=matcher.device)
     lengths = torch.tensor([len(ids)], dtype=torch.int64, device=matcher.device)
@@ -166,7 +171,10 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
     node_labels: list[str] = []
     for position, model in enumerate(matcher.models):
         label = _label(model, position, matcher.models)
-        regions = model.encode_images(image)                              # (1, K, d)
+        if getattr(model, "needs_boxes", False):
+            regions = model.encode_images(image, boxes=boxes.to(matcher.device))  # (1, K, d)
+        else:
+            regions = model.encode_images(image)                          # (1, K, d)
         words = model.encode_captions(captions, lengths)                  # (1, L, d)
         scores[label] = float(model.similarity(regions, words, lengths)[0, 0])
         encoder = model.sim_enc
@@ -413,6 +421,9 @@ def _draw_picture(axis: Any, layout: RegionLayout, weights: np.ndarray | None) -
         return
     if weights is None:
         axis.imshow(layout.image)
+        if layout.kind == "boxes":   # every region's box, thin: where the model's positions come from
+            for x0, y0, x1, y1 in layout.boxes:
+                axis.add_patch(_rectangle(x0, y0, x1 - x0, y1 - y0, colour="deepskyblue", width=0.6))
         return
     heat = layout.heatmap(weights)
     heat = heat / max(float(heat.max()), 1e-12)
@@ -430,7 +441,7 @@ def _draw_picture(axis: Any, layout: RegionLayout, weights: np.ndarray | None) -
         axis.add_patch(_rectangle(x0, y0, x1 - x0, y1 - y0))
 
 
-def _rectangle(x: float, y: float, w: float, h: float) -> Any:
+def _rectangle(x: float, y: float, w: float, h: float, colour: str = "yellow", width: float = 1.5) -> Any:
     from matplotlib.patches import Rectangle
 
-    return Rectangle((x - 0.5, y - 0.5), w, h, fill=False, edgecolor="yellow", linewidth=1.5)
+    return Rectangle((x - 0.5, y - 0.5), w, h, fill=False, edgecolor=colour, linewidth=width)

@@ -57,7 +57,8 @@ def tokenize_captions(captions: Sequence[str], vocab: Any) -> list[list[int]]:
 
 
 def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: str = "fp32",
-                  progress: bool = False, source: str | os.PathLike[str] | None = None) -> torch.Tensor:
+                  progress: bool = False, source: str | os.PathLike[str] | None = None,
+                  boxes: Any = None) -> torch.Tensor:
     """Encode precomp image features in batches (`sgraf.model.blocks.encode_images`), refusing
     NaN/inf in any batch.
 
@@ -68,6 +69,7 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
         precision: ``"fp32"`` or ``"bf16"``.
         progress: show a progress bar on stderr.
         source: the features file named in errors (default: a memory map's own file).
+        boxes: (n_img, K, 4) normalised region boxes, for a model with positions.
 
     Returns:
         (n_img, K, d) float32 region features on the model's device.
@@ -77,7 +79,17 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
     """
     batch_size = check_positive_int(batch_size, "batch_size")
     with _progress(len(images), "encoding images", progress, "img") as bar:
-        return blocks.encode_images(model, images, batch_size, precision, on_batch=bar.update, source=source)
+        return blocks.encode_images(model, images, batch_size, precision, on_batch=bar.update, source=source,
+                                    boxes=boxes)
+
+
+def split_boxes(model: Scorer, split: Any) -> Any:
+    """The split's normalised region boxes if `model` reads them (`needs_boxes`), else None;
+    a split without boxes is refused in one line (`PrecompSplit.read_boxes(required=True)`)."""
+    if not getattr(model, "needs_boxes", False):
+        return None
+    read = getattr(split, "read_boxes", None)
+    return read(required=True) if read is not None else getattr(split, "boxes", None)
 
 
 def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_size: int = 128,
@@ -120,7 +132,7 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
     if token_ids is None:
         token_ids = tokenize_captions(split.captions, vocab)
     img_embs = encode_images(model, split.images, batch_size, precision, progress,
-                             source=getattr(split, "ims_path", None))
+                             source=getattr(split, "ims_path", None), boxes=split_boxes(model, split))
     buckets = encode_captions(model, token_ids, batch_size, precision, progress)
     logger.debug("encoded %d images and %d captions in %d buckets", len(img_embs), len(token_ids), len(buckets))
     return Encoded(img_embs=img_embs, buckets=buckets, n_captions=len(token_ids),

@@ -10,6 +10,9 @@ An index is a folder:
     caption_keys.npy              (n_cap, G) float32
     caption_lengths.npy           (n_cap,) int64, `<start>` and `<end>` included
     image_regions.{m}.npy         (n_img, K, d_m) region embeddings of model m
+    image_boxes.npy               (n_img, K, 4) float32 region boxes normalised to [0, 1], only
+                                  when a model reads positions (`Matcher.needs_boxes`): its
+                                  regions were encoded with them, explanations need them again
     caption_words.{m}.npy         (n_cap, L_max, d_m) word embeddings of model m, zero-padded
 
 The big arrays are opened memory-mapped, so a query reads only the rows of its shortlist.
@@ -50,6 +53,7 @@ FORMAT = "sgraf-index"
 VERSION = 1
 MANIFEST = "manifest.json"
 CAPTIONS = "captions.txt"
+BOXES = "image_boxes.npy"
 STORAGE_DTYPES = ("float32", "float16")
 FIRST_STAGES = ("auto", "numpy", "faiss")
 KEY_QUERIES = 16     # queries per first-stage matrix product (always this many columns: see _coarse_many)
@@ -100,7 +104,8 @@ def _vocab_sha256(vocab: Any) -> str | None:
 # --------------------------------------------------------------------------------- building
 def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: str | Path, *,
                 caps_per_image: int | None = None, source: dict[str, Any] | None = None,
-                dtype: str = "float32", batch_size: int = 256, progress: bool = False) -> Path:
+                dtype: str = "float32", batch_size: int = 256, progress: bool = False,
+                boxes: Any = None) -> Path:
     """Encode a gallery and write it as an index folder.
 
     Args:
@@ -117,6 +122,9 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         dtype: storage of the embeddings, 'float32' (exact) or 'float16' (half the disk).
         batch_size: images / captions encoded per chunk.
         progress: progress bars (images, then captions) on stderr.
+        boxes: (n_img, K, 4) region boxes normalised to [0, 1] (`PrecompSplit.boxes`), required
+            when a model of the matcher reads positions (then stored as `image_boxes.npy`),
+            ignored otherwise.
 
     Returns:
         The index folder.
@@ -138,6 +146,7 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     for row, caption in enumerate(captions):
         if "\n" in caption or not caption.strip():
             raise InputError(f"caption {row} is empty or spans several lines: {caption!r}")
+    boxes = matcher.check_boxes(boxes, n_img, what="the gallery's boxes")   # before any work
 
     source = dict(source or {})
     if {"data_dir", "split"} <= set(source) and "data_fingerprint" not in source:
@@ -150,7 +159,8 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     try:
         captions_label = (f"the {source['split']} captions of {source['data_dir']}"
                           if source and {"split", "data_dir"} <= set(source) else "the gallery captions")
-        _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label, progress)
+        _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label, progress,
+                     boxes)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -237,7 +247,8 @@ def _progress(total: int, desc: str, unit: str, enabled: bool) -> Any:
 
 
 def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: Path, dtype: str,
-                 batch_size: int, captions_label: str, progress: bool = False) -> None:
+                 batch_size: int, captions_label: str, progress: bool = False,
+                 boxes: torch.Tensor | None = None) -> None:
     n_img, n_cap, n_models = int(features.shape[0]), len(captions), len(matcher.models)
     source, first_row = mapped_file(features)   # a memory map: its file and rows
     # images, in chunks written straight into memory-mapped files
@@ -247,7 +258,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
         for start in range(0, n_img, batch_size):
             chunk = np.asarray(features[start:start + batch_size], dtype=np.float32)
             check_finite_features(chunk, source or "image features", first_image=first_row + start)
-            encoding = matcher.encode_images(chunk)
+            encoding = matcher.encode_images(chunk, None if boxes is None else boxes[start:start + batch_size])
             if keys_out is None:
                 key_width = shortlist_keys(encoding.global_vectors).shape[1]
                 keys_out = _open_out(folder / "image_keys.npy", (n_img, key_width), "float32")
@@ -258,6 +269,8 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
             for m in range(n_models):
                 regions_out[m][start:stop] = encoding.regions[m].numpy().astype(dtype)
             bar.update(stop - start)
+    if boxes is not None:
+        np.save(folder / BOXES, boxes.numpy().astype(np.float32))
     # captions: tokenise all first, for the padded width
     ids = [matcher.vocab.encode(caption) for caption in captions]
     warn_unknown_share(matcher.vocab, ids, captions_label)
@@ -467,6 +480,10 @@ class GalleryIndex:
         self.caption_keys = np.ascontiguousarray(load("caption_keys.npy"))  # (n_cap, G)
         self.caption_lengths = np.asarray(load("caption_lengths.npy"))      # (n_cap,)
         self.image_regions = [load(f"image_regions.{m}.npy") for m in range(n_models)]
+        self.image_boxes = load(BOXES) if BOXES in manifest["files"] else None   # (n_img, K, 4) or None
+        if self.image_boxes is None and matcher.needs_boxes:
+            raise InputError(f"index {folder} holds no {BOXES}, but {matcher.boxes_needed_by()} reads region "
+                             "positions; rebuild the index with `sgraf index` from data with boxes")
         self.caption_words = [load(f"caption_words.{m}.npy") for m in range(n_models)]
         self.captions = _read_captions(folder, manifest, verify)
         if len(self.captions) != self.n_captions:
@@ -479,6 +496,8 @@ class GalleryIndex:
         for m in range(n_models):
             arrays[f"image_regions.{m}.npy"] = (self.image_regions[m], 3, self.n_images)
             arrays[f"caption_words.{m}.npy"] = (self.caption_words[m], 3, self.n_captions)
+        if self.image_boxes is not None:
+            arrays[BOXES] = (self.image_boxes, 3, self.n_images)
         for name, (array, rank, rows) in arrays.items():
             if array.ndim != rank or array.shape[0] != rows:
                 raise InputError(f"{folder / name}: corrupted index file, shape {array.shape} where {rows} rows "
@@ -489,6 +508,12 @@ class GalleryIndex:
             raise InputError(f"{folder / 'caption_lengths.npy'}: corrupted index file, lengths {lengths.min()}.."
                              f"{lengths.max()} where 1..{width} (the width of the word embeddings) are expected; "
                              "rebuild the index")
+        if self.image_boxes is not None and (self.image_boxes.shape[1:] != self.image_regions[0].shape[1:2] + (4,)
+                                             or self.image_boxes.dtype.kind != "f"
+                                             or not np.isfinite(self.image_boxes).all()):
+            raise InputError(f"{folder / BOXES}: corrupted index file, {self.image_boxes.dtype} boxes of shape "
+                             f"{self.image_boxes.shape} where finite float boxes ({self.n_images}, "
+                             f"{self.image_regions[0].shape[1]}, 4) are expected; rebuild the index")
         for name in ("image_keys.npy", "caption_keys.npy"):
             keys = arrays[name][0]
             if keys.dtype.kind != "f" or not np.isfinite(keys).all():
@@ -645,18 +670,19 @@ class GalleryIndex:
         return results
 
     def search_image(self, image_id: int | None = None, features: Any | None = None, top_k: int = 10,
-                     shortlist: int | None = 100) -> list[Hit]:
+                     shortlist: int | None = 100, boxes: Any | None = None) -> list[Hit]:
         """Image -> the top-k captions of the gallery.
 
         Args:
-            image_id: an image of the index (its stored encoding is used), or
-            features: (K, img_dim) region features of a new image.
+            image_id: an image of the index (its stored encoding is used, positions included), or
+            features: (K, img_dim) region features of a new image, with
+            boxes: its (K, 4) region boxes normalised to [0, 1], when a model reads positions.
         """
         top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_captions)
         if (image_id is None) == (features is None):
             raise InputError("give exactly one of image_id and features")
         if features is not None:
-            image = self.matcher.encode_images(features)
+            image = self.matcher.encode_images(features, boxes=boxes)
             if len(image) != 1:
                 raise InputError(f"search one image at a time, got features of {len(image)} images")
             regions, key = image.regions, shortlist_keys(image.global_vectors)[0]

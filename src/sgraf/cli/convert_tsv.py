@@ -9,8 +9,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert-tsv", help="convert bottom-up-attention TSV features to the precomp layout",
         description="Stream a generate_tsv file (image_id, image_w, image_h, num_boxes, base64 boxes, base64 "
-                    "features) into OUT/SPLIT_ims.npy, OUT/SPLIT_boxes.npy and OUT/SPLIT_image_ids.txt; with "
-                    "--captions (lines 'image_id<TAB>caption') also OUT/SPLIT_caps.txt in the same image order.")
+                    "features) into OUT/SPLIT_ims.npy, OUT/SPLIT_boxes.npy (x1, y1, x2, y2 in pixels), "
+                    "OUT/SPLIT_image_sizes.npy (image_w, image_h) and OUT/SPLIT_image_ids.txt; with --captions "
+                    "(lines 'image_id<TAB>caption') also OUT/SPLIT_caps.txt in the same image order.")
     parser.add_argument("--tsv", required=True, help="input TSV file")
     parser.add_argument("--out", required=True, help="output data directory")
     parser.add_argument("--split", required=True, help="split name, e.g. train")

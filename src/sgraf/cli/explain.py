@@ -48,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--image-id {args.image_id} is out of range: split {args.split!r} of {args.data} "
                          f"has images 0..{split.n_images - 1}")
     features = split.read_images(args.image_id, args.image_id + 1)[0]   # NaN/inf refused, naming the file
-    explanation = explain_pair(matcher, features, args.text, allow_unknown=args.allow_unknown)
+    boxes = None
+    if matcher.needs_boxes:   # normalised, for the model; the picture draws the pixel boxes (region_layout)
+        boxes = split.read_boxes(required=True)[args.image_id]
+    explanation = explain_pair(matcher, features, args.text, allow_unknown=args.allow_unknown, boxes=boxes)
     explanation.image_id = args.image_id
     layout = region_layout(args.data, args.split, args.image_id, split.num_regions)
     out = render_explanation(explanation, layout, args.out)

@@ -11,8 +11,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "extract", help="CNN grid features for a folder of images (needs sgraf[vision])",
         description="Run each image of --images (named in --captions, lines 'file_name<TAB>caption') through "
-                    "a pretrained backbone and write OUT/SPLIT_ims.npy (n, regions, dim), OUT/SPLIT_caps.txt "
-                    "and OUT/SPLIT_image_names.txt. EfficientNet-Lite0 at 192 px gives 6 x 6 = 36 regions "
+                    "a pretrained backbone and write OUT/SPLIT_ims.npy (n, regions, dim), OUT/SPLIT_caps.txt, "
+                    "OUT/SPLIT_image_names.txt, OUT/SPLIT_boxes.npy (each region's grid cell: x1, y1, x2, y2 in "
+                    "pixels of its picture) and OUT/SPLIT_image_sizes.npy (width, height). EfficientNet-Lite0 at 192 px gives 6 x 6 = 36 regions "
                     "of 1280-d.")
     parser.add_argument("--images", required=True, help="folder of images")
     parser.add_argument("--captions", required=True, help="captions file: 'file_name<TAB>caption' per line")
@@ -26,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="where to run the backbone: cpu, cuda, cuda:N or mps")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the split's files the folder already holds; those an earlier sgraf run wrote and "
-                             "this one does not (boxes, image ids, pictures, ...) are removed, so no stale companion "
+                             "this one does not (image ids, pictures, ...) are removed, so no stale companion "
                              "stays beside the new features; files sgraf did not write are never deleted")
     parser.set_defaults(func=run)
 

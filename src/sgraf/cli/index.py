@@ -11,7 +11,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "index", help="build a searchable gallery index of a split",
         description="Encode the images and captions of a precomp split with one model or an ensemble "
-                    "(repeat --checkpoint) and write them, memory-mappable, to an index folder.")
+                    "(repeat --checkpoint) and write them, memory-mappable, to an index folder. A model with "
+                    "positions reads the split's region boxes (SPLIT_boxes.npy with SPLIT_image_sizes.npy), "
+                    "which the index keeps beside the regions.")
     parser.add_argument("--checkpoint", action="append", required=True, metavar="CKPT",
                         help="model checkpoint (ours or the authors' .pth.tar); repeat for an ensemble")
     parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
@@ -38,9 +40,11 @@ def run(args: argparse.Namespace) -> int:
                    *data_inputs(args.data, [args.split])], folders=[("--out", args.out)])
     matcher = Matcher.load(args.checkpoint, vocab=args.vocab, batch_size=args.batch_size, device=args.device)
     split = PrecompSplit(args.data, args.split)
+    boxes = split.read_boxes(required=True) if matcher.needs_boxes else None   # one line when missing
     source = {"data_dir": str(Path(args.data).resolve()), "split": args.split}
     out = build_index(matcher, split.images, split.captions, args.out, caps_per_image=split.caps_per_image,
-                      source=source, dtype=args.dtype, batch_size=args.batch_size, progress=not args.quiet)
+                      source=source, dtype=args.dtype, batch_size=args.batch_size, progress=not args.quiet,
+                      boxes=boxes)
     print(f"indexed {split.n_images} images and {split.n_captions} captions of {args.data} [{args.split}] "
           f"with {len(args.checkpoint)} model(s) into {out}")
     return 0

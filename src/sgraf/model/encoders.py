@@ -11,19 +11,37 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from sgraf.model.norms import l2norm
+from sgraf.model.positions import BoxEmbedding, RegionRelation
 
 
 class ImageEncoder(nn.Module):
-    """FC from region features to the joint space, then l2-normalised per region."""
+    """FC from region features to the joint space, then l2-normalised per region.
 
-    def __init__(self, img_dim: int, embed_size: int, normalize: bool = True) -> None:
+    With `positions` other than 'none' (`sgraf.model.positions`; not in the paper) the regions'
+    boxes enter before the normalisation: 'box' adds an embedding of each box to its region,
+    'relation' also mixes the regions by self-attention with a pairwise geometry bias.
+    """
+
+    def __init__(self, img_dim: int, embed_size: int, normalize: bool = True, positions: str = "none") -> None:
         super().__init__()
         self.fc = nn.Linear(img_dim, embed_size)
         self.normalize = normalize
+        self.positions = positions
+        if positions in ("box", "relation"):
+            self.box_embed = BoxEmbedding(embed_size)
+        if positions == "relation":
+            self.relation = RegionRelation(embed_size)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """(n_img, K, img_dim) -> (n_img, K, d)."""
+    def forward(self, images: torch.Tensor, boxes: torch.Tensor | None = None) -> torch.Tensor:
+        """(n_img, K, img_dim), boxes (n_img, K, 4) in [0, 1] or None -> (n_img, K, d)."""
         regions = self.fc(images)
+        if self.positions != "none":
+            if boxes is None:
+                raise ValueError(f"this model (positions={self.positions!r}) needs each region's box; got none")
+            boxes = boxes.to(regions.dtype)
+            regions = regions + self.box_embed(boxes)
+            if self.positions == "relation":
+                regions = self.relation(regions, boxes)
         return l2norm(regions) if self.normalize else regions
 
 

@@ -182,7 +182,7 @@ class SGRAF(nn.Module):
         super().__init__()
         self.config = config
         self.vocab: Any = None
-        self.img_enc = ImageEncoder(config.img_dim, config.embed_size, config.img_norm)
+        self.img_enc = ImageEncoder(config.img_dim, config.embed_size, config.img_norm, config.positions)
         self.txt_enc = TextEncoder(config.vocab_size, config.word_dim, config.embed_size, config.num_layers,
                                    config.bi_gru, config.txt_norm, config.dropout)
         self.sim_enc = SimilarityEncoder(config)
@@ -198,6 +198,11 @@ class SGRAF(nn.Module):
         # the chunk budget under measurement while `tune_eval_chunks` runs
         self._probe_chunk_bytes: int | None = None
         init_weights(self)
+
+    @property
+    def needs_boxes(self) -> bool:
+        """Whether the image encoder reads each region's box (`ModelConfig.positions` not 'none')."""
+        return self.config.positions != "none"
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -249,9 +254,27 @@ class SGRAF(nn.Module):
         return lengths
 
     # ------------------------------------------------------------------ encoders
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """(n_img, K, img_dim) region features -> (n_img, K, d) region embeddings."""
-        return self.img_enc(images)
+    def encode_images(self, images: torch.Tensor, boxes: torch.Tensor | None = None) -> torch.Tensor:
+        """(n_img, K, img_dim) region features -> (n_img, K, d) region embeddings.
+
+        `boxes`: (n_img, K, 4) x1, y1, x2, y2 normalised to [0, 1], on the images' device; read
+        only by a model with positions (`needs_boxes`), which raises ValueError without them.
+        """
+        if not self.needs_boxes:
+            return self.img_enc(images)
+        return self.img_enc(images, self.check_boxes(images, boxes))
+
+    def check_boxes(self, images: torch.Tensor, boxes: Any) -> torch.Tensor:
+        """The boxes of `images` for a model with positions; `InputError` (a ValueError) naming
+        the problem when they are missing, of the wrong shape or not finite."""
+        if boxes is None:
+            raise InputError(f"this model (positions={self.config.positions!r}) needs each region's box "
+                             "(n_img, K, 4), normalised to [0, 1]; got none")
+        if not isinstance(boxes, torch.Tensor) or not boxes.is_floating_point() \
+                or tuple(boxes.shape) != (*images.shape[:2], 4):
+            raise InputError(f"boxes must be a float tensor of shape {(*images.shape[:2], 4)} (one x1, y1, x2, y2 "
+                             f"per region), got {_describe(boxes)}")
+        return boxes
 
     def encode_captions(self, captions: torch.Tensor, lengths: Any) -> torch.Tensor:
         """(n_cap, L) ids, lengths in any order -> (n_cap, max(lengths), d), zero beyond each length.
@@ -600,25 +623,33 @@ class SGRAF(nn.Module):
             return scores[head]
         return sum(scores.values()) / len(scores)
 
-    def forward(self, images: torch.Tensor, captions: torch.Tensor,
-                lengths: Any) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Training path: (n_img, n_cap) scores, or `{'sgr': ..., 'saf': ...}` for a joint model."""
-        scores = self.similarity_heads(self.encode_images(images), self.encode_captions(captions, lengths), lengths)
+    def forward(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any,
+                boxes: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Training path: (n_img, n_cap) scores, or `{'sgr': ..., 'saf': ...}` for a joint model.
+        `boxes` as in `encode_images`."""
+        scores = self.similarity_heads(self.encode_images(images, boxes), self.encode_captions(captions, lengths),
+                                       lengths)
         return scores if self.config.module == "joint" else scores[self.config.module]
 
     @torch.no_grad()
     def score(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any,
-              batch_size: int = 128) -> torch.Tensor:
+              batch_size: int = 128, boxes: torch.Tensor | None = None) -> torch.Tensor:
         """Validated eval-mode (n_img, n_cap) float32 score matrix (region features, token ids),
         on the images' device, at the precision of the autocast context it is called in.
+        `boxes` as in `encode_images` (ignored by a model without positions).
 
         Scored by the block scorer every entry point shares (`sgraf.model.blocks`): captions in
         buckets of `batch_size` sorted by length (each padded to its own longest caption), the
         weight folds, global vectors and Gram matrices computed once per call.
         """
         lengths = self.validate_inputs(images, captions, lengths)
+        if self.needs_boxes:
+            boxes = self.check_boxes(images, boxes)
+            if not bool(torch.isfinite(boxes).all()):
+                bad = (~torch.isfinite(boxes)).flatten(1).any(dim=1).nonzero().flatten()[:5].tolist()
+                raise InputError(f"boxes contain NaN or inf (images {bad})")
         precision = current_precision(images.device)
-        encoded = blocks.encode(self, images, captions, lengths, batch_size, precision)
+        encoded = blocks.encode(self, images, captions, lengths, batch_size, precision, boxes=boxes)
         return blocks.score_encoded([self], [encoded], precision).to(images.device)
 
 

@@ -284,8 +284,9 @@ class SearchService:
         text = self.check_text(text, allow_unknown)
         if self.features is None:
             raise NotFound(self.why_no_explain)
+        boxes = None if self.index.image_boxes is None else np.asarray(self.index.image_boxes[image_id])
         explanation = explain_pair(self.matcher, np.asarray(self.features[image_id]), text,
-                                   allow_unknown=allow_unknown)
+                                   allow_unknown=allow_unknown, boxes=boxes)   # the boxes the index encoded with
         explanation.image_id = image_id
         return explanation
 

@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, SIMILARITIES, ModelConfig
+from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, POSITIONS, SIMILARITIES, ModelConfig
 from sgraf import text_files
 from sgraf.errors import InputError
 from sgraf.precision import PRECISIONS
@@ -53,6 +53,8 @@ class TrainConfig:
         attention: the model's `attention` (see `sgraf.config.ModelConfig`).
         lambda_softmax: the model's `lambda_softmax` (see `sgraf.config.ModelConfig`).
         dropout: the model's `dropout` (see `sgraf.config.ModelConfig`).
+        positions: the model's `positions` (see `sgraf.config.ModelConfig`; other than 'none' it
+            needs the data's region boxes, `sgraf.data.boxes`).
         epochs: passes over the training captions.
         batch_size: captions (each with its image) per optimisation step, over all processes.
         lr: Adam's initial learning rate.
@@ -102,6 +104,7 @@ class TrainConfig:
     attention: str = "t2i"
     lambda_softmax: float = 9.0
     dropout: float = 0.4
+    positions: str = "none"
     epochs: int = 40
     batch_size: int = 128
     lr: float = 2e-4
@@ -127,7 +130,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"module": MODULES, "alignments": ALIGNMENTS, "similarity": SIMILARITIES,
-                   "attention": ATTENTIONS, "precision": PRECISIONS}
+                   "attention": ATTENTIONS, "precision": PRECISIONS, "positions": POSITIONS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InputError(f"training config field {name!r} must be one of {', '.join(allowed)}, "

@@ -62,7 +62,8 @@ def _comm_device(tensor: torch.Tensor) -> torch.device:
 
 
 def global_batch_scores(model: nn.Module, images: torch.Tensor, captions: torch.Tensor,
-                        lengths: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+                        lengths: torch.Tensor, boxes: torch.Tensor | None = None
+                        ) -> torch.Tensor | dict[str, torch.Tensor]:
     """Train-mode scores of the global batch: (B, B), or {'sgr', 'saf'} of them for joint models.
 
     On one process this is `model(images, captions, lengths)`. On several, the arguments are this
@@ -73,10 +74,12 @@ def global_batch_scores(model: nn.Module, images: torch.Tensor, captions: torch.
         images: (n_local, K, img_dim).
         captions: (n_local, L) word ids.
         lengths: (n_local,).
+        boxes: (n_local, K, 4) normalised region boxes for a model with positions, else None.
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return model(images, captions, lengths)
-    img_embs = model.encode_images(images)                               # (n_local, K, d)
+        return model(images, captions, lengths) if boxes is None else model(images, captions, lengths, boxes)
+    img_embs = (model.encode_images(images) if boxes is None
+                else model.encode_images(images, boxes))                 # (n_local, K, d)
     cap_embs = model.encode_captions(captions, lengths)                  # (n_local, L, d)
     sizes = _sizes(img_embs.shape[0], _comm_device(img_embs))
     all_img_embs = gather_with_grad(img_embs, sizes)                     # (B, K, d)

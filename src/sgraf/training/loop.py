@@ -137,13 +137,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     images = batch.images.to(device, non_blocking=True)          # (n, K, img_dim)
     captions = batch.captions.to(device, non_blocking=True)      # (n, L)
     lengths = batch.lengths                                      # (n,) on the CPU: read there, no device wait
+    boxes = None if batch.boxes is None else batch.boxes.to(device, non_blocking=True)  # (n, K, 4)
     params = [p for p in model.parameters() if p.requires_grad]
     norms = per_caption_norms(model) if distributed.is_distributed() else []
     norms_before = snapshot_norms(norms)
 
     optimizer.zero_grad(set_to_none=True)
     with autocast(config.precision, device):
-        scores = global_batch_scores(model, images, captions, lengths)   # (B, B) or {'sgr', 'saf'}
+        scores = global_batch_scores(model, images, captions, lengths, boxes)   # (B, B) or {'sgr', 'saf'}
         global_scores = global_vector_scores(model) if config.global_loss_weight > 0 else None
     positives = same_image_mask(batch.image_ids.to(device)) if config.same_image_positive else None
     loss = batch_loss(scores, config, positives)
@@ -460,7 +461,11 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         rd.save_run_config(run, config, data_dir, preset, fingerprint)
     distributed.barrier()
 
-    dataset = PrecompDataset(train, vocab)
+    # a model with positions: the regions' boxes travel with each batch; a split without them is
+    # refused here in one line, and dev's before the first step (validation reads them)
+    dataset = PrecompDataset(train, vocab, with_boxes=model.needs_boxes)
+    if model.needs_boxes:
+        dev.read_boxes(required=True)
     n_steps = steps_per_epoch(len(dataset), config.batch_size, info.world_size)
     if n_steps == 0:
         raise InputError(f"{train.caps_path}: {len(dataset)} training captions make no batch of "

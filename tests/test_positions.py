@@ -1,0 +1,190 @@
+"""A position-aware SGRAF (issue 21): regions with their boxes in the image encoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import random_batch, random_model
+from numerics import REORDERED, assert_close
+from sgraf.checkpoint import load_model, save_model
+from sgraf.config import ModelConfig
+from sgraf.errors import InputError
+from sgraf.model import blocks
+from sgraf.model.positions import pair_geometry
+
+POSITIONED = ("box", "relation")
+
+
+def _model(positions: str, module: str = "joint", seed: int = 0):
+    model = random_model(seed, module=module, positions=positions)
+    # The authors' VisualSelfAttention normalises each region SLOT with its own BatchNorm statistics,
+    # which alone makes a trained model depend on the regions' order; equal statistics per slot
+    # leave the order to the positions under test.
+    with torch.no_grad():
+        for norm in model.modules():
+            if isinstance(norm, torch.nn.BatchNorm1d) and norm.num_features == model.config.num_regions:
+                norm.running_mean.fill_(0.1)
+                norm.running_var.fill_(1.2)
+                norm.weight.fill_(0.9)
+                norm.bias.fill_(0.05)
+    return model
+
+
+def _boxes(n_img: int, k: int, seed: int = 2) -> torch.Tensor:
+    """(n_img, K, 4) distinct normalised boxes."""
+    generator = torch.Generator().manual_seed(seed)
+    corner = torch.rand(n_img, k, 2, generator=generator) * 0.6
+    size = torch.rand(n_img, k, 2, generator=generator) * 0.3 + 0.05
+    return torch.cat([corner, corner + size], dim=-1)
+
+
+def test_default_is_the_authors_model_and_old_configs_read_as_none():
+    config = ModelConfig(vocab_size=10)
+    assert config.positions == "none"
+    values = config.to_dict()
+    assert values["positions"] == "none"
+    del values["positions"]                       # a checkpoint written before the field existed
+    assert ModelConfig.from_dict(values).positions == "none"
+    model = random_model(0)
+    assert not model.needs_boxes
+    assert not any("box_embed" in name or "relation" in name for name in model.state_dict())
+    with pytest.raises(InputError, match="'positions' must be one of none, box, relation, got 'grid'"):
+        ModelConfig(vocab_size=10, positions="grid")
+
+
+@pytest.mark.parametrize("positions", POSITIONED)
+def test_permuting_regions_with_their_boxes_leaves_every_score_unchanged(positions):
+    model = _model(positions)
+    assert model.needs_boxes
+    images, captions, lengths = random_batch(model, 3, [7, 5, 4, 3])
+    boxes = _boxes(3, model.config.num_regions)
+    scores = model.score(images, captions, lengths, boxes=boxes)
+    order = torch.tensor([3, 0, 4, 1, 2])
+    permuted = model.score(images[:, order], captions, lengths, boxes=boxes[:, order])
+    assert_close(permuted, scores, REORDERED)
+    # ... while moving the regions without their boxes changes them: the positions are read
+    moved = model.score(images[:, order], captions, lengths, boxes=boxes)
+    assert (moved - scores).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("positions", POSITIONED)
+def test_swapping_two_objects_boxes_changes_the_score(positions):
+    model = _model(positions)
+    images, captions, lengths = random_batch(model, 2, [6, 4])
+    boxes = _boxes(2, model.config.num_regions)
+    swapped = boxes.clone()
+    swapped[:, [0, 1]] = boxes[:, [1, 0]]
+    difference = model.score(images, captions, lengths, boxes=swapped) - model.score(images, captions, lengths,
+                                                                                     boxes=boxes)
+    assert difference.abs().min() > 1e-5    # every pair's score moves
+
+
+def test_a_model_without_positions_ignores_boxes_and_one_with_them_refuses_none():
+    plain = _model("none")
+    images, captions, lengths = random_batch(plain, 2, [5, 4])
+    assert torch.equal(plain.score(images, captions, lengths, boxes=_boxes(2, 5)),
+                       plain.score(images, captions, lengths))
+    model = _model("box")
+    with pytest.raises(ValueError, match=r"positions='box'\) needs each region's box"):
+        model.score(images, captions, lengths)
+    with pytest.raises(ValueError, match=r"positions='box'\) needs each region's box"):
+        model.encode_images(images)
+    with pytest.raises(ValueError, match=r"positions='box'\) needs each region's box"):
+        blocks.encode_images(model, images)
+    with pytest.raises(ValueError, match=r"boxes must be a float tensor of shape \(2, 5, 4\)"):
+        model.score(images, captions, lengths, boxes=_boxes(2, 4))
+    bad = _boxes(2, 5)
+    bad[1, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"boxes contain NaN or inf \(images \[1\]\)"):
+        model.score(images, captions, lengths, boxes=bad)
+
+
+@pytest.mark.parametrize("positions", POSITIONED)
+def test_blocks_pass_boxes_batch_by_batch(positions):
+    model = _model(positions)
+    images, captions, lengths = random_batch(model, 5, [6, 4, 3])
+    boxes = _boxes(5, model.config.num_regions)
+    whole = model.encode_images(images, boxes)
+    in_batches = blocks.encode_images(model, images.numpy(), batch_size=2, boxes=boxes.numpy())
+    assert_close(in_batches, whole, REORDERED)
+
+
+def test_training_forward_reaches_the_position_weights():
+    model = random_model(0, module="sgr", positions="relation", dropout=0.0).train()
+    images, captions, lengths = random_batch(model, 4, [6, 5, 4, 3])
+    scores = model(images, captions, lengths, boxes=_boxes(4, 5))
+    assert scores.shape == (4, 4)
+    scores.diagonal().sum().backward()
+    for name in ("img_enc.box_embed.mlp.0.weight", "img_enc.relation.geometry.0.weight", "img_enc.relation.qkv.weight"):
+        assert model.get_parameter(name).grad.abs().sum() > 0, name
+
+
+def test_pair_geometry_says_where_each_region_lies():
+    boxes = torch.tensor([[[0.0, 0.0, 0.2, 0.2], [0.5, 0.6, 0.9, 0.8]]])
+    geometry = pair_geometry(boxes)
+    assert geometry.shape == (1, 2, 2, 6)
+    assert_close(geometry[0, 0, 1, :2], torch.tensor([0.6, 0.6]), REORDERED)   # region 1 right of and below 0
+    assert_close(geometry[0, 1, 0, :2], torch.tensor([-0.6, -0.6]), REORDERED)
+    assert torch.equal(geometry[0, 0, 0], torch.zeros(6))
+
+
+def test_checkpoint_records_positions(tmp_path):
+    model = _model("relation")
+    save_model(model, tmp_path / "m.pt")
+    loaded = load_model(tmp_path / "m.pt")
+    assert loaded.config.positions == "relation" and loaded.needs_boxes
+    images, captions, lengths = random_batch(model, 2, [5, 4])
+    boxes = _boxes(2, 5)
+    assert torch.equal(loaded.score(images, captions, lengths, boxes=boxes),
+                       model.score(images, captions, lengths, boxes=boxes))
+
+
+# ------------------------------------------------------------------ training, evaluate (tiny data)
+
+@pytest.fixture(scope="module")
+def toy_with_boxes(tmp_path_factory):
+    """The training tests' toy data (6 regions) with each region a cell of a 2 x 3 grid."""
+    from sgraf.data.boxes import grid_boxes, write_boxes
+    from train_helpers import make_toy_precomp
+
+    root = make_toy_precomp(tmp_path_factory.mktemp("toy") / "data", n_train=24, n_dev=8)
+    for split, n in (("train", 24), ("dev", 8)):
+        write_boxes(root, split, *grid_boxes(n, 2, 3, 60, 40))
+    return root
+
+
+def test_training_evaluate_and_the_refusals_of_data_without_boxes(toy_with_boxes, tmp_path, capsys):
+    from sgraf.cli import main
+    from sgraf.data.precomp import PrecompDataset, PrecompSplit, collate_batch
+    from sgraf.data.vocab import build_vocab
+
+    torch.set_num_threads(1)
+    split = PrecompSplit(toy_with_boxes, "dev")
+    dataset = PrecompDataset(split, build_vocab(split.captions, min_count=1), with_boxes=True)
+    batch = collate_batch([dataset[0], dataset[7]])
+    assert batch.boxes.shape == (2, 6, 4) and torch.equal(batch.boxes[1, 4], torch.tensor([1 / 3, 0.5, 2 / 3, 1]))
+    assert collate_batch([PrecompDataset(split, dataset.vocab)[0]]).boxes is None
+
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(toy_with_boxes), "--out", str(run), "--preset", "tiny",
+                 "--set", "positions=relation", "epochs=1"]) == 0
+    assert load_model(run / "best.pt").config.positions == "relation"
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(run / "best.pt"), "--data", str(toy_with_boxes), "--split", "dev",
+                 "--json", "--quiet"]) == 0
+    assert '"rsum"' in capsys.readouterr().out
+
+    # the same data without boxes: training and evaluation refuse it in one line
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("train_ims.npy", "train_caps.txt", "dev_ims.npy", "dev_caps.txt"):
+        (bare / name).write_bytes((toy_with_boxes / name).read_bytes())
+    assert main(["train", "--data", str(bare), "--out", str(tmp_path / "r2"), "--preset", "tiny",
+                 "--set", "positions=box"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train_boxes.npy: missing file; this model uses region positions" in err
+    assert not (tmp_path / "r2" / "last.pt").exists()
+    assert main(["evaluate", "--checkpoint", str(run / "best.pt"), "--data", str(bare), "--split", "dev"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(positions='relation'): " in err and "dev_boxes.npy: missing file" in err
