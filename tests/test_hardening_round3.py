@@ -62,8 +62,9 @@ def _make_world(root: Path) -> dict:
     save_model(model, root / "ck.pt", vocab=vocab)
     np.save(root / "sims.npy", np.random.default_rng(0).standard_normal((8, 40)).astype(np.float32))
     rng = np.random.default_rng(1)
-    (root / "a.tsv").write_text("".join(f"{1000 + i}\t640\t480\t2\t{_b64(rng.random((2, 4)) * 100)}\t"
-                                        f"{_b64(rng.random((2, 3)))}\n" for i in range(3)))
+    corners = [rng.random((2, 4)) * 100 for _ in range(3)]   # x1, y1, width, height: boxes inside 640 x 480
+    (root / "a.tsv").write_text("".join(f"{1000 + i}\t640\t480\t2\t{_b64(np.hstack([c[:, :2], c[:, :2] + c[:, 2:]]))}\t"
+                                        f"{_b64(rng.random((2, 3)))}\n" for i, c in enumerate(corners)))
     (root / "tsv_caps.txt").write_text("".join(f"{1000 + i}\ta caption of {i}\n" for i in range(3)))
     pictures = root / "pictures"
     pictures.mkdir()
