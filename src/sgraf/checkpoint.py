@@ -248,7 +248,15 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
 
 
 def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any = None) -> dict[str, Any]:
-    """Turn an official `.pth.tar` (or our own file) into our format at `dst`; returns the dict written."""
+    """Turn an official `.pth.tar` (or our own file) into our format at `dst`; returns the dict written.
+
+    Raises:
+        InputError: `dst` is `src` or the vocabulary file (under any name), or either is unreadable.
+    """
+    from sgraf.io_paths import check_outputs
+
+    vocab_file = vocab if isinstance(vocab, (str, os.PathLike)) else None
+    check_outputs([("SRC", src), ("--vocab", vocab_file)], [("DST", dst)])
     checkpoint = load_checkpoint(src)
     from sgraf.model.sgraf import SGRAF
 
