@@ -19,7 +19,22 @@ threads).
     python benchmarks/bench_serve.py --workdir /tmp/serve-bench          # 100,000 images, 1,000 requests
     python benchmarks/bench_serve.py --gallery 20000 --requests 300 --server "" "--max-batch 1"
 
-Everything runs on this machine (127.0.0.1), clients included: they share its cores.
+With --heavy, a second server runs over a gallery with region features on disk (--heavy-gallery
+images, 5 captions each; explanations need the features) and is put under heavy work:
+
+3. --heavy-clients clients keep asking for `/api/explain.png` of the longest text allowed (64
+   words: the most a request may cost) while one client sends --heavy-searches searches one after
+   the other: their p50/p99 say whether searches still answer while explanations keep the worker
+   busy (the worker alternates between the two kinds);
+4. meanwhile --leavers clients each send an explanation request and disconnect at once: the
+   server's `dropped` count and its queue afterwards say whether their work was left queued;
+5. the heavy clients start again, and SIGTERM is sent: the time until the server has exited
+   (queued requests are answered 503 at once, the ones being computed get 3 s).
+
+    python benchmarks/bench_serve.py --gallery 20000 --requests 300 --heavy
+
+Every loop is bounded (counts, or a deadline); everything runs on this machine (127.0.0.1),
+clients included: they share its cores.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -81,6 +97,33 @@ def build_gallery(workdir: Path, n_images: int, n_captions: int, embed: int) -> 
     tic = time.perf_counter()
     build_index(matcher, RandomFeatures(n_images, 36, 128), captions, index_dir, dtype="float16", batch_size=1024)
     print(f"built {index_dir} in {time.perf_counter() - tic:.0f} s")
+    return index_dir
+
+
+def build_explain_gallery(workdir: Path, n_images: int, embed: int) -> Path:
+    """A precomp folder (`test_ims.npy` random regions, `test_caps.txt`, 5 captions per image) and
+    its index by the same two models, built unless there; explanations read its features."""
+    from sgraf.data.precomp import PrecompSplit
+
+    data, index_dir = workdir / f"explain-data-{n_images}", workdir / f"explain-gallery-{n_images}-e{embed}"
+    if (index_dir / "manifest.json").is_file():
+        print(f"reusing {index_dir}")
+        return index_dir
+    data.mkdir(parents=True, exist_ok=True)
+    features = np.lib.format.open_memmap(data / "test_ims.npy", mode="w+", dtype=np.float32,
+                                         shape=(n_images, 36, 128))
+    source = RandomFeatures(n_images, 36, 128, seed=3)
+    for start in range(0, n_images, 1024):
+        features[start:start + 1024] = source[start:start + 1024]
+    features.flush()
+    del features
+    rng = np.random.default_rng(2)
+    captions = [" ".join(rng.choice(WORDS, size=int(rng.integers(6, 14)))) for _ in range(5 * n_images)]
+    (data / "test_caps.txt").write_text("\n".join(captions) + "\n")
+    matcher = Matcher.load([workdir / f"{module}-e{embed}.pt" for module in ("sgr", "saf")], batch_size=512)
+    split = PrecompSplit(data, "test")
+    build_index(matcher, split.images, split.captions, index_dir, caps_per_image=5,
+                source={"data_dir": str(data.resolve()), "split": "test"})
     return index_dir
 
 
@@ -218,6 +261,158 @@ def bench(index_dir: Path, args: argparse.Namespace, options: str) -> None:
           f"(mean {queue['batched_texts'] / max(queue['batches'], 1):.1f})")
 
 
+def _start(index_dir: Path, args: argparse.Namespace, options: list[str]) -> tuple[subprocess.Popen, int, float]:
+    port = _free_port()
+    command = [sys.executable, "-m", "sgraf", "serve", "--index", str(index_dir), "--host", "127.0.0.1",
+               "--port", str(port), "--shortlist", str(args.shortlist), "--max-queue", str(args.max_queue),
+               "--no-verify", "--first-stage", args.first_stage, *options]
+    tic = time.perf_counter()
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"sgraf serve exited: {server.stderr.read()}")
+        try:
+            client = Client(port)
+            client.get("/api/health")
+            client.close()
+            return server, port, time.perf_counter() - tic
+        except (OSError, http.client.HTTPException, ValueError):
+            time.sleep(0.2)
+    server.kill()
+    raise SystemExit("sgraf serve did not answer within 300 s")
+
+
+def _explain_path(rng: np.random.Generator, n_images: int) -> str:
+    text = "+".join(rng.choice(WORDS, size=64))           # the longest text a request may have
+    return f"/api/explain.png?image_id={int(rng.integers(n_images))}&text={text}"
+
+
+def _heavy_clients(port: int, n: int, n_images: int, stop: threading.Event,
+                   statuses: dict[object, int], lock: threading.Lock, limit: int = 10_000) -> list[threading.Thread]:
+    """`n` clients asking for explanation pictures until `stop` (at most `limit` requests each)."""
+    def loop(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        client = Client(port)
+        for _ in range(limit):
+            if stop.is_set():
+                break
+            gone = False
+            try:
+                client.connection.request("GET", _explain_path(rng, n_images))
+                response = client.connection.getresponse()
+                response.read()
+                status: object = response.status
+            except (OSError, http.client.HTTPException) as error:
+                status = type(error).__name__
+                client.close()
+                client = Client(port)
+                gone = stop.is_set() or isinstance(error, ConnectionRefusedError)   # the server is gone
+                time.sleep(0.05)
+            with lock:
+                statuses[status] = statuses.get(status, 0) + 1
+            if gone:
+                break
+        client.close()
+
+    threads = [threading.Thread(target=loop, args=(100 + i,), daemon=True) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def bench_heavy(index_dir: Path, args: argparse.Namespace) -> None:
+    n_images = args.heavy_gallery
+    server, port, started = _start(index_dir, args, shlex.split(args.server[0]))
+    rng = np.random.default_rng(11)
+    try:
+        client = Client(port)
+        for text in [" ".join(rng.choice(WORDS, size=8)) for _ in range(args.warmup)]:
+            client.search(text)
+        tic = time.perf_counter()            # one explanation alone (the first also loads matplotlib)
+        client.connection.request("GET", _explain_path(rng, n_images))
+        client.connection.getresponse().read()
+        first = time.perf_counter() - tic
+        alone = []
+        for _ in range(3):
+            tic = time.perf_counter()
+            client.connection.request("GET", _explain_path(rng, n_images))
+            client.connection.getresponse().read()
+            alone.append(time.perf_counter() - tic)
+        client.close()
+
+        # 3 + 4: searches and clients that leave, while explanations keep the worker busy
+        stop, lock, heavy = threading.Event(), threading.Lock(), {}
+        threads = _heavy_clients(port, args.heavy_clients, n_images, stop, heavy, lock)
+        time.sleep(1.0)
+        left = []
+        def leave() -> None:
+            for _ in range(args.leavers):
+                with socket.create_connection(("127.0.0.1", port)) as connection:
+                    connection.sendall(f"GET {_explain_path(rng, n_images)} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                    time.sleep(0.05)
+                left.append(1)
+        leaver = threading.Thread(target=leave, daemon=True)
+        leaver.start()
+        searcher = Client(port)
+        latencies, search_statuses, waiting_seen = [], {}, []
+        for q in range(args.heavy_searches):
+            status, seconds, _ = searcher.search(" ".join(rng.choice(WORDS, size=int(rng.integers(6, 14)))))
+            search_statuses[status] = search_statuses.get(status, 0) + 1
+            if status == 200:
+                latencies.append(seconds)
+            if q % 10 == 0:
+                waiting_seen.append(searcher.get("/api/health")["queue"]["waiting"])
+        searcher.close()
+        leaver.join(60)
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+        deadline, queue = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            probe = Client(port)
+            queue = probe.get("/api/health")["queue"]
+            probe.close()
+            if queue["waiting"] == 0:
+                break
+            time.sleep(0.2)
+
+        # 5: shutdown under load
+        stop2, lock2, last = threading.Event(), threading.Lock(), {}
+        threads = _heavy_clients(port, 2 * args.heavy_clients, n_images, stop2, last, lock2)
+        time.sleep(2.0)
+        probe = Client(port)
+        queued_at_signal = probe.get("/api/health")["queue"]["waiting"]
+        probe.close()
+        tic = time.perf_counter()
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(60)
+        shutdown = time.perf_counter() - tic
+        stop2.set()
+        for thread in threads:
+            thread.join(30)
+        stderr = server.stderr.read().strip().splitlines()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+    ms = _percentiles(latencies or [0.0])
+    print(f"\n## sgraf serve under heavy work: explanation gallery of {n_images:,} images, {args.heavy_clients} "
+          f"clients asking for 64-word explanation pictures, {os.cpu_count()} CPUs (server up in {started:.1f} s)\n")
+    print(f"one 64-word explanation picture alone: {1000 * statistics.median(alone):.0f} ms (the first, loading "
+          f"matplotlib: {1000 * first:.0f} ms)\n")
+    print("| phase | requests | p50 | p95 | p99 | max | answers |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| searches, one after the other, while explanations run | {args.heavy_searches} | {ms['p50']:.0f} ms | "
+          f"{ms['p95']:.0f} ms | {ms['p99']:.0f} ms | {ms['max']:.0f} ms | {search_statuses} |")
+    print(f"\nexplanations answered meanwhile: {heavy}; queue length seen by the search client: max "
+          f"{max(waiting_seen or [0])}")
+    print(f"clients that sent an explanation and left: {len(left)}; jobs dropped unrun: {queue['dropped']}; "
+          f"waiting once the clients stopped: {queue['waiting']}")
+    print(f"SIGTERM with {queued_at_signal} requests queued and {2 * args.heavy_clients} clients asking: exit "
+          f"{code} after {shutdown:.1f} s (answers: {last}); last line: {stderr[-1] if stderr else ''!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gallery", type=int, default=100_000, help="images in the generated gallery")
@@ -233,13 +428,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--first-stage", choices=("auto", "numpy", "faiss"), default="auto")
     parser.add_argument("--workdir", type=Path, help="where to keep the gallery between runs (default: temp, removed)")
+    parser.add_argument("--heavy", action="store_true", help="also the heavy-work phases (3-5) on their own server")
+    parser.add_argument("--heavy-only", action="store_true", help="only the heavy-work phases")
+    parser.add_argument("--heavy-gallery", type=int, default=2000, help="images of the explanation gallery")
+    parser.add_argument("--heavy-clients", type=int, default=4, help="clients asking for explanations")
+    parser.add_argument("--heavy-searches", type=int, default=200, help="searches sent during the heavy work")
+    parser.add_argument("--leavers", type=int, default=20, help="clients that send an explanation request and leave")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sgraf-bench-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         index_dir = build_gallery(workdir, args.gallery, args.captions, args.embed)
-        for options in args.server:
-            bench(index_dir, args, options)
+        if not args.heavy_only:
+            for options in args.server:
+                bench(index_dir, args, options)
+        if args.heavy or args.heavy_only:
+            bench_heavy(build_explain_gallery(workdir, args.heavy_gallery, args.embed), args)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

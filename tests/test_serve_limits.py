@@ -174,6 +174,18 @@ def test_close_refuses_the_queued_jobs_and_lets_the_one_in_hand_finish(service):
     assert not in_hand.is_alive() and worker.refused == 5
 
 
+def test_computing_says_a_thread_outlived_stop(service):
+    worker = Worker(service).start()
+    release = _block(worker)
+    worker.stop(timeout=0.1)               # the blocked job outlives the stop: `sgraf serve` exits at once then
+    assert worker.computing
+    release.set()
+    deadline = time.monotonic() + 10
+    while worker.computing and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not worker.computing
+
+
 def _uvicorn_server(app):
     import uvicorn
 

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     from sgraf.serve.app import create_app
     from sgraf.serve.service import SearchService
+    from sgraf.signals import Stopped
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,9 +84,33 @@ def run(args: argparse.Namespace) -> int:
                                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
     try:
         server.run(sockets=[listening])
+        return server.exit_code()
+    except (Stopped, KeyboardInterrupt) as stop:
+        if app.state.worker.computing:
+            _exit_now(stop)
+        raise
     finally:
         listening.close()
-    return server.exit_code()
+
+
+def _exit_now(stop: BaseException) -> None:
+    """End the process now, with the line and code `sgraf.cli.main` gives a signal: a compute
+    thread is still inside a job that outlived the grace period, and letting the interpreter
+    finalise under a thread running torch aborts the process ("terminate called ...")."""
+    import os
+    import sys
+
+    from sgraf.signals import Stopped
+
+    if isinstance(stop, Stopped):
+        print(f"sgraf serve: {stop}", file=sys.stderr)
+        code = stop.exit_code
+    else:
+        print("sgraf serve: interrupted", file=sys.stderr)
+        code = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 SHUTDOWN_GRACE_S = 3   # once a signal came, the requests being computed get this long, then 503

@@ -95,6 +95,7 @@ class Worker:
         self._closed = False
         self._running: set[Any] = set()      # jobs the threads are computing now
         self._threads: list[threading.Thread] = []
+        self._threads_started: list[threading.Thread] = []
         self.batches = 0          # batches of text searches run, and the searches in them
         self.batched_texts = 0
         self.dropped = 0          # jobs cancelled (their client went away) before they ran
@@ -110,6 +111,7 @@ class Worker:
                                  for i in range(self.n_threads)]
                 for thread in self._threads:
                     thread.start()
+                self._threads_started = list(self._threads)
         return self
 
     def close(self, reason: str = "the server is shutting down") -> int:
@@ -193,6 +195,12 @@ class Worker:
         """Queue any other model call (an image search; `heavy=True` for an explanation); the
         future gets its result."""
         return self._put(_CallJob(lambda: function(*args, **kwargs), heavy))
+
+    @property
+    def computing(self) -> bool:
+        """Whether a thread is still inside a job (after `stop`, one that outlived its timeout)."""
+        with self._changed:
+            return bool(self._running) and any(thread.is_alive() for thread in self._threads_started)
 
     @property
     def waiting(self) -> int:
