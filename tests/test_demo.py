@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from sgraf.checkpoint import load_model
@@ -20,17 +21,19 @@ pytestmark = pytest.mark.numeric
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    return out, main(["demo", "--quick", "--out", str(out)])
+    return out, main(["demo", "--quick", "--out", str(out), "--positions", "relation"])
 
 
 def test_quick_demo_prints_the_table_and_writes_the_report(demo, capsys):
     out, code = demo
     assert code == 0
     record = json.loads((out / "results.json").read_text())
-    assert set(record["results"]) == {"global-only", "SAF", "SGR", "SGRAF"}
+    assert set(record["results"]) == {"global-only", "SAF", "SGR", "SGRAF", "SAF+pos", "SGR+pos", "SGRAF+pos"}
     table = record["table"].splitlines()
     assert [line.split("|")[0].strip() for line in table[4:]] == ["global-only", "Ours(SAF)", "Ours(SGR)",
-                                                                 "Ours(SGRAF)"]
+                                                                 "Ours(SGRAF)", "Ours(SAF+pos)", "Ours(SGR+pos)",
+                                                                 "Ours(SGRAF+pos)"]
+    assert [line.split("|")[0].strip() for line in record["diagnosis_table"].splitlines()[4:]] == table_labels(table)
     report = (out / "report.md").read_text()
     assert record["table"] in report
     assert record["diagnosis_table"] in report
@@ -41,22 +44,27 @@ def test_quick_demo_prints_the_table_and_writes_the_report(demo, capsys):
             assert picture.format == "PNG" and min(picture.size) > 200
 
 
+def table_labels(table: list[str]) -> list[str]:
+    return [line.split("|")[0].strip() for line in table[4:]]
+
+
 def test_quick_demo_numbers_are_the_checkpoints_numbers(demo):
     out, _ = demo
     record = json.loads((out / "results.json").read_text())
     test = PrecompSplit(out / "data", "test")
     sims = {}
-    for label in ("SGR", "SAF", "global-only"):
-        model = load_model(out / "runs" / label.lower() / "best.pt")
+    boxes = torch.from_numpy(test.boxes)
+    for label in ("SGR", "SAF", "global-only", "SGR+pos", "SAF+pos"):
+        model = load_model(out / "runs" / label.lower().replace("+", "-") / "best.pt")
+        assert model.config.positions == ("relation" if label.endswith("+pos") else "none")
         ids = [model.vocab.encode(c) for c in test.captions]
-        import torch
-
         lengths = torch.tensor([len(i) for i in ids])
         padded = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
         for row, caption in enumerate(ids):
             padded[row, :len(caption)] = torch.tensor(caption)
-        sims[label] = model.score(torch.from_numpy(np.array(test.images)), padded, lengths).numpy()
+        sims[label] = model.score(torch.from_numpy(np.array(test.images)), padded, lengths, boxes=boxes).numpy()
     sims["SGRAF"] = (sims["SGR"] + sims["SAF"]) / 2
+    sims["SGRAF+pos"] = (sims["SGR+pos"] + sims["SAF+pos"]) / 2
     for label, matrix in sims.items():
         expected = evaluate_sims(matrix)
         assert record["results"][label]["rsum"] == pytest.approx(expected["rsum"], abs=1e-6), label
@@ -171,6 +179,8 @@ def test_demo_with_several_seeds_reports_mean_and_sd(tmp_path, capsys):
     (["--set", "warmup_epochs=1"], "'warmup_epochs' .* needs max_violation=true"),
     (["--set", "epochz=3"], "unknown"),
     (["--seeds", "0"], "argument --seeds: expected a positive integer, got 0"),
+    (["--set", "positions=box"], "--set positions=box: the demo sets positions itself"),
+    (["--positions", "grid"], "argument --positions: invalid choice: 'grid'"),
 ])
 def test_demo_refuses_bad_settings_before_it_writes(tmp_path, capsys, extra, message):
     import re

@@ -9,6 +9,9 @@
    the test split; print a table laid out like the paper's Table 1, and what each model tells
    apart in the benchmark's families (`sgraf.diagnose`: Winoground scores per kind of hard
    negative, truth-aware recall).
+   With `positions` ('box' or 'relation', `ModelConfig.positions`; issue 21), also SAF and SGR
+   with region positions ("SAF+pos", "SGR+pos") and their ensemble "SGRAF+pos", trained and
+   evaluated the same way beside the paper's models.
 4. With several training seeds, repeat 2-3 per seed on the same data and report the mean and
    standard deviation of every figure.
 5. Write a run folder: `report.md`, `results.json`, the training curves, the per-kind group
@@ -24,7 +27,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -43,9 +46,27 @@ METHODS = (  # label, training overrides
     ("SAF", {"module": "saf"}),
     ("SGR", {"module": "sgr"}),
 )
-LABELS = ("global-only", "SAF", "SGR", "SGRAF")
+# With `positions`: the paper's two heads again, with region positions (issue 21).
+POSITION_METHODS = (
+    ("SAF+pos", {"module": "saf"}),
+    ("SGR+pos", {"module": "sgr"}),
+)
+LABELS = ("global-only", "SAF", "SGR", "SGRAF", "SAF+pos", "SGR+pos", "SGRAF+pos")
+ENSEMBLES = {"SGRAF": ("SGR", "SAF"), "SGRAF+pos": ("SGR+pos", "SAF+pos")}
 # Training keys the demo sets itself (per model, per seed), so `--set` may not change them.
-FIXED_KEYS = ("module", "alignments", "seed")
+FIXED_KEYS = ("module", "alignments", "seed", "positions")
+
+
+def methods(positions: str = "none") -> list[tuple[str, dict[str, str]]]:
+    """The demo's models: (label, training overrides); with `positions` the position-aware ones too."""
+    if positions == "none":
+        return list(METHODS)
+    return [*METHODS, *((label, {**changes, "positions": positions}) for label, changes in POSITION_METHODS)]
+
+
+def run_name(label: str) -> str:
+    """The folder of a model's run under `runs/`: 'sgr', 'global-only', 'sgr-pos'."""
+    return label.lower().replace("+", "-")
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,8 @@ class DemoSettings:
         n_train, n_dev, n_test: images per split (5 captions each).
         train_overrides: `key=value` training overrides applied over the `demo` preset.
         shortlist: first-stage shortlist of the retrieval examples.
+        positions: 'none', or the `ModelConfig.positions` of the position-aware models trained
+            beside the paper's ones.
     """
 
     n_train: int
@@ -63,6 +86,7 @@ class DemoSettings:
     n_test: int
     train_overrides: tuple[str, ...]
     shortlist: int = 50
+    positions: str = "none"
 
 
 def merge_overrides(*groups: Iterable[str]) -> tuple[str, ...]:
@@ -165,7 +189,9 @@ def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]
     for label, model in models.items():
         encoded = encode_split(model, split, model.vocab, batch_size=128)
         sims[label] = score_matrix([model], [encoded])
-    sims["SGRAF"] = (sims["SGR"] + sims["SAF"]) / 2
+    for ensemble, (first, second) in ENSEMBLES.items():
+        if first in sims:
+            sims[ensemble] = (sims[first] + sims[second]) / 2
     results = {label: evaluate_sims(matrix) for label, matrix in sims.items()}
     diagnosis = {label: diagnose_sims(matrix, scenes) for label, matrix in sims.items()}
     return results, diagnosis, sims
@@ -201,12 +227,19 @@ def _name(label: str) -> str:
     return label if label == "global-only" else f"Ours({label})"
 
 
+def _order(results: dict[str, Any]) -> tuple[list[str], int]:
+    """The labels of `results` in table order, and the width of the tables' first column (as
+    before positions existed unless a longer name needs more)."""
+    order = [label for label in LABELS if label in results]
+    return order, max(14, *(len(_name(label)) + 1 for label in order))
+
+
 def format_table(results: dict[str, dict[str, Any]], title: str) -> str:
     """The test results in the layout of the paper's Table 1 (R@K in %, plus rsum).
 
     `results` holds `evaluate_sims` results, or their `mean_sd` summaries (cells `mean±sd`).
     """
-    order = [m for m in LABELS if m in results]
+    order, first = _order(results)
     spread = any(isinstance(results[m]["rsum"], dict) and results[m]["rsum"]["sd"] is not None for m in order)
     width = 10 if spread else 7
     rsum_width = width + 1 if spread else width
@@ -215,12 +248,12 @@ def format_table(results: dict[str, dict[str, Any]], title: str) -> str:
     for label in order:
         result = results[label]
         i2t, t2i = result["i2t"], result["t2i"]
-        rows.append(f"{_name(label):<14}|{_cell(i2t['r1'], width)}{_cell(i2t['r5'], width)}{_cell(i2t['r10'], width)} |"
+        rows.append(f"{_name(label):<{first}}|{_cell(i2t['r1'], width)}{_cell(i2t['r5'], width)}{_cell(i2t['r10'], width)} |"
                     f"{_cell(t2i['r1'], width)}{_cell(t2i['r5'], width)}{_cell(t2i['r10'], width)} |"
                     f"{_cell(result['rsum'], rsum_width)}")
     return "\n".join([title,
-                      f"{'':<14}| {'Sentence Retrieval':^{side}} | {'Image Retrieval':^{side}} |",
-                      f"{'Methods':<14}| {'R@1':>{width - 1}}{'R@5':>{width}}{'R@10':>{width}} | "
+                      f"{'':<{first}}| {'Sentence Retrieval':^{side}} | {'Image Retrieval':^{side}} |",
+                      f"{'Methods':<{first}}| {'R@1':>{width - 1}}{'R@5':>{width}}{'R@10':>{width}} | "
                       f"{'R@1':>{width - 1}}{'R@5':>{width}}{'R@10':>{width}} |{'rsum':>{rsum_width}}",
                       "-" * max(len(row) for row in rows), *rows])
 
@@ -237,7 +270,7 @@ def format_diagnosis(diagnosis: dict[str, dict[str, Any]], title: str) -> str:
             return {"mean": 100 * value["mean"], "sd": None if value["sd"] is None else 100 * value["sd"]}
         return None if value is None else 100 * value
 
-    order = [m for m in LABELS if m in diagnosis]
+    order, first = _order(diagnosis)
     spread = any(isinstance(diagnosis[m]["all"]["group"], dict) and diagnosis[m]["all"]["group"]["sd"] is not None
                  for m in order)
     width = 11 if spread else 10
@@ -246,12 +279,12 @@ def format_diagnosis(diagnosis: dict[str, dict[str, Any]], title: str) -> str:
     for label in order:
         row = diagnosis[label]
         truth = row["recall"]["truth"]
-        rows.append(f"{_name(label):<14}|" + "".join(_cell(percent(row[kind]["group"]), width) for kind in kinds)
+        rows.append(f"{_name(label):<{first}}|" + "".join(_cell(percent(row[kind]["group"]), width) for kind in kinds)
                     + " |" + _cell(truth["i2t"]["r1"], width) + _cell(truth["t2i"]["r1"], width))
     return "\n".join([title,
-                      f"{'':<14}|{'Winoground group score (chance 16.7)':^{width * len(kinds)}} |"
+                      f"{'':<{first}}|{'Winoground group score (chance 16.7)':^{width * len(kinds)}} |"
                       f"{'truth-aware R@1':^{2 * width}}",
-                      f"{'Methods':<14}|" + "".join(f"{kind:>{width}}" for kind in kinds) + " |"
+                      f"{'Methods':<{first}}|" + "".join(f"{kind:>{width}}" for kind in kinds) + " |"
                       + f"{'i2t':>{width}}{'t2i':>{width}}",
                       "-" * max(len(row) for row in rows), *rows])
 
@@ -283,7 +316,8 @@ def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
 
 
 def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, features: str = "auto",
-             seed: int = 0, progress: bool = True, seeds: int = 1, overrides: Iterable[str] = ()) -> dict[str, Any]:
+             seed: int = 0, progress: bool = True, seeds: int = 1, overrides: Iterable[str] = (),
+             positions: str = "none") -> dict[str, Any]:
     """Run the demo end to end (see the module docstring).
 
     Args:
@@ -296,7 +330,10 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
         seeds: training seeds `seed, seed + 1, ...`, each training every model on the same data;
             the first seed's runs are `runs/{label}`, the others `runs/seed-{s}/{label}`.
         overrides: `key=value` training overrides applied over the demo's settings (not
-            module, alignments or seed).
+            module, alignments, seed or positions).
+        positions: 'none' (the paper's models only), or 'box' / 'relation': also train SAF and
+            SGR with region positions (`ModelConfig.positions`) and report them and their
+            ensemble beside the paper's.
 
     Returns:
         The content of `results.json`: settings, timings, the first seed's test metrics and
@@ -310,15 +347,18 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
     from sgraf.training import resolve_config
     from sgraf.training.config import MAX_SEED
 
+    from sgraf.config import POSITIONS
+
     if features not in ("auto", "cnn", "synthetic"):
         raise InputError(f"features must be auto, cnn or synthetic, got {features!r}")
+    if positions not in POSITIONS:
+        raise InputError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
     if not isinstance(seeds, int) or seeds < 1 or seed + seeds - 1 > MAX_SEED:
         raise InputError(f"seeds must be an integer >= 1 with seed + seeds - 1 <= {MAX_SEED}, got {seeds!r}")
-    settings = QUICK if quick else FULL
+    settings = replace(QUICK if quick else FULL, positions=positions)
     user = check_overrides(overrides)
     if user:
-        settings = DemoSettings(settings.n_train, settings.n_dev, settings.n_test,
-                                merge_overrides(settings.train_overrides, user), settings.shortlist)
+        settings = replace(settings, train_overrides=merge_overrides(settings.train_overrides, user))
         resolve_config("demo", overrides=settings.train_overrides)   # a bad key or value: refused before anything runs
     if quick and features == "auto":
         features = "synthetic"  # a smoke test should not spend its time in the CNN
@@ -330,16 +370,16 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
 
 def _train(out: Path, runs: Path, settings: DemoSettings, seed: int, progress: bool, suffix: str,
            timings: dict[str, float], cpu: dict[str, float]) -> dict[str, dict[str, Any]]:
-    """Trains every model of `METHODS` with one seed into `runs/{label}`; timings under
-    `train {label}{suffix}`."""
+    """Trains every model of `methods(settings.positions)` with one seed into `runs/{run_name(label)}`;
+    timings under `train {label}{suffix}`."""
     from sgraf.training import fit, resolve_config
 
     trained: dict[str, dict[str, Any]] = {}
-    for label, changes in METHODS:
+    for label, changes in methods(settings.positions):
         overrides = list(merge_overrides(settings.train_overrides, (f"seed={seed}", f"progress={progress}"),
                                          (f"{key}={value}" for key, value in changes.items())))
         config, _ = resolve_config("demo", overrides=overrides)
-        run = runs / label.lower()
+        run = runs / run_name(label)
         tic, tic_cpu = time.perf_counter(), time.process_time()
         logger.info("training %s (%s)", label, ", ".join(overrides))
         summary = fit(config, out / "data", run, preset="demo")
@@ -375,7 +415,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         if training_seed == seeds[0]:
             test = PrecompSplit(data, "test")
             scenes = load_scenes(data, "test")
-        models = {label: load_model(runs / label.lower() / "best.pt") for label, _ in METHODS}
+        models = {label: load_model(runs / run_name(label) / "best.pt") for label, _ in methods(settings.positions)}
         results, diagnosis, sims = _evaluate(models, test, scenes)
         timings[f"evaluate{suffix}"] = time.perf_counter() - tic
         cpu[f"evaluate{suffix}"] = time.process_time() - tic_cpu
@@ -389,6 +429,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
     tic, tic_cpu = time.perf_counter(), time.process_time()
     pictures = write_pictures(out, data, test, first_models, first_sims, settings.shortlist)
     pictures["diagnose"] = _draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
+    pictures["curves"] = _curves(out, out / "curves.png", [label for label, _ in methods(settings.positions)])
     timings["pictures"], cpu["pictures"] = time.perf_counter() - tic, time.process_time() - tic_cpu
     timings["total"], cpu["total"] = time.perf_counter() - started, time.process_time() - started_cpu
 
@@ -434,7 +475,7 @@ def write_pictures(out: Path, data: Path, test: Any, models: dict[str, Any], sim
     from sgraf.explain import explain_pair, region_layout, render_explanation
     from sgraf.search import build_index, open_index
 
-    pictures = {"curves": _curves(out, out / "curves.png")}
+    pictures: dict[str, str] = {}
     matcher = Matcher([models["SGR"], models["SAF"]],
                       sources=[str((out / "runs" / name / "best.pt").resolve()) for name in ("sgr", "saf")])
     build_index(matcher, test.images, test.captions, out / "index", caps_per_image=test.caps_per_image,
@@ -468,7 +509,7 @@ def _spread(n: int, count: int) -> list[int]:
     return sorted({int(round(i)) for i in np.linspace(0, n - 1, num=min(count, n))})
 
 
-def _curves(out: Path, path: Path) -> str:
+def _curves(out: Path, path: Path, labels: list[str]) -> str:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -477,8 +518,8 @@ def _curves(out: Path, path: Path) -> str:
     from sgraf.training.run_dir import read_metrics
 
     figure, (loss_axis, rsum_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for label, _ in METHODS:
-        records = read_metrics(out / "runs" / label.lower())
+    for label in labels:
+        records = read_metrics(out / "runs" / run_name(label))
         steps = [r["step"] for r in records]
         losses = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
         if losses:
@@ -619,6 +660,13 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
                    f"and SAF ({rsum['SAF']:.1f}).")
     verdict.append(f"- The better single model {'>' if check['best_single_gt_global'] else '<='} "
                    f"global-only ({rsum['global-only']:.1f}).")
+    if "SGRAF+pos" in rsum:
+        relation = {label: record["summary"]["diagnose"][label]["relation"]["group"] for label in ("SGRAF", "SGRAF+pos")}
+        relation = {label: 100 * (value["mean"] if isinstance(value, dict) else value)
+                    for label, value in relation.items() if value is not None}
+        verdict.append(f"- With positions: SGRAF+pos rsum {rsum['SGRAF+pos']:.1f} (SGRAF {rsum['SGRAF']:.1f})"
+                       + (f", relation group score {relation['SGRAF+pos']:.1f} (SGRAF {relation['SGRAF']:.1f}, "
+                          "chance 16.7)." if len(relation) == 2 else "."))
     settings = record["settings"]
     training = record["training"]["SGR"]["config"]
     seeds = record["seeds"]
@@ -657,7 +705,10 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         f"(embed {training['embed_size']}, sim {training['sim_dim']}, {training['epochs']} epochs, "
         f"batch {training['batch_size']}); the checkpoint with the best dev rsum is evaluated. "
         "global-only is Table 3 row 1 (FC + sigmoid on the global alignment); SGRAF averages the "
-        "SGR and SAF score matrices.",
+        "SGR and SAF score matrices."
+        + (f" SAF+pos and SGR+pos are the same two models with region positions in the image encoder "
+           f"(`positions={settings['positions']}`, not in the paper); SGRAF+pos averages them."
+           if settings.get("positions", "none") != "none" else ""),
         "",
         "```",
         record["table"],

@@ -22,8 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seeds", type=positive_int, default=1, metavar="N",
                         help="train every model with N seeds (--seed, --seed + 1, ...) on the same data and report "
                              "the mean and standard deviation of each figure")
+    parser.add_argument("--positions", choices=("none", "box", "relation"), default="none",
+                        help="also train SAF and SGR with region positions of this design (box: an embedding "
+                             "of each region's box; relation: plus self-attention over regions with a pairwise "
+                             "geometry bias) and report them and their ensemble beside the paper's models")
     parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+",
-                        help="training overrides over the demo's settings (not module, alignments or seed), "
+                        help="training overrides over the demo's settings (not module, alignments, seed or positions), "
                              "e.g. --set max_violation=false")
     parser.set_defaults(func=run)
 
@@ -35,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.demo import run_demo
 
     record = run_demo(args.out, quick=args.quick, features=args.features, seed=args.seed,
-                      progress=not args.quick, seeds=args.seeds, overrides=args.overrides or ())
+                      progress=not args.quick, seeds=args.seeds, overrides=args.overrides or (),
+                      positions=args.positions)
     print(record["table"])
     print()
     print(record["diagnosis_table"])
