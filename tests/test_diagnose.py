@@ -161,7 +161,8 @@ def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys):
     _refused(capsys, ["diagnose", "--sims", str(tmp_path / "wrong.npy"), "--data", str(copy)], "score matrix of shape")
     scenes = (copy / "test_scenes.jsonl").read_text().splitlines()
     (copy / "test_scenes.jsonl").write_text("\n".join(scenes[:12]) + "\n")   # scenes that do not fit the split
-    _refused(capsys, ["diagnose", "--sims", str(tmp_path / "sims.npy"), "--data", str(copy)], "12 scenes")
+    _refused(capsys, ["diagnose", "--sims", str(tmp_path / "sims.npy"), "--data", str(copy)],
+             "the scenes hold 60 captions, the caption file 80 lines")   # compared before scoring
     old = [{k: v for k, v in json.loads(line).items() if k != "false_for"} for line in scenes]
     (copy / "test_scenes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
     _refused(capsys, ["diagnose", "--sims", str(tmp_path / "sims.npy"), "--data", str(copy)],

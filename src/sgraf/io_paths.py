@@ -5,15 +5,16 @@ writes anything. Paths are compared as files, not as strings: `./x`, `x`, `dir/.
 to `x` and a hard link to `x` are all the same file. The refusal is one line naming both
 arguments and both paths:
 
-    --save-sims ck.pt is the input --checkpoint ck.pt; an output must not be an input: choose another path
+    --save-sims D/test_ims.npy is the input --data D/test_ims.npy; an output must not be an input
+    (it would be written over): choose another path
 
 Three kinds of path take part:
 
 - inputs: files or folders the command reads (`--checkpoint`, `--data`, `--tsv`, ...);
 - outputs: files the command writes (`--save-sims`, `vocab build --out`, `explain --out`, the
   files a data writer puts into its folder);
-- folders: folders the command owns whole (`index --out`, `demo --out`, a training run): an
-  input equal to such a folder or inside it is refused too, since the command writes there.
+- folders: folders the command replaces whole (`index --out`): an input equal to such a
+  folder or inside it is refused too.
 
 A symlinked output is written through to its target (an atomic replace of the target, the
 link stays); the comparison therefore uses the target. This module imports nothing above
@@ -35,12 +36,6 @@ Labelled = Tuple[str, PathArg]
 def resolved(path: str | os.PathLike[str]) -> Path:
     """`path` made absolute with every symlink followed (also of a file that does not exist yet)."""
     return Path(os.path.realpath(os.fspath(path)))
-
-
-def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
-    """Whether `a` and `b` name the same file: the same resolved path, or (both existing) the
-    same inode (a hard link)."""
-    return bool(_identity(os.fspath(a)) & _identity(os.fspath(b)))
 
 
 def _inside(path: Path, folder: Path) -> bool:
