@@ -78,7 +78,7 @@ def merge_overrides(*groups: Iterable[str]) -> tuple[str, ...]:
 # this benchmark, and a one-epoch summed warm-up did not lift them off it (rsum 91-134); summed
 # violations learn from the first epoch. The full demo sums them until the learning rate drops
 # (epoch 6) and takes the authors' hardest negatives for the last two epochs: over 3 seeds that
-# gave every model a higher test rsum than summing throughout (measured; README, "use").
+# gave every model a higher test rsum than summing throughout (measured; docs/getting-started.md, "The loss").
 _SMALL = ("embed_size=64", "sim_dim=32", "word_dim=32", "batch_size=32", "lr=5e-4", "max_violation=false",
           "checkpoint_every=0")
 FULL = DemoSettings(n_train=1500, n_dev=100, n_test=300,
