@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image
 
 from sgraf.demo_retrieval import (FALSE, OWN, TRUE, draw_image_to_text, draw_text_to_image, first_hit_rank,
-                                  image_to_text_rows, pick_queries, result_kind, text_to_image_rows)
+                                  image_to_text_rows, pick_queries, result_kind, text_to_image_rows, truth_ranks)
 from sgraf.diagnose import truth_matrix
 
 # A hand-made split, 2 captions per picture: family 0 holds a base (picture 0) and its binding
@@ -66,14 +66,14 @@ def test_rows_frame_each_result_by_truth_and_draw(tmp_path):
     truth = truth_matrix(SCENES, PER)
     index = FakeIndex(t2i={0: [1, 0, 2], 1: [1, 0, 2], 2: [0, 2, 1], 3: [2, 1, 0], 4: [2, 0, 1], 5: [0, 1, 2]},
                       i2t={0: [2, 0, 1], 1: [0, 1, 2], 2: [4, 0, 5]})
-    rows = text_to_image_rows(index, CAPTIONS, truth, PER, shortlist=None, rows=6, top_k=3)
+    caption_ranks = [1, 2, 3, 2, 1, 1]
+    rows = text_to_image_rows(index, CAPTIONS, truth, PER, caption_ranks, rows=6, top_k=3)
     by_query = {row.query: row for row in rows}
     twin_first = by_query[CAPTIONS[0]]
     assert [(image, kind) for image, _, kind, _ in twin_first.results] == [(1, TRUE), (0, OWN), (2, FALSE)]
     assert [kind for _, _, kind, _ in by_query[CAPTIONS[1]].results][0] == FALSE
-    assert [first_hit_rank([k for _, _, k, _ in row.results]) for row in rows] == sorted(
-        first_hit_rank([k for _, _, k, _ in row.results]) for row in rows)
-    images = image_to_text_rows(index, truth, PER, shortlist=None, rows=3, top_k=3)
+    assert [row.query for row in rows] == [CAPTIONS[c] for c in (0, 4, 5, 1, 3, 2)]   # by rank, then index
+    images = image_to_text_rows(index, truth, PER, [1, 1, 1], rows=3, top_k=3)
     first = {row.query: [kind for _, _, kind, _ in row.results] for row in images}
     assert first[1] == [TRUE, FALSE, OWN]                  # caption 0 is true of the twin
     assert first[0] == [FALSE, OWN, OWN]
@@ -83,3 +83,16 @@ def test_rows_frame_each_result_by_truth_and_draw(tmp_path):
     assert Image.open(tmp_path / path).size[0] > 500
     path = draw_image_to_text(images, [white] * 3, tmp_path / "i2t.png", "i2t")
     assert Image.open(tmp_path / path).size[0] > 500
+
+
+def test_truth_ranks_count_a_true_twin_as_the_first_hit():
+    truth = truth_matrix(SCENES, PER)
+    sims = np.zeros((3, 6), np.float32)
+    sims[:, 0] = [0.5, 0.9, 0.7]     # caption 0: the twin (true) first, then picture 2 (false): rank 1
+    sims[:, 1] = [0.5, 0.9, 0.7]     # caption 1 is false of the twin: its own picture is third
+    sims[:, 4] = [0.1, 0.2, 0.3]
+    caption_ranks, image_ranks = truth_ranks(sims, truth)
+    assert caption_ranks[0] == 1 and caption_ranks[1] == 3 and caption_ranks[4] == 1
+    sims[1] = [0.9, 0.95, 0.1, 0.2, 0.99, 0.3]   # picture 1: caption 4 (another family) first, then caption 1 (false)
+    _, image_ranks = truth_ranks(sims, truth)
+    assert image_ranks[1] == 3                   # caption 0, true of the twin, comes third

@@ -75,7 +75,6 @@ class DemoSettings:
     Attributes:
         n_train, n_dev, n_test: images per split (5 captions each).
         train_overrides: `key=value` training overrides applied over the `demo` preset.
-        shortlist: first-stage shortlist of the retrieval examples.
         positions: 'none', or the `ModelConfig.positions` of the position-aware models trained
             beside the paper's ones.
     """
@@ -84,7 +83,6 @@ class DemoSettings:
     n_dev: int
     n_test: int
     train_overrides: tuple[str, ...]
-    shortlist: int = 50
     positions: str = "none"
 
 
@@ -103,13 +101,13 @@ def merge_overrides(*groups: Iterable[str]) -> tuple[str, ...]:
 # this benchmark, and a one-epoch summed warm-up did not lift them off it (rsum 91-134); summed
 # violations learn from the first epoch. The full demo sums them until the learning rate drops
 # (epoch 6) and takes the authors' hardest negatives for the last two epochs: over 3 seeds that
-# gave every model a higher test rsum than summing throughout (measured; README, "use").
+# gave every model a higher test rsum than summing throughout (measured; docs/getting-started.md, "The loss").
 _SMALL = ("embed_size=64", "sim_dim=32", "word_dim=32", "batch_size=32", "lr=5e-4", "max_violation=false",
           "checkpoint_every=0")
 FULL = DemoSettings(n_train=1500, n_dev=100, n_test=300,
                     train_overrides=merge_overrides(_SMALL, ("epochs=8", "lr_update=6", "max_violation=true",
                                                              "warmup_epochs=6")))
-QUICK = DemoSettings(n_train=96, n_dev=24, n_test=32, shortlist=20,
+QUICK = DemoSettings(n_train=96, n_dev=24, n_test=32,
                      train_overrides=merge_overrides(_SMALL, ("epochs=1", "word_dim=16", "embed_size=32",
                                                               "sim_dim=16", "sgr_step=2")))
 
@@ -455,12 +453,12 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         per_seed.append({"seed": training_seed, "runs": str(runs), "training": trained, "results": results,
                          "diagnose": diagnosis})
         if training_seed == seeds[0]:
-            first_models = models
+            first_models, first_sims = models, sims
 
     summary = {"results": mean_sd([entry["results"] for entry in per_seed]),
                "diagnose": mean_sd([entry["diagnose"] for entry in per_seed])}
     tic, tic_cpu = time.perf_counter(), time.process_time()
-    pictures = write_pictures(out, data, test, scenes, first_models, settings.shortlist)
+    pictures = write_pictures(out, data, test, scenes, first_models, first_sims["SGRAF"])
     pictures["diagnose"] = _draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
     pictures["curves"] = _curves(out, out / "curves.png", [label for label, _ in methods(settings.positions)])
     timings["pictures"], cpu["pictures"] = time.perf_counter() - tic, time.process_time() - tic_cpu
@@ -498,9 +496,9 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
 
 # --------------------------------------------------------------------------------- pictures
 def write_pictures(out: Path, data: Path, test: Any, scenes: list[dict[str, Any]], models: dict[str, Any],
-                   shortlist: int) -> dict[str, str]:
-    """Curves, retrieval examples (through a gallery index; `sgraf.demo_retrieval`) and
-    attention pictures.
+                   sims: np.ndarray) -> dict[str, str]:
+    """Curves, retrieval examples (through a gallery index; `sgraf.demo_retrieval`, queries
+    picked on `sims`, the SGR + SAF score matrix of the table) and attention pictures.
 
     Returns:
         {name: path relative to `out`}.
@@ -518,7 +516,7 @@ def write_pictures(out: Path, data: Path, test: Any, scenes: list[dict[str, Any]
                 source={"data_dir": str(data.resolve()), "split": "test"})
     record_files(out, [f"index/{name}" for name in folder_files(out / "index")], "demo")
     index = open_index(out / "index", matcher=matcher)
-    pictures.update(retrieval_pictures(index, test, scenes, data, out, shortlist))
+    pictures.update(retrieval_pictures(index, test, scenes, sims, data, out))
 
     # attention: an image with its own caption and with the caption of its hard negative
     cpi = test.caps_per_image
@@ -686,12 +684,12 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         "",
         "## Retrieval examples",
         "",
-        f"Through a gallery index of the test split (`index/`) and two-stage search (shortlist "
-        f"{settings['shortlist']} by global vectors, re-ranked by the SGR + SAF ensemble). A result is a "
-        "hit when the caption is true of the picture: its own picture, or a twin of its family it is not "
-        "false for (green: solid for its own, dashed for a twin); red, dotted: a miss. Every test caption "
-        "and picture is searched, and the rows are the queries at the 12.5, 37.5, 62.5 and 87.5 % quantiles "
-        "of the rank of their first hit, so hits and misses appear about as often as the search gives them.",
+        "Through the gallery index of the test split (`index/`), every picture or caption re-ranked by the "
+        "SGR + SAF ensemble (no shortlist: the ranking the table's recall measures). A result is a hit when "
+        "the caption is true of the picture: its own picture, or a twin of its family it is not false for "
+        "(green: solid for its own, dashed for a twin); red, dotted: a miss. The rows are the test queries at "
+        "the 12.5, 37.5, 62.5 and 87.5 % quantiles of the rank of their first hit in the table's score "
+        "matrix, so hits and misses appear about as often as the truth-aware recall counts them.",
         "",
         "![text to image](retrieval_t2i.png)",
         "",

@@ -7,11 +7,12 @@ notion of a correct result, so a twin that fits the caption ("the diamond is red
 square is orange" of a twin with the same colours) is framed as a hit, not as a miss.
 
 Which queries are shown: every test caption (text -> image) and every test picture (image ->
-text) is searched through the gallery index as the demo's examples are; the queries are sorted
-by the rank of their first hit (misses beyond the searched depth last, ties by index) and the
-rows are taken at evenly spaced quantiles of that order (for 4 rows: 12.5, 37.5, 62.5 and
-87.5 %). The rows therefore show hits at rank 1, lower hits and misses about as often as the
-search gives them to all queries.
+text) is ranked by the rank of its first hit in the score matrix the demo's table is computed
+from (the truth-aware rank, ties in the model's favour as `sgraf.diagnose.truth_recall` counts
+them); the rows are the queries at evenly spaced quantiles of that order (for 4 rows: 12.5,
+37.5, 62.5 and 87.5 %, ties by index). The rows therefore show hits at rank 1, lower hits and
+misses about as often as the recall counts them. Their results come from the gallery index
+with every picture or caption re-ranked (no shortlist), the ranking the recall measures.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ STYLE = {OWN: ("#1a9850", "solid"), TRUE: ("#1a9850", "dashed"), FALSE: ("#d7302
 MEANING = {OWN: "hit: the caption's own picture",
            TRUE: "hit: a twin the caption is also true of",
            FALSE: "miss: the caption is false of it"}
-SEARCH_DEPTH = 10   # a query's first hit is looked for among its top 10
 RULE = ("queries at the 12.5/37.5/62.5/87.5 % quantiles of the rank of their first hit "
-        "over all test queries")
+        "over all test queries, every candidate scored (as the table's recall)")
 
 
 def result_kind(truth: np.ndarray, image: int, caption: int, per: int) -> str:
@@ -53,6 +53,22 @@ def result_kind(truth: np.ndarray, image: int, caption: int, per: int) -> str:
 def first_hit_rank(kinds: Sequence[str]) -> float:
     """1-based rank of the first hit among a query's results in order; inf when none is a hit."""
     return next((rank for rank, kind in enumerate(kinds, start=1) if kind != FALSE), float("inf"))
+
+
+def truth_ranks(sims: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """1-based rank of each query's first hit in a score matrix (ties in the model's favour).
+
+    Args:
+        sims: (n_images, n_captions) scores.
+        truth: (n_images, n_captions) bool, `sgraf.diagnose.truth_matrix`.
+
+    Returns:
+        (per caption: the rank of its best-scored true picture, per picture: of its best true caption).
+    """
+    sims = np.asarray(sims, dtype=np.float32)
+    best_image = np.where(truth, sims, -np.inf).max(axis=0)      # (n_captions,)
+    best_caption = np.where(truth, sims, -np.inf).max(axis=1)    # (n_images,)
+    return (sims > best_image[None, :]).sum(axis=0) + 1, (sims > best_caption[:, None]).sum(axis=1) + 1
 
 
 def pick_queries(ranks: Sequence[float], count: int) -> list[int]:
@@ -186,26 +202,21 @@ def thumbnail(data: Path, split: str, image_id: int) -> np.ndarray | None:
         return np.asarray(handle.convert("RGB"))
 
 
-def text_to_image_rows(index: Any, captions: Sequence[str], truth: np.ndarray, per: int, shortlist: int | None,
-                       rows: int = 4, top_k: int = 5) -> list[Row]:
-    """Searches every caption, then keeps the `rows` queries `pick_queries` picks (module docstring)."""
-    depth = max(top_k, min(SEARCH_DEPTH, truth.shape[0]))
-    searched = index.search_texts(list(captions), top_k=depth, shortlist=shortlist, allow_unknown=True)
-    kinds = [[result_kind(truth, hit.id, c, per) for hit in hits] for c, hits in enumerate(searched)]
-    chosen = pick_queries([first_hit_rank(k) for k in kinds], rows)
-    return [Row(captions[c], c // per,
-                [(hit.id, hit.score, kind, "") for hit, kind in zip(searched[c][:top_k], kinds[c][:top_k])],
-                _quantile(row, len(chosen))) for row, c in enumerate(chosen)]
+def text_to_image_rows(index: Any, captions: Sequence[str], truth: np.ndarray, per: int, ranks: Sequence[float],
+                       rows: int = 4, top_k: int = 5, shortlist: int | None = None) -> list[Row]:
+    """The `rows` captions `pick_queries` picks from `ranks` (per caption), searched through `index`."""
+    chosen = pick_queries(ranks, rows)
+    found = index.search_texts([captions[c] for c in chosen], top_k=top_k, shortlist=shortlist, allow_unknown=True)
+    return [Row(captions[c], c // per, [(hit.id, hit.score, result_kind(truth, hit.id, c, per), "") for hit in hits],
+                _quantile(row, len(chosen))) for row, (c, hits) in enumerate(zip(chosen, found))]
 
 
-def image_to_text_rows(index: Any, truth: np.ndarray, per: int, shortlist: int | None, rows: int = 4,
-                       top_k: int = 5) -> list[Row]:
-    """Searches from every picture, then keeps the `rows` queries `pick_queries` picks."""
-    depth = max(top_k, min(SEARCH_DEPTH, truth.shape[1]))
-    searched = [index.search_image(image_id=i, top_k=depth, shortlist=shortlist) for i in range(truth.shape[0])]
-    kinds = [[result_kind(truth, i, hit.id, per) for hit in hits] for i, hits in enumerate(searched)]
-    chosen = pick_queries([first_hit_rank(k) for k in kinds], rows)
-    return [Row(i, i, [(hit.id, hit.score, kind, hit.text) for hit, kind in zip(searched[i][:top_k], kinds[i][:top_k])],
+def image_to_text_rows(index: Any, truth: np.ndarray, per: int, ranks: Sequence[float], rows: int = 4,
+                       top_k: int = 5, shortlist: int | None = None) -> list[Row]:
+    """The `rows` pictures `pick_queries` picks from `ranks` (per picture), searched through `index`."""
+    chosen = pick_queries(ranks, rows)
+    return [Row(i, i, [(hit.id, hit.score, result_kind(truth, i, hit.id, per), hit.text)
+                       for hit in index.search_image(image_id=i, top_k=top_k, shortlist=shortlist)],
                 _quantile(row, len(chosen))) for row, i in enumerate(chosen)]
 
 
@@ -213,17 +224,17 @@ def _quantile(row: int, rows: int) -> float:
     return (2 * row + 1) / (2 * rows)
 
 
-def retrieval_pictures(index: Any, test: Any, scenes: Sequence[dict[str, Any]], data: Path, out: Path,
-                       shortlist: int, rows: int = 4, top_k: int = 5) -> dict[str, str]:
+def retrieval_pictures(index: Any, test: Any, scenes: Sequence[dict[str, Any]], sims: np.ndarray, data: Path,
+                       out: Path, rows: int = 4, top_k: int = 5) -> dict[str, str]:
     """`retrieval_t2i.png` and `retrieval_i2t.png` of the demo's gallery index (module docstring).
 
     Args:
         index: the `GalleryIndex` of the test split.
         test: the test `PrecompSplit`.
         scenes: its rows of `test_scenes.jsonl`.
+        sims: the (n_images, n_captions) score matrix of the index's models (the table's).
         data: the data folder (for the rendered pictures).
         out: the folder the pictures are written to.
-        shortlist: the first-stage shortlist of the searches.
         rows: queries per picture.
         top_k: results shown per query.
 
@@ -234,15 +245,14 @@ def retrieval_pictures(index: Any, test: Any, scenes: Sequence[dict[str, Any]], 
 
     per = test.caps_per_image
     truth = truth_matrix(scenes, per)
-    t2i = text_to_image_rows(index, test.captions, truth, per, shortlist, rows, top_k)
+    caption_ranks, image_ranks = truth_ranks(sims, truth)
+    t2i = text_to_image_rows(index, test.captions, truth, per, caption_ranks, rows, top_k)
     names = {"retrieval_t2i": draw_text_to_image(
         t2i, [thumbnail(data, "test", image) for row in t2i for image, _, _, _ in row.results],
         out / "retrieval_t2i.png",
-        f"text \u2192 image: top {top_k} of {test.n_images} pictures, framed by caption truth "
-        f"(shortlist {shortlist})\n{RULE}")}
-    i2t = image_to_text_rows(index, truth, per, shortlist, rows, top_k)
+        f"text \u2192 image: top {top_k} of {test.n_images} pictures, framed by caption truth\n{RULE}")}
+    i2t = image_to_text_rows(index, truth, per, image_ranks, rows, top_k)
     names["retrieval_i2t"] = draw_image_to_text(
         i2t, [thumbnail(data, "test", row.own) for row in i2t], out / "retrieval_i2t.png",
-        f"image \u2192 text: top {top_k} of {test.n_captions} captions, coloured by caption truth "
-        f"(shortlist {shortlist})\n{RULE}")
+        f"image \u2192 text: top {top_k} of {test.n_captions} captions, coloured by caption truth\n{RULE}")
     return names

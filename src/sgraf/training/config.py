@@ -65,12 +65,12 @@ class TrainConfig:
         warmup_epochs: with `max_violation`, sum the hinge over all negatives for the first
             N epochs, then take the hardest negatives (0: hardest from the first step, the
             authors' loss). Trained from scratch, hardest negatives can sit on the plateau of
-            a constant score; a summed warm-up leaves it (README, the demo's loss).
+            a constant score; a summed warm-up leaves it (docs/getting-started.md, the demo's loss).
         same_image_positive: do not count another caption of the batch's same image as a
             negative (off in the authors' code).
         global_loss_weight: weight of an auxiliary ranking loss on the cosines of the
             self-attention global vectors (0: off, the authors' loss). It makes those vectors a
-            retrieval embedding, so a search shortlist on them loses little (README, search).
+            retrieval embedding, so a search shortlist on them loses little (docs/guides/search-and-serve.md).
         seed: seeds the initialisation, the shuffling and dropout.
         precision: 'fp32', 'bf16' or 'fp16' autocast (fp16 uses a gradient scaler).
         tf32: on CUDA, let float32 matmuls and cuDNN (the GRU) use TF32 (faster, 10-bit
