@@ -6,6 +6,9 @@ reported as skipped with the reason.
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -85,3 +88,28 @@ def test_the_block_loop_never_waits_for_the_device(monkeypatch):
 
     monkeypatch.setattr(blocks, "_score_block", strict_block)
     assert torch.equal(blocks.score_encoded([model], [encoded], image_block=8), expected)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_training_step_never_waits_for_the_device(precision):
+    """Under the GPU plan the step reads nothing back (fused Adam skips a non-finite update on the
+    device): no synchronisation from the batch's copy to the optimiser's update. The CPU suite
+    counts the same reads with `sgraf.kernels.launches` (tests/test_launches.py)."""
+    from sgraf.training.config import preset
+    from sgraf.training.loop import build_optimizer, train_step
+
+    model = random_model(7, module="sgr", num_regions=36, img_dim=64, embed_size=128, sim_dim=64).cuda().train()
+    lengths = torch.randint(3, 20, (32,), generator=torch.Generator().manual_seed(5)).tolist()
+    images, captions, lengths = random_batch(model, 32, lengths, seed=5)
+    batch = SimpleNamespace(images=images.pin_memory(), captions=captions.pin_memory(), lengths=lengths,
+                            image_ids=torch.arange(32))
+    config = preset("tiny").replace(module="sgr", precision=precision)
+    optimizer = build_optimizer(model, config)
+    assert optimizer.defaults["fused"]
+    train_step(model, optimizer, batch, config, device="cuda")      # Adam's state is made here
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = train_step(model, optimizer, batch, config, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)

@@ -205,3 +205,28 @@ def test_only_large_splits_measure_before_scoring(cache, monkeypatch):
     assert any("cpu scoring threads|fp32" in key for key in stored) == (torch.get_num_threads() > 1)
     assert any("eval chunk bytes" in key for key in stored)
     assert_close(measured, small, SAME_PATH)
+
+
+# ------------------------------------------------------------------ packing (sgraf.kernels.packing)
+
+def test_packing_by_index_equals_torch_packing_values_and_gradients():
+    """`Packing` moves the same numbers to the same places as pack_padded_sequence /
+    pad_packed_sequence (unsorted lengths, ties, a batch wider than its longest caption)."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    from sgraf.kernels.packing import Packing
+
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(6, 5, batch_first=True, bidirectional=True)
+    lengths = torch.tensor([3, 7, 7, 1, 5, 2])
+    x = torch.randn(6, 9, 6, requires_grad=True)
+    reference = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    packing = Packing(lengths, x.device)
+    packed = packing.pack(x)
+    for field in ("data", "batch_sizes", "sorted_indices", "unsorted_indices"):
+        assert torch.equal(getattr(packed, field), getattr(reference, field)), field
+    expected, _ = pad_packed_sequence(gru(reference)[0], batch_first=True)
+    states = packing.unpack(gru(packed)[0].data)
+    assert torch.equal(states, expected)
+    grad = torch.randn_like(expected)
+    assert torch.equal(*(torch.autograd.grad(out, x, grad)[0] for out in (states, expected)))

@@ -8,6 +8,7 @@ import torch
 
 from model_helpers import DATA, flat_state, golden_model, random_batch, random_model
 from numerics import AUTHORS, GRADIENT, REORDERED, STEP, adam_noise, approx, assert_close, largest
+from sgraf.kernels import plan
 from sgraf.model.loss import ranking_loss
 from sgraf.model.oracle import oracle_forward
 
@@ -218,5 +219,11 @@ def test_train_chunks_on_a_gpu_take_a_share_of_its_free_memory(monkeypatch):
     assert model.train_chunk_bytes() == sgraf_module.TRAIN_CHUNK_BYTES          # CPU
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
     assert model.train_chunk_bytes(torch.device("cuda")) == int(40 * 2**30 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
+    # a share however little is free (the CPU's budget could be more than the device has left)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
-    assert model.train_chunk_bytes(torch.device("cuda")) == sgraf_module.TRAIN_CHUNK_BYTES
+    assert model.train_chunk_bytes(torch.device("cuda")) == int(2**20 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
+    # the GPU plan emulated on the CPU (sgraf.kernels.plan) takes the same share of its memory
+    with plan.emulate_gpu(40 * 2**30):
+        assert model.train_chunk_bytes() == int(40 * 2**30 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
+        assert model.train_keep_bytes(torch.device("cpu")) == int(40 * 2**30 * sgraf_module.TRAIN_GPU_KEEP_SHARE)
+    assert model.train_keep_bytes(torch.device("cpu")) == sgraf_module.TRAIN_KEEP_BYTES

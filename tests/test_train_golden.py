@@ -17,6 +17,7 @@ import torch
 
 from numerics import AUTHORS, GRADIENT, STEP, adam_noise, approx, assert_close, excess, largest
 from sgraf.config import ModelConfig
+from sgraf.kernels import plan
 from sgraf.model.sgraf import SGRAF
 from sgraf.training.config import preset
 from sgraf.training.loop import build_optimizer, train_step
@@ -100,6 +101,23 @@ def test_second_step_matches_authors(golden, name):
     case, model, config, optimizer, batch = _setup(golden, name)
     train_step(model, optimizer, batch, config)
     result = train_step(model, optimizer, batch, config)
+    step2 = case["step2"]
+    assert result.loss == approx(step2["loss"], AUTHORS)
+    assert result.grad_norm == approx(step2["grad_norm"], GRADIENT)
+    _assert_params(model.state_dict(), _flat(step2["state_dict_after"]), set(case["noise_dominated_grads"]), steps=2)
+
+
+@pytest.mark.parametrize("name", ["SGR", "SAF"])
+def test_two_steps_under_the_gpu_plan_match_authors(golden, name):
+    """The plan a CUDA device gets, run on the CPU (`plan.emulate_gpu`): the batch in one chunk,
+    PyTorch's own matmuls, Adam's fused kernel, nothing read back from the device inside the step."""
+    with plan.emulate_gpu():
+        case, model, config, optimizer, batch = _setup(golden, name)
+        assert optimizer.defaults["fused"]
+        first = train_step(model, optimizer, batch, config)
+        assert first.loss == approx(case["loss"], AUTHORS)
+        assert first.grad_norm == approx(case["grad_norm"], GRADIENT)
+        result = train_step(model, optimizer, batch, config)
     step2 = case["step2"]
     assert result.loss == approx(step2["loss"], AUTHORS)
     assert result.grad_norm == approx(step2["grad_norm"], GRADIENT)

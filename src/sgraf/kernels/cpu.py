@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from sgraf.errors import InputError
-from sgraf.kernels import tuning
+from sgraf.kernels import plan, tuning
 
 ROUTES = ("onednn", "aten")          # the first is the default when tuning is off
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -84,7 +84,7 @@ def onednn_runs(dtype: torch.dtype) -> bool:
 def _onednn(x: torch.Tensor) -> bool:
     """Whether a CPU matmul on `x` goes through oneDNN: bf16 where oneDNN runs it (else PyTorch's
     own bf16 matmul), float32 where it is the faster route."""
-    if not ONEDNN or x.device.type != "cpu":
+    if not ONEDNN or x.device.type != "cpu" or plan.gpu_plan(x.device):   # the GPU plan: PyTorch's ops
         return False
     if x.dtype == torch.bfloat16:
         return onednn_runs(torch.bfloat16)

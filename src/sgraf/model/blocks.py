@@ -35,7 +35,7 @@ from torch import nn
 from sgraf import distributed
 from sgraf.data.arrays import check_finite_features, mapped_file
 from sgraf.errors import InputError
-from sgraf.kernels import tuning
+from sgraf.kernels import plan, tuning
 from sgraf.precision import autocast, check_precision
 
 # CPU: images per scoring block, and an upper bound on image x caption x word x feature elements
@@ -348,11 +348,10 @@ def block_sizes(device: torch.device, precision: str, embed_size: int | None = N
     device's free memory holds in the matmul dtype (at most `GPU_MAX_ELEMENTS`, at least the CPU
     bound), so that a block is one launch of each kernel over thousands of pairs.
     """
-    if device.type != "cuda":
+    if not plan.gpu_plan(device):
         return IMAGE_BLOCK, BLOCK_ELEMENTS
-    free, _ = torch.cuda.mem_get_info(device)
     itemsize = 4 if precision == "fp32" else 2
-    elements = int(free * GPU_MEMORY_SHARE) // itemsize
+    elements = int(plan.free_memory(device) * GPU_MEMORY_SHARE) // itemsize
     return GPU_IMAGE_BLOCK, max(BLOCK_ELEMENTS, min(GPU_MAX_ELEMENTS, elements))
 
 
@@ -419,7 +418,8 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
         raise ValueError(f"{len(models)} models but {len(encoded)} encodings")
     check_ensemble(encoded)
     device = encoded[0].img_embs.device
-    if caption_block is None and device.type == "cuda":
+    gpu = plan.gpu_plan(device)
+    if caption_block is None and gpu:
         caption_block = GPU_CAPTION_BLOCK
     if caption_block is not None:
         if caption_block < 1:
@@ -430,7 +430,7 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
     block_elements = block_elements or default_elements
     n_img, n_cap = encoded[0].n_images, encoded[0].n_captions
     first_row, last_row = rows if rows is not None else (0, n_img)
-    if image_block is None and device.type != "cuda":
+    if image_block is None and not gpu:
         # few captions (a search re-ranking its shortlist): as many images per block as the
         # element bound allows, not 16, so that a call is a few large ops instead of many small
         # ones (2.5x faster for 50 images x 1 caption); split scorers pass their fixed blocks
@@ -518,7 +518,7 @@ def score_workers(device: torch.device, precision: str, n_tasks: int, models: Se
     if `measure`). Each block is computed by one thread from start to end, so the result does not
     depend on which thread took it."""
     threads = torch.get_num_threads()
-    if device.type != "cpu" or threads < 2 or n_tasks < 2:
+    if plan.gpu_plan(device) or threads < 2 or n_tasks < 2:
         return 1
     return min(threads, n_tasks) if thread_mode(models, precision, device, measure) == "blocks" else 1
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from sgraf.kernels.packing import Packing
 from sgraf.model.norms import l2norm
 from sgraf.model.positions import BoxEmbedding, RegionRelation
 
@@ -60,9 +60,9 @@ class TextEncoder(nn.Module):
     def forward(self, captions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """(n_cap, L) ids, (n_cap,) lengths in any order -> (n_cap, max(lengths), d), zero-padded."""
         words = self.dropout(self.embed(captions))
-        packed = pack_padded_sequence(words, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        out, _ = self.cap_rnn(packed)
-        states, _ = pad_packed_sequence(out, batch_first=True)  # (n_cap, max_len, d or 2d)
+        packing = Packing(lengths, words.device)   # pack_padded_sequence's order, one gather
+        out, _ = self.cap_rnn(packing.pack(words))
+        states = packing.unpack(out.data)          # (n_cap, max_len, d or 2d), zero-padded
         if self.bi_gru:
             half = states.size(2) // 2
             states = (states[:, :, :half] + states[:, :, half:]) / 2

@@ -9,6 +9,7 @@ per-caption statistics with masks, and the running-statistics recurrence in clos
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,7 +41,9 @@ class AttentionFiltration(nn.Module):
         bn = self.bn
         mask = node_mask.unsqueeze(0).to(logits.dtype)                         # (1, n_cap, P)
         count = logits.size(0) * node_mask.sum(dim=1).to(logits.dtype)         # (n_cap,)
-        if bool((count < 2).any()):
+        # every caption has a valid node, so with two images it has two values: only a single
+        # image needs the (device-synchronising) look at the counts
+        if logits.size(0) < 2 and bool((count < 2).any()):
             raise InputError("SAF BatchNorm in training mode needs more than one value per caption "
                              "(more than one image or node)")
         mean = (logits * mask).sum(dim=(0, 2)) / count                         # (n_cap,)
@@ -81,17 +84,18 @@ class AttentionFiltration(nn.Module):
         """Apply `r <- (1 - mom) r + mom x` for each caption in order, in closed form."""
         bn = self.bn
         n_cap = means.numel()
-        start = int(bn.num_batches_tracked)
+        # the weights are host arithmetic (float64, numpy): nothing here waits for a device
         if bn.momentum is None:  # cumulative average, as nn.BatchNorm1d does with momentum=None
-            factors = 1.0 / torch.arange(start + 1, start + n_cap + 1, dtype=torch.float64)
+            start = int(bn.num_batches_tracked)
+            factors = 1.0 / np.arange(start + 1, start + n_cap + 1, dtype=np.float64)
         else:
-            factors = torch.full((n_cap,), float(bn.momentum), dtype=torch.float64)
+            factors = np.full(n_cap, float(bn.momentum), dtype=np.float64)
         # weight of caption c in the final value: f_c * prod_{c' > c} (1 - f_c')
-        keep = torch.flip(torch.cumprod(torch.flip(1 - factors, [0]), 0), [0])   # prod_{c' >= c}
-        after = torch.cat([keep[1:], keep.new_ones(1)])
-        weights = (factors * after).to(means.device)
+        keep = np.cumprod((1 - factors)[::-1])[::-1]                            # prod_{c' >= c}
+        after = np.concatenate([keep[1:], np.ones(1)])
+        weights = torch.from_numpy(factors * after).to(means.device, non_blocking=True)
         for buffer, values in ((bn.running_mean, means), (bn.running_var, variances)):
-            total = keep[0].item() * buffer.double() + (weights * values.double()).sum()
+            total = float(keep[0]) * buffer.double() + (weights * values.double()).sum()
             buffer.copy_(total.to(buffer.dtype))
         bn.num_batches_tracked.add_(n_cap)
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgraf.kernels import plan
 from sgraf.kernels.cpu import fast_linear, train_linear
 
 
@@ -147,7 +148,7 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
     # exact in bf16. On the CPU None when every node is valid (captions of one length, as in a
     # bucket); on a GPU always built, since asking would wait for the device (adding 0 is exact).
     blocked = None
-    if nodes.device.type != "cpu" or not bool(node_mask.all()):
+    if plan.gpu_plan(nodes.device) or not bool(node_mask.all()):
         blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device)
         blocked = blocked.masked_fill_(~node_mask, float("-inf")).t().reshape(n_nodes, 1, n_cap, 1)
     graphs = nodes.view(n_graphs, n_nodes, dim)                                     # (G, P, m)

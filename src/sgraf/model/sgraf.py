@@ -18,7 +18,7 @@ from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
-from sgraf.kernels import tuning
+from sgraf.kernels import plan, tuning
 from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
 from sgraf.model.encoders import ImageEncoder, TextEncoder
@@ -43,9 +43,15 @@ TRAIN_GPU_MEMORY_SHARE = 1 / 32
 # With light nodes (see `_train_similarity_heads`), the heads' intermediates of the first chunks
 # are kept for backward up to about this many bytes; the later chunks' are recomputed.
 TRAIN_KEEP_BYTES = 1024 * 2**20
+# On a GPU the heads' intermediates are kept up to this share of the free memory instead: a
+# recomputed chunk costs its heads' forward launches again (about 45 per step at batch 128).
+TRAIN_GPU_KEEP_SHARE = 1 / 16
 # Float32 (G, P, m)-sized intermediates the SGR/SAF heads keep for backward, per node (an
 # estimate from the layers of `train_graph_reasoning`; it sets where recomputing starts).
 HEAD_KEPT_PER_NODE = 8
+# Float32 (n_img, n_cap, L, d)-sized intermediates a chunk without light nodes (bf16, i2t, scalar
+# similarities) keeps for backward when it is not recomputed (an estimate, as above).
+CHUNK_KEPT_PER_WORD = 4
 # Eval fast path on CPU: bytes of the largest (image, caption, word) x d operand of one chunk, and
 # images per chunk. Chunks that fit the caches score a pair about 1.7x faster than 128 MiB blocks
 # (their intermediates are reused while hot), but the best size depends on the processor and the
@@ -188,7 +194,7 @@ class SGRAF(nn.Module):
         self.sim_enc = SimilarityEncoder(config)
         # train-mode scoring: captions per chunk (None: from `train_chunk_bytes`) and whether chunks'
         # intermediates may be recomputed in backward instead of kept (activation checkpointing;
-        # with light nodes only beyond TRAIN_KEEP_BYTES, see `_train_similarity_heads`)
+        # with light nodes only beyond `train_keep_bytes`, see `_train_similarity_heads`)
         self.train_chunk: int | None = None
         self.train_checkpoint = True
         # the self-attention global vectors (n_img, d), (n_cap, d) of the last train-mode scoring
@@ -372,7 +378,7 @@ class SGRAF(nn.Module):
             label: names the caller's way of scoring in the stored choice (with `timer`).
         """
         low = compute_dtype(device)
-        if device.type != "cpu" or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
+        if plan.gpu_plan(device) or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
             return self.eval_chunk_bytes(low)
         blocks: list[Callable[[], None]] = []      # the synthetic block, made at the first measurement only
 
@@ -430,7 +436,7 @@ class SGRAF(nn.Module):
         operands in the matmul dtype, so its intermediates stay in cache and in the allocator's
         heap; elsewhere (GPUs) the block is one chunk.
         """
-        if device.type != "cpu":
+        if plan.gpu_plan(device):
             yield slice(0, n_img), slice(0, n_cap)
             return
         budget = max(1, self.eval_chunk_bytes(low) // (n_words * self.config.embed_size * low.itemsize))  # pairs
@@ -509,13 +515,19 @@ class SGRAF(nn.Module):
 
     def train_chunk_bytes(self, device: torch.device | None = None) -> int:
         """Bytes of one train-mode chunk's (images x captions x words x d) float32 block on
-        `device` (default: the model's): on a CUDA device `TRAIN_GPU_MEMORY_SHARE` of its free
-        memory (at least the CPU budget), else `TRAIN_CHUNK_BYTES`."""
+        `device` (default: the model's): under the GPU plan (`sgraf.kernels.plan`)
+        `TRAIN_GPU_MEMORY_SHARE` of its free memory, else `TRAIN_CHUNK_BYTES`."""
         device = device or next(self.parameters()).device
-        if device.type != "cuda":
+        if not plan.gpu_plan(device):
             return TRAIN_CHUNK_BYTES
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(TRAIN_CHUNK_BYTES, int(free * TRAIN_GPU_MEMORY_SHARE))
+        return max(1, int(plan.free_memory(device) * TRAIN_GPU_MEMORY_SHARE))
+
+    def train_keep_bytes(self, device: torch.device) -> int:
+        """Bytes of the heads' intermediates kept for backward before chunks are recomputed:
+        `TRAIN_GPU_KEEP_SHARE` of the free memory under the GPU plan, else `TRAIN_KEEP_BYTES`."""
+        if not plan.gpu_plan(device):
+            return TRAIN_KEEP_BYTES
+        return int(plan.free_memory(device) * TRAIN_GPU_KEEP_SHARE)
 
     def train_chunks(self, n_img: int, lengths: torch.Tensor) -> list[torch.Tensor]:
         """Caption indices of each train-mode chunk: captions sorted by length, so a chunk is
@@ -534,8 +546,8 @@ class SGRAF(nn.Module):
                 chunks.append(order[start:end - 1])
                 start = end - 1
         chunks.append(order[start:])
-        if len(chunks) == 1:   # one chunk: keep the given order (sorting would only reorder sums)
-            return [torch.arange(len(order))]
+        if len(chunks) == 1:   # one chunk: keep the given order (sorting would only reorder sums);
+            return [order.sort().values]   # 0..n-1, made from the host lengths like the other chunks
         return chunks
 
     def _train_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
@@ -565,10 +577,13 @@ class SGRAF(nn.Module):
             return head_scores(*sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo))
 
         # With light nodes (`local_nodes` keeps no word x feature tensor), only the heads can need
-        # recomputing: their intermediates are kept for the first chunks, up to TRAIN_KEEP_BYTES,
-        # and recomputed in backward for the rest. Otherwise every chunk is recomputed whole.
+        # recomputing: their intermediates are kept for the first chunks, up to `train_keep_bytes`,
+        # and recomputed in backward for the rest. Otherwise every chunk is recomputed whole, except,
+        # under the GPU plan, the first chunks whose word x feature intermediates fit that budget
+        # too (a recomputed chunk launches its forward kernels twice).
         light = sim.light_train_nodes(words)
-        kept_bytes = 0
+        kept_bytes, keep_bytes = 0, self.train_keep_bytes(words.device)
+        keep_whole = plan.gpu_plan(words.device)
 
         columns: dict[str, list[torch.Tensor]] = {head: [] for head in heads}
         means, variances = [], []
@@ -583,13 +598,18 @@ class SGRAF(nn.Module):
             if recompute and light:
                 nodes, node_mask = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo)
                 kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE  # nodes: (n_img, n, P, m)
-                if kept_bytes <= TRAIN_KEEP_BYTES:
+                if kept_bytes <= keep_bytes:
                     blocks, saf_stats = head_scores(nodes, node_mask)
                 else:
                     blocks, saf_stats = torch.utils.checkpoint.checkpoint(head_scores, nodes, node_mask,
                                                                           use_reentrant=False)
             elif recompute:
-                blocks, saf_stats = torch.utils.checkpoint.checkpoint(chunk_scores, *args, use_reentrant=False)
+                # (n_img, n, L, d) float32-sized intermediates kept for backward (an estimate)
+                kept_bytes += img_embs.size(0) * chunk_words.numel() * 4 * CHUNK_KEPT_PER_WORD
+                if keep_whole and kept_bytes <= keep_bytes:
+                    blocks, saf_stats = chunk_scores(*args)
+                else:
+                    blocks, saf_stats = torch.utils.checkpoint.checkpoint(chunk_scores, *args, use_reentrant=False)
             else:
                 blocks, saf_stats = chunk_scores(*args)
             for head, block in zip(heads, blocks):

@@ -18,7 +18,6 @@ import os
 import pathlib
 import random
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -29,6 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 from sgraf import distributed
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
+from sgraf.kernels import plan
 from sgraf.precision import autocast, tf32
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
@@ -61,7 +61,6 @@ class NonFiniteLossError(RuntimeError):
         self.step = step
 
 
-@dataclass
 class StepResult:
     """What one optimisation step reports.
 
@@ -69,11 +68,31 @@ class StepResult:
         loss: the batch loss (summed over the global batch; L_r + L_f for joint models).
         grad_norm: the global gradient norm before clipping.
         skipped: the fp16 gradient scaler found inf/NaN gradients and skipped the update.
+
+    Under the GPU plan the step reads nothing back from the device: `loss` and `grad_norm` are
+    read at their first use, and a non-finite loss (whose update the device skipped) raises
+    `NonFiniteLossError` there, or at `check()`.
     """
 
-    loss: float
-    grad_norm: float
-    skipped: bool = False
+    def __init__(self, loss: float | torch.Tensor, grad_norm: float | torch.Tensor, skipped: bool = False,
+                 check: Callable[[], None] | None = None) -> None:
+        self._loss, self._grad_norm, self.skipped, self._check = loss, grad_norm, skipped, check
+
+    def check(self) -> None:
+        """Raise `NonFiniteLossError` if the loss was not finite (reads it from the device once)."""
+        check, self._check = self._check, None
+        if check is not None:
+            check()
+
+    @property
+    def loss(self) -> float:
+        self.check()
+        return float(self._loss)
+
+    @property
+    def grad_norm(self) -> float:
+        self.check()
+        return float(self._grad_norm)
 
 
 def learning_rate(config: TrainConfig, epoch: int) -> float:
@@ -87,8 +106,15 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Adam:
-    """Adam over every parameter, at the learning rate of epoch 0."""
-    return torch.optim.Adam(model.parameters(), lr=learning_rate(config, 0))
+    """Adam over every parameter, at the learning rate of epoch 0.
+
+    Under the GPU plan (`sgraf.kernels.plan`), Adam's fused kernel: a few launches per step for
+    all parameters (PyTorch's CUDA default, `foreach`, launches about fifteen), and an update the
+    device itself skips when the loss is not finite (`train_step` reads nothing back). Elsewhere
+    PyTorch's default (on a CPU, one parameter at a time: the numerics of the golden tests)."""
+    device = next(model.parameters()).device
+    return torch.optim.Adam(model.parameters(), lr=learning_rate(config, 0),
+                            fused=True if plan.gpu_plan(device) else None)
 
 
 def make_grad_scaler(config: TrainConfig, device: torch.device) -> Any | None:
@@ -128,7 +154,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
 
     Raises:
         NonFiniteLossError: the loss is NaN or infinite (nothing is updated); the message names
-            the images whose features are not finite, if any (`inputs_finite` otherwise).
+            the images whose features are not finite, if any (`inputs_finite` otherwise). With
+            a fused optimizer under the GPU plan the step reads nothing back from the device:
+            the device skips the update, and the error is raised when the result is first read.
     """
     from sgraf.model.loss import ranking_loss
 
@@ -151,13 +179,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     if global_scores is not None:  # auxiliary loss: global vectors as a retrieval embedding
         loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
                                                                config.max_violation, positives)
-    if not bool(torch.isfinite(loss)):
-        bad_images = (~torch.isfinite(images)).flatten(1).any(dim=1).cpu()
-        if bool(bad_images.any()):
-            raise NonFiniteLossError(f"the training loss is {loss.item()} on non-finite inputs: the features of "
-                                     f"images {batch.image_ids[bad_images][:5].tolist()} hold NaN/inf",
-                                     inputs_finite=False)
-        raise NonFiniteLossError(f"the training loss is {loss.item()}")
+    def check_loss() -> None:
+        if not bool(torch.isfinite(loss)):
+            bad_images = (~torch.isfinite(images)).flatten(1).any(dim=1).cpu()
+            if bool(bad_images.any()):
+                raise NonFiniteLossError(f"the training loss is {loss.item()} on non-finite inputs: the features "
+                                         f"of images {batch.image_ids[bad_images][:5].tolist()} hold NaN/inf",
+                                         inputs_finite=False)
+            raise NonFiniteLossError(f"the training loss is {loss.item()}")
+
+    # without a host read: the fused optimizer skips the update on the device when the loss is not finite
+    on_device = scaler is None and plan.gpu_plan(device) and bool(optimizer.defaults.get("fused"))
+    if not on_device:
+        check_loss()
     (scaler.scale(loss) if scaler is not None else loss).backward()
     average_gradients(params)
     merge_per_caption_norms(norms, norms_before)
@@ -173,8 +207,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         scaler.step(optimizer)
         scaler.update()
         skipped = scaler.get_scale() < scale
+    elif on_device:
+        optimizer.found_inf = torch.isfinite(loss).logical_not().float()   # read by the fused kernel
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
     else:
         optimizer.step()
+    if on_device:
+        return StepResult(loss.detach(), grad_norm.detach(), check=check_loss)
     return StepResult(loss=float(loss.item()), grad_norm=float(grad_norm), skipped=skipped)
 
 

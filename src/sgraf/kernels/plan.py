@@ -1,0 +1,53 @@
+"""Which plan of work a device gets: the CPU's (cache-sized chunks, measured thread modes,
+oneDNN matmuls) or a GPU's (device-sized blocks, one chunk per block, PyTorch's own ops).
+
+The model and the scorer ask `gpu_plan(device)` instead of testing the device type, and
+`free_memory(device)` instead of asking CUDA, so that `emulate_gpu()` can run the GPU plan on
+CPU tensors: the same block sizes, chunks and ops a CUDA device would get, which
+`sgraf.kernels.launches` counts without a GPU. Outside `emulate_gpu` the plan is the device's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+# The free memory `emulate_gpu` reports by default: an idle 80 GB H100 as CUDA reports it.
+EMULATED_FREE_BYTES = 78 * 2**30
+
+_state = threading.local()
+
+
+def emulated_free_bytes() -> int | None:
+    """The free memory of the emulated GPU on this thread, or None outside `emulate_gpu`."""
+    return getattr(_state, "free", None)
+
+
+def gpu_plan(device: torch.device | str) -> bool:
+    """Whether work on `device` follows the GPU plan: a CUDA device, or the CPU inside `emulate_gpu`."""
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "cpu" and emulated_free_bytes() is not None)
+
+
+def free_memory(device: torch.device | str) -> int:
+    """Free bytes of a GPU-plan device (the emulated amount inside `emulate_gpu`)."""
+    emulated = emulated_free_bytes()
+    if emulated is not None and torch.device(device).type == "cpu":
+        return emulated
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+@contextlib.contextmanager
+def emulate_gpu(free_bytes: int = EMULATED_FREE_BYTES) -> Iterator[None]:
+    """On this thread, CPU tensors get the GPU plan, as if they were on a CUDA device with
+    `free_bytes` of free memory (for counting its operations; slow on a CPU)."""
+    outer = emulated_free_bytes()
+    _state.free = int(free_bytes)
+    try:
+        yield
+    finally:
+        _state.free = outer

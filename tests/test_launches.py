@@ -1,0 +1,97 @@
+"""Kernel launches counted without a GPU (`sgraf.kernels.launches`) under the GPU plan
+(`sgraf.kernels.plan.emulate_gpu`), held under budgets so that they cannot creep back.
+
+The budgets are the counts measured after the cuts of issue 20 with a little headroom. A step
+is counted at batch 32 here (the batch in one chunk: SGR 520, SAF 485 launches in fp32; at batch
+128 the paper's cuts make two chunks, 825 for SGR: `benchmarks/launch_counts.py`), a scoring
+block at 16 images (73 launches for SGR, 56 for SAF, whatever the images and captions in it);
+the launches of a scoring block must not grow with the captions in it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model_helpers import random_batch, random_model
+from sgraf.kernels import plan
+from sgraf.kernels.launches import LaunchCounter
+from sgraf.training.config import preset
+from sgraf.training.loop import NonFiniteLossError, build_optimizer, train_step
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import launch_counts  # noqa: E402
+
+# launches per training step and per scoring block, with headroom
+TRAIN_STEP_BUDGET = {"sgr": 550, "saf": 515}    # batch 32, fp32
+SCORE_BLOCK_BUDGET = {"sgr": 78, "saf": 60}
+
+
+def test_the_counter_counts_kernels_not_views_and_reads_of_the_device():
+    x = torch.randn(4, 6)
+    with LaunchCounter() as counter:
+        y = x.t().reshape(6, 4)[:2].unsqueeze(0)     # views: nothing launched
+        z = (y * 2).sum()                            # two kernels
+        float(z)                                     # a read of a device value
+    assert (counter.launches, counter.host_reads) == (2, 1)
+
+
+def test_host_tensors_launch_nothing_and_reading_them_is_no_synchronisation():
+    lengths, x = torch.tensor([3, 5, 2]), torch.randn(3, 5)
+    with LaunchCounter() as counter:
+        counter.host(lengths)
+        n = int(lengths[1:].max())                   # host work: no launch, no wait
+        mask = torch.arange(n) < lengths.unsqueeze(1)  # arange and the comparison: two launches
+        (x * mask).sum()
+    assert (counter.launches, counter.host_reads) == (4, 0)
+
+
+def test_a_gru_counts_as_one_operation_each_way_as_cudnn_runs_it():
+    gru = torch.nn.GRU(4, 3, batch_first=True, bidirectional=True)
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([5, 3]), batch_first=True)
+    with LaunchCounter() as counter:
+        out, _ = gru(packed)
+        out.data.sum().backward()
+    assert counter.by_op["cudnn rnn (emulated)"] == counter.by_op["cudnn rnn backward (emulated)"] == 1
+    assert counter.launches < 12
+
+
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_a_training_step_stays_under_its_launch_budget_and_reads_nothing_back(module):
+    counter = launch_counts.train_step_launches(module, "fp32", batch_size=32, scale=64)
+    assert counter.host_reads == 0, counter.reads_by_op
+    assert counter.launches <= TRAIN_STEP_BUDGET[module], counter.summary(20)
+
+
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_a_scoring_block_launches_the_same_whatever_its_captions(module):
+    few = launch_counts.score_block_launches(module, "fp32", n_img=16, n_cap=8, scale=64)
+    many = launch_counts.score_block_launches(module, "fp32", n_img=16, n_cap=128, scale=64)
+    assert few.launches == many.launches <= SCORE_BLOCK_BUDGET[module], (few.summary(), many.summary())
+    assert few.host_reads == many.host_reads == 0
+
+
+def test_under_the_gpu_plan_a_non_finite_loss_skips_the_update_on_the_device_and_raises_when_read():
+    model = random_model(3, module="sgr").train()
+    images, captions, lengths = random_batch(model, 4, [3, 4, 2, 5])
+    images[2, 1, 0] = float("nan")
+    batch = SimpleNamespace(images=images, captions=captions, lengths=lengths, image_ids=torch.arange(4) + 10)
+    config = preset("tiny").replace(module="sgr")
+    with plan.emulate_gpu():
+        optimizer = build_optimizer(model, config)
+        assert optimizer.defaults["fused"]
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        with LaunchCounter() as counter:
+            counter.host(batch.lengths)                  # on the host in the GPU plan too
+            result = train_step(model, optimizer, batch, config)
+        assert counter.host_reads == 0, counter.reads_by_op
+        with pytest.raises(NonFiniteLossError, match=r"on non-finite inputs: the features of images \[12\]"):
+            result.loss
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert all(int(state["step"]) == 0 for state in optimizer.state.values())
