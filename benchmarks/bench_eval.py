@@ -240,7 +240,23 @@ def main() -> int:
             spread = float(runs["fp32"]["sims"].std())
             print(f"bf16 vs fp32: largest recall difference {difference.max():.2f} (target <= 0.1), "
                   f"largest score difference {score_error:.2e} (fp32 scores: std {spread:.2e})")
+            same, queries, far = top1_agreement(runs["fp32"]["sims"], runs["bf16"]["sims"], 2 * score_error)
+            print(f"bf16 vs fp32 top-1: the same for {same} of {queries} queries (both directions); "
+                  f"changed outside near-ties (fp32 margin above twice the largest bf16 error): {far}")
     return 0
+
+
+def top1_agreement(fp32: np.ndarray, bf16: np.ndarray, tie: float) -> tuple[int, int, int]:
+    """(queries whose top-1 is the same, queries, changed ones whose fp32 scores of the two
+    candidates differ by at least `tie`), over images (rows) and captions (columns)."""
+    same = queries = far = 0
+    for axis in (0, 1):
+        best, chosen = fp32.argmax(axis), bf16.argmax(axis)
+        margin = fp32.max(axis) - np.take_along_axis(fp32, np.expand_dims(chosen, axis), axis).squeeze(axis)
+        same += int((best == chosen).sum())
+        queries += best.size
+        far += int(((best != chosen) & (margin >= tie)).sum())
+    return same, queries, far
 
 
 if __name__ == "__main__":

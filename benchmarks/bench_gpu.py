@@ -9,7 +9,13 @@ The rows (issue 11), each printed by the benchmark that owns it, run here one af
 3. a training step at batch 128, SGR and SAF, fp32 and bf16: seconds and peak memory (the GPU
    allocator's) against the authors' step (`bench_train.py`);
 4. `SGRAF.score` on an 80 x 160 block of raw inputs in fp32 against the authors' algorithm, on
-   the CPU (`bench_score.py`).
+   the CPU (`bench_score.py`);
+5. kernel launches under the GPU plan, counted on the CPU (`launch_counts.py`, any machine): per
+   training step at batch 128 and per scoring block (256 images x 128 and x 1,024 captions),
+   SGR and SAF, fp32 and bf16, and the reads of device values inside them.
+
+The evaluate rows also print the bf16 against fp32 agreement: recalls, the largest score
+difference, and the queries whose top-1 changed outside near-ties.
 
     python benchmarks/bench_gpu.py                  # on CUDA when there is one (else the CPU: hours)
     python benchmarks/bench_gpu.py --smoke          # tiny sizes on any device: checks that it runs
@@ -31,9 +37,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 def rows(device: str, smoke: bool) -> list[tuple[str, list[str]]]:
     """(title, command) of each row."""
     if smoke:
-        coco, f30k, batch, steps, call, captions = 4, 6, 6, 1, 6, 12
+        coco, f30k, batch, steps, call, captions, launch_batch = 4, 6, 6, 1, 6, 12, 16
     else:
-        coco, f30k, batch, steps, call, captions = 5000, 1000, 128, 5, 80, 160
+        coco, f30k, batch, steps, call, captions, launch_batch = 5000, 1000, 128, 5, 80, 160, 128
     evaluate = [sys.executable, str(HERE / "bench_eval.py"), "--device", device, "--precisions", "bf16", "fp32",
                 "--authors-captions", "1" if smoke else "3"]
     return [
@@ -44,6 +50,10 @@ def rows(device: str, smoke: bool) -> list[tuple[str, list[str]]]:
         (f"CPU: SGRAF.score on {call} x {captions} raw inputs, fp32",
          [sys.executable, str(HERE / "bench_score.py"), "--modules", "sgr", "--call-images", str(call),
           "--call-captions", str(captions), "--images", "0", "--repeats", "1" if smoke else "3"]),
+        (f"kernel launches under the GPU plan, counted on the CPU (train step at batch {launch_batch}, "
+         "scoring blocks)", [sys.executable, str(HERE / "launch_counts.py"), "--batch", str(launch_batch)]
+         + (["--modules", "sgr", "--precisions", "fp32", "--scale", "256", "--images", "8", "--captions", "8", "32"]
+            if smoke else [])),
     ]
 
 

@@ -147,7 +147,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     Args:
         model: an `SGRAF`; put in train mode.
         optimizer: its Adam.
-        batch: a `sgraf.data.precomp.Batch` (images, captions, lengths, image_ids).
+        batch: a `sgraf.data.precomp.Batch` (images, captions, lengths, image_ids; boxes for a
+            model with positions).
         config: margin, max_violation, same_image_positive, grad_clip, precision.
         scaler: the fp16 gradient scaler, or None.
         device: where the model lives.
@@ -165,7 +166,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     images = batch.images.to(device, non_blocking=True)          # (n, K, img_dim)
     captions = batch.captions.to(device, non_blocking=True)      # (n, L)
     lengths = batch.lengths                                      # (n,) on the CPU: read there, no device wait
-    boxes = None if batch.boxes is None else batch.boxes.to(device, non_blocking=True)  # (n, K, 4)
+    boxes = getattr(batch, "boxes", None)                        # (n, K, 4) for a model with positions
+    boxes = None if boxes is None else boxes.to(device, non_blocking=True)
     params = [p for p in model.parameters() if p.requires_grad]
     norms = per_caption_norms(model) if distributed.is_distributed() else []
     norms_before = snapshot_norms(norms)
