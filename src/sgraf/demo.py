@@ -271,7 +271,8 @@ def format_table(results: dict[str, dict[str, Any]], title: str) -> str:
     for label in order:
         result = results[label]
         i2t, t2i = result["i2t"], result["t2i"]
-        rows.append(f"{_name(label):<{first}}|{_cell(i2t['r1'], width)}{_cell(i2t['r5'], width)}{_cell(i2t['r10'], width)} |"
+        rows.append(f"{_name(label):<{first}}|"
+                    f"{_cell(i2t['r1'], width)}{_cell(i2t['r5'], width)}{_cell(i2t['r10'], width)} |"
                     f"{_cell(t2i['r1'], width)}{_cell(t2i['r5'], width)}{_cell(t2i['r10'], width)} |"
                     f"{_cell(result['rsum'], rsum_width)}")
     return "\n".join([title,
@@ -616,7 +617,8 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
     verdict.append(f"- The better single model {'>' if check['best_single_gt_global'] else '<='} "
                    f"global-only ({rsum['global-only']:.1f}).")
     if "SGRAF+pos" in rsum:
-        relation = {label: record["summary"]["diagnose"][label]["relation"]["group"] for label in ("SGRAF", "SGRAF+pos")}
+        kinds = record["summary"]["diagnose"]
+        relation = {label: kinds[label]["relation"]["group"] for label in ("SGRAF", "SGRAF+pos")}
         relation = {label: 100 * (value["mean"] if isinstance(value, dict) else value)
                     for label, value in relation.items() if value is not None}
         verdict.append(f"- With positions: SGRAF+pos rsum {rsum['SGRAF+pos']:.1f} (SGRAF {rsum['SGRAF']:.1f})"

@@ -201,8 +201,8 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
     device, dtype = model_device(model), model_dtype(model)  # type: ignore[arg-type]
     needs_boxes = bool(getattr(model, "needs_boxes", False))
     if needs_boxes and boxes is None:
-        raise InputError(f"this model (positions={model.config.positions!r}) needs each region's box; "  # type: ignore[attr-defined]
-                         "the images came without boxes")
+        positions = model.config.positions  # type: ignore[attr-defined]
+        raise InputError(f"this model (positions={positions!r}) needs each region's box; the images came without boxes")
     if needs_boxes and len(boxes) != len(images):
         raise InputError(f"{len(boxes)} images' boxes for {len(images)} images; expected one (K, 4) array per image")
     source, first_row = (source, 0) if source else mapped_file(images)
