@@ -331,7 +331,7 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
     tokens = explanation.tokens
     n_panels = len(tokens) if explanation.attention is not None else 0
     panel_rows = math.ceil(n_panels / columns) if n_panels else 0
-    width = max(12.0, 1.6 * columns)
+    width = max(10.0, 1.25 * columns)   # 900 px at 8 columns: a served picture stays bounded
     # constrained layout sizes each part to its content: the weight row's rotated node labels get
     # their own room above the attention panels, whose rows are as tall as their square pictures
     panel_height = width / columns + 0.35
