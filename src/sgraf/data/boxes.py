@@ -42,6 +42,20 @@ def boxes_files(data_dir: str | os.PathLike[str], split: str) -> tuple[Path, Pat
     return data_dir / f"{split}{BOXES_SUFFIX}", data_dir / f"{split}{SIZES_SUFFIX}"
 
 
+def box_problems(boxes: np.ndarray, widths: np.ndarray, heights: np.ndarray) -> list[np.ndarray]:
+    """The four ways a pixel box can be wrong, as boolean masks over the boxes' leading dims.
+
+    `boxes` (..., 4) x1, y1, x2, y2 as float64; `widths` / `heights` broadcast against
+    `boxes[..., 0]`. In order: not finite, x2 < x1, y2 < y1, outside the picture by more than
+    `OUTSIDE_TOLERANCE_PX`. The one rule for the reader (`check_boxes`) and the TSV converter.
+    """
+    x1, y1, x2, y2 = (boxes[..., i] for i in range(4))
+    with np.errstate(invalid="ignore"):
+        return [~np.isfinite(boxes).all(axis=-1), x2 < x1, y2 < y1,
+                (x1 < -OUTSIDE_TOLERANCE_PX) | (y1 < -OUTSIDE_TOLERANCE_PX)
+                | (x2 > widths + OUTSIDE_TOLERANCE_PX) | (y2 > heights + OUTSIDE_TOLERANCE_PX)]
+
+
 def check_boxes(boxes: np.ndarray, sizes: np.ndarray, boxes_source: Any, sizes_source: Any,
                 n_images: int | None = None, n_regions: int | None = None) -> None:
     """Raise `InputError` for pixel boxes or picture sizes a model cannot read.
@@ -74,23 +88,21 @@ def check_boxes(boxes: np.ndarray, sizes: np.ndarray, boxes_source: Any, sizes_s
         raise InputError(f"{sizes_source}: image {image} has size {sizes[image].tolist()}; expected a positive, "
                          "finite width and height in pixels")
     boxes = np.asarray(boxes, dtype=np.float64)
+    not_finite, x_order, y_order, outside = box_problems(boxes, sizes[:, None, 0], sizes[:, None, 1])
     problems = (
-        (~np.isfinite(boxes).all(axis=2), "expected finite x1, y1, x2, y2"),
-        ((boxes[..., 2] < boxes[..., 0]) | (boxes[..., 3] < boxes[..., 1]), "expected x2 >= x1 and y2 >= y1"),
-        ((boxes[..., :2] < -OUTSIDE_TOLERANCE_PX).any(axis=2)
-         | (boxes[..., 2] > sizes[:, None, 0] + OUTSIDE_TOLERANCE_PX)
-         | (boxes[..., 3] > sizes[:, None, 1] + OUTSIDE_TOLERANCE_PX), None),
+        (not_finite, "expected finite x1, y1, x2, y2"),
+        (x_order | y_order, "expected x2 >= x1 and y2 >= y1"),
+        (outside, None),
     )
-    with np.errstate(invalid="ignore"):
-        for mask, expected in problems:
-            if mask.any():
-                image, region = (int(v) for v in np.argwhere(mask)[0])
-                if expected is None:
-                    width, height = sizes[image]
-                    expected = (f"expected inside its {width:g} x {height:g} picture ({sizes_source}), within "
-                                f"{OUTSIDE_TOLERANCE_PX:g} pixel")
-                raise InputError(f"{boxes_source}: the box of image {image}, region {region} is "
-                                 f"{boxes[image, region].tolist()}; {expected}")
+    for mask, expected in problems:
+        if mask.any():
+            image, region = (int(v) for v in np.argwhere(mask)[0])
+            if expected is None:
+                width, height = sizes[image]
+                expected = (f"expected inside its {width:g} x {height:g} picture ({sizes_source}), within "
+                            f"{OUTSIDE_TOLERANCE_PX:g} pixel")
+            raise InputError(f"{boxes_source}: the box of image {image}, region {region} is "
+                             f"{boxes[image, region].tolist()}; {expected}")
 
 
 def normalise_boxes(boxes: np.ndarray, sizes: np.ndarray) -> np.ndarray:

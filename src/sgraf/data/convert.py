@@ -28,7 +28,7 @@ import numpy as np
 
 from sgraf import text_files
 from sgraf.atomic_write import preallocated_memmap
-from sgraf.data.boxes import OUTSIDE_TOLERANCE_PX, write_boxes
+from sgraf.data.boxes import box_problems, write_boxes
 from sgraf.data.layout import split_family
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
@@ -105,16 +105,9 @@ def check_row_boxes(row: TsvRow, path: Path, line: int) -> None:
     `sgraf.data.boxes.OUTSIDE_TOLERANCE_PX` past the border (detectors clip to [0, w - 1] or
     [0, w]), as the reader allows.
     """
-    boxes = row.boxes.astype(np.float64)
-    x1, y1, x2, y2 = boxes.T
-    tolerance = OUTSIDE_TOLERANCE_PX
-    problems = (
-        (~np.isfinite(boxes).all(axis=1), "holds NaN or inf"),
-        (x2 < x1, "has x2 < x1"),
-        (y2 < y1, "has y2 < y1"),
-        ((x1 < -tolerance) | (y1 < -tolerance) | (x2 > row.image_w + tolerance) | (y2 > row.image_h + tolerance),
-         f"lies outside the {row.image_w} x {row.image_h} picture (image_w x image_h)"),
-    )
+    problems = zip(box_problems(row.boxes.astype(np.float64), row.image_w, row.image_h),
+                   ("holds NaN or inf", "has x2 < x1", "has y2 < y1",
+                    f"lies outside the {row.image_w} x {row.image_h} picture (image_w x image_h)"))
     for bad, what in problems:
         if bad.any():
             region = int(np.flatnonzero(bad)[0])
