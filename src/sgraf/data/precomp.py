@@ -78,6 +78,12 @@ def data_fingerprint(data_dir: str | os.PathLike[str], splits: Sequence[str] = (
     return fingerprint
 
 
+def fingerprint_differences(found: dict[str, str], recorded: dict[str, str]) -> list[str]:
+    """The file names whose digests differ between two `data_fingerprint`s (either side missing
+    a file counts), sorted: what a refusal to mix data sets names."""
+    return sorted(name for name in set(found) | set(recorded) if found.get(name) != recorded.get(name))
+
+
 def read_captions(path: str | os.PathLike[str]) -> list[str]:
     """Read a caption file as the authors do (bytes split on '\\n', ASCII-stripped), strictly.
 

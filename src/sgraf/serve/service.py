@@ -146,7 +146,7 @@ class SearchService:
         (`precomp.data_fingerprint`, recorded by `build_index`) must match. The same files in
         another folder (the data moved) are accepted; indexes without a fingerprint are not
         checked."""
-        from sgraf.data.precomp import data_fingerprint
+        from sgraf.data.precomp import data_fingerprint, fingerprint_differences
 
         source = self.index.manifest.get("source") or {}
         recorded = source.get("data_fingerprint")
@@ -155,7 +155,7 @@ class SearchService:
         found = data_fingerprint(self.data_dir, splits=(self.split,))
         if found == recorded:
             return
-        differ = ", ".join(sorted(name for name in set(found) | set(recorded) if found.get(name) != recorded.get(name)))
+        differ = ", ".join(fingerprint_differences(found, recorded))
         given, built_from = self.data_dir.resolve(), source.get("data_dir")
         if built_from is not None and Path(built_from).resolve() == given:
             raise InputError(f"the files of {given} changed since the index {self.index.folder} was built from them "

@@ -21,6 +21,7 @@ from typing import Any
 
 from sgraf import text_files
 from sgraf.atomic_write import write_error, write_text
+from sgraf.data.precomp import fingerprint_differences
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.training.config import TrainConfig, load_config_file
@@ -131,8 +132,7 @@ def other_data(run: pathlib.Path, data_dir: str | os.PathLike[str],
         return None if same_folder else f"{given} is another folder than {recorded}"
     if fingerprint == recorded_fingerprint:
         return None
-    differ = sorted(name for name in set(fingerprint) | set(recorded_fingerprint)
-                    if fingerprint.get(name) != recorded_fingerprint.get(name))
+    differ = fingerprint_differences(fingerprint, recorded_fingerprint)
     if same_folder:
         return f"the files of {given} changed since the run recorded them ({', '.join(differ)} differ)"
     return f"{given} is another folder than {recorded}, with other files ({', '.join(differ)} differ)"
