@@ -295,6 +295,8 @@ class Batch:
         image_ids: (B,) int64 image indices (equal ids = the same image).
         boxes: (B, K, 4) float32 region boxes normalised to [0, 1] (`sgraf.data.boxes`) when the
             dataset carries them (a model with positions), else None.
+        true_of: (B, width) int64 per caption the image ids it is true of, -1 padded, when the
+            batch is drawn by families (`sgraf.training.families`), else None.
     """
 
     images: torch.Tensor
@@ -303,13 +305,15 @@ class Batch:
     caption_ids: torch.Tensor
     image_ids: torch.Tensor
     boxes: torch.Tensor | None = None
+    true_of: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
 
     def _apply(self, move: Any) -> Batch:
         return Batch(*(move(t) for t in (self.images, self.captions, self.lengths, self.caption_ids,
-                                         self.image_ids)), boxes=None if self.boxes is None else move(self.boxes))
+                                         self.image_ids)), boxes=None if self.boxes is None else move(self.boxes),
+                     true_of=None if self.true_of is None else move(self.true_of))
 
     def to(self, device: torch.device | str) -> Batch:
         return self._apply(lambda t: t.to(device))

@@ -26,7 +26,8 @@ from sgraf import text_files
 from sgraf.errors import InputError
 from sgraf.precision import PRECISIONS
 
-MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes 0 .. 2**32 - 1
+MAX_SEED = 2**32 - 1
+BATCHES = ("random", "families")  # numpy's legacy seeding takes 0 .. 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class TrainConfig:
             a constant score; a summed warm-up leaves it (docs/getting-started.md, the demo's loss).
         same_image_positive: do not count another caption of the batch's same image as a
             negative (off in the authors' code).
+        batches: 'random' (the authors' batches: captions in a random order) or 'families':
+            each batch holds whole families of hard negatives (one caption of each picture of
+            a family), and a caption is not a negative of a family picture it is true of
+            (`sgraf.training.families`; needs the `train_scenes.jsonl` of `sgraf generate`).
         global_loss_weight: weight of an auxiliary ranking loss on the cosines of the
             self-attention global vectors (0: off, the authors' loss). It makes those vectors a
             retrieval embedding, so a search shortlist on them loses little (docs/guides/search-and-serve.md).
@@ -114,6 +119,7 @@ class TrainConfig:
     max_violation: bool = True
     warmup_epochs: int = 0
     same_image_positive: bool = False
+    batches: str = "random"
     global_loss_weight: float = 0.0
     seed: int = 0
     precision: str = "fp32"
@@ -130,7 +136,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"module": MODULES, "alignments": ALIGNMENTS, "similarity": SIMILARITIES,
-                   "attention": ATTENTIONS, "precision": PRECISIONS, "positions": POSITIONS}
+                   "attention": ATTENTIONS, "precision": PRECISIONS, "positions": POSITIONS,
+                   "batches": BATCHES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InputError(f"training config field {name!r} must be one of {', '.join(allowed)}, "

@@ -32,6 +32,7 @@ from sgraf.kernels import plan
 from sgraf.precision import autocast, tf32
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
+from sgraf.training.families import FamilyBatchSampler, TruthCollate, truth_mask
 from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores, global_vector_scores,
                                          merge_per_caption_norms, per_caption_norms, snapshot_norms)
 from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_state,
@@ -149,7 +150,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         optimizer: its Adam.
         batch: a `sgraf.data.precomp.Batch` (images, captions, lengths, image_ids; boxes for a
             model with positions).
-        config: margin, max_violation, same_image_positive, grad_clip, precision.
+        config: margin, max_violation, same_image_positive, grad_clip, precision (a batch
+            with `true_of`, drawn by families, masks every pair whose caption is true of the
+            picture instead of only the same picture's).
         scaler: the fp16 gradient scaler, or None.
         device: where the model lives.
 
@@ -176,7 +179,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     with autocast(config.precision, device):
         scores = global_batch_scores(model, images, captions, lengths, boxes)   # (B, B) or {'sgr', 'saf'}
         global_scores = global_vector_scores(model) if config.global_loss_weight > 0 else None
-    positives = same_image_mask(batch.image_ids.to(device)) if config.same_image_positive else None
+    true_of = getattr(batch, "true_of", None)
+    if true_of is not None:   # family batches: a caption is no negative of a picture it is true of
+        positives = truth_mask(batch.image_ids.to(device), true_of.to(device))
+    else:
+        positives = same_image_mask(batch.image_ids.to(device)) if config.same_image_positive else None
     loss = batch_loss(scores, config, positives)
     if global_scores is not None:  # auxiliary loss: global vectors as a retrieval embedding
         loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
@@ -510,7 +517,20 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     dataset = PrecompDataset(train, vocab, with_boxes=model.needs_boxes)
     if model.needs_boxes:
         dev.read_boxes(required=True)
-    n_steps = steps_per_epoch(len(dataset), config.batch_size, info.world_size)
+    families = None
+    if config.batches == "families":   # the scenes are read and checked before the first step
+        from sgraf.data.families import read_families
+        families = read_families(data_dir, "train", train.n_images, train.caps_per_image)
+
+    def epoch_sampler(epoch: int, start_batch: int = 0) -> Sampler[list[int]]:
+        if families is not None:
+            return FamilyBatchSampler(families.groups, families.captions_per_image, config.batch_size, config.seed,
+                                      epoch, start_batch, info.rank, info.world_size)
+        return EpochBatchSampler(len(dataset), config.batch_size, config.seed, epoch, start_batch,
+                                 info.rank, info.world_size)
+
+    collate = collate_batch if families is None else TruthCollate(families.true_of)
+    n_steps = len(epoch_sampler(0))
     if n_steps == 0:
         raise InputError(f"{train.caps_path}: {len(dataset)} training captions make no batch of "
                          f"at least 2 (batch_size={config.batch_size})")
@@ -587,9 +607,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         try:
             while progress.epoch < config.epochs:
                 set_learning_rate(optimizer, learning_rate(config, progress.epoch))
-                sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, progress.epoch,
-                                            progress.epoch_step, info.rank, info.world_size)
-                loader = CheckedLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch,
+                sampler = epoch_sampler(progress.epoch, progress.epoch_step)
+                loader = CheckedLoader(dataset, batch_sampler=sampler, collate_fn=collate,
                                        num_workers=config.workers,
                                        generator=torch.Generator().manual_seed(config.seed),
                                        pin_memory=device.type == "cuda")   # NaN/inf batches refused
