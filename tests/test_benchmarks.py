@@ -21,3 +21,28 @@ def test_bench_gpu_smoke_runs_every_row_beside_the_authors(tmp_path):
     assert "SGRAF.score" in out and "x" in out.split("SGRAF.score", 1)[1]
     assert "train step, batch 16, sgr fp32:" in out and "scoring block 8 x 32, sgr fp32:" in out   # launches
     assert "bf16 vs fp32 top-1: the same for" in out
+
+
+def test_the_relation_probe_fine_tunes_on_relation_twins_alone(tmp_path):
+    from sgraf.checkpoint import save_model
+    from sgraf.config import ModelConfig
+    from sgraf.data.benchmark import generate_benchmark
+    from sgraf.data.vocab import load_vocab
+    from sgraf.model.sgraf import SGRAF
+
+    data = tmp_path / "data"
+    generate_benchmark(data, seed=1, features="synthetic", n_train=80, n_dev=8, n_test=8, save_images=False,
+                       synthetic_dim=16, min_count=1)
+    vocab = load_vocab(data / "vocab.json")
+    model = SGRAF(ModelConfig(vocab_size=len(vocab), img_dim=16, num_regions=36, word_dim=8, embed_size=16,
+                              sim_dim=8, sgr_step=1, positions="box"))
+    model.vocab = vocab
+    save_model(model, tmp_path / "model.pt", vocab=vocab)
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_relations.py"), "--checkpoint",
+                                str(tmp_path / "model.pt"), "--data", str(data), "--steps", "4", "--every", "2",
+                                "--held", "4", "--pairs", "2"], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+    lines = completed.stdout.splitlines()
+    assert "relation pairs in train: fine-tuning on" in lines[0]
+    assert [line.split(":")[0] for line in lines[1:]] == ["step 0", "step 2", "step 4"]
+    assert all("held out" in line for line in lines[1:])
