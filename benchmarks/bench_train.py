@@ -227,9 +227,9 @@ def main() -> None:
         for r in results:
             if r["module"] == module and r["impl"] == "ours":
                 rounds = [1 / x for x in r["per_round_vs_first"]]
+                memory = "" if args.no_memory else f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
                 print(f"{module} ours {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster "
-                      f"(median of medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), "
-                      f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
+                      f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {memory}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
     if args.json:
         with open(args.json, "w") as f:
