@@ -41,12 +41,13 @@ def rows(device: str, smoke: bool) -> list[tuple[str, list[str]]]:
     else:
         coco, f30k, batch, steps, call, captions, launch_batch = 5000, 1000, 128, 5, 80, 160, 128
     evaluate = [sys.executable, str(HERE / "bench_eval.py"), "--device", device, "--precisions", "bf16", "fp32",
-                "--authors-captions", "1" if smoke else "3"]
+                "--authors-captions", "1" if smoke else "100"]
     return [
         (f"MSCOCO-5K-size evaluate ({coco} images), SGR", [*evaluate, "--images", str(coco)]),
         (f"Flickr30K-size evaluate ({f30k} images), SGR", [*evaluate, "--images", str(f30k)]),
         (f"train step, batch {batch}, SGR and SAF", [sys.executable, str(HERE / "bench_train.py"), "--device", device,
-                                                     "--batch", str(batch), "--steps", str(steps)]),
+                                                     "--batch", str(batch), "--steps", str(steps)]
+         + (["--no-memory"] if smoke else [])),
         (f"CPU: SGRAF.score on {call} x {captions} raw inputs, fp32",
          [sys.executable, str(HERE / "bench_score.py"), "--modules", "sgr", "--call-images", str(call),
           "--call-captions", str(captions), "--images", "0", "--repeats", "1" if smoke else "3"]),

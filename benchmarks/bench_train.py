@@ -10,9 +10,13 @@ scored in length-sorted caption chunks whose intermediates are recomputed in bac
 `--chunk N` fixes the captions per chunk, `--no-checkpoint` keeps every chunk's intermediates).
 Dropout is off so both compute the same first loss (printed: a correctness check).
 
-Each configuration runs in its own subprocess, so its peak resident memory (ru_maxrss: the
-interpreter, torch, the model, Adam's moments and the step) is clean. Medians over --steps
-timed steps after one warm-up step.
+The times come from one process per module that runs the configurations in turn, one step
+each per round (A/B interleaved, so that a change of the machine's load hits all of them):
+medians over --steps rounds after one warm-up step each, and each round's ratio. The peak
+memory of each configuration comes from a fresh process of its own running two steps
+(ru_maxrss: the interpreter, torch, the model, Adam's moments and the step), so it is clean.
+The authors' stand-in was calibrated against their own `train_emb` in the same process
+(benchmarks/results/calibration-*).
 
     python benchmarks/bench_train.py                     # SGR and SAF, authors fp32 vs ours fp32/bf16
     python benchmarks/bench_train.py --batch 32 --steps 2   # quicker
@@ -38,26 +42,18 @@ def caption_lengths(n: int, generator):
     return (words.round().clamp(1, 80) + 2).long()
 
 
-def child(module: str, impl: str, precision: str, batch_size: int, steps: int, threads: int,
-          chunk: int | None = None, checkpoint: bool = True, device: str = "cpu") -> dict:
+def setup(module: str, batch_size: int, threads: int, device: str = "cpu"):
+    """The paper-size model (dropout off) and one Flickr30K-like batch, the same for every run."""
     import torch
     from types import SimpleNamespace
 
     from sgraf.config import ModelConfig
-    from sgraf.model.oracle import authors_forward
     from sgraf.model.sgraf import SGRAF
-    from sgraf.precision import autocast
-    from sgraf.training.config import preset
-    from sgraf.training.loop import batch_loss, build_optimizer, train_step
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    config = preset(f"f30k-{module}").replace(precision=precision)
     model = SGRAF(ModelConfig(vocab_size=8500, img_dim=2048, word_dim=300, embed_size=1024, sim_dim=256,
-                              num_regions=36, module=module, dropout=0.0))
-    model.train_chunk, model.train_checkpoint = chunk, checkpoint
-    model.to(device)
-    optimizer = build_optimizer(model, config)
+                              num_regions=36, module=module, dropout=0.0)).to(device)
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(1)
     lengths = caption_lengths(batch_size, gen)
@@ -67,8 +63,26 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
         captions[i, 0], captions[i, n - 1] = 1, 2
     batch = SimpleNamespace(images=torch.randn(batch_size, 36, 2048, generator=gen).to(device),
                             captions=captions.to(device), lengths=lengths, image_ids=torch.arange(batch_size))
-    cuda = torch.device(device).type == "cuda"
-    rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return model, batch
+
+
+def make_step(model, batch, module: str, impl: str, precision: str, chunk: int | None = None,
+              checkpoint: bool = True, device: str = "cpu"):
+    """A function running one optimisation step of `impl` ('authors' or 'ours') on its own copy
+    of the model and its own Adam; returns the loss."""
+    import copy
+
+    import torch
+
+    from sgraf.model.oracle import authors_forward
+    from sgraf.precision import autocast
+    from sgraf.training.config import preset
+    from sgraf.training.loop import batch_loss, build_optimizer, train_step
+
+    model = copy.deepcopy(model)
+    model.train_chunk, model.train_checkpoint = chunk, checkpoint
+    config = preset(f"f30k-{module}").replace(precision=precision)
+    optimizer = build_optimizer(model, config)
 
     def authors_step() -> float:
         # The authors' train_emb: encoders on the batch, per-caption similarity, loss, backward,
@@ -86,20 +100,52 @@ def child(module: str, impl: str, precision: str, batch_size: int, steps: int, t
     def ours_step() -> float:
         return train_step(model, optimizer, batch, config, device=device).loss
 
-    step = authors_step if impl == "authors" else ours_step
-    times, losses = [], []
+    return authors_step if impl == "authors" else ours_step
+
+
+def timing(module: str, runs: list[tuple[str, str]], batch_size: int, steps: int, threads: int,
+           chunk: int | None = None, checkpoint: bool = True, device: str = "cpu") -> list[dict]:
+    """Seconds per step of every (impl, precision) in `runs`, in one process: one warm-up step
+    each, then `steps` rounds of one step of each in turn (so that a change of the machine's load
+    hits all of them); medians, and each round's time relative to the round's first run."""
+    import torch
+
+    model, batch = setup(module, batch_size, threads, device)
+    step_fns = [make_step(model, batch, module, impl, precision, chunk, checkpoint, device)
+                for impl, precision in runs]
+    del model
+    times: list[list[float]] = [[] for _ in runs]
+    losses: list[list[float]] = [[] for _ in runs]
     for k in range(steps + 1):
-        tic = time.perf_counter()
-        losses.append(step())
-        if k:
-            times.append(time.perf_counter() - tic)
-    # the peak memory of the device that computed: the GPU's allocator, else the process's RSS
+        for index, step in enumerate(step_fns):
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+            tic = time.perf_counter()
+            losses[index].append(step())
+            if k:
+                times[index].append(time.perf_counter() - tic)
+    return [{"module": module, "impl": impl, "precision": precision, "seconds_per_step": statistics.median(t),
+             "times": t, "per_round_vs_first": [x / y for x, y in zip(t, times[0])], "first_loss": loss[0],
+             "threads": threads, "batch_size": batch_size, "device": device}
+            for (impl, precision), t, loss in zip(runs, times, losses)]
+
+
+def memory(module: str, impl: str, precision: str, batch_size: int, threads: int, chunk: int | None = None,
+           checkpoint: bool = True, device: str = "cpu") -> dict:
+    """Peak memory of two steps of one configuration, alone in this (fresh) process: the
+    interpreter, torch, the model, Adam's moments and the step (ru_maxrss; on a GPU its
+    allocator's peak)."""
+    import torch
+
+    model, batch = setup(module, batch_size, threads, device)
+    step = make_step(model, batch, module, impl, precision, chunk, checkpoint, device)
+    del model
+    for _ in range(2):
+        step()
+    cuda = torch.device(device).type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"module": module, "impl": impl, "precision": precision, "seconds_per_step": statistics.median(times),
-            "times": times, "peak_rss_gib": peak, "device": device,
-            "rss_after_setup_gib": rss_setup, "first_loss": losses[0], "threads": threads,
-            "batch_size": batch_size}
+    return {"module": module, "impl": impl, "precision": precision, "peak_gib": peak}
 
 
 def torch_device_name(device: str) -> str:
@@ -116,53 +162,74 @@ def torch_device_name(device: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modules", nargs="+", default=["sgr", "saf"], choices=["sgr", "saf"])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                        help="ours (the authors' algorithm runs in fp32)")
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=3, help="timed rounds (after one warm-up step each)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--no-authors", action="store_true", help="skip the slow reference (the authors' algorithm)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--chunk", type=int, help="ours: captions per chunk (default: from a memory budget)")
     parser.add_argument("--no-checkpoint", action="store_true", help="ours: keep every chunk's intermediates")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: the GPU allocator's there)")
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--child", nargs=3, metavar=("MODULE", "IMPL", "PRECISION"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    options = (args.chunk, not args.no_checkpoint, args.device)
     if args.child:
-        print(json.dumps(child(*args.child, args.batch, args.steps, args.threads, args.chunk,
-                               not args.no_checkpoint, args.device)))
+        kind, module, *rest = args.child
+        if kind == "timing":
+            runs = [tuple(run.split(":")) for run in rest]
+            print(json.dumps(timing(module, runs, args.batch, args.steps, args.threads, *options)))
+        else:
+            print(json.dumps(memory(module, *rest, args.batch, args.threads, *options)))
         return
 
-    runs = [("authors", "fp32"), ("ours", "fp32"), ("ours", "bf16")]
-    if args.no_authors:
-        runs = runs[1:]
-    results = []
+    import torch
+
+    from sgraf.kernels.cpu import onednn_runs
+
+    runs = ([] if args.no_authors else [("authors", "fp32")]) + [("ours", p) for p in args.precisions]
     where = torch_device_name(args.device)
-    print(f"{where}: batch {args.batch}, {args.steps} timed steps, {args.threads} threads, "
-          f"torch in a fresh process each")
-    print(f"{'module':<6} {'impl':<7} {'prec':<5} {'s/step':>8} {'peak GiB':>13} {'first loss':>11}")
+    common = ["--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
+              "--device", args.device] + (["--chunk", str(args.chunk)] if args.chunk else []) \
+        + (["--no-checkpoint"] if args.no_checkpoint else [])
+    print(f"{where}: batch {args.batch}, {args.steps} timed rounds, {args.threads} threads, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+          + ("" if args.device != "cpu" else f"; bf16 matmuls in oneDNN on this CPU: {onednn_runs(torch.bfloat16)}"))
+    print("the authors' algorithm: sgraf.model.oracle.authors_forward, their loop and memory layouts, "
+          "calibrated against their own train_emb (benchmarks/results/calibration-*)")
+    results = []
     for module in args.modules:
-        for impl, precision in runs:
-            proc = subprocess.run([sys.executable, __file__, "--child", module, impl, precision,
-                                   "--batch", str(args.batch), "--steps", str(args.steps),
-                                   "--threads", str(args.threads), "--device", args.device]
-                                  + (["--chunk", str(args.chunk)] if args.chunk else [])
-                                  + (["--no-checkpoint"] if args.no_checkpoint else []),
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(f"{module:<6} {impl:<7} {precision:<5} FAILED: {proc.stderr.strip().splitlines()[-1]}")
-                continue
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
+        # one process times every configuration in turn; each memory figure has a fresh process
+        proc = subprocess.run([sys.executable, __file__, *common, "--child", "timing", module,
+                               *(f"{impl}:{precision}" for impl, precision in runs)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{module}: FAILED: {proc.stderr.strip().splitlines()[-1]}")
+            continue
+        timed = json.loads(proc.stdout.strip().splitlines()[-1])
+        for r in timed:
+            r["peak_gib"] = float("nan")
+            if not args.no_memory:
+                proc = subprocess.run([sys.executable, __file__, *common, "--child", "memory", module, r["impl"],
+                                       r["precision"]], capture_output=True, text=True)
+                if proc.returncode == 0:
+                    r["peak_gib"] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_gib"]
             results.append(r)
-            print(f"{module:<6} {impl:<7} {precision:<5} {r['seconds_per_step']:>8.2f} {r['peak_rss_gib']:>13.2f} "
-                  f"{r['first_loss']:>11.4f}", flush=True)
-    print()
+            print(f"{module:<4} {r['impl']:<7} {r['precision']:<5} {r['seconds_per_step']:8.2f} s/step "
+                  f"(rounds {', '.join(f'{t:.2f}' for t in r['times'])}), peak {r['peak_gib']:.2f} GiB, "
+                  f"first loss {r['first_loss']:.4f}", flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for module in args.modules:
         ref = next((r for r in results if r["module"] == module and r["impl"] == "authors"), None)
         if ref is None:
             continue
         for r in results:
             if r["module"] == module and r["impl"] == "ours":
-                print(f"{module} ours {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster, "
-                      f"{r['peak_rss_gib'] / ref['peak_rss_gib']:.2f}x the authors' peak memory "
+                rounds = [1 / x for x in r["per_round_vs_first"]]
+                memory = "" if args.no_memory else f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
+                print(f"{module} ours {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster "
+                      f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {memory}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
     if args.json:
         with open(args.json, "w") as f:

@@ -3,14 +3,18 @@ vectorised per-caption SAF BatchNorm against the per-caption oracle on other sha
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from model_helpers import DATA, flat_state, golden_model, random_batch, random_model
 from numerics import AUTHORS, GRADIENT, REORDERED, STEP, adam_noise, approx, assert_close, largest
+from sgraf.config import ModelConfig
 from sgraf.kernels import plan
 from sgraf.model.loss import ranking_loss
 from sgraf.model.oracle import oracle_forward
+from sgraf.model.sgraf import SGRAF
 
 pytestmark = pytest.mark.numeric
 
@@ -227,3 +231,22 @@ def test_train_chunks_on_a_gpu_take_a_share_of_its_free_memory(monkeypatch):
         assert model.train_chunk_bytes() == int(40 * 2**30 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
         assert model.train_keep_bytes(torch.device("cpu")) == int(40 * 2**30 * sgraf_module.TRAIN_GPU_KEEP_SHARE)
     assert model.train_keep_bytes(torch.device("cpu")) == sgraf_module.TRAIN_KEEP_BYTES
+
+
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_authors_forward_computes_the_oracle_scores(module):
+    """The benchmarks' stand-in for the authors' training forward (PyTorch's packing around the
+    GRU, the per-caption loop in their memory layouts) scores what the per-caption oracle does."""
+    from sgraf.model.oracle import authors_forward
+
+    torch.manual_seed(0)
+    model = SGRAF(ModelConfig(vocab_size=30, img_dim=12, word_dim=8, embed_size=16, sim_dim=8, num_regions=5,
+                              module=module, dropout=0.0)).train()
+    images = torch.randn(4, 5, 12)
+    lengths = torch.tensor([3, 6, 2, 5])
+    captions = torch.randint(1, 30, (4, 7))
+    oracle = copy.deepcopy(model)
+    got = authors_forward(model, images, captions, lengths)[module]
+    expected = oracle_forward(oracle, images, captions, lengths)[module]
+    assert got.shape == (4, 4)
+    assert_close(got, expected, REORDERED)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 
-from sgraf.precision import autocast, current_precision, tf32
+from numerics import BFLOAT16, assert_close, largest
+from sgraf.precision import autocast, current_precision, low_precision_weights, tf32
 
 
 def _flags() -> tuple[bool, bool]:
@@ -52,3 +56,42 @@ def test_training_and_evaluate_run_under_their_tf32_setting(monkeypatch, tmp_pat
         assert main(["evaluate", "--checkpoint", "x.pt", "--data", str(tmp_path), "--json", "--device", "cpu",
                      *flags]) == 0
     assert seen[2:] == [(False, False), (True, True)]
+
+
+@pytest.mark.parametrize("module, chunk", [("sgr", None), ("saf", None), ("sgr", 2)])
+def test_low_precision_weights_give_autocasts_numbers_without_its_casts(module, chunk):
+    """bf16 copies of the linear layers' weights, made once: the same scores as autocast casting
+    every weight at every use, and the same gradients up to bf16 sums (2 captions per chunk:
+    recomputed chunks too)."""
+    from model_helpers import random_batch, random_model
+    from sgraf.model.loss import ranking_loss
+
+    images, captions, lengths = random_batch(random_model(module=module), 5, [4, 7, 3, 6, 5])
+    results = []
+    for copies in (False, True):
+        model = random_model(module=module).train()
+        model.train_chunk, model.train_checkpoint = chunk, True
+        weights = low_precision_weights(model, "bf16") if copies else contextlib.nullcontext()
+        with weights:
+            with autocast("bf16"):
+                scores = model(images, captions, lengths)
+            ranking_loss(scores.float()).backward()
+        assert all(p.dtype == torch.float32 for p in model.parameters())     # the parameters are back
+        results.append((scores.detach().float(), {n: p.grad for n, p in model.named_parameters()}))
+    (scores, grads), (scores_copies, grads_copies) = results
+    assert torch.equal(scores, scores_copies)
+    assert grads.keys() == grads_copies.keys()
+    for name, grad in grads.items():
+        assert grads_copies[name].dtype == torch.float32, name
+        # the same bf16 gradient of each use; summed in bf16 where one weight is used several times
+        # (SGR's W_q twice per step, every chunk), where autocast's casts of views and of recomputed
+        # chunks were summed in float32
+        assert_close(grads_copies[name], grad, BFLOAT16, scale=largest(list(grads.values())))
+        if module == "saf" and chunk is None:
+            assert torch.equal(grad, grads_copies[name]), name
+
+
+def test_low_precision_weights_is_nothing_in_fp32():
+    model = torch.nn.Linear(3, 2)
+    with low_precision_weights(model, "fp32"):
+        assert model.weight.dtype == torch.float32

@@ -46,3 +46,51 @@ def tf32(enabled: bool = False) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+@contextlib.contextmanager
+def low_precision_weights(model: torch.nn.Module, precision: str,
+                          device: torch.device | str = "cpu") -> Iterator[None]:
+    """Within this context every `nn.Linear` of `model` computes with a `precision` copy of its
+    weight and bias, made for all of them in one multi-tensor copy on entry; on exit the copies'
+    gradients go to the parameters (float32) in one multi-tensor copy. A null context for fp32.
+
+    Autocast casts each weight where an operation reads it and casts each gradient back in
+    backward: about a hundred small copies per training step (twice as many for a recomputed
+    chunk, whose forward runs again in a new autocast region). The copies hold the same values as
+    those casts, so the step computes the same numbers. Run forward AND backward inside the
+    context, under `autocast(precision, device)`; the parameters must not change inside it.
+    """
+    check_precision(precision)
+    if precision == "fp32":
+        yield
+        return
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    slots = [(module, name) for module in model.modules() if isinstance(module, torch.nn.Linear)
+             for name in ("weight", "bias")
+             if module._parameters.get(name) is not None and module._parameters[name].requires_grad
+             and module._parameters[name].dtype == torch.float32]
+    originals = [module._parameters[name] for module, name in slots]
+    copies = [torch.empty_like(p, dtype=dtype) for p in originals]
+    if copies:
+        with torch.no_grad():
+            torch._foreach_copy_(copies, originals)
+    for (module, name), low in zip(slots, copies):
+        module._parameters[name] = torch.nn.Parameter(low)
+    swapped = [module._parameters[name] for module, name in slots]
+    try:
+        yield
+    finally:
+        for (module, name), original in zip(slots, originals):
+            module._parameters[name] = original
+        pairs = [(p, low.grad) for p, low in zip(originals, swapped) if low.grad is not None]
+        fresh = [(p, grad) for p, grad in pairs if p.grad is None]
+        for p, grad in pairs:
+            if p.grad is not None:      # a gradient from elsewhere: add to it
+                p.grad.add_(grad)
+        if fresh:
+            grads = [torch.empty_like(p) for p, _ in fresh]
+            with torch.no_grad():
+                torch._foreach_copy_(grads, [grad for _, grad in fresh])
+            for (p, _), grad in zip(fresh, grads):
+                p.grad = grad

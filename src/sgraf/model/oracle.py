@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from sgraf.model.norms import cosine, l1norm, l2norm
 
@@ -31,12 +32,18 @@ def _text_global(sa: torch.nn.Module, words: torch.Tensor) -> torch.Tensor:
 
 
 def _scan_attention(query: torch.Tensor, context: torch.Tensor, smooth: float) -> torch.Tensor:
-    """SCAN attention of `query` (batch, Lq, d) over `context` (batch, Lc, d) -> (batch, Lq, d)."""
+    """SCAN attention of `query` (batch, Lq, d) over `context` (batch, Lc, d) -> (batch, Lq, d).
+
+    In the authors' order of operations and memory layouts (the attention transposed into
+    contiguous copies twice, the attended context formed as (batch, d, Lq) and read through a
+    transposed view), so that timing this loop times theirs.
+    """
     attn = torch.bmm(context, query.transpose(1, 2))          # (batch, Lc, Lq)
     attn = F.leaky_relu(attn, 0.1)
     attn = l2norm(attn, 2)
-    attn = torch.softmax(attn.transpose(1, 2) * smooth, dim=2)  # (batch, Lq, Lc)
-    return l2norm(torch.bmm(attn, context), dim=-1)
+    attn = torch.softmax(attn.transpose(1, 2).contiguous() * smooth, dim=2)   # (batch, Lq, Lc)
+    attended = torch.bmm(context.transpose(1, 2), attn.transpose(1, 2).contiguous())  # (batch, d, Lq)
+    return l2norm(attended.transpose(1, 2), dim=-1)
 
 
 def _node(sim: Any, x: torch.Tensor, y: torch.Tensor, layer_name: str) -> torch.Tensor:
@@ -118,12 +125,27 @@ def oracle_forward(model: torch.nn.Module, images: torch.Tensor, captions: torch
     return oracle_similarity(model, model.img_enc(images), oracle_encode_captions(model, captions, lengths), lengths)
 
 
+def authors_encode_captions(model: torch.nn.Module, captions: torch.Tensor, lengths: Any) -> torch.Tensor:
+    """The text encoder as the authors run it on a batch: PyTorch's packing of the padded batch
+    (one copy per time step each way) around the GRU. (n_cap, max(lengths), d), zero-padded."""
+    enc = model.txt_enc
+    lengths = torch.as_tensor(lengths).cpu()
+    packed = pack_padded_sequence(enc.dropout(enc.embed(captions[:, : int(lengths.max())])), lengths,
+                                  batch_first=True, enforce_sorted=False)
+    states, _ = pad_packed_sequence(enc.cap_rnn(packed)[0], batch_first=True)
+    if enc.bi_gru:
+        half = states.size(2) // 2
+        states = (states[:, :, :half] + states[:, :, half:]) / 2
+    return l2norm(states, dim=-1) if enc.normalize else states
+
+
 def authors_forward(model: torch.nn.Module, images: torch.Tensor, captions: torch.Tensor,
                     lengths: Any) -> dict[str, torch.Tensor]:
     """The authors' training forward as they run it: both encoders once over the whole batch
-    (their GRU runs on packed sequences, as `TextEncoder` does), then the per-caption similarity
-    loop against all images of the batch. {head: (n_img, n_cap)}, in the model's current mode."""
-    return oracle_similarity(model, model.img_enc(images), model.encode_captions(captions, lengths), lengths)
+    (the GRU on PyTorch's packed sequences), then the per-caption similarity loop against all
+    images of the batch. {head: (n_img, n_cap)}, in the model's current mode."""
+    return oracle_similarity(model, model.img_enc(images), authors_encode_captions(model, captions, lengths),
+                             lengths)
 
 
 def authors_shard_scores(model: torch.nn.Module, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any,

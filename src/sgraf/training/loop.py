@@ -29,7 +29,7 @@ from sgraf import distributed
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.kernels import plan
-from sgraf.precision import autocast, tf32
+from sgraf.precision import autocast, low_precision_weights, tf32
 from sgraf.training import run_dir as rd
 from sgraf.training.config import TrainConfig
 from sgraf.training.families import FamilyBatchSampler, TruthCollate, truth_mask
@@ -176,32 +176,35 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     norms_before = snapshot_norms(norms)
 
     optimizer.zero_grad(set_to_none=True)
-    with autocast(config.precision, device):
-        scores = global_batch_scores(model, images, captions, lengths, boxes)   # (B, B) or {'sgr', 'saf'}
-        global_scores = global_vector_scores(model) if config.global_loss_weight > 0 else None
-    true_of = getattr(batch, "true_of", None)
-    if true_of is not None:   # family batches: a caption is no negative of a picture it is true of
-        positives = truth_mask(batch.image_ids.to(device), true_of.to(device))
-    else:
-        positives = same_image_mask(batch.image_ids.to(device)) if config.same_image_positive else None
-    loss = batch_loss(scores, config, positives)
-    if global_scores is not None:  # auxiliary loss: global vectors as a retrieval embedding
-        loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
-                                                               config.max_violation, positives)
-    def check_loss() -> None:
-        if not bool(torch.isfinite(loss)):
-            bad_images = (~torch.isfinite(images)).flatten(1).any(dim=1).cpu()
-            if bool(bad_images.any()):
-                raise NonFiniteLossError(f"the training loss is {loss.item()} on non-finite inputs: the features "
-                                         f"of images {batch.image_ids[bad_images][:5].tolist()} hold NaN/inf",
-                                         inputs_finite=False)
-            raise NonFiniteLossError(f"the training loss is {loss.item()}")
+    # bf16/fp16: the linear layers' weights cast once for the step (forward, recomputed chunks and
+    # backward), not by autocast at every use; their gradients reach the parameters on leaving
+    with low_precision_weights(model, config.precision, device):
+        with autocast(config.precision, device):
+            scores = global_batch_scores(model, images, captions, lengths, boxes)   # (B, B) or {'sgr', 'saf'}
+            global_scores = global_vector_scores(model) if config.global_loss_weight > 0 else None
+        true_of = getattr(batch, "true_of", None)
+        if true_of is not None:   # family batches: a caption is no negative of a picture it is true of
+            positives = truth_mask(batch.image_ids.to(device), true_of.to(device))
+        else:
+            positives = same_image_mask(batch.image_ids.to(device)) if config.same_image_positive else None
+        loss = batch_loss(scores, config, positives)
+        if global_scores is not None:  # auxiliary loss: global vectors as a retrieval embedding
+            loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
+                                                                   config.max_violation, positives)
+        def check_loss() -> None:
+            if not bool(torch.isfinite(loss)):
+                bad_images = (~torch.isfinite(images)).flatten(1).any(dim=1).cpu()
+                if bool(bad_images.any()):
+                    raise NonFiniteLossError(f"the training loss is {loss.item()} on non-finite inputs: the features "
+                                             f"of images {batch.image_ids[bad_images][:5].tolist()} hold NaN/inf",
+                                             inputs_finite=False)
+                raise NonFiniteLossError(f"the training loss is {loss.item()}")
 
-    # without a host read: the fused optimizer skips the update on the device when the loss is not finite
-    on_device = scaler is None and plan.gpu_plan(device) and bool(optimizer.defaults.get("fused"))
-    if not on_device:
-        check_loss()
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+        # without a host read: the fused optimizer skips the update on the device when the loss is not finite
+        on_device = scaler is None and plan.gpu_plan(device) and bool(optimizer.defaults.get("fused"))
+        if not on_device:
+            check_loss()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
     average_gradients(params)
     merge_per_caption_norms(norms, norms_before)
     if scaler is not None:
