@@ -14,21 +14,20 @@ several processes each batch is the global batch of which rank r yields its cont
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
 
-from sgraf import distributed
 from sgraf.errors import InputError
+from sgraf.training.batches import PlannedBatches
 from sgraf.training.global_batch import gather_ids
 
 if TYPE_CHECKING:
     from sgraf.data.precomp import Batch
 
 
-class FamilyBatchSampler(Sampler[list[int]]):
+class FamilyBatchSampler(PlannedBatches):
     """Batches of caption indices holding whole families (see the module docstring).
 
     Args:
@@ -68,19 +67,7 @@ class FamilyBatchSampler(Sampler[list[int]]):
             filled += len(unit)
         if current:
             batches.append(np.concatenate(current))
-        if batches and len(batches[-1]) < max(2, world_size):
-            batches.pop()
-        self.batches = batches
-        self.start_batch = start_batch
-        self.rank, self.world_size = rank, world_size
-
-    def __len__(self) -> int:
-        return max(0, len(self.batches) - self.start_batch)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.batches[self.start_batch:]:
-            share = distributed.shard_range(len(batch), self.rank, self.world_size)
-            yield batch[share.start:share.stop].tolist()
+        super().__init__(batches, start_batch, rank, world_size)
 
 
 class TruthCollate:

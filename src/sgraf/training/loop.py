@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from sgraf import distributed
 from sgraf.errors import InputError
@@ -31,6 +31,7 @@ from sgraf.folder_lock import FolderLock
 from sgraf.kernels import plan
 from sgraf.precision import autocast, low_precision_weights, tf32
 from sgraf.training import run_dir as rd
+from sgraf.training.batches import PlannedBatches
 from sgraf.training.config import TrainConfig
 from sgraf.training.families import FamilyBatchSampler, TruthCollate, truth_mask
 from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores, global_vector_scores,
@@ -232,13 +233,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     return StepResult(loss=float(loss.item()), grad_norm=float(grad_norm), skipped=skipped)
 
 
-class EpochBatchSampler(Sampler[list[int]]):
+class EpochBatchSampler(PlannedBatches):
     """Batches of caption indices: a permutation that depends only on (seed, epoch).
 
     The last, partial batch is kept when it holds at least `max(2, world_size)` captions
     (BatchNorm in training mode needs two images). With several processes each batch is the
     global batch; rank r yields its contiguous share (`sgraf.distributed.shard_range`), so the
-    shares concatenated in rank order are the batch of one process.
+    shares concatenated in rank order are the batch of one process (`PlannedBatches`).
 
     Args:
         n_items: captions in the training split.
@@ -252,20 +253,8 @@ class EpochBatchSampler(Sampler[list[int]]):
     def __init__(self, n_items: int, batch_size: int, seed: int, epoch: int, start_batch: int = 0,
                  rank: int = 0, world_size: int = 1) -> None:
         order = np.random.default_rng([seed, epoch]).permutation(n_items)
-        batches = [order[i:i + batch_size] for i in range(0, n_items, batch_size)]
-        if batches and len(batches[-1]) < max(2, world_size):
-            batches.pop()
-        self.batches = batches
-        self.start_batch = start_batch
-        self.rank, self.world_size = rank, world_size
-
-    def __len__(self) -> int:
-        return max(0, len(self.batches) - self.start_batch)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.batches[self.start_batch:]:
-            share = distributed.shard_range(len(batch), self.rank, self.world_size)
-            yield batch[share.start:share.stop].tolist()
+        super().__init__([order[i:i + batch_size] for i in range(0, n_items, batch_size)], start_batch, rank,
+                         world_size)
 
 
 def steps_per_epoch(n_captions: int, batch_size: int, world_size: int = 1) -> int:
@@ -525,7 +514,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         from sgraf.data.families import read_families
         families = read_families(data_dir, "train", train.n_images, train.caps_per_image)
 
-    def epoch_sampler(epoch: int, start_batch: int = 0) -> Sampler[list[int]]:
+    def epoch_sampler(epoch: int, start_batch: int = 0) -> PlannedBatches:
         if families is not None:
             return FamilyBatchSampler(families.groups, families.captions_per_image, config.batch_size, config.seed,
                                       epoch, start_batch, info.rank, info.world_size)
