@@ -18,7 +18,7 @@ import os
 import pathlib
 import random
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
