@@ -421,7 +421,8 @@ class SGRAF(nn.Module):
             was_training = self.training
             self.eval()
             try:
-                with torch.no_grad(), self.frozen_weights():
+                # eager: a compiled probe would compile a graph per candidate chunk size
+                with torch.no_grad(), self.frozen_weights(), compiled.compiling("off"):
                     self.similarity(regions, words, lengths, img_glo=img_glo, cap_glo=cap_glo, gram=gram)
             finally:
                 self.train(was_training)
