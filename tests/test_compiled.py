@@ -14,10 +14,14 @@ from model_helpers import random_batch, random_model
 from numerics import REORDERED, assert_close
 from sgraf.errors import InputError
 from sgraf.kernels import compiled
+from sgraf.model import sgraf as sgraf_model
 
 # captions of every length from 1 to 14 words in buckets of 4: widths round up to 8 and 16
 LENGTHS = [1 + (5 * i) % 14 for i in range(28)]
 BATCH = 4
+# a chunk budget for the tiny model (d = 16, float32) that cuts chunks of 4 captions at width 8
+# and of 2 at width 16: some chunks are slices of their block as they are, others padded
+CHUNK_BYTES = 8 * 4 * 8 * 16 * 4
 
 
 def _graphs() -> int:
@@ -37,6 +41,7 @@ def compiled_scores():
     # one thread: Inductor's kernels are then serial (OpenMP teams spinning on a loaded 2-core
     # machine made tiny compiled chunks 50x slower), and no pool of compiler processes
     torch.set_num_threads(1)
+    chunk_bytes, sgraf_model.EVAL_CHUNK_BYTES = sgraf_model.EVAL_CHUNK_BYTES, CHUNK_BYTES
     model = random_model(3, module="joint")
     inputs = random_batch(model, 10, LENGTHS)
     eager = model.score(*inputs, batch_size=BATCH)
@@ -49,10 +54,12 @@ def compiled_scores():
     except Exception as error:   # no C compiler, or Inductor cannot build here
         if os.environ.get("CI", "").lower() == "true":
             raise
+        sgraf_model.EVAL_CHUNK_BYTES = chunk_bytes
         pytest.skip(f"torch.compile (Inductor) does not run on this machine: {type(error).__name__}: {error}")
-    return {"model": model, "inputs": inputs, "eager": eager, "first": first, "second": second,
-            "first_graphs": after_first - before, "second_graphs": _graphs() - after_first,
-            "breaks": _breaks() - breaks}
+    yield {"model": model, "inputs": inputs, "eager": eager, "first": first, "second": second,
+           "first_graphs": after_first - before, "second_graphs": _graphs() - after_first,
+           "breaks": _breaks() - breaks}
+    sgraf_model.EVAL_CHUNK_BYTES = chunk_bytes
 
 
 def _widths() -> set[int]:
@@ -68,6 +75,8 @@ def test_compiled_scores_match_eager_within_the_reordered_budget(compiled_scores
 
 def test_a_split_compiles_one_graph_per_width_bucket_and_the_same_shapes_nothing(compiled_scores):
     assert _widths() == {8, 16}
+    model = compiled_scores["model"]
+    assert [model.compiled_chunk_shape(width, torch.float32) for width in (8, 16)] == [(8, 4), (8, 2)]
     assert compiled_scores["first_graphs"] == len(_widths())
     assert compiled_scores["second_graphs"] == 0
     assert compiled_scores["breaks"] == 0

@@ -110,10 +110,11 @@ def padded_count(n: int) -> int:
 
 
 def pad_to(tensor: Any, size: int, dim: int = 0) -> Any:
-    """`tensor` extended with zeros (False for bool) along `dim` to `size` (unchanged if it has it)."""
+    """`tensor` extended with zeros (False for bool) along `dim` to `size`, contiguous (a graph is
+    specialised to its inputs' strides too: a slice of a larger block would compile another)."""
     missing = size - tensor.size(dim)
     if missing <= 0:
-        return tensor
+        return tensor.contiguous()
     import torch
 
     shape = list(tensor.shape)
