@@ -109,3 +109,20 @@ def test_eager_is_the_default_and_the_setting_is_checked(monkeypatch):
         compiled.mode()
     assert [compiled.bucket_width(n) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 24]
     assert [compiled.padded_count(n) for n in (1, 2, 3, 200)] == [1, 2, 4, 256]
+
+
+def test_worker_threads_meeting_a_new_shape_compile_it_once(compiled_scores, monkeypatch):
+    import torch._inductor.config
+
+    from sgraf.model import blocks
+
+    monkeypatch.setattr(blocks, "thread_mode", lambda *args, **kwargs: "blocks")   # a block per core
+    torch.set_num_threads(2)
+    model = random_model(5, module="sgr")          # one head: graphs of its own
+    inputs = compiled_scores["inputs"]
+    eager = model.score(*inputs, batch_size=BATCH)
+    before = _graphs()
+    with compiled.compiling(), torch._inductor.config.patch(compile_threads=1):
+        scores = model.score(*inputs, batch_size=BATCH)
+    assert _graphs() - before == len(_widths())
+    assert_close(scores, eager, REORDERED, what="compiled scores, two worker threads")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -94,8 +95,42 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
         # under fullgraph: one function serves every width, precision and kind of model here
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-        found = _compiled[function] = torch.compile(function, dynamic=False, fullgraph=True)
+        found = _compiled[function] = _first_calls_serialised(
+            torch.compile(function, dynamic=False, fullgraph=True))
     return found
+
+
+def _first_calls_serialised(graph: Callable[..., Any]) -> Callable[..., Any]:
+    """`graph` with its first call for each kind of input (shapes, strides, dtypes, other values)
+    made under a lock: a scorer's worker threads meeting a new shape at once would each compile
+    it (Dynamo looks for a compiled graph before it takes its own lock)."""
+    lock = threading.Lock()
+    seen: set[Any] = set()
+
+    def call(*args: Any) -> Any:
+        key = _signature(args)
+        if key in seen:
+            return graph(*args)
+        with lock:
+            result = graph(*args)
+            seen.add(key)
+        return result
+
+    return call
+
+
+def _signature(value: Any) -> Any:
+    """What a compiled graph is specialised to in `value`: tensors by shape, strides and dtype,
+    containers item by item, modules by identity, plain values as they are."""
+    if hasattr(value, "shape") and hasattr(value, "stride"):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device.type)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_signature(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", *((key, _signature(item)) for key, item in value.items()))
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return ("object", id(value), str(value) if not hasattr(value, "forward") else "")
 
 
 def dispatch(function: Callable[..., Any]) -> Callable[..., Any]:
