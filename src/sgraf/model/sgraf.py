@@ -492,16 +492,16 @@ class SGRAF(nn.Module):
             chunk_scores = compiled.dispatch(_eval_chunk_scores)
             for rows, cols in self.eval_chunks(n_img, n_cap, words.size(1), low, device):
                 if compiled.eval_enabled():
-                    blocks = self._compiled_chunk(chunk_scores, rows, cols, regions, words, word_mask, low,
-                                                  glo_nodes, gram, constants, device)
+                    chunk = self._compiled_chunk(chunk_scores, rows, cols, regions, words, word_mask, low,
+                                                 glo_nodes, gram, constants, device)
                 else:
                     # a chunk is padded to its own longest caption
                     n_words = int((lengths if host_lengths is None else host_lengths)[cols].max())
-                    blocks = chunk_scores(sim, regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
-                                          None if glo_nodes is None else glo_nodes[rows, cols],
-                                          None if gram is None else gram[rows], constants["layers"],
-                                          constants["folded"], self.heads)
-                for head, block in blocks.items():
+                    chunk = chunk_scores(sim, regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
+                                         None if glo_nodes is None else glo_nodes[rows, cols],
+                                         None if gram is None else gram[rows], constants["layers"],
+                                         constants["folded"], self.heads)
+                for head, block in chunk.items():
                     scores[head][rows, cols] = block
         return scores
 
@@ -525,12 +525,12 @@ class SGRAF(nn.Module):
             img_size, cap_size = compiled.padded_count(n_rows), compiled.padded_count(n_cols)
         else:
             img_size, cap_size = self.compiled_chunk_shape(words.size(1), low)
-        blocks = chunk_scores(
+        chunk = chunk_scores(
             self.sim_enc, pad(regions[rows], img_size), pad(words[cols], cap_size), pad(word_mask[cols], cap_size),
             low, None if glo_nodes is None else pad(pad(glo_nodes[rows, cols], img_size), cap_size, 1),
             None if gram is None else pad(gram[rows], img_size), constants["layers"], constants["folded"],
             self.heads)
-        return {head: block[:n_rows, :n_cols] for head, block in blocks.items()}
+        return {head: block[:n_rows, :n_cols] for head, block in chunk.items()}
 
     @torch.no_grad()
     def region_grams(self, img_embs: torch.Tensor) -> torch.Tensor | None:
