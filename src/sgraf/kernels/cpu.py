@@ -86,6 +86,10 @@ def _onednn(x: torch.Tensor) -> bool:
     own bf16 matmul), float32 where it is the faster route."""
     if not ONEDNN or x.device.type != "cpu" or plan.gpu_plan(x.device):   # the GPU plan: PyTorch's ops
         return False
+    if torch.compiler.is_compiling():
+        # Inductor lowers oneDNN's linear only with constant weights (ours are graph inputs):
+        # a compiled graph takes PyTorch's own matmuls and Inductor picks their kernels
+        return False
     if x.dtype == torch.bfloat16:
         return onednn_runs(torch.bfloat16)
     return x.dtype == torch.float32 and float32_route() == "onednn"

@@ -146,9 +146,10 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
     low = nodes.dtype
     # additive key mask, broadcast over images and queries: (P, 1, n_cap, 1); 0 and -inf are
     # exact in bf16. On the CPU None when every node is valid (captions of one length, as in a
-    # bucket); on a GPU always built, since asking would wait for the device (adding 0 is exact).
+    # bucket); on a GPU always built, since asking would wait for the device (adding 0 is exact),
+    # and in a compiled graph, where a question about values would break the graph.
     blocked = None
-    if plan.gpu_plan(nodes.device) or not bool(node_mask.all()):
+    if plan.gpu_plan(nodes.device) or torch.compiler.is_compiling() or not bool(node_mask.all()):
         blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device)
         blocked = blocked.masked_fill_(~node_mask, float("-inf")).t().reshape(n_nodes, 1, n_cap, 1)
     graphs = nodes.view(n_graphs, n_nodes, dim)                                     # (G, P, m)

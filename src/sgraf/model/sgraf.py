@@ -18,7 +18,7 @@ from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
-from sgraf.kernels import plan, tuning
+from sgraf.kernels import compiled, plan, tuning
 from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
 from sgraf.model.encoders import ImageEncoder, TextEncoder
@@ -421,7 +421,8 @@ class SGRAF(nn.Module):
             was_training = self.training
             self.eval()
             try:
-                with torch.no_grad(), self.frozen_weights():
+                # eager: a compiled probe would compile a graph per candidate chunk size
+                with torch.no_grad(), self.frozen_weights(), compiled.compiling("off"):
                     self.similarity(regions, words, lengths, img_glo=img_glo, cap_glo=cap_glo, gram=gram)
             finally:
                 self.train(was_training)
@@ -434,10 +435,19 @@ class SGRAF(nn.Module):
 
         On CPU a chunk holds at most `eval_chunk_bytes(low)` of (image, caption, word) x d
         operands in the matmul dtype, so its intermediates stay in cache and in the allocator's
-        heap; elsewhere (GPUs) the block is one chunk.
+        heap; elsewhere (GPUs) the block is one chunk. With compiled scoring
+        (`sgraf.kernels.compiled`) the CPU grid is fixed for a width: `EVAL_CHUNK_IMAGES` images
+        x at most `compiled.MAX_CHUNK_CAPTIONS` captions, whatever the block's size (the last
+        chunks are padded to it), so that a width compiles one graph.
         """
         if plan.gpu_plan(device):
             yield slice(0, n_img), slice(0, n_cap)
+            return
+        if compiled.eval_enabled():
+            img_step, cap_step = self.compiled_chunk_shape(n_words, low)
+            for row in range(0, n_img, img_step):
+                for col in range(0, n_cap, cap_step):
+                    yield slice(row, min(row + img_step, n_img)), slice(col, min(col + cap_step, n_cap))
             return
         budget = max(1, self.eval_chunk_bytes(low) // (n_words * self.config.embed_size * low.itemsize))  # pairs
         img_step = min(n_img, EVAL_CHUNK_IMAGES)
@@ -475,17 +485,52 @@ class SGRAF(nn.Module):
             if sim.use_local and gram is None:
                 gram = sim.region_gram(img_embs)
             regions, words = img_embs.to(low), words.to(low)
+            if compiled.eval_enabled():
+                # fixed shapes for the compiler: the width rounded up, every chunk padded to the grid
+                width = compiled.bucket_width(words.size(1))
+                words, word_mask = compiled.pad_to(words, width, 1), compiled.pad_to(word_mask, width, 1)
+            chunk_scores = compiled.dispatch(_eval_chunk_scores)
             for rows, cols in self.eval_chunks(n_img, n_cap, words.size(1), low, device):
-                # a chunk is padded to its own longest caption
-                n_words = int((lengths if host_lengths is None else host_lengths)[cols].max())
-                nodes, node_mask = sim.fast_forward(
-                    regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
-                    None if glo_nodes is None else glo_nodes[rows, cols], None if gram is None else gram[rows],
-                    constants["layers"])
-                for head, block in sim.fast_head_scores(nodes, node_mask, self.heads, low,
-                                                        constants["folded"]).items():
+                if compiled.eval_enabled():
+                    chunk = self._compiled_chunk(chunk_scores, rows, cols, regions, words, word_mask, low,
+                                                 glo_nodes, gram, constants, device)
+                else:
+                    # a chunk is padded to its own longest caption
+                    n_words = int((lengths if host_lengths is None else host_lengths)[cols].max())
+                    chunk = chunk_scores(sim, regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
+                                         None if glo_nodes is None else glo_nodes[rows, cols],
+                                         None if gram is None else gram[rows], constants["layers"],
+                                         constants["folded"], self.heads)
+                for head, block in chunk.items():
                     scores[head][rows, cols] = block
         return scores
+
+    def compiled_chunk_shape(self, n_words: int, low: torch.dtype) -> tuple[int, int]:
+        """(images, captions) of every CPU eval chunk of caption width `n_words` under compiled
+        scoring: `EVAL_CHUNK_IMAGES` x as many captions as `eval_chunk_bytes(low)` allows, at most
+        `compiled.MAX_CHUNK_CAPTIONS`."""
+        budget = max(1, self.eval_chunk_bytes(low) // (n_words * self.config.embed_size * low.itemsize))  # pairs
+        return EVAL_CHUNK_IMAGES, min(max(1, budget // EVAL_CHUNK_IMAGES), compiled.MAX_CHUNK_CAPTIONS)
+
+    def _compiled_chunk(self, chunk_scores: Callable[..., dict[str, torch.Tensor]], rows: slice, cols: slice,
+                        regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor, low: torch.dtype,
+                        glo_nodes: torch.Tensor | None, gram: torch.Tensor | None, constants: dict[str, Any],
+                        device: torch.device) -> dict[str, torch.Tensor]:
+        """One eval chunk through the compiled `_eval_chunk_scores`, padded to a fixed shape: the
+        CPU's chunk grid (`eval_chunks`), or under the GPU plan the block's counts rounded up to
+        powers of two. Padded images and captions are zeros (their scores are dropped)."""
+        pad = compiled.pad_to
+        n_rows, n_cols = rows.stop - rows.start, cols.stop - cols.start
+        if plan.gpu_plan(device):
+            img_size, cap_size = compiled.padded_count(n_rows), compiled.padded_count(n_cols)
+        else:
+            img_size, cap_size = self.compiled_chunk_shape(words.size(1), low)
+        chunk = chunk_scores(
+            self.sim_enc, pad(regions[rows], img_size), pad(words[cols], cap_size), pad(word_mask[cols], cap_size),
+            low, None if glo_nodes is None else pad(pad(glo_nodes[rows, cols], img_size), cap_size, 1),
+            None if gram is None else pad(gram[rows], img_size), constants["layers"], constants["folded"],
+            self.heads)
+        return {head: block[:n_rows, :n_cols] for head, block in chunk.items()}
 
     @torch.no_grad()
     def region_grams(self, img_embs: torch.Tensor) -> torch.Tensor | None:
@@ -671,6 +716,17 @@ class SGRAF(nn.Module):
         precision = current_precision(images.device)
         encoded = blocks.encode(self, images, captions, lengths, batch_size, precision, boxes=boxes)
         return blocks.score_encoded([self], [encoded], precision).to(images.device)
+
+
+def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                       low: torch.dtype, glo_nodes: torch.Tensor | None, gram: torch.Tensor | None,
+                       layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                       folded: list[tuple[torch.Tensor, ...]] | None, heads: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Scores {head: float32 (n_img, n_cap)} of one eval chunk: the nodes (`fast_forward`) and the
+    heads (`fast_head_scores`). A function of its arguments only, weights included, so that
+    `sgraf.kernels.compiled` compiles it once per shape for every model and set of weights."""
+    nodes, node_mask = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers)
+    return sim.fast_head_scores(nodes, node_mask, heads, low, folded)
 
 
 def _host_lengths(lengths: Any) -> torch.Tensor | None:

@@ -411,6 +411,9 @@ class SimilarityRepresentation(nn.Module):
             local = fast_linear(square.view(-1, dim), *layers["sim_tranloc_w"])
             local = local.view(n_img, n_cap, n_words, -1)                         # (n_img, n_cap, L, m)
             # the norm in the nodes' dtype (accumulated in float32), so no float32 copy of the block
-            torch.mul(local, inverse_norm(local, dtype=None), out=nodes[:, :, n_nodes - n_words:])
+            if torch.compiler.is_compiling():   # the same product; a compiled graph takes no `out=` view
+                nodes[:, :, n_nodes - n_words:] = local * inverse_norm(local, dtype=None)
+            else:
+                torch.mul(local, inverse_norm(local, dtype=None), out=nodes[:, :, n_nodes - n_words:])
             masks.append(word_mask)
         return nodes, torch.cat(masks, dim=1)

@@ -1,0 +1,157 @@
+"""`torch.compile` (Inductor) over fixed-shape pieces of work, opt-in.
+
+A compiled function is specialised to the shapes it is called with: scoring a split whose
+captions have every length from 1 to 60 would compile one graph per length and per chunk size.
+So the compiled path pads what it hands the compiler: caption widths rounded up to a multiple of
+`WIDTH_STEP` words (`bucket_width`), and each eval chunk padded to the full images x captions
+of the chunk grid (see `SGRAF.eval_chunks`). A split then compiles one graph per width bucket
+(at most `max_width / WIDTH_STEP` of them, per precision), and a second split of the same
+widths compiles nothing. Padded words are masked like the padding of a caption; padded images
+and captions are scored and dropped.
+
+Inside a compiled graph the CPU's float32 matmuls take PyTorch's own route, not oneDNN called
+directly (`sgraf.kernels.cpu`: Inductor lowers oneDNN's linear only with constant weights, and
+ours are graph inputs, so one compiled graph serves any weights: validation after every epoch
+compiles nothing new). Graphs are compiled whole (`fullgraph=True`): a graph break is an error,
+not a silent second graph.
+
+On a 2-core AMD EPYC (Zen 5) the compiled scoring chunk is no faster than the eager one (the
+matmuls dominate, and the eager path already writes its elementwise work in place;
+`benchmarks/bench_compile.py`), so the default is off. `SGRAF_COMPILE=on` (or `eval`) turns it
+on for scoring; `compiling(mode)` does so within a block of code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from sgraf.errors import InputError
+
+MODES = ("off", "eval")
+# caption widths (words) are rounded up to a multiple of this in compiled graphs
+WIDTH_STEP = 8
+# the most captions in one compiled eval chunk (a scorer's caption bucket holds 128)
+MAX_CHUNK_CAPTIONS = 128
+# graphs one compiled function may hold (Dynamo's `recompile_limit` is raised to this at the
+# first compilation): widths up to 8 x 64 words, for a few precisions and kinds of model
+RECOMPILE_LIMIT = 64
+
+_override: list[str] = []         # the innermost `compiling(...)`; process-wide (scorers use threads)
+_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def mode() -> str:
+    """'off' or 'eval': the `compiling` context's mode, else `SGRAF_COMPILE` (default 'off')."""
+    if _override:
+        return _override[-1]
+    setting = os.environ.get("SGRAF_COMPILE", "").strip().lower()
+    aliases = {"": "off", "0": "off", "false": "off", "no": "off", "1": "eval", "on": "eval", "true": "eval",
+               "yes": "eval"}
+    setting = aliases.get(setting, setting)
+    if setting not in MODES:
+        raise InputError(f"SGRAF_COMPILE must be one of off, on, {', '.join(MODES[1:])}, got "
+                         f"{os.environ['SGRAF_COMPILE']!r}")
+    return setting
+
+
+def eval_enabled() -> bool:
+    """Whether eval scoring chunks run compiled."""
+    return mode() == "eval"
+
+
+@contextlib.contextmanager
+def compiling(setting: str = "eval") -> Iterator[None]:
+    """Within this context the compiled path's mode is `setting` ('off' or 'eval'), whatever
+    `SGRAF_COMPILE` says. Process-wide (a scorer's worker threads follow it); not for use from
+    several threads at once."""
+    if setting not in MODES:
+        raise ValueError(f"compile mode must be one of {', '.join(MODES)}, got {setting!r}")
+    _override.append(setting)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def bucket_width(n_words: int) -> int:
+    """`n_words` rounded up to a multiple of `WIDTH_STEP`: the caption width a compiled graph sees."""
+    return max(1, -(-int(n_words) // WIDTH_STEP)) * WIDTH_STEP
+
+
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` compiled by Inductor (`torch.compile(dynamic=False, fullgraph=True)`), once per
+    process: every call with new shapes, dtypes or configuration compiles a new graph (counted
+    in `torch._dynamo.utils.counters["stats"]["unique_graphs"]`)."""
+    found = _compiled.get(function)
+    if found is None:
+        import torch   # torch.compile imports its compiler stack at first use, not with sgraf
+        import torch._dynamo
+
+        # Dynamo keeps at most `recompile_limit` graphs per function (8 by default), then fails
+        # under fullgraph: one function serves every width, precision and kind of model here
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        found = _compiled[function] = _first_calls_serialised(
+            torch.compile(function, dynamic=False, fullgraph=True))
+    return found
+
+
+def _first_calls_serialised(graph: Callable[..., Any]) -> Callable[..., Any]:
+    """`graph` with its first call for each kind of input (shapes, strides, dtypes, other values)
+    made under a lock: a scorer's worker threads meeting a new shape at once would each compile
+    it (Dynamo looks for a compiled graph before it takes its own lock)."""
+    lock = threading.Lock()
+    seen: set[Any] = set()
+
+    def call(*args: Any) -> Any:
+        key = _signature(args)
+        if key in seen:
+            return graph(*args)
+        with lock:
+            result = graph(*args)
+            seen.add(key)
+        return result
+
+    return call
+
+
+def _signature(value: Any) -> Any:
+    """What a compiled graph is specialised to in `value`: tensors by shape, strides and dtype,
+    containers item by item, modules by identity, plain values as they are."""
+    if hasattr(value, "shape") and hasattr(value, "stride"):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device.type)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_signature(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", *((key, _signature(item)) for key, item in value.items()))
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return ("object", id(value), str(value) if not hasattr(value, "forward") else "")
+
+
+def dispatch(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The one switch: `compiled(function)` when eval scoring is compiled, else `function`."""
+    return compiled(function) if eval_enabled() else function
+
+
+def padded_count(n: int) -> int:
+    """`n` rounded up to a power of two: the images or captions of a GPU-plan block in a compiled
+    graph (a block is one chunk there; rounding keeps its shapes to a handful)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pad_to(tensor: Any, size: int, dim: int = 0) -> Any:
+    """`tensor` extended with zeros (False for bool) along `dim` to `size`, contiguous (a graph is
+    specialised to its inputs' strides too: a slice of a larger block would compile another)."""
+    missing = size - tensor.size(dim)
+    if missing <= 0:
+        return tensor.contiguous()
+    import torch
+
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
