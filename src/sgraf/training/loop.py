@@ -257,10 +257,6 @@ class EpochBatchSampler(PlannedBatches):
                          world_size)
 
 
-def steps_per_epoch(n_captions: int, batch_size: int, world_size: int = 1) -> int:
-    return len(EpochBatchSampler(n_captions, batch_size, 0, 0, world_size=world_size))
-
-
 def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
                     config: TrainConfig, progress: Progress, scaler: Any | None = None,
                     device: torch.device | str = "cpu",
