@@ -15,7 +15,7 @@ ours are graph inputs, so one compiled graph serves any weights: validation afte
 compiles nothing new). Graphs are compiled whole (`fullgraph=True`): a graph break is an error,
 not a silent second graph.
 
-On a 2-core AMD EPYC (Zen 5) the compiled scoring chunk is no faster than the eager one (the
+On a 2-core AMD EPYC (Zen 3) the compiled scoring chunk is no faster than the eager one (the
 matmuls dominate, and the eager path already writes its elementwise work in place;
 `benchmarks/bench_compile.py`), so the default is off. `SGRAF_COMPILE=on` (or `eval`) turns it
 on for scoring; `compiling(mode)` does so within a block of code.
@@ -131,11 +131,6 @@ def _signature(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return ("object", id(value), str(value) if not hasattr(value, "forward") else "")
-
-
-def dispatch(function: Callable[..., Any]) -> Callable[..., Any]:
-    """The one switch: `compiled(function)` when eval scoring is compiled, else `function`."""
-    return compiled(function) if eval_enabled() else function
 
 
 def padded_count(n: int) -> int:

@@ -445,16 +445,13 @@ class SGRAF(nn.Module):
             return
         if compiled.eval_enabled():
             img_step, cap_step = self.compiled_chunk_shape(n_words, low)
-            for row in range(0, n_img, img_step):
-                for col in range(0, n_cap, cap_step):
-                    yield slice(row, min(row + img_step, n_img)), slice(col, min(col + cap_step, n_cap))
-            return
-        budget = max(1, self.eval_chunk_bytes(low) // (n_words * self.config.embed_size * low.itemsize))  # pairs
-        img_step = min(n_img, EVAL_CHUNK_IMAGES)
-        cap_step = max(1, budget // img_step)
-        if cap_step >= n_cap:  # few captions: take more images instead
-            cap_step = n_cap
-            img_step = min(n_img, max(img_step, budget // n_cap))
+        else:
+            budget = self._eval_chunk_pairs(n_words, low)
+            img_step = min(n_img, EVAL_CHUNK_IMAGES)
+            cap_step = max(1, budget // img_step)
+            if cap_step >= n_cap:  # few captions: take more images instead
+                cap_step = n_cap
+                img_step = min(n_img, max(img_step, budget // n_cap))
         for row in range(0, n_img, img_step):
             for col in range(0, n_cap, cap_step):
                 yield slice(row, min(row + img_step, n_img)), slice(col, min(col + cap_step, n_cap))
@@ -485,13 +482,14 @@ class SGRAF(nn.Module):
             if sim.use_local and gram is None:
                 gram = sim.region_gram(img_embs)
             regions, words = img_embs.to(low), words.to(low)
-            if compiled.eval_enabled():
+            compile_chunks = compiled.eval_enabled()   # read once for the block
+            if compile_chunks:
                 # fixed shapes for the compiler: the width rounded up, every chunk padded to the grid
                 width = compiled.bucket_width(words.size(1))
                 words, word_mask = compiled.pad_to(words, width, 1), compiled.pad_to(word_mask, width, 1)
-            chunk_scores = compiled.dispatch(_eval_chunk_scores)
+            chunk_scores = compiled.compiled(_eval_chunk_scores) if compile_chunks else _eval_chunk_scores
             for rows, cols in self.eval_chunks(n_img, n_cap, words.size(1), low, device):
-                if compiled.eval_enabled():
+                if compile_chunks:
                     chunk = self._compiled_chunk(chunk_scores, rows, cols, regions, words, word_mask, low,
                                                  glo_nodes, gram, constants, device)
                 else:
@@ -509,8 +507,13 @@ class SGRAF(nn.Module):
         """(images, captions) of every CPU eval chunk of caption width `n_words` under compiled
         scoring: `EVAL_CHUNK_IMAGES` x as many captions as `eval_chunk_bytes(low)` allows, at most
         `compiled.MAX_CHUNK_CAPTIONS`."""
-        budget = max(1, self.eval_chunk_bytes(low) // (n_words * self.config.embed_size * low.itemsize))  # pairs
+        budget = self._eval_chunk_pairs(n_words, low)
         return EVAL_CHUNK_IMAGES, min(max(1, budget // EVAL_CHUNK_IMAGES), compiled.MAX_CHUNK_CAPTIONS)
+
+    def _eval_chunk_pairs(self, n_words: int, low: torch.dtype) -> int:
+        """(image, caption) pairs of caption width `n_words` whose (word x d) operands in `low`
+        fit `eval_chunk_bytes(low)`: the budget of a CPU eval chunk."""
+        return max(1, self.eval_chunk_bytes(low) // (n_words * self.config.embed_size * low.itemsize))
 
     def _compiled_chunk(self, chunk_scores: Callable[..., dict[str, torch.Tensor]], rows: slice, cols: slice,
                         regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor, low: torch.dtype,
