@@ -102,6 +102,15 @@ def oracle_similarity(model: torch.nn.Module, img_embs: torch.Tensor, cap_embs: 
     return {head: torch.cat(cols, 1) for head, cols in columns.items()}
 
 
+def _word_states(enc: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """The GRU's outputs (n, L, d or 2d) as the text encoder's word features: the two directions
+    averaged for a bidirectional GRU, then l2-normalised if the encoder normalises."""
+    if enc.bi_gru:
+        half = states.size(2) // 2
+        states = (states[:, :, :half] + states[:, :, half:]) / 2
+    return l2norm(states, dim=-1) if enc.normalize else states
+
+
 def oracle_encode_captions(model: torch.nn.Module, captions: torch.Tensor, lengths: Any) -> torch.Tensor:
     """Each caption through the text encoder on its own (no packing), zero-padded to max(lengths)."""
     enc = model.txt_enc
@@ -110,12 +119,7 @@ def oracle_encode_captions(model: torch.nn.Module, captions: torch.Tensor, lengt
     for i in range(captions.size(0)):
         n_word = int(lengths[i])
         states, _ = enc.cap_rnn(enc.dropout(enc.embed(captions[i : i + 1, :n_word])))
-        if enc.bi_gru:
-            half = states.size(2) // 2
-            states = (states[:, :, :half] + states[:, :, half:]) / 2
-        if enc.normalize:
-            states = l2norm(states, dim=-1)
-        out.append(F.pad(states, (0, 0, 0, max_len - n_word)))
+        out.append(F.pad(_word_states(enc, states), (0, 0, 0, max_len - n_word)))
     return torch.cat(out, 0)
 
 
@@ -133,10 +137,7 @@ def authors_encode_captions(model: torch.nn.Module, captions: torch.Tensor, leng
     packed = pack_padded_sequence(enc.dropout(enc.embed(captions[:, : int(lengths.max())])), lengths,
                                   batch_first=True, enforce_sorted=False)
     states, _ = pad_packed_sequence(enc.cap_rnn(packed)[0], batch_first=True)
-    if enc.bi_gru:
-        half = states.size(2) // 2
-        states = (states[:, :, :half] + states[:, :, half:]) / 2
-    return l2norm(states, dim=-1) if enc.normalize else states
+    return _word_states(enc, states)
 
 
 def authors_forward(model: torch.nn.Module, images: torch.Tensor, captions: torch.Tensor,
