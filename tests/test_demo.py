@@ -21,7 +21,7 @@ pytestmark = pytest.mark.numeric
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    return out, main(["demo", "--quick", "--out", str(out), "--positions", "relation"])
+    return out, main(["demo", "--quick", "--out", str(out), "--positions", "place"])
 
 
 def test_quick_demo_prints_the_table_and_writes_the_report(demo, capsys):
@@ -56,7 +56,12 @@ def test_quick_demo_numbers_are_the_checkpoints_numbers(demo):
     boxes = torch.from_numpy(test.boxes)
     for label in ("SGR", "SAF", "global-only", "SGR+pos", "SAF+pos"):
         model = load_model(out / "runs" / label.lower().replace("+", "-") / "best.pt")
-        assert model.config.positions == ("relation" if label.endswith("+pos") else "none")
+        assert model.config.positions == ("place" if label.endswith("+pos") else "none")
+        run_config = (out / "runs" / label.lower().replace("+", "-") / "config.yaml").read_text()
+        if label.endswith("+pos"):   # the place term's recipe: half the families drawn whole
+            assert "batches: families" in run_config and "family_share: 0.5" in run_config
+        else:
+            assert "batches: random" in run_config
         ids = [model.vocab.encode(c) for c in test.captions]
         lengths = torch.tensor([len(i) for i in ids])
         padded = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)

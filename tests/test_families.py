@@ -74,6 +74,28 @@ def test_the_sampler_takes_every_caption_once_in_whole_families(bench):
         FamilyBatchSampler(families.groups, CAPS, batch_size=3, seed=0, epoch=0)
 
 
+def test_a_family_share_mixes_whole_families_with_single_captions(bench):
+    families = read_families(bench, "train", 30, CAPS)
+    family_of = {int(i): f for f, g in enumerate(families.groups) for i in g}
+    whole_share = []
+    for epoch in range(4):
+        batches = list(FamilyBatchSampler(families.groups, CAPS, 10, seed=1, epoch=epoch, family_share=0.5))
+        assert sorted(k for batch in batches for k in batch) == list(range(150))   # each caption once
+        assert [list(b) for b in FamilyBatchSampler(families.groups, CAPS, 10, seed=1, epoch=epoch,
+                                                    family_share=0.5)] == batches
+        # a family is drawn whole (every batch holding one of its captions holds all its pictures) or not
+        whole = set()
+        for f, group in enumerate(families.groups):
+            holding = [b for b in batches if any(family_of[k // CAPS] == f for k in b)]
+            if all(sorted({k // CAPS for k in b if family_of[k // CAPS] == f}) == sorted(group.tolist())
+                   for b in holding):
+                whole.add(f)
+        whole_share.append(len(whole) / len(families.groups))
+    assert 0 < min(whole_share) and max(whole_share) < 1          # some families whole, others scattered
+    with pytest.raises(InputError, match="'family_share' must be in \\(0, 1\\], got 0.0"):
+        TrainConfig(batches="families", family_share=0.0)
+
+
 def test_the_truth_mask_spares_pairs_whose_caption_is_true_of_the_picture():
     image_ids = torch.tensor([0, 1, 2, 0])
     true_of = torch.tensor([[0, 1, -1], [1, -1, -1], [2, 0, 1], [0, -1, -1]])

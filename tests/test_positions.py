@@ -11,9 +11,10 @@ from sgraf.checkpoint import load_model, save_model
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.model import blocks
-from sgraf.model.positions import pair_geometry
+from sgraf.model.positions import PLACE_GAIN, PlaceTerm, pair_geometry
+from sgraf.model.sgraf import SGRAF
 
-POSITIONED = ("box", "relation")
+POSITIONED = ("box", "relation", "place")
 
 
 def _model(positions: str, module: str = "joint", seed: int = 0):
@@ -28,6 +29,10 @@ def _model(positions: str, module: str = "joint", seed: int = 0):
                 norm.running_var.fill_(1.2)
                 norm.weight.fill_(0.9)
                 norm.bias.fill_(0.05)
+        if positions == "place":   # a new place term is zero (the model scores as without it)
+            generator = torch.Generator().manual_seed(seed + 7)
+            for parameter in model.sim_enc.place_term.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5 / PLACE_GAIN)
     return model
 
 
@@ -49,7 +54,7 @@ def test_default_is_the_authors_model_and_old_configs_read_as_none():
     model = random_model(0)
     assert not model.needs_boxes
     assert not any("box_embed" in name or "relation" in name for name in model.state_dict())
-    with pytest.raises(InputError, match="'positions' must be one of none, box, relation, got 'grid'"):
+    with pytest.raises(InputError, match="'positions' must be one of none, box, relation, place, got 'grid'"):
         ModelConfig(vocab_size=10, positions="grid")
 
 
@@ -188,3 +193,79 @@ def test_training_evaluate_and_the_refusals_of_data_without_boxes(toy_with_boxes
     assert main(["evaluate", "--checkpoint", str(run / "best.pt"), "--data", str(bare), "--split", "dev"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(positions='relation'): " in err and "dev_boxes.npy: missing file" in err
+
+
+# ------------------------------------------------------------------ the place term ('place')
+
+def _place_term() -> PlaceTerm:
+    """A place term over 4-d embeddings: equal objectness, and only embedding channel 2 (the
+    relation word below) carries a direction."""
+    term = PlaceTerm(4, smooth=50.0)
+    with torch.no_grad():
+        for parameter in term.parameters():
+            parameter.zero_()
+        term.relation.weight[:, 2] = torch.tensor([1.0, -2.0])
+    return term
+
+
+def test_place_directions_pull_the_word_after_a_relation_against_the_word_before():
+    term = _place_term()
+    words = torch.eye(4)[[0, 2, 1]].unsqueeze(0)          # "X rel Y": only rel has a direction D
+    directions = term.word_directions(words, torch.ones(1, 3, dtype=torch.bool))
+    d = PLACE_GAIN * torch.tensor([1.0, -2.0])
+    assert_close(directions[0], torch.stack([-d, torch.zeros(2), d]), REORDERED)
+    # a padded word takes no part, and an empty side is the picture's centre: in "X rel" (as in "a
+    # diamond on the top") the relation word compares X's place with the centre
+    padded = torch.cat([words, torch.zeros(1, 2, 4)], dim=1)
+    mask = torch.tensor([[True, True, True, False, False]])
+    assert_close(term.word_directions(padded, mask)[0, :3], directions[0], REORDERED)
+    assert torch.equal(term.word_directions(padded, mask)[0, 3:], torch.zeros(2, 2))
+    assert_close(term.word_directions(words[:, :2], torch.ones(1, 2, dtype=torch.bool))[0],
+                 torch.stack([-d, torch.zeros(2)]), REORDERED)
+
+
+def test_the_place_term_scores_the_offset_between_the_places_two_words_read():
+    term = _place_term()
+    regions = torch.eye(4)[[0, 1]].unsqueeze(0)           # region 0 is X, region 1 is Y
+    words = torch.eye(4)[[0, 2, 1]].unsqueeze(0)           # "X rel Y"
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    centres = torch.tensor([[[0.2, 0.5], [0.8, 0.3]]])     # X left of and below Y
+    logit = term(regions, centres, words, mask)
+    # D . (p_Y - p_X) with each word's attention on its own region
+    expected = PLACE_GAIN * (1.0 * (0.8 - 0.2) - 2.0 * (0.3 - 0.5))
+    assert abs(float(logit) - expected) < 1e-3 * PLACE_GAIN
+    # exchange the two objects' places: the term changes sign
+    assert abs(float(term(regions, centres[:, [1, 0]], words, mask)) + expected) < 1e-3 * PLACE_GAIN
+
+
+def test_a_new_place_model_scores_as_the_same_model_without_the_term():
+    config = dict(vocab_size=30, img_dim=20, word_dim=8, embed_size=16, sim_dim=12, num_regions=5, module="joint")
+    torch.manual_seed(0)
+    place = SGRAF(ModelConfig(**config, positions="place")).eval()
+    box = SGRAF(ModelConfig(**config, positions="box")).eval()
+    box.load_state_dict({k: v for k, v in place.state_dict().items() if not k.startswith("sim_enc.place_term.")})
+    images, captions, lengths = random_batch(place, 3, [6, 4, 3])
+    boxes = _boxes(3, 5)
+    assert torch.equal(place.score(images, captions, lengths, boxes=boxes),
+                       box.score(images, captions, lengths, boxes=boxes))
+    # its image embeddings carry each region's centre after the region embedding
+    encoded = place.encode_images(images, boxes)
+    assert encoded.shape == (3, 5, 16 + 2)
+    assert_close(encoded[..., 16:], (boxes[..., :2] + boxes[..., 2:]) / 2, REORDERED)
+
+
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_the_place_models_scoring_paths_agree(module):
+    model = _model("place", module=module)
+    images, captions, lengths = random_batch(model, 4, [7, 5, 4, 3, 6])
+    boxes = _boxes(4, model.config.num_regions)
+    fast = model.score(images, captions, lengths, boxes=boxes)                    # eval fast path, blocks
+    img_embs, cap_embs = model.encode_images(images, boxes), model.encode_captions(captions, lengths)
+    with torch.enable_grad():
+        plain = model.similarity(img_embs, cap_embs, lengths).detach()           # the reference path
+    assert_close(fast, plain, REORDERED)
+    # training: captions scored in chunks sorted by length give the place term to the right columns
+    model.train()
+    whole = model(images, captions, lengths, boxes=boxes).detach()
+    model.train_chunk = 1
+    assert_close(model(images, captions, lengths, boxes=boxes).detach(), whole, REORDERED)

@@ -24,6 +24,7 @@ from sgraf.data.boxes import write_boxes
 from sgraf.data.vocab import Vocabulary
 from sgraf.errors import InputError
 from sgraf.explain import explain_pair
+from sgraf.model.positions import PLACE_GAIN
 from sgraf.model.sgraf import SGRAF
 from sgraf.search import build_index, open_index
 
@@ -41,6 +42,8 @@ def _model(module: str, positions: str, vocab: Vocabulary, seed: int) -> SGRAF:
     for parameter in model.parameters():   # positions' layers too: no zero-initialised no-op
         if parameter.dim() > 1:
             parameter.data.normal_(0, 0.3)
+    if positions == "place":   # the place term's directions are PLACE_GAIN x its weights
+        model.sim_enc.place_term.relation.weight.data /= PLACE_GAIN
     model.vocab = vocab
     return model.eval()
 
@@ -68,7 +71,7 @@ def gallery(tmp_path_factory) -> dict:
     vocab = Vocabulary.from_words(WORDS)
     paths = {}
     for name, module, positions, seed in (("box", "sgr", "box", 1), ("plain", "saf", "none", 2),
-                                          ("relation", "saf", "relation", 3)):
+                                          ("relation", "saf", "relation", 3), ("place", "joint", "place", 4)):
         paths[name] = root / f"{name}.pt"
         save_model(_model(module, positions, vocab, seed), paths[name], vocab=vocab)
     return {"root": root, "plain": plain, "boxed": boxed, "features": features, "captions": captions,
@@ -95,7 +98,8 @@ def test_a_checkpoint_records_that_its_model_needs_boxes(gallery):
 
 
 def test_matcher_scores_with_boxes_as_the_models_do_and_boxes_matter(gallery):
-    matcher = Matcher.load([gallery["paths"]["box"], gallery["paths"]["plain"], gallery["paths"]["relation"]])
+    matcher = Matcher.load([gallery["paths"]["box"], gallery["paths"]["plain"], gallery["paths"]["relation"],
+                            gallery["paths"]["place"]])
     texts = gallery["captions"][:5]
     scores = matcher.score(gallery["features"], texts, boxes=gallery["boxes"])
     expected = _reference(matcher.models, gallery["features"], gallery["boxes"], texts, gallery["vocab"])
@@ -129,8 +133,8 @@ def test_matcher_refuses_images_without_boxes_or_with_bad_ones(gallery):
 def test_the_index_of_a_model_with_positions_scores_as_the_model_with_boxes(gallery, tmp_path, capsys):
     index_dir = tmp_path / "index"
     assert main(["index", "--checkpoint", str(gallery["paths"]["box"]), "--checkpoint",
-                 str(gallery["paths"]["plain"]), "--data", str(gallery["boxed"]), "--split", "test", "--out",
-                 str(index_dir)]) == 0
+                 str(gallery["paths"]["plain"]), "--checkpoint", str(gallery["paths"]["place"]), "--data",
+                 str(gallery["boxed"]), "--split", "test", "--out", str(index_dir)]) == 0
     manifest = json.loads((index_dir / "manifest.json").read_text())
     assert manifest["files"]["image_boxes.npy"]["shape"] == [N_IMG, K, 4]
     index = open_index(index_dir)
@@ -148,7 +152,8 @@ def test_the_index_of_a_model_with_positions_scores_as_the_model_with_boxes(gall
     # a new image's features: its boxes are needed, and then it scores as the stored one
     new = index.search_image(features=gallery["features"][2], boxes=gallery["boxes"][2], top_k=4, shortlist=None)
     assert [h.id for h in new] == [h.id for h in hits]
-    with pytest.raises(InputError, match=r"model 1 \(sgr, positions='box'\) reads region positions"):
+    with pytest.raises(InputError, match=r"model 1 \(sgr, positions='box'\), model 3 \(joint, positions='place'\) "
+                                         r"read region positions"):
         index.search_image(features=gallery["features"][2], top_k=4)
     capsys.readouterr()
     assert main(["search", "--index", str(index_dir), "--text", query, "--top-k", "2", "--json"]) == 0
@@ -215,13 +220,13 @@ def test_a_damaged_boxes_file_of_an_index_is_named(gallery, tmp_path):
 
 
 def test_explain_with_boxes_scores_as_the_model_and_draws_the_boxes(gallery, tmp_path, capsys):
-    matcher = Matcher.load([gallery["paths"]["box"], gallery["paths"]["plain"]])
+    matcher = Matcher.load([gallery["paths"]["box"], gallery["paths"]["plain"], gallery["paths"]["place"]])
     text = "a red square left of the blue circle"
     explanation = explain_pair(matcher, gallery["features"][4], text, boxes=gallery["boxes"][4])
     expected = _reference(matcher.models, gallery["features"][4:5], gallery["boxes"][4:5], [text],
                           gallery["vocab"])[0, 0]
     assert_close(explanation.scores["ensemble"], expected, REORDERED, scale=1.0)
-    with pytest.raises(InputError, match=r"reads region positions and needs each region's box"):
+    with pytest.raises(InputError, match=r"positions='place'\) read region positions and need each region's box"):
         explain_pair(matcher, gallery["features"][4], text)
     out = tmp_path / "explain.png"
     assert main(["explain", "--checkpoint", str(gallery["paths"]["box"]), "--data", str(gallery["boxed"]),
@@ -234,8 +239,8 @@ def test_serve_explains_with_the_boxes_the_index_encoded_with(gallery, tmp_path)
     from sgraf.serve.service import SearchService
 
     index_dir = tmp_path / "index"
-    assert main(["index", "--checkpoint", str(gallery["paths"]["box"]), "--data", str(gallery["boxed"]),
-                 "--split", "test", "--out", str(index_dir), "--quiet"]) == 0
+    assert main(["index", "--checkpoint", str(gallery["paths"]["box"]), "--checkpoint", str(gallery["paths"]["place"]),
+                 "--data", str(gallery["boxed"]), "--split", "test", "--out", str(index_dir), "--quiet"]) == 0
     service = SearchService.open(index_dir, shortlist=N_IMG)
     text = "a blue circle above the red square"
     answer = service.explain(3, text)

@@ -367,11 +367,15 @@ class Matcher:
         """Whether a model of the matcher reads region boxes (a model with positions)."""
         return any(getattr(model, "needs_boxes", False) for model in self.models)
 
-    def boxes_needed_by(self) -> str:
-        """The models that read boxes, for messages: 'model 1 (sgr, positions='box')'."""
+    def boxes_needed_by(self, then: str = "") -> str:
+        """The models that read boxes, for messages: "model 1 (sgr, positions='box') reads region
+        positions", or with several "model 1 (...), model 3 (...) read region positions"; `then`
+        continues the sentence with a verb that agrees ('needs' -> 'need')."""
         named = [f"model {m + 1} ({model.config.module}, positions={model.config.positions!r})"
                  for m, model in enumerate(self.models) if getattr(model, "needs_boxes", False)]
-        return ", ".join(named)
+        one = len(named) == 1
+        verb = then if one or not then.endswith("s") else then[:-1]
+        return ", ".join(named) + (" reads" if one else " read") + " region positions" + (f" and {verb}" if then else "")
 
     def check_boxes(self, boxes: Any, n_images: int, what: str = "boxes") -> torch.Tensor | None:
         """Validate (n_img, K, 4) region boxes normalised to [0, 1] for `n_images` images.
@@ -386,7 +390,7 @@ class Matcher:
         """
         if boxes is None:
             if self.needs_boxes:
-                raise InputError(f"{self.boxes_needed_by()} reads region positions and needs each region's box "
+                raise InputError(f"{self.boxes_needed_by(then='needs')} each region's box "
                                  "(n_images, K, 4) normalised to [0, 1]; got images without boxes")
             return None
         if not self.needs_boxes:
@@ -514,6 +518,8 @@ def image_global_vectors(model: torch.nn.Module, img_embs: torch.Tensor) -> torc
     """
     from sgraf.model.norms import l2norm
 
+    if hasattr(model, "split_places"):
+        img_embs = model.split_places(img_embs)[0]     # a place model's centres are not features
     representation = _similarity_representation(model)
     if representation.use_global:
         return representation.v_global_w(img_embs)

@@ -17,7 +17,7 @@ MODULES = ("sgr", "saf", "ave", "joint")
 SIMILARITIES = ("vector", "scalar")
 ATTENTIONS = ("t2i", "i2t")
 ALIGNMENTS = ("both", "global", "local")
-POSITIONS = ("none", "box", "relation")  # region positions in the image encoder: sgraf.model.positions
+POSITIONS = ("none", "box", "relation", "place")  # region positions: sgraf.model.positions
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,13 @@ class ModelConfig:
         attention: 't2i' text-to-image (default) or 'i2t' image-to-text attention (Table 5).
         lambda_softmax: attention temperature (9).
         dropout: dropout after the word embedding (0.4).
-        positions: region positions in the image encoder (issue 21, not in the paper): 'none'
-            (the authors' model), 'box' (an embedding of each region's box added to it) or
-            'relation' (that, plus self-attention over regions with a pairwise geometry bias);
-            models other than 'none' need boxes (`sgraf.data.boxes`).
+        positions: region positions (issue 21, not in the paper): 'none' (the authors' model),
+            'box' (an embedding of each region's box added to it in the image encoder),
+            'relation' (that, plus self-attention over regions with a pairwise geometry bias) or
+            'place' ('box', plus the place term of the similarity stage: the offset between the
+            places two words read, scored against the relation word between them,
+            `sgraf.model.positions.PlaceTerm`); models other than 'none' need boxes
+            (`sgraf.data.boxes`).
     """
 
     vocab_size: int

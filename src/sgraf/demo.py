@@ -56,11 +56,18 @@ ENSEMBLES = {"SGRAF": ("SGR", "SAF"), "SGRAF+pos": ("SGR+pos", "SAF+pos")}
 FIXED_KEYS = ("module", "alignments", "seed", "positions")
 
 
+# How the position-aware models of each design are trained, beyond `positions` itself: the place
+# term learns its relation words from hard negatives, so 'place' draws half of the families whole
+# (docs/positions.md, the study).
+POSITION_RECIPES = {"place": {"batches": "families", "family_share": "0.5"}}
+
+
 def methods(positions: str = "none") -> list[tuple[str, dict[str, str]]]:
     """The demo's models: (label, training overrides); with `positions` the position-aware ones too."""
     if positions == "none":
         return list(METHODS)
-    return [*METHODS, *((label, {**changes, "positions": positions}) for label, changes in POSITION_METHODS)]
+    recipe = {"positions": positions, **POSITION_RECIPES.get(positions, {})}
+    return [*METHODS, *((label, {**changes, **recipe}) for label, changes in POSITION_METHODS)]
 
 
 def run_name(label: str) -> str:
@@ -663,8 +670,10 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         f"batch {training['batch_size']}); the checkpoint with the best dev rsum is evaluated. "
         "global-only is Table 3 row 1 (FC + sigmoid on the global alignment); SGRAF averages the "
         "SGR and SAF score matrices."
-        + (f" SAF+pos and SGR+pos are the same two models with region positions in the image encoder "
-           f"(`positions={settings['positions']}`, not in the paper); SGRAF+pos averages them."
+        + (f" SAF+pos and SGR+pos are the same two models with region positions "
+           f"(`positions={settings['positions']}`, not in the paper"
+           + (", trained with `batches=families family_share=0.5`" if settings["positions"] in POSITION_RECIPES else "")
+           + "); SGRAF+pos averages them."
            if settings.get("positions", "none") != "none" else ""),
         "",
         "```",

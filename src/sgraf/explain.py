@@ -60,11 +60,9 @@ def word_region_attention(regions: torch.Tensor, words: torch.Tensor, smooth: fl
     Returns:
         (L, K) `alpha`: for each word, a distribution over the regions.
     """
-    from sgraf.model.norms import l2norm
+    from sgraf.model.similarity import region_attention
 
-    relevance = F.leaky_relu(regions @ words.t(), 0.1)          # (K, L)
-    relevance = l2norm(relevance, dim=1)                         # each region across the words
-    return (relevance * smooth).t().softmax(dim=1)               # (L, K)
+    return region_attention(regions.unsqueeze(0), words.unsqueeze(0), smooth)[0, 0]
 
 
 def saf_node_weights(saf: torch.nn.Module, nodes: torch.Tensor) -> torch.Tensor:
@@ -177,6 +175,8 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
             regions = model.encode_images(image)                          # (1, K, d)
         words = model.encode_captions(captions, lengths)                  # (1, L, d)
         scores[label] = float(model.similarity(regions, words, lengths)[0, 0])
+        if hasattr(model, "split_places"):
+            regions = model.split_places(regions)[0]                      # a place model's centres off
         encoder = model.sim_enc
         word_mask = torch.ones(1, len(ids), dtype=torch.bool, device=words.device)
         nodes, _ = encoder(regions, words, word_mask)                     # (1, 1, P, m)

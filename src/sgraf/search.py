@@ -482,8 +482,8 @@ class GalleryIndex:
         self.image_regions = [load(f"image_regions.{m}.npy") for m in range(n_models)]
         self.image_boxes = load(BOXES) if BOXES in manifest["files"] else None   # (n_img, K, 4) or None
         if self.image_boxes is None and matcher.needs_boxes:
-            raise InputError(f"index {folder} holds no {BOXES}, but {matcher.boxes_needed_by()} reads region "
-                             "positions; rebuild the index with `sgraf index` from data with boxes")
+            raise InputError(f"index {folder} holds no {BOXES}, but {matcher.boxes_needed_by()}; "
+                             "rebuild the index with `sgraf index` from data with boxes")
         self.caption_words = [load(f"caption_words.{m}.npy") for m in range(n_models)]
         self.captions = _read_captions(folder, manifest, verify)
         if len(self.captions) != self.n_captions:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from sgraf.cli.arguments import positive_int, seed
+from sgraf.config import POSITIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,10 +23,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seeds", type=positive_int, default=1, metavar="N",
                         help="train every model with N seeds (--seed, --seed + 1, ...) on the same data and report "
                              "the mean and standard deviation of each figure")
-    parser.add_argument("--positions", choices=("none", "box", "relation"), default="none",
+    parser.add_argument("--positions", choices=POSITIONS, default="none",
                         help="also train SAF and SGR with region positions of this design (box: an embedding "
                              "of each region's box; relation: plus self-attention over regions with a pairwise "
-                             "geometry bias) and report them and their ensemble beside the paper's models")
+                             "geometry bias; place: box, plus a term comparing the places words read, trained "
+                             "with half the families whole) and report them and their ensemble beside the "
+                             "paper's models")
     parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+",
                         help="training overrides over the demo's settings (not module, alignments, seed or positions), "
                              "e.g. --set max_violation=false")

@@ -11,7 +11,7 @@ from torch import nn
 
 from sgraf.kernels.packing import Packing
 from sgraf.model.norms import l2norm
-from sgraf.model.positions import BoxEmbedding, RegionRelation
+from sgraf.model.positions import BoxEmbedding, RegionRelation, box_centres
 
 
 class ImageEncoder(nn.Module):
@@ -27,7 +27,7 @@ class ImageEncoder(nn.Module):
         self.fc = nn.Linear(img_dim, embed_size)
         self.normalize = normalize
         self.positions = positions
-        if positions in ("box", "relation"):
+        if positions != "none":
             self.box_embed = BoxEmbedding(embed_size)
         if positions == "relation":
             self.relation = RegionRelation(embed_size)
@@ -42,7 +42,10 @@ class ImageEncoder(nn.Module):
             regions = regions + self.box_embed(boxes)
             if self.positions == "relation":
                 regions = self.relation(regions, boxes)
-        return l2norm(regions) if self.normalize else regions
+        regions = l2norm(regions) if self.normalize else regions
+        if self.positions == "place":
+            regions = torch.cat([regions, box_centres(boxes)], dim=-1)
+        return regions
 
 
 class TextEncoder(nn.Module):

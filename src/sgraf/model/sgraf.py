@@ -23,6 +23,7 @@ from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
 from sgraf.model.encoders import ImageEncoder, TextEncoder
 from sgraf.model.filtration import AttentionFiltration, average_scores
+from sgraf.model.positions import PlaceTerm
 from sgraf.model.reasoning import (GraphReasoning, fast_graph_reasoning, fold_steps, graph_reasoning,
                                    train_graph_reasoning)
 from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, inverse_norm
@@ -84,9 +85,13 @@ class SimilarityEncoder(SimilarityRepresentation):
             self.sim_eval_w = nn.Linear(node_dim, 1)       # the SGR/SAF/AVE score FC (authors' name)
         if config.module == "joint":
             self.saf_eval_w = nn.Linear(node_dim, 1)       # the SAF head's own score FC
+        if config.positions == "place":
+            self.place_term = PlaceTerm(config.embed_size, config.lambda_softmax)
 
-    def head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Scores (n_img, n_cap) of each requested head from (n_img, n_cap, P, m) nodes."""
+    def head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],
+                    offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Scores (n_img, n_cap) of each requested head from (n_img, n_cap, P, m) nodes; `offset`
+        (n_img, n_cap), the place term, is added to each head's logit before the sigmoid."""
         scores = {}
         for head in heads:
             if head == "ave":
@@ -94,14 +99,15 @@ class SimilarityEncoder(SimilarityRepresentation):
             elif head == "sgr":
                 pooled = graph_reasoning(self.SGR_module, nodes, node_mask, has_global=self.use_global,
                                          fast=not self.training)
-                scores[head] = torch.sigmoid(self.sim_eval_w(pooled)).squeeze(2)
+                scores[head] = _score(self.sim_eval_w(pooled).squeeze(2), offset)
             else:
                 pooled = self.SAF_module(nodes, node_mask)
                 layer = self.saf_eval_w if self.module == "joint" else self.sim_eval_w
-                scores[head] = torch.sigmoid(layer(pooled)).squeeze(2)
+                scores[head] = _score(layer(pooled).squeeze(2), offset)
         return scores
 
-    def train_head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str]
+    def train_head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],
+                          offset: torch.Tensor | None = None
                           ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
         """Train-mode `head_scores` as a pure function (safe to recompute in backward).
 
@@ -115,17 +121,17 @@ class SimilarityEncoder(SimilarityRepresentation):
                 scores[head] = average_scores(nodes, node_mask, getattr(self, "sim_eval_w", None))
             elif head == "sgr":
                 pooled = train_graph_reasoning(self.SGR_module, nodes, node_mask, has_global=self.use_global)
-                scores[head] = torch.sigmoid(self.sim_eval_w(pooled)).squeeze(2)
+                scores[head] = _score(self.sim_eval_w(pooled).squeeze(2), offset)
             else:
                 pooled, means, variances = self.SAF_module.train_filter(nodes, node_mask)
                 saf_stats = (means, variances)
                 layer = self.saf_eval_w if self.module == "joint" else self.sim_eval_w
-                scores[head] = torch.sigmoid(layer(pooled)).squeeze(2)
+                scores[head] = _score(layer(pooled).squeeze(2), offset)
         return scores, saf_stats
 
     def fast_head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],
-                         low: torch.dtype, folded: list[tuple[torch.Tensor, ...]] | None = None
-                         ) -> dict[str, torch.Tensor]:
+                         low: torch.dtype, folded: list[tuple[torch.Tensor, ...]] | None = None,
+                         offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Eval-only `head_scores` (autocast off, no autograd): nodes in `low` -> float32 scores.
 
         SGR's node-wise matmuls run in `low`; SAF, AVE, the score FC and the sigmoid in float32.
@@ -155,8 +161,13 @@ class SimilarityEncoder(SimilarityRepresentation):
                 pooled = torch.bmm(beta.view(-1, 1, n_nodes), nodes.view(-1, n_nodes, dim)).view(n_img, n_cap, dim)
                 pooled = pooled.mul_(inverse_norm(pooled))
                 layer = self.saf_eval_w if self.module == "joint" and head == "saf" else self.sim_eval_w
-            scores[head] = torch.sigmoid(fast_linear(pooled, layer.weight, layer.bias)).squeeze(2)
+            scores[head] = _score(fast_linear(pooled, layer.weight, layer.bias).squeeze(2), offset)
         return scores
+
+
+def _score(logits: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """sigmoid(logits [+ offset]): a head's score from its FC's (n_img, n_cap) output."""
+    return torch.sigmoid(logits if offset is None else logits + offset)
 
 
 def init_weights(model: nn.Module) -> None:
@@ -204,6 +215,20 @@ class SGRAF(nn.Module):
         # the chunk budget under measurement while `tune_eval_chunks` runs
         self._probe_chunk_bytes: int | None = None
         init_weights(self)
+        if self.has_places:
+            self.sim_enc.place_term.reset_parameters()
+
+    @property
+    def has_places(self) -> bool:
+        """Whether image embeddings carry each region's centre in their last two channels and the
+        similarity stage adds the place term (`ModelConfig.positions` 'place')."""
+        return self.config.positions == "place"
+
+    def split_places(self, img_embs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Encoded images -> (region embeddings (n_img, K, d), centres (n_img, K, 2) or None)."""
+        if not self.has_places:
+            return img_embs, None
+        return img_embs[..., :-2], img_embs[..., -2:]
 
     @property
     def needs_boxes(self) -> bool:
@@ -306,14 +331,16 @@ class SGRAF(nn.Module):
         """
         host_lengths = _host_lengths(lengths)
         words, word_mask, lengths = _masked_words(cap_embs, lengths)
+        img_embs, centres = self.split_places(img_embs)
+        offset = None if centres is None else self.sim_enc.place_term(img_embs, centres, words, word_mask)
         if not self.training and not torch.is_grad_enabled() and self.sim_enc.supports_fast() \
                 and img_embs.dtype != torch.float64 and words.dtype != torch.float64:
             return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo, gram,
-                                               host_lengths)
+                                               host_lengths, offset)
         if self.training:
-            return self._train_similarity_heads(img_embs, words, word_mask, lengths, host_lengths)
+            return self._train_similarity_heads(img_embs, words, word_mask, lengths, host_lengths, offset)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
-        return self.sim_enc.head_scores(nodes, node_mask, self.heads)
+        return self.sim_enc.head_scores(nodes, node_mask, self.heads, offset)
 
     @contextlib.contextmanager
     def frozen_weights(self) -> Iterator[None]:
@@ -459,7 +486,8 @@ class SGRAF(nn.Module):
     def _eval_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                                lengths: torch.Tensor, img_glo: torch.Tensor | None,
                                cap_glo: torch.Tensor | None, gram: torch.Tensor | None,
-                               host_lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                               host_lengths: torch.Tensor | None = None, offset: torch.Tensor | None = None
+                               ) -> dict[str, torch.Tensor]:
         """Eval fast path: explicit precision instead of autocast (see `fast_forward`), in
         cache-sized chunks; the global vectors (or given), the global nodes, the Gram matrices
         (or given) and the casts to the matmul dtype done once for the block. `host_lengths`, the
@@ -491,14 +519,15 @@ class SGRAF(nn.Module):
             for rows, cols in self.eval_chunks(n_img, n_cap, words.size(1), low, device):
                 if compile_chunks:
                     chunk = self._compiled_chunk(chunk_scores, rows, cols, regions, words, word_mask, low,
-                                                 glo_nodes, gram, constants, device)
+                                                 glo_nodes, gram, constants, device, offset)
                 else:
                     # a chunk is padded to its own longest caption
                     n_words = int((lengths if host_lengths is None else host_lengths)[cols].max())
                     chunk = chunk_scores(sim, regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
                                          None if glo_nodes is None else glo_nodes[rows, cols],
                                          None if gram is None else gram[rows], constants["layers"],
-                                         constants["folded"], self.heads)
+                                         constants["folded"], self.heads,
+                                         None if offset is None else offset[rows, cols])
                 for head, block in chunk.items():
                     scores[head][rows, cols] = block
         return scores
@@ -518,7 +547,7 @@ class SGRAF(nn.Module):
     def _compiled_chunk(self, chunk_scores: Callable[..., dict[str, torch.Tensor]], rows: slice, cols: slice,
                         regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor, low: torch.dtype,
                         glo_nodes: torch.Tensor | None, gram: torch.Tensor | None, constants: dict[str, Any],
-                        device: torch.device) -> dict[str, torch.Tensor]:
+                        device: torch.device, offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """One eval chunk through the compiled `_eval_chunk_scores`, padded to a fixed shape: the
         CPU's chunk grid (`eval_chunks`), or under the GPU plan the block's counts rounded up to
         powers of two. Padded images and captions are zeros (their scores are dropped)."""
@@ -532,7 +561,7 @@ class SGRAF(nn.Module):
             self.sim_enc, pad(regions[rows], img_size), pad(words[cols], cap_size), pad(word_mask[cols], cap_size),
             low, None if glo_nodes is None else pad(pad(glo_nodes[rows, cols], img_size), cap_size, 1),
             None if gram is None else pad(gram[rows], img_size), constants["layers"], constants["folded"],
-            self.heads)
+            self.heads, None if offset is None else pad(pad(offset[rows, cols], img_size), cap_size, 1))
         return {head: block[:n_rows, :n_cols] for head, block in chunk.items()}
 
     @torch.no_grad()
@@ -541,6 +570,7 @@ class SGRAF(nn.Module):
         or None for models whose eval path does not use them."""
         if not (self.sim_enc.supports_fast() and self.sim_enc.use_local) or img_embs.dtype == torch.float64:
             return None
+        img_embs = self.split_places(img_embs)[0]
         with torch.autocast(img_embs.device.type, enabled=False):  # float32 whatever the precision
             return self.sim_enc.region_gram(img_embs)
 
@@ -551,7 +581,7 @@ class SGRAF(nn.Module):
         for float64 embeddings (which take the plain path)."""
         if not self.sim_enc.supports_fast() or img_embs.dtype == torch.float64:
             return None
-        return self.sim_enc.eval_image_globals(img_embs, compute_dtype(img_embs.device))
+        return self.sim_enc.eval_image_globals(self.split_places(img_embs)[0], compute_dtype(img_embs.device))
 
     @torch.no_grad()
     def caption_globals(self, cap_embs: torch.Tensor, lengths: Any) -> torch.Tensor | None:
@@ -599,8 +629,8 @@ class SGRAF(nn.Module):
         return chunks
 
     def _train_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                                lengths: torch.Tensor, host_lengths: torch.Tensor | None = None
-                                ) -> dict[str, torch.Tensor]:
+                                lengths: torch.Tensor, host_lengths: torch.Tensor | None = None,
+                                offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Train-mode scores, the captions in chunks; each chunk recomputed in backward.
 
         The chunks are cut from the lengths on the CPU (`host_lengths` when the caller has them
@@ -617,12 +647,12 @@ class SGRAF(nn.Module):
         heads = self.heads
         recompute = self.train_checkpoint and torch.is_grad_enabled()
 
-        def head_scores(nodes, node_mask):
-            scores, saf_stats = sim.train_head_scores(nodes, node_mask, heads)
+        def head_scores(nodes, node_mask, chunk_offset):
+            scores, saf_stats = sim.train_head_scores(nodes, node_mask, heads, chunk_offset)
             return [scores[head] for head in heads], saf_stats
 
-        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo):
-            return head_scores(*sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo))
+        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_offset):
+            return head_scores(*sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo), chunk_offset)
 
         # With light nodes (`local_nodes` keeps no word x feature tensor), only the heads can need
         # recomputing: their intermediates are kept for the first chunks, up to `train_keep_bytes`,
@@ -642,14 +672,15 @@ class SGRAF(nn.Module):
             index = index.to(words.device)
             chunk_words, chunk_mask = words[index, :n_words], word_mask[index, :n_words]
             chunk_glo = None if cap_glo is None else cap_glo[index]
-            args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo)
+            chunk_offset = None if offset is None else offset[:, index]
+            args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_offset)
             if recompute and light:
                 nodes, node_mask = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo)
                 kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE  # nodes: (n_img, n, P, m)
                 if kept_bytes <= keep_bytes:
-                    blocks, saf_stats = head_scores(nodes, node_mask)
+                    blocks, saf_stats = head_scores(nodes, node_mask, chunk_offset)
                 else:
-                    blocks, saf_stats = torch.utils.checkpoint.checkpoint(head_scores, nodes, node_mask,
+                    blocks, saf_stats = torch.utils.checkpoint.checkpoint(head_scores, nodes, node_mask, chunk_offset,
                                                                           use_reentrant=False)
             elif recompute:
                 # (n_img, n, L, d) float32-sized intermediates kept for backward (an estimate)
@@ -724,12 +755,13 @@ class SGRAF(nn.Module):
 def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                        low: torch.dtype, glo_nodes: torch.Tensor | None, gram: torch.Tensor | None,
                        layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                       folded: list[tuple[torch.Tensor, ...]] | None, heads: tuple[str, ...]) -> dict[str, torch.Tensor]:
+                       folded: list[tuple[torch.Tensor, ...]] | None, heads: tuple[str, ...],
+                       offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Scores {head: float32 (n_img, n_cap)} of one eval chunk: the nodes (`fast_forward`) and the
     heads (`fast_head_scores`). A function of its arguments only, weights included, so that
     `sgraf.kernels.compiled` compiles it once per shape for every model and set of weights."""
     nodes, node_mask = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers)
-    return sim.fast_head_scores(nodes, node_mask, heads, low, folded)
+    return sim.fast_head_scores(nodes, node_mask, heads, low, folded, offset)
 
 
 def _host_lengths(lengths: Any) -> torch.Tensor | None:

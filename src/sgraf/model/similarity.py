@@ -122,14 +122,22 @@ def attend_regions(regions: torch.Tensor, words: torch.Tensor, smooth: float) ->
     """
     n_img, n_regions, dim = regions.shape
     n_cap, n_words, _ = words.shape
+    attn = region_attention(regions, words, smooth)                     # (n_img, n_cap, L, K)
+    context = attn.reshape(n_img, n_cap * n_words, n_regions) @ regions  # (n_img, n_cap * L, d)
+    return l2norm_(context).view(n_img, n_cap, n_words, dim)
+
+
+def region_attention(regions: torch.Tensor, words: torch.Tensor, smooth: float) -> torch.Tensor:
+    """SCAN's text-to-image attention weights (Eq. 3): (n_img, K, d), (n_cap, L, d) ->
+    (n_img, n_cap, L, K), each word's softmax over the regions."""
+    n_img, n_regions, dim = regions.shape
+    n_cap, n_words, _ = words.shape
     # (n_img, K, n_cap * L): every region against every word of the block, one matmul
     relevance = regions @ words.reshape(n_cap * n_words, dim).t()
     relevance = F.leaky_relu(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
     # each region's row normalised across the caption's words; padded words are 0 here
     relevance = l2norm(relevance, dim=3)
-    attn = (relevance * smooth).permute(0, 2, 3, 1).softmax(dim=3)   # (n_img, n_cap, L, K)
-    context = attn.reshape(n_img, n_cap * n_words, n_regions) @ regions  # (n_img, n_cap * L, d)
-    return l2norm_(context).view(n_img, n_cap, n_words, dim)
+    return (relevance * smooth).permute(0, 2, 3, 1).softmax(dim=3)
 
 
 def attend_words(regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,

@@ -73,6 +73,10 @@ class TrainConfig:
             each batch holds whole families of hard negatives (one caption of each picture of
             a family), and a caption is not a negative of a family picture it is true of
             (`sgraf.training.families`; needs the `train_scenes.jsonl` of `sgraf generate`).
+        family_share: with batches='families', the share of families drawn whole each epoch
+            (chosen anew per epoch); the captions of the others are drawn one by one, like random
+            batches, so each batch mixes families of hard negatives with random ones (1: whole
+            families only).
         global_loss_weight: weight of an auxiliary ranking loss on the cosines of the
             self-attention global vectors (0: off, the authors' loss). It makes those vectors a
             retrieval embedding, so a search shortlist on them loses little (docs/guides/search-and-serve.md).
@@ -120,6 +124,7 @@ class TrainConfig:
     warmup_epochs: int = 0
     same_image_positive: bool = False
     batches: str = "random"
+    family_share: float = 1.0
     global_loss_weight: float = 0.0
     seed: int = 0
     precision: str = "fp32"
@@ -160,6 +165,8 @@ class TrainConfig:
         if self.grad_clip < 0 or self.margin < 0:
             raise InputError("training config fields 'grad_clip' and 'margin' must be >= 0, "
                              f"got {self.grad_clip!r} and {self.margin!r}")
+        if not 0.0 < self.family_share <= 1.0:
+            raise InputError(f"training config field 'family_share' must be in (0, 1], got {self.family_share!r}")
         if self.global_loss_weight < 0:
             raise InputError(f"training config field 'global_loss_weight' must be >= 0, got {self.global_loss_weight!r}")
         if self.global_loss_weight > 0 and self.alignments == "local":

@@ -35,6 +35,8 @@ class FamilyBatchSampler(PlannedBatches):
         captions_per_image: captions per picture (caption k belongs to picture k // it).
         batch_size: global batch size; at least the largest family.
         seed, epoch: the order depends only on these.
+        family_share: the share of families drawn whole this epoch (chosen from seed and
+            epoch); the other families' captions are units of one caption each.
         start_batch: batches of this epoch already taken (resume).
         rank, world_size: this process and how many share each batch.
 
@@ -43,18 +45,24 @@ class FamilyBatchSampler(PlannedBatches):
     """
 
     def __init__(self, groups: Sequence[np.ndarray], captions_per_image: int, batch_size: int, seed: int,
-                 epoch: int, start_batch: int = 0, rank: int = 0, world_size: int = 1) -> None:
+                 epoch: int, start_batch: int = 0, rank: int = 0, world_size: int = 1,
+                 family_share: float = 1.0) -> None:
         largest = max((len(g) for g in groups), default=0)
         if batch_size < largest:
             raise InputError(f"batch_size={batch_size} is smaller than a family ({largest} pictures); "
                              f"batches=families needs batch_size >= {largest}")
         rng = np.random.default_rng([seed, epoch, 1])
+        whole = np.ones(len(groups), dtype=bool) if family_share >= 1 else \
+            np.random.default_rng([seed, epoch, 2]).random(len(groups)) < family_share
         units: list[np.ndarray] = []
-        for members in groups:
+        for members, in_whole in zip(groups, whole):
             # per picture an order of its captions: unit r takes the r-th of each
             order = np.stack([rng.permutation(captions_per_image) for _ in members])   # (pictures, c)
             captions = np.asarray(members)[:, None] * captions_per_image + order
-            units.extend(captions[:, r] for r in range(captions_per_image))
+            if in_whole:
+                units.extend(captions[:, r] for r in range(captions_per_image))
+            else:
+                units.extend(captions.reshape(-1, 1))
         batches: list[np.ndarray] = []
         current: list[np.ndarray] = []
         filled = 0

@@ -513,7 +513,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     def epoch_sampler(epoch: int, start_batch: int = 0) -> PlannedBatches:
         if families is not None:
             return FamilyBatchSampler(families.groups, families.captions_per_image, config.batch_size, config.seed,
-                                      epoch, start_batch, info.rank, info.world_size)
+                                      epoch, start_batch, info.rank, info.world_size, config.family_share)
         return EpochBatchSampler(len(dataset), config.batch_size, config.seed, epoch, start_batch,
                                  info.rank, info.world_size)
 
