@@ -2,7 +2,7 @@
 
 At the demo's model size (embed 64, sim 32, word 32; 36 regions of 1280-d CNN grid features,
 batch 32), in the same run and interleaved so that the machine's load falls on every variant
-alike, times for each head (SGR, SAF) and each `positions` (none, box, relation):
+alike, times for each head (SGR, SAF) and each `positions` (none, box, relation, place):
 
 - a training step (forward, backward, Adam) on a random batch with captions of the benchmark's
   length (about 12 tokens);
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-POSITIONS = ("none", "box", "relation")
+POSITIONS = ("none", "box", "relation", "place")
 HEADS = ("sgr", "saf")
 
 

@@ -226,6 +226,17 @@ def test_explain_with_boxes_scores_as_the_model_and_draws_the_boxes(gallery, tmp
     expected = _reference(matcher.models, gallery["features"][4:5], gallery["boxes"][4:5], [text],
                           gallery["vocab"])[0, 0]
     assert_close(explanation.scores["ensemble"], expected, REORDERED, scale=1.0)
+    # the place model's term, word by word: the shares sum to the term the model adds to its logit
+    place = matcher.models[2]
+    ids = torch.tensor([gallery["vocab"].encode(text)])
+    lengths = torch.tensor([ids.shape[1]])
+    regions, centres = place.split_places(place.encode_images(torch.from_numpy(gallery["features"][4:5]),
+                                                              torch.from_numpy(gallery["boxes"][4:5]).float()))
+    words = place.encode_captions(ids, lengths)
+    term = place.sim_enc.place_term(regions, centres, words, torch.ones(1, ids.shape[1], dtype=torch.bool))
+    assert explanation.place_model in explanation.scores and explanation.place_model != "ensemble"
+    assert explanation.place.shape == (ids.shape[1],) and abs(float(term) - explanation.place.sum()) < 1e-4
+    assert abs(float(term)) > 1e-3
     with pytest.raises(InputError, match=r"positions='place'\) read region positions and need each region's box"):
         explain_pair(matcher, gallery["features"][4], text)
     out = tmp_path / "explain.png"

@@ -44,7 +44,7 @@ LABEL_CHARS = 16             # words longer than this are cut in the picture's l
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Explanation", "RegionLayout", "explain_pair", "region_layout", "render_explanation",
+__all__ = ["Explanation", "RegionLayout", "explain_pair", "place_shares", "region_layout", "render_explanation",
            "word_region_attention", "saf_node_weights", "sgr_final_vs_raw"]
 
 
@@ -63,6 +63,22 @@ def word_region_attention(regions: torch.Tensor, words: torch.Tensor, smooth: fl
     from sgraf.model.similarity import region_attention
 
     return region_attention(regions.unsqueeze(0), words.unsqueeze(0), smooth)[0, 0]
+
+
+def place_shares(term: torch.nn.Module, regions: torch.Tensor, centres: torch.Tensor,
+                 words: torch.Tensor) -> torch.Tensor:
+    """Each word's share of a place term (`sgraf.model.positions.PlaceTerm`) on one pair.
+
+    Args:
+        regions: (K, d) region embeddings; centres: (K, 2); words: (L, d), no padding.
+
+    Returns:
+        (L,) e_u . (p_u - 1/2) per word, in logit units: they sum to the term.
+    """
+    words = words.float().unsqueeze(0)
+    places = term.places(regions.float().unsqueeze(0), centres.float().unsqueeze(0), words)[0, 0]   # (L, 2)
+    directions = term.word_directions(words, torch.ones(words.shape[:2], dtype=torch.bool, device=words.device))[0]
+    return ((places - 0.5) * directions).sum(dim=1)
 
 
 def saf_node_weights(saf: torch.nn.Module, nodes: torch.Tensor) -> torch.Tensor:
@@ -119,6 +135,10 @@ class Explanation:
         attention_model: label of the model whose attention is shown.
         saf_beta: (P,) SAF's weight on each node, or None without a SAF head.
         sgr_alignment: (P,) cosine of SGR's final read-out with each raw node, or None.
+        place: (L,) each token's share of the place term (`positions='place'`: its weight
+            e_u . (p_u - 1/2), in logit units; they sum to the term) from `place_model`, or
+            None without such a model.
+        place_model: label of the model whose place term is shown.
     """
 
     text: str
@@ -131,6 +151,8 @@ class Explanation:
     sgr_alignment: np.ndarray | None
     image_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    place: np.ndarray | None = None
+    place_model: str | None = None
 
 
 def _label(model: torch.nn.Module, position: int, models: Sequence[torch.nn.Module]) -> str:
@@ -165,7 +187,7 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
     lengths = torch.tensor([len(ids)], dtype=torch.int64, device=matcher.device)
     image = image.to(matcher.device)
     scores: dict[str, float] = {}
-    attention = attention_model = saf_beta = sgr_alignment = None
+    attention = attention_model = saf_beta = sgr_alignment = place = place_model = None
     node_labels: list[str] = []
     for position, model in enumerate(matcher.models):
         label = _label(model, position, matcher.models)
@@ -175,8 +197,12 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
             regions = model.encode_images(image)                          # (1, K, d)
         words = model.encode_captions(captions, lengths)                  # (1, L, d)
         scores[label] = float(model.similarity(regions, words, lengths)[0, 0])
+        centres = None
         if hasattr(model, "split_places"):
-            regions = model.split_places(regions)[0]                      # a place model's centres off
+            regions, centres = model.split_places(regions)                # a place model's centres off
+        if place is None and centres is not None:
+            place = place_shares(model.sim_enc.place_term, regions[0], centres[0], words[0]).cpu().numpy()
+            place_model = label
         encoder = model.sim_enc
         word_mask = torch.ones(1, len(ids), dtype=torch.bool, device=words.device)
         nodes, _ = encoder(regions, words, word_mask)                     # (1, 1, P, m)
@@ -197,7 +223,7 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
         scores["ensemble"] = float(np.mean(list(scores.values())))
     return Explanation(text=text, tokens=["<start>", *tokens, "<end>"], node_labels=node_labels, scores=scores,
                        attention=attention, attention_model=attention_model, saf_beta=saf_beta,
-                       sgr_alignment=sgr_alignment)
+                       sgr_alignment=sgr_alignment, place=place, place_model=place_model)
 
 
 # --------------------------------------------------------------------------------- regions
@@ -385,9 +411,13 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
                 axis.axis("off")
                 continue
             _draw_picture(axis, layout, explanation.attention[index])
-            axis.set_title(_short(tokens[index]), fontsize=9)
+            place = "" if explanation.place is None else f" ({explanation.place[index]:+.2f})"
+            axis.set_title(_short(tokens[index]) + place, fontsize=9)
+        place_note = "" if explanation.place is None else \
+            f"; in brackets each token's share of the place term ({explanation.place_model}, logit)"
         lower.suptitle(f"attention of each token over the regions ({explanation.attention_model} model; "
-                       f"{layout.source}); brighter = more weight, the most attended region framed", fontsize=9)
+                       f"{layout.source}); brighter = more weight, the most attended region framed{place_note}",
+                       fontsize=9)
     scores = ", ".join(f"{name} {value:.4f}" for name, value in explanation.scores.items())
     # wrapped, so that a long text (up to sgraf.api.MAX_TEXT_CHARS) does not widen the picture
     quoted = textwrap.fill(f"\u201c{explanation.text}\u201d", TITLE_CHARS_PER_LINE)

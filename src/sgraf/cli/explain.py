@@ -65,6 +65,9 @@ def format_explanation(explanation: "Explanation") -> str:
     lines = [f"image {explanation.image_id} / {explanation.text!r}: "
              + ", ".join(f"{k} {v:.4f}" for k, v in explanation.scores.items())]
     header = f"{'node':<14}{'SAF beta':>10}{'SGR final.raw':>15}{'top region':>12}"
+    if explanation.place is not None:
+        header += f"{'place':>8}"
+        lines[0] += f" (place term {float(explanation.place.sum()):+.3f}, {explanation.place_model})"
     lines.append(header)
     offset = 1 if explanation.node_labels and explanation.node_labels[0] == "[global]" else 0
     for p, label in enumerate(explanation.node_labels):
@@ -74,5 +77,8 @@ def format_explanation(explanation: "Explanation") -> str:
         if explanation.attention is not None and p >= offset and p - offset < len(explanation.attention):
             weights = explanation.attention[p - offset]
             region = f"{int(weights.argmax())} ({weights.max():.2f})"
-        lines.append(f"{label:<14}{beta:>10}{sgr:>15}{region:>12}")
+        line = f"{label:<14}{beta:>10}{sgr:>15}{region:>12}"
+        if explanation.place is not None:
+            line += f"{explanation.place[p - offset]:>+8.3f}" if 0 <= p - offset < len(explanation.place) else f"{'-':>8}"
+        lines.append(line)
     return "\n".join(lines)
