@@ -269,3 +269,24 @@ def test_the_place_models_scoring_paths_agree(module):
     whole = model(images, captions, lengths, boxes=boxes).detach()
     model.train_chunk = 1
     assert_close(model(images, captions, lengths, boxes=boxes).detach(), whole, REORDERED)
+
+
+def test_the_place_models_compiled_chunk_grid_pads_places_and_directions(monkeypatch):
+    from sgraf.kernels import compiled
+
+    model = _model("place", module="sgr")
+    images, captions, lengths = random_batch(model, 11, [9, 5, 4, 3, 6, 2, 7])
+    boxes = _boxes(11, model.config.num_regions)
+    eager = model.score(images, captions, lengths, boxes=boxes)
+    # the compiled path's fixed chunk grid (padded images, captions and words), without Inductor
+    monkeypatch.setattr(compiled, "compiled", lambda function: function)
+    with compiled.compiling("eval"):
+        gridded = model.score(images, captions, lengths, boxes=boxes)
+    assert_close(gridded, eager, REORDERED)
+
+
+def test_a_place_model_needs_the_word_attention():
+    with pytest.raises(InputError, match="positions='place' reads the place each word attends to: it needs "
+                                         "alignments 'both' or 'local' and attention 't2i', got "
+                                         "alignments='global', attention='t2i'"):
+        ModelConfig(vocab_size=10, positions="place", alignments="global", module="ave")

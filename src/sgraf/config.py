@@ -89,6 +89,10 @@ class ModelConfig:
                              f"module='ave', got module={self.module!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"model config field 'dropout' must be in [0, 1), got {self.dropout!r}")
+        if self.positions == "place" and (self.alignments == "global" or self.attention != "t2i"):
+            raise InputError("model config: positions='place' reads the place each word attends to: it needs "
+                             "alignments 'both' or 'local' and attention 't2i', got "
+                             f"alignments={self.alignments!r}, attention={self.attention!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -135,8 +135,11 @@ class PlaceTerm(nn.Module):
         """(n_img, K, d) regions, (n_img, K, 2) centres, (n_cap, L, d) words (zero beyond each
         length), (n_cap, L) mask -> (n_img, n_cap) float32 logits, computed in float32."""
         regions, words, centres = regions.float(), words.float(), centres.float()
-        places = self.places(regions, centres, words)
-        directions = self.word_directions(words, word_mask)
+        return self.logits(self.places(regions, centres, words), self.word_directions(words, word_mask))
+
+    @staticmethod
+    def logits(places: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+        """(n_img, n_cap, L, 2) places, (n_cap, L, 2) `word_directions` -> (n_img, n_cap) terms."""
         return ((places - 0.5) * directions.unsqueeze(0)).sum(dim=(2, 3))
 
 

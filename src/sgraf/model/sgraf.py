@@ -332,11 +332,11 @@ class SGRAF(nn.Module):
         host_lengths = _host_lengths(lengths)
         words, word_mask, lengths = _masked_words(cap_embs, lengths)
         img_embs, centres = self.split_places(img_embs)
-        offset = None if centres is None else self.sim_enc.place_term(img_embs, centres, words, word_mask)
         if not self.training and not torch.is_grad_enabled() and self.sim_enc.supports_fast() \
                 and img_embs.dtype != torch.float64 and words.dtype != torch.float64:
             return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo, gram,
-                                               host_lengths, offset)
+                                               host_lengths, centres)
+        offset = None if centres is None else self.sim_enc.place_term(img_embs, centres, words, word_mask)
         if self.training:
             return self._train_similarity_heads(img_embs, words, word_mask, lengths, host_lengths, offset)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
@@ -486,13 +486,14 @@ class SGRAF(nn.Module):
     def _eval_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                                lengths: torch.Tensor, img_glo: torch.Tensor | None,
                                cap_glo: torch.Tensor | None, gram: torch.Tensor | None,
-                               host_lengths: torch.Tensor | None = None, offset: torch.Tensor | None = None
+                               host_lengths: torch.Tensor | None = None, centres: torch.Tensor | None = None
                                ) -> dict[str, torch.Tensor]:
         """Eval fast path: explicit precision instead of autocast (see `fast_forward`), in
         cache-sized chunks; the global vectors (or given), the global nodes, the Gram matrices
         (or given) and the casts to the matmul dtype done once for the block. `host_lengths`, the
         lengths on the CPU when the caller has them there, size the chunks without waiting for
-        the device."""
+        the device. `centres` (n_img, K, 2), a place model's: each chunk takes its places from
+        its own attention, and the words' directions are computed once for the block."""
         sim = self.sim_enc
         device = words.device
         low = compute_dtype(device)
@@ -509,17 +510,20 @@ class SGRAF(nn.Module):
                 glo_nodes = sim.global_nodes(img_glo, cap_glo, low, constants["layers"])  # (n_img, n_cap, m)
             if sim.use_local and gram is None:
                 gram = sim.region_gram(img_embs)
+            directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
             regions, words = img_embs.to(low), words.to(low)
             compile_chunks = compiled.eval_enabled()   # read once for the block
             if compile_chunks:
                 # fixed shapes for the compiler: the width rounded up, every chunk padded to the grid
                 width = compiled.bucket_width(words.size(1))
                 words, word_mask = compiled.pad_to(words, width, 1), compiled.pad_to(word_mask, width, 1)
+                if directions is not None:
+                    directions = compiled.pad_to(directions, width, 1)
             chunk_scores = compiled.compiled(_eval_chunk_scores) if compile_chunks else _eval_chunk_scores
             for rows, cols in self.eval_chunks(n_img, n_cap, words.size(1), low, device):
                 if compile_chunks:
                     chunk = self._compiled_chunk(chunk_scores, rows, cols, regions, words, word_mask, low,
-                                                 glo_nodes, gram, constants, device, offset)
+                                                 glo_nodes, gram, constants, device, centres, directions)
                 else:
                     # a chunk is padded to its own longest caption
                     n_words = int((lengths if host_lengths is None else host_lengths)[cols].max())
@@ -527,7 +531,8 @@ class SGRAF(nn.Module):
                                          None if glo_nodes is None else glo_nodes[rows, cols],
                                          None if gram is None else gram[rows], constants["layers"],
                                          constants["folded"], self.heads,
-                                         None if offset is None else offset[rows, cols])
+                                         None if centres is None else centres[rows],
+                                         None if directions is None else directions[cols, :n_words])
                 for head, block in chunk.items():
                     scores[head][rows, cols] = block
         return scores
@@ -547,7 +552,8 @@ class SGRAF(nn.Module):
     def _compiled_chunk(self, chunk_scores: Callable[..., dict[str, torch.Tensor]], rows: slice, cols: slice,
                         regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor, low: torch.dtype,
                         glo_nodes: torch.Tensor | None, gram: torch.Tensor | None, constants: dict[str, Any],
-                        device: torch.device, offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                        device: torch.device, centres: torch.Tensor | None = None,
+                        directions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """One eval chunk through the compiled `_eval_chunk_scores`, padded to a fixed shape: the
         CPU's chunk grid (`eval_chunks`), or under the GPU plan the block's counts rounded up to
         powers of two. Padded images and captions are zeros (their scores are dropped)."""
@@ -561,7 +567,8 @@ class SGRAF(nn.Module):
             self.sim_enc, pad(regions[rows], img_size), pad(words[cols], cap_size), pad(word_mask[cols], cap_size),
             low, None if glo_nodes is None else pad(pad(glo_nodes[rows, cols], img_size), cap_size, 1),
             None if gram is None else pad(gram[rows], img_size), constants["layers"], constants["folded"],
-            self.heads, None if offset is None else pad(pad(offset[rows, cols], img_size), cap_size, 1))
+            self.heads, None if centres is None else pad(centres[rows], img_size),
+            None if directions is None else pad(directions[cols], cap_size))
         return {head: block[:n_rows, :n_cols] for head, block in chunk.items()}
 
     @torch.no_grad()
@@ -756,11 +763,19 @@ def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: tor
                        low: torch.dtype, glo_nodes: torch.Tensor | None, gram: torch.Tensor | None,
                        layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
                        folded: list[tuple[torch.Tensor, ...]] | None, heads: tuple[str, ...],
-                       offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                       centres: torch.Tensor | None = None, directions: torch.Tensor | None = None
+                       ) -> dict[str, torch.Tensor]:
     """Scores {head: float32 (n_img, n_cap)} of one eval chunk: the nodes (`fast_forward`) and the
-    heads (`fast_head_scores`). A function of its arguments only, weights included, so that
-    `sgraf.kernels.compiled` compiles it once per shape for every model and set of weights."""
-    nodes, node_mask = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers)
+    heads (`fast_head_scores`); for a place model (`centres` and the words' `directions`) with the
+    place term of the places the chunk's attention reads. A function of its arguments only,
+    weights included, so that `sgraf.kernels.compiled` compiles it once per shape for every model
+    and set of weights."""
+    if centres is None:
+        nodes, node_mask = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers)
+        offset = None
+    else:
+        nodes, node_mask, places = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers, centres)
+        offset = PlaceTerm.logits(places, directions.float())
     return sim.fast_head_scores(nodes, node_mask, heads, low, folded, offset)
 
 

@@ -361,8 +361,8 @@ class SimilarityRepresentation(nn.Module):
 
     def fast_forward(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                      low: torch.dtype, glo_nodes: torch.Tensor | None = None, gram: torch.Tensor | None = None,
-                     layers: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     layers: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                     centres: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Eval-only `forward` with fewer passes over memory and explicit precision.
 
         Call with autocast disabled and without autograd. The large matmuls (attention,
@@ -380,9 +380,13 @@ class SimilarityRepresentation(nn.Module):
                 or None to compute them here.
             gram: `region_gram(regions)`, or None to compute it here.
             layers: `cast_layers(low)`, or None to cast the weights here.
+            centres: (n_img, K, 2) the regions' centres, for a place model (needs local
+                alignments): the place each word reads is then taken from this attention.
 
         Returns:
-            nodes (n_img, n_cap, P, m) in `low`, global node first, and node_mask (n_cap, P).
+            nodes (n_img, n_cap, P, m) in `low`, global node first, and node_mask (n_cap, P);
+            with `centres`, also the float32 places (n_img, n_cap, L, 2) each word reads
+            (`sgraf.model.positions.PlaceTerm.places`).
         """
         n_img, n_regions, dim = regions.shape
         n_cap, n_words, _ = words.shape
@@ -408,6 +412,8 @@ class SimilarityRepresentation(nn.Module):
             # softmax over the regions where they lie, (n_img, K, n_cap * L): every (caption, word)
             # column side by side in memory, no transposed copy
             attn = relevance.view(n_img, n_regions, n_cap * n_words).softmax(dim=1)  # float32
+            if centres is not None:   # the place each word reads: its attention over the centres
+                places = torch.bmm(attn.transpose(1, 2), centres.float()).view(n_img, n_cap, n_words, 2)
             # |a_j|^2 = attn_j (R R^T) attn_j^T from each image's (K, K) Gram matrix, in float32:
             # the attention columns are scaled by 1 / (|a_j| + eps) before the context matmul, so
             # the contexts come out normalised, without another pass over (n_img, n_cap, L, d)
@@ -424,4 +430,6 @@ class SimilarityRepresentation(nn.Module):
             else:
                 torch.mul(local, inverse_norm(local, dtype=None), out=nodes[:, :, n_nodes - n_words:])
             masks.append(word_mask)
+        if centres is not None:
+            return nodes, torch.cat(masks, dim=1), places
         return nodes, torch.cat(masks, dim=1)
