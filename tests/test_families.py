@@ -94,6 +94,9 @@ def test_a_family_share_mixes_whole_families_with_single_captions(bench):
     assert 0 < min(whole_share) and max(whole_share) < 1          # some families whole, others scattered
     with pytest.raises(InputError, match="'family_share' must be in \\(0, 1\\], got 0.0"):
         TrainConfig(batches="families", family_share=0.0)
+    with pytest.raises(InputError, match="'family_share' .0.5. is the share of families drawn whole: it needs "
+                                         "batches=families, got batches='random'"):
+        TrainConfig(family_share=0.5)
 
 
 def test_the_truth_mask_spares_pairs_whose_caption_is_true_of_the_picture():

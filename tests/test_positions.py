@@ -13,6 +13,7 @@ from sgraf.errors import InputError
 from sgraf.model import blocks
 from sgraf.model.positions import PLACE_GAIN, PlaceTerm, pair_geometry
 from sgraf.model.sgraf import SGRAF
+from sgraf.model.similarity import region_attention
 
 POSITIONED = ("box", "relation", "place")
 
@@ -200,7 +201,7 @@ def test_training_evaluate_and_the_refusals_of_data_without_boxes(toy_with_boxes
 def _place_term() -> PlaceTerm:
     """A place term over 4-d embeddings: equal objectness, and only embedding channel 2 (the
     relation word below) carries a direction."""
-    term = PlaceTerm(4, smooth=50.0)
+    term = PlaceTerm(4)
     with torch.no_grad():
         for parameter in term.parameters():
             parameter.zero_()
@@ -230,12 +231,13 @@ def test_the_place_term_scores_the_offset_between_the_places_two_words_read():
     words = torch.eye(4)[[0, 2, 1]].unsqueeze(0)           # "X rel Y"
     mask = torch.ones(1, 3, dtype=torch.bool)
     centres = torch.tensor([[[0.2, 0.5], [0.8, 0.3]]])     # X left of and below Y
-    logit = term(regions, centres, words, mask)
+    attn = region_attention(regions, words, smooth=50.0)   # each word's attention, sharp
+    logit = term(attn, centres, words, mask)
     # D . (p_Y - p_X) with each word's attention on its own region
     expected = PLACE_GAIN * (1.0 * (0.8 - 0.2) - 2.0 * (0.3 - 0.5))
     assert abs(float(logit) - expected) < 1e-3 * PLACE_GAIN
     # exchange the two objects' places: the term changes sign
-    assert abs(float(term(regions, centres[:, [1, 0]], words, mask)) + expected) < 1e-3 * PLACE_GAIN
+    assert abs(float(term(attn, centres[:, [1, 0]], words, mask)) + expected) < 1e-3 * PLACE_GAIN
 
 
 def test_a_new_place_model_scores_as_the_same_model_without_the_term():

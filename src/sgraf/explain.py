@@ -66,17 +66,19 @@ def word_region_attention(regions: torch.Tensor, words: torch.Tensor, smooth: fl
 
 
 def place_shares(term: torch.nn.Module, regions: torch.Tensor, centres: torch.Tensor,
-                 words: torch.Tensor) -> torch.Tensor:
+                 words: torch.Tensor, smooth: float) -> torch.Tensor:
     """Each word's share of a place term (`sgraf.model.positions.PlaceTerm`) on one pair.
 
     Args:
-        regions: (K, d) region embeddings; centres: (K, 2); words: (L, d), no padding.
+        regions: (K, d) region embeddings; centres: (K, 2); words: (L, d), no padding;
+        smooth: the attention's softmax temperature lambda.
 
     Returns:
         (L,) e_u . (p_u - 1/2) per word, in logit units: they sum to the term.
     """
+    attention = word_region_attention(regions.float(), words.float(), smooth)        # (L, K)
+    places = term.places(attention[None, None], centres.float().unsqueeze(0))[0, 0]  # (L, 2)
     words = words.float().unsqueeze(0)
-    places = term.places(regions.float().unsqueeze(0), centres.float().unsqueeze(0), words)[0, 0]   # (L, 2)
     directions = term.word_directions(words, torch.ones(words.shape[:2], dtype=torch.bool, device=words.device))[0]
     return ((places - 0.5) * directions).sum(dim=1)
 
@@ -201,7 +203,8 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
         if hasattr(model, "split_places"):
             regions, centres = model.split_places(regions)                # a place model's centres off
         if place is None and centres is not None:
-            place = place_shares(model.sim_enc.place_term, regions[0], centres[0], words[0]).cpu().numpy()
+            place = place_shares(model.sim_enc.place_term, regions[0], centres[0], words[0],
+                                 model.sim_enc.smooth).cpu().numpy()
             place_model = label
         encoder = model.sim_enc
         word_mask = torch.ones(1, len(ids), dtype=torch.bool, device=words.device)

@@ -94,9 +94,8 @@ class PlaceTerm(nn.Module):
     rest of the model.
     """
 
-    def __init__(self, embed_size: int, smooth: float) -> None:
+    def __init__(self, embed_size: int) -> None:
         super().__init__()
-        self.smooth = smooth
         self.relation = nn.Linear(embed_size, 2)      # D_r
         self.objectness = nn.Linear(embed_size, 1)    # o_t before the sigmoid
 
@@ -121,21 +120,19 @@ class PlaceTerm(nn.Module):
         a = a / (a.sum(dim=2, keepdim=True) + _WEIGHT_FLOOR)
         return (a - b).transpose(1, 2) @ relation                                        # (n_cap, L_u, 2)
 
-    def places(self, regions: torch.Tensor, centres: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-        """(n_img, K, d), (n_img, K, 2), (n_cap, L, d) -> (n_img, n_cap, L, 2) the place each word reads."""
-        from sgraf.model.similarity import region_attention
-
-        n_img, n_regions, _ = regions.shape
-        n_cap, n_words, _ = words.shape
-        attn = region_attention(regions, words, self.smooth)                             # (n_img, n_cap, L, K)
+    @staticmethod
+    def places(attn: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+        """(n_img, n_cap, L, K) each word's attention over the regions (`similarity.region_attention`),
+        (n_img, K, 2) centres -> (n_img, n_cap, L, 2) the place each word reads."""
+        n_img, n_cap, n_words, n_regions = attn.shape
         return (attn.reshape(n_img, n_cap * n_words, n_regions) @ centres).view(n_img, n_cap, n_words, 2)
 
-    def forward(self, regions: torch.Tensor, centres: torch.Tensor, words: torch.Tensor,
+    def forward(self, attn: torch.Tensor, centres: torch.Tensor, words: torch.Tensor,
                 word_mask: torch.Tensor) -> torch.Tensor:
-        """(n_img, K, d) regions, (n_img, K, 2) centres, (n_cap, L, d) words (zero beyond each
-        length), (n_cap, L) mask -> (n_img, n_cap) float32 logits, computed in float32."""
-        regions, words, centres = regions.float(), words.float(), centres.float()
-        return self.logits(self.places(regions, centres, words), self.word_directions(words, word_mask))
+        """(n_img, n_cap, L, K) attention, (n_img, K, 2) centres, (n_cap, L, d) words (zero beyond
+        each length), (n_cap, L) mask -> (n_img, n_cap) float32 logits, computed in float32."""
+        words = words.float()
+        return self.logits(self.places(attn.float(), centres.float()), self.word_directions(words, word_mask))
 
     @staticmethod
     def logits(places: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:

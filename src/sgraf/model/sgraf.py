@@ -26,7 +26,7 @@ from sgraf.model.filtration import AttentionFiltration, average_scores
 from sgraf.model.positions import PlaceTerm
 from sgraf.model.reasoning import (GraphReasoning, fast_graph_reasoning, fold_steps, graph_reasoning,
                                    train_graph_reasoning)
-from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, inverse_norm
+from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, inverse_norm, region_attention
 from sgraf.precision import current_precision
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,14 @@ class SimilarityEncoder(SimilarityRepresentation):
         if config.module == "joint":
             self.saf_eval_w = nn.Linear(node_dim, 1)       # the SAF head's own score FC
         if config.positions == "place":
-            self.place_term = PlaceTerm(config.embed_size, config.lambda_softmax)
+            self.place_term = PlaceTerm(config.embed_size)
+
+    def place_offset(self, regions: torch.Tensor, centres: torch.Tensor, words: torch.Tensor,
+                     word_mask: torch.Tensor) -> torch.Tensor:
+        """The place term (n_img, n_cap) of a place model, from the t2i attention of Eq. 3 in
+        float32 (the eval fast path takes it from its own attention instead)."""
+        attn = region_attention(regions.float(), words.float(), self.smooth)   # (n_img, n_cap, L, K)
+        return self.place_term(attn, centres, words, word_mask)
 
     def head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],
                     offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -336,7 +343,7 @@ class SGRAF(nn.Module):
                 and img_embs.dtype != torch.float64 and words.dtype != torch.float64:
             return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo, gram,
                                                host_lengths, centres)
-        offset = None if centres is None else self.sim_enc.place_term(img_embs, centres, words, word_mask)
+        offset = None if centres is None else self.sim_enc.place_offset(img_embs, centres, words, word_mask)
         if self.training:
             return self._train_similarity_heads(img_embs, words, word_mask, lengths, host_lengths, offset)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)

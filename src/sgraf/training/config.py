@@ -167,6 +167,9 @@ class TrainConfig:
                              f"got {self.grad_clip!r} and {self.margin!r}")
         if not 0.0 < self.family_share <= 1.0:
             raise InputError(f"training config field 'family_share' must be in (0, 1], got {self.family_share!r}")
+        if self.family_share < 1.0 and self.batches != "families":
+            raise InputError(f"training config field 'family_share' ({self.family_share!r}) is the share of families "
+                             f"drawn whole: it needs batches=families, got batches={self.batches!r}")
         if self.global_loss_weight < 0:
             raise InputError(f"training config field 'global_loss_weight' must be >= 0, got {self.global_loss_weight!r}")
         if self.global_loss_weight > 0 and self.alignments == "local":
