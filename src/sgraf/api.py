@@ -367,15 +367,14 @@ class Matcher:
         """Whether a model of the matcher reads region boxes (a model with positions)."""
         return any(getattr(model, "needs_boxes", False) for model in self.models)
 
-    def boxes_needed_by(self, then: str = "") -> str:
+    def boxes_needed_by(self, and_need: bool = False) -> str:
         """The models that read boxes, for messages: "model 1 (sgr, positions='box') reads region
-        positions", or with several "model 1 (...), model 3 (...) read region positions"; `then`
-        continues the sentence with a verb that agrees ('needs' -> 'need')."""
+        positions", or with several "model 1 (...), model 3 (...) read region positions"; with
+        `and_need`, followed by " and needs" (" and need")."""
         named = [f"model {m + 1} ({model.config.module}, positions={model.config.positions!r})"
                  for m, model in enumerate(self.models) if getattr(model, "needs_boxes", False)]
-        one = len(named) == 1
-        verb = then if one or not then.endswith("s") else then[:-1]
-        return ", ".join(named) + (" reads" if one else " read") + " region positions" + (f" and {verb}" if then else "")
+        ending = "s" if len(named) == 1 else ""
+        return f"{', '.join(named)} read{ending} region positions" + (f" and need{ending}" if and_need else "")
 
     def check_boxes(self, boxes: Any, n_images: int, what: str = "boxes") -> torch.Tensor | None:
         """Validate (n_img, K, 4) region boxes normalised to [0, 1] for `n_images` images.
@@ -390,7 +389,7 @@ class Matcher:
         """
         if boxes is None:
             if self.needs_boxes:
-                raise InputError(f"{self.boxes_needed_by(then='needs')} each region's box "
+                raise InputError(f"{self.boxes_needed_by(and_need=True)} each region's box "
                                  "(n_images, K, 4) normalised to [0, 1]; got images without boxes")
             return None
         if not self.needs_boxes:

@@ -672,7 +672,8 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         "SGR and SAF score matrices."
         + (f" SAF+pos and SGR+pos are the same two models with region positions "
            f"(`positions={settings['positions']}`, not in the paper"
-           + (", trained with `batches=families family_share=0.5`" if settings["positions"] in POSITION_RECIPES else "")
+           + (", trained with `" + " ".join(f"{k}={v}" for k, v in POSITION_RECIPES[settings["positions"]].items())
+              + "`" if settings["positions"] in POSITION_RECIPES else "")
            + "); SGRAF+pos averages them."
            if settings.get("positions", "none") != "none" else ""),
         "",

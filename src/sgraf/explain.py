@@ -65,22 +65,21 @@ def word_region_attention(regions: torch.Tensor, words: torch.Tensor, smooth: fl
     return region_attention(regions.unsqueeze(0), words.unsqueeze(0), smooth)[0, 0]
 
 
-def place_shares(term: torch.nn.Module, regions: torch.Tensor, centres: torch.Tensor,
-                 words: torch.Tensor, smooth: float) -> torch.Tensor:
+def place_shares(term: torch.nn.Module, attention: torch.Tensor, centres: torch.Tensor,
+                 words: torch.Tensor) -> torch.Tensor:
     """Each word's share of a place term (`sgraf.model.positions.PlaceTerm`) on one pair.
 
     Args:
-        regions: (K, d) region embeddings; centres: (K, 2); words: (L, d), no padding;
-        smooth: the attention's softmax temperature lambda.
+        attention: (L, K) `word_region_attention` of the pair; centres: (K, 2); words: (L, d),
+            no padding.
 
     Returns:
         (L,) e_u . (p_u - 1/2) per word, in logit units: they sum to the term.
     """
-    attention = word_region_attention(regions.float(), words.float(), smooth)        # (L, K)
-    places = term.places(attention[None, None], centres.float().unsqueeze(0))[0, 0]  # (L, 2)
+    places = term.places(attention.float()[None, None], centres.float().unsqueeze(0))   # (1, 1, L, 2)
     words = words.float().unsqueeze(0)
-    directions = term.word_directions(words, torch.ones(words.shape[:2], dtype=torch.bool, device=words.device))[0]
-    return ((places - 0.5) * directions).sum(dim=1)
+    directions = term.word_directions(words, torch.ones(words.shape[:2], dtype=torch.bool, device=words.device))
+    return term.word_shares(places, directions)[0, 0]
 
 
 def saf_node_weights(saf: torch.nn.Module, nodes: torch.Tensor) -> torch.Tensor:
@@ -202,10 +201,6 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
         centres = None
         if hasattr(model, "split_places"):
             regions, centres = model.split_places(regions)                # a place model's centres off
-        if place is None and centres is not None:
-            place = place_shares(model.sim_enc.place_term, regions[0], centres[0], words[0],
-                                 model.sim_enc.smooth).cpu().numpy()
-            place_model = label
         encoder = model.sim_enc
         word_mask = torch.ones(1, len(ids), dtype=torch.bool, device=words.device)
         nodes, _ = encoder(regions, words, word_mask)                     # (1, 1, P, m)
@@ -214,9 +209,16 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
             local = [*(["<start>"] + tokens + ["<end>"])] if encoder.attention == "t2i" else \
                 [f"region {k}" for k in range(regions.shape[1])]
             node_labels = (["[global]"] if encoder.use_global else []) + (local if encoder.use_local else [])
-        if attention is None and encoder.use_local and encoder.attention == "t2i":
-            attention = word_region_attention(regions[0], words[0], encoder.smooth).cpu().numpy()
+        wants_place = place is None and centres is not None   # a place model has t2i local alignments
+        model_attention = None
+        if encoder.use_local and encoder.attention == "t2i" and (attention is None or wants_place):
+            model_attention = word_region_attention(regions[0], words[0], encoder.smooth)   # (L, K)
+        if attention is None and model_attention is not None:
+            attention = model_attention.cpu().numpy()
             attention_model = label
+        if wants_place:
+            place = place_shares(encoder.place_term, model_attention, centres[0], words[0]).cpu().numpy()
+            place_model = label
         if saf_beta is None and hasattr(encoder, "SAF_module"):
             saf_beta = saf_node_weights(encoder.SAF_module, nodes).cpu().numpy()
         if sgr_alignment is None and hasattr(encoder, "SGR_module"):

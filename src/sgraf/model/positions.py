@@ -135,9 +135,15 @@ class PlaceTerm(nn.Module):
         return self.logits(self.places(attn.float(), centres.float()), self.word_directions(words, word_mask))
 
     @staticmethod
+    def word_shares(places: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+        """(n_img, n_cap, L, 2) places, (n_cap, L, 2) `word_directions` -> (n_img, n_cap, L) each
+        word's share e_u . (p_u - 1/2) of the term."""
+        return ((places - 0.5) * directions.unsqueeze(0)).sum(dim=3)
+
+    @staticmethod
     def logits(places: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
         """(n_img, n_cap, L, 2) places, (n_cap, L, 2) `word_directions` -> (n_img, n_cap) terms."""
-        return ((places - 0.5) * directions.unsqueeze(0)).sum(dim=(2, 3))
+        return PlaceTerm.word_shares(places, directions).sum(dim=2)
 
 
 class RegionRelation(nn.Module):
