@@ -14,6 +14,7 @@ from sgraf.checkpoint import load_model
 from sgraf.cli import main
 from sgraf.data.precomp import PrecompSplit
 from sgraf.metrics import evaluate_sims
+from sgraf.training.pool import available_cores, plan_workers
 
 pytestmark = pytest.mark.numeric
 
@@ -35,6 +36,10 @@ def test_quick_demo_prints_the_table_and_writes_the_report(demo, capsys):
                                                                  "Ours(SGRAF+pos)"]
     assert [line.split("|")[0].strip() for line in record["diagnosis_table"].splitlines()[4:]] == table_labels(table)
     report = (out / "report.md").read_text()
+    workers, threads = plan_workers(5, cores=available_cores())   # five models, one per core
+    assert record["training_workers"] == {"workers": workers, "threads": threads if workers > 1 else None}
+    assert ("trained one after the other" if workers == 1 else f"trained {workers} at a time") in report
+    assert set(record["timings_s"]) >= {"training", "train SGR", "train SGR+pos", "train global-only"}
     assert record["table"] in report
     assert record["diagnosis_table"] in report
     for name in ("curves.png", "diagnose.png", "retrieval_t2i.png", "retrieval_i2t.png", "explain_positive.png",
@@ -186,6 +191,7 @@ def test_demo_with_several_seeds_reports_mean_and_sd(tmp_path, capsys):
     (["--seeds", "0"], "argument --seeds: expected a positive integer, got 0"),
     (["--set", "positions=box"], "--set positions=box: the demo sets positions itself"),
     (["--positions", "grid"], "argument --positions: invalid choice: 'grid'"),
+    (["--jobs", "0"], "argument --jobs: expected a positive integer, got 0"),
 ])
 def test_demo_refuses_bad_settings_before_it_writes(tmp_path, capsys, extra, message):
     import re

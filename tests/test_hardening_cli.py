@@ -504,7 +504,6 @@ def test_rank_1_logs_no_info_and_paths_that_are_not_utf8_print_as_given(tmp_path
 
 def test_demo_logs_each_override_once(tmp_path, monkeypatch, caplog):
     import sgraf.demo
-    import sgraf.training
 
     class Stop(Exception):
         pass
@@ -513,7 +512,7 @@ def test_demo_logs_each_override_once(tmp_path, monkeypatch, caplog):
         raise Stop
 
     monkeypatch.setattr(sgraf.demo, "_data", lambda *args: {})
-    monkeypatch.setattr(sgraf.training, "fit", fit)
+    monkeypatch.setattr("sgraf.training.pool.fit_all", fit)
     caplog.set_level("INFO", logger="sgraf.demo")
     for quick in (True, False):
         with pytest.raises(Stop):

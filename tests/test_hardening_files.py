@@ -373,7 +373,7 @@ def test_sigterm_during_a_demo_training_exits_143_without_results(tmp_path, monk
     monkeypatch.setattr(loop, "train_step", step_then_sigterm)
     out = tmp_path / "demo"
     handler = signal.getsignal(signal.SIGTERM)
-    assert main(["demo", "--quick", "--out", str(out)]) == 143
+    assert main(["demo", "--quick", "--out", str(out), "--jobs", "1"]) == 143   # trains here: the patch holds
     err = _one_line_error(capsys)
     assert err == (f"sgraf demo: stopped by SIGTERM while training global-only: its last.pt is saved in "
                    f"{out / 'runs' / 'global-only'}; no results or report written")

@@ -50,6 +50,9 @@ POSITION_METHODS = (
     ("SAF+pos", {"module": "saf"}),
     ("SGR+pos", {"module": "sgr"}),
 )
+# Each model's training time relative to global-only's (the demo, CNN features, Zen 3): the
+# longest start first when several train at once (`sgraf.training.pool`).
+TRAINING_COST = {"global-only": 1.0, "SAF": 1.8, "SGR": 2.4, "SAF+pos": 2.1, "SGR+pos": 3.1}
 LABELS = ("global-only", "SAF", "SGR", "SGRAF", "SAF+pos", "SGR+pos", "SGRAF+pos")
 ENSEMBLES = {"SGRAF": ("SGR", "SAF"), "SGRAF+pos": ("SGR+pos", "SAF+pos")}
 # Training keys the demo sets itself (per model, per seed), so `--set` may not change them.
@@ -348,7 +351,7 @@ def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
 
 def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, features: str = "auto",
              seed: int = 0, progress: bool = True, seeds: int = 1, overrides: Iterable[str] = (),
-             positions: str = "none") -> dict[str, Any]:
+             positions: str = "none", jobs: int | None = None) -> dict[str, Any]:
     """Run the demo end to end (see the module docstring).
 
     Args:
@@ -362,9 +365,13 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
             the first seed's runs are `runs/{label}`, the others `runs/seed-{s}/{label}`.
         overrides: `key=value` training overrides applied over the demo's settings (not
             module, alignments, seed or positions).
-        positions: 'none' (the paper's models only), or 'box' / 'relation': also train SAF and
+        positions: 'none' (the paper's models only), or 'box' / 'relation' / 'place': also train SAF and
             SGR with region positions (`ModelConfig.positions`) and report them and their
             ensemble beside the paper's.
+        jobs: models trained at once, each in its own process on its share of the CPU cores
+            (`sgraf.training.pool`); None: one per core on a CPU (a small model gains little
+            from a second thread), one at a time on a GPU. With 1, in this process with
+            progress bars.
 
     Returns:
         The content of `results.json`: settings, timings, the first seed's test metrics and
@@ -384,6 +391,8 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
         raise InputError(f"features must be auto, cnn or synthetic, got {features!r}")
     if positions not in POSITIONS:
         raise InputError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
+    if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
+        raise InputError(f"jobs must be an integer >= 1, got {jobs!r}")
     if not isinstance(seeds, int) or seeds < 1 or seed + seeds - 1 > MAX_SEED:
         raise InputError(f"seeds must be an integer >= 1 with seed + seeds - 1 <= {MAX_SEED}, got {seeds!r}")
     settings = replace(QUICK if quick else FULL, positions=positions)
@@ -396,47 +405,85 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
     out = ensure_folder(out, "--out")
     with FolderLock(out):
         _prepare_out(out)
-        return _run(out, settings, quick, features, seed, list(range(seed, seed + seeds)), progress)
+        return _run(out, settings, quick, features, seed, list(range(seed, seed + seeds)), progress, jobs)
 
 
-def _train(out: Path, runs: Path, settings: DemoSettings, seed: int, progress: bool, suffix: str,
-           timings: dict[str, float], cpu: dict[str, float]) -> dict[str, dict[str, Any]]:
-    """Trains every model of `methods(settings.positions)` with one seed into `runs/{run_name(label)}`;
-    timings under `train {label}{suffix}`."""
-    from sgraf.output_folder import folder_files, record_files
-    from sgraf.training import fit, resolve_config
-    from sgraf.training.run_dir import RUN_FILES, TENSORBOARD_DIR
+def _jobs(out: Path, runs: Path, settings: DemoSettings, seed: int, progress: bool) -> list[Any]:
+    """The `TrainJob` of every model of `methods(settings.positions)` with one seed, into
+    `runs/{run_name(label)}`."""
+    from sgraf.training import resolve_config
+    from sgraf.training.pool import TrainJob
 
-    trained: dict[str, dict[str, Any]] = {}
+    jobs = []
     for label, changes in methods(settings.positions):
         overrides = list(merge_overrides(settings.train_overrides, (f"seed={seed}", f"progress={progress}"),
                                          (f"{key}={value}" for key, value in changes.items())))
         config, _ = resolve_config("demo", overrides=overrides)
-        run = runs / run_name(label)
-        tic, tic_cpu = time.perf_counter(), time.process_time()
         logger.info("training %s (%s)", label, ", ".join(overrides))
-        relative = run.relative_to(out).as_posix()
+        jobs.append(TrainJob(name=label, config=config, data=out / "data", run=runs / run_name(label),
+                             preset="demo", cost=TRAINING_COST.get(label, 1.0)))
+    return jobs
+
+
+def _train(out: Path, jobs_by_seed: dict[int, list[Any]], workers: int, threads: int, seeds: list[int],
+           timings: dict[str, float], cpu: dict[str, float]) -> dict[int, dict[str, dict[str, Any]]]:
+    """Trains every seed's models, `workers` at a time (`sgraf.training.pool`); timings under
+    `train {label}{suffix}` (each model's own), and `training` (the whole stage, wall clock).
+
+    Raises:
+        Stopped: a signal stopped the trainings (the running ones saved their `last.pt`)."""
+    from sgraf.output_folder import folder_files, record_files
+    from sgraf.training.pool import fit_all, without_progress
+    from sgraf.training.run_dir import RUN_FILES, TENSORBOARD_DIR
+
+    named = {}
+    for training_seed, jobs in jobs_by_seed.items():
+        suffix = f" seed {training_seed}" if len(seeds) > 1 else ""
+        for job in jobs:
+            named[f"{job.name}{suffix}"] = (training_seed, job)
+    everything = [replace(job, name=name) for name, (_, job) in named.items()]
+    if workers > 1:
+        everything = [without_progress(job) for job in everything]
+    for job in everything:
+        relative = job.run.relative_to(out).as_posix()
         record_files(out, [f"{relative}/{name}" for name in RUN_FILES if name != TENSORBOARD_DIR], "demo")
-        try:
-            summary = fit(config, out / "data", run, preset="demo")
-        finally:   # event files are named as they are written
+
+    def done(job: Any, result: Any) -> None:
+        logger.info("trained %s in %.0f s", job.name, result.wall_s)
+
+    tic = time.perf_counter()
+    try:
+        results = fit_all(everything, workers=workers, threads=threads if workers > 1 else None, on_done=done)
+    except Stopped as stop:
+        raise Stopped(stop.signum, f"{stop.detail}; no results or report written") from None
+    finally:   # event files are named as they are written
+        for job in everything:
+            relative = job.run.relative_to(out).as_posix()
             record_files(out, [f"{relative}/{TENSORBOARD_DIR}/{name}"
-                               for name in folder_files(run / TENSORBOARD_DIR)], "demo")
-        if summary["status"] == "interrupted":
-            raise Stopped(signal.Signals[summary["signal"]],
-                          f"while training {label}: its last.pt is saved in {run}; no results or report written")
-        key = f"train {label}{suffix}"
-        timings[key], cpu[key] = time.perf_counter() - tic, time.process_time() - tic_cpu
-        trained[label] = {"summary": summary, "config": config.to_dict()}
+                               for name in folder_files(job.run / TENSORBOARD_DIR)], "demo")
+    timings["training"] = time.perf_counter() - tic
+    trained: dict[int, dict[str, dict[str, Any]]] = {training_seed: {} for training_seed in jobs_by_seed}
+    for name, (training_seed, job) in named.items():
+        result = results[name]
+        timings[f"train {name}"], cpu[f"train {name}"] = result.wall_s, result.cpu_s
+        trained[training_seed][job.name] = {"summary": result.summary, "config": job.config.to_dict()}
     return trained
 
 
+def _on_gpu(device: str) -> bool:
+    """Whether a training config's `device` puts the training on a GPU here."""
+    import torch
+
+    return device != "cpu" and torch.cuda.is_available()
+
+
 def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: int, seeds: list[int],
-         progress: bool) -> dict[str, Any]:
+         progress: bool, jobs: int | None = None) -> dict[str, Any]:
     """The demo's stages in a prepared folder (see `run_demo`)."""
     from sgraf.checkpoint import load_model
     from sgraf.data.benchmark import load_scenes
     from sgraf.data.precomp import PrecompSplit
+    from sgraf.training.pool import plan_workers
 
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
@@ -445,21 +492,28 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
     timings["data"], cpu["data"] = time.perf_counter() - started, time.process_time() - started_cpu
     data = out / "data"
 
+    runs_of = {training_seed: out / "runs" if training_seed == seeds[0] else out / "runs" / f"seed-{training_seed}"
+               for training_seed in seeds}
+    jobs_by_seed = {training_seed: _jobs(out, runs_of[training_seed], settings, training_seed, progress)
+                    for training_seed in seeds}
+    first = jobs_by_seed[seeds[0]][0].config
+    n_jobs = sum(len(seed_jobs) for seed_jobs in jobs_by_seed.values())
+    workers, threads = plan_workers(n_jobs, jobs, on_gpu=_on_gpu(first.device))
+    trained = _train(out, jobs_by_seed, workers, threads, seeds, timings, cpu)
+
     per_seed: list[dict[str, Any]] = []
+    test = PrecompSplit(data, "test")
+    scenes = load_scenes(data, "test")
     for training_seed in seeds:
-        runs = out / "runs" if training_seed == seeds[0] else out / "runs" / f"seed-{training_seed}"
+        runs = runs_of[training_seed]
         suffix = f" seed {training_seed}" if len(seeds) > 1 else ""
-        trained = _train(out, runs, settings, training_seed, progress, suffix, timings, cpu)
         tic, tic_cpu = time.perf_counter(), time.process_time()
-        if training_seed == seeds[0]:
-            test = PrecompSplit(data, "test")
-            scenes = load_scenes(data, "test")
         models = {label: load_model(runs / run_name(label) / "best.pt") for label, _ in methods(settings.positions)}
         results, diagnosis, sims = _evaluate(models, test, scenes)
         timings[f"evaluate{suffix}"] = time.perf_counter() - tic
         cpu[f"evaluate{suffix}"] = time.process_time() - tic_cpu
-        per_seed.append({"seed": training_seed, "runs": str(runs), "training": trained, "results": results,
-                         "diagnose": diagnosis})
+        per_seed.append({"seed": training_seed, "runs": str(runs), "training": trained[training_seed],
+                         "results": results, "diagnose": diagnosis})
         if training_seed == seeds[0]:
             first_models, first_sims = models, sims
 
@@ -471,6 +525,8 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
     pictures["curves"] = _curves(out, out / "curves.png", [label for label, _ in methods(settings.positions)])
     timings["pictures"], cpu["pictures"] = time.perf_counter() - tic, time.process_time() - tic_cpu
     timings["total"], cpu["total"] = time.perf_counter() - started, time.process_time() - started_cpu
+    if workers > 1:   # the trainings ran in worker processes: their CPU time is theirs
+        cpu["total"] += sum(value for key, value in cpu.items() if key.startswith("train "))
 
     where = (f"Test split of the embedded benchmark: {test.n_images} images, {test.n_captions} captions "
              f"({meta['features']} features)")
@@ -484,6 +540,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "quick": quick,
         "seed": seed,
         "seeds": seeds,
+        "training_workers": {"workers": workers, "threads": threads if workers > 1 else None},
         "benchmark": meta,
         "training": per_seed[0]["training"],
         "results": per_seed[0]["results"],
@@ -611,6 +668,15 @@ def _draw_diagnosis(summary: dict[str, dict[str, Any]], n_seeds: int, path: Path
 
 
 # --------------------------------------------------------------------------------- report
+def _parallel_text(plan: dict[str, int]) -> str:
+    if plan["workers"] <= 1:
+        return "The models trained one after the other (`training` is the sum of their times)."
+    threads = f"{plan['threads']} thread" + ("" if plan["threads"] == 1 else "s")
+    return (f"The models trained {plan['workers']} at a time, {threads} each (`sgraf.training.pool`; `--jobs` "
+            "sets how many): each `train` time is that model's own, `training` the whole stage's, and the CPU "
+            "times include the training processes'.")
+
+
 def write_report(out: Path, record: dict[str, Any]) -> Path:
     """`report.md`: what was run, the table, whether it tells the paper's story, the pictures."""
     check = record["story"]
@@ -687,8 +753,10 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         *verdict,
         "",
         *diagnosis,
-        f"Wall-clock timings: {timings}. CPU time of this process (all threads): {cpu}; on a "
-        "machine shared with other work the wall clock overstates the cost.",
+        f"Wall-clock timings: {timings}. CPU time (all threads): {cpu}; on a machine shared with other work "
+        "the wall clock overstates the cost.",
+        "",
+        _parallel_text(record.get("training_workers", {"workers": 1})),
         "",
         "## Training curves",
         "",

@@ -29,6 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "geometry bias; place: box, plus a term comparing the places words read, trained "
                              "with half the families whole) and report them and their ensemble beside the "
                              "paper's models")
+    parser.add_argument("--jobs", type=positive_int, default=None, metavar="N",
+                        help="models trained at once, each in its own process on its share of the CPU cores "
+                             "(default: one per core on a CPU, one at a time on a GPU; 1: in this process, "
+                             "with progress bars)")
     parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="extend", nargs="+",
                         help="training overrides over the demo's settings (not module, alignments, seed or positions), "
                              "e.g. --set max_violation=false")
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     record = run_demo(args.out, quick=args.quick, features=args.features, seed=args.seed,
                       progress=not args.quick, seeds=args.seeds, overrides=args.overrides or (),
-                      positions=args.positions)
+                      positions=args.positions, jobs=args.jobs)
     print(record["table"])
     print()
     print(record["diagnosis_table"])

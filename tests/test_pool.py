@@ -1,0 +1,99 @@
+"""`sgraf.training.pool`: several `fit`s at once in worker processes, stopped and failing as one run does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from sgraf.errors import InputError
+from sgraf.signals import Stopped
+from sgraf.training import fit
+from sgraf.training.config import preset
+from sgraf.training.pool import JobResult, TrainJob, fit_all, plan_workers, without_progress
+from train_helpers import make_toy_precomp
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    return make_toy_precomp(tmp_path_factory.mktemp("toy") / "data", n_train=24, n_dev=8)
+
+
+def _job(name, data, run, **changes):
+    return TrainJob(name=name, config=preset("tiny").replace(**changes), data=data, run=run, preset="tiny")
+
+
+@pytest.mark.parametrize("n_jobs, jobs, on_gpu, cores, plan", [
+    (5, None, False, 2, (2, 1)),     # one per core, one thread each
+    (5, None, False, 16, (5, 3)),    # no more workers than jobs; the cores shared out
+    (5, None, True, 16, (1, 16)),    # on a GPU: one at a time
+    (5, 1, False, 16, (1, 16)),
+    (3, 8, False, 2, (3, 1)),        # asked for more than the cores: still one thread each
+])
+def test_plan_workers(n_jobs, jobs, on_gpu, cores, plan):
+    assert plan_workers(n_jobs, jobs, on_gpu=on_gpu, cores=cores) == plan
+
+
+def test_two_workers_train_the_weights_one_process_trains(toy_data, tmp_path):
+    jobs = [_job("sgr", toy_data, tmp_path / "sgr", epochs=1), _job("saf", toy_data, tmp_path / "saf", module="saf",
+                                                                     epochs=1, seed=3)]
+    done = []
+    results = fit_all(jobs, workers=2, threads=1, on_done=lambda job, result: done.append(job.name))
+    assert sorted(done) == ["saf", "sgr"] and set(results) == {"saf", "sgr"}
+    for job in jobs:
+        result = results[job.name]
+        assert isinstance(result, JobResult) and result.summary["status"] == "finished" and result.wall_s > 0
+        torch.set_num_threads(1)
+        here = fit(job.config, toy_data, tmp_path / f"{job.name}-here", preset="tiny")
+        assert here["best_rsum"] == result.summary["best_rsum"]
+        theirs = torch.load(job.run / "best.pt", weights_only=False)["state_dict"]
+        ours = torch.load(tmp_path / f"{job.name}-here" / "best.pt", weights_only=False)["state_dict"]
+        assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+
+
+def test_sigterm_stops_every_running_worker_and_each_saves_last_pt(toy_data, tmp_path):
+    jobs = [_job(name, toy_data, tmp_path / name, epochs=200, checkpoint_every=0) for name in ("a", "b", "c")]
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def stop_once_training():
+        deadline = time.monotonic() + 120
+        while not all((job.run / "metrics.jsonl").exists() or (job.run / "config.yaml").exists()
+                      for job in jobs[:2]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_training, daemon=True).start()
+    with pytest.raises(Stopped) as stopped:
+        fit_all(jobs, workers=2, threads=1)
+    assert stopped.value.signum == signal.SIGTERM
+    assert stopped.value.detail == (f"while training a, b: their last.pt files are saved in {jobs[0].run}, "
+                                    f"{jobs[1].run}")
+    assert (jobs[0].run / "last.pt").is_file() and (jobs[1].run / "last.pt").is_file()
+    assert not jobs[2].run.exists()                      # never started
+    assert signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_a_failing_job_stops_the_others_and_its_error_is_raised(toy_data, tmp_path):
+    jobs = [_job("long", toy_data, tmp_path / "long", epochs=200, checkpoint_every=0),
+            _job("bad", toy_data, tmp_path / "bad", img_dim=2048, epochs=1)]
+    with pytest.raises(InputError, match="feature size is 20 but the training config has img_dim=2048"):
+        fit_all(jobs, workers=2, threads=1)
+    assert (tmp_path / "long" / "last.pt").is_file()      # stopped cleanly, not killed
+
+
+def test_one_worker_trains_here_in_the_order_given(toy_data, tmp_path, monkeypatch):
+    import sgraf.training.pool as pool
+
+    order = []
+    monkeypatch.setattr(pool, "_run_job", lambda job: order.append(job.name) or JobResult({"status": "finished"}, 0, 0))
+    jobs = [_job(name, toy_data, tmp_path / name) for name in ("x", "y")]
+    fit_all([jobs[0], jobs[1]], workers=1)
+    assert order == ["x", "y"]
+    with pytest.raises(ValueError, match="unique"):
+        fit_all([jobs[0], jobs[0]], workers=1)
+    assert without_progress(_job("p", toy_data, tmp_path / "p", progress=True)).config.progress is False
