@@ -291,7 +291,8 @@ def test_fast_forward_alone_gives_the_plain_nodes():
         img_embs = model.encode_images(images)
         words, word_mask, _ = _masked_words(model.encode_captions(captions, lengths), lengths)
         nodes, node_mask = model.sim_enc(img_embs, words, word_mask)
-        fast, fast_mask = model.sim_enc.fast_forward(img_embs, words, word_mask, torch.float32)
+        fast, fast_mask, places = model.sim_enc.fast_forward(img_embs, words, word_mask, torch.float32)
+    assert places is None
     assert torch.equal(fast_mask, node_mask)
     valid = node_mask.unsqueeze(0).unsqueeze(3)
     assert_close(fast * valid, nodes * valid, REORDERED)

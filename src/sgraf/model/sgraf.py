@@ -343,9 +343,9 @@ class SGRAF(nn.Module):
                 and img_embs.dtype != torch.float64 and words.dtype != torch.float64:
             return self._eval_similarity_heads(img_embs, words, word_mask, lengths, img_glo, cap_glo, gram,
                                                host_lengths, centres)
-        offset = None if centres is None else self.sim_enc.place_offset(img_embs, centres, words, word_mask)
         if self.training:
-            return self._train_similarity_heads(img_embs, words, word_mask, lengths, host_lengths, offset)
+            return self._train_similarity_heads(img_embs, words, word_mask, lengths, host_lengths, centres)
+        offset = None if centres is None else self.sim_enc.place_offset(img_embs, centres, words, word_mask)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
         return self.sim_enc.head_scores(nodes, node_mask, self.heads, offset)
 
@@ -644,8 +644,11 @@ class SGRAF(nn.Module):
 
     def _train_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                                 lengths: torch.Tensor, host_lengths: torch.Tensor | None = None,
-                                offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                                centres: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Train-mode scores, the captions in chunks; each chunk recomputed in backward.
+
+        A place model (`centres`) adds to each chunk the place term of the places its own
+        attention reads (`train_nodes`), with the words' directions computed once for the batch.
 
         The chunks are cut from the lengths on the CPU (`host_lengths` when the caller has them
         there, as the training loop does: no wait for the device; else one copy).
@@ -660,13 +663,19 @@ class SGRAF(nn.Module):
         self.train_global_vectors = (img_glo, cap_glo)
         heads = self.heads
         recompute = self.train_checkpoint and torch.is_grad_enabled()
+        directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
 
         def head_scores(nodes, node_mask, chunk_offset):
             scores, saf_stats = sim.train_head_scores(nodes, node_mask, heads, chunk_offset)
             return [scores[head] for head in heads], saf_stats
 
-        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_offset):
-            return head_scores(*sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo), chunk_offset)
+        def place_offset(places, chunk_directions):
+            return None if places is None else PlaceTerm.logits(places, chunk_directions)
+
+        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_centres, chunk_directions):
+            nodes, node_mask, places = sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo,
+                                                       chunk_centres)
+            return head_scores(nodes, node_mask, place_offset(places, chunk_directions))
 
         # With light nodes (`local_nodes` keeps no word x feature tensor), only the heads can need
         # recomputing: their intermediates are kept for the first chunks, up to `train_keep_bytes`,
@@ -686,10 +695,12 @@ class SGRAF(nn.Module):
             index = index.to(words.device)
             chunk_words, chunk_mask = words[index, :n_words], word_mask[index, :n_words]
             chunk_glo = None if cap_glo is None else cap_glo[index]
-            chunk_offset = None if offset is None else offset[:, index]
-            args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_offset)
+            chunk_directions = None if directions is None else directions[index, :n_words]
+            args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, centres, chunk_directions)
             if recompute and light:
-                nodes, node_mask = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo)
+                nodes, node_mask, places = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo,
+                                                           centres)
+                chunk_offset = place_offset(places, chunk_directions)
                 kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE  # nodes: (n_img, n, P, m)
                 if kept_bytes <= keep_bytes:
                     blocks, saf_stats = head_scores(nodes, node_mask, chunk_offset)
@@ -777,12 +788,8 @@ def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: tor
     place term of the places the chunk's attention reads. A function of its arguments only,
     weights included, so that `sgraf.kernels.compiled` compiles it once per shape for every model
     and set of weights."""
-    if centres is None:
-        nodes, node_mask = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers)
-        offset = None
-    else:
-        nodes, node_mask, places = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers, centres)
-        offset = PlaceTerm.logits(places, directions.float())
+    nodes, node_mask, places = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers, centres)
+    offset = None if places is None else PlaceTerm.logits(places, directions.float())
     return sim.fast_head_scores(nodes, node_mask, heads, low, folded, offset)
 
 

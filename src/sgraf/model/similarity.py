@@ -16,6 +16,7 @@ from torch import nn
 from sgraf.kernels.cpu import fast_linear, train_linear, weight_gradient
 from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
 from sgraf.model.norms import EPS, cosine, l2norm, l2norm_, squared_difference
+from sgraf.model.positions import PlaceTerm
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -257,7 +258,8 @@ class SimilarityRepresentation(nn.Module):
                 and not torch.is_autocast_enabled(words.device.type))
 
     def train_nodes(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                    img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None, centres: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`forward` from precomputed global vectors; pure, so safe to recompute in backward.
 
         For vector nodes with text-to-image attention, the local contexts are normalised before
@@ -268,13 +270,18 @@ class SimilarityRepresentation(nn.Module):
         Args:
             regions: (n_img, K, d); words: (n_cap, L, d), zero beyond each length;
             word_mask: (n_cap, L) bool; img_glo: (n_img, d), cap_glo: (n_cap, d) or None.
+            centres: (n_img, K, 2) the regions' centres, for a place model (needs local
+                alignments with text-to-image attention).
 
         Returns:
-            nodes (n_img, n_cap, P, m) and node_mask (n_cap, P) bool, global node first.
+            nodes (n_img, n_cap, P, m) and node_mask (n_cap, P) bool, global node first, and
+            with `centres` the float32 places (n_img, n_cap, L, 2) each word reads
+            (`sgraf.model.positions.PlaceTerm.places`: from the attention of the nodes, in
+            float32), else None.
         """
         n_img, n_regions, dim = regions.shape
         n_cap, n_words, _ = words.shape
-        nodes, masks = [], []
+        nodes, masks, places = [], [], None
         if self.use_global:
             layer = getattr(self, "sim_tranglo_w", None)
             if self.similarity == "vector":
@@ -289,6 +296,8 @@ class SimilarityRepresentation(nn.Module):
             relevance = F.leaky_relu(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
             relevance = l2norm(relevance, dim=3)                       # each region across the words
             attn = (relevance * self.smooth).permute(0, 2, 3, 1).softmax(dim=3)          # (n_img, n_cap, L, K)
+            if centres is not None:   # the place each word reads: its attention over the centres
+                places = PlaceTerm.places(attn.float(), centres.float())
             attn = attn.reshape(n_img, n_cap * n_words, n_regions)
             gram = regions @ regions.transpose(1, 2)                                      # (n_img, K, K)
             sq_norm = ((attn @ gram) * attn).sum(dim=2, keepdim=True)                    # |a_j|^2
@@ -299,6 +308,9 @@ class SimilarityRepresentation(nn.Module):
             masks.append(word_mask)
         elif self.use_local:
             layer = getattr(self, "sim_tranloc_w", None)
+            if centres is not None:   # a second attention, in float32, for the places
+                places = PlaceTerm.places(region_attention(regions.float(), words.float(), self.smooth),
+                                          centres.float())
             if self.attention == "t2i":
                 context = attend_regions(regions, words, self.smooth)          # (n_img, n_cap, L, d)
                 nodes.append(self._vector(context, words.unsqueeze(0), layer))
@@ -307,7 +319,7 @@ class SimilarityRepresentation(nn.Module):
                 context = attend_words(regions, words, word_mask, self.smooth)  # (n_img, n_cap, K, d)
                 nodes.append(self._vector(context, regions.unsqueeze(1), layer))
                 masks.append(word_mask.new_ones(n_cap, n_regions))
-        return torch.cat(nodes, dim=2), torch.cat(masks, dim=1)
+        return torch.cat(nodes, dim=2), torch.cat(masks, dim=1), places
 
     def supports_fast(self) -> bool:
         """Whether `fast_forward` covers this configuration (vector nodes, text-to-image)."""
@@ -384,9 +396,9 @@ class SimilarityRepresentation(nn.Module):
                 alignments): the place each word reads is then taken from this attention.
 
         Returns:
-            nodes (n_img, n_cap, P, m) in `low`, global node first, and node_mask (n_cap, P);
-            with `centres`, also the float32 places (n_img, n_cap, L, 2) each word reads
-            (`sgraf.model.positions.PlaceTerm.places`).
+            nodes (n_img, n_cap, P, m) in `low`, global node first, node_mask (n_cap, P), and
+            with `centres` the float32 places (n_img, n_cap, L, 2) each word reads
+            (`sgraf.model.positions.PlaceTerm.places`), else None.
         """
         n_img, n_regions, dim = regions.shape
         n_cap, n_words, _ = words.shape
@@ -394,7 +406,7 @@ class SimilarityRepresentation(nn.Module):
             layers = self.cast_layers(low)
         n_nodes = int(self.use_global) + (n_words if self.use_local else 0)
         nodes = regions.new_empty(n_img, n_cap, n_nodes, self.node_dim, dtype=low)  # (n_img, n_cap, P, m)
-        masks = []
+        masks, places = [], None
         if self.use_global:
             if glo_nodes is None:
                 glo_nodes = self.global_nodes(self.eval_image_globals(regions.float(), low),
@@ -430,6 +442,4 @@ class SimilarityRepresentation(nn.Module):
             else:
                 torch.mul(local, inverse_norm(local, dtype=None), out=nodes[:, :, n_nodes - n_words:])
             masks.append(word_mask)
-        if centres is not None:
-            return nodes, torch.cat(masks, dim=1), places
-        return nodes, torch.cat(masks, dim=1)
+        return nodes, torch.cat(masks, dim=1), places
