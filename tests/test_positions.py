@@ -11,7 +11,7 @@ from sgraf.checkpoint import load_model, save_model
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.model import blocks
-from sgraf.model.positions import PLACE_GAIN, PlaceTerm, pair_geometry
+from sgraf.model.positions import OBJECTNESS_GAIN, PLACE_GAIN, PlaceTerm, pair_geometry
 from sgraf.model.sgraf import SGRAF
 from sgraf.model.similarity import region_attention
 
@@ -223,6 +223,21 @@ def test_place_directions_pull_the_word_after_a_relation_against_the_word_before
     assert torch.equal(term.word_directions(padded, mask)[0, 3:], torch.zeros(2, 2))
     assert_close(term.word_directions(words[:, :2], torch.ones(1, 2, dtype=torch.bool))[0],
                  torch.stack([-d, torch.zeros(2)]), REORDERED)
+
+
+def test_objectness_weighs_the_places_on_each_side_of_a_relation_word():
+    term = _place_term()
+    with torch.no_grad():
+        term.objectness.weight[0, 3] = -1.0   # channel 3 marks a word that is no object ("the")
+    words = torch.eye(4)[[0, 2, 3, 1]].unsqueeze(0)        # "X rel the Y"
+    directions = term.word_directions(words, torch.ones(1, 4, dtype=torch.bool))
+    d = PLACE_GAIN * torch.tensor([1.0, -2.0])
+    # after "rel": Y and "the", weighed 1/2 and sigmoid(-OBJECTNESS_GAIN): "the" hardly counts
+    o = torch.sigmoid(torch.tensor(-OBJECTNESS_GAIN))
+    share = torch.stack([0.5 / (0.5 + o), o / (0.5 + o)])
+    assert_close(directions[0, 2:], share[[1, 0]].unsqueeze(1) * d, REORDERED)
+    assert_close(directions[0, 0], -d, REORDERED)
+    assert float(directions[0, 2].abs().max()) < 1e-3 * PLACE_GAIN
 
 
 def test_the_place_term_scores_the_offset_between_the_places_two_words_read():

@@ -29,6 +29,7 @@ PAIR_FEATURES = 6       # dx, dy, |dx|, |dy| of centres, log width and height ra
 PAIR_HIDDEN = 32        # hidden units of the pairwise geometry MLP
 RELATION_HEADS = 4
 PLACE_GAIN = 30.0        # the place term's directions D are 30 x a linear map: they learn 30x faster
+OBJECTNESS_GAIN = 10.0   # and each word's objectness logit 10 x one: it learns which words are objects 10x faster
 _WEIGHT_FLOOR = 1e-6     # no word before (or after) a word: its side weighs nothing
 _SIZE_FLOOR = 1e-3      # a zero-width box (a point) still has a finite log size ratio
 
@@ -91,7 +92,8 @@ class PlaceTerm(nn.Module):
     (`word_directions`), so it costs one (K x 2) product per word and pair. The term is added to
     every head's logit before the sigmoid. D starts at zero: a new model scores exactly as the
     same model without the term; D is scaled by `PLACE_GAIN` so that it learns at the speed of the
-    rest of the model.
+    rest of the model, and the objectness logits by `OBJECTNESS_GAIN`, so that the places of the
+    objects soon outweigh those of "a", "of" or "the" (whose attention spreads over the picture).
     """
 
     def __init__(self, embed_size: int) -> None:
@@ -110,7 +112,7 @@ class PlaceTerm(nn.Module):
         words' places: e = (A - B)^T D, zero for padded words."""
         mask = word_mask.to(words.dtype)
         relation = self.relation(words).mul(PLACE_GAIN) * mask.unsqueeze(2)              # (n_cap, L, 2) D_r
-        weight = torch.sigmoid(self.objectness(words)).squeeze(2) * mask                 # (n_cap, L) o_t
+        weight = torch.sigmoid(self.objectness(words).mul(OBJECTNESS_GAIN)).squeeze(2) * mask  # (n_cap, L) o_t
         order = torch.arange(words.size(1), device=words.device)
         before = (order.unsqueeze(1) > order.unsqueeze(0)).to(words.dtype)                # [r, t]: t before r
         weight = weight.unsqueeze(1)                                                     # (n_cap, 1, L_t)
