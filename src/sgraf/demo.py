@@ -9,9 +9,11 @@
    the test split; print a table laid out like the paper's Table 1, and what each model tells
    apart in the benchmark's families (`sgraf.diagnose`: Winoground scores per kind of hard
    negative, truth-aware recall).
-   With `positions` ('box' or 'relation', `ModelConfig.positions`; issue 21), also SAF and SGR
-   with region positions ("SAF+pos", "SGR+pos") and their ensemble "SGRAF+pos", trained and
-   evaluated the same way beside the paper's models.
+   With `positions` ('place' by default, 'box' or 'relation': `ModelConfig.positions`; issue
+   21), also SAF and SGR with region positions ("SAF+pos", "SGR+pos") and their ensemble
+   "SGRAF+pos", trained and evaluated the same way beside the paper's models; 'none' trains
+   the paper's models only. The models train side by side, one per CPU core
+   (`sgraf.training.pool`).
 4. With several training seeds, repeat 2-3 per seed on the same data and report the mean and
    standard deviation of every figure.
 5. Write a run folder: `report.md`, `results.json`, the training curves, the per-kind group
@@ -351,7 +353,7 @@ def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
 
 def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, features: str = "auto",
              seed: int = 0, progress: bool = True, seeds: int = 1, overrides: Iterable[str] = (),
-             positions: str = "none", jobs: int | None = None) -> dict[str, Any]:
+             positions: str = "place", jobs: int | None = None) -> dict[str, Any]:
     """Run the demo end to end (see the module docstring).
 
     Args:
@@ -365,9 +367,9 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
             the first seed's runs are `runs/{label}`, the others `runs/seed-{s}/{label}`.
         overrides: `key=value` training overrides applied over the demo's settings (not
             module, alignments, seed or positions).
-        positions: 'none' (the paper's models only), or 'box' / 'relation' / 'place': also train SAF and
-            SGR with region positions (`ModelConfig.positions`) and report them and their
-            ensemble beside the paper's.
+        positions: 'place' (the default), 'box' or 'relation': also train SAF and SGR with region
+            positions of that design (`ModelConfig.positions`) and report them and their
+            ensemble beside the paper's; 'none': the paper's models only.
         jobs: models trained at once, each in its own process on its share of the CPU cores
             (`sgraf.training.pool`); None: one per core on a CPU (a small model gains little
             from a second thread), one at a time on a GPU. With 1, in this process with

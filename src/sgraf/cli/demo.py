@@ -11,8 +11,9 @@ from sgraf.config import POSITIONS
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="run the whole pipeline on the embedded benchmark and write a report",
-        description="Generate the embedded benchmark, train SGR, SAF and a global-only baseline, evaluate "
-                    "them and the SGRAF ensemble on test, and write a report with pictures.")
+        description="Generate the embedded benchmark, train SGR, SAF and a global-only baseline (and SGR and "
+                    "SAF with region positions), evaluate them and the SGRAF ensembles on test, and write a "
+                    "report with pictures.")
     parser.add_argument("--quick", action="store_true", help="a small, fast run for smoke tests")
     parser.add_argument("--out", default="sgraf-demo", metavar="DIR",
                         help="run folder; an earlier demo's folder is rewritten, any other "
@@ -23,12 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seeds", type=positive_int, default=1, metavar="N",
                         help="train every model with N seeds (--seed, --seed + 1, ...) on the same data and report "
                              "the mean and standard deviation of each figure")
-    parser.add_argument("--positions", choices=POSITIONS, default="none",
-                        help="also train SAF and SGR with region positions of this design (box: an embedding "
-                             "of each region's box; relation: plus self-attention over regions with a pairwise "
-                             "geometry bias; place: box, plus a term comparing the places words read, trained "
-                             "with half the families whole) and report them and their ensemble beside the "
-                             "paper's models")
+    parser.add_argument("--positions", choices=POSITIONS, default="place",
+                        help="the region positions of the SAF and SGR trained and reported beside the paper's "
+                             "(place: an embedding of each region's box, plus a term comparing the places words "
+                             "read, trained with half the families whole; box: the embedding only; relation: "
+                             "plus self-attention over regions with a pairwise geometry bias; none: the paper's "
+                             "models only)")
     parser.add_argument("--jobs", type=positive_int, default=None, metavar="N",
                         help="models trained at once, each in its own process on its share of the CPU cores "
                              "(default: one per core on a CPU, one at a time on a GPU; 1: in this process, "
