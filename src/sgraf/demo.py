@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -52,9 +51,10 @@ POSITION_METHODS = (
     ("SAF+pos", {"module": "saf"}),
     ("SGR+pos", {"module": "sgr"}),
 )
-# Each model's training time relative to global-only's (the demo, CNN features, Zen 3): the
-# longest start first when several train at once (`sgraf.training.pool`).
-TRAINING_COST = {"global-only": 1.0, "SAF": 1.8, "SGR": 2.4, "SAF+pos": 2.1, "SGR+pos": 3.1}
+# Each model's training time relative to global-only's (the one-seed demo at a387085, CNN
+# features, one thread each on a 2-core Zen 3: 111, 272, 430, 289, 449 s): the longest start
+# first when several train at once (`sgraf.training.pool`).
+TRAINING_COST = {"global-only": 1.0, "SAF": 2.5, "SGR": 3.9, "SAF+pos": 2.6, "SGR+pos": 4.0}
 LABELS = ("global-only", "SAF", "SGR", "SGRAF", "SAF+pos", "SGR+pos", "SGRAF+pos")
 ENSEMBLES = {"SGRAF": ("SGR", "SAF"), "SGRAF+pos": ("SGR+pos", "SAF+pos")}
 # Training keys the demo sets itself (per model, per seed), so `--set` may not change them.
