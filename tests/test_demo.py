@@ -210,3 +210,13 @@ def test_mean_sd_of_nested_results():
     assert summary == {"a": {"mean": 2.0, "sd": pytest.approx(np.sqrt(2))}, "b": {"c": {"mean": 3.0,
                        "sd": pytest.approx(np.sqrt(2))}, "d": None}, "e": "x"}
     assert mean_sd([{"a": 5.0}]) == {"a": {"mean": 5.0, "sd": None}}
+
+
+def test_demo_plans_its_workers_for_the_device_the_training_resolves_to():
+    from sgraf.demo import _on_gpu
+    from sgraf.errors import InputError
+
+    assert _on_gpu("cpu") is False
+    assert _on_gpu("auto") is torch.cuda.is_available()
+    with pytest.raises(InputError, match="not a device name"):
+        _on_gpu("gpu:zero")

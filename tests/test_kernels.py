@@ -65,6 +65,39 @@ def test_choose_takes_the_fastest_and_stores_it_for_the_next_process(cache):
     assert tuning.peek("other", ["x", "y"]) == "x"        # never measured: the default
 
 
+def test_a_choice_another_process_stored_while_this_one_measured_wins(cache):
+    def measure(candidate):    # meanwhile, a worker beside this process stored its own choice
+        cache.write_text(json.dumps({f"{tuning.machine_key()}|probe": {"choice": "a"}}))
+        return {"a": 3.0, "b": 1.0}[candidate]
+
+    assert tuning.choose("probe", ["a", "b"], measure) == "a"
+    assert tuning.choose("probe", ["a", "b"], measure) == "a"
+    assert json.loads(cache.read_text())[f"{tuning.machine_key()}|probe"]["choice"] == "a"
+
+
+def _measure_preferring(own: str) -> object:
+    """In a fresh process: choose between 'a' and 'b' while finding its own one fastest."""
+    import time
+
+    from sgraf.kernels import tuning
+
+    def measure(candidate):
+        time.sleep(0.3)        # the two processes measure at the same time
+        return 1.0 if candidate == own else 3.0
+
+    return tuning.choose("race", ["a", "b"], measure)
+
+
+def test_two_processes_measuring_at_once_agree_on_one_choice(cache):
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        choices = list(pool.map(_measure_preferring, ["a", "b"]))
+    assert choices[0] == choices[1] in ("a", "b")
+    assert json.loads(cache.read_text())[f"{tuning.machine_key()}|race"]["choice"] == choices[0]
+
+
 def test_a_stored_choice_that_is_no_longer_a_candidate_is_measured_again(cache):
     cache.write_text(json.dumps({f"{tuning.machine_key()}|probe": {"choice": "gone"}}))
     assert tuning.choose("probe", [1, 2], lambda c: 1.0 / c) == 2

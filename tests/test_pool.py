@@ -79,11 +79,20 @@ def test_sigterm_stops_every_running_worker_and_each_saves_last_pt(toy_data, tmp
 
 
 def test_a_failing_job_stops_the_others_and_its_error_is_raised(toy_data, tmp_path):
+    import multiprocessing
+
     jobs = [_job("long", toy_data, tmp_path / "long", epochs=200, checkpoint_every=0),
             _job("bad", toy_data, tmp_path / "bad", img_dim=2048, epochs=1)]
-    with pytest.raises(InputError, match="feature size is 20 but the training config has img_dim=2048"):
-        fit_all(jobs, workers=2, threads=1)
-    assert (tmp_path / "long" / "last.pt").is_file()      # stopped cleanly, not killed
+    bystander = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,))  # not the pool's
+    bystander.start()
+    try:
+        with pytest.raises(InputError, match="feature size is 20 but the training config has img_dim=2048"):
+            fit_all(jobs, workers=2, threads=1)
+        assert (tmp_path / "long" / "last.pt").is_file()      # stopped cleanly, not killed
+        assert bystander.is_alive()                           # the stop went to the pool's workers only
+    finally:
+        bystander.kill()
+        bystander.join()
 
 
 def test_one_worker_trains_here_in_the_order_given(toy_data, tmp_path, monkeypatch):

@@ -473,10 +473,10 @@ def _train(out: Path, jobs_by_seed: dict[int, list[Any]], workers: int, threads:
 
 
 def _on_gpu(device: str) -> bool:
-    """Whether a training config's `device` puts the training on a GPU here."""
-    import torch
+    """Whether a training config's `device` puts the training on a GPU here (CUDA or MPS)."""
+    from sgraf.devices import resolve_device
 
-    return device != "cpu" and torch.cuda.is_available()
+    return resolve_device(device).type != "cpu"
 
 
 def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: int, seeds: list[int],

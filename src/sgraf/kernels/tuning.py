@@ -30,6 +30,11 @@ from typing import Any
 
 import torch
 
+try:
+    import fcntl
+except ImportError:   # not POSIX: two processes measuring at once may each keep their own choice
+    fcntl = None  # type: ignore[assignment]
+
 logger = logging.getLogger(__name__)
 
 # A measured candidate replaces the default only when it is more than this much faster: on a
@@ -132,12 +137,13 @@ def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float]
     with _lock:
         if key in _chosen:          # another thread measured the same choice meanwhile: keep the first
             return _chosen[key]
-        _chosen[key] = best
         logger.info("measured %s on %s in %.2f s: %s -> %r", name, machine_key(device), time.perf_counter() - start,
                     ", ".join(f"{c!r} {s * 1e3:.2f} ms" for c, s in seconds.items()), best)
-        _store(key, {"choice": best, "seconds": {json.dumps(c): s for c, s in seconds.items()},
-                     "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    return best
+        # another process (a worker beside this one) may have stored its choice meanwhile: the first
+        # stored wins, so that every process on this machine computes the same floats
+        _chosen[key] = _store_first(key, candidates, {"choice": best, "seconds": {
+            json.dumps(c): s for c, s in seconds.items()}, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return _chosen[key]
 
 
 def best_time(run: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:
@@ -178,6 +184,28 @@ def _read() -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _store_first(key: str, candidates: Sequence[Any], entry: dict[str, Any]) -> Any:
+    """Stores `entry` unless a valid choice for `key` is stored already; returns the stored choice.
+
+    The check and the write hold an exclusive lock on `tuning.json.lock` beside the file, so two
+    processes that measured at once agree on the first one's choice."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a+b")   # noqa: SIM115 (held across the write)
+    except OSError as error:   # a read-only home: the choice still holds for this process
+        logger.debug("could not store the measured choice in %s: %s", path, error)
+        return entry["choice"]
+    with lock:
+        if fcntl is not None:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        stored = _stored(key, candidates)
+        if stored is not None:
+            return stored
+        _store(key, entry)
+        return entry["choice"]
 
 
 def _store(key: str, entry: dict[str, Any]) -> None:

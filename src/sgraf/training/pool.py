@@ -151,9 +151,11 @@ def _fit_in_workers(jobs: Sequence[TrainJob], workers: int, threads: int | None,
         previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM, signal.SIGINT)}
     context = multiprocessing.get_context("spawn")
     stop = context.Event()   # set: a worker starts no further job (one may already be queued to it)
+    started = context.SimpleQueue()   # each worker's pid, put there as it starts
+    workers_here: set[int] = set()
     executor = concurrent.futures.ProcessPoolExecutor(
         max_workers=workers, mp_context=context, initializer=_worker_start,
-        initargs=(threads, logging.getLogger().getEffectiveLevel(), stop))
+        initargs=(threads, logging.getLogger().getEffectiveLevel(), stop, started))
     results: dict[str, JobResult] = {}
     failure: BaseException | None = None
     clean = False
@@ -183,13 +185,13 @@ def _fit_in_workers(jobs: Sequence[TrainJob], workers: int, threads: int | None,
                     stop.set()
                     for future in pending:
                         future.cancel()      # not yet queued to a worker: never starts
-                _stop_workers()
+                _stop_workers(_pids(started, workers_here))
         clean = True
     finally:
         executor.shutdown(wait=clean, cancel_futures=True)
         if not clean:   # a second Ctrl-C or an error here: the workers must not train on alone
-            for process in multiprocessing.active_children():
-                process.kill()
+            stop.set()   # one not yet announced starts no job
+            _stop_workers(_pids(started, workers_here), signal.SIGKILL)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if failure is not None:
@@ -201,14 +203,28 @@ def _fit_in_workers(jobs: Sequence[TrainJob], workers: int, threads: int | None,
     return results
 
 
-def _stop_workers() -> None:
-    """SIGTERM to every live worker: `fit` stops after its step (SIGTERM, not SIGINT, so that a worker
-    that also got the terminal's Ctrl-C does not take this for a second one)."""
-    for process in multiprocessing.active_children():
-        try:
-            os.kill(process.pid, signal.SIGTERM)
-        except (ProcessLookupError, TypeError):
-            pass
+def _pids(started: Any, known: set[int]) -> set[int]:
+    """The pids of this pool's workers: `known`, with those that announced themselves since."""
+    while not started.empty():
+        known.add(started.get())
+    return known
+
+
+def _stop_workers(pids: set[int], signum: int = signal.SIGTERM) -> None:
+    """SIGTERM to each of the pool's workers (its own: other children of this process are left
+    alone): `fit` stops after its step (SIGTERM, not SIGINT, so that a worker that also got the
+    terminal's Ctrl-C does not take this for a second one). A worker already gone is skipped."""
+    for pid in pids:
+        if _is_child(pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _is_child(pid: int) -> bool:
+    """Whether `pid` is still a live child of this process (not a reused pid of another process)."""
+    return any(process.pid == pid for process in multiprocessing.active_children())
 
 
 class _JobName(logging.Filter):
@@ -225,9 +241,9 @@ class _JobName(logging.Filter):
 _STOP: Any = None   # in a worker: the parent's stop event
 
 
-def _worker_start(threads: int | None, level: int, stop: Any) -> None:
+def _worker_start(threads: int | None, level: int, stop: Any, started: Any = None) -> None:
     """A worker's set-up: signals ignored between jobs (`fit` handles them during one), its threads,
-    logging, the stop event."""
+    logging, the stop event; its pid announced on `started`."""
     import sys
 
     global _STOP
@@ -241,6 +257,8 @@ def _worker_start(threads: int | None, level: int, stop: Any) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_JobName())
+    if started is not None:
+        started.put(os.getpid())
 
 
 def _run_job(job: TrainJob) -> JobResult:
