@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -46,3 +47,42 @@ def test_the_relation_probe_fine_tunes_on_relation_twins_alone(tmp_path):
     assert "relation pairs in train: fine-tuning on" in lines[0]
     assert [line.split(":")[0] for line in lines[1:]] == ["step 0", "step 2", "step 4"]
     assert all("held out" in line for line in lines[1:])
+
+
+def test_the_place_term_probe_measures_the_term_beside_the_logits(tmp_path):
+    import torch
+
+    from sgraf.checkpoint import save_model
+    from sgraf.config import ModelConfig
+    from sgraf.data.benchmark import generate_benchmark
+    from sgraf.data.vocab import load_vocab
+    from sgraf.model.sgraf import SGRAF
+
+    data = tmp_path / "data"
+    generate_benchmark(data, seed=1, features="synthetic", n_train=8, n_dev=6, n_test=4, save_images=False,
+                       synthetic_dim=16, min_count=1)
+    vocab = load_vocab(data / "vocab.json")
+    for positions in ("place", "box"):
+        torch.manual_seed(0)
+        model = SGRAF(ModelConfig(vocab_size=len(vocab), img_dim=16, num_regions=36, word_dim=8, embed_size=16,
+                                  sim_dim=8, sgr_step=1, positions=positions))
+        if positions == "place":    # a term that is not zero: every word reads "right of"
+            torch.nn.init.constant_(model.sim_enc.place_term.relation.bias[0], 0.1)
+        save_model(model, tmp_path / f"{positions}.pt", vocab=vocab)
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_place_term.py"), "--data", str(data),
+                                "--images", "5", str(tmp_path / "place.pt"), str(tmp_path / "box.pt")],
+                               capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "SGRAF_TUNE": "off"})   # nothing to measure for 5 pictures
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+    place, box = completed.stdout.splitlines()
+    sd = float(place.split("term mean")[1].split("sd ")[1].split(",")[0])
+    assert place.startswith(f"{tmp_path / 'place.pt'}: logit mean") and sd > 0
+    assert box == f"{tmp_path / 'box.pt'}: not a place model (no place term)"
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_place_term.py"), "--data", str(data),
+                                "--split", "test", "--diagnose", str(tmp_path / "place.pt")],
+                               capture_output=True, text=True, timeout=300, env={**os.environ, "SGRAF_TUNE": "off"})
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+    lines = completed.stdout.splitlines()
+    assert lines[1].split() == ["binding", "attribute", "relation", "count", "all"]
+    assert [line[:16].strip() for line in lines[2:]] == ["with the term", "term removed"]
+    assert all(len(line[16:].split()) == 5 for line in lines[2:])

@@ -41,6 +41,8 @@ def test_quick_demo_prints_the_table_and_writes_the_report(demo, capsys):
     assert ("trained one after the other" if workers == 1 else f"trained {workers} at a time") in report
     assert set(record["timings_s"]) >= {"training", "train SGR", "train SGR+pos", "train global-only"}
     assert record["table"] in report
+    assert ("trained SAF+pos with `batches=families family_share=0.5`, SGR+pos with `batches=families "
+            "family_share=0.5 global_loss_weight=1`") in report
     assert record["diagnosis_table"] in report
     for name in ("curves.png", "diagnose.png", "retrieval_t2i.png", "retrieval_i2t.png", "explain_positive.png",
                  "explain_negative.png"):
@@ -67,6 +69,8 @@ def test_quick_demo_numbers_are_the_checkpoints_numbers(demo):
             assert "batches: families" in run_config and "family_share: 0.5" in run_config
         else:
             assert "batches: random" in run_config
+        # SGR + place also ranks the global vectors; every other model trains with the authors' loss
+        assert f"global_loss_weight: {1.0 if label == 'SGR+pos' else 0.0}" in run_config
         ids = [model.vocab.encode(c) for c in test.captions]
         lengths = torch.tensor([len(i) for i in ids])
         padded = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
