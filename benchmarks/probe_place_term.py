@@ -15,6 +15,13 @@ away on each kind is the difference.
 
     python benchmarks/probe_place_term.py --data sgraf-demo/data runs/sgr-pos/best.pt runs/saf-pos/best.pt
     python benchmarks/probe_place_term.py --data sgraf-demo/data --split test --diagnose runs/sgr-pos/best.pt runs/saf-pos/best.pt
+
+With `--twins KIND` (binding, attribute, relation, count) it takes every caption of a twin pair of
+that kind that is false of the twin, scores it on its own picture and on the twin with each
+checkpoint, and prints how much the term differs between the two pictures (mean |difference|),
+and the words whose shares of the term (e_u . (p_u - 1/2), `PlaceTerm.word_shares`) differ most.
+
+    python benchmarks/probe_place_term.py --data sgraf-demo/data --split test --twins attribute runs/saf-pos/best.pt
 """
 
 from __future__ import annotations
@@ -32,9 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=40, help="the first N pictures and their captions")
     parser.add_argument("--diagnose", action="store_true",
                         help="group scores of the ensemble with and without the term, on the whole split")
+    parser.add_argument("--twins", choices=("binding", "attribute", "relation", "count"),
+                        help="where the term differs between the two pictures of twins of this kind")
     args = parser.parse_args(argv)
     if args.diagnose:
         return _diagnose(args)
+    if args.twins:
+        return _twins(args)
 
     import numpy as np
     import torch
@@ -98,6 +109,59 @@ def _diagnose(args: argparse.Namespace) -> int:
     print(f"{'':16}" + "".join(f"{kind:>11}" for kind in (*VARIANTS, "all")))
     for name, values in rows.items():
         print(f"{name:16}" + "".join(f"{'-':>11}" if value is None else f"{100 * value:11.1f}" for value in values))
+    return 0
+
+
+def _twins(args: argparse.Namespace) -> int:
+    import collections
+
+    import numpy as np
+    import torch
+
+    from sgraf.checkpoint import load_model
+    from sgraf.data.benchmark import load_scenes
+    from sgraf.evaluate import open_split
+    from sgraf.model.positions import PlaceTerm
+    from sgraf.model.sgraf import _masked_words
+    from sgraf.model.similarity import region_attention
+
+    split = open_split(args.data, args.split)
+    scenes = load_scenes(args.data, args.split)
+    per = split.caps_per_image
+    bases = {row["family"]: row["index"] for row in scenes if row["variant"] == "base"}
+    pairs = []   # (the caption's picture, the twin it is false of, the caption)
+    for row in scenes:
+        base = bases.get(row["family"])
+        if row["variant"] != args.twins or base is None:
+            continue
+        twin = row["index"]
+        pairs += [(base, twin, base * per + j) for j, wrong in enumerate(scenes[base]["false_for"]) if twin in wrong]
+        pairs += [(twin, base, twin * per + j) for j, wrong in enumerate(row["false_for"]) if base in wrong]
+    boxes = torch.from_numpy(split.boxes)
+    for path in args.checkpoints:
+        model = load_model(path)
+        if not getattr(model, "has_places", False):
+            print(f"{path}: not a place model (no place term)")
+            continue
+        per_word, seen, differences = collections.Counter(), collections.Counter(), []
+        with torch.no_grad():
+            for own, twin, caption in pairs:
+                ids = model.vocab.encode(split.captions[caption])
+                lengths = torch.tensor([len(ids)])
+                images = torch.from_numpy(np.asarray(split.images[[own, twin]])).float()
+                regions, centres = model.split_places(model.encode_images(images, boxes[[own, twin]]))
+                words, mask, _ = _masked_words(model.encode_captions(torch.tensor([ids]), lengths), lengths)
+                places = PlaceTerm.places(region_attention(regions, words, model.sim_enc.smooth), centres)
+                shares = PlaceTerm.word_shares(places, model.sim_enc.place_term.word_directions(words, mask))[:, 0]
+                differences.append(float((shares[0].sum() - shares[1].sum()).abs()))
+                for word, change in zip(split.captions[caption].split(), (shares[0] - shares[1]).abs().tolist()):
+                    per_word[word] += change
+                    seen[word] += 1
+        mean = float(np.mean(differences)) if differences else float("nan")
+        print(f"{path}: {len(pairs)} {args.twins} captions false of their twin; the term differs between the "
+              f"two pictures by {mean:.3f} on average")
+        for word, total in per_word.most_common(8):
+            print(f"  {word:12} share differs by {total / seen[word]:.3f} on average ({seen[word]} times)")
     return 0
 
 

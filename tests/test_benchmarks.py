@@ -86,3 +86,13 @@ def test_the_place_term_probe_measures_the_term_beside_the_logits(tmp_path):
     assert lines[1].split() == ["binding", "attribute", "relation", "count", "all"]
     assert [line[:16].strip() for line in lines[2:]] == ["with the term", "term removed"]
     assert all(len(line[16:].split()) == 5 for line in lines[2:])
+    for kind in ("relation", "binding"):   # every kind the tiny split may or may not hold
+        completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_place_term.py"), "--data", str(data),
+                                    "--split", "train", "--twins", kind, str(tmp_path / "place.pt"),
+                                    str(tmp_path / "box.pt")], capture_output=True, text=True, timeout=300,
+                                   env={**os.environ, "SGRAF_TUNE": "off"})
+        assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+        lines = completed.stdout.splitlines()
+        assert f"{kind} captions false of their twin; the term differs between the two pictures by" in lines[0]
+        assert float(lines[0].split(" by ")[1].split()[0]) > 0     # the twins' places differ, and so does the term
+        assert lines[-1] == f"{tmp_path / 'box.pt'}: not a place model (no place term)"
