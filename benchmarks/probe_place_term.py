@@ -120,6 +120,7 @@ def _twins(args: argparse.Namespace) -> int:
 
     from sgraf.checkpoint import load_model
     from sgraf.data.benchmark import load_scenes
+    from sgraf.diagnose import twin_pairs
     from sgraf.evaluate import open_split
     from sgraf.model.positions import PlaceTerm
     from sgraf.model.sgraf import _masked_words
@@ -127,16 +128,10 @@ def _twins(args: argparse.Namespace) -> int:
 
     split = open_split(args.data, args.split)
     scenes = load_scenes(args.data, args.split)
-    per = split.caps_per_image
-    bases = {row["family"]: row["index"] for row in scenes if row["variant"] == "base"}
     pairs = []   # (the caption's picture, the twin it is false of, the caption)
-    for row in scenes:
-        base = bases.get(row["family"])
-        if row["variant"] != args.twins or base is None:
-            continue
-        twin = row["index"]
-        pairs += [(base, twin, base * per + j) for j, wrong in enumerate(scenes[base]["false_for"]) if twin in wrong]
-        pairs += [(twin, base, twin * per + j) for j, wrong in enumerate(row["false_for"]) if base in wrong]
+    for kind, base, twin, of_base, of_twin in twin_pairs(scenes, split.caps_per_image):
+        if kind == args.twins:
+            pairs += [(base, twin, caption) for caption in of_base] + [(twin, base, caption) for caption in of_twin]
     boxes = torch.from_numpy(split.boxes)
     for path in args.checkpoints:
         model = load_model(path)

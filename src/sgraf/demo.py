@@ -752,7 +752,7 @@ def write_report(out: Path, record: dict[str, Any]) -> Path:
         "SGR and SAF score matrices."
         + (f" SAF+pos and SGR+pos are the same two models with region positions "
            f"(`positions={settings['positions']}`, not in the paper"
-           + (f"; trained {recipe_text(settings['positions'])}" if recipe_text(settings["positions"]) else "")
+           + (f"; trained {recipe}" if (recipe := recipe_text(settings["positions"])) else "")
            + "); SGRAF+pos averages them."
            if settings.get("positions", "none") != "none" else ""),
         "",

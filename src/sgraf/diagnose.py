@@ -26,7 +26,7 @@ picture i and caption c:
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -85,6 +85,20 @@ def check_scenes(scenes: Sequence[Mapping[str, Any]], n_images: int, n_captions:
     return per_image.pop()
 
 
+def twin_pairs(scenes: Sequence[Mapping[str, Any]], per: int) -> Iterator[tuple[str, int, int, list[int], list[int]]]:
+    """Each twin of a base picture: (kind, base b, twin n, the captions of b false of n, those of n
+    false of b), caption indices in file order (`per` captions per picture). Families whose base
+    another split holds are skipped."""
+    bases = {row["family"]: row["index"] for row in scenes if row["variant"] == "base"}
+    for row in scenes:
+        n, kind = row["index"], row["variant"]
+        b = bases.get(row["family"])
+        if kind not in VARIANTS or b is None:  # a base, or a family whose base another split holds
+            continue
+        yield (kind, b, n, [b * per + j for j, wrong in enumerate(scenes[b]["false_for"]) if n in wrong],
+               [n * per + j for j, wrong in enumerate(row["false_for"]) if b in wrong])
+
+
 def winoground(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Winoground text / image / group scores per kind of negative and overall (module docstring).
 
@@ -100,16 +114,10 @@ def winoground(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, dict
     """
     sims = np.asarray(sims)
     per = check_scenes(scenes, sims.shape[0], sims.shape[1], "scenes")
-    bases = {row["family"]: row["index"] for row in scenes if row["variant"] == "base"}
     correct = {kind: np.zeros(len(SCORES), dtype=np.int64) for kind in (*VARIANTS, "all")}
     pairs = dict.fromkeys((*VARIANTS, "all"), 0)
-    for row in scenes:
-        n, kind = row["index"], row["variant"]
-        b = bases.get(row["family"])
-        if kind not in VARIANTS or b is None:  # a base, or a family whose base another split holds
-            continue
-        c_b = np.array([b * per + j for j, wrong in enumerate(scenes[b]["false_for"]) if n in wrong], dtype=np.int64)
-        c_n = np.array([n * per + j for j, wrong in enumerate(row["false_for"]) if b in wrong], dtype=np.int64)
+    for kind, b, n, c_b, c_n in twin_pairs(scenes, per):
+        c_b, c_n = np.array(c_b, dtype=np.int64), np.array(c_n, dtype=np.int64)
         if not (len(c_b) and len(c_n)):
             continue
         b_cb, n_cb = sims[b, c_b][:, None], sims[n, c_b][:, None]  # (|C_b|, 1)
