@@ -146,7 +146,8 @@ def _twins(args: argparse.Namespace) -> int:
                 images = torch.from_numpy(np.asarray(split.images[[own, twin]])).float()
                 regions, centres = model.split_places(model.encode_images(images, boxes[[own, twin]]))
                 words, mask, _ = _masked_words(model.encode_captions(torch.tensor([ids]), lengths), lengths)
-                places = PlaceTerm.places(region_attention(regions, words, model.sim_enc.smooth), centres)
+                smooth = model.sim_enc.smooth * model.sim_enc.place_sharpness   # the attention places are read from
+                places = PlaceTerm.places(region_attention(regions, words, smooth), centres)
                 shares = PlaceTerm.word_shares(places, model.sim_enc.place_term.word_directions(words, mask))[:, 0]
                 differences.append(float((shares[0].sum() - shares[1].sum()).abs()))
                 for word, change in zip(split.captions[caption].split(), (shares[0] - shares[1]).abs().tolist()):

@@ -18,8 +18,8 @@ from sgraf.model.similarity import region_attention
 POSITIONED = ("box", "relation", "place")
 
 
-def _model(positions: str, module: str = "joint", seed: int = 0):
-    model = random_model(seed, module=module, positions=positions)
+def _model(positions: str, module: str = "joint", seed: int = 0, **config):
+    model = random_model(seed, module=module, positions=positions, **config)
     # The authors' VisualSelfAttention normalises each region SLOT with its own BatchNorm statistics,
     # which alone makes a trained model depend on the regions' order; equal statistics per slot
     # leave the order to the positions under test.
@@ -237,7 +237,7 @@ def test_objectness_weighs_the_places_on_each_side_of_a_relation_word():
     share = torch.stack([0.5 / (0.5 + o), o / (0.5 + o)])
     assert_close(directions[0, 2:], share[[1, 0]].unsqueeze(1) * d, REORDERED)
     assert_close(directions[0, 0], -d, REORDERED)
-    assert float(directions[0, 2].abs().max()) < 1e-3 * PLACE_GAIN
+    assert float(directions[0, 2].detach().abs().max()) < 1e-3 * PLACE_GAIN
 
 
 def test_the_place_term_scores_the_offset_between_the_places_two_words_read():
@@ -250,9 +250,9 @@ def test_the_place_term_scores_the_offset_between_the_places_two_words_read():
     logit = term(attn, centres, words, mask)
     # D . (p_Y - p_X) with each word's attention on its own region
     expected = PLACE_GAIN * (1.0 * (0.8 - 0.2) - 2.0 * (0.3 - 0.5))
-    assert abs(float(logit) - expected) < 1e-3 * PLACE_GAIN
+    assert abs(float(logit.detach()) - expected) < 1e-3 * PLACE_GAIN
     # exchange the two objects' places: the term changes sign
-    assert abs(float(term(attn, centres[:, [1, 0]], words, mask)) + expected) < 1e-3 * PLACE_GAIN
+    assert abs(float(term(attn, centres[:, [1, 0]], words, mask).detach()) + expected) < 1e-3 * PLACE_GAIN
 
 
 def test_a_new_place_model_scores_as_the_same_model_without_the_term():
@@ -271,9 +271,9 @@ def test_a_new_place_model_scores_as_the_same_model_without_the_term():
     assert_close(encoded[..., 16:], (boxes[..., :2] + boxes[..., 2:]) / 2, REORDERED)
 
 
-@pytest.mark.parametrize("module", ["sgr", "saf"])
-def test_the_place_models_scoring_paths_agree(module):
-    model = _model("place", module=module)
+@pytest.mark.parametrize("module,place_sharpness", [("sgr", 1.0), ("saf", 1.0), ("sgr", 4.0), ("saf", 2.5)])
+def test_the_place_models_scoring_paths_agree(module, place_sharpness):
+    model = _model("place", module=module, place_sharpness=place_sharpness)
     images, captions, lengths = random_batch(model, 4, [7, 5, 4, 3, 6])
     boxes = _boxes(4, model.config.num_regions)
     fast = model.score(images, captions, lengths, boxes=boxes)                    # eval fast path, blocks
@@ -286,6 +286,48 @@ def test_the_place_models_scoring_paths_agree(module):
     whole = model(images, captions, lengths, boxes=boxes).detach()
     model.train_chunk = 1
     assert_close(model(images, captions, lengths, boxes=boxes).detach(), whole, REORDERED)
+
+
+def test_a_sharper_place_reads_each_word_at_its_object_when_scoring():
+    sharp = _model("place", module="sgr", place_sharpness=4.0)
+    soft = _model("place", module="sgr")
+    soft.load_state_dict(sharp.state_dict())
+    images, captions, lengths = random_batch(sharp, 3, [6, 4])
+    boxes = _boxes(3, sharp.config.num_regions)
+    img_embs = sharp.encode_images(images, boxes)
+    cap_embs = sharp.encode_captions(captions, lengths)
+    regions, centres = sharp.split_places(img_embs)
+    # the places are read from the attention at lambda x 4: the same as a model of temperature
+    # 4 lambda would read, and nearer the most attended region's centre than at lambda
+    attn = region_attention(regions, cap_embs, sharp.sim_enc.smooth)
+    read = region_attention(regions, cap_embs, 4 * sharp.sim_enc.smooth)
+    assert_close(read, attn.pow(4) / attn.pow(4).sum(dim=3, keepdim=True), REORDERED)
+    nearest = centres.unsqueeze(1).unsqueeze(1).expand(*attn.shape, 2).gather(
+        3, attn.argmax(dim=3, keepdim=True).unsqueeze(-1).expand(*attn.shape[:3], 1, 2)).squeeze(3)
+    soft_places, sharp_places = PlaceTerm.places(attn, centres), PlaceTerm.places(read, centres)
+    assert bool(((sharp_places - nearest).norm(dim=3) <= (soft_places - nearest).norm(dim=3) + 1e-6).all())
+    # and the model's term is the term of those places
+    mask = torch.arange(cap_embs.size(1)).unsqueeze(0) < lengths.unsqueeze(1)
+    with torch.enable_grad():
+        term = sharp.sim_enc.place_offset(regions, centres, cap_embs, mask).detach()
+        soft_term = soft.sim_enc.place_offset(regions, centres, cap_embs, mask).detach()
+    expected = sharp.sim_enc.place_term(read, centres, cap_embs, mask).detach()
+    assert_close(term, expected, REORDERED)
+    assert not torch.allclose(term, soft_term)
+    assert not torch.allclose(sharp.score(images, captions, lengths, boxes=boxes),
+                              soft.score(images, captions, lengths, boxes=boxes))
+    # training reads the places from the nodes' own attention, whatever the sharpness
+    sharp.train(), soft.train()
+    assert torch.equal(sharp(images, captions, lengths, boxes=boxes), soft(images, captions, lengths, boxes=boxes))
+
+
+def test_place_sharpness_is_a_setting_of_the_place_model():
+    assert ModelConfig(vocab_size=10).place_sharpness == 1.0     # checkpoints written before it: 1
+    with pytest.raises(InputError, match=r"model config: place_sharpness=4.0 is a setting of the place term "
+                                         r"\(positions='place'\), got positions='box'"):
+        ModelConfig(vocab_size=10, positions="box", place_sharpness=4.0)
+    with pytest.raises(InputError, match=r"model config field 'place_sharpness' must be >= 1, got 0.5"):
+        ModelConfig(vocab_size=10, positions="place", place_sharpness=0.5)
 
 
 def test_the_place_models_compiled_chunk_grid_pads_places_and_directions(monkeypatch):

@@ -51,6 +51,12 @@ class ModelConfig:
             places two words read, scored against the relation word between them,
             `sgraf.model.positions.PlaceTerm`); models other than 'none' need boxes
             (`sgraf.data.boxes`).
+        place_sharpness: with positions='place', when scoring (eval mode), each word's place is
+            read from its attention over the regions (Eq. 3) at temperature lambda_softmax x this
+            (>= 1): 1 reads the attention the similarity nodes use; above 1 a sharper one, so that
+            a word's place is its object's rather than a mean drawn towards the picture's centre.
+            Training always reads the nodes' attention (the term learns on soft places: trained
+            on sharp ones SAF + place learnt slowly; docs/positions.md, "Reading the places").
     """
 
     vocab_size: int
@@ -71,6 +77,7 @@ class ModelConfig:
     lambda_softmax: float = 9.0
     dropout: float = 0.4
     positions: str = "none"
+    place_sharpness: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "img_dim", "word_dim", "embed_size", "sim_dim", "num_regions",
@@ -93,6 +100,11 @@ class ModelConfig:
             raise InputError("model config: positions='place' reads the place each word attends to: it needs "
                              "alignments 'both' or 'local' and attention 't2i', got "
                              f"alignments={self.alignments!r}, attention={self.attention!r}")
+        if not self.place_sharpness >= 1.0:
+            raise InputError(f"model config field 'place_sharpness' must be >= 1, got {self.place_sharpness!r}")
+        if self.place_sharpness != 1.0 and self.positions != "place":
+            raise InputError(f"model config: place_sharpness={self.place_sharpness!r} is a setting of the place term "
+                             f"(positions='place'), got positions={self.positions!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

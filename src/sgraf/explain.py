@@ -70,8 +70,8 @@ def place_shares(term: torch.nn.Module, attention: torch.Tensor, centres: torch.
     """Each word's share of a place term (`sgraf.model.positions.PlaceTerm`) on one pair.
 
     Args:
-        attention: (L, K) `word_region_attention` of the pair; centres: (K, 2); words: (L, d),
-            no padding.
+        attention: (L, K) `word_region_attention` of the pair, at the temperature the model reads
+            places at (`ModelConfig.place_sharpness`); centres: (K, 2); words: (L, d), no padding.
 
     Returns:
         (L,) e_u . (p_u - 1/2) per word, in logit units: they sum to the term.
@@ -217,7 +217,9 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
             attention = model_attention.cpu().numpy()
             attention_model = label
         if wants_place:
-            place = place_shares(encoder.place_term, model_attention, centres[0], words[0]).cpu().numpy()
+            read = model_attention if encoder.place_sharpness == 1.0 else \
+                word_region_attention(regions[0], words[0], encoder.smooth * encoder.place_sharpness)
+            place = place_shares(encoder.place_term, read, centres[0], words[0]).cpu().numpy()
             place_model = label
         if saf_beta is None and hasattr(encoder, "SAF_module"):
             saf_beta = saf_node_weights(encoder.SAF_module, nodes).cpu().numpy()

@@ -74,7 +74,8 @@ class SimilarityEncoder(SimilarityRepresentation):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config.embed_size, config.sim_dim, config.num_regions, alignments=config.alignments,
                          similarity=config.similarity, attention=config.attention,
-                         smooth=config.lambda_softmax, dropout=config.dropout)
+                         smooth=config.lambda_softmax, dropout=config.dropout,
+                         place_sharpness=config.place_sharpness)
         self.module = config.module
         node_dim = self.node_dim
         if config.module in ("sgr", "joint"):
@@ -92,8 +93,8 @@ class SimilarityEncoder(SimilarityRepresentation):
                      word_mask: torch.Tensor) -> torch.Tensor:
         """The place term (n_img, n_cap) of a place model, from the t2i attention of Eq. 3 in
         float32 (the eval fast path takes it from its own attention instead)."""
-        attn = region_attention(regions.float(), words.float(), self.smooth)   # (n_img, n_cap, L, K)
-        return self.place_term(attn, centres, words, word_mask)
+        attn = region_attention(regions.float(), words.float(), self.smooth * self.place_sharpness)
+        return self.place_term(attn, centres, words, word_mask)                # attn: (n_img, n_cap, L, K)
 
     def head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],
                     offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

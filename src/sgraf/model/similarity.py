@@ -177,12 +177,15 @@ class SimilarityRepresentation(nn.Module):
 
     def __init__(self, embed_size: int, sim_dim: int, num_regions: int, *, alignments: str = "both",
                  similarity: str = "vector", attention: str = "t2i", smooth: float = 9.0,
-                 dropout: float = 0.4) -> None:
+                 dropout: float = 0.4, place_sharpness: float = 1.0) -> None:
         super().__init__()
         self.alignments = alignments
         self.similarity = similarity
         self.attention = attention
         self.smooth = smooth
+        # a place model, scoring, reads each word's place from this attention at temperature
+        # smooth x it (ModelConfig.place_sharpness); training reads it from the nodes' attention
+        self.place_sharpness = place_sharpness
         self.use_global = alignments in ("both", "global")
         self.use_local = alignments in ("both", "local")
         if self.use_global:
@@ -425,7 +428,9 @@ class SimilarityRepresentation(nn.Module):
             # column side by side in memory, no transposed copy
             attn = relevance.view(n_img, n_regions, n_cap * n_words).softmax(dim=1)  # float32
             if centres is not None:   # the place each word reads: its attention over the centres
-                places = torch.bmm(attn.transpose(1, 2), centres.float()).view(n_img, n_cap, n_words, 2)
+                read = attn if self.place_sharpness == 1.0 else \
+                    (relevance.view(n_img, n_regions, n_cap * n_words) * self.place_sharpness).softmax(dim=1)
+                places = torch.bmm(read.transpose(1, 2), centres.float()).view(n_img, n_cap, n_words, 2)
             # |a_j|^2 = attn_j (R R^T) attn_j^T from each image's (K, K) Gram matrix, in float32:
             # the attention columns are scaled by 1 / (|a_j| + eps) before the context matmul, so
             # the contexts come out normalised, without another pass over (n_img, n_cap, L, d)

@@ -56,6 +56,7 @@ class TrainConfig:
         dropout: the model's `dropout` (see `sgraf.config.ModelConfig`).
         positions: the model's `positions` (see `sgraf.config.ModelConfig`; other than 'none' it
             needs the data's region boxes, `sgraf.data.boxes`).
+        place_sharpness: the model's `place_sharpness` (see `sgraf.config.ModelConfig`).
         epochs: passes over the training captions.
         batch_size: captions (each with its image) per optimisation step, over all processes.
         lr: Adam's initial learning rate.
@@ -114,6 +115,7 @@ class TrainConfig:
     lambda_softmax: float = 9.0
     dropout: float = 0.4
     positions: str = "none"
+    place_sharpness: float = 1.0
     epochs: int = 40
     batch_size: int = 128
     lr: float = 2e-4
@@ -184,6 +186,8 @@ class TrainConfig:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InputError(f"training config field 'device' must be auto, cpu, cuda or cuda:N, "
                              f"got {self.device!r}")
+        # the model's own rules across its fields (ModelConfig's messages), before any data is read
+        self.model_config(1, self.img_dim or 1, self.num_regions or 1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
