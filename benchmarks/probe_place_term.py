@@ -10,11 +10,13 @@ logits of sd 1.4; the one that stalled on its plateau had 0.72, with a largest |
 With `--diagnose` it scores the whole split instead, the checkpoints as one ensemble (their scores
 averaged, as `sgraf evaluate` does), twice: as trained, and with the place term removed at test
 time (each head's score sigmoid(logit) alone); and prints the Winoground group score per kind of
-twin of each (`sgraf diagnose`; a split written by `sgraf generate`). What the term adds or takes
-away on each kind is the difference.
+twin of each (`sgraf diagnose`; a split written by `sgraf generate`) and the rsum. What the term
+adds or takes away on each kind is the difference. `--sharpness 1 2 4` adds a pass per value,
+the places read at that `place_sharpness` (how the demo's 2 was chosen, on the dev split).
 
     python benchmarks/probe_place_term.py --data sgraf-demo/data runs/sgr-pos/best.pt runs/saf-pos/best.pt
     python benchmarks/probe_place_term.py --data sgraf-demo/data --split test --diagnose runs/sgr-pos/best.pt runs/saf-pos/best.pt
+    python benchmarks/probe_place_term.py --data sgraf-demo/data --split dev --diagnose runs/sgr-pos/best.pt runs/saf-pos/best.pt --sharpness 1 2 4
 
 With `--twins KIND` (binding, attribute, relation, count) it takes every caption of a twin pair of
 that kind that is false of the twin, scores it on its own picture and on the twin with each
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=40, help="the first N pictures and their captions")
     parser.add_argument("--diagnose", action="store_true",
                         help="group scores of the ensemble with and without the term, on the whole split")
+    parser.add_argument("--sharpness", type=float, nargs="+", default=(),
+                        help="with --diagnose, also score with the places read at each of these "
+                             "place_sharpness values (>= 1)")
     parser.add_argument("--twins", choices=("binding", "attribute", "relation", "count"),
                         help="where the term differs between the two pictures of twins of this kind")
     args = parser.parse_args(argv)
@@ -94,19 +99,30 @@ def _diagnose(args: argparse.Namespace) -> int:
     from sgraf.data.benchmark import VARIANTS, load_scenes
     from sgraf.diagnose import winoground
     from sgraf.evaluate import open_split, score_split
+    from sgraf.metrics import i2t, rsum, t2i
 
     models = [load_model(path) for path in args.checkpoints]
+    if any(value < 1 for value in args.sharpness):
+        print(f"error: --sharpness values must be >= 1, got {list(args.sharpness)}", file=sys.stderr)
+        return 2
     split = open_split(args.data, args.split)
     scenes = load_scenes(args.data, args.split)
     score = sgraf_model._score
+    removed = lambda logits, offset: score(logits, None)   # noqa: E731
+    trained = [float(getattr(model.sim_enc, "place_sharpness", 1.0)) for model in models]
+    passes = [("with the term", score, trained), ("term removed", removed, trained)]
+    passes += [(f"read at {value:g} x lam", score, [value] * len(models)) for value in args.sharpness]
     rows = {}
-    for name, patch in (("with the term", score), ("term removed", lambda logits, offset: score(logits, None))):
+    for name, patch, sharpness in passes:
+        for model, value in zip(models, sharpness):
+            model.sim_enc.place_sharpness = value
         with mock.patch.object(sgraf_model, "_score", patch):
             sims = score_split(models, split, models[0].vocab)
         result = winoground(sims, scenes)
-        rows[name] = [result[kind]["group"] for kind in (*VARIANTS, "all")]   # None: no pairs of that kind
-    print(f"group score (%) of {' + '.join(args.checkpoints)} on {args.data} {args.split}")
-    print(f"{'':16}" + "".join(f"{kind:>11}" for kind in (*VARIANTS, "all")))
+        total = rsum(i2t(sims, split.caps_per_image), t2i(sims, split.caps_per_image))
+        rows[name] = [result[kind]["group"] for kind in (*VARIANTS, "all")] + [total / 100]  # None: no pairs
+    print(f"group score (%) and rsum of {' + '.join(args.checkpoints)} on {args.data} {args.split}")
+    print(f"{'':16}" + "".join(f"{kind:>11}" for kind in (*VARIANTS, "all", "rsum")))
     for name, values in rows.items():
         print(f"{name:16}" + "".join(f"{'-':>11}" if value is None else f"{100 * value:11.1f}" for value in values))
     return 0

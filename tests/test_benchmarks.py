@@ -79,13 +79,15 @@ def test_the_place_term_probe_measures_the_term_beside_the_logits(tmp_path):
     assert place.startswith(f"{tmp_path / 'place.pt'}: logit mean") and sd > 0
     assert box == f"{tmp_path / 'box.pt'}: not a place model (no place term)"
     completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_place_term.py"), "--data", str(data),
-                                "--split", "test", "--diagnose", str(tmp_path / "place.pt")],
+                                "--split", "test", "--diagnose", str(tmp_path / "place.pt"), "--sharpness", "1", "3"],
                                capture_output=True, text=True, timeout=300, env={**os.environ, "SGRAF_TUNE": "off"})
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
     lines = completed.stdout.splitlines()
-    assert lines[1].split() == ["binding", "attribute", "relation", "count", "all"]
-    assert [line[:16].strip() for line in lines[2:]] == ["with the term", "term removed"]
-    assert all(len(line[16:].split()) == 5 for line in lines[2:])
+    assert lines[1].split() == ["binding", "attribute", "relation", "count", "all", "rsum"]
+    assert [line[:16].strip() for line in lines[2:]] == ["with the term", "term removed", "read at 1 x lam",
+                                                        "read at 3 x lam"]
+    assert all(len(line[16:].split()) == 6 for line in lines[2:])
+    assert lines[4][16:] == lines[2][16:]            # the model reads at 1: as trained
     for kind in ("relation", "binding"):   # every kind the tiny split may or may not hold
         completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_place_term.py"), "--data", str(data),
                                     "--split", "train", "--twins", kind, str(tmp_path / "place.pt"),
