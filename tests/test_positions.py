@@ -326,8 +326,25 @@ def test_place_sharpness_is_a_setting_of_the_place_model():
     with pytest.raises(InputError, match=r"model config: place_sharpness=4.0 is a setting of the place term "
                                          r"\(positions='place'\), got positions='box'"):
         ModelConfig(vocab_size=10, positions="box", place_sharpness=4.0)
-    with pytest.raises(InputError, match=r"model config field 'place_sharpness' must be >= 1, got 0.5"):
-        ModelConfig(vocab_size=10, positions="place", place_sharpness=0.5)
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(InputError, match=r"model config field 'place_sharpness' must be a finite number >= 1, "
+                                             rf"got {bad!r}"):
+            ModelConfig(vocab_size=10, positions="place", place_sharpness=bad)
+
+
+def test_train_refuses_a_model_setting_that_does_not_fit_before_reading_any_data(tmp_path, capsys):
+    from sgraf.cli import main
+    from sgraf.training.config import TrainConfig
+
+    with pytest.raises(InputError, match=r"place_sharpness=2.0 is a setting of the place term"):
+        TrainConfig(positions="box", place_sharpness=2.0)
+    assert TrainConfig(positions="place", place_sharpness=2.0).model_config(5, 20, 4).place_sharpness == 2.0
+    # the rule is the model's, and the command stops on it before it looks for the data
+    assert main(["train", "--data", str(tmp_path / "no-data"), "--out", str(tmp_path / "run"), "--preset", "tiny",
+                 "--set", "positions=relation", "place_sharpness=2"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "place_sharpness=2.0 is a setting of the place term" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_place_models_compiled_chunk_grid_pads_places_and_directions(monkeypatch):

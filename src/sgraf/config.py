@@ -8,6 +8,7 @@ configuration. Checkpoints store `ModelConfig.to_dict()` and rebuild with `from_
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,8 +101,9 @@ class ModelConfig:
             raise InputError("model config: positions='place' reads the place each word attends to: it needs "
                              "alignments 'both' or 'local' and attention 't2i', got "
                              f"alignments={self.alignments!r}, attention={self.attention!r}")
-        if not self.place_sharpness >= 1.0:
-            raise InputError(f"model config field 'place_sharpness' must be >= 1, got {self.place_sharpness!r}")
+        if not 1.0 <= self.place_sharpness < math.inf:
+            raise InputError(f"model config field 'place_sharpness' must be a finite number >= 1, "
+                             f"got {self.place_sharpness!r}")
         if self.place_sharpness != 1.0 and self.positions != "place":
             raise InputError(f"model config: place_sharpness={self.place_sharpness!r} is a setting of the place term "
                              f"(positions='place'), got positions={self.positions!r}")
