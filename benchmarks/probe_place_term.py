@@ -109,7 +109,7 @@ def _diagnose(args: argparse.Namespace) -> int:
     scenes = load_scenes(args.data, args.split)
     score = sgraf_model._score
     removed = lambda logits, offset: score(logits, None)   # noqa: E731
-    trained = [float(getattr(model.sim_enc, "place_sharpness", 1.0)) for model in models]
+    trained = [model.sim_enc.place_sharpness for model in models]
     passes = [("with the term", score, trained), ("term removed", removed, trained)]
     passes += [(f"read at {value:g} x lam", score, [value] * len(models)) for value in args.sharpness]
     rows = {}
@@ -162,8 +162,7 @@ def _twins(args: argparse.Namespace) -> int:
                 images = torch.from_numpy(np.asarray(split.images[[own, twin]])).float()
                 regions, centres = model.split_places(model.encode_images(images, boxes[[own, twin]]))
                 words, mask, _ = _masked_words(model.encode_captions(torch.tensor([ids]), lengths), lengths)
-                smooth = model.sim_enc.smooth * model.sim_enc.place_sharpness   # the attention places are read from
-                places = PlaceTerm.places(region_attention(regions, words, smooth), centres)
+                places = PlaceTerm.places(region_attention(regions, words, model.sim_enc.place_smooth), centres)
                 shares = PlaceTerm.word_shares(places, model.sim_enc.place_term.word_directions(words, mask))[:, 0]
                 differences.append(float((shares[0].sum() - shares[1].sum()).abs()))
                 for word, change in zip(split.captions[caption].split(), (shares[0] - shares[1]).abs().tolist()):

@@ -217,8 +217,8 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
             attention = model_attention.cpu().numpy()
             attention_model = label
         if wants_place:
-            read = model_attention if encoder.place_sharpness == 1.0 else \
-                word_region_attention(regions[0], words[0], encoder.smooth * encoder.place_sharpness)
+            read = model_attention if encoder.place_smooth == encoder.smooth else \
+                word_region_attention(regions[0], words[0], encoder.place_smooth)
             place = place_shares(encoder.place_term, read, centres[0], words[0]).cpu().numpy()
             place_model = label
         if saf_beta is None and hasattr(encoder, "SAF_module"):

@@ -93,7 +93,7 @@ class SimilarityEncoder(SimilarityRepresentation):
                      word_mask: torch.Tensor) -> torch.Tensor:
         """The place term (n_img, n_cap) of a place model, from the t2i attention of Eq. 3 in
         float32 (the eval fast path takes it from its own attention instead)."""
-        attn = region_attention(regions.float(), words.float(), self.smooth * self.place_sharpness)
+        attn = region_attention(regions.float(), words.float(), self.place_smooth)
         return self.place_term(attn, centres, words, word_mask)                # attn: (n_img, n_cap, L, K)
 
     def head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],

@@ -198,6 +198,11 @@ class SimilarityRepresentation(nn.Module):
                 self.sim_tranglo_w = nn.Linear(embed_size, sim_dim)
 
     @property
+    def place_smooth(self) -> float:
+        """The temperature a place model reads its places at when scoring: lambda x place_sharpness."""
+        return self.smooth * self.place_sharpness
+
+    @property
     def node_dim(self) -> int:
         """Size of one similarity node: m for vectors (Eq. 1), 1 for cosine scalars."""
         if self.similarity == "scalar":
