@@ -271,9 +271,11 @@ def test_a_new_place_model_scores_as_the_same_model_without_the_term():
     assert_close(encoded[..., 16:], (boxes[..., :2] + boxes[..., 2:]) / 2, REORDERED)
 
 
-@pytest.mark.parametrize("module,place_sharpness", [("sgr", 1.0), ("saf", 1.0), ("sgr", 4.0), ("saf", 2.5)])
-def test_the_place_models_scoring_paths_agree(module, place_sharpness):
-    model = _model("place", module=module, place_sharpness=place_sharpness)
+@pytest.mark.parametrize("module,place_sharpness,place_gate", [("sgr", 1.0, False), ("saf", 1.0, False),
+                                                               ("sgr", 4.0, False), ("saf", 2.5, False),
+                                                               ("sgr", 2.0, True), ("saf", 1.0, True)])
+def test_the_place_models_scoring_paths_agree(module, place_sharpness, place_gate):
+    model = _model("place", module=module, place_sharpness=place_sharpness, place_gate=place_gate)
     images, captions, lengths = random_batch(model, 4, [7, 5, 4, 3, 6])
     boxes = _boxes(4, model.config.num_regions)
     fast = model.score(images, captions, lengths, boxes=boxes)                    # eval fast path, blocks
