@@ -154,7 +154,7 @@ def _twins(args: argparse.Namespace) -> int:
         if not getattr(model, "has_places", False):
             print(f"{path}: not a place model (no place term)")
             continue
-        per_word, seen, differences, gates = collections.Counter(), collections.Counter(), [], []
+        per_word, seen, differences = collections.Counter(), collections.Counter(), []
         with torch.no_grad():
             for own, twin, caption in pairs:
                 ids = model.vocab.encode(split.captions[caption])
@@ -163,13 +163,7 @@ def _twins(args: argparse.Namespace) -> int:
                 regions, centres = model.split_places(model.encode_images(images, boxes[[own, twin]]))
                 words, mask, _ = _masked_words(model.encode_captions(torch.tensor([ids]), lengths), lengths)
                 places = PlaceTerm.places(region_attention(regions, words, model.sim_enc.place_smooth), centres)
-                term = model.sim_enc.place_term
-                directions = term.word_directions(words, mask)
-                shares = PlaceTerm.word_shares(places, directions)[:, 0]
-                if term.gate is not None:   # a gated term (place_gate): each picture's shares x its gate
-                    found = term.found(model.sim_enc(regions, words, mask)[0], directions)   # (2, 1)
-                    gates.append(found[:, 0].tolist())
-                    shares = shares * found
+                shares = PlaceTerm.word_shares(places, model.sim_enc.place_term.word_directions(words, mask))[:, 0]
                 differences.append(float((shares[0].sum() - shares[1].sum()).abs()))
                 for word, change in zip(split.captions[caption].split(), (shares[0] - shares[1]).abs().tolist()):
                     per_word[word] += change
@@ -177,10 +171,6 @@ def _twins(args: argparse.Namespace) -> int:
         mean = float(np.mean(differences)) if differences else float("nan")
         print(f"{path}: {len(pairs)} {args.twins} captions false of their twin; the term differs between the "
               f"two pictures by {mean:.3f} on average")
-        if gates:
-            own, twin = np.mean(gates, axis=0)
-            print(f"  gate (place_gate): {own:.3f} on the caption's picture, {twin:.3f} on the twin it is false of "
-                  f"(mean); lower on the twin for {np.mean([g[1] < g[0] for g in gates]):.0%} of the captions")
         for word, total in per_word.most_common(8):
             print(f"  {word:12} share differs by {total / seen[word]:.3f} on average ({seen[word]} times)")
     return 0

@@ -11,7 +11,7 @@ from sgraf.checkpoint import load_model, save_model
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.model import blocks
-from sgraf.model.positions import GATE_BIAS, GATE_GAIN, OBJECTNESS_GAIN, PLACE_GAIN, PlaceTerm, pair_geometry
+from sgraf.model.positions import OBJECTNESS_GAIN, PLACE_GAIN, PlaceTerm, pair_geometry
 from sgraf.model.sgraf import SGRAF
 from sgraf.model.similarity import region_attention
 
@@ -255,78 +255,6 @@ def test_the_place_term_scores_the_offset_between_the_places_two_words_read():
     assert abs(float(term(attn, centres[:, [1, 0]], words, mask).detach()) + expected) < 1e-3 * PLACE_GAIN
 
 
-def test_the_gate_counts_the_term_only_as_far_as_the_captions_objects_are_found():
-    term = PlaceTerm(4, gate_dim=3)
-    term.reset_parameters()
-    words = torch.eye(4)[[0, 2, 1]].unsqueeze(0)                     # "X rel Y"
-    mask = torch.ones(1, 3, dtype=torch.bool)
-    with torch.no_grad():
-        term.relation.weight[:, 2] = torch.tensor([1.0, -2.0])
-        term.objectness.weight[0, 2] = -1.0                             # "rel" is no object: o = sigmoid(-10)
-    directions = term.word_directions(words, mask)
-    assert directions.shape == (1, 3, 3)                              # e_u, and each word's objectness o_u
-    o = torch.sigmoid(torch.tensor([0.0, -OBJECTNESS_GAIN, 0.0]))
-    assert_close(directions[0, :, 2], o, REORDERED)
-    nodes = torch.nn.functional.normalize(torch.randn(2, 1, 4, 3, generator=torch.Generator().manual_seed(3)), dim=3)
-    # a new gate reads every word as found: m = sigmoid(GATE_BIAS)
-    new = term.found(nodes, directions)
-    assert_close(new, torch.sigmoid(torch.tensor(GATE_BIAS)).pow(o.sum()).expand(2, 1), REORDERED)
-    with torch.no_grad():
-        term.gate.weight.copy_(torch.tensor([[1.0, 0.0, 0.0]]))
-    # prod_t m_t ** o_t over the words' nodes (the global node first takes no part)
-    m = torch.sigmoid(GATE_GAIN * nodes[:, :, 1:, 0] + GATE_BIAS)
-    assert_close(term.found(nodes, directions), (m ** o).prod(dim=2), REORDERED)
-    # the word Y matched on picture 0, not on picture 1: its gate is lower there, and so is the term
-    nodes[0, 0, 3] = torch.tensor([1.0, 0.0, 0.0])
-    nodes[1, 0, 3] = torch.tensor([-1.0, 0.0, 0.0])
-    places = torch.tensor([[0.2, 0.5], [0.5, 0.5], [0.8, 0.3]]).expand(2, 1, 3, 2)   # the relation holds on both
-    gated = term.term(places, directions, nodes).detach()
-    plain = PlaceTerm.logits(places, directions).detach()
-    assert float(plain[0, 0]) == float(plain[1, 0]) > 1
-    assert float(gated[1, 0]) < 0.05 * float(plain[1, 0]) < float(gated[0, 0]) <= float(plain[0, 0])
-    # a padded word (o = 0) takes no part
-    padded = term.word_directions(torch.cat([words, torch.zeros(1, 2, 4)], dim=1),
-                                  torch.tensor([[True, True, True, False, False]]))
-    wide = torch.cat([nodes, -nodes[:, :, 1:3]], dim=2)
-    assert_close(term.found(wide, padded), term.found(nodes, directions), REORDERED)
-    with pytest.raises(ValueError, match="a gated place term reads the pairs' similarity nodes"):
-        term.term(places, directions, None)
-
-
-def test_place_gate_is_a_setting_of_the_place_model_trained_and_recorded(tmp_path):
-    from sgraf.explain import place_shares
-    from sgraf.training.config import TrainConfig
-
-    assert ModelConfig(vocab_size=10).place_gate is False          # checkpoints written before it: no gate
-    with pytest.raises(InputError, match=r"model config: place_gate=true is a setting of the place term "
-                                         r"\(positions='place'\), got positions='box'"):
-        ModelConfig(vocab_size=10, positions="box", place_gate=True)
-    with pytest.raises(InputError, match=r"model config field 'place_gate' must be true or false, got 1"):
-        ModelConfig(vocab_size=10, positions="place", place_gate=1)
-    assert TrainConfig(positions="place", place_gate=True).model_config(5, 20, 4).place_gate is True
-    model = _model("place", module="sgr", place_gate=True)
-    assert model.sim_enc.place_term.gate is not None and _model("place").sim_enc.place_term.gate is None
-    save_model(model, tmp_path / "gated.pt")
-    loaded = load_model(tmp_path / "gated.pt")
-    images, captions, lengths = random_batch(model, 3, [6, 4, 5])
-    boxes = _boxes(3, model.config.num_regions)
-    assert loaded.config.place_gate and torch.equal(loaded.score(images, captions, lengths, boxes=boxes),
-                                                    model.score(images, captions, lengths, boxes=boxes))
-    # explain's word shares sum to the gated term
-    regions, centres = model.split_places(model.encode_images(images[:1], boxes[:1]))
-    words = model.encode_captions(captions[:1], lengths[:1])
-    mask = torch.ones(1, int(lengths[0]), dtype=torch.bool)
-    nodes, _ = model.sim_enc(regions, words, mask)
-    term = model.sim_enc.place_offset(regions, centres, words, mask, nodes).detach()
-    read = region_attention(regions, words, model.sim_enc.place_smooth)[0, 0]
-    shares = place_shares(model.sim_enc.place_term, read, centres[0], words[0], nodes[0, 0]).detach()
-    assert abs(float(shares.sum()) - float(term)) < 1e-5 and abs(float(term)) > 1e-3
-    # training reaches the gate
-    model.train()
-    model(images, captions, lengths, boxes=boxes).diagonal().sum().backward()
-    assert model.sim_enc.place_term.gate.weight.grad.abs().sum() > 0
-
-
 def test_a_new_place_model_scores_as_the_same_model_without_the_term():
     config = dict(vocab_size=30, img_dim=20, word_dim=8, embed_size=16, sim_dim=12, num_regions=5, module="joint")
     torch.manual_seed(0)
@@ -343,11 +271,9 @@ def test_a_new_place_model_scores_as_the_same_model_without_the_term():
     assert_close(encoded[..., 16:], (boxes[..., :2] + boxes[..., 2:]) / 2, REORDERED)
 
 
-@pytest.mark.parametrize("module,place_sharpness,place_gate", [("sgr", 1.0, False), ("saf", 1.0, False),
-                                                               ("sgr", 4.0, False), ("saf", 2.5, False),
-                                                               ("sgr", 2.0, True), ("saf", 1.0, True)])
-def test_the_place_models_scoring_paths_agree(module, place_sharpness, place_gate):
-    model = _model("place", module=module, place_sharpness=place_sharpness, place_gate=place_gate)
+@pytest.mark.parametrize("module,place_sharpness", [("sgr", 1.0), ("saf", 1.0), ("sgr", 4.0), ("saf", 2.5)])
+def test_the_place_models_scoring_paths_agree(module, place_sharpness):
+    model = _model("place", module=module, place_sharpness=place_sharpness)
     images, captions, lengths = random_batch(model, 4, [7, 5, 4, 3, 6])
     boxes = _boxes(4, model.config.num_regions)
     fast = model.score(images, captions, lengths, boxes=boxes)                    # eval fast path, blocks

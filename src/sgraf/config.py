@@ -58,12 +58,6 @@ class ModelConfig:
             a word's place is its object's rather than a mean drawn towards the picture's centre.
             Training always reads the nodes' attention (the term learns on soft places: trained
             on sharp ones SAF + place learnt slowly; docs/positions.md, "Reading the places").
-        place_gate: with positions='place', the term counts only as far as the caption's objects
-            are found: it is multiplied by prod_t m_t ** o_t, where m_t in (0, 1) is a linear
-            read-out of word t's similarity node (Eq. 1-3: how well the word matches what it
-            attends to) and o_t the term's objectness of word t
-            (`sgraf.model.positions.PlaceTerm.found`). A stated relation then raises a caption
-            only on a picture that shows what the caption names.
     """
 
     vocab_size: int
@@ -85,7 +79,6 @@ class ModelConfig:
     dropout: float = 0.4
     positions: str = "none"
     place_sharpness: float = 1.0
-    place_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "img_dim", "word_dim", "embed_size", "sim_dim", "num_regions",
@@ -114,11 +107,6 @@ class ModelConfig:
         if self.place_sharpness != 1.0 and self.positions != "place":
             raise InputError(f"model config: place_sharpness={self.place_sharpness!r} is a setting of the place term "
                              f"(positions='place'), got positions={self.positions!r}")
-        if not isinstance(self.place_gate, bool):
-            raise InputError(f"model config field 'place_gate' must be true or false, got {self.place_gate!r}")
-        if self.place_gate and self.positions != "place":
-            raise InputError("model config: place_gate=true is a setting of the place term (positions='place'), "
-                             f"got positions={self.positions!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

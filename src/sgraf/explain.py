@@ -66,26 +66,20 @@ def word_region_attention(regions: torch.Tensor, words: torch.Tensor, smooth: fl
 
 
 def place_shares(term: torch.nn.Module, attention: torch.Tensor, centres: torch.Tensor,
-                 words: torch.Tensor, nodes: torch.Tensor | None = None) -> torch.Tensor:
+                 words: torch.Tensor) -> torch.Tensor:
     """Each word's share of a place term (`sgraf.model.positions.PlaceTerm`) on one pair.
 
     Args:
         attention: (L, K) `word_region_attention` of the pair, at the temperature the model reads
-            places at (`ModelConfig.place_sharpness`); centres: (K, 2); words: (L, d), no padding;
-            nodes: (P, m) the pair's similarity nodes, read by a gated term
-            (`ModelConfig.place_gate`) only.
+            places at (`ModelConfig.place_sharpness`); centres: (K, 2); words: (L, d), no padding.
 
     Returns:
-        (L,) e_u . (p_u - 1/2) per word, times the gate when there is one, in logit units: they
-        sum to the term.
+        (L,) e_u . (p_u - 1/2) per word, in logit units: they sum to the term.
     """
     places = term.places(attention.float()[None, None], centres.float().unsqueeze(0))   # (1, 1, L, 2)
     words = words.float().unsqueeze(0)
     directions = term.word_directions(words, torch.ones(words.shape[:2], dtype=torch.bool, device=words.device))
-    shares = term.word_shares(places, directions)[0, 0]
-    if term.gate is None:
-        return shares
-    return shares * term.found(nodes[None, None], directions)[0, 0]
+    return term.word_shares(places, directions)[0, 0]
 
 
 def saf_node_weights(saf: torch.nn.Module, nodes: torch.Tensor) -> torch.Tensor:
@@ -225,7 +219,7 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
         if wants_place:
             read = model_attention if encoder.place_smooth == encoder.smooth else \
                 word_region_attention(regions[0], words[0], encoder.place_smooth)
-            place = place_shares(encoder.place_term, read, centres[0], words[0], nodes).cpu().numpy()
+            place = place_shares(encoder.place_term, read, centres[0], words[0]).cpu().numpy()
             place_model = label
         if saf_beta is None and hasattr(encoder, "SAF_module"):
             saf_beta = saf_node_weights(encoder.SAF_module, nodes).cpu().numpy()

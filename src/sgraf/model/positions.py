@@ -30,8 +30,6 @@ PAIR_HIDDEN = 32        # hidden units of the pairwise geometry MLP
 RELATION_HEADS = 4
 PLACE_GAIN = 30.0        # the place term's directions D are 30 x a linear map: they learn 30x faster
 OBJECTNESS_GAIN = 10.0   # and each word's objectness logit 10 x one: it learns which words are objects 10x faster
-GATE_GAIN = 10.0         # the gate's read-out of a word's node is 10 x a linear map: it learns at the term's speed
-GATE_BIAS = 3.0          # and starts at sigmoid(3) = 0.95 for every word: the gate starts near 1, not saturated
 _WEIGHT_FLOOR = 1e-6     # no word before (or after) a word: its side weighs nothing
 _SIZE_FLOOR = 1e-3      # a zero-width box (a point) still has a finite log size ratio
 
@@ -96,35 +94,22 @@ class PlaceTerm(nn.Module):
     same model without the term; D is scaled by `PLACE_GAIN` so that it learns at the speed of the
     rest of the model, and the objectness logits by `OBJECTNESS_GAIN`, so that the places of the
     objects soon outweigh those of "a", "of" or "the" (whose attention spreads over the picture).
-
-    With a gate (`gate_dim`, `ModelConfig.place_gate`), the term counts only as far as the
-    caption's objects are found: it is multiplied by `found` = prod_t m_t ** o_t, with m_t =
-    sigmoid(GATE_GAIN w . n_t + b) a read-out of word t's similarity node n_t (how well the word
-    matches what it attends to). Without it the term rewards a stated relation that holds
-    whatever the objects: "a red square left of a blue circle" rises on the picture whose square
-    is green, and beats that picture's own caption (docs/positions.md, "Reading the places").
     """
 
-    def __init__(self, embed_size: int, gate_dim: int | None = None) -> None:
+    def __init__(self, embed_size: int) -> None:
         super().__init__()
         self.relation = nn.Linear(embed_size, 2)      # D_r
         self.objectness = nn.Linear(embed_size, 1)    # o_t before the sigmoid
-        self.gate = None if gate_dim is None else nn.Linear(gate_dim, 1)   # m_t before the sigmoid
 
     def reset_parameters(self) -> None:
-        """The model's initialisation: D = 0 (no term), objectness 1/2 for every word, and a gate
-        that reads every word as found (m_t = sigmoid(GATE_BIAS))."""
+        """The model's initialisation: D = 0 (no term) and objectness 1/2 for every word."""
         for layer in (self.relation, self.objectness):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
-        if self.gate is not None:
-            nn.init.zeros_(self.gate.weight)
-            nn.init.constant_(self.gate.bias, GATE_BIAS)
 
     def word_directions(self, words: torch.Tensor, word_mask: torch.Tensor) -> torch.Tensor:
         """(n_cap, L, d) contextual words, (n_cap, L) mask -> (n_cap, L, 2) weights e_u of the
-        words' places: e = (A - B)^T D, zero for padded words. With a gate, (n_cap, L, 3): the
-        third column is each word's objectness o_u, its weight in `found`."""
+        words' places: e = (A - B)^T D, zero for padded words."""
         mask = word_mask.to(words.dtype)
         relation = self.relation(words).mul(PLACE_GAIN) * mask.unsqueeze(2)              # (n_cap, L, 2) D_r
         weight = torch.sigmoid(self.objectness(words).mul(OBJECTNESS_GAIN)).squeeze(2) * mask  # (n_cap, L) o_t
@@ -135,29 +120,7 @@ class PlaceTerm(nn.Module):
         a = weight * before.t()                                                          # [r, u]: u after r
         b = b / (b.sum(dim=2, keepdim=True) + _WEIGHT_FLOOR)
         a = a / (a.sum(dim=2, keepdim=True) + _WEIGHT_FLOOR)
-        directions = (a - b).transpose(1, 2) @ relation                                  # (n_cap, L_u, 2)
-        if self.gate is None:
-            return directions
-        return torch.cat([directions, weight.transpose(1, 2)], dim=2)                    # (n_cap, L, 3)
-
-    def found(self, nodes: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
-        """(n_img, n_cap, P, m) similarity nodes (the words' nodes last, as every path lays them
-        out), (n_cap, L, 3) gated `word_directions` -> (n_img, n_cap) float32 gate prod_t m_t ** o_t
-        in (0, 1]: how far the caption's objects are found in the picture."""
-        n_words = directions.size(1)
-        local = nodes[:, :, nodes.size(2) - n_words:].float()                           # (n_img, n_cap, L, m)
-        read = torch.nn.functional.linear(local, self.gate.weight.float() * GATE_GAIN, self.gate.bias.float())
-        return (torch.nn.functional.logsigmoid(read.squeeze(3)) * directions[..., 2].float().unsqueeze(0)).sum(2).exp()
-
-    def term(self, places: torch.Tensor, directions: torch.Tensor, nodes: torch.Tensor | None) -> torch.Tensor:
-        """(n_img, n_cap) float32 place term of the places (n_img, n_cap, L, 2) the words read,
-        their `word_directions` and the pairs' similarity nodes (read by the gate only)."""
-        term = self.logits(places, directions.float())
-        if self.gate is None:
-            return term
-        if nodes is None:
-            raise ValueError("a gated place term reads the pairs' similarity nodes: pass them")
-        return term * self.found(nodes, directions)
+        return (a - b).transpose(1, 2) @ relation                                        # (n_cap, L_u, 2)
 
     @staticmethod
     def places(attn: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
@@ -167,18 +130,17 @@ class PlaceTerm(nn.Module):
         return (attn.reshape(n_img, n_cap * n_words, n_regions) @ centres).view(n_img, n_cap, n_words, 2)
 
     def forward(self, attn: torch.Tensor, centres: torch.Tensor, words: torch.Tensor,
-                word_mask: torch.Tensor, nodes: torch.Tensor | None = None) -> torch.Tensor:
+                word_mask: torch.Tensor) -> torch.Tensor:
         """(n_img, n_cap, L, K) attention, (n_img, K, 2) centres, (n_cap, L, d) words (zero beyond
-        each length), (n_cap, L) mask, and with a gate the pairs' (n_img, n_cap, P, m) similarity
-        nodes -> (n_img, n_cap) float32 logits, computed in float32."""
+        each length), (n_cap, L) mask -> (n_img, n_cap) float32 logits, computed in float32."""
         words = words.float()
-        return self.term(self.places(attn.float(), centres.float()), self.word_directions(words, word_mask), nodes)
+        return self.logits(self.places(attn.float(), centres.float()), self.word_directions(words, word_mask))
 
     @staticmethod
     def word_shares(places: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
         """(n_img, n_cap, L, 2) places, (n_cap, L, 2) `word_directions` -> (n_img, n_cap, L) each
-        word's share e_u . (p_u - 1/2) of the term (before a gate)."""
-        return ((places - 0.5) * directions[..., :2].unsqueeze(0)).sum(dim=3)
+        word's share e_u . (p_u - 1/2) of the term."""
+        return ((places - 0.5) * directions.unsqueeze(0)).sum(dim=3)
 
     @staticmethod
     def logits(places: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:

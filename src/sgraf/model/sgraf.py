@@ -87,15 +87,14 @@ class SimilarityEncoder(SimilarityRepresentation):
         if config.module == "joint":
             self.saf_eval_w = nn.Linear(node_dim, 1)       # the SAF head's own score FC
         if config.positions == "place":
-            self.place_term = PlaceTerm(config.embed_size, node_dim if config.place_gate else None)
+            self.place_term = PlaceTerm(config.embed_size)
 
     def place_offset(self, regions: torch.Tensor, centres: torch.Tensor, words: torch.Tensor,
-                     word_mask: torch.Tensor, nodes: torch.Tensor | None = None) -> torch.Tensor:
+                     word_mask: torch.Tensor) -> torch.Tensor:
         """The place term (n_img, n_cap) of a place model, from the t2i attention of Eq. 3 in
-        float32 (the eval fast path takes it from its own attention instead); `nodes`, the pairs'
-        similarity nodes, are read by the gate (`ModelConfig.place_gate`) only."""
+        float32 (the eval fast path takes it from its own attention instead)."""
         attn = region_attention(regions.float(), words.float(), self.place_smooth)
-        return self.place_term(attn, centres, words, word_mask, nodes)         # attn: (n_img, n_cap, L, K)
+        return self.place_term(attn, centres, words, word_mask)                # attn: (n_img, n_cap, L, K)
 
     def head_scores(self, nodes: torch.Tensor, node_mask: torch.Tensor, heads: Sequence[str],
                     offset: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -347,8 +346,8 @@ class SGRAF(nn.Module):
                                                host_lengths, centres)
         if self.training:
             return self._train_similarity_heads(img_embs, words, word_mask, lengths, host_lengths, centres)
+        offset = None if centres is None else self.sim_enc.place_offset(img_embs, centres, words, word_mask)
         nodes, node_mask = self.sim_enc(img_embs, words, word_mask)                       # (n_img, n_cap, P, m)
-        offset = None if centres is None else self.sim_enc.place_offset(img_embs, centres, words, word_mask, nodes)
         return self.sim_enc.head_scores(nodes, node_mask, self.heads, offset)
 
     @contextlib.contextmanager
@@ -671,13 +670,13 @@ class SGRAF(nn.Module):
             scores, saf_stats = sim.train_head_scores(nodes, node_mask, heads, chunk_offset)
             return [scores[head] for head in heads], saf_stats
 
-        def place_offset(places, chunk_directions, nodes):
-            return None if places is None else sim.place_term.term(places, chunk_directions, nodes)
+        def place_offset(places, chunk_directions):
+            return None if places is None else PlaceTerm.logits(places, chunk_directions)
 
         def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_centres, chunk_directions):
             nodes, node_mask, places = sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo,
                                                        chunk_centres)
-            return head_scores(nodes, node_mask, place_offset(places, chunk_directions, nodes))
+            return head_scores(nodes, node_mask, place_offset(places, chunk_directions))
 
         # With light nodes (`local_nodes` keeps no word x feature tensor), only the heads can need
         # recomputing: their intermediates are kept for the first chunks, up to `train_keep_bytes`,
@@ -702,7 +701,7 @@ class SGRAF(nn.Module):
             if recompute and light:
                 nodes, node_mask, places = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo,
                                                            centres)
-                chunk_offset = place_offset(places, chunk_directions, nodes)
+                chunk_offset = place_offset(places, chunk_directions)
                 kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE  # nodes: (n_img, n, P, m)
                 if kept_bytes <= keep_bytes:
                     blocks, saf_stats = head_scores(nodes, node_mask, chunk_offset)
@@ -791,7 +790,7 @@ def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: tor
     weights included, so that `sgraf.kernels.compiled` compiles it once per shape for every model
     and set of weights."""
     nodes, node_mask, places = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers, centres)
-    offset = None if places is None else sim.place_term.term(places, directions, nodes)
+    offset = None if places is None else PlaceTerm.logits(places, directions.float())
     return sim.fast_head_scores(nodes, node_mask, heads, low, folded, offset)
 
 
