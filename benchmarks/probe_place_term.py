@@ -163,7 +163,8 @@ def _twins(args: argparse.Namespace) -> int:
                 regions, centres = model.split_places(model.encode_images(images, boxes[[own, twin]]))
                 words, mask, _ = _masked_words(model.encode_captions(torch.tensor([ids]), lengths), lengths)
                 places = PlaceTerm.places(region_attention(regions, words, model.sim_enc.place_smooth), centres)
-                shares = PlaceTerm.word_shares(places, model.sim_enc.place_term.word_directions(words, mask))[:, 0]
+                term = model.sim_enc.place_term   # the shares of the term's value (a penalty's too)
+                shares = term.value_shares(PlaceTerm.word_shares(places, term.word_directions(words, mask))[:, 0])
                 differences.append(float((shares[0].sum() - shares[1].sum()).abs()))
                 for word, change in zip(split.captions[caption].split(), (shares[0] - shares[1]).abs().tolist()):
                     per_word[word] += change

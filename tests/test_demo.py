@@ -41,10 +41,12 @@ def test_quick_demo_prints_the_table_and_writes_the_report(demo, capsys):
     assert ("trained one after the other" if workers == 1 else f"trained {workers} at a time") in report
     assert set(record["timings_s"]) >= {"training", "train SGR", "train SGR+pos", "train global-only"}
     assert record["table"] in report
-    assert ("trained SAF+pos with `batches=families family_share=0.5 place_sharpness=2`, SGR+pos with "
-            "`batches=families family_share=0.5 place_sharpness=2 global_loss_weight=1`") in report
-    for run in ("saf-pos", "sgr-pos"):   # the checkpoints score with the places read at 2 x lambda
-        assert load_model(out / "runs" / run / "best.pt").config.place_sharpness == 2.0
+    assert ("trained SAF+pos with `batches=families family_share=0.5 place_sharpness=2 place_penalty=true`, "
+            "SGR+pos with `batches=families family_share=0.5 place_sharpness=2 place_penalty=true "
+            "global_loss_weight=1`") in report
+    for run in ("saf-pos", "sgr-pos"):   # the checkpoints score with the places read at 2 x lambda, as a penalty
+        config = load_model(out / "runs" / run / "best.pt").config
+        assert config.place_sharpness == 2.0 and config.place_penalty is True
     assert record["diagnosis_table"] in report
     for name in ("curves.png", "diagnose.png", "retrieval_t2i.png", "retrieval_i2t.png", "explain_positive.png",
                  "explain_negative.png"):

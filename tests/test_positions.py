@@ -255,6 +255,71 @@ def test_the_place_term_scores_the_offset_between_the_places_two_words_read():
     assert abs(float(term(attn, centres[:, [1, 0]], words, mask).detach()) + expected) < 1e-3 * PLACE_GAIN
 
 
+def test_as_a_penalty_the_term_only_lowers_a_score_and_learns_as_the_signed_term():
+    term = _place_term()
+    penalty = _place_term()
+    penalty.penalty = True
+    regions = torch.eye(4)[[0, 1]].unsqueeze(0)           # region 0 is X, region 1 is Y
+    words = torch.eye(4)[[0, 2, 1]].unsqueeze(0)           # "X rel Y"
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    centres = torch.tensor([[[0.2, 0.5], [0.8, 0.3]], [[0.8, 0.3], [0.2, 0.5]]])   # the relation holds; the twin
+    attn = region_attention(regions.expand(2, 2, 4), words, smooth=50.0)
+    signed, lowered = term(attn, centres, words, mask), penalty(attn, centres, words, mask)
+    assert float(signed[0, 0].detach()) > 1 and float(signed[1, 0].detach()) < -1
+    # where the relation holds the penalty adds nothing; where it is false, the signed term
+    assert float(lowered[0, 0].detach()) == 0.0 and float(lowered[1, 0].detach()) == float(signed[1, 0].detach())
+    # and its gradient is the signed term's, where it holds too: the relation word still learns there
+    for module, value in ((term, signed), (penalty, lowered)):
+        value[0, 0].backward()
+    assert float(term.relation.weight.grad.abs().sum()) > 0
+    assert torch.equal(penalty.relation.weight.grad, term.relation.weight.grad)
+    # explain's shares of the value: zero where the signed term is above 0, as they are elsewhere
+    shares = PlaceTerm.word_shares(PlaceTerm.places(attn, centres), term.word_directions(words, mask)).detach()
+    assert torch.equal(penalty.value_shares(shares)[0], torch.zeros(1, 3))
+    assert torch.equal(penalty.value_shares(shares)[1], shares[1]) and torch.equal(term.value_shares(shares), shares)
+
+
+def test_place_penalty_is_a_setting_of_the_place_model_that_every_path_applies(tmp_path):
+    from sgraf.explain import place_shares
+    from sgraf.training.config import TrainConfig
+
+    assert ModelConfig(vocab_size=10).place_penalty is False          # checkpoints written before it: signed
+    with pytest.raises(InputError, match=r"model config: place_penalty=true is a setting of the place term "
+                                         r"\(positions='place'\), got positions='none'"):
+        ModelConfig(vocab_size=10, place_penalty=True)
+    with pytest.raises(InputError, match=r"model config field 'place_penalty' must be true or false, got 'yes'"):
+        ModelConfig(vocab_size=10, positions="place", place_penalty="yes")
+    assert TrainConfig(positions="place", place_penalty=True).model_config(5, 20, 4).place_penalty is True
+    signed = _model("place", module="saf")
+    penalty = _model("place", module="saf", place_penalty=True)
+    penalty.load_state_dict(signed.state_dict())
+    save_model(penalty, tmp_path / "penalty.pt")
+    assert load_model(tmp_path / "penalty.pt").config.place_penalty is True
+    images, captions, lengths = random_batch(signed, 4, [7, 5, 4, 3, 6])
+    boxes = _boxes(4, signed.config.num_regions)
+    img_embs, cap_embs = signed.encode_images(images, boxes), signed.encode_captions(captions, lengths)
+    regions, centres = signed.split_places(img_embs)
+    mask = torch.arange(cap_embs.size(1)).unsqueeze(0) < lengths.unsqueeze(1)
+    with torch.no_grad():
+        term = signed.sim_enc.place_offset(regions, centres, cap_embs, mask)
+    assert bool((term > 0).any()) and bool((term < 0).any())
+    # every scoring path adds min(term, 0): the fast path, the plain path and training
+    plain_logits = torch.logit(signed.similarity(img_embs, cap_embs, lengths).detach().double()) - term.double()
+    wanted = torch.sigmoid(plain_logits + term.clamp(max=0).double()).float()
+    assert_close(penalty.score(images, captions, lengths, boxes=boxes), wanted, REORDERED, scale=1.0)
+    with torch.enable_grad():
+        assert_close(penalty.similarity(img_embs, cap_embs, lengths).detach(), wanted, REORDERED, scale=1.0)
+    penalty.train(), signed.train()   # training reads the places at lambda, as place_offset here
+    trained = penalty(images, captions, lengths, boxes=boxes).detach()
+    trained_signed = signed(images, captions, lengths, boxes=boxes).detach()
+    assert torch.equal(trained[term <= 0], trained_signed[term <= 0])
+    assert bool((trained[term > 1e-3] < trained_signed[term > 1e-3]).all())
+    # explain's word shares sum to the penalty's value
+    read = region_attention(regions[:1], cap_embs[:1, : int(lengths[0])], penalty.sim_enc.place_smooth)[0, 0]
+    shares = place_shares(penalty.sim_enc.place_term, read, centres[0], cap_embs[0, : int(lengths[0])]).detach()
+    assert abs(float(shares.sum()) - min(float(term[0, 0]), 0.0)) < 1e-5
+
+
 def test_a_new_place_model_scores_as_the_same_model_without_the_term():
     config = dict(vocab_size=30, img_dim=20, word_dim=8, embed_size=16, sim_dim=12, num_regions=5, module="joint")
     torch.manual_seed(0)

@@ -58,6 +58,12 @@ class ModelConfig:
             a word's place is its object's rather than a mean drawn towards the picture's centre.
             Training always reads the nodes' attention (the term learns on soft places: trained
             on sharp ones SAF + place learnt slowly; docs/positions.md, "Reading the places").
+        place_penalty: with positions='place', the term only lowers a score: its value is
+            min(term, 0), so a stated relation lowers a caption on a picture where it is false and
+            raises none where it holds (the signed term raised "a red square left of a blue
+            circle" on the picture whose square is green too). It is trained with the gradient
+            of the signed term (straight-through), so the relation words keep learning from the
+            pairs where their relation holds (docs/positions.md, "The penalty").
     """
 
     vocab_size: int
@@ -79,6 +85,7 @@ class ModelConfig:
     dropout: float = 0.4
     positions: str = "none"
     place_sharpness: float = 1.0
+    place_penalty: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "img_dim", "word_dim", "embed_size", "sim_dim", "num_regions",
@@ -107,6 +114,11 @@ class ModelConfig:
         if self.place_sharpness != 1.0 and self.positions != "place":
             raise InputError(f"model config: place_sharpness={self.place_sharpness!r} is a setting of the place term "
                              f"(positions='place'), got positions={self.positions!r}")
+        if not isinstance(self.place_penalty, bool):
+            raise InputError(f"model config field 'place_penalty' must be true or false, got {self.place_penalty!r}")
+        if self.place_penalty and self.positions != "place":
+            raise InputError("model config: place_penalty=true is a setting of the place term (positions='place'), "
+                             f"got positions={self.positions!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -66,8 +66,9 @@ FIXED_KEYS = ("module", "alignments", "seed", "positions")
 # families whole; SGR + place also ranks the global vectors (the auxiliary loss of
 # `global_loss_weight`), which lifts SGR off the plateau where it otherwise stayed on one seed in
 # three (docs/positions.md, "SGR's plateau"). Both score with the places read from an attention
-# twice as sharp as the nodes' (`place_sharpness`, chosen on the dev split: "Reading the places").
-_PLACE = {"batches": "families", "family_share": "0.5", "place_sharpness": "2"}
+# twice as sharp as the nodes' (`place_sharpness`, chosen on the dev split: "Reading the places"),
+# and their term only lowers a score (`place_penalty`: "The penalty").
+_PLACE = {"batches": "families", "family_share": "0.5", "place_sharpness": "2", "place_penalty": "true"}
 POSITION_RECIPES = {"place": {"SAF+pos": _PLACE, "SGR+pos": {**_PLACE, "global_loss_weight": "1"}}}
 
 

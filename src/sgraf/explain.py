@@ -74,12 +74,13 @@ def place_shares(term: torch.nn.Module, attention: torch.Tensor, centres: torch.
             places at (`ModelConfig.place_sharpness`); centres: (K, 2); words: (L, d), no padding.
 
     Returns:
-        (L,) e_u . (p_u - 1/2) per word, in logit units: they sum to the term.
+        (L,) e_u . (p_u - 1/2) per word, in logit units: they sum to the term (a penalty's, zero
+        where the signed term is above 0: `PlaceTerm.value_shares`).
     """
     places = term.places(attention.float()[None, None], centres.float().unsqueeze(0))   # (1, 1, L, 2)
     words = words.float().unsqueeze(0)
     directions = term.word_directions(words, torch.ones(words.shape[:2], dtype=torch.bool, device=words.device))
-    return term.word_shares(places, directions)[0, 0]
+    return term.value_shares(term.word_shares(places, directions)[0, 0])
 
 
 def saf_node_weights(saf: torch.nn.Module, nodes: torch.Tensor) -> torch.Tensor:

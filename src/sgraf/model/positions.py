@@ -94,12 +94,19 @@ class PlaceTerm(nn.Module):
     same model without the term; D is scaled by `PLACE_GAIN` so that it learns at the speed of the
     rest of the model, and the objectness logits by `OBJECTNESS_GAIN`, so that the places of the
     objects soon outweigh those of "a", "of" or "the" (whose attention spreads over the picture).
+
+    As a penalty (`penalty`, `ModelConfig.place_penalty`) the term's value is min(term, 0): a
+    stated relation lowers a caption where it is false and raises none where it holds, so it no
+    longer lifts "a red square left of a blue circle" on the picture whose square is green. Its
+    gradient stays the signed term's (straight-through), so the relation words still learn from
+    the pairs where their relation holds (with min(term, 0) in training too they barely learnt).
     """
 
-    def __init__(self, embed_size: int) -> None:
+    def __init__(self, embed_size: int, penalty: bool = False) -> None:
         super().__init__()
         self.relation = nn.Linear(embed_size, 2)      # D_r
         self.objectness = nn.Linear(embed_size, 1)    # o_t before the sigmoid
+        self.penalty = penalty
 
     def reset_parameters(self) -> None:
         """The model's initialisation: D = 0 (no term) and objectness 1/2 for every word."""
@@ -134,7 +141,21 @@ class PlaceTerm(nn.Module):
         """(n_img, n_cap, L, K) attention, (n_img, K, 2) centres, (n_cap, L, d) words (zero beyond
         each length), (n_cap, L) mask -> (n_img, n_cap) float32 logits, computed in float32."""
         words = words.float()
-        return self.logits(self.places(attn.float(), centres.float()), self.word_directions(words, word_mask))
+        return self.term(self.places(attn.float(), centres.float()), self.word_directions(words, word_mask))
+
+    def term(self, places: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+        """(n_img, n_cap, L, 2) places, (n_cap, L, 2) `word_directions` -> (n_img, n_cap) the term
+        added to the logits: the signed `logits`, or as a penalty their value min(term, 0) with
+        the signed term's gradient."""
+        term = self.logits(places, directions.float())
+        return term - term.clamp_min(0).detach() if self.penalty else term
+
+    def value_shares(self, shares: torch.Tensor) -> torch.Tensor:
+        """(..., L) `word_shares` -> each word's share of the term's value: as they are, or as a
+        penalty zero where they sum to more than 0 (the term adds nothing there)."""
+        if not self.penalty:
+            return shares
+        return shares * (shares.sum(dim=-1, keepdim=True) <= 0).to(shares.dtype)
 
     @staticmethod
     def word_shares(places: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:

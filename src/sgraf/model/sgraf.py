@@ -87,7 +87,7 @@ class SimilarityEncoder(SimilarityRepresentation):
         if config.module == "joint":
             self.saf_eval_w = nn.Linear(node_dim, 1)       # the SAF head's own score FC
         if config.positions == "place":
-            self.place_term = PlaceTerm(config.embed_size)
+            self.place_term = PlaceTerm(config.embed_size, penalty=config.place_penalty)
 
     def place_offset(self, regions: torch.Tensor, centres: torch.Tensor, words: torch.Tensor,
                      word_mask: torch.Tensor) -> torch.Tensor:
@@ -671,7 +671,7 @@ class SGRAF(nn.Module):
             return [scores[head] for head in heads], saf_stats
 
         def place_offset(places, chunk_directions):
-            return None if places is None else PlaceTerm.logits(places, chunk_directions)
+            return None if places is None else sim.place_term.term(places, chunk_directions)
 
         def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_centres, chunk_directions):
             nodes, node_mask, places = sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo,
@@ -790,7 +790,7 @@ def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: tor
     weights included, so that `sgraf.kernels.compiled` compiles it once per shape for every model
     and set of weights."""
     nodes, node_mask, places = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers, centres)
-    offset = None if places is None else PlaceTerm.logits(places, directions.float())
+    offset = None if places is None else sim.place_term.term(places, directions)
     return sim.fast_head_scores(nodes, node_mask, heads, low, folded, offset)
 
 

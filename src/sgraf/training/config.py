@@ -57,6 +57,7 @@ class TrainConfig:
         positions: the model's `positions` (see `sgraf.config.ModelConfig`; other than 'none' it
             needs the data's region boxes, `sgraf.data.boxes`).
         place_sharpness: the model's `place_sharpness` (see `sgraf.config.ModelConfig`).
+        place_penalty: the model's `place_penalty` (see `sgraf.config.ModelConfig`).
         epochs: passes over the training captions.
         batch_size: captions (each with its image) per optimisation step, over all processes.
         lr: Adam's initial learning rate.
@@ -116,6 +117,7 @@ class TrainConfig:
     dropout: float = 0.4
     positions: str = "none"
     place_sharpness: float = 1.0
+    place_penalty: bool = False
     epochs: int = 40
     batch_size: int = 128
     lr: float = 2e-4
