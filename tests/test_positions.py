@@ -269,7 +269,7 @@ def test_as_a_penalty_the_term_only_lowers_a_score_and_learns_as_the_signed_term
     # where the relation holds the penalty adds nothing; where it is false, the signed term
     assert float(lowered[0, 0].detach()) == 0.0 and float(lowered[1, 0].detach()) == float(signed[1, 0].detach())
     # and its gradient is the signed term's, where it holds too: the relation word still learns there
-    for module, value in ((term, signed), (penalty, lowered)):
+    for value in (signed, lowered):
         value[0, 0].backward()
     assert float(term.relation.weight.grad.abs().sum()) > 0
     assert torch.equal(penalty.relation.weight.grad, term.relation.weight.grad)
