@@ -213,7 +213,9 @@ def main() -> None:
             if not args.no_memory:
                 proc = subprocess.run([sys.executable, __file__, *common, "--child", "memory", module, r["impl"],
                                        r["precision"]], capture_output=True, text=True)
-                if proc.returncode == 0:
+                if proc.returncode != 0:   # say so: a nan figure alone hides the cause
+                    print(f"{module} {r['impl']} {r['precision']} memory: FAILED: {proc.stderr.strip().splitlines()[-1]}")
+                else:
                     r["peak_gib"] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_gib"]
             results.append(r)
             print(f"{module:<4} {r['impl']:<7} {r['precision']:<5} {r['seconds_per_step']:8.2f} s/step "
@@ -227,9 +229,9 @@ def main() -> None:
         for r in results:
             if r["module"] == module and r["impl"] == "ours":
                 rounds = [1 / x for x in r["per_round_vs_first"]]
-                memory = "" if args.no_memory else f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
+                peak = "" if args.no_memory else f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
                 print(f"{module} ours {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster "
-                      f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {memory}"
+                      f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {peak}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
     if args.json:
         with open(args.json, "w") as f:
