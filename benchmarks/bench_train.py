@@ -16,7 +16,10 @@ medians over --steps rounds after one warm-up step each, and each round's ratio.
 memory of each configuration comes from a fresh process of its own running two steps
 (ru_maxrss: the interpreter, torch, the model, Adam's moments and the step), so it is clean.
 The authors' stand-in was calibrated against their own `train_emb` in the same process
-(benchmarks/results/calibration-*).
+(benchmarks/results/calibration-*). `train_step` on the CPU sets glibc to keep freed memory for
+the whole process (`sgraf.kernels.memory`), so after ours' first step the authors' stand-in runs
+with that setting too (their step took 23.8 s with it and 24.1 s without, SGR, 2-core AMD EPYC
+Zen 3, each in a process of its own): if anything the ratio is understated.
 
     python benchmarks/bench_train.py                     # SGR and SAF, authors fp32 vs ours fp32/bf16
     python benchmarks/bench_train.py --batch 32 --steps 2   # quicker

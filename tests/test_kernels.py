@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model_helpers import random_batch, random_model
-from numerics import REORDERED, SAME_PATH, assert_close, largest
+from numerics import GRADIENT, REORDERED, SAME_PATH, assert_close, largest
 from sgraf.errors import InputError
 from sgraf.kernels import cpu, tuning
 
@@ -263,3 +267,101 @@ def test_packing_by_index_equals_torch_packing_values_and_gradients():
     assert torch.equal(states, expected)
     grad = torch.randn_like(expected)
     assert torch.equal(*(torch.autograd.grad(out, x, grad)[0] for out in (states, expected)))
+
+
+# ------------------------------------------------------------------ the training GRU (sgraf.kernels.gru)
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_the_packed_gru_equals_nn_gru_in_values_and_every_gradient(bidirectional):
+    """`packed_gru` computes `nn.GRU`'s outputs and the gradients of its input, weights and
+    biases (unsorted lengths, ties, a caption of one word)."""
+    from sgraf.kernels.gru import packed_gru
+    from sgraf.kernels.packing import Packing
+
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(6, 5, batch_first=True, bidirectional=bidirectional)
+    lengths = torch.tensor([3, 7, 7, 1, 5, 2])
+    x = torch.randn(6, 7, 6, requires_grad=True)
+    packing = Packing(lengths, x.device)
+    grad = torch.randn(6, 7, 10 if bidirectional else 5)
+    results = []
+    for ours in (False, True):
+        packed = packing.pack(x)
+        out = packed_gru(gru, packed.data, packed.batch_sizes.tolist()) if ours else gru(packed)[0].data
+        states = packing.unpack(out)
+        inputs = [x, *gru.parameters()]
+        results.append((states, torch.autograd.grad(states, inputs, grad)))
+    (expected, expected_grads), (states, grads) = results
+    assert_close(states, expected, REORDERED)
+    scale = largest(list(expected_grads))
+    for got, want in zip(grads, expected_grads):
+        assert_close(got, want, GRADIENT, scale=scale)
+
+
+def test_the_text_encoder_takes_the_packed_gru_only_to_train_on_the_cpu(monkeypatch):
+    """Scoring (no autograd) runs `nn.GRU` itself; a float32 training pass on the CPU runs
+    `packed_gru`, with the same states; two layers, autocast or bf16 keep `nn.GRU`."""
+    from sgraf.kernels import gru as gru_kernels
+    from sgraf.model.encoders import TextEncoder
+
+    torch.manual_seed(0)
+    encoder = TextEncoder(50, 8, 6, 1)
+    captions, lengths = torch.randint(1, 50, (4, 6)), torch.tensor([6, 2, 4, 4])
+    calls = []
+    original = gru_kernels.packed_gru
+    monkeypatch.setattr(gru_kernels, "packed_gru", lambda *args: calls.append(1) or original(*args))
+    encoder.eval()
+    with torch.no_grad():
+        scored = encoder(captions, lengths)
+    assert calls == []
+    trained = encoder(captions, lengths)
+    assert calls == [1]
+    assert_close(trained, scored, REORDERED)
+    data = torch.zeros(3, 8)
+    assert gru_kernels.supports(encoder.cap_rnn, data)
+    assert not gru_kernels.supports(torch.nn.GRU(8, 6, 2), data)
+    assert not gru_kernels.supports(encoder.cap_rnn, data.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not gru_kernels.supports(encoder.cap_rnn, data)
+
+
+# ------------------------------------------------------------------ freed memory (sgraf.kernels.memory)
+
+FAULTS_SCRIPT = """
+import resource, sys, torch
+torch.set_num_threads(2)
+from sgraf.kernels.memory import keep_freed_memory
+print(keep_freed_memory() if sys.argv[1] == "keep" else False)
+def faults():
+    torch.empty(16 * 2**20).fill_(1.0)        # 64 MiB, freed at once
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(16 * 2**20).fill_(1.0)        # the same size again
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(min(faults() for _ in range(3)))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_keeping_freed_memory_stops_the_page_faults_of_a_reused_block():
+    """A 64 MiB block freed and allocated again is faulted in page by page (16,384 pages) under
+    glibc's defaults; after `keep_freed_memory()` it is reused without faults."""
+    counts = {}
+    for mode in ("default", "keep"):
+        proc = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, mode], capture_output=True, text=True,
+                              env={**os.environ, "SGRAF_KEEP_FREED_MEMORY": "on"}, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        changed, faults = proc.stdout.split()
+        assert changed == ("True" if mode == "keep" else "False")
+        counts[mode] = int(faults)
+    assert counts["default"] > 8000
+    assert counts["keep"] < 500
+
+
+def test_keeping_freed_memory_can_be_turned_off_and_refuses_other_values(monkeypatch):
+    from sgraf.kernels.memory import keep_freed_memory
+
+    monkeypatch.setenv("SGRAF_KEEP_FREED_MEMORY", "off")
+    assert keep_freed_memory() is False
+    monkeypatch.setenv("SGRAF_KEEP_FREED_MEMORY", "sometimes")
+    with pytest.raises(InputError, match="SGRAF_KEEP_FREED_MEMORY must be 'on' or 'off', got 'sometimes'"):
+        keep_freed_memory()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sgraf.kernels import gru, plan
 from sgraf.kernels.packing import Packing
 from sgraf.model.norms import l2norm
 from sgraf.model.positions import BoxEmbedding, RegionRelation, box_centres
@@ -64,8 +65,13 @@ class TextEncoder(nn.Module):
         """(n_cap, L) ids, (n_cap,) lengths in any order -> (n_cap, max(lengths), d), zero-padded."""
         words = self.dropout(self.embed(captions))
         packing = Packing(lengths, words.device)   # pack_padded_sequence's order, one gather
-        out, _ = self.cap_rnn(packing.pack(words))
-        states = packing.unpack(out.data)          # (n_cap, max_len, d or 2d), zero-padded
+        packed = packing.pack(words)
+        if torch.is_grad_enabled() and gru.supports(self.cap_rnn, packed.data) and not plan.gpu_plan(words.device):
+            # training on the CPU: the weight gradients in one matmul each (sgraf.kernels.gru)
+            out = gru.packed_gru(self.cap_rnn, packed.data, packing.batch_sizes.tolist())
+        else:
+            out = self.cap_rnn(packed)[0].data
+        states = packing.unpack(out)               # (n_cap, max_len, d or 2d), zero-padded
         if self.bi_gru:
             half = states.size(2) // 2
             states = (states[:, :, :half] + states[:, :, half:]) / 2

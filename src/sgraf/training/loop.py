@@ -29,6 +29,7 @@ from sgraf import distributed
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.kernels import plan
+from sgraf.kernels.memory import keep_freed_memory
 from sgraf.precision import autocast, low_precision_weights, tf32
 from sgraf.training import run_dir as rd
 from sgraf.training.batches import PlannedBatches
@@ -167,6 +168,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
 
     model.train()
     device = torch.device(device)
+    if device.type == "cpu":
+        keep_freed_memory()   # no page faults on re-used blocks (sgraf.kernels.memory)
     images = batch.images.to(device, non_blocking=True)          # (n, K, img_dim)
     captions = batch.captions.to(device, non_blocking=True)      # (n, L)
     lengths = batch.lengths                                      # (n,) on the CPU: read there, no device wait
@@ -452,6 +455,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     from sgraf.model.sgraf import SGRAF
 
     device, is_main = info.device, info.is_main
+    if torch.device(device).type == "cpu":
+        keep_freed_memory()   # before the first tensors and worker threads (sgraf.kernels.memory)
     if not data_dir.is_dir():
         raise InputError(f"data folder {data_dir} does not exist or is not a folder")
     if config.batch_size < max(2, info.world_size):
