@@ -10,16 +10,16 @@ scored in length-sorted caption chunks whose intermediates are recomputed in bac
 `--chunk N` fixes the captions per chunk, `--no-checkpoint` keeps every chunk's intermediates).
 Dropout is off so both compute the same first loss (printed: a correctness check).
 
-The times come from one process per module that runs the configurations in turn, one step
-each per round (A/B interleaved, so that a change of the machine's load hits all of them):
-medians over --steps rounds after one warm-up step each, and each round's ratio. The peak
+The times come from one process per configuration, the processes taking one step each in turn
+per round (A/B interleaved, so that a change of the machine's load hits all of them, and
+neither's memory or allocator settings reach the other): medians over --steps rounds after one
+warm-up step each, and each round's ratio. The peak
 memory of each configuration comes from a fresh process of its own running two steps
 (ru_maxrss: the interpreter, torch, the model, Adam's moments and the step), so it is clean.
 The authors' stand-in was calibrated against their own `train_emb` in the same process
 (benchmarks/results/calibration-*). `train_step` on the CPU sets glibc to keep freed memory for
-the whole process (`sgraf.kernels.memory`), so after ours' first step the authors' stand-in runs
-with that setting too (their step took 23.8 s with it and 24.1 s without, SGR, 2-core AMD EPYC
-Zen 3, each in a process of its own): if anything the ratio is understated.
+its whole process (`sgraf.kernels.memory`); the authors' stand-in, in a process of its own, runs
+with glibc's defaults, as their code does.
 
     python benchmarks/bench_train.py                     # SGR and SAF, authors fp32 vs ours fp32/bf16
     python benchmarks/bench_train.py --batch 32 --steps 2   # quicker
@@ -106,31 +106,75 @@ def make_step(model, batch, module: str, impl: str, precision: str, chunk: int |
     return authors_step if impl == "authors" else ours_step
 
 
-def timing(module: str, runs: list[tuple[str, str]], batch_size: int, steps: int, threads: int,
-           chunk: int | None = None, checkpoint: bool = True, device: str = "cpu") -> list[dict]:
-    """Seconds per step of every (impl, precision) in `runs`, in one process: one warm-up step
-    each, then `steps` rounds of one step of each in turn (so that a change of the machine's load
-    hits all of them); medians, and each round's time relative to the round's first run."""
+def stepper(module: str, impl: str, precision: str, batch_size: int, threads: int, chunk: int | None = None,
+            checkpoint: bool = True, device: str = "cpu") -> None:
+    """A child process holding one configuration: after 'ready', one timed step per 'step' line
+    read from stdin, each answered with a JSON line {"seconds", "loss"}."""
     import torch
 
     model, batch = setup(module, batch_size, threads, device)
-    step_fns = [make_step(model, batch, module, impl, precision, chunk, checkpoint, device)
-                for impl, precision in runs]
+    step = make_step(model, batch, module, impl, precision, chunk, checkpoint, device)
     del model
-    times: list[list[float]] = [[] for _ in runs]
-    losses: list[list[float]] = [[] for _ in runs]
-    for k in range(steps + 1):
-        for index, step in enumerate(step_fns):
-            if torch.device(device).type == "cuda":
-                torch.cuda.synchronize(device)
-            tic = time.perf_counter()
-            losses[index].append(step())
-            if k:
-                times[index].append(time.perf_counter() - tic)
+    cuda = torch.device(device).type == "cuda"
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        if cuda:
+            torch.cuda.synchronize(device)
+        tic = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        print(json.dumps({"seconds": time.perf_counter() - tic, "loss": loss}), flush=True)
+
+
+def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: int) -> list[dict]:
+    """Seconds per step of every (impl, precision) in `runs`, each in a process of its own (so
+    that one's memory and allocator settings do not reach the other), the processes stepping in
+    turn: one warm-up step each, then `steps` rounds of one step of each (so that a change of the
+    machine's load hits all of them); medians, and each round's time relative to the round's first run."""
+    children = []
+    try:
+        for impl, precision in runs:
+            child = subprocess.Popen([sys.executable, __file__, *common, "--child", "stepper", module, impl, precision],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            children.append(child)
+            _answer(child, "ready")
+        times: list[list[float]] = [[] for _ in runs]
+        losses: list[list[float]] = [[] for _ in runs]
+        for k in range(steps + 1):
+            for index, child in enumerate(children):
+                child.stdin.write("step\n")
+                child.stdin.flush()
+                answer = json.loads(_answer(child))
+                losses[index].append(answer["loss"])
+                if k:
+                    times[index].append(answer["seconds"])
+    finally:
+        for child in children:   # 'quit' by closing stdin; a child that hangs is killed
+            if child.poll() is None:
+                child.stdin.close()
+                try:
+                    child.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+    threads = int(common[common.index("--threads") + 1])
     return [{"module": module, "impl": impl, "precision": precision, "seconds_per_step": statistics.median(t),
              "times": t, "per_round_vs_first": [x / y for x, y in zip(t, times[0])], "first_loss": loss[0],
-             "threads": threads, "batch_size": batch_size, "device": device}
+             "threads": threads, "batch_size": int(common[common.index("--batch") + 1]),
+             "device": common[common.index("--device") + 1]}
             for (impl, precision), t, loss in zip(runs, times, losses)]
+
+
+def _answer(child: subprocess.Popen, expected: str | None = None) -> str:
+    """The child's next line (`expected` when given); its last error line if it died."""
+    line = child.stdout.readline().strip()
+    if not line or (expected is not None and line != expected):
+        child.kill()
+        error = child.stderr.read().strip().splitlines()
+        raise RuntimeError(error[-1] if error else f"the child stopped with {child.wait()}")
+    return line
 
 
 def memory(module: str, impl: str, precision: str, batch_size: int, threads: int, chunk: int | None = None,
@@ -181,9 +225,8 @@ def main() -> None:
     options = (args.chunk, not args.no_checkpoint, args.device)
     if args.child:
         kind, module, *rest = args.child
-        if kind == "timing":
-            runs = [tuple(run.split(":")) for run in rest]
-            print(json.dumps(timing(module, runs, args.batch, args.steps, args.threads, *options)))
+        if kind == "stepper":
+            stepper(module, *rest, args.batch, args.threads, *options)
         else:
             print(json.dumps(memory(module, *rest, args.batch, args.threads, *options)))
         return
@@ -204,13 +247,12 @@ def main() -> None:
           "calibrated against their own train_emb (benchmarks/results/calibration-*)")
     results = []
     for module in args.modules:
-        # one process times every configuration in turn; each memory figure has a fresh process
-        proc = subprocess.run([sys.executable, __file__, *common, "--child", "timing", module,
-                               *(f"{impl}:{precision}" for impl, precision in runs)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{module}: FAILED: {proc.stderr.strip().splitlines()[-1]}")
+        # a process per configuration, stepping in turn; each memory figure has a fresh process
+        try:
+            timed = timing(module, runs, common, args.steps)
+        except RuntimeError as error:
+            print(f"{module}: FAILED: {error}")
             continue
-        timed = json.loads(proc.stdout.strip().splitlines()[-1])
         for r in timed:
             r["peak_gib"] = float("nan")
             if not args.no_memory:
