@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,19 @@ def test_bench_gpu_smoke_runs_every_row_beside_the_authors(tmp_path):
     assert "SGRAF.score" in out and "x" in out.split("SGRAF.score", 1)[1]
     assert "train step, batch 16, sgr fp32:" in out and "scoring block 8 x 32, sgr fp32:" in out   # launches
     assert "bf16 vs fp32 top-1: the same for" in out
+
+
+def test_bench_train_times_each_configuration_and_measures_its_peak_memory(tmp_path):
+    """The training benchmark (a stepping process per configuration, a fresh one per memory
+    figure) prints a time, a peak and a ratio for each; a failed child is named, not a nan."""
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_train.py"), "--batch", "4", "--steps", "1",
+                                "--modules", "saf", "--precisions", "fp32", "--threads", "1"],
+                               capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
+    out = completed.stdout
+    assert "FAILED" not in out and "nan" not in out, out
+    assert out.count(" s/step ") == 2 and out.count("first loss") == 3
+    assert re.search(r"saf ours fp32: [0-9.]+x faster .*, [0-9.]+x the authors' peak memory", out), out
 
 
 def test_the_relation_probe_fine_tunes_on_relation_twins_alone(tmp_path):

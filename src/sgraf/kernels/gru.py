@@ -3,7 +3,7 @@
 `torch.nn.GRU` on the CPU records every time step as separate operations, so its backward
 pass computes the weight gradients one time step at a time: at batch 128 that is about 90
 small (3H x B_t) @ (B_t x H) matmuls and as many additions into the gradient, plus each gate's
-elementwise backward, about 1.6 s of a 12.5 s SGR training step on a 2-core AMD EPYC. Here the
+elementwise backward. Here the
 input projections of every time step are one matmul forward and one backward, the recurrence
 keeps only what backward needs (the gates, the hidden projection of the new gate, the previous
 state), and the weight gradients are one matmul each over all the time steps at the end. The
@@ -17,6 +17,10 @@ arithmetic is `nn.GRU`'s (PyTorch's GRU cell, gates in the order r, z, n):
 on `sgraf.kernels.packing.Packing`'s packed rows (time-major, captions sorted by decreasing
 length, so that the captions still running at a time step are a prefix of the batch). The
 values equal `nn.GRU`'s up to float32 summation order.
+
+At the paper's size (300 -> 1,024, bidirectional, 128 Flickr30K-like captions), 2 threads of a
+2-core AMD EPYC Zen 3: forward and backward 0.94 s against `nn.GRU`'s 1.12 s, and a whole SAF
+training step at batch 128 8.1 s against 8.6 s (the two timed in turns in one process).
 """
 
 from __future__ import annotations
