@@ -178,6 +178,22 @@ def test_the_route_is_measured_once_and_stored(cache, monkeypatch):
     assert route == entry["choice"] == expected_choice(seconds, cpu.ROUTES)
 
 
+def test_the_weight_gradient_route_is_measured_apart_with_mkl_as_its_default(cache, monkeypatch):
+    """Weight gradients take their own measured route: aten (MKL reads the transposed operands in
+    place) unless oneDNN is clearly faster; the default when tuning is off; forced with the rest."""
+    monkeypatch.delenv("SGRAF_CPU_MATMUL", raising=False)
+    if not cpu.ONEDNN:
+        pytest.skip("this PyTorch has no oneDNN: the only route is aten")
+    route = cpu.weight_gradient_route()
+    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu float32 weight gradient route"]
+    seconds = {r: entry["seconds"][json.dumps(r)] for r in cpu.ROUTES}
+    assert route == entry["choice"] == expected_choice(seconds, cpu.ROUTES[::-1])
+    monkeypatch.setenv("SGRAF_TUNE", "off")
+    assert cpu.weight_gradient_route() == "aten" and cpu.float32_route() == "onednn"
+    monkeypatch.setenv("SGRAF_CPU_MATMUL", "onednn")
+    assert cpu.weight_gradient_route() == "onednn"
+
+
 def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monkeypatch):
     import sgraf.model.sgraf as sgraf_module
     from sgraf.precision import autocast
