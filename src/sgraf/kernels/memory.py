@@ -7,7 +7,8 @@ free, and each OpenMP worker thread may get an arena of its own whose memory is 
 Every such block is then faulted in again, page by page, at its next use: on a 2-core AMD EPYC
 virtual machine a step of SGR at batch 128 took 700-900 thousand page faults and about 10 %
 of its time (`benchmarks/bench_train.py`). `keep_freed_memory()` tells glibc to keep freed
-memory for reuse instead: one arena, no `mmap` for single blocks, no trimming of the heap. The
+memory for reuse instead: one arena, no `mmap` for single blocks, no trimming of the heap (a
+step then took under 20 faults; glibc may still give a block back now and then). The
 process's peak memory is what it was (ru_maxrss rose by 3 % in that measurement); its memory
 is not handed back to the system until it exits, so only training calls it, on the CPU.
 
