@@ -168,30 +168,26 @@ def test_a_forced_route_must_be_known(monkeypatch):
         cpu.float32_route()
 
 
-def test_the_route_is_measured_once_and_stored(cache, monkeypatch):
+@pytest.mark.parametrize("kind", ["matmul", "weight gradient"])
+def test_each_route_is_measured_once_and_stored(cache, monkeypatch, kind):
+    """The matmul route (oneDNN first) and, apart, the weight gradients' (MKL first: it reads the
+    transposed operands in place) are each measured once and stored, by `tuning.choose`'s rule."""
     monkeypatch.delenv("SGRAF_CPU_MATMUL", raising=False)
     if not cpu.ONEDNN:
         pytest.skip("this PyTorch has no oneDNN: the only route is aten")
-    route = cpu.float32_route()
-    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu float32 matmul route"]
+    route_of, candidates = {"matmul": (cpu.float32_route, cpu.ROUTES),
+                            "weight gradient": (cpu.weight_gradient_route, cpu.ROUTES[::-1])}[kind]
+    route = route_of()
+    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu float32 {kind} route"]
     seconds = {r: entry["seconds"][json.dumps(r)] for r in cpu.ROUTES}
-    assert route == entry["choice"] == expected_choice(seconds, cpu.ROUTES)
+    assert route == entry["choice"] == expected_choice(seconds, candidates)
 
 
-def test_the_weight_gradient_route_is_measured_apart_with_mkl_as_its_default(cache, monkeypatch):
-    """Weight gradients take their own measured route: aten (MKL reads the transposed operands in
-    place) unless oneDNN is clearly faster; the default when tuning is off; forced with the rest."""
-    monkeypatch.delenv("SGRAF_CPU_MATMUL", raising=False)
-    if not cpu.ONEDNN:
-        pytest.skip("this PyTorch has no oneDNN: the only route is aten")
-    route = cpu.weight_gradient_route()
-    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu float32 weight gradient route"]
-    seconds = {r: entry["seconds"][json.dumps(r)] for r in cpu.ROUTES}
-    assert route == entry["choice"] == expected_choice(seconds, cpu.ROUTES[::-1])
+def test_the_weight_gradient_route_defaults_to_mkl_and_is_forced_with_the_rest(monkeypatch):
     monkeypatch.setenv("SGRAF_TUNE", "off")
-    assert cpu.weight_gradient_route() == "aten" and cpu.float32_route() == "onednn"
+    assert cpu.weight_gradient_route() == "aten" and cpu.float32_route() == ("onednn" if cpu.ONEDNN else "aten")
     monkeypatch.setenv("SGRAF_CPU_MATMUL", "onednn")
-    assert cpu.weight_gradient_route() == "onednn"
+    assert cpu.weight_gradient_route() == cpu.float32_route() == ("onednn" if cpu.ONEDNN else "aten")
 
 
 def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monkeypatch):
