@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from model_helpers import random_batch, random_model
 from numerics import GRADIENT, REORDERED, SAME_PATH, assert_close, largest
 from sgraf.errors import InputError
-from sgraf.kernels import cpu, tuning
+from sgraf.kernels import cpu, plan, tuning
 
 pytestmark = pytest.mark.numeric
 
@@ -333,6 +333,8 @@ def test_the_text_encoder_takes_the_packed_gru_only_to_train_on_the_cpu(monkeypa
     assert gru_kernels.supports(encoder.cap_rnn, data)
     assert not gru_kernels.supports(torch.nn.GRU(8, 6, 2), data)
     assert not gru_kernels.supports(encoder.cap_rnn, data.bfloat16())
+    with plan.emulate_gpu():
+        assert not gru_kernels.supports(encoder.cap_rnn, data)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not gru_kernels.supports(encoder.cap_rnn, data)
 

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sgraf.kernels import plan
+
 
 def packed_gru(gru: nn.GRU, packed: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
     """A one-layer `nn.GRU` (batch-first or not) on packed rows: (N, I) -> (N, H or 2H).
@@ -53,10 +55,11 @@ def packed_gru(gru: nn.GRU, packed: torch.Tensor, batch_sizes: list[int]) -> tor
 
 def supports(gru: nn.GRU, packed: torch.Tensor) -> bool:
     """Whether `packed_gru` covers this GRU and input: one layer with biases, float32 CPU
-    tensors, autocast off (elsewhere `nn.GRU` runs as it is)."""
-    return (gru.num_layers == 1 and gru.bias and packed.device.type == "cpu" and packed.dtype == torch.float32
-            and gru.weight_hh_l0.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-            and gru.proj_size == 0)
+    tensors outside the GPU plan (`sgraf.kernels.plan`), autocast off (elsewhere `nn.GRU` runs
+    as it is)."""
+    return (gru.num_layers == 1 and gru.bias and packed.device.type == "cpu" and not plan.gpu_plan(packed.device)
+            and packed.dtype == torch.float32 and gru.weight_hh_l0.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and gru.proj_size == 0)
 
 
 def _steps(batch_sizes: list[int], reverse: bool) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sgraf.kernels import gru, plan
+from sgraf.kernels import gru
 from sgraf.kernels.packing import Packing
 from sgraf.model.norms import l2norm
 from sgraf.model.positions import BoxEmbedding, RegionRelation, box_centres
@@ -66,7 +66,7 @@ class TextEncoder(nn.Module):
         words = self.dropout(self.embed(captions))
         packing = Packing(lengths, words.device)   # pack_padded_sequence's order, one gather
         packed = packing.pack(words)
-        if torch.is_grad_enabled() and gru.supports(self.cap_rnn, packed.data) and not plan.gpu_plan(words.device):
+        if torch.is_grad_enabled() and gru.supports(self.cap_rnn, packed.data):
             # training on the CPU: the weight gradients in one matmul each (sgraf.kernels.gru)
             out = gru.packed_gru(self.cap_rnn, packed.data, packing.batch_sizes.tolist())
         else:
