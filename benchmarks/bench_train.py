@@ -129,11 +129,13 @@ def stepper(module: str, impl: str, precision: str, batch_size: int, threads: in
         print(json.dumps({"seconds": time.perf_counter() - tic, "loss": loss}), flush=True)
 
 
-def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: int) -> list[dict]:
+def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: int, batch_size: int,
+           threads: int, device: str) -> list[dict]:
     """Seconds per step of every (impl, precision) in `runs`, each in a process of its own (so
     that one's memory and allocator settings do not reach the other), the processes stepping in
     turn: one warm-up step each, then `steps` rounds of one step of each (so that a change of the
-    machine's load hits all of them); medians, and each round's time relative to the round's first run."""
+    machine's load hits all of them); medians, and each round's time relative to the round's first run.
+    `common` holds the children's arguments (the batch size, threads and device given here too)."""
     children = []
     try:
         for impl, precision in runs:
@@ -159,11 +161,9 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
                     child.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     child.kill()
-    threads = int(common[common.index("--threads") + 1])
     return [{"module": module, "impl": impl, "precision": precision, "seconds_per_step": statistics.median(t),
              "times": t, "per_round_vs_first": [x / y for x, y in zip(t, times[0])], "first_loss": loss[0],
-             "threads": threads, "batch_size": int(common[common.index("--batch") + 1]),
-             "device": common[common.index("--device") + 1]}
+             "threads": threads, "batch_size": batch_size, "device": device}
             for (impl, precision), t, loss in zip(runs, times, losses)]
 
 
@@ -249,7 +249,7 @@ def main() -> None:
     for module in args.modules:
         # a process per configuration, stepping in turn; each memory figure has a fresh process
         try:
-            timed = timing(module, runs, common, args.steps)
+            timed = timing(module, runs, common, args.steps, args.batch, args.threads, args.device)
         except RuntimeError as error:
             print(f"{module}: FAILED: {error}")
             continue
