@@ -1,0 +1,44 @@
+#!/bin/bash
+# Issue 20's GPU run in one call of the device tool, from the repository root on the device machine:
+#   bash ../shared/gpu/prepare-device.sh          # here: .device/wheels (nltk) for the device
+#   run: command "bash benchmarks/device_run.sh", carry [".device"], timeout_s 560
+# Each step writes its own log under $OUT (at most 7 files come back) and has its own time limit;
+# the steps run in order of importance, and a step that would pass DEADLINE_S is skipped, so the
+# call ends inside its limit with every finished step's output.
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+START=$(date +%s); DEADLINE_S=${DEADLINE_S:-520}
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/wheels/*.whl
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 SGRAF_CACHE_DIR=/tmp/sgraf-cache
+{
+  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
+  nproc; uname -r
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and the time left, log to $OUT/NAME.txt
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( DEADLINE_S - ($(date +%s) - START) ))
+  if (( left < 20 )); then echo "=== $name: skipped (${left} s left)" | tee -a "$OUT/summary.txt"; return; fi
+  (( limit > left )) && limit=$left
+  echo "=== $name (limit ${limit} s): $*" | tee -a "$OUT/summary.txt"
+  local t0=$(date +%s)
+  timeout --kill-after 5 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "--- $name: rc $rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
+  tail -n "${TAIL:-12}" "$OUT/$name.txt"
+}
+
+step test_gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+TAIL=14 step gpu_profile 100 python3 benchmarks/gpu_profile.py --steps 5
+step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --features synthetic --n-train 400 --n-dev 60 --n-test 60 --no-images
+  python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf train --data /tmp/gen --out /tmp/run --preset tiny --set device=cuda epochs=2
+  python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --precision bf16 --quiet
+  python3 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --device cuda --quiet'
+TAIL=20 step bench_train 130 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 5
+TAIL=20 step eval_f30k 100 python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions bf16 fp32 --authors-captions 100
+TAIL=20 step eval_coco 200 python3 benchmarks/bench_eval.py --device cuda --images 5000 --precisions bf16 fp32 --authors-captions 100
+echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,154 @@
+"""On a CUDA device: the kernels a training step and a scoring block really launch, beside the count
+that `launch_counts.py` makes on a CPU (issue 20: does the CPU's count match a profiler's?).
+
+For SGR and SAF, fp32 and bf16, a paper-size model with random weights:
+
+- a training step at batch 128 (after two warm-up steps): the ATen operations `LaunchCounter`
+  counts and the host reads it sees, the CUDA kernels and copies `torch.profiler` records, the
+  step's median seconds over `--steps` steps (synchronised) and the allocator's peak memory;
+- a scoring block of 256 images x 128 and x 1,024 captions of one length bucket: the same counts.
+
+    python benchmarks/gpu_profile.py                    # needs CUDA
+    python benchmarks/gpu_profile.py --modules sgr --precisions bf16 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from launch_counts import batch_of, scaled_model
+from sgraf.kernels.launches import LaunchCounter
+from sgraf.model import blocks
+from sgraf.training.config import preset
+from sgraf.training.loop import build_optimizer, train_step
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def kernels(work, device: torch.device) -> tuple[int, int, float]:
+    """(kernels, copies and fills, GPU busy milliseconds) that `work()` launches on the device."""
+    if device.type != "cuda":   # the dry run on a CPU (--device cpu): nothing to record
+        return 0, 0, 0.0
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        work()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [e for e in events if e.name.startswith(("Memcpy", "Memset"))]
+    busy = sum(e.device_time for e in events) / 1000.0
+    return len(events) - len(copies), len(copies), busy
+
+
+def counted(work, *host) -> LaunchCounter:
+    with LaunchCounter() as counter:
+        counter.host(*host)
+        work()
+    return counter
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+
+
+def step_figures(module: str, precision: str, batch_size: int, steps: int, device: torch.device, scale: int) -> str:
+    model = scaled_model(module, scale).to(device)
+    config = preset(f"f30k-{module}").replace(precision=precision)
+    batch = batch_of(model, batch_size)
+    if device.type == "cuda":
+        batch.images = batch.images.pin_memory()
+    optimizer = build_optimizer(model, config)
+    step = lambda: train_step(model, optimizer, batch, config, device=device)
+    for _ in range(2):
+        step()
+    sync(device)
+    adam_steps = [state["step"] for state in optimizer.state.values() if not state["step"].is_cuda]
+    counter = counted(step, batch.lengths, *adam_steps)
+    n_kernels, n_copies, busy = kernels(step, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = peak_gib(device)
+    return (f"train step, batch {batch_size}, {module} {precision}: {statistics.median(times):.4f} s "
+            f"(median of {steps}; min {min(times):.4f}), peak {peak:.2f} GiB; profiler: {n_kernels} kernels + "
+            f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}")
+
+
+def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> str:
+    model = scaled_model(module, scale).to(device).eval()
+    batch = batch_of(model, max(n_img, n_cap))
+    with torch.no_grad():
+        encoded = blocks.encode(model, batch.images[:n_img], batch.captions[:n_cap],
+                                batch.lengths[:n_cap], batch_size=n_cap, precision=precision)
+        bucket = max(encoded.buckets, key=lambda b: len(b.index))
+        grams = model.region_grams(encoded.img_embs)
+        with model.frozen_weights():
+            block = lambda: blocks._score_block([model], [encoded], slice(0, n_img), encoded.buckets.index(bucket),
+                                                slice(0, len(bucket.index)), precision, None, [grams])
+            block()
+            sync(device)
+            counter = counted(block, bucket.lengths)
+            n_kernels, n_copies, busy = kernels(block, device)
+            times = []
+            for _ in range(5):
+                sync(device)
+                start = time.perf_counter()
+                block()
+                sync(device)
+                times.append(time.perf_counter() - start)
+    pairs = n_img * len(bucket.index)
+    seconds = statistics.median(times)
+    return (f"scoring block {n_img} x {len(bucket.index)} (bucket of {n_cap}), {module} {precision}: "
+            f"{seconds * 1000:.1f} ms, {pairs / seconds / 1e6:.2f} M pairs/s; profiler: {n_kernels} kernels + "
+            f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modules", nargs="+", default=["sgr", "saf"])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--images", type=int, default=blocks.GPU_IMAGE_BLOCK)
+    parser.add_argument("--captions", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run that the script works (no profiler figures)")
+    parser.add_argument("--scale", type=int, default=1, help="feature sizes divided by this (1: the paper's)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_profile.py: no CUDA device here (--device cpu for a dry run)", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}, models of the paper's sizes / {args.scale}, random weights", flush=True)
+    failed = 0
+    for module in args.modules:
+        for precision in args.precisions:
+            work = [lambda: step_figures(module, precision, args.batch, args.steps, device, args.scale)]
+            work += [lambda n=n: block_figures(module, precision, args.images, n, device, args.scale) for n in args.captions]
+            for figure in work:
+                try:
+                    print(figure(), flush=True)
+                except Exception as error:   # one failure must not hide the other rows
+                    failed += 1
+                    print(f"{module} {precision}: FAILED {type(error).__name__}: {error}", flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
