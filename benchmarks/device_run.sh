@@ -2,7 +2,7 @@
 # Issue 20's GPU run in one call of the device tool, from the repository root on the device machine:
 #   bash ../shared/gpu/prepare-device.sh          # here: .device/wheels (nltk) for the device
 #   run: command "bash benchmarks/device_run.sh", carry [".device"], timeout_s 560
-# Each step writes its own log under $OUT (at most 7 files come back) and has its own time limit;
+# STEPS="test_gpu sweep" runs only those steps. Each step writes its own log under $OUT (8 files come back) and has its own time limit;
 # the steps run in order of importance, and a step that would pass DEADLINE_S is skipped, so the
 # call ends inside its limit with every finished step's output.
 cd "$(dirname "$0")/.."
@@ -21,6 +21,7 @@ cat "$OUT/env.txt"
 # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and the time left, log to $OUT/NAME.txt
 step() {
   local name=$1 limit=$2; shift 2
+  [[ " ${STEPS:-test_gpu gpu_profile sweep torchrun bench_train eval_f30k eval_coco} " == *" $name "* ]] || return 0
   local left=$(( DEADLINE_S - ($(date +%s) - START) ))
   if (( left < 20 )); then echo "=== $name: skipped (${left} s left)" | tee -a "$OUT/summary.txt"; return; fi
   (( limit > left )) && limit=$left
@@ -34,6 +35,7 @@ step() {
 
 step test_gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 TAIL=14 step gpu_profile 100 python3 benchmarks/gpu_profile.py --steps 5
+TAIL=20 step sweep 90 python3 benchmarks/gpu_profile.py --sweep --steps 3
 step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --features synthetic --n-train 400 --n-dev 60 --n-test 60 --no-images
   python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf train --data /tmp/gen --out /tmp/run --preset tiny --set device=cuda epochs=2
   python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --precision bf16 --quiet

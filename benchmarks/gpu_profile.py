@@ -15,9 +15,13 @@ For SGR and SAF, fp32 and bf16, a paper-size model with random weights:
 from __future__ import annotations
 
 import argparse
+import collections
+import pathlib
 import statistics
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -34,10 +38,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def kernels(work, device: torch.device) -> tuple[int, int, float]:
-    """(kernels, copies and fills, GPU busy milliseconds) that `work()` launches on the device."""
+def kernels(work, device: torch.device) -> tuple[int, int, float, str]:
+    """(kernels, copies and fills, GPU busy milliseconds, the most launched kernels) of `work()`."""
     if device.type != "cuda":   # the dry run on a CPU (--device cpu): nothing to record
-        return 0, 0, 0.0
+        return 0, 0, 0.0, "-"
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         work()
@@ -45,7 +49,36 @@ def kernels(work, device: torch.device) -> tuple[int, int, float]:
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     copies = [e for e in events if e.name.startswith(("Memcpy", "Memset"))]
     busy = sum(e.device_time for e in events) / 1000.0
-    return len(events) - len(copies), len(copies), busy
+    names = collections.Counter(e.name[:60] for e in events)
+    top = ", ".join(f"{name} {n}" for name, n in names.most_common(12))
+    return len(events) - len(copies), len(copies), busy, top
+
+
+def sync_points(work, device: torch.device) -> str:
+    """Where `work()` makes the host wait for the device: CUDA's sync debug mode warns at each
+    synchronising call, and the sgraf frames of the call's stack name the place."""
+    if device.type != "cuda":
+        return "-"
+    places: collections.Counter = collections.Counter()
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{pathlib.Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
+                  if "/sgraf/" in f.filename]
+        places[" < ".join(reversed(frames[-3:])) or f"{filename}:{lineno}"] += 1
+
+    torch.cuda.synchronize()
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            work()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    torch.cuda.synchronize()
+    return f"{sum(places.values())} ({'; '.join(f'{n}x {p}' for p, n in places.most_common())})"
 
 
 def counted(work, *host) -> LaunchCounter:
@@ -72,7 +105,8 @@ def step_figures(module: str, precision: str, batch_size: int, steps: int, devic
     sync(device)
     adam_steps = [state["step"] for state in optimizer.state.values() if not state["step"].is_cuda]
     counter = counted(step, batch.lengths, *adam_steps)
-    n_kernels, n_copies, busy = kernels(step, device)
+    syncs = sync_points(step, device)
+    n_kernels, n_copies, busy, top = kernels(step, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -85,7 +119,40 @@ def step_figures(module: str, precision: str, batch_size: int, steps: int, devic
     peak = peak_gib(device)
     return (f"train step, batch {batch_size}, {module} {precision}: {statistics.median(times):.4f} s "
             f"(median of {steps}; min {min(times):.4f}), peak {peak:.2f} GiB; profiler: {n_kernels} kernels + "
-            f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}")
+            f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}; "
+            f"host waits: {syncs}; most launched: {top}")
+
+
+def sweep_figures(module: str, precision: str, batch_size: int, steps: int, device: torch.device, scale: int,
+                  keep_share: float, memory_share: float) -> str:
+    """A training step's median seconds and peak memory with other shares of the free memory for
+    the kept chunks (`TRAIN_GPU_KEEP_SHARE`) and the chunk size (`TRAIN_GPU_MEMORY_SHARE`)."""
+    from sgraf.model import sgraf as model_module
+
+    saved = model_module.TRAIN_GPU_KEEP_SHARE, model_module.TRAIN_GPU_MEMORY_SHARE
+    model_module.TRAIN_GPU_KEEP_SHARE, model_module.TRAIN_GPU_MEMORY_SHARE = keep_share, memory_share
+    try:
+        model = scaled_model(module, scale).to(device)
+        config = preset(f"f30k-{module}").replace(precision=precision)
+        batch = batch_of(model, batch_size)
+        optimizer = build_optimizer(model, config)
+        step = lambda: train_step(model, optimizer, batch, config, device=device)
+        step()
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            sync(device)
+            start = time.perf_counter()
+            step()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        chunks = len(model.train_chunks(batch_size, batch.lengths))
+    finally:
+        model_module.TRAIN_GPU_KEEP_SHARE, model_module.TRAIN_GPU_MEMORY_SHARE = saved
+    return (f"sweep keep {keep_share:.4f} chunk {memory_share:.4f} ({chunks} chunks), {module} {precision}: "
+            f"{statistics.median(times):.4f} s, peak {peak_gib(device):.2f} GiB")
 
 
 def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> str:
@@ -102,7 +169,8 @@ def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: t
             block()
             sync(device)
             counter = counted(block, bucket.lengths)
-            n_kernels, n_copies, busy = kernels(block, device)
+            syncs = sync_points(block, device)
+            n_kernels, n_copies, busy, top = kernels(block, device)
             times = []
             for _ in range(5):
                 sync(device)
@@ -114,7 +182,8 @@ def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: t
     seconds = statistics.median(times)
     return (f"scoring block {n_img} x {len(bucket.index)} (bucket of {n_cap}), {module} {precision}: "
             f"{seconds * 1000:.1f} ms, {pairs / seconds / 1e6:.2f} M pairs/s; profiler: {n_kernels} kernels + "
-            f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}")
+            f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}; "
+            f"host waits: {syncs}; most launched: {top}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--images", type=int, default=blocks.GPU_IMAGE_BLOCK)
     parser.add_argument("--captions", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--sweep", action="store_true", help="only the training step's time and memory against the "
+                        "shares of free memory in --keep-shares x --memory-shares")
+    parser.add_argument("--keep-shares", type=float, nargs="+", default=[0.0, 1 / 64, 1 / 32, 1 / 16])
+    parser.add_argument("--memory-shares", type=float, nargs="+", default=[1 / 32])
     parser.add_argument("--device", default="cuda", help="cpu: a dry run that the script works (no profiler figures)")
     parser.add_argument("--scale", type=int, default=1, help="feature sizes divided by this (1: the paper's)")
     args = parser.parse_args(argv)
@@ -135,6 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, models of the paper's sizes / {args.scale}, random weights", flush=True)
     failed = 0
+    if args.sweep:
+        for keep in args.keep_shares:
+            for share in args.memory_shares:
+                for module in args.modules:
+                    for precision in args.precisions:
+                        try:
+                            print(sweep_figures(module, precision, args.batch, args.steps, device, args.scale,
+                                                keep, share), flush=True)
+                        except Exception as error:
+                            failed += 1
+                            print(f"sweep {keep} {share} {module} {precision}: FAILED {type(error).__name__}: {error}",
+                                  flush=True)
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+        return 1 if failed else 0
     for module in args.modules:
         for precision in args.precisions:
             work = [lambda: step_figures(module, precision, args.batch, args.steps, device, args.scale)]

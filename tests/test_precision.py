@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from numerics import BFLOAT16, assert_close, largest
-from sgraf.precision import autocast, current_precision, low_precision_weights, tf32
+from sgraf.precision import autocast, current_precision, low_precision_weights, rnn_like_matmul, tf32
 
 
 def _flags() -> tuple[bool, bool]:
@@ -36,6 +36,33 @@ def test_tf32_is_off_unless_asked_and_the_previous_setting_comes_back():
         assert _flags() == (False, False)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("matmul_tf32", [False, True])
+def test_the_caption_gru_follows_the_float32_matmul_precision_on_cuda(matmul_tf32, monkeypatch):
+    """PyTorch allows TF32 in cuDNN (the GRU) by default while float32 matmuls stay exact: on an
+    H200 that put GPU scores ~1e-3 off the CPU's. The GRU runs with cuDNN's flag set to the
+    matmuls' for the call only; elsewhere, and on other devices, nothing changes."""
+    from sgraf.model import encoders
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", matmul_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not matmul_tf32)
+    with rnn_like_matmul("cuda"):
+        assert torch.backends.cudnn.allow_tf32 is matmul_tf32
+    assert torch.backends.cudnn.allow_tf32 is (not matmul_tf32)
+    with rnn_like_matmul("cpu"):
+        assert torch.backends.cudnn.allow_tf32 is (not matmul_tf32)
+    with pytest.raises(RuntimeError), rnn_like_matmul(torch.device("cuda", 0)):
+        raise RuntimeError("restored on an error too")
+    assert torch.backends.cudnn.allow_tf32 is (not matmul_tf32)
+    # the text encoder's scoring path (no gradients: nn.GRU, cuDNN's on a GPU) runs under it
+    seen = []
+    real = encoders.rnn_like_matmul
+    monkeypatch.setattr(encoders, "rnn_like_matmul", lambda device: seen.append(torch.device(device)) or real(device))
+    encoder = encoders.TextEncoder(20, 8, 6, 1)
+    with torch.no_grad():
+        encoder(torch.randint(1, 20, (3, 5)), torch.tensor([5, 3, 2]))
+    assert seen == [torch.device("cpu")]
 
 
 def test_training_and_evaluate_run_under_their_tf32_setting(monkeypatch, tmp_path):

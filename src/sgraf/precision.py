@@ -35,6 +35,27 @@ def current_precision(device: torch.device | str = "cpu") -> str:
 
 
 @contextlib.contextmanager
+def rnn_like_matmul(device: torch.device | str) -> Iterator[None]:
+    """On CUDA, cuDNN's recurrent layers (the caption GRU) in the float32 matmuls' precision.
+
+    PyTorch lets cuDNN use TF32 by default while it keeps float32 matmuls exact, so on an Ampere
+    or later GPU the caption GRU alone would run in TF32 and the scores leave the CPU's by about
+    1e-3 (seen on an H200). Under this context the GRU follows
+    `torch.backends.cuda.matmul.allow_tf32`: exact by default, TF32 under `tf32(True)`. The flag
+    is process-wide, so it is changed only for the call, and only when the two differ.
+    """
+    wanted = torch.backends.cuda.matmul.allow_tf32
+    if torch.device(device).type != "cuda" or torch.backends.cudnn.allow_tf32 == wanted:
+        yield
+        return
+    previous, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, wanted
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+
+
+@contextlib.contextmanager
 def tf32(enabled: bool = False) -> Iterator[None]:
     """CUDA float32 matmuls and convolutions in TF32 (10-bit mantissa) or exact float32, for the
     duration; the previous settings are restored after. sgraf keeps fp32 exact unless asked

@@ -139,7 +139,7 @@ class Encoded:
         first = self.buckets[0].embs
         out = first.new_zeros((self.n_captions, longest, first.shape[2]))
         for bucket in self.buckets:
-            out[bucket.index.to(out.device), : bucket.embs.shape[1]] = bucket.embs
+            out[bucket.index.to(out.device, non_blocking=True), : bucket.embs.shape[1]] = bucket.embs
         return out
 
 
@@ -214,7 +214,8 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
                 batch = torch.from_numpy(np.array(batch, dtype=np.float32))
             check_finite_features(batch, source, first_image=first_row + start)
             batch = batch.to(dtype)
-            if device.type == "cuda":   # page-locked, so the copy runs beside the previous batch's kernels
+            if device.type == "cuda" and batch.device.type == "cpu":
+                # page-locked, so the copy runs beside the previous batch's kernels
                 batch = batch.pin_memory().to(device, non_blocking=True)
             with autocast(precision, device):
                 if needs_boxes:
@@ -262,13 +263,13 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
         for index, bucket_lengths in _length_buckets(lengths, batch_size):
             width = int(bucket_lengths.max())
             if padded_all is not None:
-                padded = padded_all[index.to(padded_all.device), :width]
+                padded = padded_all[index.to(padded_all.device, non_blocking=True), :width]
             else:
                 padded = torch.zeros((len(index), width), dtype=torch.int64)
                 for row, k in enumerate(index.tolist()):
                     padded[row, : len(token_ids[k])] = torch.as_tensor(token_ids[k], dtype=torch.int64)
             with autocast(precision, device):
-                embs = model.encode_captions(padded.to(device), bucket_lengths).to(dtype)  # (b, L_b, d)
+                embs = model.encode_captions(padded.to(device, non_blocking=True), bucket_lengths).to(dtype)  # (b, L_b, d)
                 glo = caption_globals(embs, bucket_lengths) if caption_globals else None
             buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths, glo=glo))
             if on_batch is not None:
@@ -297,7 +298,7 @@ def bucket_words(model: Scorer, words: torch.Tensor, lengths: torch.Tensor, batc
     buckets = []
     with eval_mode([model]):  # type: ignore[list-item]
         for index, bucket_lengths in _length_buckets(lengths, batch_size):
-            embs = words[index.to(words.device), : int(bucket_lengths.max())].to(device, model_dtype(model))
+            embs = words[index.to(words.device, non_blocking=True), : int(bucket_lengths.max())].to(device, model_dtype(model))
             with autocast(precision, device):
                 glo = caption_globals(embs, bucket_lengths) if caption_globals else None
             buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths, glo=glo))
@@ -442,7 +443,7 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
     # on a GPU the scores stay on the device until the end: no host synchronisation per block
     share = torch.zeros((last_row - first_row, n_cap), dtype=torch.float32,
                         device=device if device.type == "cuda" else "cpu")
-    indices = [bucket.index.to(share.device) for bucket in encoded[0].buckets]
+    indices = [bucket.index.to(share.device, non_blocking=True) for bucket in encoded[0].buckets]
 
     def score_task(task: tuple[int, int]) -> None:
         row, bucket_id = task

@@ -13,6 +13,7 @@ from sgraf.kernels import gru
 from sgraf.kernels.packing import Packing
 from sgraf.model.norms import l2norm
 from sgraf.model.positions import BoxEmbedding, RegionRelation, box_centres
+from sgraf.precision import rnn_like_matmul
 
 
 class ImageEncoder(nn.Module):
@@ -70,7 +71,8 @@ class TextEncoder(nn.Module):
             # training on the CPU: the weight gradients in one matmul each (sgraf.kernels.gru)
             out = gru.packed_gru(self.cap_rnn, packed.data, packing.batch_sizes.tolist())
         else:
-            out = self.cap_rnn(packed)[0].data
+            with rnn_like_matmul(words.device):   # cuDNN would run it in TF32 by default
+                out = self.cap_rnn(packed)[0].data
         states = packing.unpack(out)               # (n_cap, max_len, d or 2d), zero-padded
         if self.bi_gru:
             half = states.size(2) // 2

@@ -693,7 +693,7 @@ class SGRAF(nn.Module):
         chunks = self.train_chunks(img_embs.size(0), host_lengths)
         for index in chunks:
             n_words = int(host_lengths[index].max())
-            index = index.to(words.device)
+            index = index.to(words.device, non_blocking=True)   # a host tensor: no wait for the device
             chunk_words, chunk_mask = words[index, :n_words], word_mask[index, :n_words]
             chunk_glo = None if cap_glo is None else cap_glo[index]
             chunk_directions = None if directions is None else directions[index, :n_words]
@@ -722,7 +722,7 @@ class SGRAF(nn.Module):
             if saf_stats is not None:
                 means.append(saf_stats[0])
                 variances.append(saf_stats[1])
-        order = torch.cat(chunks).to(words.device)
+        order = torch.cat(chunks).to(words.device, non_blocking=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         if means:
