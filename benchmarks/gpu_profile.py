@@ -39,7 +39,7 @@ def sync(device: torch.device) -> None:
 
 
 def kernels(work, device: torch.device) -> tuple[int, int, float, str]:
-    """(kernels, copies and fills, GPU busy milliseconds, the most launched kernels) of `work()`."""
+    """(kernels, copies and fills, GPU busy milliseconds, the kernels that took the most time) of `work()`."""
     if device.type != "cuda":   # the dry run on a CPU (--device cpu): nothing to record
         return 0, 0, 0.0, "-"
     torch.cuda.synchronize()
@@ -49,8 +49,12 @@ def kernels(work, device: torch.device) -> tuple[int, int, float, str]:
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     copies = [e for e in events if e.name.startswith(("Memcpy", "Memset"))]
     busy = sum(e.device_time for e in events) / 1000.0
-    names = collections.Counter(e.name[:60] for e in events)
-    top = ", ".join(f"{name} {n}" for name, n in names.most_common(12))
+    names: collections.Counter = collections.Counter()
+    times: collections.Counter = collections.Counter()
+    for e in events:
+        names[e.name[:60]] += 1
+        times[e.name[:60]] += e.device_time / 1000.0
+    top = ", ".join(f"{name} x{names[name]} {ms:.1f} ms" for name, ms in times.most_common(12))
     return len(events) - len(copies), len(copies), busy, top
 
 
@@ -120,7 +124,7 @@ def step_figures(module: str, precision: str, batch_size: int, steps: int, devic
     return (f"train step, batch {batch_size}, {module} {precision}: {statistics.median(times):.4f} s "
             f"(median of {steps}; min {min(times):.4f}), peak {peak:.2f} GiB; profiler: {n_kernels} kernels + "
             f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}; "
-            f"host waits: {syncs}; most launched: {top}")
+            f"host waits: {syncs}; most time: {top}")
 
 
 def sweep_figures(module: str, precision: str, batch_size: int, steps: int, device: torch.device, scale: int,
@@ -183,7 +187,7 @@ def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: t
     return (f"scoring block {n_img} x {len(bucket.index)} (bucket of {n_cap}), {module} {precision}: "
             f"{seconds * 1000:.1f} ms, {pairs / seconds / 1e6:.2f} M pairs/s; profiler: {n_kernels} kernels + "
             f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}; "
-            f"host waits: {syncs}; most launched: {top}")
+            f"host waits: {syncs}; most time: {top}")
 
 
 def main(argv: list[str] | None = None) -> int:

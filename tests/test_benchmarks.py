@@ -38,6 +38,23 @@ def test_bench_train_times_each_configuration_and_measures_its_peak_memory(tmp_p
     assert re.search(r"saf ours fp32: [0-9.]+x faster .*, [0-9.]+x the authors' peak memory", out), out
 
 
+def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path):
+    """benchmarks/gpu_profile.py is a device script (`device_run.sh`); on the CPU its dry run keeps
+    it from rotting between device sessions: every row and the sweep run, none fails."""
+    common = [sys.executable, str(BENCHMARKS / "gpu_profile.py"), "--device", "cpu", "--scale", "64", "--batch", "8",
+              "--steps", "1", "--modules", "saf", "--precisions", "fp32"]
+    completed = subprocess.run([*common, "--images", "4", "--captions", "4", "8"],
+                               capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
+    assert "FAILED" not in completed.stdout
+    assert re.search(r"train step, batch 8, saf fp32: [0-9.]+ s .* [0-9]+ launches", completed.stdout), completed.stdout
+    assert completed.stdout.count("scoring block 4 x ") == 2
+    completed = subprocess.run([*common, "--sweep", "--keep-shares", "0", "1", "--memory-shares", "0.03"],
+                               capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
+    assert completed.stdout.count("sweep keep ") == 2, completed.stdout
+
+
 def test_the_relation_probe_fine_tunes_on_relation_twins_alone(tmp_path):
     from sgraf.checkpoint import save_model
     from sgraf.config import ModelConfig

@@ -3,7 +3,7 @@
 
 The budgets are the counts measured after the cuts of issue 20 with a little headroom. A step
 is counted at batch 32 here (the batch in one chunk: SGR 520, SAF 485 launches in fp32; at batch
-128 the paper's cuts make two chunks, 825 for SGR: `benchmarks/launch_counts.py`), a scoring
+128 the GPU cut makes three chunks, 1,131 for SGR: `benchmarks/launch_counts.py`), a scoring
 block at 16 images (73 launches for SGR, 56 for SAF, whatever the images and captions in it);
 the launches of a scoring block must not grow with the captions in it.
 """

@@ -216,21 +216,32 @@ def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
         model.train_chunks(3, lengths)
 
 
-def test_train_chunks_on_a_gpu_take_a_share_of_its_free_memory(monkeypatch):
+def test_train_chunks_on_a_gpu_take_a_number_of_pairs_within_a_share_of_its_free_memory(monkeypatch):
     import sgraf.model.sgraf as sgraf_module
 
     model = random_model(2, module="saf")
+    pairs = sgraf_module.TRAIN_GPU_CHUNK_PAIRS * 4 * model.config.embed_size   # bytes of its float32 block
     assert model.train_chunk_bytes() == sgraf_module.TRAIN_CHUNK_BYTES          # CPU
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
-    assert model.train_chunk_bytes(torch.device("cuda")) == int(40 * 2**30 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
+    assert model.train_chunk_bytes(torch.device("cuda")) == pairs
     # a share however little is free (the CPU's budget could be more than the device has left)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
     assert model.train_chunk_bytes(torch.device("cuda")) == int(2**20 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
-    # the GPU plan emulated on the CPU (sgraf.kernels.plan) takes the same share of its memory
+    # the GPU plan emulated on the CPU (sgraf.kernels.plan) cuts the same way
     with plan.emulate_gpu(40 * 2**30):
-        assert model.train_chunk_bytes() == int(40 * 2**30 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
+        assert model.train_chunk_bytes() == pairs
         assert model.train_keep_bytes(torch.device("cpu")) == int(40 * 2**30 * sgraf_module.TRAIN_GPU_KEEP_SHARE)
+    with plan.emulate_gpu(2**20):
+        assert model.train_chunk_bytes() == int(2**20 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
     assert model.train_keep_bytes(torch.device("cpu")) == sgraf_module.TRAIN_KEEP_BYTES
+    # at the paper's size a Flickr30K-like batch of 128 takes a few chunks (3 on the H200 measured)
+    # (the paper's sizes / 16: the cuts do not depend on the sizes)
+    torch.manual_seed(1)
+    paper = SGRAF(ModelConfig(vocab_size=100, module="sgr", img_dim=128, word_dim=18, embed_size=64, sim_dim=16))
+    words = torch.distributions.Gamma(torch.tensor(5.0), torch.tensor(5.0 / 12.0)).sample((128,))
+    lengths = (words.round().clamp(1, 80) + 2).long()   # Flickr30K-like: mean about 14 tokens
+    with plan.emulate_gpu(plan.EMULATED_FREE_BYTES // 16):
+        assert 2 <= len(paper.train_chunks(128, lengths)) <= 4
 
 
 @pytest.mark.parametrize("module", ["sgr", "saf"])

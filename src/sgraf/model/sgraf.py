@@ -37,16 +37,25 @@ HEADS = ("sgr", "saf")
 # (n_img, n_cap, L, d) float32 block is about this many bytes (its other intermediates are
 # a few times that).
 TRAIN_CHUNK_BYTES = 64 * 2**20
-# On a GPU the chunks are sized from the free device memory instead: one chunk's block may take
-# this share of it (a GPU runs a large block in about the time of a small one; the CPU constant
-# cut a batch of 128 into 17 chunks and thousands of kernel launches).
+# On a GPU a chunk holds up to this many (image, word) pairs: at the paper's embed size of 1,024
+# its float32 block is 576 MiB. A chunk is padded to its own longest caption, so one chunk for a
+# whole batch pads every caption to the batch's longest (a Flickr30K-like batch of 128: 5,632 word
+# slots for 1,733 words; in 3 chunks, 2,966). Measured on an H200 (benchmarks/gpu_profile.py
+# --sweep, benchmarks/results/gpu-h200-*-a53a8d5.txt), SGR fp32 at batch 128 trains in 0.068 s
+# and 3.7 GiB in 3 such chunks, against 0.125 s and 9.5 GiB in one (1/32 of the free memory).
+# Counting pairs rather than bytes cuts a batch the same way at any feature size (so the CPU's
+# emulated plan counts the device's launches).
+TRAIN_GPU_CHUNK_PAIRS = 147_456
+# ... and never more than this share of the device's free memory (a small or busy GPU).
 TRAIN_GPU_MEMORY_SHARE = 1 / 32
 # With light nodes (see `_train_similarity_heads`), the heads' intermediates of the first chunks
 # are kept for backward up to about this many bytes; the later chunks' are recomputed.
 TRAIN_KEEP_BYTES = 1024 * 2**20
 # On a GPU the heads' intermediates are kept up to this share of the free memory instead: a
-# recomputed chunk costs its heads' forward launches again (about 45 per step at batch 128).
-TRAIN_GPU_KEEP_SHARE = 1 / 16
+# recomputed chunk costs its forward again (on the H200, keeping all three chunks of a batch of
+# 128 took SGR fp32 from 0.082 s to 0.068 s for 0.9 GiB more; a quarter of an 80 GB card's
+# memory keeps every chunk of a paper-size batch).
+TRAIN_GPU_KEEP_SHARE = 1 / 4
 # Float32 (G, P, m)-sized intermediates the SGR/SAF heads keep for backward, per node (an
 # estimate from the layers of `train_graph_reasoning`; it sets where recomputing starts).
 HEAD_KEPT_PER_NODE = 8
@@ -609,11 +618,13 @@ class SGRAF(nn.Module):
     def train_chunk_bytes(self, device: torch.device | None = None) -> int:
         """Bytes of one train-mode chunk's (images x captions x words x d) float32 block on
         `device` (default: the model's): under the GPU plan (`sgraf.kernels.plan`)
-        `TRAIN_GPU_MEMORY_SHARE` of its free memory, else `TRAIN_CHUNK_BYTES`."""
+        `TRAIN_GPU_CHUNK_PAIRS` (image, word) pairs, at most `TRAIN_GPU_MEMORY_SHARE` of its free
+        memory; else `TRAIN_CHUNK_BYTES`."""
         device = device or next(self.parameters()).device
         if not plan.gpu_plan(device):
             return TRAIN_CHUNK_BYTES
-        return max(1, int(plan.free_memory(device) * TRAIN_GPU_MEMORY_SHARE))
+        pairs = TRAIN_GPU_CHUNK_PAIRS * 4 * self.config.embed_size
+        return max(1, min(pairs, int(plan.free_memory(device) * TRAIN_GPU_MEMORY_SHARE)))
 
     def train_keep_bytes(self, device: torch.device) -> int:
         """Bytes of the heads' intermediates kept for backward before chunks are recomputed:
