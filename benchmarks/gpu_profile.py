@@ -92,6 +92,21 @@ def counted(work, *host) -> LaunchCounter:
     return counter
 
 
+def timed(work, repeats: int, device: torch.device) -> list[float]:
+    """Seconds of each of `repeats` calls of `work()`, the device synchronised around each; the
+    allocator's peak is reset first (read it with `peak_gib`)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        work()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
@@ -111,15 +126,7 @@ def step_figures(module: str, precision: str, batch_size: int, steps: int, devic
     counter = counted(step, batch.lengths, *adam_steps)
     syncs = sync_points(step, device)
     n_kernels, n_copies, busy, top = kernels(step, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+    times = timed(step, steps, device)
     peak = peak_gib(device)
     return (f"train step, batch {batch_size}, {module} {precision}: {statistics.median(times):.4f} s "
             f"(median of {steps}; min {min(times):.4f}), peak {peak:.2f} GiB; profiler: {n_kernels} kernels + "
@@ -130,11 +137,14 @@ def step_figures(module: str, precision: str, batch_size: int, steps: int, devic
 def sweep_figures(module: str, precision: str, batch_size: int, steps: int, device: torch.device, scale: int,
                   keep_share: float, memory_share: float) -> str:
     """A training step's median seconds and peak memory with other shares of the free memory for
-    the kept chunks (`TRAIN_GPU_KEEP_SHARE`) and the chunk size (`TRAIN_GPU_MEMORY_SHARE`)."""
+    the kept chunks (`TRAIN_GPU_KEEP_SHARE`) and the chunk size (`TRAIN_GPU_MEMORY_SHARE`, with no
+    cap in (image, word) pairs: the sweep that set `TRAIN_GPU_CHUNK_PAIRS`)."""
     from sgraf.model import sgraf as model_module
 
-    saved = model_module.TRAIN_GPU_KEEP_SHARE, model_module.TRAIN_GPU_MEMORY_SHARE
-    model_module.TRAIN_GPU_KEEP_SHARE, model_module.TRAIN_GPU_MEMORY_SHARE = keep_share, memory_share
+    names = ("TRAIN_GPU_KEEP_SHARE", "TRAIN_GPU_MEMORY_SHARE", "TRAIN_GPU_CHUNK_PAIRS")
+    saved = [getattr(model_module, name) for name in names]
+    for name, value in zip(names, (keep_share, memory_share, 2**62)):
+        setattr(model_module, name, value)
     try:
         model = scaled_model(module, scale).to(device)
         config = preset(f"f30k-{module}").replace(precision=precision)
@@ -142,19 +152,11 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
         optimizer = build_optimizer(model, config)
         step = lambda: train_step(model, optimizer, batch, config, device=device)
         step()
-        sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(steps):
-            sync(device)
-            start = time.perf_counter()
-            step()
-            sync(device)
-            times.append(time.perf_counter() - start)
+        times = timed(step, steps, device)
         chunks = len(model.train_chunks(batch_size, batch.lengths))
     finally:
-        model_module.TRAIN_GPU_KEEP_SHARE, model_module.TRAIN_GPU_MEMORY_SHARE = saved
+        for name, value in zip(names, saved):
+            setattr(model_module, name, value)
     return (f"sweep keep {keep_share:.4f} chunk {memory_share:.4f} ({chunks} chunks), {module} {precision}: "
             f"{statistics.median(times):.4f} s, peak {peak_gib(device):.2f} GiB")
 
@@ -175,13 +177,7 @@ def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: t
             counter = counted(block, bucket.lengths)
             syncs = sync_points(block, device)
             n_kernels, n_copies, busy, top = kernels(block, device)
-            times = []
-            for _ in range(5):
-                sync(device)
-                start = time.perf_counter()
-                block()
-                sync(device)
-                times.append(time.perf_counter() - start)
+            times = timed(block, 5, device)
     pairs = n_img * len(bucket.index)
     seconds = statistics.median(times)
     return (f"scoring block {n_img} x {len(bucket.index)} (bucket of {n_cap}), {module} {precision}: "
