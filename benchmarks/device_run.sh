@@ -2,7 +2,8 @@
 # Issue 20's GPU run in one call of the device tool, from the repository root on the device machine:
 #   bash ../shared/gpu/prepare-device.sh          # here: .device/wheels (nltk) for the device
 #   run: command "bash benchmarks/device_run.sh", carry [".device"], timeout_s 560
-# STEPS="test_gpu sweep" runs only those steps. Each step writes its own log under $OUT (8 files come back) and has its own time limit;
+# STEPS="test_gpu sweep" runs only those steps (sweep: not by default). Each step writes its own log
+# under $OUT, beside summary.txt (at most 8 files come back) and has its own time limit;
 # the steps run in order of importance, and a step that would pass DEADLINE_S is skipped, so the
 # call ends inside its limit with every finished step's output.
 cd "$(dirname "$0")/.."
@@ -15,13 +16,13 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 SGRAF_CACHE_DIR=/tmp/sgr
   git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
   nproc; uname -r
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} > "$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"
 
 # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and the time left, log to $OUT/NAME.txt
 step() {
   local name=$1 limit=$2; shift 2
-  [[ " ${STEPS:-test_gpu gpu_profile sweep torchrun bench_train eval_f30k eval_coco} " == *" $name "* ]] || return 0
+  [[ " ${STEPS:-test_gpu gpu_profile torchrun bench_train eval_f30k eval_coco eval_compiled} " == *" $name "* ]] || return 0
   local left=$(( DEADLINE_S - ($(date +%s) - START) ))
   if (( left < 20 )); then echo "=== $name: skipped (${left} s left)" | tee -a "$OUT/summary.txt"; return; fi
   (( limit > left )) && limit=$left
@@ -43,4 +44,6 @@ step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --fea
 TAIL=20 step bench_train 150 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 3
 TAIL=20 step eval_f30k 100 python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions bf16 fp32 --authors-captions 100
 TAIL=20 step eval_coco 230 python3 benchmarks/bench_eval.py --device cuda --images 5000 --precisions bf16 fp32 --authors-captions 100
+# the compiled eval chunk (sgraf.kernels.compiled, opt-in) on CUDA: never run there yet
+TAIL=20 step eval_compiled 120 env SGRAF_COMPILE=on python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions bf16 fp32 --no-authors
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

@@ -65,6 +65,33 @@ def test_the_caption_gru_follows_the_float32_matmul_precision_on_cuda(matmul_tf3
     assert seen == [torch.device("cpu")]
 
 
+def test_the_gru_precision_stays_set_while_any_thread_is_inside(monkeypatch):
+    """The service scores in several threads: one leaving must not put TF32 back under another's
+    GRU; the last one out restores PyTorch's setting."""
+    import threading
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    inside, leave = threading.Barrier(2), threading.Event()
+    seen = []
+
+    def second():
+        with rnn_like_matmul("cuda"):
+            inside.wait()
+            leave.wait()
+            seen.append(torch.backends.cudnn.allow_tf32)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with rnn_like_matmul("cuda"):
+        inside.wait()
+    assert torch.backends.cudnn.allow_tf32 is False     # the other thread is still inside
+    leave.set()
+    thread.join()
+    assert seen == [False]
+    assert torch.backends.cudnn.allow_tf32 is True
+
+
 def test_training_and_evaluate_run_under_their_tf32_setting(monkeypatch, tmp_path):
     from sgraf.cli import main
     from sgraf.training import loop

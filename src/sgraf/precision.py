@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -34,6 +35,11 @@ def current_precision(device: torch.device | str = "cpu") -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch.get_autocast_dtype(device_type), "fp32")
 
 
+_rnn_lock = threading.Lock()
+_rnn_inside = 0              # threads inside `rnn_like_matmul` with the flag changed
+_rnn_saved: bool | None = None
+
+
 @contextlib.contextmanager
 def rnn_like_matmul(device: torch.device | str) -> Iterator[None]:
     """On CUDA, cuDNN's recurrent layers (the caption GRU) in the float32 matmuls' precision.
@@ -42,17 +48,28 @@ def rnn_like_matmul(device: torch.device | str) -> Iterator[None]:
     or later GPU the caption GRU alone would run in TF32 and the scores leave the CPU's by about
     1e-3 (seen on an H200). Under this context the GRU follows
     `torch.backends.cuda.matmul.allow_tf32`: exact by default, TF32 under `tf32(True)`. The flag
-    is process-wide, so it is changed only for the call, and only when the two differ.
+    is process-wide: it is changed while at least one thread is inside (threads scoring at once,
+    as the service does, keep it changed until the last one leaves) and put back after.
     """
+    global _rnn_inside, _rnn_saved
     wanted = torch.backends.cuda.matmul.allow_tf32
-    if torch.device(device).type != "cuda" or torch.backends.cudnn.allow_tf32 == wanted:
+    if torch.device(device).type != "cuda":
         yield
         return
-    previous, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, wanted
+    with _rnn_lock:
+        changed = _rnn_inside > 0 or torch.backends.cudnn.allow_tf32 != wanted
+        if changed:
+            if _rnn_inside == 0:
+                _rnn_saved, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, wanted
+            _rnn_inside += 1
     try:
         yield
     finally:
-        torch.backends.cudnn.allow_tf32 = previous
+        if changed:
+            with _rnn_lock:
+                _rnn_inside -= 1
+                if _rnn_inside == 0:
+                    torch.backends.cudnn.allow_tf32 = bool(_rnn_saved)
 
 
 @contextlib.contextmanager
