@@ -38,15 +38,27 @@ def test_tf32_is_off_unless_asked_and_the_previous_setting_comes_back():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
+@pytest.fixture
+def tf32_flags():
+    """Sets (matmul, cuDNN) TF32 flags for a test and puts PyTorch's back after (monkeypatch cannot:
+    `torch.backends.cuda.matmul` answers its attributes through __getattr__)."""
+    before = _flags()
+
+    def set_flags(matmul: bool, cudnn: bool) -> None:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+    yield set_flags
+    set_flags(*before)
+
+
 @pytest.mark.parametrize("matmul_tf32", [False, True])
-def test_the_caption_gru_follows_the_float32_matmul_precision_on_cuda(matmul_tf32, monkeypatch):
+def test_the_caption_gru_follows_the_float32_matmul_precision_on_cuda(matmul_tf32, tf32_flags, monkeypatch):
     """PyTorch allows TF32 in cuDNN (the GRU) by default while float32 matmuls stay exact: on an
     H200 that put GPU scores ~1e-3 off the CPU's. The GRU runs with cuDNN's flag set to the
     matmuls' for the call only; elsewhere, and on other devices, nothing changes."""
     from sgraf.model import encoders
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", matmul_tf32)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not matmul_tf32)
+    tf32_flags(matmul_tf32, not matmul_tf32)
     with rnn_like_matmul("cuda"):
         assert torch.backends.cudnn.allow_tf32 is matmul_tf32
     assert torch.backends.cudnn.allow_tf32 is (not matmul_tf32)
@@ -65,13 +77,12 @@ def test_the_caption_gru_follows_the_float32_matmul_precision_on_cuda(matmul_tf3
     assert seen == [torch.device("cpu")]
 
 
-def test_the_gru_precision_stays_set_while_any_thread_is_inside(monkeypatch):
+def test_the_gru_precision_stays_set_while_any_thread_is_inside(tf32_flags):
     """The service scores in several threads: one leaving must not put TF32 back under another's
     GRU; the last one out restores PyTorch's setting."""
     import threading
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    tf32_flags(False, True)
     inside, leave = threading.Barrier(2), threading.Event()
     seen = []
 
