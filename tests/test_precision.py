@@ -88,17 +88,19 @@ def test_the_gru_precision_stays_set_while_any_thread_is_inside(tf32_flags):
 
     def second():
         with rnn_like_matmul("cuda"):
-            inside.wait()
-            leave.wait()
+            inside.wait(timeout=30)
+            leave.wait(timeout=30)
             seen.append(torch.backends.cudnn.allow_tf32)
 
-    thread = threading.Thread(target=second)
-    thread.start()
-    with rnn_like_matmul("cuda"):
-        inside.wait()
-    assert torch.backends.cudnn.allow_tf32 is False     # the other thread is still inside
-    leave.set()
-    thread.join()
+    thread = threading.Thread(target=second, daemon=True)
+    try:
+        with rnn_like_matmul("cuda"):        # this thread changes the flag, the second enters after
+            thread.start()
+            inside.wait(timeout=30)
+        assert torch.backends.cudnn.allow_tf32 is False     # the other thread is still inside
+    finally:
+        leave.set()
+        thread.join(timeout=30)
     assert seen == [False]
     assert torch.backends.cudnn.allow_tf32 is True
 
