@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     for module in args.modules:
         for precision in args.precisions:
             work = [lambda: step_figures(module, precision, args.batch, args.steps, device, args.scale)]
-            work += [lambda n=n: block_figures(module, precision, args.images, n, device, args.scale) for n in args.captions]
+            work += [lambda n=n: block_figures(module, precision, args.images, n, device, args.scale)
+                     for n in args.captions]
             for figure in work:
                 try:
                     print(figure(), flush=True)

@@ -269,7 +269,8 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
                 for row, k in enumerate(index.tolist()):
                     padded[row, : len(token_ids[k])] = torch.as_tensor(token_ids[k], dtype=torch.int64)
             with autocast(precision, device):
-                embs = model.encode_captions(padded.to(device, non_blocking=True), bucket_lengths).to(dtype)  # (b, L_b, d)
+                padded = padded.to(device, non_blocking=True)
+                embs = model.encode_captions(padded, bucket_lengths).to(dtype)  # (b, L_b, d)
                 glo = caption_globals(embs, bucket_lengths) if caption_globals else None
             buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths, glo=glo))
             if on_batch is not None:
@@ -298,7 +299,8 @@ def bucket_words(model: Scorer, words: torch.Tensor, lengths: torch.Tensor, batc
     buckets = []
     with eval_mode([model]):  # type: ignore[list-item]
         for index, bucket_lengths in _length_buckets(lengths, batch_size):
-            embs = words[index.to(words.device, non_blocking=True), : int(bucket_lengths.max())].to(device, model_dtype(model))
+            rows = index.to(words.device, non_blocking=True)
+            embs = words[rows, : int(bucket_lengths.max())].to(device, model_dtype(model))
             with autocast(precision, device):
                 glo = caption_globals(embs, bucket_lengths) if caption_globals else None
             buckets.append(CaptionBucket(index=index, embs=embs, lengths=bucket_lengths, glo=glo))

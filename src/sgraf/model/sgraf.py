@@ -623,8 +623,8 @@ class SGRAF(nn.Module):
         device = device or next(self.parameters()).device
         if not plan.gpu_plan(device):
             return TRAIN_CHUNK_BYTES
-        pairs = TRAIN_GPU_CHUNK_PAIRS * 4 * self.config.embed_size
-        return max(1, min(pairs, int(plan.free_memory(device) * TRAIN_GPU_MEMORY_SHARE)))
+        block_bytes = TRAIN_GPU_CHUNK_PAIRS * 4 * self.config.embed_size     # float32 (pairs, d)
+        return max(1, min(block_bytes, int(plan.free_memory(device) * TRAIN_GPU_MEMORY_SHARE)))
 
     def train_keep_bytes(self, device: torch.device) -> int:
         """Bytes of the heads' intermediates kept for backward before chunks are recomputed:

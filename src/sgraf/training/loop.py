@@ -188,9 +188,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
             global_scores = global_vector_scores(model) if config.global_loss_weight > 0 else None
         true_of = getattr(batch, "true_of", None)
         if true_of is not None:   # family batches: a caption is no negative of a picture it is true of
-            positives = truth_mask(batch.image_ids.to(device, non_blocking=True), true_of.to(device, non_blocking=True))
+            positives = truth_mask(batch.image_ids.to(device, non_blocking=True),
+                                   true_of.to(device, non_blocking=True))
         else:
-            positives = same_image_mask(batch.image_ids.to(device, non_blocking=True)) if config.same_image_positive else None
+            image_ids = batch.image_ids.to(device, non_blocking=True)
+            positives = same_image_mask(image_ids) if config.same_image_positive else None
         loss = batch_loss(scores, config, positives)
         if global_scores is not None:  # auxiliary loss: global vectors as a retrieval embedding
             loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
