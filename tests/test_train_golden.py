@@ -124,6 +124,33 @@ def test_two_steps_under_the_gpu_plan_match_authors(golden, name):
     _assert_params(model.state_dict(), _flat(step2["state_dict_after"]), set(case["noise_dominated_grads"]), steps=2)
 
 
+@pytest.mark.parametrize("keep_share", [0.25, 0.0])
+@pytest.mark.parametrize("name", ["SGR", "SAF"])
+def test_a_step_in_several_chunks_under_the_gpu_plan_matches_authors(golden, name, keep_share, monkeypatch):
+    """The GPU plan's training cut (several chunks since the H200 sweep, `TRAIN_GPU_CHUNK_PAIRS`),
+    with every chunk's intermediates kept (the default share) or every chunk recomputed: the
+    same loss and gradients as the authors' one pass."""
+    import sgraf.model.sgraf as sgraf_module
+
+    monkeypatch.setattr(sgraf_module, "TRAIN_GPU_KEEP_SHARE", keep_share)
+    with plan.emulate_gpu():
+        case, model, config, optimizer, batch = _setup(golden, name)
+        model.train_chunk = 2                                       # 6 captions: 3 chunks
+        assert len(model.train_chunks(6, batch.lengths)) == 3
+        first = train_step(model, optimizer, batch, config)
+    assert first.loss == approx(case["loss"], AUTHORS)
+    assert first.grad_norm == approx(case["grad_norm"], GRADIENT)
+    named = dict(model.named_parameters())
+    scale = largest(case["grads_clipped"])
+    for key, expected in case["grads_clipped"].items():
+        assert_close(named[key].grad, expected, GRADIENT, scale=scale, what=key)
+    state = model.state_dict()
+    # parameters, and SAF's running statistics applied per caption in caption order across chunks
+    _assert_params(state, _flat(case["state_dict_after"]), set(case["noise_dominated_grads"]), steps=1)
+    for key, (_, after_count) in case["num_batches_tracked_before_after"].items():
+        assert int(state[key]) == after_count
+
+
 def test_without_clipping_the_update_differs(golden):
     """The SAF case is clipped (norm 2.7 > 2.0): skipping the clip must change the result."""
     case, model, config, optimizer, batch = _setup(golden, "SAF")
