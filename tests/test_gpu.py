@@ -113,3 +113,25 @@ def test_a_training_step_never_waits_for_the_device(precision):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_and_raises_when_read():
+    """Fused Adam on CUDA skips the update of a step whose loss is not finite (`found_inf`) without
+    the host asking; the error comes when the result is read, naming the bad image."""
+    from sgraf.training.config import preset
+    from sgraf.training.loop import NonFiniteLossError, build_optimizer, train_step
+
+    model = random_model(3, module="sgr").cuda().train()
+    images, captions, lengths = random_batch(model, 4, [3, 4, 2, 5])
+    images[2, 1, 0] = float("nan")
+    batch = SimpleNamespace(images=images.pin_memory(), captions=captions.pin_memory(), lengths=lengths,
+                            image_ids=torch.arange(4) + 10)
+    config = preset("tiny").replace(module="sgr")
+    optimizer = build_optimizer(model, config)
+    assert optimizer.defaults["fused"]
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    result = train_step(model, optimizer, batch, config, device="cuda")
+    with pytest.raises(NonFiniteLossError, match=r"on non-finite inputs: the features of images \[12\]"):
+        result.loss
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
