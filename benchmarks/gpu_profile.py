@@ -6,7 +6,8 @@ For SGR and SAF, fp32 and bf16, a paper-size model with random weights:
 - a training step at batch 128 (after two warm-up steps): the ATen operations `LaunchCounter`
   counts and the host reads it sees, the CUDA kernels and copies `torch.profiler` records, the
   step's median seconds over `--steps` steps (synchronised) and the allocator's peak memory;
-- a scoring block of 256 images x 128 and x 1,024 captions of one length bucket: the same counts.
+- a scoring block of 256 images x 128 and x 1,024 captions of one length bucket (the middle of 8,
+  as `sgraf evaluate` sorts a split's captions by length): the same counts.
 
     python benchmarks/gpu_profile.py                    # needs CUDA
     python benchmarks/gpu_profile.py --modules sgr --precisions bf16 --steps 3
@@ -31,6 +32,10 @@ from sgraf.kernels.launches import LaunchCounter
 from sgraf.model import blocks
 from sgraf.training.config import preset
 from sgraf.training.loop import build_optimizer, train_step
+
+
+# length buckets a scoring block's captions are drawn from (its bucket is the middle one)
+BUCKETS = 8
 
 
 def sync(device: torch.device) -> None:
@@ -163,14 +168,17 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
 
 def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> str:
     model = scaled_model(module, scale).to(device).eval()
-    batch = batch_of(model, max(n_img, n_cap))
+    # as `sgraf evaluate` cuts a split: captions sorted by length into buckets of n_cap; the middle one
+    n_all = BUCKETS * n_cap
+    batch = batch_of(model, max(n_img, n_all))
     with torch.no_grad():
-        encoded = blocks.encode(model, batch.images[:n_img], batch.captions[:n_cap],
-                                batch.lengths[:n_cap], batch_size=n_cap, precision=precision)
-        bucket = max(encoded.buckets, key=lambda b: len(b.index))
+        encoded = blocks.encode(model, batch.images[:n_img], batch.captions[:n_all],
+                                batch.lengths[:n_all], batch_size=n_cap, precision=precision)
+        bucket_id = len(encoded.buckets) // 2
+        bucket = encoded.buckets[bucket_id]
         grams = model.region_grams(encoded.img_embs)
         with model.frozen_weights():
-            block = lambda: blocks._score_block([model], [encoded], slice(0, n_img), encoded.buckets.index(bucket),
+            block = lambda: blocks._score_block([model], [encoded], slice(0, n_img), bucket_id,
                                                 slice(0, len(bucket.index)), precision, None, [grams])
             block()
             sync(device)
@@ -180,7 +188,9 @@ def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: t
             times = timed(block, 5, device)
     pairs = n_img * len(bucket.index)
     seconds = statistics.median(times)
-    return (f"scoring block {n_img} x {len(bucket.index)} (bucket of {n_cap}), {module} {precision}: "
+    width = int(bucket.lengths.max())
+    return (f"scoring block {n_img} x {len(bucket.index)} (the middle of {BUCKETS} length buckets, {width} tokens), "
+            f"{module} {precision}: "
             f"{seconds * 1000:.1f} ms, {pairs / seconds / 1e6:.2f} M pairs/s; profiler: {n_kernels} kernels + "
             f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}; "
             f"host waits: {syncs}; most time: {top}")
