@@ -116,14 +116,20 @@ def peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
 
-def step_figures(module: str, precision: str, batch_size: int, steps: int, device: torch.device, scale: int) -> str:
+def training(module: str, precision: str, batch_size: int, device: torch.device, scale: int):
+    """(model, batch, optimizer, step): the paper's recipe on a model of the paper's sizes / `scale`,
+    `step()` one `train_step` on the batch."""
     model = scaled_model(module, scale).to(device)
     config = preset(f"f30k-{module}").replace(precision=precision)
     batch = batch_of(model, batch_size)
+    optimizer = build_optimizer(model, config)
+    return model, batch, optimizer, lambda: train_step(model, optimizer, batch, config, device=device)
+
+
+def step_figures(module: str, precision: str, batch_size: int, steps: int, device: torch.device, scale: int) -> str:
+    _, batch, optimizer, step = training(module, precision, batch_size, device, scale)
     if device.type == "cuda":
         batch.images = batch.images.pin_memory()
-    optimizer = build_optimizer(model, config)
-    step = lambda: train_step(model, optimizer, batch, config, device=device)
     for _ in range(2):
         step()
     sync(device)
@@ -151,11 +157,7 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
     for name, value in zip(names, (keep_share, memory_share, 2**62)):
         setattr(model_module, name, value)
     try:
-        model = scaled_model(module, scale).to(device)
-        config = preset(f"f30k-{module}").replace(precision=precision)
-        batch = batch_of(model, batch_size)
-        optimizer = build_optimizer(model, config)
-        step = lambda: train_step(model, optimizer, batch, config, device=device)
+        model, batch, _, step = training(module, precision, batch_size, device, scale)
         step()
         times = timed(step, steps, device)
         chunks = len(model.train_chunks(batch_size, batch.lengths))

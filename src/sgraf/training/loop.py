@@ -190,9 +190,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         if true_of is not None:   # family batches: a caption is no negative of a picture it is true of
             positives = truth_mask(batch.image_ids.to(device, non_blocking=True),
                                    true_of.to(device, non_blocking=True))
+        elif config.same_image_positive:
+            positives = same_image_mask(batch.image_ids.to(device, non_blocking=True))
         else:
-            image_ids = batch.image_ids.to(device, non_blocking=True)
-            positives = same_image_mask(image_ids) if config.same_image_positive else None
+            positives = None
         loss = batch_loss(scores, config, positives)
         if global_scores is not None:  # auxiliary loss: global vectors as a retrieval embedding
             loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
