@@ -23,6 +23,10 @@ figure that transfers to a trained model.
     git worktree add /tmp/before HEAD~3 && python benchmarks/bench_eval.py --baseline /tmp/before --repeats 3
                                                     # this checkout against an earlier commit
 
+Each run tokenises the captions (`--token-cache cold`, the default, as a first evaluation of a
+split does); `--token-cache both` also times runs that read the ids an earlier run kept
+(`sgraf.data.token_cache`), interleaved with the cold ones.
+
 Timings depend on the machine's load: the figures printed are medians over `--repeats` runs.
 """
 
@@ -32,6 +36,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -87,9 +92,36 @@ def child(report: str, argv: list[str]) -> int:
     return code
 
 
+def set_token_cache(out: Path, state: str) -> None:
+    """Empty the runs' token cache (`cold`: the next run tokenises, as a first evaluation of a
+    split does) or fill it (`warm`: the next run reads kept ids, as a later evaluation does)."""
+    tokens = out / "tuning" / "tokens"
+    if state == "cold":
+        shutil.rmtree(tokens, ignore_errors=True)
+        return
+    if tokens.is_dir() and any(tokens.iterdir()):
+        return
+    from sgraf.data.precomp import read_captions
+    from sgraf.evaluate import load_ensemble
+    from sgraf.scoring import tokenize_captions
+
+    saved = os.environ.get("SGRAF_CACHE_DIR")
+    os.environ["SGRAF_CACHE_DIR"] = str(out / "tuning")
+    try:
+        _, vocab = load_ensemble([out / "model.pt"])
+        tokenize_captions(read_captions(out / "data" / "test_caps.txt"), vocab)
+    finally:
+        if saved is None:
+            os.environ.pop("SGRAF_CACHE_DIR")
+        else:
+            os.environ["SGRAF_CACHE_DIR"] = saved
+
+
 def run_command(out: Path, precision: str, batch_size: int, source: str | None = None,
-                device: str = "cpu") -> dict:
-    """`sgraf evaluate` in a fresh process: this checkout's code, or the `src` folder of `source`."""
+                device: str = "cpu", token_cache: str = "cold") -> dict:
+    """`sgraf evaluate` in a fresh process: this checkout's code, or the `src` folder of `source`;
+    with the token cache `cold` or `warm` (`set_token_cache`)."""
+    set_token_cache(out, token_cache)
     tag = "baseline" if source else "ours"
     sims = out / f"sims_{precision}_{tag}.npy"
     report = out / f"report_{precision}_{tag}.json"
@@ -110,6 +142,17 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
     info = json.loads(report.read_text())
     return {"wall_s": wall, "peak_mb": info["peak_mb"], "result": json.loads(completed.stdout.strip().splitlines()[-1]),
             "sims": np.load(sims)}
+
+
+def print_choices(path: Path) -> None:
+    """The choices the runs measured (`sgraf.kernels.tuning`), with each candidate's probe time."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    for key, entry in sorted(stored.items()):
+        seconds = ", ".join(f"{json.loads(c)} {t * 1e3:.2f} ms" for c, t in entry.get("seconds", {}).items())
+        print(f"measured {key}: {entry.get('choice')!r} ({seconds})", flush=True)
 
 
 def authors(out: Path, n_slice: int, seed: int, device: str = "cpu") -> dict:
@@ -205,6 +248,9 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="CHECKOUT",
                         help="also time the command with another checkout's code (its src/ first on PYTHONPATH), "
                              "runs interleaved with ours, e.g. a `git worktree` of an earlier commit")
+    parser.add_argument("--token-cache", choices=["cold", "warm", "both"], default="cold",
+                        help="each run tokenises the captions (cold, as a first evaluation of a split), reads "
+                             "the ids an earlier run kept (warm), or both, interleaved")
     parser.add_argument("--no-authors", action="store_true", help="skip the authors' algorithm")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where the command and the authors' loop run")
     parser.add_argument("--out", help="work directory (default: a temporary one, removed after)")
@@ -222,17 +268,28 @@ def main() -> int:
               f"torch threads "
               f"{torch.get_num_threads()}, cpus {os.cpu_count()}", flush=True)
         runs = {}
+        states = ["cold", "warm"] if args.token_cache == "both" else [args.token_cache]
         for precision in args.precisions:
-            measured, baseline = [], []
+            measured, baseline, warm = [], [], []
             for _ in range(args.repeats):     # interleaved, so that a change of load hits both
-                measured.append(run_command(out, precision, args.batch_size, device=args.device))
+                measured.append(run_command(out, precision, args.batch_size, device=args.device,
+                                            token_cache=states[0]))
                 if args.baseline:
-                    baseline.append(run_command(out, precision, args.batch_size, args.baseline, args.device))
+                    baseline.append(run_command(out, precision, args.batch_size, args.baseline, args.device,
+                                                token_cache=states[0]))
+                if len(states) > 1:
+                    warm.append(run_command(out, precision, args.batch_size, device=args.device, token_cache="warm"))
             runs[precision] = summarise(measured)
             run = runs[precision]
             print(f"{precision}: runs {', '.join(f'{m:.1f}' for m in run['walls'])} s; median {run['wall_s']:.1f} s, "
                   f"peak RSS {run['peak_mb']:.0f} MiB, rsum {run['result']['rsum']:.1f}, "
-                  f"recalls {[round(r, 1) for r in recalls(run['result'])]}", flush=True)
+                  f"recalls {[round(r, 1) for r in recalls(run['result'])]}; token cache {states[0]}", flush=True)
+            if warm:
+                kept = summarise(warm)
+                print(f"{precision}, token cache warm (the captions' ids kept from an earlier run): runs "
+                      f"{', '.join(f'{m:.1f}' for m in kept['walls'])} s; median {kept['wall_s']:.1f} s -> "
+                      f"{run['wall_s'] / kept['wall_s']:.2f}x the cold run's speed; same matrix: "
+                      f"{bool(np.array_equal(kept['sims'], run['sims']))}", flush=True)
             if baseline:
                 base = summarise(baseline)
                 error = np.abs(base["sims"] - run["sims"]).max()
@@ -240,6 +297,7 @@ def main() -> int:
                       f"median {base['wall_s']:.1f} s, peak RSS {base['peak_mb']:.0f} MiB -> ours "
                       f"{base['wall_s'] / run['wall_s']:.2f}x its speed; max |diff| of the matrices {error:.2e}",
                       flush=True)
+        print_choices(out / "tuning" / "tuning.json")
         if args.no_authors:
             return 0
         reference = authors(out, args.authors_captions, args.seed, args.device)

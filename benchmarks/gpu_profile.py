@@ -7,7 +7,9 @@ For SGR and SAF, fp32 and bf16, a paper-size model with random weights:
   counts and the host reads it sees, the CUDA kernels and copies `torch.profiler` records, the
   step's median seconds over `--steps` steps (synchronised) and the allocator's peak memory;
 - a scoring block of 256 images x 128 and x 1,024 captions of one length bucket (the middle of 8,
-  as `sgraf evaluate` sorts a split's captions by length): the same counts.
+  as `sgraf evaluate` sorts a split's captions by length): the same counts; for SGR once per
+  edge route (`sgraf.kernels.edges`: two batched matmuls and a softmax, or PyTorch's fused
+  attention), which `sgraf evaluate` chooses between by a probe on the device.
 
     python benchmarks/gpu_profile.py                    # needs CUDA
     python benchmarks/gpu_profile.py --modules sgr --precisions bf16 --steps 3
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import pathlib
 import statistics
 import sys
@@ -28,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from launch_counts import batch_of, scaled_model
+from sgraf.kernels import edges
 from sgraf.kernels.launches import LaunchCounter
 from sgraf.model import blocks
 from sgraf.training.config import preset
@@ -168,7 +172,23 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
             f"{statistics.median(times):.4f} s, peak {peak_gib(device):.2f} GiB")
 
 
-def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> str:
+def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int,
+                  route: str | None = None) -> str:
+    """One scoring block's figures; `route` forces SGR's edge route (`SGRAF_EDGE_ROUTE`) for the call."""
+    saved = os.environ.get("SGRAF_EDGE_ROUTE")
+    if route:
+        os.environ["SGRAF_EDGE_ROUTE"] = route
+    try:
+        figures = _block_figures(module, precision, n_img, n_cap, device, scale)
+        return figures + (f"; edge route {route}" if route else "")
+    finally:
+        if saved is None:
+            os.environ.pop("SGRAF_EDGE_ROUTE", None)
+        else:
+            os.environ["SGRAF_EDGE_ROUTE"] = saved
+
+
+def _block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> str:
     model = scaled_model(module, scale).to(device).eval()
     # as `sgraf evaluate` cuts a split: captions sorted by length into buckets of n_cap; the middle one
     n_all = BUCKETS * n_cap
@@ -210,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                         "shares of free memory in --keep-shares x --memory-shares")
     parser.add_argument("--keep-shares", type=float, nargs="+", default=[0.0, 1 / 64, 1 / 32, 1 / 16])
     parser.add_argument("--memory-shares", type=float, nargs="+", default=[1 / 32])
+    parser.add_argument("--edge-routes", nargs="+", default=list(edges.ROUTES), choices=edges.ROUTES,
+                        help="SGR's scoring blocks once per route (default: both)")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run that the script works (no profiler figures)")
     parser.add_argument("--scale", type=int, default=1, help="feature sizes divided by this (1: the paper's)")
     args = parser.parse_args(argv)
@@ -238,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     for module in args.modules:
         for precision in args.precisions:
             work = [lambda: step_figures(module, precision, args.batch, args.steps, device, args.scale)]
-            work += [lambda n=n: block_figures(module, precision, args.images, n, device, args.scale)
-                     for n in args.captions]
+            routes = args.edge_routes if module == "sgr" else [None]
+            work += [lambda n=n, r=r: block_figures(module, precision, args.images, n, device, args.scale, r)
+                     for n in args.captions for r in routes]
             for figure in work:
                 try:
                     print(figure(), flush=True)

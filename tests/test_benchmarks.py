@@ -42,14 +42,17 @@ def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path):
     """benchmarks/gpu_profile.py is a device script (`device_run.sh`); on the CPU its dry run keeps
     it from rotting between device sessions: every row and the sweep run, none fails."""
     common = [sys.executable, str(BENCHMARKS / "gpu_profile.py"), "--device", "cpu", "--scale", "64", "--batch", "8",
-              "--steps", "1", "--modules", "saf", "--precisions", "fp32"]
-    completed = subprocess.run([*common, "--images", "4", "--captions", "4", "8"],
+              "--steps", "1", "--precisions", "fp32"]
+    completed = subprocess.run([*common, "--modules", "saf", "sgr", "--images", "4", "--captions", "4", "8"],
                                capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
     assert "FAILED" not in completed.stdout
     assert re.search(r"train step, batch 8, saf fp32: [0-9.]+ s .* [0-9]+ launches", completed.stdout), completed.stdout
-    assert completed.stdout.count("scoring block 4 x ") == 2
-    completed = subprocess.run([*common, "--sweep", "--keep-shares", "0", "1", "--memory-shares", "0.03"],
+    # SAF's two blocks, SGR's once per edge route
+    assert completed.stdout.count("scoring block 4 x ") == 6
+    assert [completed.stdout.count(f"; edge route {route}\n") for route in ("layout", "sdpa")] == [2, 2]
+    completed = subprocess.run([*common, "--modules", "saf", "--sweep", "--keep-shares", "0", "1",
+                                "--memory-shares", "0.03"],
                                capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
     assert completed.stdout.count("sweep keep ") == 2, completed.stdout
@@ -129,3 +132,16 @@ def test_the_place_term_probe_measures_the_term_beside_the_logits(tmp_path):
         assert f"{kind} captions false of their twin; the term differs between the two pictures by" in lines[0]
         assert float(lines[0].split(" by ")[1].split()[0]) > 0     # the twins' places differ, and so does the term
         assert lines[-1] == f"{tmp_path / 'box.pt'}: not a place model (no place term)"
+
+
+def test_the_host_side_benchmark_times_cold_and_warm_token_caches(tmp_path):
+    """benchmarks/bench_evaluate_host.py runs the real command with the device stages stood in
+    for: the cold runs tokenise, the warm ones read the kept ids (no tokenisation time)."""
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_evaluate_host.py"), "--images", "12",
+                                "--repeats", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
+    cold = re.search(r"token cache cold: .* tokenisation \(median\) ([0-9.]+) s", completed.stdout)
+    warm = re.search(r"token cache warm: .* tokenisation \(median\) ([0-9.]+) s", completed.stdout)
+    assert cold and warm, completed.stdout
+    assert float(warm.group(1)) < float(cold.group(1))
+    assert re.search(r"warm / cold: [0-9.]+x faster", completed.stdout), completed.stdout

@@ -32,6 +32,38 @@ def test_gpu_scores_equal_the_cpu_float32_path_on_the_golden_data(module):
     assert_close(gpu, entry["sims"], 16)
 
 
+@pytest.mark.parametrize("route", ["layout", "sdpa"])
+def test_each_edge_route_gives_the_cpu_scores_on_the_device(monkeypatch, route):
+    """SGR's edge step through either route (`sgraf.kernels.edges`; PyTorch picks the fused
+    attention kernel on the device) scores the golden data as the CPU's float32 path does, and
+    its bf16 scores stay within bf16 rounding of them."""
+    monkeypatch.setenv("SGRAF_EDGE_ROUTE", route)
+    entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)["SGR"]
+    model = golden_model(entry, "SGR")
+    cpu = model.score(entry["images"], entry["captions"], entry["lengths"])
+    model = model.cuda()
+    images, captions = entry["images"].cuda(), entry["captions"].cuda()
+    gpu = model.score(images, captions, entry["lengths"])
+    assert (gpu.cpu() - cpu).abs().max() <= 1e-5
+    with autocast("bf16", "cuda"):
+        bf16 = model.score(images, captions, entry["lengths"])
+    assert (bf16.cpu() - cpu).abs().max() <= 2**-10      # 1.6e-4 on the CPU
+
+
+def test_the_edge_route_is_measured_on_the_device_and_stored(tmp_path, monkeypatch):
+    from sgraf.kernels import edges, tuning
+
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SGRAF_EDGE_ROUTE", raising=False)
+    tuning.forget()
+    try:
+        chosen = edges.measure_edge_route("cuda", torch.bfloat16, 256)
+        assert chosen in edges.ROUTES and edges.edge_route("cuda", torch.bfloat16, 256) == chosen
+        assert f"{torch.cuda.get_device_name()}" in (tmp_path / "tuning.json").read_text()
+    finally:
+        tuning.forget()
+
+
 @pytest.mark.parametrize("module", ["SGR", "SAF"])
 def test_gpu_gradients_equal_the_authors_within_float32_noise(module):
     entry = torch.load(DATA / "golden_train.pt", weights_only=True)[module]

@@ -200,11 +200,11 @@ def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monke
     model = random_model(3, module="sgr", num_regions=7)
     images, captions, lengths = random_batch(model, 5, [6, 3, 11, 3, 8], pad_to=13, seed=2)
     before = model.score(images, captions, lengths)
-    chosen = model.tune_eval_chunks(torch.device("cpu"))
+    chosen = model.tune_eval(torch.device("cpu"))
     assert chosen in sgraf_module.EVAL_CHUNK_CANDIDATES
     assert model.eval_chunk_bytes(torch.float32) == chosen
     with autocast("bf16"):
-        assert model.tune_eval_chunks(torch.device("cpu")) in sgraf_module.EVAL_CHUNK_CANDIDATES
+        assert model.tune_eval(torch.device("cpu")) in sgraf_module.EVAL_CHUNK_CANDIDATES
     stored = json.loads(cache.read_text())
     chunk_keys = [key for key in stored if "eval chunk bytes" in key]
     assert len(chunk_keys) == 2 and {"torch.float32", "torch.bfloat16"} == {
@@ -214,12 +214,12 @@ def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monke
     # label, holds inside frozen_weights only
     largest_fastest = lambda block: (block(), 1.0 / model.eval_chunk_bytes(torch.float32))[1]  # noqa: E731
     with model.frozen_weights():
-        assert model.tune_eval_chunks(torch.device("cpu"), largest_fastest, "2 blocks at once") == 4 * pair
+        assert model.tune_eval(torch.device("cpu"), largest_fastest, "2 blocks at once") == 4 * pair
         assert model.eval_chunk_bytes(torch.float32) == 4 * pair
     assert model.eval_chunk_bytes(torch.float32) == chosen
     assert any(key.endswith("|2 blocks at once") for key in json.loads(cache.read_text()))
     monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_BYTES", 12345)          # a fixed size wins
-    assert model.tune_eval_chunks(torch.device("cpu")) == model.eval_chunk_bytes(torch.float32) == 12345
+    assert model.tune_eval(torch.device("cpu")) == model.eval_chunk_bytes(torch.float32) == 12345
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

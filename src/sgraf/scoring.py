@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from sgraf import distributed
+from sgraf.data import token_cache
+from sgraf.data.vocab import Vocabulary
 from sgraf.errors import check_positive_int
 from sgraf.model import blocks
 from sgraf.model.blocks import (BLOCK_ELEMENTS, IMAGE_BLOCK, CaptionBucket, Encoded, Scorer, check_ensemble,
@@ -52,7 +54,11 @@ def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
 
 
 def tokenize_captions(captions: Sequence[str], vocab: Any) -> list[list[int]]:
-    """Token ids of each caption, ``<start>`` ... ``<end>``, via ``vocab.encode``."""
+    """Token ids of each caption, ``<start>`` ... ``<end>``, via ``vocab.encode``; with a
+    `Vocabulary`, read from the token cache when these captions were encoded before
+    (`sgraf.data.token_cache`)."""
+    if isinstance(vocab, Vocabulary):
+        return token_cache.token_ids(captions, vocab)
     return [list(vocab.encode(caption)) for caption in captions]
 
 

@@ -35,6 +35,10 @@ SPECIAL_TOKENS = {PAD: 0, START: 1, END: 2, UNK: 3}
 # vocabulary is probably not the data's (another data set's, or one built from other captions).
 UNKNOWN_WARN_SHARE = 0.10
 
+# Changes whenever `tokenize` would split some caption differently (it names the tokenizer in
+# `sgraf.data.token_cache`'s keys, beside nltk's version).
+TOKENIZER_REVISION = 1
+
 _word_tokenize: Callable[..., list[str]] | None = None
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from sgraf.user_cache import cache_dir
+
 try:
     import fcntl
 except ImportError:   # not POSIX: two processes measuring at once may each keep their own choice
@@ -77,10 +79,7 @@ def _cpu_key() -> str:
 
 def cache_path() -> pathlib.Path:
     """Where measured choices are stored (see the module docstring)."""
-    if os.environ.get("SGRAF_CACHE_DIR"):
-        return pathlib.Path(os.environ["SGRAF_CACHE_DIR"]) / "tuning.json"
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(base) / "sgraf" / "tuning.json"
+    return cache_dir() / "tuning.json"
 
 
 def enabled() -> bool:

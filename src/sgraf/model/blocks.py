@@ -71,7 +71,7 @@ THREAD_MODES = {"fp32": ("ops", "blocks"), "bf16": ("blocks", "ops"), "fp16": ("
 class Scorer(Protocol):
     """What the scorer needs from a model (`sgraf.model.sgraf.SGRAF` provides it; the optional
     `image_globals`, `caption_globals`, `region_grams`, `frozen_weights`, `probe_block` and
-    `tune_eval_chunks` are used when present)."""
+    `tune_eval` are used when present)."""
 
     def encode_images(self, images: torch.Tensor, boxes: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -566,7 +566,7 @@ def block_timer(precision: str, device: torch.device, workers: int) -> Callable[
 
 
 def tune_models(models: Sequence[Scorer], precision: str, device: torch.device, workers: int = 1) -> None:
-    """Let each model that offers ``tune_eval_chunks`` measure its chunk size for this machine and
+    """Let each model that offers ``tune_eval`` measure its chunk size for this machine and
     precision (once per machine, see `sgraf.kernels.tuning`) the way the scorer will run blocks
     (`workers` at once), and use it for the call (inside its ``frozen_weights``). Skipped under
     torchrun: processes that measured apart could choose apart, and the matrix must not depend
@@ -574,7 +574,7 @@ def tune_models(models: Sequence[Scorer], precision: str, device: torch.device, 
     if distributed.is_distributed():
         return
     for model in models:
-        tune = getattr(model, "tune_eval_chunks", None)
+        tune = getattr(model, "tune_eval", None)
         if tune is not None:
             with autocast(precision, device):
                 tune(device, block_timer(precision, device, workers),

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgraf.kernels import plan
+from sgraf.kernels import edges, plan
 from sgraf.kernels.cpu import fast_linear, train_linear
 
 
@@ -124,10 +124,9 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
                          has_global: bool) -> torch.Tensor:
     """Eval-only `graph_reasoning` (autocast off, no autograd) in the nodes' dtype.
 
-    Per step: the edge logits use the folded `W_q^T W_k` (see `fold_steps`); the logits are
-    laid out (keys, graphs, queries), so the edge softmax runs over the keys with every graph
-    and query side by side in memory (about 15x faster than a softmax over rows of a dozen
-    keys); Eq. 8's `ReLU(W_r E N + b_r)` is one matmul with the ReLU applied as it writes. The
+    Per step: the edge logits use the folded `W_q^T W_k` (see `fold_steps`); the edge softmax
+    and the aggregation `E N` go through `sgraf.kernels.edges` (the faster of two routes on this
+    device); Eq. 8's `ReLU(W_r E N + b_r)` is one matmul with the ReLU applied as it writes. The
     last step updates only the global node (the read-out). The matmuls and the edge softmax
     run in the nodes' dtype (float32, or bfloat16 for bf16 scoring, the softmax accumulating in
     float32); the result is float32.
@@ -142,30 +141,21 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
         (n_img, n_cap, m) float32.
     """
     n_img, n_cap, n_nodes, dim = nodes.shape
-    n_graphs = n_img * n_cap
     low = nodes.dtype
-    # additive key mask, broadcast over images and queries: (P, 1, n_cap, 1); 0 and -inf are
-    # exact in bf16. On the CPU None when every node is valid (captions of one length, as in a
-    # bucket); on a GPU always built, since asking would wait for the device (adding 0 is exact),
-    # and in a compiled graph, where a question about values would break the graph.
+    # additive key mask (n_cap, P), shared by every image; 0 and -inf are exact in bf16. On the
+    # CPU None when every node is valid (captions of one length, as in a bucket); on a GPU always
+    # built, since asking would wait for the device (adding 0 is exact), and in a compiled graph,
+    # where a question about values would break the graph.
     blocked = None
     if plan.gpu_plan(nodes.device) or torch.compiler.is_compiling() or not bool(node_mask.all()):
-        blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device)
-        blocked = blocked.masked_fill_(~node_mask, float("-inf")).t().reshape(n_nodes, 1, n_cap, 1)
-    graphs = nodes.view(n_graphs, n_nodes, dim)                                     # (G, P, m)
+        blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device).masked_fill_(~node_mask, float("-inf"))
+    route = edges.edge_route(nodes.device, low, dim)
+    graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m)
     for index, (bilinear_t, key_term, w_r, b_r) in enumerate(folded):
         last = has_global and index == len(folded) - 1
         queries = fast_linear(graphs[:, :1] if last else graphs, bilinear_t, key_term)  # (G, Q, m)
-        n_queries = queries.size(1)
-        # (G, P, Q) keys x queries, then transposed to (P, G, Q); a matmul writing there directly
-        # is slower with MKL (float32) and no faster with oneDNN (bf16)
-        logits = torch.bmm(graphs, queries.transpose(1, 2)).permute(1, 0, 2).contiguous()
-        if blocked is not None:
-            logits.view(n_nodes, n_img, n_cap, n_queries).add_(blocked)
-        # the softmax accumulates in float32 for bf16 input too; its bf16 output is what the
-        # aggregation matmul reads
-        edges = logits.softmax(dim=0).permute(1, 2, 0).contiguous()                 # (G, Q, P)
-        graphs = fast_linear(torch.bmm(edges, graphs), w_r, b_r, relu=True)         # (G, Q, m)
+        aggregated = edges.edge_aggregate(queries, graphs, blocked, n_img, route)     # (G, Q, m)
+        graphs = fast_linear(aggregated, w_r, b_r, relu=True)                        # (G, Q, m)
         if last:
             return graphs.float().view(n_img, n_cap, dim)
     graphs = graphs.float()

@@ -18,7 +18,7 @@ from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
-from sgraf.kernels import compiled, plan, tuning
+from sgraf.kernels import compiled, edges, plan, tuning
 from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
 from sgraf.model.encoders import ImageEncoder, TextEncoder
@@ -65,7 +65,7 @@ CHUNK_KEPT_PER_WORD = 4
 # Eval fast path on CPU: bytes of the largest (image, caption, word) x d operand of one chunk, and
 # images per chunk. Chunks that fit the caches score a pair about 1.7x faster than 128 MiB blocks
 # (their intermediates are reused while hot), but the best size depends on the processor and the
-# precision, so `tune_eval_chunks` times these candidates once per machine, model size and
+# precision, so `tune_eval` times these candidates once per machine, model size and
 # precision (`sgraf.kernels.tuning`): EVAL_CHUNK_DEFAULT stays unless another size is clearly
 # faster (on a 2-core AMD EPYC Zen 5, 4-16 MiB score within 5 % of each other: it stays); among
 # near-equal faster ones the smallest wins (less memory). An int in EVAL_CHUNK_BYTES fixes it.
@@ -229,7 +229,7 @@ class SGRAF(nn.Module):
         self.train_global_vectors: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         # the eval fast path's weight-only constants by matmul dtype while `frozen_weights` is active
         self._eval_constants: dict[torch.dtype, dict[str, Any]] | None = None
-        # the chunk budget under measurement while `tune_eval_chunks` runs
+        # the chunk budget under measurement while `tune_eval` runs
         self._probe_chunk_bytes: int | None = None
         init_weights(self)
         if self.has_places:
@@ -393,7 +393,7 @@ class SGRAF(nn.Module):
 
     def eval_chunk_bytes(self, low: torch.dtype) -> int:
         """The CPU chunk budget for `low`: EVAL_CHUNK_BYTES if set; inside `frozen_weights`, the
-        budget a scorer measured for its way of scoring (`tune_eval_chunks`); else the choice
+        budget a scorer measured for its way of scoring (`tune_eval`); else the choice
         measured for this machine by a plain call, or the default."""
         if EVAL_CHUNK_BYTES is not None:
             return EVAL_CHUNK_BYTES
@@ -405,14 +405,15 @@ class SGRAF(nn.Module):
                            default=EVAL_CHUNK_DEFAULT)
 
     @torch.no_grad()
-    def tune_eval_chunks(self, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None,
+    def tune_eval(self, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None,
                          label: str = "") -> int:
-        """Measure the CPU chunk budget for the current precision once per machine (about a
-        second at the paper's size; stored, see `sgraf.kernels.tuning`) and return it; inside
-        `frozen_weights` the model then uses it until the context ends.
+        """Measure this machine's eval choices for the current precision once (stored, see
+        `sgraf.kernels.tuning`): SGR's edge route on this device (`sgraf.kernels.edges`) and, on
+        the CPU, the chunk budget (about a second at the paper's size), which it returns; inside
+        `frozen_weights` the model then uses that budget until the context ends.
 
         Scorers of whole splits call this before scoring; a single `similarity` call uses the
-        stored choice or the default without measuring. Call in eval mode, under the autocast
+        stored choices or the defaults without measuring. Call in eval mode, under the autocast
         context the scoring will run in.
 
         Args:
@@ -422,6 +423,8 @@ class SGRAF(nn.Module):
             label: names the caller's way of scoring in the stored choice (with `timer`).
         """
         low = compute_dtype(device)
+        if "sgr" in self.heads and self.sim_enc.supports_fast():
+            edges.measure_edge_route(device, low, self.sim_enc.node_dim)
         if plan.gpu_plan(device) or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
             return self.eval_chunk_bytes(low)
         blocks: list[Callable[[], None]] = []      # the synthetic block, made at the first measurement only

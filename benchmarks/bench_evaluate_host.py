@@ -1,0 +1,111 @@
+"""The host side of `sgraf evaluate`: everything a GPU does not speed up, first and later runs.
+
+On a GPU, a Flickr30K-size `sgraf evaluate` spends most of its wall time on the host: Python's
+and PyTorch's imports, the checkpoint, the captions' tokenisation (nltk's import and its rules),
+the metrics and the saved matrix (issue 20: 9.8 s on an H200, of which about 1.6 s scoring).
+This times exactly that part on any machine: the real command in a fresh process
+(`python -m sgraf evaluate ... --save-sims`) on a generated split of `bench_eval.py`, with the
+two device stages replaced by stand-ins (the encoder returns at once, the scorer returns a
+random matrix of the split's shape). Runs alternate between a cold token cache (the captions
+are tokenised, as in a first evaluation of a split) and a warm one (the ids an earlier run kept,
+`sgraf.data.token_cache`); the medians and their ratio are printed, and each run's time inside
+the tokenisation.
+
+    python benchmarks/bench_evaluate_host.py                   # 1,000 x 5,000 (Flickr30K test)
+    python benchmarks/bench_evaluate_host.py --images 5000     # MSCOCO 5K
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_eval import build, set_token_cache
+
+HERE = Path(__file__).resolve().parent
+
+
+def child(report: str, argv: list[str]) -> int:
+    """The sgraf command line with the device stages stood in for; writes the tokenisation's seconds."""
+    import numpy as np
+
+    import sgraf.scoring as scoring
+    from sgraf.cli import main
+
+    class Stand:
+        """An encoding of the split: only its shape."""
+
+        def __init__(self, split) -> None:
+            self.n_images, self.n_captions = split.n_images, len(split.captions)
+
+    def tokenize(captions, vocab, real=scoring.tokenize_captions, spent=[]):  # noqa: B006 (a cell)
+        begin = time.perf_counter()
+        ids = real(captions, vocab)
+        spent.append(time.perf_counter() - begin)
+        tokenize.spent = sum(spent)
+        return ids
+
+    tokenize.spent = 0.0
+    scoring.tokenize_captions = tokenize
+    scoring.encode_split = lambda model, split, vocab, **kwargs: Stand(split)
+    scoring.score_matrix = lambda models, encoded, **kwargs: np.random.default_rng(0).random(
+        (encoded[0].n_images, encoded[0].n_captions), dtype=np.float32)
+    code = main(argv)
+    Path(report).write_text(json.dumps({"code": code, "tokenize_s": tokenize.spent}))
+    return code
+
+
+def run(out: Path, state: str) -> dict:
+    set_token_cache(out, state)
+    report = out / "report.json"
+    argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
+            "--json", "--quiet", "--save-sims", str(out / "sims.npy")]
+    env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
+    start = time.perf_counter()
+    completed = subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv],
+                               capture_output=True, text=True, env=env, cwd=HERE)
+    wall = time.perf_counter() - start
+    if completed.returncode != 0:
+        raise SystemExit(f"sgraf evaluate failed:\n{completed.stderr[-3000:]}")
+    return {"wall_s": wall, **json.loads(report.read_text())}
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[4:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each kind, interleaved (medians)")
+    args = parser.parse_args()
+
+    from sgraf.kernels.tuning import cpu_model
+
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch)
+        build(out, args.images, "sgr", 0)
+        print(f"{args.images} images x {args.images * 5} captions; {cpu_model()}, cpus {os.cpu_count()}", flush=True)
+        runs: dict[str, list[dict]] = {"cold": [], "warm": []}
+        for _ in range(args.repeats):
+            for state in runs:
+                runs[state].append(run(out, state))
+        medians = {}
+        for state, measured in runs.items():
+            medians[state] = statistics.median(r["wall_s"] for r in measured)
+            walls = ", ".join(f"{r['wall_s']:.2f}" for r in measured)
+            print(f"token cache {state}: runs {walls} s, median "
+                  f"{medians[state]:.2f} s; of which tokenisation (median) "
+                  f"{statistics.median(r['tokenize_s'] for r in measured):.2f} s", flush=True)
+        print(f"warm / cold: {medians['cold'] / medians['warm']:.2f}x faster, "
+              f"{medians['cold'] - medians['warm']:.2f} s less", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Captions' token ids kept on disk (`sgraf.data.token_cache`): the same ids as the tokenizer,
+read back without it, and never trusted when the file does not hold ids of these captions."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import sgraf.data.vocab as vocab_module
+from sgraf.data import token_cache
+from sgraf.data.precomp import read_captions
+from sgraf.data.vocab import Vocabulary, load_vocab
+from sgraf.scoring import tokenize_captions
+
+E2E = "e2e/data"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SGRAF_TOKEN_CACHE", raising=False)
+    return tmp_path / "tokens"
+
+
+@pytest.fixture
+def toy(data_dir):
+    vocab = load_vocab(data_dir / E2E / "toy_vocab.json")
+    captions = read_captions(data_dir / E2E / "toy_precomp" / "test_caps.txt")
+    expected = torch.load(data_dir / "e2e" / "expected.pt", weights_only=True)["token_ids"]
+    return vocab, captions, expected
+
+
+def no_tokenizer(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tokenizer ran")
+    monkeypatch.setattr(vocab_module, "tokenize", refuse)
+
+
+def test_the_second_encoding_reads_the_authors_ids_without_the_tokenizer(cache, toy, monkeypatch):
+    vocab, captions, expected = toy
+    assert tokenize_captions(captions, vocab) == expected
+    assert len(list(cache.glob("*.npz"))) == 1
+    no_tokenizer(monkeypatch)
+    assert tokenize_captions(captions, vocab) == expected
+
+
+def test_other_captions_another_vocabulary_or_tokenizer_are_encoded_anew(cache, toy, monkeypatch):
+    vocab, captions, expected = toy
+    tokenize_captions(captions, vocab)
+    smaller = Vocabulary.from_words(list(vocab.word2idx)[4:-1])          # the last word now unknown
+    assert tokenize_captions(captions, smaller) == [smaller.encode(c) for c in captions]
+    assert tokenize_captions(captions[::-1], vocab) == expected[::-1]
+    monkeypatch.setattr(token_cache, "TOKENIZER_REVISION", 2)
+    token_cache._tokenizer.cache_clear()
+    try:
+        tokenize_captions(captions, vocab)
+    finally:
+        token_cache._tokenizer.cache_clear()
+    assert len(list(cache.glob("*.npz"))) == 4
+
+
+def damage(path, how):
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[:50])
+    elif how == "not npz":
+        path.write_text("hello")
+    else:
+        with np.load(path) as stored:
+            lengths, ids = stored["lengths"], stored["ids"]
+        if how == "id outside the vocabulary":
+            ids = ids.copy()
+            ids[1] = 10**6
+        elif how == "one caption too few":
+            lengths, ids = lengths[1:], ids[lengths[0]:]
+        elif how == "no <start>":
+            ids = ids.copy()
+            ids[0] = 5
+        elif how == "float ids":
+            ids = ids.astype(np.float32)
+        with open(path, "wb") as handle:
+            np.savez(handle, lengths=lengths, ids=ids)
+
+
+@pytest.mark.parametrize("how", ["truncated", "not npz", "id outside the vocabulary", "one caption too few",
+                                 "no <start>", "float ids"])
+def test_a_damaged_file_is_tokenised_again_and_rewritten(cache, toy, how):
+    vocab, captions, expected = toy
+    tokenize_captions(captions, vocab)
+    (path,) = cache.glob("*.npz")
+    damage(path, how)
+    assert tokenize_captions(captions, vocab) == expected
+    with np.load(path) as stored:                                        # rewritten whole
+        assert stored["ids"].tolist() == [i for row in expected for i in row]
+
+
+def test_an_unwritable_cache_or_the_switch_off_still_gives_the_ids(tmp_path, toy, monkeypatch):
+    vocab, captions, expected = toy
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(blocker))              # the cache folder cannot be made
+    assert tokenize_captions(captions, vocab) == expected
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SGRAF_TOKEN_CACHE", "off")
+    assert tokenize_captions(captions, vocab) == expected
+    assert not (tmp_path / "cache").exists()
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+
+def test_a_caption_that_is_not_utf8_is_refused_the_same_way_through_the_cache(cache):
+    from sgraf.errors import InputError
+
+    vocab = Vocabulary.from_words(["a"])
+    with pytest.raises(InputError, match="is not valid UTF-8"):
+        tokenize_captions(["a \udcff b"], vocab)
+
+
+def test_evaluate_takes_the_kept_ids_and_reproduces_the_authors_matrix(cache, data_dir, monkeypatch):
+    from sgraf.evaluate import evaluate_checkpoints_with_sims
+
+    e2e = data_dir / "e2e"
+    args = ([e2e / "sgr.pth.tar"], e2e / "data" / "toy_precomp", "test", e2e / "data" / "toy_vocab.json")
+    first, sims = evaluate_checkpoints_with_sims(*args)
+    no_tokenizer(monkeypatch)
+    second, again = evaluate_checkpoints_with_sims(*args)
+    assert first == second and np.array_equal(sims, again)
+    expected = torch.load(e2e / "expected.pt", weights_only=True)
+    assert second["rsum"] == expected["sgr_rsum"]
