@@ -34,7 +34,7 @@ ROUTES = ("layout", "sdpa")          # the first is the default
 # The probes: (images, captions, nodes) of a scoring block's graphs, 16 nodes (a global node and
 # up to 15 words, a length bucket's padding), two thirds of the captions shorter (masked keys).
 # A GPU's is a block of the size it scores (a smaller one would time the launches).
-PROBE_GRAPHS = {"cpu": (16, 128, 16), "gpu": (256, 256, 16)}
+PROBE_GRAPHS = {"cpu": (16, 128, 16), "gpu": (128, 256, 16)}
 
 
 def edge_route(device: torch.device | str, dtype: torch.dtype, dim: int) -> str:
@@ -115,12 +115,14 @@ def edge_aggregate(queries: torch.Tensor, graphs: torch.Tensor, blocked: torch.T
 
 def _time_route(route: str, device: torch.device, dtype: torch.dtype, dim: int) -> float:
     n_img, n_cap, n_nodes = PROBE_GRAPHS["gpu" if plan.gpu_plan(device) else "cpu"]
-    generator = torch.Generator().manual_seed(0)
-    graphs = F.normalize(torch.randn(n_img * n_cap, n_nodes, dim, generator=generator), dim=-1)
-    queries = torch.randn(n_img * n_cap, n_nodes, dim, generator=generator)
+    # drawn on the device in `dtype` (a GPU's probe is two tensors of 134 M values)
+    generator = torch.Generator(device).manual_seed(0)
+    shape = (n_img * n_cap, n_nodes, dim)
+    graphs = F.normalize(torch.randn(shape, generator=generator, device=device, dtype=dtype), dim=-1)
+    queries = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     lengths = torch.arange(n_cap) % 3 + n_nodes - 3           # 13, 14 and 15 words
     blocked = torch.zeros(n_cap, n_nodes).masked_fill_(torch.arange(n_nodes) > lengths[:, None], float("-inf"))
-    graphs, queries, blocked = (t.to(device, dtype) for t in (graphs, queries, blocked))
+    blocked = blocked.to(device, dtype)
 
     def run() -> None:
         edge_aggregate(queries, graphs, blocked, n_img, route)

@@ -406,7 +406,7 @@ class SGRAF(nn.Module):
 
     @torch.no_grad()
     def tune_eval(self, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None,
-                         label: str = "") -> int:
+                  label: str = "") -> int:
         """Measure this machine's eval choices for the current precision once (stored, see
         `sgraf.kernels.tuning`): SGR's edge route on this device (`sgraf.kernels.edges`) and, on
         the CPU, the chunk budget (about a second at the paper's size), which it returns; inside
