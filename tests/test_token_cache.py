@@ -67,6 +67,9 @@ def damage(path, how):
         path.write_bytes(path.read_bytes()[:50])
     elif how == "not npz":
         path.write_text("hello")
+    elif how == "a plain .npy":
+        with open(path, "wb") as handle:
+            np.save(handle, np.arange(5, dtype=np.int32))
     else:
         with np.load(path) as stored:
             lengths, ids = stored["lengths"], stored["ids"]
@@ -84,7 +87,7 @@ def damage(path, how):
             np.savez(handle, lengths=lengths, ids=ids)
 
 
-@pytest.mark.parametrize("how", ["truncated", "not npz", "id outside the vocabulary", "one caption too few",
+@pytest.mark.parametrize("how", ["truncated", "not npz", "a plain .npy", "id outside the vocabulary", "one caption too few",
                                  "no <start>", "float ids"])
 def test_a_damaged_file_is_tokenised_again_and_rewritten(cache, toy, how):
     vocab, captions, expected = toy

@@ -78,7 +78,10 @@ def _read(path: Path, n_captions: int, vocab_size: int, start: int, end: int) ->
     """The ids stored at `path`, or None when there are none or they are not valid ids of
     `n_captions` captions (each `<start>` ... `<end>`, every id in the vocabulary)."""
     try:
-        with np.load(path, allow_pickle=False) as stored:
+        stored = np.load(path, allow_pickle=False)
+        if not isinstance(stored, np.lib.npyio.NpzFile):       # a plain .npy under our name
+            raise ValueError("not an .npz archive")
+        with stored:
             lengths, ids = stored["lengths"], stored["ids"]
     except FileNotFoundError:
         return None
