@@ -16,8 +16,8 @@ tiny products. The two routes give the same values up to float rounding:
 probe shaped like a scoring block (`sgraf.kernels.tuning`; a scorer calls it before scoring a
 large split) and keeps `layout`, the default, unless `sdpa` is more than 20 % faster;
 `edge_route` then returns the stored choice without measuring. `SGRAF_EDGE_ROUTE=layout|sdpa`
-forces one; inside a compiled graph and under `plan.emulate_gpu` (launch counting) the default
-is taken.
+forces one; a compiled graph (`sgraf.kernels.compiled`) and `plan.emulate_gpu` (launch counting)
+take the default.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from sgraf.kernels import plan, tuning
 ROUTES = ("layout", "sdpa")          # the first is the default
 # The probes: (images, captions, nodes) of a scoring block's graphs, 16 nodes (a global node and
 # up to 15 words, a length bucket's padding), two thirds of the captions shorter (masked keys).
-# A GPU's is a block of the size it scores (a smaller one would time the launches).
+# A GPU's is larger (a small one would time its launches, not its kernels).
 PROBE_GRAPHS = {"cpu": (16, 128, 16), "gpu": (128, 256, 16)}
 
 
@@ -42,10 +42,12 @@ def edge_route(device: torch.device | str, dtype: torch.dtype, dim: int) -> str:
     `SGRAF_EDGE_ROUTE` if set, else the choice `measure_edge_route` stored for this device, else
     the default. Never measures (it is asked inside the scoring loop, where a probe would wait
     for the device)."""
+    if torch.compiler.is_compiling():      # traced once; no environment read inside the graph
+        return ROUTES[0]
     forced = _forced()
     if forced:
         return forced
-    if torch.compiler.is_compiling() or _emulated(device):
+    if _emulated(device):
         return ROUTES[0]
     return tuning.peek(_name(dtype, dim), ROUTES, device=device)
 
