@@ -16,7 +16,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import zipfile
 from collections.abc import Sequence
 from importlib import metadata
@@ -27,14 +26,14 @@ import numpy as np
 from sgraf.atomic_write import atomic_path
 from sgraf.data.vocab import TOKENIZER_REVISION, Vocabulary
 from sgraf.errors import InputError
-from sgraf.user_cache import cache_dir
+from sgraf.user_cache import cache_dir, switched_on
 
 logger = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
     """False when SGRAF_TOKEN_CACHE is off/0/false/no."""
-    return os.environ.get("SGRAF_TOKEN_CACHE", "on").strip().lower() not in ("off", "0", "false", "no")
+    return switched_on("SGRAF_TOKEN_CACHE")
 
 
 def token_ids(captions: Sequence[str], vocab: Vocabulary) -> list[list[int]]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from sgraf.user_cache import cache_dir
+from sgraf.user_cache import cache_dir, switched_on
 
 try:
     import fcntl
@@ -84,7 +84,7 @@ def cache_path() -> pathlib.Path:
 
 def enabled() -> bool:
     """False when SGRAF_TUNE is off/0/false/no: every choice is then its default."""
-    return os.environ.get("SGRAF_TUNE", "on").strip().lower() not in ("off", "0", "false", "no")
+    return switched_on("SGRAF_TUNE")
 
 
 def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu", default: Any = None) -> Any:
