@@ -45,6 +45,7 @@ from sgraf.atomic_write import preallocated_memmap, temporary_folder, write_erro
 from sgraf.data.arrays import check_finite_features, mapped_file, open_npy
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError, check_positive_int
+from sgraf.scoring import tokenize_captions
 from sgraf.signals import signals_deferred
 
 logger = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
     if boxes is not None:
         np.save(folder / BOXES, boxes.numpy().astype(np.float32))
     # captions: tokenise all first, for the padded width
-    ids = [matcher.vocab.encode(caption) for caption in captions]
+    ids = tokenize_captions(captions, matcher.vocab)       # kept on disk for the next index of them
     warn_unknown_share(matcher.vocab, ids, captions_label)
     lengths = np.array([len(i) for i in ids], dtype=np.int64)
     width = int(lengths.max())
