@@ -569,9 +569,9 @@ def tune_models(models: Sequence[Scorer], precision: str, device: torch.device, 
     """Let each model that offers ``tune_eval`` measure its eval choices for this machine and
     precision (once per machine, see `sgraf.kernels.tuning`: SGR's edge route, and the chunk size
     the way the scorer will run blocks, `workers` at once), and use them for the call (inside its
-    ``frozen_weights``). Skipped under
-    torchrun: processes that measured apart could choose apart, and the matrix must not depend
-    on the number of processes (each takes the stored choice or the default)."""
+    ``frozen_weights``). Skipped under torchrun: processes that measured apart could choose
+    apart, and the matrix must not depend on the number of processes (each takes the stored
+    choice or the default)."""
     if distributed.is_distributed():
         return
     for model in models:
