@@ -21,6 +21,7 @@ from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import open_npy
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError
+from sgraf.stopwatch import Stopwatch, stage
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,12 @@ def load_ensemble(checkpoints: Sequence[str | os.PathLike], vocab: str | os.Path
     return models, vocabularies[0]
 
 
+def start_device(device: torch.device | str) -> None:
+    """Start `device`'s runtime now (CUDA's context and its first allocation): what the first
+    model moved there would otherwise pay, timed apart by `sgraf evaluate --timings`."""
+    torch.empty(1, device=device).add_(1)
+
+
 def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
     """Raise InputError if the split's features are not the shape the model expects."""
     config = model.config
@@ -90,31 +97,38 @@ def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
 
 def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, precision: str = "fp32",
                 batch_size: int = 128, progress: bool = False, head: str | None = None,
-                token_ids: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+                token_ids: Sequence[Sequence[int]] | None = None, stopwatch: Stopwatch | None = None) -> np.ndarray:
     """The (n_img, n_cap) float32 score matrix of a model or an ensemble on a split.
 
     The captions are tokenised once for every model (unless `token_ids` gives them). Under
     ``torchrun`` every process must call this; each scores a share of the images and every
-    process returns the whole matrix.
+    process returns the whole matrix. `stopwatch` times the stages 'tokenise', 'encode images',
+    'encode captions' and 'score'.
     """
     if token_ids is None:
-        token_ids = scoring.tokenize_captions(split.captions, vocab)
+        with stage(stopwatch, "tokenise"):
+            token_ids = scoring.tokenize_captions(split.captions, vocab)
     encoded = [scoring.encode_split(model, split, vocab, batch_size=batch_size, precision=precision,
-                                    progress=progress and distributed.is_main_process(), token_ids=token_ids)
+                                    progress=progress and distributed.is_main_process(), token_ids=token_ids,
+                                    stopwatch=stopwatch)
                for model in models]
-    return scoring.score_matrix(list(models), encoded, precision=precision, progress=progress, head=head)
+    with stage(stopwatch, "score"):
+        return scoring.score_matrix(list(models), encoded, precision=precision, progress=progress, head=head)
 
 
 def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, folds: int = 1,
                    precision: str = "fp32", batch_size: int = 128, progress: bool = False,
-                   head: str | None = None,
-                   token_ids: Sequence[Sequence[int]] | None = None) -> tuple[dict[str, Any], np.ndarray]:
+                   head: str | None = None, token_ids: Sequence[Sequence[int]] | None = None,
+                   stopwatch: Stopwatch | None = None) -> tuple[dict[str, Any], np.ndarray]:
     """Metrics (`sgraf.metrics.evaluate_sims`) and the score matrix of models on a split.
 
     This is what training validation calls, so that it matches `sgraf evaluate` exactly.
+    `stopwatch` times `score_split`'s stages and 'metrics'.
     """
-    sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids)
-    return metrics.evaluate_sims(sims, folds=folds, caps_per_image=split.caps_per_image), sims
+    sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids, stopwatch)
+    with stage(stopwatch, "metrics"):
+        result = metrics.evaluate_sims(sims, folds=folds, caps_per_image=split.caps_per_image)
+    return result, sims
 
 
 def open_split(data_dir: str | os.PathLike, split: str) -> Any:
@@ -162,7 +176,8 @@ def _check_finite_matrix(sims: np.ndarray, path: str | os.PathLike, rows_per_chu
 def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,
                          vocab: str | os.PathLike | Any = None, folds: int = 1, precision: str = "fp32",
                          batch_size: int = 128, device: torch.device | str = "cpu", progress: bool = False,
-                         save_sims: str | os.PathLike | None = None) -> dict[str, Any]:
+                         save_sims: str | os.PathLike | None = None,
+                         stopwatch: Stopwatch | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint, or the average of several, on ``data_dir/{split}_*``.
 
     `evaluate_checkpoints_with_sims` takes the same arguments and also returns the matrix.
@@ -178,60 +193,83 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
         device: where to run.
         progress: progress bars with ETA on stderr.
         save_sims: write the float32 (n_img, n_cap) matrix here (caption-file order).
+        stopwatch: times the stages 'checkpoint', 'data', 'tokenise', 'encode images', 'encode
+            captions', 'score', 'metrics' and 'save' (`sgraf.stopwatch`; `sgraf evaluate --timings`).
 
     Returns:
         The `sgraf.metrics.evaluate_sims` dict.
     """
     return evaluate_checkpoints_with_sims(checkpoints, data_dir, split, vocab, folds, precision, batch_size,
-                                          device, progress, save_sims)[0]
+                                          device, progress, save_sims, stopwatch)[0]
 
 
 def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike,
                                    split: str, vocab: str | os.PathLike | Any = None, folds: int = 1,
                                    precision: str = "fp32", batch_size: int = 128,
                                    device: torch.device | str = "cpu", progress: bool = False,
-                                   save_sims: str | os.PathLike | None = None) -> tuple[dict[str, Any], np.ndarray]:
+                                   save_sims: str | os.PathLike | None = None,
+                                   stopwatch: Stopwatch | None = None) -> tuple[dict[str, Any], np.ndarray]:
     """`evaluate_checkpoints`, returning ``(metrics, (n_img, n_cap) float32 score matrix)``."""
     if isinstance(folds, bool) or not isinstance(folds, int) or folds < 1:
         raise InputError(f"--folds must be a positive integer, got {folds!r}")
-    precomp = open_split(data_dir, split)
+    with stage(stopwatch, "data"):
+        precomp = open_split(data_dir, split)
     if precomp.n_images % folds:
         raise InputError(f"--folds {folds}: the {precomp.n_images} images of {precomp.ims_path} do not split "
                          f"into {folds} equal folds")
-    models, vocabulary = load_ensemble(checkpoints, vocab, device)
+    with stage(stopwatch, "checkpoint"):
+        models, vocabulary = load_ensemble(checkpoints, vocab, device)
     for model, path in zip(models, checkpoints):
         check_split_fits(model, precomp, str(path))
-    token_ids = scoring.tokenize_captions(precomp.captions, vocabulary)   # once: the check and every model
+    with stage(stopwatch, "tokenise"):
+        token_ids = scoring.tokenize_captions(precomp.captions, vocabulary)   # once: the check and every model
     warn_unknown_share(vocabulary, token_ids, str(precomp.caps_path))
     logger.info("evaluating %s on %s (%d images, %d captions)", ", ".join(map(str, checkpoints)),
                 precomp.caps_path, precomp.n_images, precomp.n_captions)
     result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress,
-                                  token_ids=token_ids)
+                                  token_ids=token_ids, stopwatch=stopwatch)
     if save_sims is not None and distributed.is_main_process():
-        save_matrix(sims, save_sims)
+        with stage(stopwatch, "save"):
+            save_matrix(sims, save_sims)
         logger.info("wrote the %s score matrix to %s", sims.shape, save_sims)
     return result, sims
 
 
 def evaluate_sims_files(paths: Sequence[str | os.PathLike], folds: int = 1,
                         data_dir: str | os.PathLike | None = None, split: str | None = None,
-                        save_sims: str | os.PathLike | None = None) -> dict[str, Any]:
+                        save_sims: str | os.PathLike | None = None,
+                        stopwatch: Stopwatch | None = None) -> dict[str, Any]:
     """Evaluate saved score matrices, averaging several (float64 mean, rounded once to float32).
 
     With `data_dir` the matrices must have the split's (n_images, n_captions) shape.
     `evaluate_sims_files_with_sims` takes the same arguments and also returns the matrix.
+    `stopwatch` times the stages 'load', 'metrics' and 'save'.
     """
-    return evaluate_sims_files_with_sims(paths, folds, data_dir, split, save_sims)[0]
+    return evaluate_sims_files_with_sims(paths, folds, data_dir, split, save_sims, stopwatch)[0]
 
 
 def evaluate_sims_files_with_sims(paths: Sequence[str | os.PathLike], folds: int = 1,
                                   data_dir: str | os.PathLike | None = None, split: str | None = None,
-                                  save_sims: str | os.PathLike | None = None) -> tuple[dict[str, Any], np.ndarray]:
+                                  save_sims: str | os.PathLike | None = None,
+                                  stopwatch: Stopwatch | None = None) -> tuple[dict[str, Any], np.ndarray]:
     """`evaluate_sims_files`, returning ``(metrics, the (averaged) score matrix)``."""
     if not paths:
         raise InputError("no score matrix given")
+    with stage(stopwatch, "load"):
+        sims = _load_matrices(paths, data_dir, split)
+    with stage(stopwatch, "metrics"):
+        result = metrics.evaluate_sims(sims, folds=folds)
+    if save_sims is not None:
+        with stage(stopwatch, "save"):
+            save_matrix(sims, save_sims)
+    return result, sims
+
+
+def _load_matrices(paths: Sequence[str | os.PathLike], data_dir: str | os.PathLike | None,
+                   split: str | None) -> np.ndarray:
+    """The saved matrix, or the average of several; each checked for the split's shape (with
+    `data_dir`; else the first's) and read through once for NaN/inf."""
     matrices = [load_matrix(path) for path in paths]
-    expected = None
     if data_dir is not None:
         precomp = open_split(data_dir, split or "test")
         expected = (precomp.n_images, precomp.n_captions)
@@ -244,8 +282,4 @@ def evaluate_sims_files_with_sims(paths: Sequence[str | os.PathLike], folds: int
             raise InputError(f"{path}: score matrix of shape {sims.shape}, expected {expected} "
                              f"(n_images, n_captions) as {where}")
         _check_finite_matrix(sims, path)
-    sims = matrices[0] if len(matrices) == 1 else scoring.average_matrices(matrices)
-    result = metrics.evaluate_sims(sims, folds=folds)
-    if save_sims is not None:
-        save_matrix(sims, save_sims)
-    return result, sims
+    return matrices[0] if len(matrices) == 1 else scoring.average_matrices(matrices)

@@ -38,6 +38,7 @@ from sgraf.model import blocks
 from sgraf.model.blocks import (BLOCK_ELEMENTS, IMAGE_BLOCK, CaptionBucket, Encoded, Scorer, check_ensemble,
                                 encode_token_buckets, eval_mode, image_globals, model_device, score_encoded)
 from sgraf.precision import check_precision
+from sgraf.stopwatch import Stopwatch, stage
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_siz
 
 def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, precision: str = "fp32",
                  device: torch.device | str | None = None, progress: bool = False,
-                 token_ids: Sequence[Sequence[int]] | None = None) -> Encoded:
+                 token_ids: Sequence[Sequence[int]] | None = None, stopwatch: Stopwatch | None = None) -> Encoded:
     """Run the encoders over a split once.
 
     Args:
@@ -127,6 +128,8 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
         progress: progress bars on stderr.
         token_ids: the captions already tokenised with `vocab` (`tokenize_captions`), for a
             caller that needed them before (an ensemble, the unknown-word check).
+        stopwatch: times the stages 'tokenise' (without `token_ids`), 'encode images' (with
+            the image globals) and 'encode captions' (`sgraf.stopwatch`).
 
     Returns:
         The `Encoded` split, on the model's device.
@@ -136,13 +139,16 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
     if device is not None and torch.device(device).type != model_device(model).type:  # type: ignore[arg-type]
         raise ValueError(f"encode_split: model is on {model_device(model)}, not on {device}")  # type: ignore[arg-type]
     if token_ids is None:
-        token_ids = tokenize_captions(split.captions, vocab)
-    img_embs = encode_images(model, split.images, batch_size, precision, progress,
-                             source=getattr(split, "ims_path", None), boxes=split_boxes(model, split))
-    buckets = encode_captions(model, token_ids, batch_size, precision, progress)
+        with stage(stopwatch, "tokenise"):
+            token_ids = tokenize_captions(split.captions, vocab)
+    with stage(stopwatch, "encode images"):
+        img_embs = encode_images(model, split.images, batch_size, precision, progress,
+                                 source=getattr(split, "ims_path", None), boxes=split_boxes(model, split))
+        img_glo = image_globals(model, img_embs, batch_size, precision)
+    with stage(stopwatch, "encode captions"):
+        buckets = encode_captions(model, token_ids, batch_size, precision, progress)
     logger.debug("encoded %d images and %d captions in %d buckets", len(img_embs), len(token_ids), len(buckets))
-    return Encoded(img_embs=img_embs, buckets=buckets, n_captions=len(token_ids),
-                   img_glo=image_globals(model, img_embs, batch_size, precision))
+    return Encoded(img_embs=img_embs, buckets=buckets, n_captions=len(token_ids), img_glo=img_glo)
 
 
 def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision: str = "fp32",

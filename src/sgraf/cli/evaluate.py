@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 
 from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
                                  positive_int)
@@ -28,34 +29,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="average over K consecutive equal folds (MSCOCO 1K: --split testall --folds 5)")
     parser.add_argument("--tf32", action="store_true",
                         help="on CUDA, fp32 matmuls and cuDNN in TF32 (faster, 10-bit mantissa; default: exact fp32)")
+    parser.add_argument("--timings", action="store_true",
+                        help="seconds per stage (startup, imports, device start, checkpoint, tokenise, encode, "
+                             "score, metrics, save) on stderr, and as \"timings\" in --json's object")
     add_scoring_options(parser, torchrun=True)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from sgraf import distributed, evaluate, metrics
-    from sgraf.errors import InputError
-    from sgraf.precision import tf32
+    from sgraf.stopwatch import Stopwatch, format_timings, process_age, stage
+
+    watch = Stopwatch(startup=process_age()) if args.timings else None
+    with stage(watch, "imports"):
+        from sgraf import distributed, evaluate, metrics
+        from sgraf.errors import InputError
+        from sgraf.precision import tf32
 
     check_score_source(args)
     check_score_outputs(args)
     if args.sims:
         result = evaluate.evaluate_sims_files(args.sims, folds=args.folds, data_dir=args.data,
-                                              split=args.split if args.data else None, save_sims=args.save_sims)
+                                              split=args.split if args.data else None, save_sims=args.save_sims,
+                                              stopwatch=watch)
     else:
         if not args.data:
             raise InputError("--data DIR is required with --checkpoint")
-        info = distributed.init_from_env(device=args.device)
+        with stage(watch, "device start"):
+            info = distributed.init_from_env(device=args.device)
+            if watch is not None:   # the device's context now, not inside the checkpoint's stage
+                watch.use(info.device)
+                evaluate.start_device(info.device)
         try:
             with tf32(args.tf32):
                 result = evaluate.evaluate_checkpoints(
                     args.checkpoint, args.data, args.split, vocab=args.vocab, folds=args.folds,
                     precision=args.precision, batch_size=args.batch_size, device=info.device,
-                    progress=not args.quiet, save_sims=args.save_sims)
+                    progress=not args.quiet, save_sims=args.save_sims, stopwatch=watch)
         finally:
             distributed.cleanup()
         if not info.is_main:
             return 0
+    if watch is not None:
+        timings = watch.report()
+        print(f"sgraf evaluate: timings: {format_timings(timings)}", file=sys.stderr)
+        if args.json:
+            result = {**result, "timings": timings}
     if args.json:
         print(json.dumps(result))
     else:
