@@ -1,5 +1,3 @@
-import sys
+from sgraf.cli import entry
 
-from sgraf.cli import main
-
-sys.exit(main())
+entry()

@@ -19,6 +19,7 @@ SIMILARITIES = ("vector", "scalar")
 ATTENTIONS = ("t2i", "i2t")
 ALIGNMENTS = ("both", "global", "local")
 POSITIONS = ("none", "box", "relation", "place")  # region positions: sgraf.model.positions
+PRECISIONS = ("fp32", "bf16", "fp16")             # what `sgraf.precision.autocast` runs
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from sgraf.config import PRECISIONS
 
 
 def check_precision(precision: str) -> str:

@@ -1,13 +1,24 @@
 """Training SGRAF: configs and presets, the engine, resumable run folders, several processes.
 
 The training loop sits on top of the library (`sgraf.model`, `sgraf.data`, `sgraf.scoring`,
-`sgraf.metrics`); nothing below imports it.
+`sgraf.metrics`); nothing below imports it. The engine's names are imported when first used,
+so that the command line can read the presets (`sgraf.training.config`) without PyTorch.
 """
 
-from sgraf.training.config import PRESETS, TrainConfig, preset, resolve_config
-from sgraf.training.loop import (NonFiniteLossError, StepResult, batch_loss, build_optimizer, fit,
-                                 learning_rate, train_one_epoch, train_step, validate)
+from __future__ import annotations
 
-__all__ = ["PRESETS", "TrainConfig", "preset", "resolve_config", "NonFiniteLossError", "StepResult",
-           "batch_loss", "build_optimizer", "fit", "learning_rate", "train_one_epoch", "train_step",
-           "validate"]
+import importlib
+from typing import Any
+
+from sgraf.training.config import PRESETS, TrainConfig, preset, resolve_config
+
+_ENGINE = ("NonFiniteLossError", "StepResult", "batch_loss", "build_optimizer", "fit", "learning_rate",
+           "train_one_epoch", "train_step", "validate")
+
+__all__ = ["PRESETS", "TrainConfig", "preset", "resolve_config", *_ENGINE]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENGINE:
+        return getattr(importlib.import_module("sgraf.training.loop"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,10 +21,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, POSITIONS, SIMILARITIES, ModelConfig
+from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, POSITIONS, PRECISIONS, SIMILARITIES, ModelConfig
 from sgraf import text_files
 from sgraf.errors import InputError
-from sgraf.precision import PRECISIONS
 
 MAX_SEED = 2**32 - 1
 BATCHES = ("random", "families")  # numpy's legacy seeding takes 0 .. 2**32 - 1

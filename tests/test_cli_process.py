@@ -1,0 +1,68 @@
+"""The `sgraf` process itself: a help that does not load PyTorch, and an exit without teardown."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+E2E = pathlib.Path(__file__).parent / "data" / "e2e"
+
+# a child that ends through exit_process: its buffered output, an atexit handler, and an object
+# whose finaliser only the interpreter's teardown runs
+CHILD = """
+import atexit, sys, threading, time
+class Loud:
+    def __del__(self):
+        print("teardown", flush=True)
+keep = Loud()
+atexit.register(lambda: print("atexit ran"))
+if sys.argv[1] == "thread":
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+print("output")   # block-buffered: stdout is a pipe
+from sgraf.cli import exit_process
+exit_process(3)
+"""
+
+
+def run_child(mode, **env):
+    return subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_exit_process_flushes_runs_exit_handlers_and_skips_teardown():
+    child = run_child("plain")
+    assert child.returncode == 3, child.stderr
+    assert child.stdout.splitlines() == ["output", "atexit ran"]
+
+
+def test_exit_process_exits_the_usual_way_when_asked_or_when_work_is_running():
+    off = run_child("plain", SGRAF_FAST_EXIT="off")
+    assert off.returncode == 3 and off.stdout.splitlines() == ["output", "atexit ran", "teardown"]
+    thread = run_child("thread")     # a thread that is no daemon: waited for, as Python does
+    assert thread.returncode == 3
+    assert thread.stdout.splitlines() == ["output", "thread finished", "atexit ran", "teardown"]
+
+
+def test_help_does_not_import_pytorch():
+    code = ("import sys, contextlib, io\nfrom sgraf.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(['--help']) == 0\n"
+            "    assert main(['train', '--help']) == 0\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'nltk') if m in sys.modules))")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert child.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("entry", [["-m", "sgraf"], ["-c", "from sgraf.cli import entry; entry()"]])
+def test_the_command_through_its_entry_points(entry):
+    base = [sys.executable, *entry, "evaluate", "--checkpoint", str(E2E / "sgr.pth.tar"), "--vocab",
+            str(E2E / "data" / "toy_vocab.json"), "--quiet"]
+    done = subprocess.run([*base, "--data", str(E2E / "data" / "toy_precomp"), "--json"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["n_captions"] == 30
+    refused = subprocess.run([*base, "--data", str(E2E / "missing")], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [f"sgraf evaluate: error: --data {E2E / 'missing'}: not a directory"]
