@@ -6,7 +6,8 @@ paper-size model (embed 1024, sim 256, word 300, vocabulary 8,481) with random w
 the same run:
 
 - `sgraf evaluate` as a subprocess, fp32 and bf16: wall time (the whole command, imports and
-  loading included) and peak resident memory;
+  loading included), peak resident memory and the command's own breakdown of its time
+  (`--timings`: startup, checkpoint, tokenise, encode, score, metrics, save);
 - the authors' algorithm as they run it (see `authors`: five copies of each image encoded, then
   shards of 100 images x 100 captions, each shard's captions scored one at a time against its
   images) on a random slice of captions, extrapolated to the split;
@@ -127,7 +128,7 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
     report = out / f"report_{precision}_{tag}.json"
     argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
             "--precision", precision, "--batch-size", str(batch_size), "--json", "--quiet", "--save-sims", str(sims),
-            "--device", device]
+            "--device", device] + ([] if source else ["--timings"])   # an earlier checkout may lack it
     # measured choices (sgraf.kernels.tuning) are stored in the work folder: the first run of a
     # fresh machine pays for the probes, like a user's first run
     env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
@@ -140,7 +141,8 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
     if completed.returncode != 0:
         raise SystemExit(f"sgraf evaluate failed:\n{completed.stderr[-3000:]}")
     info = json.loads(report.read_text())
-    return {"wall_s": wall, "peak_mb": info["peak_mb"], "result": json.loads(completed.stdout.strip().splitlines()[-1]),
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    return {"wall_s": wall, "peak_mb": info["peak_mb"], "result": result, "timings": result.pop("timings", None),
             "sims": np.load(sims)}
 
 
@@ -222,10 +224,22 @@ def synchronize(device: str) -> None:
 
 
 def summarise(measured: list[dict]) -> dict:
-    """Median wall time and memory of repeated runs, with the last run's results."""
+    """Median wall time, memory and stage times (`sgraf evaluate --timings`) of repeated runs,
+    with the last run's results."""
+    timed = [m["timings"] for m in measured if m.get("timings")]
+    stages = {name: statistics.median(t.get(name, 0.0) for t in timed) for name in (timed[0] if timed else {})}
     return {"wall_s": statistics.median(m["wall_s"] for m in measured), "walls": [m["wall_s"] for m in measured],
-            "peak_mb": statistics.median(m["peak_mb"] for m in measured),
+            "peak_mb": statistics.median(m["peak_mb"] for m in measured), "stages": stages,
             "result": measured[-1]["result"], "sims": measured[-1]["sims"]}
+
+
+def print_stages(label: str, summary: dict) -> None:
+    """The command's own breakdown (medians of its runs): where its wall time went."""
+    if summary["stages"]:
+        from sgraf.stopwatch import format_timings
+
+        print(f"{label} stages (median s; startup: Python, torch, sgraf's imports): "
+              f"{format_timings(summary['stages'])}", flush=True)
 
 
 def recalls(result: dict) -> list[float]:
@@ -233,8 +247,10 @@ def recalls(result: dict) -> list[float]:
 
 
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        return child(sys.argv[2], sys.argv[4:])
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":   # ends as the `sgraf` command does
+        from sgraf.cli import exit_process
+
+        exit_process(child(sys.argv[2], sys.argv[4:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
@@ -284,12 +300,14 @@ def main() -> int:
             print(f"{precision}: runs {', '.join(f'{m:.1f}' for m in run['walls'])} s; median {run['wall_s']:.1f} s, "
                   f"peak RSS {run['peak_mb']:.0f} MiB, rsum {run['result']['rsum']:.1f}, "
                   f"recalls {[round(r, 1) for r in recalls(run['result'])]}; token cache {states[0]}", flush=True)
+            print_stages(f"{precision}, token cache {states[0]},", run)
             if warm:
                 kept = summarise(warm)
                 print(f"{precision}, token cache warm (the captions' ids kept from an earlier run): runs "
                       f"{', '.join(f'{m:.1f}' for m in kept['walls'])} s; median {kept['wall_s']:.1f} s -> "
                       f"{run['wall_s'] / kept['wall_s']:.2f}x the cold run's speed; same matrix: "
                       f"{bool(np.array_equal(kept['sims'], run['sims']))}", flush=True)
+                print_stages(f"{precision}, token cache warm,", kept)
             if baseline:
                 base = summarise(baseline)
                 error = np.abs(base["sims"] - run["sims"]).max()

@@ -9,7 +9,7 @@ two device stages replaced by stand-ins (the encoder returns at once, the scorer
 random matrix of the split's shape). Runs alternate between a cold token cache (the captions
 are tokenised, as in a first evaluation of a split) and a warm one (the ids an earlier run kept,
 `sgraf.data.token_cache`); the medians and their ratio are printed, and each run's time inside
-the tokenisation.
+the tokenisation, and the command's own breakdown of its time (`sgraf evaluate --timings`).
 
     python benchmarks/bench_evaluate_host.py                   # 1,000 x 5,000 (Flickr30K test)
     python benchmarks/bench_evaluate_host.py --images 5000     # MSCOCO 5K
@@ -66,7 +66,7 @@ def run(out: Path, state: str) -> dict:
     set_token_cache(out, state)
     report = out / "report.json"
     argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
-            "--json", "--quiet", "--save-sims", str(out / "sims.npy")]
+            "--json", "--quiet", "--timings", "--save-sims", str(out / "sims.npy")]
     env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
     start = time.perf_counter()
     completed = subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv],
@@ -74,18 +74,22 @@ def run(out: Path, state: str) -> dict:
     wall = time.perf_counter() - start
     if completed.returncode != 0:
         raise SystemExit(f"sgraf evaluate failed:\n{completed.stderr[-3000:]}")
-    return {"wall_s": wall, **json.loads(report.read_text())}
+    timings = json.loads(completed.stdout.strip().splitlines()[-1])["timings"]
+    return {"wall_s": wall, "timings": timings, **json.loads(report.read_text())}
 
 
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        return child(sys.argv[2], sys.argv[4:])
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":   # ends as the `sgraf` command does
+        from sgraf.cli import exit_process
+
+        exit_process(child(sys.argv[2], sys.argv[4:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each kind, interleaved (medians)")
     args = parser.parse_args()
 
     from sgraf.kernels.tuning import cpu_model
+    from sgraf.stopwatch import format_timings
 
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch)
@@ -102,6 +106,9 @@ def main() -> int:
             print(f"token cache {state}: runs {walls} s, median "
                   f"{medians[state]:.2f} s; of which tokenisation (median) "
                   f"{statistics.median(r['tokenize_s'] for r in measured):.2f} s", flush=True)
+            stages = {name: statistics.median(r["timings"][name] for r in measured) for name in measured[0]["timings"]}
+            print(f"token cache {state}: stages (median s; encode and score stood in for): "
+                  f"{format_timings(stages)}", flush=True)
         print(f"warm / cold: {medians['cold'] / medians['warm']:.2f}x faster, "
               f"{medians['cold'] - medians['warm']:.2f} s less", flush=True)
     return 0

@@ -145,3 +145,7 @@ def test_the_host_side_benchmark_times_cold_and_warm_token_caches(tmp_path):
     assert cold and warm, completed.stdout
     assert float(warm.group(1)) < float(cold.group(1))
     assert re.search(r"warm / cold: [0-9.]+x faster", completed.stdout), completed.stdout
+    stages = re.findall(r"token cache (cold|warm): stages \(median s; .*\): startup .* tokenise ([0-9.]+) s, .*"
+                        r"score [0-9.]+ s, metrics [0-9.]+ s, save [0-9.]+ s, other [0-9.]+ s, total [0-9.]+ s",
+                        completed.stdout)
+    assert [state for state, _ in stages] == ["cold", "warm"], completed.stdout
