@@ -131,3 +131,84 @@ def test_evaluate_takes_the_kept_ids_and_reproduces_the_authors_matrix(cache, da
     assert first == second and np.array_equal(sims, again)
     expected = torch.load(e2e / "expected.pt", weights_only=True)
     assert second["rsum"] == expected["sgr_rsum"]
+
+
+def test_a_prefetch_tokenises_in_another_process(cache, toy, data_dir, monkeypatch):
+    """`sgraf evaluate` starts it before importing PyTorch: the ids come from its tokens."""
+    vocab, captions, expected = toy
+    prefetched = token_cache.prefetch(data_dir / E2E / "toy_precomp" / "test_caps.txt")
+    no_tokenizer(monkeypatch)            # this process does not tokenise
+    assert tokenize_captions(captions, vocab, prefetched) == expected
+    assert prefetched.process.returncode == 0
+    assert token_cache.words_path(captions).is_file() and len(list(cache.glob("*.npz"))) == 1
+    assert tokenize_captions(captions, vocab) == expected      # kept as ids too
+
+
+def test_a_prefetch_that_fails_or_read_other_captions_is_not_used(cache, toy, data_dir, tmp_path):
+    vocab, captions, expected = toy
+    missing = token_cache.prefetch(tmp_path / "missing_caps.txt")
+    assert tokenize_captions(captions, vocab, missing) == expected
+    assert missing.process.returncode != 0
+    changed = tmp_path / "test_caps.txt"          # the file the process read is not the captions encoded
+    changed.write_text("".join(caption[::-1] + "\n" for caption in captions), encoding="utf-8")
+    other = token_cache.prefetch(changed)
+    smaller = Vocabulary.from_words(list(vocab.word2idx)[4:-1])
+    assert tokenize_captions(captions, smaller, other) == [smaller.encode(c) for c in captions]
+
+
+def test_kept_ids_stop_the_prefetch_and_damaged_tokens_are_rewritten(cache, toy, data_dir):
+    vocab, captions, expected = toy
+    caption_file = data_dir / E2E / "toy_precomp" / "test_caps.txt"
+    path = token_cache.words_path(captions)
+    path.parent.mkdir(parents=True)
+    for damaged in ('{"not": "a list"}', "[[1, 2]]", "[", '[["a"]]'):
+        path.write_text(damaged)
+        prefetched = token_cache.prefetch(caption_file)
+        assert prefetched.words(captions) == [vocab.tokenize(c) for c in captions]
+    assert tokenize_captions(captions, vocab) == expected           # now kept as ids
+    prefetched = token_cache.prefetch(caption_file)
+    assert tokenize_captions(captions, vocab, prefetched) == expected
+    assert prefetched.process.poll() is not None                     # cancelled or done, not left running
+
+
+def test_no_prefetch_with_the_cache_off(cache, data_dir, monkeypatch):
+    monkeypatch.setenv("SGRAF_TOKEN_CACHE", "off")
+    assert token_cache.prefetch(data_dir / E2E / "toy_precomp" / "test_caps.txt") is None
+
+
+def test_evaluate_tokenises_its_split_in_another_process(cache, toy, data_dir, capsys, monkeypatch):
+    from sgraf.cli import main
+
+    vocab, captions, expected = toy
+    started = []
+    real = token_cache.prefetch
+    monkeypatch.setattr(token_cache, "prefetch", lambda path: started.append(path) or real(path))
+    args = ["evaluate", "--checkpoint", str(data_dir / "e2e" / "sgr.pth.tar"), "--data",
+            str(data_dir / E2E / "toy_precomp"), "--vocab", str(data_dir / E2E / "toy_vocab.json"), "--json", "--quiet"]
+    no_tokenizer(monkeypatch)
+    assert main(args) == 0
+    assert started == [data_dir / E2E / "toy_precomp" / "test_caps.txt"]
+    assert token_cache.words_path(captions).is_file()
+    assert main([*args[:-2], "--sims", "x.npy"]) == 2            # refused before anything starts
+    assert len(started) == 1
+    capsys.readouterr()
+
+
+def test_a_large_caption_file_is_tokenised_by_several_processes(cache, toy, tmp_path):
+    """The prefetch forks workers (the cores but one, at most 8, 2,000 captions each at least);
+    the tokens are the same, in the file's order."""
+    import json
+    import subprocess
+    import sys
+
+    assert [token_cache.tokenize_workers(n, cpus) for n, cpus in
+            [(25000, 16), (25000, 2), (5000, 16), (1999, 16), (25000, 1), (0, 8)]] == [8, 1, 2, 1, 1, 1]
+    vocab, captions, expected = toy
+    many = [f"{caption} number {i}, isn't it?" for i in range(140) for caption in captions]   # 4,200 captions
+    path = tmp_path / "many_caps.txt"
+    path.write_text("".join(caption + "\n" for caption in many), encoding="utf-8")
+    code = ("import sys\nimport sgraf.data.token_cache as t\nt._cpus = lambda: 3\n"
+            "assert t.tokenize_workers(4200, t._cpus()) == 2\nsys.exit(t._keep_words(sys.argv[1]))")
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
+    kept = json.loads(token_cache.words_path(many).read_text(encoding="utf-8"))
+    assert kept == [vocab.tokenize(caption) for caption in many]

@@ -20,6 +20,7 @@ from sgraf import distributed, metrics, scoring
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import open_npy
 from sgraf.data.vocab import warn_unknown_share
+from sgraf.devices import resolve_device
 from sgraf.errors import InputError
 from sgraf.stopwatch import Stopwatch, stage
 
@@ -176,8 +177,8 @@ def _check_finite_matrix(sims: np.ndarray, path: str | os.PathLike, rows_per_chu
 def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,
                          vocab: str | os.PathLike | Any = None, folds: int = 1, precision: str = "fp32",
                          batch_size: int = 128, device: torch.device | str = "cpu", progress: bool = False,
-                         save_sims: str | os.PathLike | None = None,
-                         stopwatch: Stopwatch | None = None) -> dict[str, Any]:
+                         save_sims: str | os.PathLike | None = None, stopwatch: Stopwatch | None = None,
+                         token_prefetch: Any = None) -> dict[str, Any]:
     """Evaluate a checkpoint, or the average of several, on ``data_dir/{split}_*``.
 
     `evaluate_checkpoints_with_sims` takes the same arguments and also returns the matrix.
@@ -190,28 +191,31 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
         folds: consecutive equal folds to average over (MSCOCO 1K: 5 on ``testall``).
         precision: ``"fp32"`` or ``"bf16"``.
         batch_size: encoder batch and caption bucket size.
-        device: where to run.
+        device: where to run ('auto': CUDA when available).
         progress: progress bars with ETA on stderr.
         save_sims: write the float32 (n_img, n_cap) matrix here (caption-file order).
         stopwatch: times the stages 'checkpoint', 'data', 'tokenise', 'encode images', 'encode
             captions', 'score', 'metrics' and 'save' (`sgraf.stopwatch`; `sgraf evaluate --timings`).
+        token_prefetch: the split's captions being tokenised in another process
+            (`sgraf.data.token_cache.prefetch`), as `sgraf evaluate` starts it before its imports.
 
     Returns:
         The `sgraf.metrics.evaluate_sims` dict.
     """
     return evaluate_checkpoints_with_sims(checkpoints, data_dir, split, vocab, folds, precision, batch_size,
-                                          device, progress, save_sims, stopwatch)[0]
+                                          device, progress, save_sims, stopwatch, token_prefetch)[0]
 
 
 def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike,
                                    split: str, vocab: str | os.PathLike | Any = None, folds: int = 1,
                                    precision: str = "fp32", batch_size: int = 128,
                                    device: torch.device | str = "cpu", progress: bool = False,
-                                   save_sims: str | os.PathLike | None = None,
-                                   stopwatch: Stopwatch | None = None) -> tuple[dict[str, Any], np.ndarray]:
+                                   save_sims: str | os.PathLike | None = None, stopwatch: Stopwatch | None = None,
+                                   token_prefetch: Any = None) -> tuple[dict[str, Any], np.ndarray]:
     """`evaluate_checkpoints`, returning ``(metrics, (n_img, n_cap) float32 score matrix)``."""
     if isinstance(folds, bool) or not isinstance(folds, int) or folds < 1:
         raise InputError(f"--folds must be a positive integer, got {folds!r}")
+    device = resolve_device(device)     # 'auto': CUDA when available
     with stage(stopwatch, "data"):
         precomp = open_split(data_dir, split)
     if precomp.n_images % folds:
@@ -222,7 +226,8 @@ def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], dat
     for model, path in zip(models, checkpoints):
         check_split_fits(model, precomp, str(path))
     with stage(stopwatch, "tokenise"):
-        token_ids = scoring.tokenize_captions(precomp.captions, vocabulary)   # once: the check and every model
+        # once: the check and every model
+        token_ids = scoring.tokenize_captions(precomp.captions, vocabulary, token_prefetch)
     warn_unknown_share(vocabulary, token_ids, str(precomp.caps_path))
     logger.info("evaluating %s on %s (%d images, %d captions)", ", ".join(map(str, checkpoints)),
                 precomp.caps_path, precomp.n_images, precomp.n_captions)

@@ -54,12 +54,15 @@ def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
                 disable=not enabled, leave=False)
 
 
-def tokenize_captions(captions: Sequence[str], vocab: Any) -> list[list[int]]:
+def tokenize_captions(captions: Sequence[str], vocab: Any,
+                      prefetched: token_cache.Prefetch | None = None) -> list[list[int]]:
     """Token ids of each caption, ``<start>`` ... ``<end>``, via ``vocab.encode``; with a
-    `Vocabulary`, read from the token cache when these captions were encoded before
-    (`sgraf.data.token_cache`)."""
+    `Vocabulary`, read from the token cache when these captions were encoded before, or made
+    from the tokens that `prefetched` (`token_cache.prefetch` of their file) kept."""
     if isinstance(vocab, Vocabulary):
-        return token_cache.token_ids(captions, vocab)
+        return token_cache.token_ids(captions, vocab, prefetched)
+    if prefetched is not None:
+        prefetched.cancel()
     return [list(vocab.encode(caption)) for caption in captions]
 
 

@@ -44,7 +44,11 @@ def seed(text: str) -> int:
 
 
 def device(text: str) -> str:
-    """A torch device this machine can use ('cpu', 'cuda', 'cuda:N', 'mps'), checked now."""
+    """A torch device this machine can use ('cpu', 'cuda', 'cuda:N', 'mps'), checked now; 'auto'
+    (CUDA when available) is left for the command to resolve (`sgraf.devices.resolve_device`),
+    so that parsing the default imports no PyTorch."""
+    if text.strip().lower() == "auto":
+        return "auto"
     from sgraf.devices import resolve_device
     from sgraf.errors import InputError
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import pathlib
 import sys
+from typing import Any
 
 from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
                                  positive_int)
@@ -37,16 +39,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sgraf.stopwatch import Stopwatch, format_timings, process_age, stage
+    from sgraf.stopwatch import Stopwatch, process_age, stage
 
     watch = Stopwatch(startup=process_age()) if args.timings else None
-    with stage(watch, "imports"):
-        from sgraf import distributed, evaluate, metrics
-        from sgraf.errors import InputError
-        from sgraf.precision import tf32
-
     check_score_source(args)
     check_score_outputs(args)
+    with stage(watch, "imports"):
+        prefetched = _prefetch_captions(args)   # tokenised in another process meanwhile
+        import sgraf.evaluate  # noqa: F401  (PyTorch, timed here; used in _evaluate)
+    try:
+        return _evaluate(args, watch, prefetched)
+    finally:
+        if prefetched is not None:   # a command that stopped before it needed them
+            prefetched.cancel()
+
+
+def _prefetch_captions(args: argparse.Namespace) -> Any:
+    """`sgraf.data.token_cache.prefetch` of the split's captions, started before this process
+    imports PyTorch and loads the checkpoint; None with --sims, without the caption file, or
+    under torchrun (each process would start one)."""
+    from sgraf.cli import _torchrun_rank
+
+    captions = pathlib.Path(args.data or "") / f"{args.split}_caps.txt"
+    if args.sims or not args.data or _torchrun_rank()[1] > 1 or not captions.is_file():
+        return None
+    from sgraf.data.token_cache import prefetch
+
+    return prefetch(captions)
+
+
+def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
+    from sgraf import distributed, evaluate, metrics
+    from sgraf.errors import InputError
+    from sgraf.precision import tf32
+    from sgraf.stopwatch import format_timings, stage
+
     if args.sims:
         result = evaluate.evaluate_sims_files(args.sims, folds=args.folds, data_dir=args.data,
                                               split=args.split if args.data else None, save_sims=args.save_sims,
@@ -64,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 result = evaluate.evaluate_checkpoints(
                     args.checkpoint, args.data, args.split, vocab=args.vocab, folds=args.folds,
                     precision=args.precision, batch_size=args.batch_size, device=info.device,
-                    progress=not args.quiet, save_sims=args.save_sims, stopwatch=watch)
+                    progress=not args.quiet, save_sims=args.save_sims, stopwatch=watch, token_prefetch=prefetched)
         finally:
             distributed.cleanup()
         if not info.is_main:

@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from sgraf.data.arrays import check_finite_features, open_npy
 from sgraf.data.boxes import read_boxes
+from sgraf.data.captions import read_captions
 from sgraf.data.vocab import Vocabulary
-from sgraf import text_files
-from sgraf.errors import InputError, decode_utf8
+from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -82,27 +82,6 @@ def fingerprint_differences(found: dict[str, str], recorded: dict[str, str]) -> 
     """The file names whose digests differ between two `data_fingerprint`s (either side missing
     a file counts), sorted: what a refusal to mix data sets names."""
     return sorted(name for name in set(found) | set(recorded) if found.get(name) != recorded.get(name))
-
-
-def read_captions(path: str | os.PathLike[str]) -> list[str]:
-    """Read a caption file as the authors do (bytes split on '\\n', ASCII-stripped), strictly.
-
-    Raises:
-        InputError: bytes that are not UTF-8 or an empty caption line (with the line number).
-    """
-    path = Path(path)
-    data = text_files.read_bytes(path)
-    decode_utf8(data, path, "UTF-8 text, one caption per line", column=True)
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the newline that ends the last line
-    captions = []
-    for number, raw in enumerate(lines, start=1):
-        caption = raw.strip()  # bytes.strip: ASCII whitespace, as the authors' line.strip()
-        if not caption:
-            raise InputError(f"{path}:{number}: empty caption line; expected one caption per line")
-        captions.append(caption.decode("utf-8"))
-    return captions
 
 
 def _open_features(path: Path) -> np.ndarray:

@@ -1,0 +1,31 @@
+"""A precomp caption file, read as the authors read it; without PyTorch or NumPy, so that a
+process that only tokenises captions (`sgraf.data.token_cache`'s prefetch) starts fast."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sgraf import text_files
+from sgraf.errors import InputError, decode_utf8
+
+
+def read_captions(path: str | os.PathLike[str]) -> list[str]:
+    """Read a caption file as the authors do (bytes split on '\\n', ASCII-stripped), strictly.
+
+    Raises:
+        InputError: bytes that are not UTF-8 or an empty caption line (with the line number).
+    """
+    path = Path(path)
+    data = text_files.read_bytes(path)
+    decode_utf8(data, path, "UTF-8 text, one caption per line", column=True)
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the newline that ends the last line
+    captions = []
+    for number, raw in enumerate(lines, start=1):
+        caption = raw.strip()  # bytes.strip: ASCII whitespace, as the authors' line.strip()
+        if not caption:
+            raise InputError(f"{path}:{number}: empty caption line; expected one caption per line")
+        captions.append(caption.decode("utf-8"))
+    return captions
