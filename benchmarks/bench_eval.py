@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -83,16 +82,6 @@ def build(out: Path, n_images: int, module: str, seed: int) -> None:
     save_model(SGRAF(config).eval(), out / "model.pt", vocab=vocab)
 
 
-def child(report: str, argv: list[str]) -> int:
-    """Run the sgraf command line in this process and write its peak memory to `report`."""
-    from sgraf.cli import main
-
-    code = main(argv)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    Path(report).write_text(json.dumps({"code": code, "peak_mb": peak_mb}))
-    return code
-
-
 def set_token_cache(out: Path, state: str) -> None:
     """Empty the runs' token cache (`cold`: the next run tokenises, as a first evaluation of a
     split does) or fill it (`warm`: the next run reads kept ids, as a later evaluation does)."""
@@ -135,8 +124,8 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
     if source:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(source) / "src"), env.get("PYTHONPATH")]))
     start = time.perf_counter()
-    completed = subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv],
-                               capture_output=True, text=True, env=env)
+    completed = subprocess.run([sys.executable, str(Path(__file__).with_name("command_child.py")), str(report),
+                                "--", *argv], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if completed.returncode != 0:
         raise SystemExit(f"sgraf evaluate failed:\n{completed.stderr[-3000:]}")
@@ -247,10 +236,6 @@ def recalls(result: dict) -> list[float]:
 
 
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":   # ends as the `sgraf` command does
-        from sgraf.cli import exit_process
-
-        exit_process(child(sys.argv[2], sys.argv[4:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])

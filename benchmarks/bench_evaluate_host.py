@@ -3,10 +3,10 @@
 On a GPU, a Flickr30K-size `sgraf evaluate` spends most of its wall time on the host: Python's
 and PyTorch's imports, the checkpoint, the captions' tokenisation (nltk's import and its rules),
 the metrics and the saved matrix (issue 20: 9.8 s on an H200, of which about 1.6 s scoring).
-This times exactly that part on any machine: the real command in a fresh process
-(`python -m sgraf evaluate ... --save-sims`) on a generated split of `bench_eval.py`, with the
-two device stages replaced by stand-ins (the encoder returns at once, the scorer returns a
-random matrix of the split's shape). Runs alternate between a cold token cache (the captions
+This times exactly that part on any machine: the real command in a fresh process, started and
+ended as the `sgraf` script is (`command_child.py`), on a generated split of `bench_eval.py`,
+with the two device stages replaced by stand-ins (the encoder returns at once, the scorer
+returns a random matrix of the split's shape). Runs alternate between a cold token cache (the captions
 are tokenised, as in a first evaluation of a split) and a warm one (the ids an earlier run kept,
 `sgraf.data.token_cache`); the medians and their ratio are printed, and each run's time inside
 the tokenisation, and the command's own breakdown of its time (`sgraf evaluate --timings`).
@@ -27,49 +27,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_eval import build, set_token_cache
-
 HERE = Path(__file__).resolve().parent
 
 
-def child(report: str, argv: list[str]) -> int:
-    """The sgraf command line with the device stages stood in for; writes the tokenisation's seconds."""
-    import numpy as np
-
-    import sgraf.scoring as scoring
-    from sgraf.cli import main
-
-    class Stand:
-        """An encoding of the split: only its shape."""
-
-        def __init__(self, split) -> None:
-            self.n_images, self.n_captions = split.n_images, len(split.captions)
-
-    real_tokenize, spent = scoring.tokenize_captions, []
-
-    def tokenize(captions, vocab):
-        begin = time.perf_counter()
-        ids = real_tokenize(captions, vocab)
-        spent.append(time.perf_counter() - begin)
-        return ids
-
-    scoring.tokenize_captions = tokenize
-    scoring.encode_split = lambda model, split, vocab, **kwargs: Stand(split)
-    scoring.score_matrix = lambda models, encoded, **kwargs: np.random.default_rng(0).random(
-        (encoded[0].n_images, encoded[0].n_captions), dtype=np.float32)
-    code = main(argv)
-    Path(report).write_text(json.dumps({"code": code, "tokenize_s": sum(spent)}))
-    return code
-
-
 def run(out: Path, state: str) -> dict:
+    from bench_eval import set_token_cache
+
     set_token_cache(out, state)
     report = out / "report.json"
     argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
             "--json", "--quiet", "--timings", "--save-sims", str(out / "sims.npy")]
     env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
     start = time.perf_counter()
-    completed = subprocess.run([sys.executable, __file__, "--child", str(report), "--", *argv],
+    completed = subprocess.run([sys.executable, str(HERE / "command_child.py"), str(report), "--stand-in", "--", *argv],
                                capture_output=True, text=True, env=env, cwd=HERE)
     wall = time.perf_counter() - start
     if completed.returncode != 0:
@@ -79,14 +49,12 @@ def run(out: Path, state: str) -> dict:
 
 
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":   # ends as the `sgraf` command does
-        from sgraf.cli import exit_process
-
-        exit_process(child(sys.argv[2], sys.argv[4:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each kind, interleaved (medians)")
     args = parser.parse_args()
+
+    from bench_eval import build
 
     from sgraf.kernels.tuning import cpu_model
     from sgraf.stopwatch import format_timings

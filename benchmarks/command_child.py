@@ -1,0 +1,78 @@
+"""The `sgraf` command in a fresh process, for the benchmarks that time whole commands.
+
+It starts and ends as the console script does: nothing is imported before the command line
+runs (so the command's own imports, its caption prefetch and its `--timings` stages are a
+user's), and it ends through `sgraf.cli.exit_process`. Then it writes
+`{"code", "peak_mb", "tokenize_s"}` to REPORT.json (peak resident memory; the seconds the
+command spent getting its captions' token ids).
+
+    python command_child.py REPORT.json [--stand-in] -- evaluate --checkpoint ... --data ...
+
+`--stand-in` replaces the two device stages of `sgraf evaluate`: the encoders return at once
+and the scorer returns a random matrix of the split's shape, which leaves the host side alone
+(`bench_evaluate_host.py`). `bench_eval.py` runs the real command.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def stand_in(spent: list[float]) -> None:
+    """Install the stand-ins once the command has made its imports (it imports PyTorch itself)."""
+    import sgraf.cli.evaluate as command
+
+    real = command._evaluate
+
+    def evaluate(*args, **kwargs):
+        import numpy as np
+
+        import sgraf.scoring as scoring
+
+        class Stand:
+            """An encoding of the split: only its shape."""
+
+            def __init__(self, split) -> None:
+                self.n_images, self.n_captions = split.n_images, len(split.captions)
+
+        real_tokenize = scoring.tokenize_captions
+
+        def tokenize(captions, vocab, *rest):
+            begin = time.perf_counter()
+            ids = real_tokenize(captions, vocab, *rest)
+            spent.append(time.perf_counter() - begin)
+            return ids
+
+        scoring.tokenize_captions = tokenize
+        scoring.encode_split = lambda model, split, vocab, **options: Stand(split)
+        scoring.score_matrix = lambda models, encoded, **options: np.random.default_rng(0).random(
+            (encoded[0].n_images, encoded[0].n_captions), dtype=np.float32)
+        return real(*args, **kwargs)
+
+    command._evaluate = evaluate
+
+
+def main() -> None:
+    report, *rest = sys.argv[1:]
+    stand = rest[:1] == ["--stand-in"]
+    rest = rest[1:] if stand else rest
+    if rest[:1] != ["--"]:
+        raise SystemExit("usage: command_child.py REPORT.json [--stand-in] -- SGRAF_ARGS...")
+    spent: list[float] = []
+    if stand:
+        stand_in(spent)
+    import sgraf.cli as cli
+
+    code = cli.main(rest[1:])
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    Path(report).write_text(json.dumps({"code": code, "peak_mb": peak_mb, "tokenize_s": sum(spent)}))
+    # an earlier checkout (bench_eval.py --baseline) may end the usual way
+    getattr(cli, "exit_process", sys.exit)(code)
+
+
+if __name__ == "__main__":
+    main()
