@@ -13,6 +13,7 @@ the tokenisation, and the command's own breakdown of its time (`sgraf evaluate -
 
     python benchmarks/bench_evaluate_host.py                   # 1,000 x 5,000 (Flickr30K test)
     python benchmarks/bench_evaluate_host.py --images 5000     # MSCOCO 5K
+    git worktree add /tmp/before HEAD~3 && python benchmarks/bench_evaluate_host.py --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -30,21 +31,25 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run(out: Path, state: str) -> dict:
+def run(out: Path, state: str, source: str | None = None) -> dict:
+    """One `sgraf evaluate` with the token cache `state`: this checkout's, or with the `src` of
+    `source` first on PYTHONPATH (an earlier sgraf, which may lack --timings)."""
     from bench_eval import set_token_cache
 
     set_token_cache(out, state)
     report = out / "report.json"
     argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
-            "--json", "--quiet", "--timings", "--save-sims", str(out / "sims.npy")]
+            "--json", "--quiet", "--save-sims", str(out / "sims.npy")] + ([] if source else ["--timings"])
     env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(source) / "src"), env.get("PYTHONPATH")]))
     start = time.perf_counter()
     completed = subprocess.run([sys.executable, str(HERE / "command_child.py"), str(report), "--stand-in", "--", *argv],
                                capture_output=True, text=True, env=env, cwd=HERE)
     wall = time.perf_counter() - start
     if completed.returncode != 0:
         raise SystemExit(f"sgraf evaluate failed:\n{completed.stderr[-3000:]}")
-    timings = json.loads(completed.stdout.strip().splitlines()[-1])["timings"]
+    timings = json.loads(completed.stdout.strip().splitlines()[-1]).get("timings")
     return {"wall_s": wall, "timings": timings, **json.loads(report.read_text())}
 
 
@@ -52,6 +57,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each kind, interleaved (medians)")
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="also time another checkout's sgraf (its src/ first on PYTHONPATH), interleaved, "
+                             "e.g. a `git worktree` of an earlier commit")
     args = parser.parse_args()
 
     from bench_eval import build
@@ -63,22 +71,31 @@ def main() -> int:
         out = Path(scratch)
         build(out, args.images, "sgr", 0)
         print(f"{args.images} images x {args.images * 5} captions; {cpu_model()}, cpus {os.cpu_count()}", flush=True)
-        runs: dict[str, list[dict]] = {"cold": [], "warm": []}
+        sources = {"ours": None} | ({"baseline": args.baseline} if args.baseline else {})
+        runs: dict[tuple[str, str], list[dict]] = {(who, state): [] for state in ("cold", "warm") for who in sources}
+        run(out, "warm")                       # the page cache holds the split and Python's files
         for _ in range(args.repeats):
-            for state in runs:
-                runs[state].append(run(out, state))
+            for who, state in runs:
+                runs[who, state].append(run(out, state, sources[who]))
         medians = {}
-        for state, measured in runs.items():
-            medians[state] = statistics.median(r["wall_s"] for r in measured)
+        for (who, state), measured in runs.items():
+            medians[who, state] = statistics.median(r["wall_s"] for r in measured)
             walls = ", ".join(f"{r['wall_s']:.2f}" for r in measured)
-            print(f"token cache {state}: runs {walls} s, median "
-                  f"{medians[state]:.2f} s; of which tokenisation (median) "
+            label = f"token cache {state}" if who == "ours" else f"baseline ({args.baseline}), token cache {state}"
+            print(f"{label}: runs {walls} s, median {medians[who, state]:.2f} s; of which tokenisation (median) "
                   f"{statistics.median(r['tokenize_s'] for r in measured):.2f} s", flush=True)
-            stages = {name: statistics.median(r["timings"][name] for r in measured) for name in measured[0]["timings"]}
-            print(f"token cache {state}: stages (median s; encode and score stood in for): "
-                  f"{format_timings(stages)}", flush=True)
-        print(f"warm / cold: {medians['cold'] / medians['warm']:.2f}x faster, "
-              f"{medians['cold'] - medians['warm']:.2f} s less", flush=True)
+            if measured[0]["timings"]:
+                stages = {name: statistics.median(r["timings"][name] for r in measured)
+                          for name in measured[0]["timings"]}
+                print(f"{label}: stages (median s; encode and score stood in for): {format_timings(stages)}",
+                      flush=True)
+        print(f"warm / cold: {medians['ours', 'cold'] / medians['ours', 'warm']:.2f}x faster, "
+              f"{medians['ours', 'cold'] - medians['ours', 'warm']:.2f} s less", flush=True)
+        if args.baseline:
+            for state in ("cold", "warm"):
+                before, now = medians["baseline", state], medians["ours", state]
+                print(f"token cache {state}: ours {before / now:.2f}x the baseline's speed, {before - now:.2f} s less",
+                      flush=True)
     return 0
 
 

@@ -23,12 +23,11 @@ from pathlib import Path
 
 
 def stand_in(spent: list[float]) -> None:
-    """Install the stand-ins once the command has made its imports (it imports PyTorch itself)."""
+    """Install the stand-ins once the command has made its imports (it imports PyTorch itself);
+    at once for an earlier sgraf (`--baseline`), whose command line imported PyTorch while parsing."""
     import sgraf.cli.evaluate as command
 
-    real = command._evaluate
-
-    def evaluate(*args, **kwargs):
+    def install() -> None:
         import numpy as np
 
         import sgraf.scoring as scoring
@@ -51,6 +50,14 @@ def stand_in(spent: list[float]) -> None:
         scoring.encode_split = lambda model, split, vocab, **options: Stand(split)
         scoring.score_matrix = lambda models, encoded, **options: np.random.default_rng(0).random(
             (encoded[0].n_images, encoded[0].n_captions), dtype=np.float32)
+
+    real = getattr(command, "_evaluate", None)
+    if real is None:
+        install()
+        return
+
+    def evaluate(*args, **kwargs):
+        install()
         return real(*args, **kwargs)
 
     command._evaluate = evaluate
