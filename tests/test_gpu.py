@@ -167,3 +167,17 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_raises_when_read():
         result.loss
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def test_a_timed_stage_ends_when_the_device_has_finished_its_work():
+    """`sgraf evaluate --timings`: kernels queued in a stage are charged to it, not to the next."""
+    from sgraf.stopwatch import Stopwatch
+
+    watch = Stopwatch(device="cuda")
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    with watch.stage("work"):
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+    assert torch.cuda.current_stream().query()      # nothing left running after the stage
+    assert watch.report()["work"] > 0
