@@ -151,3 +151,12 @@ def test_the_host_side_benchmark_times_cold_and_warm_token_caches(tmp_path):
     assert [state for state, _, _ in stages] == ["cold", "warm"], completed.stdout
     for _, startup, imports in stages:   # as the sgraf script: PyTorch is imported by the command, not before
         assert float(startup) < float(imports), completed.stdout
+
+
+def test_the_metrics_benchmark_compares_two_checkouts(tmp_path):
+    root = BENCHMARKS.parent
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_metrics.py"), "--baseline", str(root),
+                                "--images", "40", "--repeats", "2"], capture_output=True, text=True, timeout=300,
+                               cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert re.search(r"ours: [0-9.]+x the baseline's speed; same metrics: True", completed.stdout), completed.stdout

@@ -77,11 +77,13 @@ def test_folds_match_official_exactly(golden, case):
     assert printed["rsum"] == pytest.approx(2 * sum(result["i2t"][k] for k in ("r1", "r5", "r10")))
 
 
+@pytest.mark.parametrize("threads", [1, 4])                # chunks counted one after the other or at once
 @pytest.mark.parametrize("rows_per_chunk", [None, 2])     # one chunk; ties carried across chunks of 2 rows
 @pytest.mark.parametrize("cpi", [1, 3, 5])
-def test_vectorised_ranks_equal_argsort_loop_with_ties(monkeypatch, cpi, rows_per_chunk):
+def test_vectorised_ranks_equal_argsort_loop_with_ties(monkeypatch, cpi, rows_per_chunk, threads):
     rng = np.random.default_rng(cpi)
     n_img = 13
+    monkeypatch.setattr(metrics.torch, "get_num_threads", lambda: threads)
     if rows_per_chunk:
         monkeypatch.setattr(metrics, "_CHUNK_ELEMENTS", rows_per_chunk * n_img * cpi)
     # Few distinct values: many ties, within rows, columns and among an image's captions.
