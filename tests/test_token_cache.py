@@ -161,10 +161,12 @@ def test_kept_ids_stop_the_prefetch_and_damaged_tokens_are_rewritten(cache, toy,
     caption_file = data_dir / E2E / "toy_precomp" / "test_caps.txt"
     path = token_cache.words_path(captions)
     path.parent.mkdir(parents=True)
-    for damaged in ('{"not": "a list"}', "[[1, 2]]", "[", '[["a"]]'):
+    # not a list, a token that is not a string, not JSON, one caption too few
+    for damaged, count in (('{"not": "a list"}', 1), ('[["a"], [1]]', 2), ("[", 1), ('[["a"]]', 2)):
         path.write_text(damaged)
-        prefetched = token_cache.prefetch(caption_file)
-        assert prefetched.words(captions) == [vocab.tokenize(c) for c in captions]
+        assert token_cache._read_words(path, count) is None
+    prefetched = token_cache.prefetch(caption_file)      # the damaged file is tokenised again, rewritten
+    assert prefetched.words(captions) == [vocab.tokenize(c) for c in captions]
     assert tokenize_captions(captions, vocab) == expected           # now kept as ids
     prefetched = token_cache.prefetch(caption_file)
     assert tokenize_captions(captions, vocab, prefetched) == expected
@@ -204,11 +206,11 @@ def test_a_large_caption_file_is_tokenised_by_several_processes(cache, toy, tmp_
     assert [token_cache.tokenize_workers(n, cpus) for n, cpus in
             [(25000, 16), (25000, 2), (5000, 16), (1999, 16), (25000, 1), (0, 8)]] == [8, 1, 2, 1, 1, 1]
     vocab, captions, expected = toy
-    many = [f"{caption} number {i}, isn't it?" for i in range(140) for caption in captions]   # 4,200 captions
+    many = [f"{caption} number {i}, isn't it?" for i in range(10) for caption in captions]   # 300 captions
     path = tmp_path / "many_caps.txt"
     path.write_text("".join(caption + "\n" for caption in many), encoding="utf-8")
-    code = ("import sys\nimport sgraf.data.token_cache as t\nt._cpus = lambda: 3\n"
-            "assert t.tokenize_workers(4200, t._cpus()) == 2\nsys.exit(t._keep_words(sys.argv[1]))")
+    code = ("import sys\nimport sgraf.data.token_cache as t\nt._cpus = lambda: 3\nt.CAPTIONS_PER_WORKER = 100\n"
+            "assert t.tokenize_workers(300, t._cpus()) == 2\nsys.exit(t._keep_words(sys.argv[1]))")
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
     kept = json.loads(token_cache.words_path(many).read_text(encoding="utf-8"))
     assert kept == [vocab.tokenize(caption) for caption in many]
