@@ -214,3 +214,14 @@ def test_a_large_caption_file_is_tokenised_by_several_processes(cache, toy, tmp_
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
     kept = json.loads(token_cache.words_path(many).read_text(encoding="utf-8"))
     assert kept == [vocab.tokenize(caption) for caption in many]
+
+
+def test_a_prefetch_that_hangs_is_stopped_and_the_captions_tokenised_here(cache, toy, monkeypatch):
+    import subprocess
+    import sys
+
+    vocab, captions, expected = toy
+    monkeypatch.setattr(token_cache, "PREFETCH_WAIT_S", 0.5)
+    hung = token_cache.Prefetch(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    assert tokenize_captions(captions, vocab, hung) == expected
+    assert hung.process.returncode is not None          # killed, not left behind

@@ -194,7 +194,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
         device: where to run ('auto': CUDA when available).
         progress: progress bars with ETA on stderr.
         save_sims: write the float32 (n_img, n_cap) matrix here (caption-file order).
-        stopwatch: times the stages 'checkpoint', 'data', 'tokenise', 'encode images', 'encode
+        stopwatch: times the stages 'data', 'checkpoint', 'tokenise', 'encode images', 'encode
             captions', 'score', 'metrics' and 'save' (`sgraf.stopwatch`; `sgraf evaluate --timings`).
         token_prefetch: the split's captions being tokenised in another process
             (`sgraf.data.token_cache.prefetch`), as `sgraf evaluate` starts it before its imports.

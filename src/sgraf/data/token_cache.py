@@ -46,6 +46,12 @@ def enabled() -> bool:
     return switched_on("SGRAF_TOKEN_CACHE")
 
 
+# How long the command waits for the tokenising process: nltk's import (2 s here) and its rules
+# (0.25 ms a caption on one EPYC core), ten times over.
+PREFETCH_WAIT_S = 30.0
+PREFETCH_WAIT_PER_CAPTION_S = 0.0025
+
+
 class Prefetch:
     """The tokens of a caption file, being computed by another process (`prefetch`)."""
 
@@ -54,9 +60,16 @@ class Prefetch:
 
     def words(self, captions: list[str]) -> list[list[str]] | None:
         """Wait for the process; the tokens it kept for exactly these captions, or None (it
-        failed, or read other captions: the file changed since)."""
-        if self.process.wait() != 0:
-            logger.debug("the tokenising process ended with %s", self.process.returncode)
+        failed, read other captions because the file changed since, or took ten times longer
+        than tokenising them here would: it is then stopped)."""
+        try:
+            code = self.process.wait(timeout=PREFETCH_WAIT_S + PREFETCH_WAIT_PER_CAPTION_S * len(captions))
+        except subprocess.TimeoutExpired:
+            logger.warning("the process tokenising the captions did not finish; tokenising them here")
+            self.cancel()
+            return None
+        if code != 0:
+            logger.debug("the tokenising process ended with %s", code)
             return None
         return _read_words(words_path(captions), len(captions))
 
