@@ -227,7 +227,7 @@ def print_stages(label: str, summary: dict) -> None:
     if summary["stages"]:
         from sgraf.stopwatch import format_timings
 
-        print(f"{label} stages (median s; startup: Python, torch, sgraf's imports): "
+        print(f"{label} stages (median s; startup: Python and the command line; imports: PyTorch): "
               f"{format_timings(summary['stages'])}", flush=True)
 
 

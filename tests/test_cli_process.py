@@ -45,10 +45,13 @@ def test_exit_process_exits_the_usual_way_when_asked_or_when_work_is_running():
     assert thread.stdout.splitlines() == ["output", "thread finished", "atexit ran", "teardown"]
 
 
-def test_help_does_not_import_pytorch():
+def test_help_and_an_evaluate_command_line_do_not_import_pytorch():
     code = ("import sys, contextlib, io\nfrom sgraf.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(['--help']) == 0\n"
             "    assert main(['train', '--help']) == 0\n"
+            "from sgraf.cli import build_parser\n"
+            "for device in ('auto', 'cuda', 'cpu'):   # checked by the command, after its prefetch starts\n"
+            "    build_parser().parse_args(['evaluate', '--checkpoint', 'x', '--data', 'd', '--device', device])\n"
             "print(sorted(m for m in ('torch', 'numpy', 'nltk') if m in sys.modules))")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert child.stdout.strip() == "[]"

@@ -45,8 +45,7 @@ def seed(text: str) -> int:
 
 def device(text: str) -> str:
     """A torch device this machine can use ('cpu', 'cuda', 'cuda:N', 'mps'), checked now; 'auto'
-    (CUDA when available) is left for the command to resolve (`sgraf.devices.resolve_device`),
-    so that parsing the default imports no PyTorch."""
+    (CUDA when available) is left for the command to resolve (`sgraf.devices.resolve_device`)."""
     if text.strip().lower() == "auto":
         return "auto"
     from sgraf.devices import resolve_device
@@ -56,6 +55,18 @@ def device(text: str) -> str:
         return str(resolve_device(text))
     except InputError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def checked_device(text: str) -> str:
+    """`--device` of `add_scoring_options`, checked when the command starts: the device this
+    machine can use, or the one-line refusal the other commands give while parsing."""
+    from sgraf.devices import resolve_device
+    from sgraf.errors import InputError
+
+    try:
+        return str(resolve_device(text))
+    except InputError as error:
+        raise InputError(f"argument --device: {error}") from None
 
 
 def png_path(value: str) -> str:
@@ -108,7 +119,9 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False)
                         help="encoder and scorer precision (bf16: autocast, scores stay float32)")
     parser.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
                         help="captions/images per encoder batch and captions per scoring bucket")
-    parser.add_argument("--device", type=device, default="auto",
+    # checked by the command (`checked_device`), not while parsing: checking needs PyTorch, and
+    # `evaluate` starts tokenising its captions in another process before importing it
+    parser.add_argument("--device", default="auto",
                         help="cpu, cuda, cuda:N or mps; auto: cuda when available"
                              + (" (under torchrun each process takes its LOCAL_RANK device)" if torchrun else ""))
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -6,7 +6,8 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import add_score_source, add_scoring_options, check_score_outputs, check_score_source
+from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
+                                 checked_device)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_score_source(args)
     check_score_outputs(args)
+    device = checked_device(args.device)
     scenes_path = Path(args.data) / f"{args.split}_scenes.jsonl"
     if not scenes_path.is_file():
         raise InputError(f"--data {args.data}: no {scenes_path.name}; diagnose needs a data set written by "
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         _, sims = evaluate.evaluate_checkpoints_with_sims(
             args.checkpoint, args.data, args.split, vocab=args.vocab, precision=args.precision,
-            batch_size=args.batch_size, device=args.device, progress=not args.quiet, save_sims=args.save_sims)
+            batch_size=args.batch_size, device=device, progress=not args.quiet, save_sims=args.save_sims)
     diagnose.check_scenes(scenes, *sims.shape, str(scenes_path))
     result = diagnose.diagnose_sims(sims, scenes)
     if args.json:

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
-                                 positive_int)
+                                 checked_device, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
     from sgraf.precision import tf32
     from sgraf.stopwatch import format_timings, stage
 
+    device = checked_device(args.device)    # refused before anything is read
     if args.sims:
         result = evaluate.evaluate_sims_files(args.sims, folds=args.folds, data_dir=args.data,
                                               split=args.split if args.data else None, save_sims=args.save_sims,
@@ -82,7 +83,7 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
         if not args.data:
             raise InputError("--data DIR is required with --checkpoint")
         with stage(watch, "device start"):
-            info = distributed.init_from_env(device=args.device)
+            info = distributed.init_from_env(device=device)
             if watch is not None:   # the device's context now, not inside the checkpoint's stage
                 watch.use(info.device)
                 evaluate.start_device(info.device)
