@@ -15,7 +15,7 @@ first. The authors' ``np.argsort`` is not stable for long rows, so their tie ord
 this rule equals theirs whenever the scores have no ties.
 
 Ranks are computed by counting, ``rank = #(s > s_gt) + #(s == s_gt and index > gt)``, over
-bounded chunks of rows or columns: no per-row sort and no float64 copy of the matrix.
+bounded chunks of whole rows: no per-row sort and no float64 copy of the matrix.
 """
 
 from __future__ import annotations
@@ -120,11 +120,11 @@ def _map_row_chunks(function: Any, n_img: int, n_cap: int) -> list[Any]:
     """`function((start, stop))` of every chunk of about `_CHUNK_ELEMENTS` scores (whole rows),
     in order; on `torch.get_num_threads()` threads (NumPy's comparisons and sums release the
     GIL), so MSCOCO's 125 million scores take a fraction of a second on a many-core host."""
-    rows = max(1, _CHUNK_ELEMENTS // n_cap)
-    chunks = [(start, min(start + rows, n_img)) for start in range(0, n_img, rows)]
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // n_cap)
+    chunks = [(start, min(start + rows_per_chunk, n_img)) for start in range(0, n_img, rows_per_chunk)]
     workers = min(len(chunks), torch.get_num_threads())
     if workers <= 1:
-        return [function(rows) for rows in chunks]
+        return [function(chunk) for chunk in chunks]
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(function, chunks))
 

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from sgraf import diagnose, evaluate
     from sgraf.data.benchmark import load_scenes
+    from sgraf.data.layout import split_files
     from sgraf.data.precomp import read_captions
     from sgraf.errors import InputError
 
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                          "sgraf generate")
     scenes = load_scenes(args.data, args.split)
     diagnose.check_false_for(scenes, str(scenes_path))   # before scoring, which takes the time
-    captions_path = Path(args.data) / f"{args.split}_caps.txt"
+    captions_path = split_files(args.data, args.split)[1]
     if captions_path.is_file():   # else the scoring names the missing file
         diagnose.check_captions(scenes, read_captions(captions_path), str(scenes_path), str(captions_path))
     if args.sims:

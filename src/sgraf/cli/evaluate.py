@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import pathlib
 import sys
 from typing import Any
 
@@ -59,9 +58,12 @@ def _prefetch_captions(args: argparse.Namespace) -> Any:
     imports PyTorch and loads the checkpoint; None with --sims, without the caption file, or
     under torchrun (each process would start one)."""
     from sgraf.cli import _torchrun_rank
+    from sgraf.data.layout import split_files
 
-    captions = pathlib.Path(args.data or "") / f"{args.split}_caps.txt"
-    if args.sims or not args.data or _torchrun_rank()[1] > 1 or not captions.is_file():
+    if args.sims or not args.data or _torchrun_rank()[1] > 1:
+        return None
+    captions = split_files(args.data, args.split)[1]
+    if not captions.is_file():
         return None
     from sgraf.data.token_cache import prefetch
 

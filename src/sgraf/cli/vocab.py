@@ -24,8 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from sgraf.data.layout import split_files
     from sgraf.data.precomp import read_captions
     from sgraf.data.vocab import build_vocab
     from sgraf.errors import InputError
@@ -35,7 +34,7 @@ def run_build(args: argparse.Namespace) -> int:
     captions: list[str] = []
     used = []
     for split in args.splits:
-        path = Path(args.data) / f"{split}_caps.txt"
+        path = split_files(args.data, split)[1]
         if not path.is_file():
             if split == "dev" and args.splits == ["train", "dev"]:
                 continue  # the default tolerates a data set without dev

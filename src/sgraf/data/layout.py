@@ -16,6 +16,8 @@ benchmark generator replaces the whole layout.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Callable
 
 SPLIT_SUFFIXES = ("_ims.npy", "_caps.txt", "_boxes.npy", "_image_sizes.npy", "_image_ids.txt", "_image_names.txt",
@@ -42,3 +44,10 @@ def split_paths(data_dir: str, split: str) -> list[str]:
     """The paths of `split`'s files in `data_dir` (whether they exist or not), and its pictures
     folder: what a command reading the split must never write over."""
     return [f"{data_dir}/{split}{suffix}" for suffix in SPLIT_SUFFIXES] + [f"{data_dir}/{IMAGES}/{split}"]
+
+
+def split_files(data_dir: str | os.PathLike[str], split: str) -> tuple[Path, Path]:
+    """Paths of a split's feature and caption files (`sgraf.data.precomp` reads them; here so
+    that a command can name them before it imports PyTorch)."""
+    data_dir = Path(data_dir)
+    return data_dir / f"{split}_ims.npy", data_dir / f"{split}_caps.txt"

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from sgraf.data.arrays import check_finite_features, open_npy
 from sgraf.data.boxes import read_boxes
 from sgraf.data.captions import read_captions
+from sgraf.data.layout import split_files
 from sgraf.data.vocab import Vocabulary
 from sgraf.errors import InputError
 
@@ -37,12 +38,6 @@ STANDARD_SPLITS = ("train", "dev", "test", "testall")
 FINITE_SAMPLE = 64  # images `sgraf data check` looks at without --full-scan (evenly spread)
 _SCAN_CHUNK_BYTES = 64 << 20  # full scans read this much at a time
 _FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a features file
-
-
-def split_files(data_dir: str | os.PathLike[str], split: str) -> tuple[Path, Path]:
-    """Paths of a split's feature and caption files."""
-    data_dir = Path(data_dir)
-    return data_dir / f"{split}_ims.npy", data_dir / f"{split}_caps.txt"
 
 
 def available_splits(data_dir: str | os.PathLike[str]) -> list[str]:
