@@ -2,10 +2,13 @@
 (`sgraf.kernels.plan.emulate_gpu`), held under budgets so that they cannot creep back.
 
 The budgets are the counts measured after the cuts of issue 20 with a little headroom. A step
-is counted at batch 32 here (the batch in one chunk: SGR 520, SAF 485 launches in fp32; at batch
-128 the GPU cut makes three chunks, 1,131 for SGR: `benchmarks/launch_counts.py`), a scoring
-block at 16 images (73 launches for SGR, 56 for SAF, whatever the images and captions in it);
-the launches of a scoring block must not grow with the captions in it.
+is counted at batch 32 here (the batch in one chunk: SAF 485 launches in fp32; SGR 615, its
+backward through the selected pairs, `sgraf.training.pairs`, adding their forward to the
+matrix's, 520 through the whole matrix), and an SGR step at the paper's batch of 128, where the
+GPU cut makes three chunks (785 launches; 1,131 through the whole matrix:
+`benchmarks/launch_counts.py`), against the issue's 1,000; a scoring block at 16 images (73
+launches for SGR, 56 for SAF, whatever the images and captions in it); the launches of a scoring
+block must not grow with the captions in it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchma
 import launch_counts  # noqa: E402
 
 # launches per training step and per scoring block, with headroom
-TRAIN_STEP_BUDGET = {"sgr": 550, "saf": 515}    # batch 32, fp32
+TRAIN_STEP_BUDGET = {"sgr": 650, "saf": 515}    # batch 32, fp32
+PAPER_BATCH_SGR_BUDGET = 850                     # batch 128, fp32 (the issue's target: 1,000)
 SCORE_BLOCK_BUDGET = {"sgr": 78, "saf": 60}
 # casts of activations (not weights) a bf16 step adds to the fp32 one, batch 32, with headroom
-BF16_ACTIVATION_CASTS = {"sgr": 22, "saf": 37}
+BF16_ACTIVATION_CASTS = {"sgr": 26, "saf": 37}
 
 
 def test_the_counter_counts_kernels_not_views_and_reads_of_the_device():
@@ -70,12 +74,18 @@ def test_a_training_step_stays_under_its_launch_budget_and_reads_nothing_back(mo
     assert counter.launches <= TRAIN_STEP_BUDGET[module], counter.summary(20)
 
 
+def test_an_sgr_step_at_the_paper_batch_launches_fewer_than_a_thousand_kernels():
+    counter = launch_counts.train_step_launches("sgr", "fp32", batch_size=128, scale=64)
+    assert counter.host_reads == 0, counter.reads_by_op
+    assert counter.launches <= PAPER_BATCH_SGR_BUDGET, counter.summary(20)
+
+
 @pytest.mark.parametrize("module", ["sgr", "saf"])
 def test_a_bf16_training_step_casts_the_weights_once(module):
     """The linear layers' weights reach bf16 in one multi-tensor copy per step and their gradients
     come back in another (`sgraf.precision.low_precision_weights`): what bf16 adds to the fp32
-    step is the casts of activations (19 for SGR, 34 for SAF at batch 32; autocast cast every
-    weight and gradient too: 107 / 78)."""
+    step is the casts of activations (23 for SGR, whose selected pairs are scored again, 34 for
+    SAF at batch 32; autocast cast every weight and gradient too: 107 / 78)."""
     fp32 = launch_counts.train_step_launches(module, "fp32", batch_size=32, scale=64)
     bf16 = launch_counts.train_step_launches(module, "bf16", batch_size=32, scale=64)
     assert bf16.host_reads == 0, bf16.reads_by_op

@@ -676,9 +676,20 @@ class SGRAF(nn.Module):
         img_glo, cap_glo = sim.global_vectors(img_embs, words, word_mask)     # (n_img, d), (n_cap, d)
         # kept for an auxiliary loss on the global vectors (sgraf.training's global_loss_weight)
         self.train_global_vectors = (img_glo, cap_glo)
+        directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
+        return self._train_block_scores(img_embs, img_glo, words, word_mask, cap_glo, lengths, host_lengths, centres,
+                                        directions)
+
+    def _train_block_scores(self, img_embs: torch.Tensor, img_glo: torch.Tensor | None, words: torch.Tensor,
+                            word_mask: torch.Tensor, cap_glo: torch.Tensor | None, lengths: torch.Tensor,
+                            host_lengths: torch.Tensor | None, centres: torch.Tensor | None,
+                            directions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """`_train_similarity_heads` after the global vectors and the words' directions: the
+        per-pair part, which draws no random numbers and advances no BatchNorm but SAF's (whose
+        running statistics it applies once, in caption order)."""
+        sim = self.sim_enc
         heads = self.heads
         recompute = self.train_checkpoint and torch.is_grad_enabled()
-        directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
 
         def head_scores(nodes, node_mask, chunk_offset):
             scores, saf_stats = sim.train_head_scores(nodes, node_mask, heads, chunk_offset)
@@ -770,6 +781,57 @@ class SGRAF(nn.Module):
                                        lengths)
         return scores if self.config.module == "joint" else scores[self.config.module]
 
+    @property
+    def pair_training(self) -> bool:
+        """Whether `train_scores` serves this model: one head that couples no pairs (SGR or
+        AVE; SAF's training BatchNorm takes its statistics over all the images of a caption, so
+        every pair reaches its loss) on vector nodes with text-to-image attention."""
+        return self.heads in (("sgr",), ("ave",)) and self.sim_enc.supports_fast()
+
+    def train_scores(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any,
+                     boxes: torch.Tensor | None = None) -> TrainScores:
+        """The train-mode score matrix without autograd, and any of its pairs again with it.
+
+        The encoders and the global vectors run once, with autograd (dropout drawn once,
+        VisualSA's BatchNorm advanced once, as in `forward`); the (n_img, n_cap) scores are then
+        computed without autograd. `TrainScores.pairs(rows, cols)` scores chosen pairs again from
+        the same embeddings, with autograd, as aligned pairs. A loss that reads a few pairs of the
+        matrix (hardest negatives) thus needs a backward pass through those pairs only
+        (`sgraf.training.pairs`). Needs `pair_training`.
+
+        Args as in `forward`.
+        """
+        if not (self.training and self.pair_training):
+            raise InputError(f"train_scores needs a model in train mode whose head couples no pairs "
+                             f"(sgr or ave, vector nodes, t2i attention), got heads {self.heads}")
+        img_embs, cap_embs = self.encode_images(images, boxes), self.encode_captions(captions, lengths)
+        host_lengths = _host_lengths(lengths)
+        words, word_mask, lengths = _masked_words(cap_embs, lengths)
+        regions, centres = self.split_places(img_embs)
+        sim = self.sim_enc
+        img_glo, cap_glo = sim.global_vectors(regions, words, word_mask)     # (n_img, d), (n_cap, d)
+        self.train_global_vectors = (img_glo, cap_glo)
+        directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
+        embeddings = (regions, img_glo, words, word_mask, cap_glo, centres, directions)
+        with torch.no_grad():
+            detached = [None if t is None else t.detach() for t in embeddings]
+            values = self._train_block_scores(*detached[:5], lengths, host_lengths, *detached[5:])
+        return TrainScores(values, lambda rows, cols: self._pair_scores(*embeddings, rows, cols))
+
+    def _pair_scores(self, regions: torch.Tensor, img_glo: torch.Tensor | None, words: torch.Tensor,
+                     word_mask: torch.Tensor, cap_glo: torch.Tensor | None, centres: torch.Tensor | None,
+                     directions: torch.Tensor | None, rows: torch.Tensor, cols: torch.Tensor
+                     ) -> dict[str, torch.Tensor]:
+        """Train-mode scores (P,) of the aligned pairs (image rows[p], caption cols[p]), with
+        autograd, from a batch's embeddings (see `train_scores`)."""
+        sim = self.sim_enc
+        nodes, node_mask, places = sim.train_nodes(
+            regions[rows], words[cols], word_mask[cols], None if img_glo is None else img_glo[rows],
+            None if cap_glo is None else cap_glo[cols], None if centres is None else centres[rows], aligned=True)
+        offset = None if places is None else sim.place_term.term(places, directions[cols])
+        scores, _ = sim.train_head_scores(nodes, node_mask, self.heads, offset)        # {head: (1, P)}
+        return {head: block.view(-1) for head, block in scores.items()}
+
     @torch.no_grad()
     def score(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any,
               batch_size: int = 128, boxes: torch.Tensor | None = None) -> torch.Tensor:
@@ -790,6 +852,24 @@ class SGRAF(nn.Module):
         precision = current_precision(images.device)
         encoded = blocks.encode(self, images, captions, lengths, batch_size, precision, boxes=boxes)
         return blocks.score_encoded([self], [encoded], precision).to(images.device)
+
+
+class TrainScores:
+    """`SGRAF.train_scores`' answer.
+
+    Attributes:
+        values: {head: (n_img, n_cap) train-mode scores}, without autograd.
+    """
+
+    def __init__(self, values: dict[str, torch.Tensor],
+                 pairs: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]) -> None:
+        self.values = values
+        self._pairs = pairs
+
+    def pairs(self, rows: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{head: (P,) scores} of the pairs (rows[p], cols[p]), with autograd: the same values
+        as `values[head][rows, cols]` up to float rounding."""
+        return self._pairs(rows, cols)
 
 
 def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgraf.errors import InputError
 from sgraf.kernels.cpu import fast_linear, train_linear, weight_gradient
 from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
 from sgraf.model.norms import EPS, cosine, l2norm, l2norm_, squared_difference
@@ -73,13 +74,14 @@ class _LocalNodes(torch.autograd.Function):
             grad_attn = torch.bmm(flat, regions.transpose(1, 2)).view(attn.shape)
         if ctx.needs_input_grad[1]:
             grad_regions = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
-        if ctx.needs_input_grad[2]:
-            grad_words = grad_diff.sum(dim=0).neg_()
+        if ctx.needs_input_grad[2]:   # summed over the images that share the words
+            grad_words = grad_diff.sum_to_size(words.shape).neg_()
         return grad_attn, grad_regions, grad_words, grad_weight, grad_bias
 
 
 def _context_minus_words(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """(n_img, n_cap, L, K) attention, (n_img, K, d) regions, (n_cap, L, d) words -> `A R - T`."""
+    """(n_img, n_cap, L, K) attention, (n_img, K, d) regions, (n_cap, L, d) words shared by every
+    image (or (n_img, 1, L, d), one caption per image) -> `A R - T`."""
     n_img, n_cap, n_words, n_regions = attn.shape
     context = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions), regions)
     return context.view(n_img, n_cap, n_words, -1).sub_(words)
@@ -91,7 +93,8 @@ def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, 
 
     Args:
         attn: (n_img, n_cap, L, K) attention rows already divided by their context's norm.
-        regions: (n_img, K, d); words: (n_cap, L, d); weight: (m, d); bias: (m,).
+        regions: (n_img, K, d); words: (n_cap, L, d) shared by every image, or (n_img, 1, L, d)
+            with one caption per image (aligned pairs); weight: (m, d); bias: (m,).
 
     Returns:
         (n_img, n_cap, L, m) nodes. In float32 outside autocast this is `_LocalNodes` (no
@@ -101,7 +104,8 @@ def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, 
         return _LocalNodes.apply(attn, regions, words, weight, bias)
     n_img, n_cap, n_words, n_regions = attn.shape
     context = (attn.reshape(n_img, n_cap * n_words, n_regions) @ regions).view(n_img, n_cap, n_words, -1)
-    return l2norm(train_linear(squared_difference(context, words.unsqueeze(0)), weight, bias))
+    return l2norm(train_linear(squared_difference(context, words if words.dim() == 4 else words.unsqueeze(0)),
+                               weight, bias))
 
 
 def inverse_norm(x: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
@@ -266,8 +270,8 @@ class SimilarityRepresentation(nn.Module):
                 and not torch.is_autocast_enabled(words.device.type))
 
     def train_nodes(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                    img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None, centres: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None, centres: torch.Tensor | None = None,
+                    aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`forward` from precomputed global vectors; pure, so safe to recompute in backward.
 
         For vector nodes with text-to-image attention, the local contexts are normalised before
@@ -280,27 +284,37 @@ class SimilarityRepresentation(nn.Module):
             word_mask: (n_cap, L) bool; img_glo: (n_img, d), cap_glo: (n_cap, d) or None.
             centres: (n_img, K, 2) the regions' centres, for a place model (needs local
                 alignments with text-to-image attention).
+            aligned: score P aligned pairs instead of a grid: image p against caption p only,
+                every argument's first dimension P (vector nodes, text-to-image attention).
+                The same math; the block is then one row of P pairs.
 
         Returns:
             nodes (n_img, n_cap, P, m) and node_mask (n_cap, P) bool, global node first, and
             with `centres` the float32 places (n_img, n_cap, L, 2) each word reads
             (`sgraf.model.positions.PlaceTerm.places`: from the attention of the nodes, in
-            float32), else None.
+            float32), else None. Aligned: nodes (1, P, P', m), node_mask (P, P'), places
+            (1, P, L, 2).
         """
+        if aligned and not self.supports_fast():
+            raise InputError("aligned pairs need vector similarities with text-to-image attention")
         n_img, n_regions, dim = regions.shape
         n_cap, n_words, _ = words.shape
+        # aligned pairs are scored as n_img = P images of one caption each (the words' own)
+        cap_axis = 1 if aligned else 0
         nodes, masks, places = [], [], None
         if self.use_global:
             layer = getattr(self, "sim_tranglo_w", None)
             if self.similarity == "vector":
-                square = squared_difference(img_glo.unsqueeze(1), cap_glo.unsqueeze(0))
+                square = squared_difference(img_glo.unsqueeze(1), cap_glo.unsqueeze(cap_axis))
                 nodes.append(l2norm(train_linear(square, layer.weight, layer.bias)).unsqueeze(2))
             else:
                 nodes.append(self._vector(img_glo.unsqueeze(1), cap_glo.unsqueeze(0), layer).unsqueeze(2))
             masks.append(word_mask.new_ones(n_cap, 1))
         if self.use_local and self.similarity == "vector" and self.attention == "t2i":
-            # (n_img, K, n_cap * L): every region against every word of the block, one matmul
-            relevance = regions @ words.reshape(n_cap * n_words, dim).t()
+            if aligned:   # (P, K, L): each image's regions against its own caption's words
+                relevance, n_cap = torch.bmm(regions, words.transpose(1, 2)), 1
+            else:         # (n_img, K, n_cap * L): every region against every word of the block, one matmul
+                relevance = regions @ words.reshape(n_cap * n_words, dim).t()
             relevance = F.leaky_relu(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
             relevance = l2norm(relevance, dim=3)                       # each region across the words
             attn = (relevance * self.smooth).permute(0, 2, 3, 1).softmax(dim=3)          # (n_img, n_cap, L, K)
@@ -312,7 +326,8 @@ class SimilarityRepresentation(nn.Module):
             # the authors' l2norm: a_j / (|a_j| + eps)
             attn = attn / (sq_norm.clamp(min=0).sqrt() + EPS)
             attn = attn.view(n_img, n_cap, n_words, n_regions)
-            nodes.append(local_nodes(attn, regions, words, self.sim_tranloc_w.weight, self.sim_tranloc_w.bias))
+            nodes.append(local_nodes(attn, regions, words.unsqueeze(1) if aligned else words,
+                                     self.sim_tranloc_w.weight, self.sim_tranloc_w.bias))
             masks.append(word_mask)
         elif self.use_local:
             layer = getattr(self, "sim_tranloc_w", None)
@@ -327,6 +342,9 @@ class SimilarityRepresentation(nn.Module):
                 context = attend_words(regions, words, word_mask, self.smooth)  # (n_img, n_cap, K, d)
                 nodes.append(self._vector(context, regions.unsqueeze(1), layer))
                 masks.append(word_mask.new_ones(n_cap, n_regions))
+        if aligned:   # (P, 1, ...): P images of one caption each -> one row of P pairs, as the heads read a block
+            return (torch.cat(nodes, dim=2).transpose(0, 1), torch.cat(masks, dim=1),
+                    None if places is None else places.transpose(0, 1))
         return torch.cat(nodes, dim=2), torch.cat(masks, dim=1), places
 
     def supports_fast(self) -> bool:

@@ -31,6 +31,7 @@ from sgraf.folder_lock import FolderLock
 from sgraf.kernels import plan
 from sgraf.kernels.memory import keep_freed_memory
 from sgraf.precision import autocast, low_precision_weights, tf32
+from sgraf.training import pairs
 from sgraf.training import run_dir as rd
 from sgraf.training.batches import PlannedBatches
 from sgraf.training.config import TrainConfig
@@ -180,24 +181,39 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     norms_before = snapshot_norms(norms)
 
     optimizer.zero_grad(set_to_none=True)
+    true_of = getattr(batch, "true_of", None)
+    if true_of is not None:   # family batches: a caption is no negative of a picture it is true of
+        positives = truth_mask(batch.image_ids.to(device, non_blocking=True), true_of.to(device, non_blocking=True))
+    elif config.same_image_positive:
+        positives = same_image_mask(batch.image_ids.to(device, non_blocking=True))
+    else:
+        positives = None
+    # the backward pass through the pairs the loss reads only (sgraf.training.pairs), where it applies
+    by_pairs = pairs.applies(model, config)
+    # the device lists the pairs without a read under the GPU plan
+    on_device = scaler is None and plan.gpu_plan(device) and bool(optimizer.defaults.get("fused"))
     # bf16/fp16: the linear layers' weights cast once for the step (forward, recomputed chunks and
     # backward), not by autocast at every use; their gradients reach the parameters on leaving
     with low_precision_weights(model, config.precision, device):
         with autocast(config.precision, device):
-            scores = global_batch_scores(model, images, captions, lengths, boxes)   # (B, B) or {'sgr', 'saf'}
+            if by_pairs:
+                train_scores = model.train_scores(images, captions, lengths, boxes)
+            else:
+                scores = global_batch_scores(model, images, captions, lengths, boxes)   # (B, B) or {'sgr', 'saf'}
             global_scores = global_vector_scores(model) if config.global_loss_weight > 0 else None
-        true_of = getattr(batch, "true_of", None)
-        if true_of is not None:   # family batches: a caption is no negative of a picture it is true of
-            positives = truth_mask(batch.image_ids.to(device, non_blocking=True),
-                                   true_of.to(device, non_blocking=True))
-        elif config.same_image_positive:
-            positives = same_image_mask(batch.image_ids.to(device, non_blocking=True))
+        if by_pairs:
+            (values,) = train_scores.values.values()
+            loss, rows, cols, weights = pairs.loss_and_pairs(
+                values, lambda matrix: batch_loss(matrix, config, positives),
+                pairs.max_pairs(values.size(1)) if on_device else None)
         else:
-            positives = None
-        loss = batch_loss(scores, config, positives)
+            loss = batch_loss(scores, config, positives)
+        auxiliary = None
         if global_scores is not None:  # auxiliary loss: global vectors as a retrieval embedding
-            loss = loss + config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
-                                                                   config.max_violation, positives)
+            auxiliary = config.global_loss_weight * ranking_loss(global_scores.float(), config.margin,
+                                                                 config.max_violation, positives)
+            loss = loss + auxiliary
+
         def check_loss() -> None:
             if not bool(torch.isfinite(loss)):
                 bad_images = (~torch.isfinite(images)).flatten(1).any(dim=1).cpu()
@@ -208,10 +224,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
                 raise NonFiniteLossError(f"the training loss is {loss.item()}")
 
         # without a host read: the fused optimizer skips the update on the device when the loss is not finite
-        on_device = scaler is None and plan.gpu_plan(device) and bool(optimizer.defaults.get("fused"))
         if not on_device:
             check_loss()
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        objective = loss
+        if by_pairs:   # the selected pairs again, with autograd: the loss's gradient, not its value
+            with autocast(config.precision, device):
+                (pair_scores,) = train_scores.pairs(rows, cols).values()
+            objective = pairs.surrogate(pair_scores, weights)
+            if auxiliary is not None:
+                objective = objective + auxiliary
+        (scaler.scale(objective) if scaler is not None else objective).backward()
     average_gradients(params)
     merge_per_caption_norms(norms, norms_before)
     if scaler is not None:

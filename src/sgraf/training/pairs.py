@@ -1,0 +1,85 @@
+"""A training step's backward pass through the pairs its loss reads, not the whole score matrix.
+
+The authors' loss (VSE++'s hinge with hardest negatives, `sgraf.model.loss`) reads at most three
+scores per caption of a batch's (B, B) matrix: each positive pair, each image's hardest negative
+caption and each caption's hardest negative image. Its gradient with respect to the matrix is
+zero everywhere else, so the gradient with respect to the weights is `sum_e g_e ds_e/dtheta` over
+at most 3B entries e, where `g = dLoss/dscores`. For SGR every score depends on its own pair
+alone (no BatchNorm across pairs, no random numbers past the encoders), so:
+
+1. the encoders and the global vectors run once, with autograd;
+2. the score matrix is computed without autograd (a forward pass that keeps nothing);
+3. the loss and `g` come from that matrix (B x B numbers, autograd over the loss alone);
+4. the selected pairs are scored again with autograd (`SGRAF.train_scores`), and
+   `sum_e g_e s_e` is backpropagated.
+
+The loss, the gradients and so every update are the authors' up to float rounding (the
+selected pairs are computed in another batch shape); the ties of the hardest negatives are
+broken as `torch.max` breaks them on the matrix. A step does one forward pass over the B^2
+pairs instead of a forward pass and a backward pass of twice its cost, and keeps no per-pair
+intermediates for backward. SAF's training BatchNorm takes its statistics over all the images
+of each caption, so every pair reaches its loss: SAF and joint models, a loss summed over all
+negatives (`max_violation=false`, a warm-up), and several processes keep the whole-matrix
+backward (`applies`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from sgraf import distributed
+from sgraf.training.config import TrainConfig
+
+
+def applies(model: nn.Module, config: TrainConfig) -> bool:
+    """Whether `train_step` takes the pairs' backward for this model and this epoch's loss:
+    `pair_backward` on, hardest negatives (`max_violation`, after any warm-up), a model whose
+    head couples no pairs (`SGRAF.pair_training`), and one process."""
+    return (config.pair_backward and config.max_violation and bool(getattr(model, "pair_training", False))
+            and not distributed.is_distributed())
+
+
+def max_pairs(n_captions: int) -> int:
+    """The most entries of a (B, B) matrix the hardest-negative loss has a gradient at: the
+    positive, the hardest negative caption and the hardest negative image of each of B."""
+    return 3 * n_captions
+
+
+def loss_and_pairs(values: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor], bound: int | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss of a score matrix and the entries its gradient is not zero at.
+
+    Args:
+        values: (n_img, n_cap) scores without autograd.
+        loss_of: the loss of a score matrix (differentiable).
+        bound: None lists exactly the non-zero entries (reads their number from the device);
+            a number lists that many entries, the non-zero ones and others of weight 0 (no
+            device read, for the GPU plan; the loss must have at most `bound` non-zero entries).
+
+    Returns:
+        the loss (no autograd), and rows, cols and weights (P,): the entries and the loss's
+        gradient there.
+    """
+    leaf = values.detach().float().requires_grad_()
+    with torch.enable_grad():
+        loss = loss_of(leaf)
+        (grad,) = torch.autograd.grad(loss, leaf)
+    if bound is None:
+        if not bool(torch.isfinite(loss)):   # nothing to select: the step refuses this loss
+            rows = cols = torch.zeros(0, dtype=torch.long, device=grad.device)
+            return loss.detach(), rows, cols, grad[rows, cols]
+        rows, cols = grad.nonzero().unbind(1)
+        return loss.detach(), rows, cols, grad[rows, cols]
+    # the `bound` largest |gradients| hold every non-zero one (topk runs on any device without a
+    # read; nonzero_static has no CUDA kernel before PyTorch 2.6)
+    flat = grad.flatten()
+    index = flat.abs().topk(min(bound, flat.numel()), sorted=False).indices
+    return loss.detach(), index // grad.size(1), index % grad.size(1), flat[index]
+
+
+def surrogate(pair_scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`sum_e g_e s_e`: a scalar whose gradient is the loss's (its value is not the loss)."""
+    return (pair_scores.float() * weights).sum()

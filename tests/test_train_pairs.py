@@ -1,0 +1,161 @@
+"""The training step's backward through the pairs its loss reads (`sgraf.training.pairs`): the
+same loss and gradients as the backward through the whole score matrix."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model_helpers import random_batch, random_model
+from sgraf.errors import InputError
+from sgraf.model.loss import ranking_loss
+from sgraf.training import pairs
+from sgraf.training.config import preset
+from sgraf.training.loop import NonFiniteLossError, train_step
+
+LENGTHS = [3, 7, 5, 2, 7, 4, 6, 3, 5, 8]
+
+
+def _batch(model, image_ids=None, seed=1):
+    images, captions, lengths = random_batch(model, len(LENGTHS), LENGTHS, seed=seed)
+    boxes = None
+    if model.needs_boxes:
+        corner = torch.rand(len(LENGTHS), model.config.num_regions, 2, generator=torch.Generator().manual_seed(seed))
+        boxes = torch.cat([corner * 0.6, corner * 0.6 + 0.3], dim=2)
+    ids = torch.arange(len(LENGTHS)) if image_ids is None else torch.tensor(image_ids)
+    return SimpleNamespace(images=images, captions=captions, lengths=lengths, image_ids=ids, boxes=boxes)
+
+
+def _gradients(model, batch, config, pair_backward):
+    """The loss and every parameter's gradient of one step (nothing updated: SGD at rate 0)."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    result = train_step(model, optimizer, batch, config.replace(pair_backward=pair_backward, grad_clip=0.0))
+    return result.loss, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _largest_difference(dense, by_pairs):
+    """The largest gradient difference, relative to the whole gradient's norm."""
+    assert dense.keys() == by_pairs.keys()
+    norm = torch.sqrt(sum(g.double().square().sum() for g in dense.values()))
+    return max(float((dense[k].double() - by_pairs[k].double()).abs().max() / norm) for k in dense)
+
+
+CONFIGS = [dict(module="sgr"), dict(module="sgr", alignments="local"), dict(module="ave"),
+           dict(module="sgr", sgr_step=1)]
+
+
+@pytest.mark.parametrize("options", CONFIGS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_the_pairs_backward_gives_the_whole_matrix_gradients_to_float64_rounding(options, monkeypatch):
+    model = random_model(**options).double()
+    batch = _batch(model)
+    batch.images = batch.images.double()
+    config = preset("tiny").replace(max_violation=True)
+    assert pairs.applies(model, config)
+    selected = []
+    listing = pairs.loss_and_pairs
+    monkeypatch.setattr(pairs, "loss_and_pairs", lambda *args: selected.append(listing(*args)) or selected[-1])
+    loss, dense = _gradients(model, batch, config, pair_backward=False)
+    assert selected == []
+    pair_loss, by_pairs = _gradients(model, batch, config, pair_backward=True)
+    # the backward went through at most three pairs per caption, the positives among them
+    (_, rows, cols, _), = selected
+    assert len(rows) <= 3 * len(LENGTHS) and set(range(len(LENGTHS))) <= set(rows[rows == cols].tolist())
+    assert pair_loss == pytest.approx(loss, rel=1e-12)
+    assert _largest_difference(dense, by_pairs) < 1e-12
+
+
+@pytest.mark.parametrize("extra", [dict(same_image_positive=True), dict(global_loss_weight=0.5)],
+                         ids=["same-image-positives", "global-loss"])
+def test_positives_and_the_auxiliary_loss_take_the_same_gradients(extra):
+    model = random_model(module="sgr").double()
+    batch = _batch(model, image_ids=[0, 0, 1, 2, 2, 2, 3, 4, 5, 5])
+    batch.images = batch.images.double()
+    config = preset("tiny").replace(max_violation=True, **extra)
+    loss, dense = _gradients(model, batch, config, pair_backward=False)
+    pair_loss, by_pairs = _gradients(model, batch, config, pair_backward=True)
+    assert pair_loss == pytest.approx(loss, rel=1e-12)
+    assert _largest_difference(dense, by_pairs) < 1e-12
+
+
+def test_a_place_model_takes_the_same_gradients_in_float32():
+    model = random_model(module="sgr", positions="place")
+    batch = _batch(model)
+    config = preset("tiny").replace(module="sgr", positions="place", max_violation=True)
+    loss, dense = _gradients(model, batch, config, pair_backward=False)
+    pair_loss, by_pairs = _gradients(model, batch, config, pair_backward=True)
+    assert pair_loss == pytest.approx(loss, rel=1e-6)
+    assert _largest_difference(dense, by_pairs) < 1e-5
+
+
+def test_train_scores_are_the_forward_scores_and_a_pair_is_its_matrix_entry():
+    model = random_model(module="sgr").train()
+    batch = _batch(model)
+    torch.manual_seed(3)
+    dense = model(batch.images, batch.captions, batch.lengths)
+    torch.manual_seed(3)
+    scores = model.train_scores(batch.images, batch.captions, batch.lengths)
+    assert not scores.values["sgr"].requires_grad
+    torch.testing.assert_close(scores.values["sgr"], dense.detach(), rtol=0, atol=1e-6)
+    rows, cols = torch.tensor([0, 9, 4, 4, 2]), torch.tensor([0, 3, 1, 9, 2])
+    again = scores.pairs(rows, cols)["sgr"]
+    assert again.requires_grad and again.shape == (5,)
+    torch.testing.assert_close(again, scores.values["sgr"][rows, cols], rtol=0, atol=1e-6)
+
+
+def test_the_device_listing_without_a_read_gives_the_exact_listing_weights():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.rand(12, 12, generator=generator)
+    exact = pairs.loss_and_pairs(values, ranking_loss, None)
+    bounded = pairs.loss_and_pairs(values, ranking_loss, pairs.max_pairs(12))
+    assert len(exact[1]) <= pairs.max_pairs(12) == len(bounded[1])
+    dense = []
+    for loss, rows, cols, weights in (exact, bounded):
+        matrix = torch.zeros(12, 12)
+        matrix.index_put_((rows, cols), weights, accumulate=True)
+        dense.append(matrix)
+    assert exact[0] == bounded[0]
+    torch.testing.assert_close(dense[0], dense[1], rtol=0, atol=0)
+    leaf = values.clone().requires_grad_()
+    ranking_loss(leaf).backward()
+    torch.testing.assert_close(dense[0], leaf.grad, rtol=0, atol=0)
+
+
+def test_only_hardest_negatives_of_a_pair_coupling_free_model_on_one_process_take_it():
+    config = preset("tiny").replace(max_violation=True)
+    sgr = random_model(module="sgr")
+    assert pairs.applies(sgr, config)
+    assert not pairs.applies(sgr, config.replace(pair_backward=False))
+    assert not pairs.applies(sgr, config.replace(max_violation=False))
+    warm = config.replace(warmup_epochs=1)
+    assert not pairs.applies(sgr, warm.loss_for_epoch(0)) and pairs.applies(sgr, warm.loss_for_epoch(1))
+    for module in ("saf", "joint"):
+        model = random_model(module=module)
+        assert not model.pair_training and not pairs.applies(model, config.replace(module=module))
+    assert not random_model(module="ave", similarity="scalar").pair_training
+
+
+@pytest.mark.parametrize("module, training", [("saf", True), ("sgr", False)])
+def test_train_scores_refuses_a_model_it_cannot_serve(module, training):
+    model = random_model(module=module).train(training)
+    batch = _batch(model)
+    with pytest.raises(InputError, match="train mode"):
+        model.train_scores(batch.images, batch.captions, batch.lengths)
+
+
+def test_a_non_finite_loss_stops_the_step_before_any_pair_is_scored_again(monkeypatch):
+    model = random_model(module="sgr")
+    batch = _batch(model)
+    batch.images[3, 0, 0] = float("nan")
+    optimizer = torch.optim.Adam(model.parameters())
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    rescored = []
+    monkeypatch.setattr(type(model), "_pair_scores", lambda self, *a: rescored.append(a) or {})
+    with pytest.raises(NonFiniteLossError, match="images \\[3\\]"):
+        train_step(model, optimizer, batch, preset("tiny").replace(max_violation=True))
+    assert rescored == []
+    for name, parameter in model.named_parameters():   # no update
+        torch.testing.assert_close(parameter.detach(), before[name], rtol=0, atol=0)
