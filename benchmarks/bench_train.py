@@ -7,7 +7,9 @@ algorithm as they run it (`sgraf.model.oracle.authors_forward`): both encoders o
 batch (the GRU on packed sequences), then each caption scored against all images on its own,
 in float32; "ours" is `sgraf.training.train_step` (vectorised over captions,
 scored in length-sorted caption chunks whose intermediates are recomputed in backward;
-`--chunk N` fixes the captions per chunk, `--no-checkpoint` keeps every chunk's intermediates).
+`--chunk N` fixes the captions per chunk, `--no-checkpoint` keeps every chunk's intermediates;
+for SGR the backward pass runs through the pairs the loss reads, `sgraf.training.pairs`, and
+`--matrix` adds "matrix", ours with the backward through the whole score matrix).
 Dropout is off so both compute the same first loss (printed: a correctness check).
 
 The times come from one process per configuration, the processes taking one step each in turn
@@ -84,7 +86,7 @@ def make_step(model, batch, module: str, impl: str, precision: str, chunk: int |
 
     model = copy.deepcopy(model)
     model.train_chunk, model.train_checkpoint = chunk, checkpoint
-    config = preset(f"f30k-{module}").replace(precision=precision)
+    config = preset(f"f30k-{module}").replace(precision=precision, pair_backward=impl != "matrix")
     optimizer = build_optimizer(model, config)
 
     def authors_step() -> float:
@@ -218,6 +220,8 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--chunk", type=int, help="ours: captions per chunk (default: from a memory budget)")
     parser.add_argument("--no-checkpoint", action="store_true", help="ours: keep every chunk's intermediates")
+    parser.add_argument("--matrix", action="store_true",
+                        help="also ours with the backward through the whole score matrix (pair_backward=false)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: the GPU allocator's there)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
@@ -235,7 +239,8 @@ def main() -> None:
 
     from sgraf.kernels.cpu import onednn_runs
 
-    runs = ([] if args.no_authors else [("authors", "fp32")]) + [("ours", p) for p in args.precisions]
+    runs = ([] if args.no_authors else [("authors", "fp32")]) + [("ours", p) for p in args.precisions] \
+        + ([("matrix", p) for p in args.precisions] if args.matrix else [])
     where = torch_device_name(args.device)
     common = ["--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
               "--device", args.device] + (["--chunk", str(args.chunk)] if args.chunk else []) \
@@ -272,10 +277,10 @@ def main() -> None:
         if ref is None:
             continue
         for r in results:
-            if r["module"] == module and r["impl"] == "ours":
+            if r["module"] == module and r["impl"] != "authors":
                 rounds = [1 / x for x in r["per_round_vs_first"]]
                 peak = "" if args.no_memory else f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
-                print(f"{module} ours {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster "
+                print(f"{module} {r['impl']} {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster "
                       f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {peak}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
     if args.json:

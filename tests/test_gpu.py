@@ -122,8 +122,9 @@ def test_the_block_loop_never_waits_for_the_device(monkeypatch):
     assert torch.equal(blocks.score_encoded([model], [encoded], image_block=8), expected)
 
 
+@pytest.mark.parametrize("hardest", [False, True], ids=["summed", "hardest-pairs"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_training_step_never_waits_for_the_device(precision):
+def test_a_training_step_never_waits_for_the_device(precision, hardest):
     """Under the GPU plan the step reads nothing back (fused Adam skips a non-finite update on the
     device): no synchronisation from the batch's copy to the optimiser's update. The CPU suite
     counts the same reads with `sgraf.kernels.launches` (tests/test_launches.py)."""
@@ -135,7 +136,8 @@ def test_a_training_step_never_waits_for_the_device(precision):
     images, captions, lengths = random_batch(model, 32, lengths, seed=5)
     batch = SimpleNamespace(images=images.pin_memory(), captions=captions.pin_memory(), lengths=lengths,
                             image_ids=torch.arange(32))
-    config = preset("tiny").replace(module="sgr", precision=precision)
+    # with hardest negatives the backward runs through the selected pairs (sgraf.training.pairs)
+    config = preset("tiny").replace(module="sgr", precision=precision, max_violation=hardest)
     optimizer = build_optimizer(model, config)
     assert optimizer.defaults["fused"]
     train_step(model, optimizer, batch, config, device="cuda")      # Adam's state is made here
@@ -145,6 +147,30 @@ def test_a_training_step_never_waits_for_the_device(precision):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+
+
+def test_the_selected_pairs_backward_gives_the_whole_matrix_gradients_on_the_device():
+    """`sgraf.training.pairs` on CUDA (the pairs listed by topk, no read): the loss and the
+    gradients of the backward through the whole matrix, within float32 noise."""
+    import copy
+
+    from sgraf.training.config import preset
+    from sgraf.training.loop import train_step
+
+    model = random_model(11, module="sgr", num_regions=36, img_dim=64, embed_size=128, sim_dim=64).cuda().train()
+    lengths = torch.randint(3, 20, (32,), generator=torch.Generator().manual_seed(6)).tolist()
+    images, captions, lengths = random_batch(model, 32, lengths, seed=6)
+    batch = SimpleNamespace(images=images.cuda(), captions=captions.cuda(), lengths=lengths, image_ids=torch.arange(32))
+    results = {}
+    for by_pairs in (False, True):
+        copy_ = copy.deepcopy(model)
+        config = preset("tiny").replace(module="sgr", max_violation=True, pair_backward=by_pairs, grad_clip=0.0)
+        loss = train_step(copy_, torch.optim.SGD(copy_.parameters(), lr=0.0), batch, config, device="cuda").loss
+        results[by_pairs] = loss, {name: p.grad for name, p in copy_.named_parameters() if p.grad is not None}
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
+    scale = largest(results[False][1])
+    for name, grad in results[False][1].items():
+        assert_close(results[True][1][name], grad, GRADIENT, scale=scale, what=name)
 
 
 def test_a_non_finite_step_is_skipped_on_the_device_and_raises_when_read():
