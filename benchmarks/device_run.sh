@@ -41,7 +41,7 @@ step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --fea
   python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf train --data /tmp/gen --out /tmp/run --preset tiny --set device=cuda epochs=2
   python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --precision bf16 --quiet
   python3 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --device cuda --quiet --timings'
-TAIL=20 step bench_train 150 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 3
+TAIL=20 step bench_train 150 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 3 --matrix
 TAIL=20 step eval_f30k 120 python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions bf16 fp32 --authors-captions 100 --token-cache both
 TAIL=20 step eval_coco 230 python3 benchmarks/bench_eval.py --device cuda --images 5000 --precisions bf16 fp32 --authors-captions 100
 # the compiled eval chunk (sgraf.kernels.compiled, opt-in) on CUDA: never run there yet
