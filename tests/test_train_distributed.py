@@ -59,10 +59,16 @@ WORKER = PROBLEM + textwrap.dedent('''
     from sgraf.training.global_batch import average_gradients, global_batch_scores
     from sgraf.training.loop import batch_loss, build_optimizer, same_image_mask, train_step
 
+    import sgraf.training.loop as loop
+
     torch.set_num_threads(1)
     info = distributed.init_from_env(device="cpu")
     assert info.world_size == 2
     results = {}
+    # the steps that backpropagate through the selected pairs (sgraf.training.pairs)
+    by_pairs = []
+    assemble = loop.global_batch_train_scores
+    loop.global_batch_train_scores = lambda *args: by_pairs.append(1) or assemble(*args)
     for module in ("sgr", "saf", "joint"):
         for same_image in (False, True):
             config = preset("tiny").replace(module=module, same_image_positive=same_image, lr=2e-4,
@@ -78,9 +84,11 @@ WORKER = PROBLEM + textwrap.dedent('''
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
             model, batch = make_problem(module)
             optimizer = build_optimizer(model, config)
+            by_pairs.clear()
             step = train_step(model, optimizer, share(batch, slice(*[(0, 3), (3, 7)][info.rank])), config)
             results[(module, same_image)] = {"loss": loss.item(), "grads": grads, "step_loss": step.loss,
-                                             "grad_norm": step.grad_norm, "state": model.state_dict()}
+                                             "grad_norm": step.grad_norm, "state": model.state_dict(),
+                                             "by_pairs": len(by_pairs)}
     # the auxiliary loss on the self-attention global vectors, over the global batch too
     config = preset("tiny").replace(module="sgr", lr=2e-4, max_violation=True, global_loss_weight=1.0)
     model, batch = make_problem("sgr")
@@ -128,6 +136,8 @@ def test_two_processes_equal_one(two_process_results, module, same_image):
     torch.set_num_threads(1)
     got = two_process_results[f"{module}/{same_image}"]
     loss, grads, step, state = _single_process(module, same_image)
+    # SGR's step backpropagates through the selected pairs on both sides (sgraf.training.pairs)
+    assert got["by_pairs"] == (module == "sgr")
 
     assert got["loss"] == approx(loss, REORDERED)
     assert got["step_loss"] == approx(step.loss, REORDERED)

@@ -805,10 +805,19 @@ class SGRAF(nn.Module):
 
         Args as in `forward`.
         """
+        self._check_pair_training()
+        return self.train_scores_from(self.encode_images(images, boxes), self.encode_captions(captions, lengths),
+                                      lengths)
+
+    def _check_pair_training(self) -> None:
         if not (self.training and self.pair_training):
             raise InputError(f"train_scores needs a model in train mode whose head couples no pairs "
                              f"(sgr or ave, vector nodes, t2i attention), got heads {self.heads}")
-        img_embs, cap_embs = self.encode_images(images, boxes), self.encode_captions(captions, lengths)
+
+    def train_scores_from(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any) -> TrainScores:
+        """`train_scores` from encoded images (n_img, K, d) and captions (n_cap, L, d), e.g. every
+        process's images against this process's captions (`sgraf.training.global_batch`)."""
+        self._check_pair_training()
         host_lengths = _host_lengths(lengths)
         words, word_mask, lengths = _masked_words(cap_embs, lengths)
         regions, centres = self.split_places(img_embs)
@@ -887,16 +896,23 @@ class TrainScores:
 
     Attributes:
         values: {head: (n_img, n_cap) train-mode scores}, without autograd.
+        columns: the columns of `values` whose pairs `pairs` scores (all of them on one
+            process; this process's captions among the global batch's on several).
+        copies: how many processes share the batch (the backward's gradients are averaged over
+            them, `sgraf.training.global_batch.average_gradients`).
     """
 
     def __init__(self, values: dict[str, torch.Tensor],
-                 pairs: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]) -> None:
+                 pairs: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+                 columns: slice = slice(None), copies: int = 1) -> None:
         self.values = values
         self._pairs = pairs
+        self.columns = columns
+        self.copies = copies
 
     def pairs(self, rows: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
         """{head: (P,) scores} of the pairs (rows[p], cols[p]), with autograd: the same values
-        as `values[head][rows, cols]` up to float rounding."""
+        as `values[head][rows, columns][:, cols]` up to float rounding."""
         return self._pairs(rows, cols)
 
 

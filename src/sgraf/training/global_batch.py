@@ -90,6 +90,29 @@ def global_batch_scores(model: nn.Module, images: torch.Tensor, captions: torch.
     return _gather_columns(block, sizes)
 
 
+def global_batch_train_scores(model: nn.Module, images: torch.Tensor, captions: torch.Tensor,
+                              lengths: torch.Tensor, boxes: torch.Tensor | None = None) -> Any:
+    """`SGRAF.train_scores` of the global batch (`sgraf.training.pairs`): on one process the
+    model's; on several, every process's images (gathered with gradient flow, as in
+    `global_batch_scores`) against this process's captions, the (B, B) matrix assembled from
+    every process's columns (without autograd), and pairs scored again in this process's columns.
+    """
+    from sgraf.model.sgraf import TrainScores
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return model.train_scores(images, captions, lengths, boxes)
+    img_embs = (model.encode_images(images) if boxes is None
+                else model.encode_images(images, boxes))                 # (n_local, K, d)
+    cap_embs = model.encode_captions(captions, lengths)                  # (n_local, L, d)
+    sizes = _sizes(img_embs.shape[0], _comm_device(img_embs))
+    local = model.train_scores_from(gather_with_grad(img_embs, sizes), cap_embs, lengths)   # (B, n_local)
+    start = sum(sizes[:dist.get_rank()])
+    with torch.no_grad():
+        values = {head: _gather_columns(block, sizes) for head, block in local.values.items()}
+    return TrainScores(values, local.pairs, columns=slice(start, start + sizes[dist.get_rank()]),
+                       copies=dist.get_world_size())
+
+
 def global_vector_scores(model: nn.Module) -> torch.Tensor:
     """(B, B) cosines of the self-attention global vectors of the last train-mode scoring.
 

@@ -36,8 +36,9 @@ from sgraf.training import run_dir as rd
 from sgraf.training.batches import PlannedBatches
 from sgraf.training.config import TrainConfig
 from sgraf.training.families import FamilyBatchSampler, TruthCollate, truth_mask
-from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores, global_vector_scores,
-                                         merge_per_caption_norms, per_caption_norms, snapshot_norms)
+from sgraf.training.global_batch import (average_gradients, gather_ids, global_batch_scores,
+                                         global_batch_train_scores, global_vector_scores, merge_per_caption_norms,
+                                         per_caption_norms, snapshot_norms)
 from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_state,
                                   restore_train_state)
 
@@ -197,15 +198,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     with low_precision_weights(model, config.precision, device):
         with autocast(config.precision, device):
             if by_pairs:
-                train_scores = model.train_scores(images, captions, lengths, boxes)
+                train_scores = global_batch_train_scores(model, images, captions, lengths, boxes)
             else:
                 scores = global_batch_scores(model, images, captions, lengths, boxes)   # (B, B) or {'sgr', 'saf'}
             global_scores = global_vector_scores(model) if config.global_loss_weight > 0 else None
         if by_pairs:
             (values,) = train_scores.values.values()
+            columns = train_scores.columns
             loss, rows, cols, weights = pairs.loss_and_pairs(
                 values, lambda matrix: batch_loss(matrix, config, positives),
-                pairs.max_pairs(values.size(1)) if on_device else None)
+                pairs.max_pairs(values.size(0), values[:, columns].size(1)) if on_device else None, columns)
         else:
             loss = batch_loss(scores, config, positives)
         auxiliary = None
@@ -230,7 +232,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         if by_pairs:   # the selected pairs again, with autograd: the loss's gradient, not its value
             with autocast(config.precision, device):
                 (pair_scores,) = train_scores.pairs(rows, cols).values()
-            objective = pairs.surrogate(pair_scores, weights)
+            objective = pairs.surrogate(pair_scores, weights, train_scores.copies)
             if auxiliary is not None:
                 objective = objective + auxiliary
         (scaler.scale(objective) if scaler is not None else objective).backward()

@@ -19,8 +19,10 @@ broken as `torch.max` breaks them on the matrix. A step does one forward pass ov
 pairs instead of a forward pass and a backward pass of twice its cost, and keeps no per-pair
 intermediates for backward. SAF's training BatchNorm takes its statistics over all the images
 of each caption, so every pair reaches its loss: SAF and joint models, a loss summed over all
-negatives (`max_violation=false`, a warm-up), and several processes keep the whole-matrix
-backward (`applies`).
+negatives (`max_violation=false`, a warm-up) keep the whole-matrix backward (`applies`). On
+several processes the matrix is assembled from every process's columns without autograd, and
+each process scores again the selected entries of its own columns
+(`sgraf.training.global_batch.global_batch_train_scores`).
 """
 
 from __future__ import annotations
@@ -30,43 +32,45 @@ from typing import Callable
 import torch
 from torch import nn
 
-from sgraf import distributed
 from sgraf.training.config import TrainConfig
 
 
 def applies(model: nn.Module, config: TrainConfig) -> bool:
     """Whether `train_step` takes the pairs' backward for this model and this epoch's loss:
-    `pair_backward` on, hardest negatives (`max_violation`, after any warm-up), a model whose
-    head couples no pairs (`SGRAF.pair_training`), and one process."""
-    return (config.pair_backward and config.max_violation and bool(getattr(model, "pair_training", False))
-            and not distributed.is_distributed())
+    `pair_backward` on, hardest negatives (`max_violation`, after any warm-up) and a model whose
+    head couples no pairs (`SGRAF.pair_training`)."""
+    return config.pair_backward and config.max_violation and bool(getattr(model, "pair_training", False))
 
 
-def max_pairs(n_captions: int) -> int:
-    """The most entries of a (B, B) matrix the hardest-negative loss has a gradient at: the
-    positive, the hardest negative caption and the hardest negative image of each of B."""
-    return 3 * n_captions
+def max_pairs(n_images: int, n_columns: int) -> int:
+    """The most entries of `n_columns` columns of an (n_images, n_cap) matrix the
+    hardest-negative loss has a gradient at: each column's positive and hardest negative image,
+    and each image's hardest negative caption (3B for a whole B x B matrix)."""
+    return min(2 * n_columns + n_images, n_images * n_columns)
 
 
-def loss_and_pairs(values: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor], bound: int | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The loss of a score matrix and the entries its gradient is not zero at.
+def loss_and_pairs(values: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor], bound: int | None,
+                   columns: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss of a score matrix and the entries of `columns` its gradient is not zero at.
 
     Args:
         values: (n_img, n_cap) scores without autograd.
         loss_of: the loss of a score matrix (differentiable).
         bound: None lists exactly the non-zero entries (reads their number from the device);
             a number lists that many entries, the non-zero ones and others of weight 0 (no
-            device read, for the GPU plan; the loss must have at most `bound` non-zero entries).
+            device read, for the GPU plan; the loss must have at most `bound` non-zero entries
+            there, `max_pairs`).
+        columns: the columns to list (this process's captions, `TrainScores.columns`).
 
     Returns:
-        the loss (no autograd), and rows, cols and weights (P,): the entries and the loss's
-        gradient there.
+        the loss (no autograd), and rows, cols (numbered within `columns`) and weights (P,):
+        the entries and the loss's gradient there.
     """
     leaf = values.detach().float().requires_grad_()
     with torch.enable_grad():
         loss = loss_of(leaf)
         (grad,) = torch.autograd.grad(loss, leaf)
+    grad = grad[:, columns]
     if bound is None:
         if not bool(torch.isfinite(loss)):   # nothing to select: the step refuses this loss
             rows = cols = torch.zeros(0, dtype=torch.long, device=grad.device)
@@ -75,11 +79,13 @@ def loss_and_pairs(values: torch.Tensor, loss_of: Callable[[torch.Tensor], torch
         return loss.detach(), rows, cols, grad[rows, cols]
     # the `bound` largest |gradients| hold every non-zero one (topk runs on any device without a
     # read; nonzero_static has no CUDA kernel before PyTorch 2.6)
-    flat = grad.flatten()
+    flat = grad.reshape(-1)
     index = flat.abs().topk(min(bound, flat.numel()), sorted=False).indices
     return loss.detach(), index // grad.size(1), index % grad.size(1), flat[index]
 
 
-def surrogate(pair_scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`sum_e g_e s_e`: a scalar whose gradient is the loss's (its value is not the loss)."""
-    return (pair_scores.float() * weights).sum()
+def surrogate(pair_scores: torch.Tensor, weights: torch.Tensor, copies: int = 1) -> torch.Tensor:
+    """`copies * sum_e g_e s_e`: a scalar whose gradient is the loss's (its value is not the
+    loss). On several processes each backpropagates its columns' entries; `copies` (their
+    number) scales them so that the average over processes of their gradients is the loss's."""
+    return (pair_scores.float() * weights).sum() * copies
