@@ -280,7 +280,8 @@ def main() -> None:
             if r["module"] == module and r["impl"] != "authors":
                 rounds = [1 / x for x in r["per_round_vs_first"]]
                 peak = "" if args.no_memory else f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
-                print(f"{module} {r['impl']} {r['precision']}: {ref['seconds_per_step'] / r['seconds_per_step']:.2f}x faster "
+                ratio = ref["seconds_per_step"] / r["seconds_per_step"]
+                print(f"{module} {r['impl']} {r['precision']}: {ratio:.2f}x faster "
                       f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {peak}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
     if args.json:

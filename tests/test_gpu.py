@@ -137,7 +137,7 @@ def test_a_training_step_never_waits_for_the_device(precision, hardest):
     batch = SimpleNamespace(images=images.pin_memory(), captions=captions.pin_memory(), lengths=lengths,
                             image_ids=torch.arange(32))
     # with hardest negatives the backward runs through the selected pairs (sgraf.training.pairs)
-    config = preset("tiny").replace(module="sgr", precision=precision, max_violation=hardest)
+    config = preset("tiny").replace(module="sgr", precision=precision, max_violation=hardest, batch_size=32)
     optimizer = build_optimizer(model, config)
     assert optimizer.defaults["fused"]
     train_step(model, optimizer, batch, config, device="cuda")      # Adam's state is made here
@@ -164,7 +164,8 @@ def test_the_selected_pairs_backward_gives_the_whole_matrix_gradients_on_the_dev
     results = {}
     for by_pairs in (False, True):
         copy_ = copy.deepcopy(model)
-        config = preset("tiny").replace(module="sgr", max_violation=True, pair_backward=by_pairs, grad_clip=0.0)
+        config = preset("tiny").replace(module="sgr", max_violation=True, pair_backward=by_pairs, grad_clip=0.0,
+                                        batch_size=32)
         loss = train_step(copy_, torch.optim.SGD(copy_.parameters(), lr=0.0), batch, config, device="cuda").loss
         results[by_pairs] = loss, {name: p.grad for name, p in copy_.named_parameters() if p.grad is not None}
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)

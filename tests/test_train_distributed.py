@@ -72,7 +72,7 @@ WORKER = PROBLEM + textwrap.dedent('''
     for module in ("sgr", "saf", "joint"):
         for same_image in (False, True):
             config = preset("tiny").replace(module=module, same_image_positive=same_image, lr=2e-4,
-                                            max_violation=True)
+                                            max_violation=True, batch_size=32)
             model, batch = make_problem(module)
             local = share(batch, slice(*[(0, 3), (3, 7)][info.rank]))
             model.train()
@@ -90,7 +90,7 @@ WORKER = PROBLEM + textwrap.dedent('''
                                              "grad_norm": step.grad_norm, "state": model.state_dict(),
                                              "by_pairs": len(by_pairs)}
     # the auxiliary loss on the self-attention global vectors, over the global batch too
-    config = preset("tiny").replace(module="sgr", lr=2e-4, max_violation=True, global_loss_weight=1.0)
+    config = preset("tiny").replace(module="sgr", lr=2e-4, max_violation=True, global_loss_weight=1.0, batch_size=32)
     model, batch = make_problem("sgr")
     step = train_step(model, build_optimizer(model, config), share(batch, slice(*[(0, 3), (3, 7)][info.rank])), config)
     results[("sgr", "global")] = {"step_loss": step.loss, "grad_norm": step.grad_norm, "state": model.state_dict()}
@@ -118,7 +118,8 @@ def two_process_results(tmp_path_factory):
 
 
 def _single_process(module: str, same_image: bool):
-    config = preset("tiny").replace(module=module, same_image_positive=same_image, lr=2e-4, max_violation=True)
+    config = preset("tiny").replace(module=module, same_image_positive=same_image, lr=2e-4, max_violation=True,
+                                    batch_size=32)
     model, batch = make_problem(module)
     model.train()
     scores = model(batch.images, batch.captions, batch.lengths)
@@ -183,7 +184,8 @@ def test_two_processes_equal_one_with_the_global_vector_loss(two_process_results
     got = two_process_results["sgr/global"]
     steps = {}
     for weight in (0.0, 1.0):
-        config = preset("tiny").replace(module="sgr", lr=2e-4, max_violation=True, global_loss_weight=weight)
+        config = preset("tiny").replace(module="sgr", lr=2e-4, max_violation=True, global_loss_weight=weight,
+                                        batch_size=32)
         model, batch = make_problem("sgr")
         steps[weight] = train_step(model, build_optimizer(model, config), batch, config), model.state_dict()
     step, state = steps[1.0]

@@ -17,6 +17,8 @@ from sgraf.training.config import preset
 from sgraf.training.loop import NonFiniteLossError, train_step
 
 LENGTHS = [3, 7, 5, 2, 7, 4, 6, 3, 5, 8]
+# hardest negatives, and a recipe's batch that takes the pairs' backward (the steps here take 10 pairs)
+HARDEST = dict(max_violation=True, batch_size=pairs.MIN_BATCH)
 
 
 def _batch(model, image_ids=None, seed=1):
@@ -53,7 +55,7 @@ def test_the_pairs_backward_gives_the_whole_matrix_gradients_to_float64_rounding
     model = random_model(**options).double()
     batch = _batch(model)
     batch.images = batch.images.double()
-    config = preset("tiny").replace(max_violation=True)
+    config = preset("tiny").replace(**HARDEST)
     assert pairs.applies(model, config)
     selected = []
     listing = pairs.loss_and_pairs
@@ -74,7 +76,7 @@ def test_positives_and_the_auxiliary_loss_take_the_same_gradients(extra):
     model = random_model(module="sgr").double()
     batch = _batch(model, image_ids=[0, 0, 1, 2, 2, 2, 3, 4, 5, 5])
     batch.images = batch.images.double()
-    config = preset("tiny").replace(max_violation=True, **extra)
+    config = preset("tiny").replace(**HARDEST, **extra)
     loss, dense = _gradients(model, batch, config, pair_backward=False)
     pair_loss, by_pairs = _gradients(model, batch, config, pair_backward=True)
     assert pair_loss == pytest.approx(loss, rel=1e-12)
@@ -84,7 +86,7 @@ def test_positives_and_the_auxiliary_loss_take_the_same_gradients(extra):
 def test_a_place_model_takes_the_same_gradients_in_float32():
     model = random_model(module="sgr", positions="place")
     batch = _batch(model)
-    config = preset("tiny").replace(module="sgr", positions="place", max_violation=True)
+    config = preset("tiny").replace(module="sgr", positions="place", **HARDEST)
     loss, dense = _gradients(model, batch, config, pair_backward=False)
     pair_loss, by_pairs = _gradients(model, batch, config, pair_backward=True)
     assert pair_loss == pytest.approx(loss, rel=1e-6)
@@ -129,11 +131,12 @@ def test_the_device_listing_without_a_read_gives_the_exact_listing_weights(colum
 
 
 def test_only_hardest_negatives_of_a_pair_coupling_free_model_take_it():
-    config = preset("tiny").replace(max_violation=True)
+    config = preset("tiny").replace(**HARDEST)
     sgr = random_model(module="sgr")
     assert pairs.applies(sgr, config)
     assert not pairs.applies(sgr, config.replace(pair_backward=False))
     assert not pairs.applies(sgr, config.replace(max_violation=False))
+    assert not pairs.applies(sgr, config.replace(batch_size=pairs.MIN_BATCH - 1))
     warm = config.replace(warmup_epochs=1)
     assert not pairs.applies(sgr, warm.loss_for_epoch(0)) and pairs.applies(sgr, warm.loss_for_epoch(1))
     for module in ("saf", "joint"):
@@ -159,7 +162,7 @@ def test_a_non_finite_loss_stops_the_step_before_any_pair_is_scored_again(monkey
     rescored = []
     monkeypatch.setattr(type(model), "_pair_scores", lambda self, *a: rescored.append(a) or {})
     with pytest.raises(NonFiniteLossError, match="images \\[3\\]"):
-        train_step(model, optimizer, batch, preset("tiny").replace(max_violation=True))
+        train_step(model, optimizer, batch, preset("tiny").replace(**HARDEST))
     assert rescored == []
     for name, parameter in model.named_parameters():   # no update
         torch.testing.assert_close(parameter.detach(), before[name], rtol=0, atol=0)

@@ -70,10 +70,10 @@ class TrainConfig:
             a constant score; a summed warm-up leaves it (docs/getting-started.md, the demo's loss).
         same_image_positive: do not count another caption of the batch's same image as a
             negative (off in the authors' code).
-        pair_backward: with hardest negatives, run the backward pass through the pairs the loss
-            reads only (at most three per caption), not the whole score matrix: the same
-            gradients up to float rounding, for SGR and AVE models (`sgraf.training.pairs`);
-            false backpropagates through every pair, as the authors' code.
+        pair_backward: with hardest negatives and a batch of at least 32, run the backward pass
+            through the pairs the loss reads only (at most three per caption), not the whole
+            score matrix: the same gradients up to float rounding, for SGR and AVE models
+            (`sgraf.training.pairs`); false backpropagates through every pair, as the authors' code.
         batches: 'random' (the authors' batches: captions in a random order) or 'families':
             each batch holds whole families of hard negatives (one caption of each picture of
             a family), and a caption is not a negative of a family picture it is true of
