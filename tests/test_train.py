@@ -151,6 +151,22 @@ def test_training_with_a_warm_up_switches_the_loss_at_the_epoch(toy_data, tmp_pa
     assert "summed over all negatives for the first 1 epoch(s), then the hardest negatives" in caplog.text
 
 
+def test_a_run_with_hardest_negatives_says_and_takes_the_selected_pairs_backward(toy_data, tmp_path, monkeypatch,
+                                                                                caplog):
+    from sgraf.training import pairs
+
+    listed = []
+    real_listing = pairs.loss_and_pairs
+    monkeypatch.setattr(pairs, "loss_and_pairs", lambda *args: listed.append(1) or real_listing(*args))
+    caplog.set_level("INFO", logger="sgraf.training.loop")
+    assert _train(toy_data, tmp_path / "run", "--set", "epochs=1", "max_violation=true", "batch_size=32") == 0
+    assert listed and "backward: through the pairs the hardest-negative loss reads" in caplog.text
+    listed.clear()
+    caplog.clear()
+    assert _train(toy_data, tmp_path / "summed", "--set", "epochs=1", "batch_size=32") == 0   # tiny sums
+    assert not listed and "backward: through the pairs" not in caplog.text
+
+
 def test_same_image_option_removes_those_pairs_from_the_negatives():
     scores = torch.tensor([[0.9, 0.8, 0.1], [0.85, 0.9, 0.2], [0.1, 0.3, 0.7]])
     image_ids = torch.tensor([4, 4, 7])                        # captions 0 and 1 share an image

@@ -561,6 +561,9 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     if config.warmup_epochs:
         logger.info("loss: the hinge summed over all negatives for the first %d epoch(s), then the hardest "
                     "negatives", config.warmup_epochs)
+    if pairs.applies(model, config.loss_for_epoch(config.epochs - 1)):
+        logger.info("backward: through the pairs the hardest-negative loss reads (at most 3 per caption; "
+                    "pair_backward=false backpropagates through the whole score matrix)")
 
     last_loss = float("nan")
     last_saved_step = progress.global_step if resume else None   # the step last.pt holds
