@@ -676,13 +676,22 @@ class SGRAF(nn.Module):
         global vectors (VisualSA's BatchNorm, the dropouts) are computed once, before. SAF's
         per-caption BatchNorm running statistics are applied once, after, in caption order.
         """
-        sim = self.sim_enc
-        img_glo, cap_glo = sim.global_vectors(img_embs, words, word_mask)     # (n_img, d), (n_cap, d)
-        # kept for an auxiliary loss on the global vectors (sgraf.training's global_loss_weight)
-        self.train_global_vectors = (img_glo, cap_glo)
-        directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
+        img_glo, cap_glo, directions = self._train_batch_vectors(img_embs, words, word_mask, centres)
         return self._train_block_scores(img_embs, img_glo, words, word_mask, cap_glo, lengths, host_lengths, centres,
                                         directions)
+
+    def _train_batch_vectors(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
+                             centres: torch.Tensor | None
+                             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """A train-mode batch's per-image and per-caption vectors, computed once: the global
+        vectors (n_img, d), (n_cap, d) (VisualSA's BatchNorm advanced, dropout drawn; kept in
+        `train_global_vectors` for an auxiliary loss, sgraf.training's global_loss_weight), and
+        for a place model the words' directions (n_cap, L, 2), else None."""
+        sim = self.sim_enc
+        img_glo, cap_glo = sim.global_vectors(regions, words, word_mask)
+        self.train_global_vectors = (img_glo, cap_glo)
+        directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
+        return img_glo, cap_glo, directions
 
     def _train_block_scores(self, img_embs: torch.Tensor, img_glo: torch.Tensor | None, words: torch.Tensor,
                             word_mask: torch.Tensor, cap_glo: torch.Tensor | None, lengths: torch.Tensor,
@@ -821,10 +830,7 @@ class SGRAF(nn.Module):
         host_lengths = _host_lengths(lengths)
         words, word_mask, lengths = _masked_words(cap_embs, lengths)
         regions, centres = self.split_places(img_embs)
-        sim = self.sim_enc
-        img_glo, cap_glo = sim.global_vectors(regions, words, word_mask)     # (n_img, d), (n_cap, d)
-        self.train_global_vectors = (img_glo, cap_glo)
-        directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
+        img_glo, cap_glo, directions = self._train_batch_vectors(regions, words, word_mask, centres)
         embeddings = (regions, img_glo, words, word_mask, cap_glo, centres, directions)
         with torch.no_grad():
             detached = [None if t is None else t.detach() for t in embeddings]
@@ -844,10 +850,11 @@ class SGRAF(nn.Module):
         as the batch (the pairs' lengths would be a read from the device)."""
         if host_lengths is None or plan.gpu_plan(words.device) or rows.numel() < 2:
             return self._pair_group(regions, img_glo, words, word_mask, cap_glo, centres, directions, rows, cols)
-        order = torch.sort(host_lengths[cols.cpu()], stable=True).indices
+        sorted_lengths, order = torch.sort(host_lengths[cols.cpu()], stable=True)
+        n_groups = min(PAIR_GROUPS, len(order))
         parts = []
-        for group in order.tensor_split(min(PAIR_GROUPS, len(order))):
-            width = int(host_lengths[cols[group].cpu()].max())
+        for group, group_lengths in zip(order.tensor_split(n_groups), sorted_lengths.tensor_split(n_groups)):
+            width = int(group_lengths[-1])     # the group's longest caption (sorted ascending)
             parts.append(self._pair_group(regions, img_glo, words[:, :width], word_mask[:, :width], cap_glo, centres,
                                           None if directions is None else directions[:, :width],
                                           rows[group], cols[group]))

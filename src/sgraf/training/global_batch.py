@@ -78,16 +78,24 @@ def global_batch_scores(model: nn.Module, images: torch.Tensor, captions: torch.
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return model(images, captions, lengths) if boxes is None else model(images, captions, lengths, boxes)
-    img_embs = (model.encode_images(images) if boxes is None
-                else model.encode_images(images, boxes))                 # (n_local, K, d)
-    cap_embs = model.encode_captions(captions, lengths)                  # (n_local, L, d)
-    sizes = _sizes(img_embs.shape[0], _comm_device(img_embs))
-    all_img_embs = gather_with_grad(img_embs, sizes)                     # (B, K, d)
+    all_img_embs, cap_embs, sizes = _encode_and_gather(model, images, captions, lengths, boxes)
     if getattr(model.config, "module", None) == "joint":
         columns = model.similarity_heads(all_img_embs, cap_embs, lengths)  # {'sgr','saf'}: (B, n_local)
         return {head: _gather_columns(block, sizes) for head, block in columns.items()}
     block = model.similarity(all_img_embs, cap_embs, lengths)            # (B, n_local)
     return _gather_columns(block, sizes)
+
+
+def _encode_and_gather(model: nn.Module, images: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor,
+                       boxes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """This process's share encoded: every process's image embeddings (B, K, d), gathered with
+    gradient flow in rank order, this process's caption embeddings (n_local, L, d), and every
+    process's share size."""
+    img_embs = (model.encode_images(images) if boxes is None
+                else model.encode_images(images, boxes))                 # (n_local, K, d)
+    cap_embs = model.encode_captions(captions, lengths)                  # (n_local, L, d)
+    sizes = _sizes(img_embs.shape[0], _comm_device(img_embs))
+    return gather_with_grad(img_embs, sizes), cap_embs, sizes
 
 
 def global_batch_train_scores(model: nn.Module, images: torch.Tensor, captions: torch.Tensor,
@@ -101,11 +109,8 @@ def global_batch_train_scores(model: nn.Module, images: torch.Tensor, captions: 
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return model.train_scores(images, captions, lengths, boxes)
-    img_embs = (model.encode_images(images) if boxes is None
-                else model.encode_images(images, boxes))                 # (n_local, K, d)
-    cap_embs = model.encode_captions(captions, lengths)                  # (n_local, L, d)
-    sizes = _sizes(img_embs.shape[0], _comm_device(img_embs))
-    local = model.train_scores_from(gather_with_grad(img_embs, sizes), cap_embs, lengths)   # (B, n_local)
+    all_img_embs, cap_embs, sizes = _encode_and_gather(model, images, captions, lengths, boxes)
+    local = model.train_scores_from(all_img_embs, cap_embs, lengths)   # (B, n_local)
     start = sum(sizes[:dist.get_rank()])
     with torch.no_grad():
         values = {head: _gather_columns(block, sizes) for head, block in local.values.items()}
