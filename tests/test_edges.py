@@ -83,6 +83,21 @@ def test_the_golden_scores_come_out_of_each_route(monkeypatch, route, module):
     assert_close(model.score(entry["images"], entry["captions"], entry["lengths"]), entry["sims"], AUTHORS)
 
 
+def test_the_sdpa_route_takes_an_attention_output_of_any_layout(monkeypatch):
+    """CUDA's fp32 attention kernels return their output with the heads' dimension outermost in
+    memory (seen on an H100: a `.view` of it failed); the route must accept that layout."""
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def heads_outermost(*args, **kwargs):
+        out = attention(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)    # same values, the kernels' strides
+
+    queries, nodes, blocked, valid = graphs_of_a_block()
+    monkeypatch.setattr(edges.F, "scaled_dot_product_attention", heads_outermost)
+    got = edges.edge_aggregate(queries, nodes, blocked, 3, "sdpa")
+    assert_close(got, reference(queries, nodes, valid, 3), REORDERED, scale=largest(got))
+
+
 def test_the_routes_give_the_same_scores_at_either_precision(monkeypatch):
     from sgraf.precision import autocast
 

@@ -103,7 +103,9 @@ def edge_aggregate(queries: torch.Tensor, graphs: torch.Tensor, blocked: torch.T
         mask = None if blocked is None else blocked.view(1, n_cap, 1, n_nodes)
         out = F.scaled_dot_product_attention(queries.view(n_img, n_cap, n_queries, dim), keys, keys,
                                              attn_mask=mask, scale=1.0)
-        return out.view(n_graphs, n_queries, dim)
+        # CUDA's attention kernels may return the heads' dimension outermost (strides not
+        # those of a contiguous tensor): reshape copies only then
+        return out.reshape(n_graphs, n_queries, dim)
     # (G, P, Q) keys x queries, then transposed to (P, G, Q); a matmul writing there directly is
     # slower with MKL (float32) and no faster with oneDNN (bf16)
     logits = torch.bmm(graphs, queries.transpose(1, 2)).permute(1, 0, 2).contiguous()
