@@ -268,8 +268,8 @@ def main() -> None:
                 else:
                     r["peak_gib"] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_gib"]
             results.append(r)
-            print(f"{module:<4} {r['impl']:<7} {r['precision']:<5} {r['seconds_per_step']:8.2f} s/step "
-                  f"(rounds {', '.join(f'{t:.2f}' for t in r['times'])}), peak {r['peak_gib']:.2f} GiB, "
+            print(f"{module:<4} {r['impl']:<7} {r['precision']:<5} {r['seconds_per_step']:8.3g} s/step "
+                  f"(rounds {', '.join(f'{t:.3g}' for t in r['times'])}), peak {r['peak_gib']:.2f} GiB, "
                   f"first loss {r['first_loss']:.4f}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for module in args.modules:

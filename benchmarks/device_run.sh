@@ -22,7 +22,7 @@ cat "$OUT/summary.txt"
 # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and the time left, log to $OUT/NAME.txt
 step() {
   local name=$1 limit=$2; shift 2
-  [[ " ${STEPS:-probe test_gpu gpu_profile torchrun bench_train eval_f30k eval_coco eval_compiled} " == *" $name "* ]] || return 0
+  [[ " ${STEPS:-probe test_gpu gpu_profile torchrun bench_train eval_f30k eval_coco} " == *" $name "* ]] || return 0
   local left=$(( DEADLINE_S - ($(date +%s) - START) ))
   if (( left < 20 )); then echo "=== $name: skipped (${left} s left)" | tee -a "$OUT/summary.txt"; return; fi
   (( limit > left )) && limit=$left
@@ -34,11 +34,15 @@ step() {
   tail -n "${TAIL:-12}" "$OUT/$name.txt"
 }
 
-# what the command's fixed costs are made of: the imports (PyTorch's CUDA build) and the clock
-# `sgraf evaluate --timings` reads its startup from (/proc/uptime against the process's start)
-TAIL=30 step probe 30 bash -c 'python3 -X importtime -c "import sgraf.evaluate" 2>&1 | sort -t"|" -k2 -n | tail -25
-  for pause in 0 3; do sleep $pause; python3 -c "import os, time; from sgraf.stopwatch import process_age
-print(\"uptime\", open(\"/proc/uptime\").read().split()[0], \"process age at entry\", process_age())"; done'
+# what the command's fixed costs are made of, into summary.txt: the imports (PyTorch's CUDA
+# build) and the clock `sgraf evaluate --timings` reads its startup from (/proc/uptime against the
+# process's start)
+if [[ " ${STEPS:-probe} " == *" probe "* ]]; then
+  { python3 -X importtime -c "import sgraf.evaluate" 2>&1 | sort -t"|" -k2 -n | tail -12
+    for pause in 0 3; do sleep $pause; python3 -c "from sgraf.stopwatch import process_age
+print('uptime', open('/proc/uptime').read().split()[0], 'process age at entry', process_age())"; done
+  } >> "$OUT/summary.txt" 2>&1
+fi
 step test_gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 TAIL=14 step gpu_profile 100 python3 benchmarks/gpu_profile.py --steps 5
 TAIL=20 step sweep 90 python3 benchmarks/gpu_profile.py --sweep --steps 3
@@ -46,9 +50,10 @@ step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --fea
   python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf train --data /tmp/gen --out /tmp/run --preset tiny --set device=cuda epochs=2
   python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --precision bf16 --quiet
   python3 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --device cuda --quiet --timings'
-TAIL=20 step bench_train 150 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 3 --matrix
+TAIL=20 step bench_train 240 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 3 --matrix
 TAIL=20 step eval_f30k 120 python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions bf16 fp32 --authors-captions 100 --token-cache both
 TAIL=20 step eval_coco 230 python3 benchmarks/bench_eval.py --device cuda --images 5000 --precisions bf16 fp32 --authors-captions 100
-# the compiled eval chunk (sgraf.kernels.compiled, opt-in) on CUDA: never run there yet
+# the compiled eval chunk (sgraf.kernels.compiled, opt-in) on CUDA: not by default (on an H100 its
+# compilations made a Flickr30K-size evaluate 13x slower, benchmarks/results/gpu-h100-*-b024312.txt)
 TAIL=20 step eval_compiled 120 env SGRAF_COMPILE=on python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions ${COMPILED_PRECISIONS:-bf16 fp32} --no-authors
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
