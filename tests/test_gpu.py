@@ -64,6 +64,63 @@ def test_the_edge_route_is_measured_on_the_device_and_stored(tmp_path, monkeypat
         tuning.forget()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_word_nodes_give_the_eager_route_on_the_device(dtype):
+    """`sgraf.kernels.words`' Triton kernel at the paper's sizes (a block of 64 images x 256
+    captions of 13 words): every node written, and no further from float64 than the eager route
+    (float32: the same values up to the accumulation order)."""
+    pytest.importorskip("triton")
+    from sgraf.kernels import words
+
+    attn, regions, words_, weight, bias, out = words.probe(torch.device("cuda"), dtype, 1024, 256)
+    eager = torch.full_like(out, float("nan"))
+    words.word_nodes(attn, regions, words_, weight, bias, eager, "eager")
+    out.fill_(float("nan"))
+    words.word_nodes(attn, regions, words_, weight, bias, out, "fused")
+    assert torch.isfinite(out).all()
+    contexts = attn.double().transpose(1, 2) @ regions.double()
+    local = (contexts - words_.double()).square() @ weight.double().t() + bias.double()
+    exact = (local / (local.norm(dim=-1, keepdim=True) + words.EPS)).view(out.shape)
+    largest_node = exact.abs().max().item()
+    if dtype == torch.float32:
+        assert (out - eager).abs().max().item() <= 1e-5 * largest_node
+    else:
+        eager_error = (eager.double() - exact).abs().max().item()
+        assert (out.double() - exact).abs().max().item() <= eager_error + 2**-8 * largest_node
+
+
+@pytest.mark.parametrize("module", ["SGR", "SAF"])
+def test_the_fused_word_route_gives_the_cpu_scores_on_the_device(monkeypatch, module):
+    pytest.importorskip("triton")
+    entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)[module]
+    model = golden_model(entry, module)
+    monkeypatch.setenv("SGRAF_WORD_ROUTE", "eager")
+    cpu = model.score(entry["images"], entry["captions"], entry["lengths"])
+    monkeypatch.setenv("SGRAF_WORD_ROUTE", "fused")
+    model = model.cuda()
+    images, captions = entry["images"].cuda(), entry["captions"].cuda()
+    assert (model.score(images, captions, entry["lengths"]).cpu() - cpu).abs().max() <= 1e-5
+    with autocast("bf16", "cuda"):
+        bf16 = model.score(images, captions, entry["lengths"])
+    assert (bf16.cpu() - cpu).abs().max() <= 2**-10
+
+
+def test_the_word_route_is_measured_on_the_device_and_stored(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from sgraf.kernels import tuning, words
+
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SGRAF_WORD_ROUTE", raising=False)
+    tuning.forget()
+    try:
+        chosen = words.measure_word_route("cuda", torch.bfloat16, 1024, 256)
+        assert chosen in words.ROUTES and words.word_route("cuda", torch.bfloat16, 1024, 256) == chosen
+        stored = (tmp_path / "tuning.json").read_text()
+        assert "word nodes route" in stored and "Infinity" not in stored   # the fused kernel built and ran
+    finally:
+        tuning.forget()
+
+
 @pytest.mark.parametrize("module", ["SGR", "SAF"])
 def test_gpu_gradients_equal_the_authors_within_float32_noise(module):
     entry = torch.load(DATA / "golden_train.pt", weights_only=True)[module]

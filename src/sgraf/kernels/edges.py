@@ -22,12 +22,10 @@ take the default.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
-from sgraf.errors import InputError
 from sgraf.kernels import plan, tuning
 
 ROUTES = ("layout", "sdpa")          # the first is the default
@@ -66,10 +64,7 @@ def measure_edge_route(device: torch.device | str, dtype: torch.dtype, dim: int)
 
 
 def _forced() -> str:
-    forced = os.environ.get("SGRAF_EDGE_ROUTE", "").strip().lower()
-    if forced and forced not in ROUTES:
-        raise InputError(f"SGRAF_EDGE_ROUTE must be one of {', '.join(ROUTES)}, got {forced!r}")
-    return forced
+    return tuning.forced_route("SGRAF_EDGE_ROUTE", ROUTES)
 
 
 def _emulated(device: torch.device | str) -> bool:

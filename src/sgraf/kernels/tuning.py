@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from sgraf.errors import InputError
 from sgraf.user_cache import cache_dir, switched_on
 
 try:
@@ -143,6 +144,18 @@ def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float]
         _chosen[key] = _store_first(key, candidates, {"choice": best, "seconds": {
             json.dumps(c): s for c, s in seconds.items()}, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return _chosen[key]
+
+
+def forced_route(variable: str, routes: Sequence[str]) -> str:
+    """The route the environment variable `variable` forces (lower-cased), '' when it is unset.
+
+    Raises:
+        InputError: the variable names none of `routes`.
+    """
+    forced = os.environ.get(variable, "").strip().lower()
+    if forced and forced not in routes:
+        raise InputError(f"{variable} must be one of {', '.join(routes)}, got {forced!r}")
+    return forced
 
 
 def best_time(run: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:

@@ -19,6 +19,7 @@ from torch import nn
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.kernels import compiled, edges, plan, tuning
+from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
 from sgraf.model.encoders import ImageEncoder, TextEncoder
@@ -412,7 +413,8 @@ class SGRAF(nn.Module):
     def tune_eval(self, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None,
                   label: str = "") -> int:
         """Measure this machine's eval choices for the current precision once (stored, see
-        `sgraf.kernels.tuning`): SGR's edge route on this device (`sgraf.kernels.edges`) and, on
+        `sgraf.kernels.tuning`): SGR's edge route on this device (`sgraf.kernels.edges`), the word
+        nodes' route on a CUDA device with Triton (`sgraf.kernels.words`) and, on
         the CPU, the chunk budget (about a second at the paper's size), which it returns; inside
         `frozen_weights` the model then uses that budget until the context ends.
 
@@ -429,6 +431,9 @@ class SGRAF(nn.Module):
         low = compute_dtype(device)
         if "sgr" in self.heads and self.sim_enc.supports_fast():
             edges.measure_edge_route(device, low, self.sim_enc.node_dim)
+        if self.sim_enc.supports_fast() and self.sim_enc.use_local:
+            layer = self.sim_enc.sim_tranloc_w
+            words_kernels.measure_word_route(device, low, layer.in_features, layer.out_features)
         if plan.gpu_plan(device) or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
             return self.eval_chunk_bytes(low)
         blocks: list[Callable[[], None]] = []      # the synthetic block, made at the first measurement only

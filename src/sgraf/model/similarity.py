@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgraf.errors import InputError
+from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear, train_linear, weight_gradient
 from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
 from sgraf.model.norms import EPS, cosine, l2norm, l2norm_, squared_difference
@@ -459,15 +460,9 @@ class SimilarityRepresentation(nn.Module):
             # the contexts come out normalised, without another pass over (n_img, n_cap, L, d)
             sq_norm = torch.bmm(gram, attn).mul_(attn).sum(dim=1, keepdim=True)   # (n_img, 1, n_cap * L)
             attn.mul_(sq_norm.clamp_(min=0).sqrt_().add_(EPS).reciprocal_())
-            # a_j / |a_j| - t_j from one matmul with the words as its (negated) addend
-            diff = torch.baddbmm(w_low.view(1, n_cap * n_words, dim), attn.to(low).transpose(1, 2), r_low, beta=-1)
-            square = diff.view(n_img, n_cap, n_words, dim).square_()              # (a_j / |a_j| - t_j)^2
-            local = fast_linear(square.view(-1, dim), *layers["sim_tranloc_w"])
-            local = local.view(n_img, n_cap, n_words, -1)                         # (n_img, n_cap, L, m)
-            # the norm in the nodes' dtype (accumulated in float32), so no float32 copy of the block
-            if torch.compiler.is_compiling():   # the same product; a compiled graph takes no `out=` view
-                nodes[:, :, n_nodes - n_words:] = local * inverse_norm(local, dtype=None)
-            else:
-                torch.mul(local, inverse_norm(local, dtype=None), out=nodes[:, :, n_nodes - n_words:])
+            # l2norm(W_loc (a_j / |a_j| - t_j)^2 + b) into the word nodes, by this device's route
+            route = words_kernels.word_route(regions.device, low, dim, self.node_dim)
+            words_kernels.word_nodes(attn, r_low, w_low.view(n_cap * n_words, dim), *layers["sim_tranloc_w"],
+                                     out=nodes[:, :, n_nodes - n_words:], route=route)
             masks.append(word_mask)
         return nodes, torch.cat(masks, dim=1), places

@@ -1,0 +1,249 @@
+"""The word nodes of an eval scoring block, `l2norm(W_loc (a_j / |a_j| - t_j)^2 + b)` (Eq. 1-2)
+for every (image, caption, word), by the faster of two routes on this device.
+
+At a block of 256 images x 1,024 captions of 13 words, the context vectors `a_j / |a_j| - t_j`
+are 3.4 million rows of 1,024 values: 7 GB in bf16, written by one matmul, squared in place and
+read by `W_loc`. On an H100 those crossings of memory were a third of an SGR block's time.
+
+- `eager`: PyTorch's operations: the context matmul with the words as its (negated) addend, the
+  square in place, `W_loc` (`sgraf.kernels.cpu.fast_linear`), and the l2 norm.
+- `fused`: one Triton kernel per block. Each program takes one image and a tile of its (caption,
+  word) rows: it computes the contexts 32 features at a time, squares them on chip and adds
+  their product with `W_loc`'s columns to the tile's accumulator, then adds the bias, normalises
+  and writes the nodes. The context rows never reach memory. The kernel rounds where the eager
+  route rounds (the difference and its square to the nodes' dtype), so the two agree to the
+  accumulation order.
+
+`measure_word_route(device, dtype, dim, width)` times both once per device, dtype and width on a
+block-shaped probe (`sgraf.kernels.tuning`; `SGRAF.tune_eval` calls it before a large split on a
+CUDA device with Triton) and keeps `eager`, the default, unless `fused` is more than 20 % faster;
+a fused route that fails to build there is timed as never finishing. `word_route` then returns
+the stored choice without measuring. `SGRAF_WORD_ROUTE=eager|fused` forces one. Elsewhere (the
+CPU, a compiled graph, `plan.emulate_gpu`, no Triton) the route is `eager`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from typing import Any
+
+import torch
+
+from sgraf.errors import InputError
+from sgraf.kernels import tuning
+from sgraf.kernels.cpu import fast_linear
+
+logger = logging.getLogger(__name__)
+
+ROUTES = ("eager", "fused")          # the first is the default
+EPS = 1e-8                           # sgraf.model.norms.EPS: the l2 norms' epsilon
+# the probe: (images, captions, words) of a scoring block's middle length bucket
+PROBE_BLOCK = (64, 256, 13)
+# the fused kernel's tile under Triton's interpreter: rows (caption words) per program, features
+# per step (on a device Triton's autotuner picks among a few, `_kernel`)
+TILE_ROWS, TILE_FEATURES = 64, 32
+# the autotuner's tiles (rows, features, warps, stages): those that compile for sm_90 with bf16
+# without spilling registers (`ptxas -v` on Triton 3.6's output; 128 rows spill); the first is
+# TILE_ROWS x TILE_FEATURES
+TUNED_TILES = ((64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2))
+
+
+def word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
+    """'eager' or 'fused' for `word_nodes` on `device` in `dtype`, `dim` features in and `width`
+    out: `SGRAF_WORD_ROUTE` if set, else the choice `measure_word_route` stored for this device,
+    else the default. Never measures (it is asked inside the scoring loop)."""
+    if torch.compiler.is_compiling():
+        return ROUTES[0]
+    forced = _forced(device)
+    if forced:
+        return forced
+    if not fusable(device):
+        return ROUTES[0]
+    return tuning.peek(_name(dtype, dim, width), ROUTES, device=device)
+
+
+def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
+    """`word_route`, measured on this device if it has not been (a scorer calls this before
+    scoring a large split)."""
+    forced = _forced(device)
+    if forced:
+        return forced
+    device = torch.device(device)
+    if not fusable(device):
+        return ROUTES[0]
+    return tuning.choose(_name(dtype, dim, width), ROUTES, lambda route: _time_route(route, device, dtype, dim, width),
+                         device=device)
+
+
+def fusable(device: torch.device | str) -> bool:
+    """Whether the fused route can run here: a CUDA device with Triton importable. (Tests run
+    the kernel on the CPU through Triton's interpreter by asking `word_nodes` for it.)"""
+    return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _forced(device: torch.device | str) -> str:
+    forced = tuning.forced_route("SGRAF_WORD_ROUTE", ROUTES)
+    if forced == "fused" and not fusable(device):
+        raise InputError(f"SGRAF_WORD_ROUTE=fused needs a CUDA device with Triton installed; this is {device}")
+    return forced
+
+
+def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor, out: torch.Tensor, route: str) -> None:
+    """Write `l2norm((attn^T R_i - T)^2 W^T + b)` of every image into `out`.
+
+    Args:
+        attn: (n_img, K, n_cap * L) float32 attention of each word over the K regions, each
+            column already scaled by `1 / (|a_j| + eps)`.
+        regions: (n_img, K, d) and words: (n_cap * L, d), contiguous, in the nodes' dtype `low`.
+        weight: (m, d) and bias: (m,) of `W_loc`, in `low`.
+        out: (n_img, n_cap, L, m) in `low`, any strides with the last dim contiguous (the word
+            nodes' slice of a block's node tensor).
+        route: `word_route`'s answer.
+    """
+    if route == "fused":
+        _fused(attn, regions, words, weight, bias, out)
+        return
+    n_img, n_cap, n_words, _ = out.shape
+    dim = regions.size(2)
+    # a_j / |a_j| - t_j from one matmul with the words as its (negated) addend
+    diff = torch.baddbmm(words.view(1, n_cap * n_words, dim), attn.to(regions.dtype).transpose(1, 2), regions, beta=-1)
+    square = diff.view(n_img, n_cap, n_words, dim).square_()              # (a_j / |a_j| - t_j)^2
+    local = fast_linear(square.view(-1, dim), weight, bias).view(n_img, n_cap, n_words, -1)
+    # the norm in the nodes' dtype (accumulated in float32), so no float32 copy of the block
+    inverse = torch.linalg.vector_norm(local, dim=-1, keepdim=True).add_(EPS).reciprocal_()
+    if torch.compiler.is_compiling():   # the same product; a compiled graph takes no `out=` view
+        out.copy_(local * inverse)
+    else:
+        torch.mul(local, inverse, out=out)
+
+
+def _fused(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor, out: torch.Tensor) -> None:
+    n_img, n_regions, n_rows = attn.shape
+    _, n_cap, n_words, width = out.shape
+    dim = regions.size(2)
+    if out.stride(3) != 1 or not (attn.is_contiguous() and regions.is_contiguous() and words.is_contiguous()):
+        raise ValueError("word_nodes(route='fused') takes contiguous inputs and an output whose last dim is contiguous")
+    import triton
+
+    exact = regions.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    shapes = dict(DIM=dim, REGIONS=max(16, triton.next_power_of_2(n_regions)), WIDTH=width,
+                  WIDTH_TILE=max(16, triton.next_power_of_2(width)), EPSILON=EPS, PRECISION="ieee" if exact else "tf32",
+                  # the interpreter (CPU tests) multiplies bf16 tiles wrongly: there, in float32
+                  WIDEN=interpreted)
+    if interpreted:   # one tile shape (Triton's autotuner times on a device)
+        shapes.update(ROWS=TILE_ROWS, FEATURES=TILE_FEATURES, num_warps=4)
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
+        return n_img, triton.cdiv(n_rows, meta["ROWS"])
+
+    _kernel(tuned=not interpreted)[grid](attn, regions, words, weight.contiguous(), bias.contiguous(), out,
+                                         n_regions, n_rows, n_words, *out.stride()[:3], **shapes)
+
+
+@functools.cache
+def _kernel(tuned: bool) -> Any:
+    """The Triton kernel, defined at its first use (Triton is imported only then); `tuned`: with
+    Triton's autotuner over a few tile shapes (timed at the first call per feature size, width and
+    dtype; a shape that does not fit the device's registers or shared memory is skipped)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def word_nodes_kernel(attn, regions, words, weight, bias, out,
+                          n_regions, n_rows, n_words, stride_img, stride_cap, stride_word,
+                          DIM: tl.constexpr, REGIONS: tl.constexpr, WIDTH: tl.constexpr, WIDTH_TILE: tl.constexpr,
+                          ROWS: tl.constexpr,
+                          FEATURES: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+                          EPSILON: tl.constexpr):
+        image = tl.program_id(0).to(tl.int64)          # 64-bit offsets: a block's nodes pass 2**31 values
+        rows = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < n_rows
+        ks = tl.arange(0, REGIONS)
+        k_ok = ks < n_regions
+        outs = tl.arange(0, WIDTH_TILE)
+        o_ok = outs < WIDTH
+        low = out.dtype.element_ty
+        # the tile's attention (ROWS, REGIONS), rounded to the nodes' dtype as the eager matmul reads it
+        a = tl.load(attn + image * n_regions * n_rows + ks[None, :] * n_rows + rows[:, None],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(low)
+        if WIDEN:
+            a = a.to(tl.float32)
+        acc = tl.zeros((ROWS, WIDTH_TILE), dtype=tl.float32)
+        for start in range(0, DIM, FEATURES):
+            feats = start + tl.arange(0, FEATURES)
+            f_ok = feats < DIM
+            r = tl.load(regions + image * n_regions * DIM + ks[:, None] * DIM + feats[None, :],
+                        mask=k_ok[:, None] & f_ok[None, :], other=0.0)
+            t = tl.load(words + rows[:, None] * DIM + feats[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0.0)
+            if WIDEN:
+                r = r.to(tl.float32)
+            context = tl.dot(a, r, input_precision=PRECISION, out_dtype=tl.float32)
+            diff = (context - t.to(tl.float32)).to(low).to(tl.float32)          # rounded as the eager matmul's output
+            square = (diff * diff).to(low)
+            w = tl.load(weight + outs[None, :] * DIM + feats[:, None], mask=f_ok[:, None] & o_ok[None, :],
+                        other=0.0)                                                   # (FEATURES, WIDTH_TILE)
+            if WIDEN:
+                square = square.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(square, w, input_precision=PRECISION, out_dtype=tl.float32)
+        acc += tl.load(bias + outs, mask=o_ok, other=0.0).to(tl.float32)[None, :]   # 0 past WIDTH
+        local = acc.to(low).to(tl.float32)                                     # W_loc's output, rounded
+        inverse = (1.0 / (tl.sqrt(tl.sum(local * local, axis=1)) + EPSILON)).to(low).to(tl.float32)
+        caps, positions = rows // n_words, rows % n_words
+        place = image * stride_img + caps * stride_cap + positions * stride_word
+        tl.store(out + place[:, None] + outs[None, :], (local * inverse[:, None]).to(low),
+                 mask=row_ok[:, None] & o_ok[None, :])
+
+    if not tuned:
+        return word_nodes_kernel
+    configs = [triton.Config({"ROWS": rows, "FEATURES": features}, num_warps=warps, num_stages=stages)
+               for rows, features, warps, stages in TUNED_TILES]
+    return triton.autotune(configs, key=["DIM", "WIDTH_TILE", "PRECISION"])(word_nodes_kernel)
+
+
+def _name(dtype: torch.dtype, dim: int, width: int) -> str:
+    return f"word nodes route|{dtype}|d={dim}|m={width}"
+
+
+def probe(device: torch.device, dtype: torch.dtype, dim: int, width: int, seed: int = 0,
+          block: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """A set of `word_nodes` inputs drawn on `device`, shaped like a scoring block of `block`
+    (images, captions, words; default `PROBE_BLOCK` on a GPU, a small one elsewhere): (attn,
+    regions, words, weight, bias, out), `out` the word slice of a node tensor with a global node
+    in front, unwritten."""
+    n_img, n_cap, n_words = block or (PROBE_BLOCK if device.type == "cuda" else (4, 8, 5))
+    n_regions = 36
+    generator = torch.Generator(device).manual_seed(seed)
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, device=device) * scale
+
+    attn = draw(n_img, n_regions, n_cap * n_words).softmax(dim=1) * 0.3
+    regions = draw(n_img, n_regions, dim).to(dtype)
+    words = (draw(n_cap * n_words, dim) * 0.05).to(dtype)
+    weight = draw(width, dim, scale=dim ** -0.5).to(dtype)
+    bias = draw(width, scale=0.01).to(dtype)
+    nodes = torch.empty(n_img, n_cap, n_words + 1, width, device=device, dtype=dtype)
+    return attn, regions, words, weight, bias, nodes[:, :, 1:]
+
+
+def _time_route(route: str, device: torch.device, dtype: torch.dtype, dim: int, width: int) -> float:
+    inputs = probe(device, dtype, dim, width)
+
+    def run() -> None:
+        word_nodes(*inputs, route=route)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        return tuning.best_time(run)
+    except Exception as error:   # noqa: BLE001  (a kernel that does not build here is never chosen)
+        logger.warning("the fused word-node route failed on %s (%s: %s); the eager route stays",
+                       device, type(error).__name__, error)
+        return float("inf")

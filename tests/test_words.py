@@ -1,0 +1,190 @@
+"""The word nodes of a scoring block (`sgraf.kernels.words`): the eager route held to the
+paper's formula, the fused Triton kernel held to the eager route (on the CPU through Triton's
+interpreter, where Triton is installed; on a GPU in tests/test_gpu.py), and the route choice."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from numerics import REORDERED, assert_close, largest
+from sgraf.errors import InputError
+from sgraf.kernels import plan, tuning, words
+
+pytestmark = pytest.mark.numeric
+
+
+def reference(attn, regions, words_, weight, bias, n_cap):
+    """Eq. 1-2 in float64, one (image, word) at a time in spirit: l2norm(W (a - t)^2 + b)."""
+    contexts = attn.double().transpose(1, 2) @ regions.double()            # (n_img, rows, d)
+    local = (contexts - words_.double()).square() @ weight.double().t() + bias.double()
+    local = local / (local.norm(dim=-1, keepdim=True) + words.EPS)
+    return local.view(attn.size(0), n_cap, -1, weight.size(0))
+
+
+def test_the_eager_route_computes_the_word_nodes_into_a_strided_slice():
+    attn, regions, words_, weight, bias, out = words.probe(torch.device("cpu"), torch.float32, 24, 16)
+    assert not out.is_contiguous()                        # the word slice of a node tensor
+    before = out._base.clone() if out._base is not None else None
+    words.word_nodes(attn, regions, words_, weight, bias, out, "eager")
+    expected = reference(attn, regions, words_, weight, bias, out.size(1))
+    assert_close(out, expected, REORDERED, scale=largest(expected))
+    if before is not None:                                # the global nodes in front are untouched
+        assert torch.equal(out._base[:, :, 0].nan_to_num(), before[:, :, 0].nan_to_num())
+
+
+FUSED_CHECK = r"""
+import json, sys, torch
+from sgraf.kernels import words
+dtype = getattr(torch, sys.argv[1])
+results = {}
+# features not a multiple of the kernel's 32, rows past one tile of 64 (117 and 70 rows)
+for dim, width, block in [(48, 16, (2, 9, 13)), (64, 24, (3, 70, 1))]:   # widths: a tile, part of one
+    attn, regions, wrds, weight, bias, out = words.probe(torch.device("cpu"), dtype, dim, width, seed=dim, block=block)
+    eager = torch.full_like(out, float("nan"))
+    words.word_nodes(attn, regions, wrds, weight, bias, eager, "eager")
+    out._base.fill_(float("nan"))
+    out._base[:, :, 0].fill_(7.0)
+    words.word_nodes(attn, regions, wrds, weight, bias, out, "fused")
+    contexts = attn.double().transpose(1, 2) @ regions.double()
+    local = (contexts - wrds.double()).square() @ weight.double().t() + bias.double()
+    exact = (local / (local.norm(dim=-1, keepdim=True) + words.EPS)).view(out.shape)
+    results[f"{dim}x{width}"] = {
+        "written": bool(torch.isfinite(out).all()), "front_kept": bool((out._base[:, :, 0] == 7.0).all()),
+        "max_diff": float((out.float() - eager.float()).abs().max()), "largest": float(eager.float().abs().max()),
+        "fused_error": float((out.double() - exact).abs().max()), "eager_error": float((eager.double() - exact).abs().max())}
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_kernel_gives_the_eager_route_through_tritons_interpreter(dtype):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    completed = subprocess.run([sys.executable, "-c", FUSED_CHECK, dtype], capture_output=True, text=True,
+                               env=env, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    for case in results.values():
+        assert case["written"] and case["front_kept"], results
+        if dtype == "float32":   # the same values up to the accumulation order
+            assert case["max_diff"] <= 1e-5, results
+        else:
+            # Triton's interpreter truncates float32 to bf16 where a GPU rounds to nearest (494 of
+            # 1,024 uniform values differ from PyTorch's rounding), so here bf16 is held to the
+            # eager route's error from float64 plus a truncation's two units in the last place of
+            # the largest node; tests/test_gpu.py holds the device's rounding to the eager route
+            assert case["fused_error"] <= case["eager_error"] + 2 * 2 ** -8 * case["largest"], results
+
+
+GOLDEN_THROUGH_FUSED = r"""
+import json, os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from model_helpers import DATA, golden_model
+from sgraf.kernels import words
+words.fusable = lambda device: True          # the interpreter stands in for a device
+results = {}
+for module in ("SGR", "SAF"):
+    entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)[module]
+    model = golden_model(entry, module)
+    os.environ["SGRAF_WORD_ROUTE"] = "fused"
+    scores = model.score(entry["images"], entry["captions"], entry["lengths"])
+    results[module] = float((scores - entry["sims"]).abs().max())
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+def test_the_golden_scores_through_the_fused_route():
+    """The model's scorer with the word nodes from the kernel (Triton's interpreter on the CPU)
+    gives the authors' golden scores, as the eager route does (tests/test_model_golden.py)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    completed = subprocess.run([sys.executable, "-c", GOLDEN_THROUGH_FUSED, str(pathlib.Path(__file__).parent)],
+                               capture_output=True, text=True, env=env, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    for module, difference in json.loads(completed.stdout.strip().splitlines()[-1]).items():
+        assert difference <= 1e-6, (module, difference)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SGRAF_TUNE", raising=False)
+    monkeypatch.delenv("SGRAF_WORD_ROUTE", raising=False)
+    tuning.forget()
+    yield tmp_path / "tuning.json"
+    tuning.forget()
+
+
+def test_the_cpu_takes_the_eager_route_without_measuring(cache):
+    assert not words.fusable("cpu")
+    assert words.measure_word_route("cpu", torch.float32, 1024, 256) == "eager"
+    assert words.word_route("cpu", torch.bfloat16, 1024, 256) == "eager"
+    with plan.emulate_gpu():
+        assert words.word_route("cpu", torch.float32, 1024, 256) == "eager"
+    assert not cache.exists()                             # nothing measured, nothing stored
+
+
+def test_a_forced_route_must_be_known_and_possible_here(cache, monkeypatch):
+    monkeypatch.setenv("SGRAF_WORD_ROUTE", "Eager")
+    assert words.word_route("cpu", torch.float32, 1024, 256) == "eager"
+    monkeypatch.setenv("SGRAF_WORD_ROUTE", "fused")
+    with pytest.raises(InputError, match="SGRAF_WORD_ROUTE=fused needs a CUDA device with Triton installed; this is cpu"):
+        words.word_route("cpu", torch.float32, 1024, 256)
+    monkeypatch.setattr(words, "fusable", lambda device: True)
+    assert words.word_route("cpu", torch.float32, 1024, 256) == "fused"
+    monkeypatch.setenv("SGRAF_WORD_ROUTE", "triton")
+    with pytest.raises(InputError, match="SGRAF_WORD_ROUTE must be one of eager, fused, got 'triton'"):
+        words.measure_word_route("cpu", torch.float32, 1024, 256)
+
+
+def test_a_route_that_fails_to_build_is_never_chosen(cache, monkeypatch):
+    """On a device where the kernel does not compile, the probe times it as never finishing."""
+    monkeypatch.setattr(words, "fusable", lambda device: True)
+    monkeypatch.setattr(words, "_fused", lambda *args: (_ for _ in ()).throw(RuntimeError("no sm_90 here")))
+    assert words.measure_word_route("cpu", torch.float32, 24, 16) == "eager"
+    stored = json.loads(cache.read_text())
+    entry = next(value for key, value in stored.items() if "word nodes route" in key)
+    assert entry["seconds"][json.dumps("fused")] == float("inf") and entry["choice"] == "eager"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_fused_kernel_compiles_for_hopper_without_spilling(dtype):
+    """No GPU needed: Triton compiles the kernel for sm_90 at the paper's sizes, with each tile
+    the autotuner may pick, and the bundled `ptxas -v` reports no register spills (bf16 tiles of
+    64 rows run their products on wgmma)."""
+    import glob
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = words._kernel(tuned=False)
+    constants = dict(DIM=1024, REGIONS=64, WIDTH=256, WIDTH_TILE=256, EPSILON=words.EPS, WIDEN=False,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32")
+    pointers = {"attn": "*fp32", **{name: f"*{dtype}" for name in ("regions", "words", "weight", "bias", "out")}}
+    ptxas = glob.glob(str(pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"))[0]
+    tiles = words.TUNED_TILES if dtype == "bf16" else words.TUNED_TILES[:1]
+    for rows, features, warps, stages in tiles:
+        values = {**constants, "ROWS": rows, "FEATURES": features}
+        signature = {name: "constexpr" if name in values else pointers.get(name, "i32") for name in kernel.arg_names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(kernel.arg_names.index(name),): value for name, value in values.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
+        ptx = pathlib.Path(tempfile.mkdtemp()) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+        assert "0 bytes spill stores" in report, (rows, features, warps, stages, report)
+        if dtype == "bf16" and rows >= 64:   # a warp group's matmul takes 64 rows
+            assert "wgmma" in compiled.asm["ptx"], (rows, features)
