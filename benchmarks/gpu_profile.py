@@ -9,7 +9,9 @@ For SGR and SAF, fp32 and bf16, a paper-size model with random weights:
 - a scoring block of 256 images x 128 and x 1,024 captions of one length bucket (the middle of 8,
   as `sgraf evaluate` sorts a split's captions by length): the same counts; for SGR once per
   edge route (`sgraf.kernels.edges`: two batched matmuls and a softmax, or PyTorch's fused
-  attention), which `sgraf evaluate` chooses between by a probe on the device.
+  attention), and for both modules once more with the word nodes from one Triton kernel
+  (`sgraf.kernels.words`, where it can run), routes `sgraf evaluate` chooses between by probes
+  on the device.
 
     python benchmarks/gpu_profile.py                    # needs CUDA
     python benchmarks/gpu_profile.py --modules sgr --precisions bf16 --steps 3
@@ -31,7 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from launch_counts import batch_of, scaled_model
-from sgraf.kernels import edges
+from sgraf.kernels import edges, words
 from sgraf.kernels.launches import LaunchCounter
 from sgraf.model import blocks
 from sgraf.training.config import preset
@@ -174,20 +176,33 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
             f"{statistics.median(times):.4f} s, peak {peak_gib(device):.2f} GiB")
 
 
+ROUTE_NAMES = {"SGRAF_EDGE_ROUTE": "edge route", "SGRAF_WORD_ROUTE": "word route"}
+
+
 def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int,
-                  route: str | None = None) -> str:
-    """One scoring block's figures; `route` forces SGR's edge route (`SGRAF_EDGE_ROUTE`) for the call."""
-    saved = os.environ.get("SGRAF_EDGE_ROUTE")
-    if route:
-        os.environ["SGRAF_EDGE_ROUTE"] = route
+                  routes: dict[str, str] | None = None) -> str:
+    """One scoring block's figures; `routes` forces routes for the call by their environment
+    variables (`SGRAF_EDGE_ROUTE`: SGR's edge step; `SGRAF_WORD_ROUTE`: the word nodes)."""
+    routes = routes or {}
+    saved = {variable: os.environ.get(variable) for variable in routes}
+    os.environ.update(routes)
     try:
         figures = _block_figures(module, precision, n_img, n_cap, device, scale)
-        return figures + (f"; edge route {route}" if route else "")
+        return figures + "".join(f"; {ROUTE_NAMES[variable]} {route}" for variable, route in routes.items())
     finally:
-        if saved is None:
-            os.environ.pop("SGRAF_EDGE_ROUTE", None)
-        else:
-            os.environ["SGRAF_EDGE_ROUTE"] = saved
+        for variable, value in saved.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
+
+
+def block_routes(module: str, edge_routes: list[str], word_routes: list[str]) -> list[dict[str, str]]:
+    """The routes a module's blocks are profiled with: SGR once per edge route (the word nodes
+    eager), then every module once per other word route (the edge route measured or default)."""
+    edge = [{"SGRAF_EDGE_ROUTE": route, "SGRAF_WORD_ROUTE": "eager"} for route in edge_routes] if module == "sgr" \
+        else [{"SGRAF_WORD_ROUTE": "eager"}]
+    return edge + [{"SGRAF_WORD_ROUTE": route} for route in word_routes if route != "eager"]
 
 
 def _block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> str:
@@ -234,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-shares", type=float, nargs="+", default=[1 / 32])
     parser.add_argument("--edge-routes", nargs="+", default=list(edges.ROUTES), choices=edges.ROUTES,
                         help="SGR's scoring blocks once per route (default: both)")
+    parser.add_argument("--word-routes", nargs="+", default=None, choices=words.ROUTES,
+                        help="the blocks once per word-node route (default: both where the fused kernel can run)")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run that the script works (no profiler figures)")
     parser.add_argument("--scale", type=int, default=1, help="feature sizes divided by this (1: the paper's)")
     args = parser.parse_args(argv)
@@ -241,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_profile.py: no CUDA device here (--device cpu for a dry run)", file=sys.stderr)
         return 2
+    word_routes = args.word_routes or (list(words.ROUTES) if words.fusable(device) else ["eager"])
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, models of the paper's sizes / {args.scale}, random weights", flush=True)
     failed = 0
@@ -262,9 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     for module in args.modules:
         for precision in args.precisions:
             work = [lambda: step_figures(module, precision, args.batch, args.steps, device, args.scale)]
-            routes = args.edge_routes if module == "sgr" else [None]
             work += [lambda n=n, r=r: block_figures(module, precision, args.images, n, device, args.scale, r)
-                     for n in args.captions for r in routes]
+                     for n in args.captions for r in block_routes(module, args.edge_routes, word_routes)]
             for figure in work:
                 try:
                     print(figure(), flush=True)

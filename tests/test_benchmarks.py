@@ -48,9 +48,9 @@ def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path):
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
     assert "FAILED" not in completed.stdout
     assert re.search(r"train step, batch 8, sgr fp32: [0-9.]+ s .* [0-9]+ launches", completed.stdout), completed.stdout
-    # each block once per edge route
+    # each block once per edge route (the word nodes eager: the fused kernel needs a CUDA device)
     assert completed.stdout.count("scoring block 4 x ") == 4
-    assert [completed.stdout.count(f"; edge route {route}\n") for route in ("layout", "sdpa")] == [2, 2]
+    assert [completed.stdout.count(f"; edge route {route}; word route eager\n") for route in ("layout", "sdpa")] == [2, 2]
     completed = subprocess.run([*common, "--modules", "saf", "--sweep", "--keep-shares", "0", "1",
                                 "--memory-shares", "0.03"],
                                capture_output=True, text=True, timeout=600, cwd=tmp_path)

@@ -60,7 +60,8 @@ for dim, width, block in [(48, 16, (2, 9, 13)), (64, 24, (3, 70, 1))]:   # width
     results[f"{dim}x{width}"] = {
         "written": bool(torch.isfinite(out).all()), "front_kept": bool((out._base[:, :, 0] == 7.0).all()),
         "max_diff": float((out.float() - eager.float()).abs().max()), "largest": float(eager.float().abs().max()),
-        "fused_error": float((out.double() - exact).abs().max()), "eager_error": float((eager.double() - exact).abs().max())}
+        "fused_error": float((out.double() - exact).abs().max()),
+        "eager_error": float((eager.double() - exact).abs().max())}
 print(json.dumps(results))
 """
 
@@ -137,7 +138,8 @@ def test_a_forced_route_must_be_known_and_possible_here(cache, monkeypatch):
     monkeypatch.setenv("SGRAF_WORD_ROUTE", "Eager")
     assert words.word_route("cpu", torch.float32, 1024, 256) == "eager"
     monkeypatch.setenv("SGRAF_WORD_ROUTE", "fused")
-    with pytest.raises(InputError, match="SGRAF_WORD_ROUTE=fused needs a CUDA device with Triton installed; this is cpu"):
+    with pytest.raises(InputError, match="SGRAF_WORD_ROUTE=fused needs a CUDA device with Triton installed; "
+                                         "this is cpu"):
         words.word_route("cpu", torch.float32, 1024, 256)
     monkeypatch.setattr(words, "fusable", lambda device: True)
     assert words.word_route("cpu", torch.float32, 1024, 256) == "fused"
