@@ -38,22 +38,22 @@ from sgraf.kernels.cpu import fast_linear
 
 logger = logging.getLogger(__name__)
 
-ROUTES = ("eager", "fused")          # the first is the default
+ROUTES = ("eager", "fused")          # the first is the default; `SGRAF_WORD_ROUTE` takes these
 EPS = 1e-8                           # sgraf.model.norms.EPS: the l2 norms' epsilon
 # the probe: (images, captions, words) of a scoring block's middle length bucket
 PROBE_BLOCK = (64, 256, 13)
-# the fused kernel's tile under Triton's interpreter: rows (caption words) per program, features
-# per step (on a device Triton's autotuner picks among a few, `_kernel`)
-TILE_ROWS, TILE_FEATURES = 64, 32
-# the autotuner's tiles (rows, features, warps, stages): those that compile for sm_90 with bf16
-# without spilling registers (`ptxas -v` on Triton 3.6's output; 128 rows spill); the first is
-# TILE_ROWS x TILE_FEATURES
-TUNED_TILES = ((64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2))
+# the fused kernel's tiles (rows of (caption, word) per program, features per step, warps,
+# pipeline stages): those that compile for sm_90 in bf16 without spilling registers (`ptxas -v`
+# on Triton 3.6's output; 128 rows spill). The first is "fused"'s; the probe times each as a
+# route of its own ("fused 64x32x8x2"), so the tile chosen is stored with the route, and a later
+# process compiles that one tile and times nothing
+TILES = ((64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2))
+MEASURED = (ROUTES[0], *(f"fused {'x'.join(map(str, tile))}" for tile in TILES))
 
 
 def word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
-    """'eager' or 'fused' for `word_nodes` on `device` in `dtype`, `dim` features in and `width`
-    out: `SGRAF_WORD_ROUTE` if set, else the choice `measure_word_route` stored for this device,
+    """'eager' or a fused route ('fused', or 'fused RxFxWxS' with its tile) for `word_nodes` on
+    `device` in `dtype`, `dim` features in and `width` out: `SGRAF_WORD_ROUTE` if set, else the choice `measure_word_route` stored for this device,
     else the default. Never measures (it is asked inside the scoring loop)."""
     if torch.compiler.is_compiling():
         return ROUTES[0]
@@ -62,7 +62,7 @@ def word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: 
         return forced
     if not fusable(device):
         return ROUTES[0]
-    return tuning.peek(_name(dtype, dim, width), ROUTES, device=device)
+    return tuning.peek(_name(dtype, dim, width), MEASURED, device=device)
 
 
 def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
@@ -74,8 +74,8 @@ def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int,
     device = torch.device(device)
     if not fusable(device):
         return ROUTES[0]
-    return tuning.choose(_name(dtype, dim, width), ROUTES, lambda route: _time_route(route, device, dtype, dim, width),
-                         device=device)
+    return tuning.choose(_name(dtype, dim, width), MEASURED,
+                         lambda route: _time_route(route, device, dtype, dim, width), device=device)
 
 
 def fusable(device: torch.device | str) -> bool:
@@ -102,10 +102,10 @@ def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, w
         weight: (m, d) and bias: (m,) of `W_loc`, in `low`.
         out: (n_img, n_cap, L, m) in `low`, any strides with the last dim contiguous (the word
             nodes' slice of a block's node tensor).
-        route: `word_route`'s answer.
+        route: `word_route`'s answer: 'eager', 'fused' (the first of `TILES`) or 'fused RxFxWxS'.
     """
-    if route == "fused":
-        _fused(attn, regions, words, weight, bias, out)
+    if route.startswith("fused"):
+        _fused(attn, regions, words, weight, bias, out, _tile(route))
         return
     n_img, n_cap, n_words, _ = out.shape
     dim = regions.size(2)
@@ -121,8 +121,14 @@ def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, w
         torch.mul(local, inverse, out=out)
 
 
+def _tile(route: str) -> tuple[int, ...]:
+    """The tile a fused route names ('fused 64x32x8x2'), or the first of `TILES` ('fused')."""
+    _, _, tile = route.partition(" ")
+    return tuple(int(part) for part in tile.split("x")) if tile else TILES[0]
+
+
 def _fused(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor, out: torch.Tensor) -> None:
+           bias: torch.Tensor, out: torch.Tensor, tile: tuple[int, ...]) -> None:
     n_img, n_regions, n_rows = attn.shape
     _, n_cap, n_words, width = out.shape
     dim = regions.size(2)
@@ -130,27 +136,20 @@ def _fused(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weigh
         raise ValueError("word_nodes(route='fused') takes contiguous inputs and an output whose last dim is contiguous")
     import triton
 
+    rows, features, warps, stages = tile
     exact = regions.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    shapes = dict(DIM=dim, REGIONS=max(16, triton.next_power_of_2(n_regions)), WIDTH=width,
-                  WIDTH_TILE=max(16, triton.next_power_of_2(width)), EPSILON=EPS, PRECISION="ieee" if exact else "tf32",
-                  # the interpreter (CPU tests) multiplies bf16 tiles wrongly: there, in float32
-                  WIDEN=interpreted)
-    if interpreted:   # one tile shape (Triton's autotuner times on a device)
-        shapes.update(ROWS=TILE_ROWS, FEATURES=TILE_FEATURES, num_warps=4)
-
-    def grid(meta: dict[str, Any]) -> tuple[int, int]:
-        return n_img, triton.cdiv(n_rows, meta["ROWS"])
-
-    _kernel(tuned=not interpreted)[grid](attn, regions, words, weight.contiguous(), bias.contiguous(), out,
-                                         n_regions, n_rows, n_words, *out.stride()[:3], **shapes)
+    _kernel()[(n_img, triton.cdiv(n_rows, rows))](
+        attn, regions, words, weight.contiguous(), bias.contiguous(), out, n_regions, n_rows, n_words,
+        *out.stride()[:3], DIM=dim, REGIONS=max(16, triton.next_power_of_2(n_regions)), WIDTH=width,
+        WIDTH_TILE=max(16, triton.next_power_of_2(width)), ROWS=rows, FEATURES=features, EPSILON=EPS,
+        PRECISION="ieee" if exact else "tf32",
+        # the interpreter (CPU tests) multiplies bf16 tiles wrongly: there, in float32
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
 
 
 @functools.cache
-def _kernel(tuned: bool) -> Any:
-    """The Triton kernel, defined at its first use (Triton is imported only then); `tuned`: with
-    Triton's autotuner over a few tile shapes (timed at the first call per feature size, width and
-    dtype; a shape that does not fit the device's registers or shared memory is skipped)."""
+def _kernel() -> Any:
+    """The Triton kernel, defined at its first use (Triton is imported only then)."""
     import triton
     import triton.language as tl
 
@@ -200,11 +199,7 @@ def _kernel(tuned: bool) -> Any:
         tl.store(out + place[:, None] + outs[None, :], (local * inverse[:, None]).to(low),
                  mask=row_ok[:, None] & o_ok[None, :])
 
-    if not tuned:
-        return word_nodes_kernel
-    configs = [triton.Config({"ROWS": rows, "FEATURES": features}, num_warps=warps, num_stages=stages)
-               for rows, features, warps, stages in TUNED_TILES]
-    return triton.autotune(configs, key=["DIM", "WIDTH_TILE", "PRECISION"])(word_nodes_kernel)
+    return word_nodes_kernel
 
 
 def _name(dtype: torch.dtype, dim: int, width: int) -> str:
