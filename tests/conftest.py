@@ -51,5 +51,19 @@ def python_sigint():
 
 
 @pytest.fixture
+def tuning_cache(tmp_path, monkeypatch):
+    """A fresh store of measured choices (`sgraf.kernels.tuning`), none remembered in this
+    process, tuning on and no route forced (restored after): the store's path."""
+    from sgraf.kernels import tuning
+
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
+    for variable in ("SGRAF_TUNE", "SGRAF_EDGE_ROUTE", "SGRAF_WORD_ROUTE"):
+        monkeypatch.delenv(variable, raising=False)
+    tuning.forget()
+    yield tmp_path / "tuning.json"
+    tuning.forget()
+
+
+@pytest.fixture
 def data_dir() -> pathlib.Path:
     return DATA

@@ -17,17 +17,6 @@ from sgraf.kernels.launches import LaunchCounter
 pytestmark = pytest.mark.numeric
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A fresh store, no forced route and no choice remembered in this process (restored after)."""
-    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("SGRAF_TUNE", raising=False)
-    monkeypatch.delenv("SGRAF_EDGE_ROUTE", raising=False)
-    tuning.forget()
-    yield tmp_path / "tuning.json"
-    tuning.forget()
-
-
 def graphs_of_a_block(n_img=3, lengths=(5, 2, 7, 7), dim=24, n_queries=None, seed=0):
     """Queries, key nodes, the additive key mask of captions of `lengths` (+ a global node)."""
     generator = torch.Generator().manual_seed(seed)
@@ -115,10 +104,11 @@ def test_the_routes_give_the_same_scores_at_either_precision(monkeypatch):
     assert (scores["sdpa", "bf16"] - scores["layout", "bf16"]).abs().max() <= 2**-8
 
 
-def test_the_route_is_measured_once_per_dtype_stored_and_then_only_read(cache):
-    assert edges.edge_route("cpu", torch.float32, 32) == "layout" and not cache.exists()   # asking never measures
+def test_the_route_is_measured_once_per_dtype_stored_and_then_only_read(tuning_cache):
+    # asking never measures
+    assert edges.edge_route("cpu", torch.float32, 32) == "layout" and not tuning_cache.exists()
     chosen = {dtype: edges.measure_edge_route("cpu", dtype, 32) for dtype in (torch.float32, torch.bfloat16)}
-    stored = json.loads(cache.read_text())
+    stored = json.loads(tuning_cache.read_text())
     for dtype, route in chosen.items():
         entry = stored[f"{tuning.machine_key()}|sgr edge route|{dtype}|m=32"]
         seconds = {r: entry["seconds"][json.dumps(r)] for r in edges.ROUTES}
@@ -126,35 +116,35 @@ def test_the_route_is_measured_once_per_dtype_stored_and_then_only_read(cache):
         assert route == entry["choice"] == ("layout" if seconds["layout"] <= fastest * (1 + tuning.KEEP_DEFAULT)
                                             else "sdpa")
     tuning.forget()
-    before = cache.read_text()
+    before = tuning_cache.read_text()
     assert edges.edge_route("cpu", torch.float32, 32) == chosen[torch.float32]          # read back
     assert edges.measure_edge_route("cpu", torch.bfloat16, 32) == chosen[torch.bfloat16]  # not measured again
-    assert cache.read_text() == before
+    assert tuning_cache.read_text() == before
 
 
-def test_a_scorer_of_a_large_split_measures_the_route_before_scoring(cache, monkeypatch):
+def test_a_scorer_of_a_large_split_measures_the_route_before_scoring(tuning_cache, monkeypatch):
     from sgraf.model import blocks
 
     monkeypatch.setattr(blocks, "TUNE_MIN_PAIRS", 20)
     model = random_model(5, module="sgr", num_regions=7)
     images, captions, lengths = random_batch(model, 5, [6, 3, 11, 3, 8], pad_to=13, seed=3)
     model.score(images, captions, lengths)
-    assert any("sgr edge route|torch.float32|m=" in key for key in json.loads(cache.read_text()))
+    assert any("sgr edge route|torch.float32|m=" in key for key in json.loads(tuning_cache.read_text()))
     saf = random_model(5, module="saf", num_regions=7)
     tuning.forget()
-    cache.unlink()
+    tuning_cache.unlink()
     saf.score(images, captions, lengths)              # no reasoning, nothing to measure
-    assert not any("sgr edge route" in key for key in json.loads(cache.read_text()))
+    assert not any("sgr edge route" in key for key in json.loads(tuning_cache.read_text()))
 
 
-def test_a_forced_route_must_be_known_and_counting_takes_the_default_unmeasured(cache, monkeypatch):
+def test_a_forced_route_must_be_known_and_counting_takes_the_default_unmeasured(tuning_cache, monkeypatch):
     monkeypatch.setenv("SGRAF_EDGE_ROUTE", "flash")
     with pytest.raises(InputError, match="SGRAF_EDGE_ROUTE must be one of layout, sdpa, got 'flash'"):
         edges.edge_route("cpu", torch.float32, 32)
     monkeypatch.delenv("SGRAF_EDGE_ROUTE")
     with plan.emulate_gpu():
         assert edges.measure_edge_route("cpu", torch.float32, 32) == "layout"
-    assert not cache.exists()
+    assert not tuning_cache.exists()
 
 
 def test_the_sdpa_route_is_one_operation_per_step():

@@ -20,16 +20,6 @@ from sgraf.kernels import cpu, plan, tuning
 pytestmark = pytest.mark.numeric
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A fresh store and no choice remembered in this process (restored after)."""
-    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("SGRAF_TUNE", raising=False)
-    tuning.forget()
-    yield tmp_path / "tuning.json"
-    tuning.forget()
-
-
 def expected_choice(seconds: dict, candidates, default=None):
     """The rule of `tuning.choose`, written out: keep the default unless beaten by more than
     KEEP_DEFAULT, else the earliest candidate within 3 % of the fastest."""
@@ -40,7 +30,7 @@ def expected_choice(seconds: dict, candidates, default=None):
     return next(c for c in candidates if seconds[c] <= fastest * 1.03)
 
 
-def test_the_default_stays_unless_clearly_beaten_and_near_equals_go_to_the_earliest(cache, monkeypatch):
+def test_the_default_stays_unless_clearly_beaten_and_near_equals_go_to_the_earliest(tuning_cache, monkeypatch):
     assert tuning.choose("near", ["default", "other"], {"default": 1.15, "other": 1.0}.get) == "default"
     assert tuning.choose("far", ["default", "other"], {"default": 1.3, "other": 1.0}.get) == "other"
     sizes = [4, 8, 16]
@@ -51,7 +41,7 @@ def test_the_default_stays_unless_clearly_beaten_and_near_equals_go_to_the_earli
     assert tuning.choose("off", [4, 8, 16], lambda c: pytest.fail("measured"), default=8) == 8
 
 
-def test_choose_takes_the_fastest_and_stores_it_for_the_next_process(cache):
+def test_choose_takes_the_fastest_and_stores_it_for_the_next_process(tuning_cache):
     measured = []
 
     def measure(candidate):
@@ -61,7 +51,7 @@ def test_choose_takes_the_fastest_and_stores_it_for_the_next_process(cache):
     assert tuning.choose("probe", ["a", "b", "c"], measure) == "b"
     assert tuning.choose("probe", ["a", "b", "c"], measure) == "b"
     assert measured == ["a", "b", "c"]                     # measured once
-    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|probe"]
+    entry = json.loads(tuning_cache.read_text())[f"{tuning.machine_key()}|probe"]
     assert entry["choice"] == "b" and entry["seconds"] == {'"a"': 3.0, '"b"': 1.0, '"c"': 2.0}
     tuning.forget()                                       # a new process: reads, does not measure
     assert tuning.choose("probe", ["a", "b", "c"], measure) == "b" and len(measured) == 3
@@ -69,14 +59,14 @@ def test_choose_takes_the_fastest_and_stores_it_for_the_next_process(cache):
     assert tuning.peek("other", ["x", "y"]) == "x"        # never measured: the default
 
 
-def test_a_choice_another_process_stored_while_this_one_measured_wins(cache):
+def test_a_choice_another_process_stored_while_this_one_measured_wins(tuning_cache):
     def measure(candidate):    # meanwhile, a worker beside this process stored its own choice
-        cache.write_text(json.dumps({f"{tuning.machine_key()}|probe": {"choice": "a"}}))
+        tuning_cache.write_text(json.dumps({f"{tuning.machine_key()}|probe": {"choice": "a"}}))
         return {"a": 3.0, "b": 1.0}[candidate]
 
     assert tuning.choose("probe", ["a", "b"], measure) == "a"
     assert tuning.choose("probe", ["a", "b"], measure) == "a"
-    assert json.loads(cache.read_text())[f"{tuning.machine_key()}|probe"]["choice"] == "a"
+    assert json.loads(tuning_cache.read_text())[f"{tuning.machine_key()}|probe"]["choice"] == "a"
 
 
 def _measure_preferring(own: str) -> object:
@@ -92,32 +82,32 @@ def _measure_preferring(own: str) -> object:
     return tuning.choose("race", ["a", "b"], measure)
 
 
-def test_two_processes_measuring_at_once_agree_on_one_choice(cache):
+def test_two_processes_measuring_at_once_agree_on_one_choice(tuning_cache):
     import concurrent.futures
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         choices = list(pool.map(_measure_preferring, ["a", "b"]))
     assert choices[0] == choices[1] in ("a", "b")
-    assert json.loads(cache.read_text())[f"{tuning.machine_key()}|race"]["choice"] == choices[0]
+    assert json.loads(tuning_cache.read_text())[f"{tuning.machine_key()}|race"]["choice"] == choices[0]
 
 
-def test_a_stored_choice_that_is_no_longer_a_candidate_is_measured_again(cache):
-    cache.write_text(json.dumps({f"{tuning.machine_key()}|probe": {"choice": "gone"}}))
+def test_a_stored_choice_that_is_no_longer_a_candidate_is_measured_again(tuning_cache):
+    tuning_cache.write_text(json.dumps({f"{tuning.machine_key()}|probe": {"choice": "gone"}}))
     assert tuning.choose("probe", [1, 2], lambda c: 1.0 / c) == 2
 
 
-def test_tuning_off_gives_the_default_without_measuring(cache, monkeypatch):
+def test_tuning_off_gives_the_default_without_measuring(tuning_cache, monkeypatch):
     monkeypatch.setenv("SGRAF_TUNE", "off")
     assert tuning.choose("probe", ["a", "b"], lambda c: pytest.fail("measured")) == "a"
-    assert not cache.exists()
+    assert not tuning_cache.exists()
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", ""])
-def test_a_damaged_store_is_ignored_and_rewritten(cache, content):
-    cache.write_text(content)
+def test_a_damaged_store_is_ignored_and_rewritten(tuning_cache, content):
+    tuning_cache.write_text(content)
     assert tuning.choose("probe", ["a", "b"], {"a": 2.0, "b": 1.0}.get) == "b"
-    assert json.loads(cache.read_text())[f"{tuning.machine_key()}|probe"]["choice"] == "b"
+    assert json.loads(tuning_cache.read_text())[f"{tuning.machine_key()}|probe"]["choice"] == "b"
 
 
 def test_an_unwritable_store_still_chooses_once_per_process(tmp_path, monkeypatch):
@@ -169,7 +159,7 @@ def test_a_forced_route_must_be_known(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["matmul", "weight gradient"])
-def test_each_route_is_measured_once_and_stored(cache, monkeypatch, kind):
+def test_each_route_is_measured_once_and_stored(tuning_cache, monkeypatch, kind):
     """The matmul route (oneDNN first) and, apart, the weight gradients' (MKL first: it reads the
     transposed operands in place) are each measured once and stored, by `tuning.choose`'s rule."""
     monkeypatch.delenv("SGRAF_CPU_MATMUL", raising=False)
@@ -178,7 +168,7 @@ def test_each_route_is_measured_once_and_stored(cache, monkeypatch, kind):
     route_of, candidates = {"matmul": (cpu.float32_route, cpu.ROUTES),
                             "weight gradient": (cpu.weight_gradient_route, cpu.ROUTES[::-1])}[kind]
     route = route_of()
-    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu float32 {kind} route"]
+    entry = json.loads(tuning_cache.read_text())[f"{tuning.machine_key()}|cpu float32 {kind} route"]
     seconds = {r: entry["seconds"][json.dumps(r)] for r in cpu.ROUTES}
     assert route == entry["choice"] == expected_choice(seconds, candidates)
 
@@ -190,7 +180,7 @@ def test_the_weight_gradient_route_defaults_to_mkl_and_is_forced_with_the_rest(m
     assert cpu.weight_gradient_route() == cpu.float32_route() == ("onednn" if cpu.ONEDNN else "aten")
 
 
-def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monkeypatch):
+def test_eval_chunks_are_measured_per_precision_and_change_no_score(tuning_cache, monkeypatch):
     import sgraf.model.sgraf as sgraf_module
     from sgraf.precision import autocast
 
@@ -205,7 +195,7 @@ def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monke
     assert model.eval_chunk_bytes(torch.float32) == chosen
     with autocast("bf16"):
         assert model.tune_eval(torch.device("cpu")) in sgraf_module.EVAL_CHUNK_CANDIDATES
-    stored = json.loads(cache.read_text())
+    stored = json.loads(tuning_cache.read_text())
     chunk_keys = [key for key in stored if "eval chunk bytes" in key]
     assert len(chunk_keys) == 2 and {"torch.float32", "torch.bfloat16"} == {
         dtype for key in chunk_keys for dtype in ("torch.float32", "torch.bfloat16") if f"|{dtype}|" in key}
@@ -217,13 +207,13 @@ def test_eval_chunks_are_measured_per_precision_and_change_no_score(cache, monke
         assert model.tune_eval(torch.device("cpu"), largest_fastest, "2 blocks at once") == 4 * pair
         assert model.eval_chunk_bytes(torch.float32) == 4 * pair
     assert model.eval_chunk_bytes(torch.float32) == chosen
-    assert any(key.endswith("|2 blocks at once") for key in json.loads(cache.read_text()))
+    assert any(key.endswith("|2 blocks at once") for key in json.loads(tuning_cache.read_text()))
     monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_BYTES", 12345)          # a fixed size wins
     assert model.tune_eval(torch.device("cpu")) == model.eval_chunk_bytes(torch.float32) == 12345
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_scorers_thread_mode_is_measured_once_per_precision(cache, precision):
+def test_the_scorers_thread_mode_is_measured_once_per_precision(tuning_cache, precision):
     from sgraf.model import blocks
 
     model = random_model(2, module="saf", num_regions=7)
@@ -231,14 +221,15 @@ def test_the_scorers_thread_mode_is_measured_once_per_precision(cache, precision
         pytest.skip("one thread: nothing to share")
     mode = blocks.thread_mode([model], precision, torch.device("cpu"))
     assert mode in blocks.THREAD_MODES[precision]
-    entry = json.loads(cache.read_text())[f"{tuning.machine_key()}|cpu scoring threads|{precision}|{model.size_key()}"]
+    key = f"{tuning.machine_key()}|cpu scoring threads|{precision}|{model.size_key()}"
+    entry = json.loads(tuning_cache.read_text())[key]
     seconds = {m: entry["seconds"][json.dumps(m)] for m in blocks.THREAD_MODES[precision]}
     assert entry["choice"] == mode == expected_choice(seconds, blocks.THREAD_MODES[precision])
     assert blocks.score_workers(torch.device("cpu"), precision, 9, [model]) == (
         min(torch.get_num_threads(), 9) if mode == "blocks" else 1)
 
 
-def test_only_large_splits_measure_before_scoring(cache, monkeypatch):
+def test_only_large_splits_measure_before_scoring(tuning_cache, monkeypatch):
     from sgraf import scoring
     from sgraf.model import blocks
     from test_scoring import TinyVocab, tiny_split
@@ -246,11 +237,11 @@ def test_only_large_splits_measure_before_scoring(cache, monkeypatch):
     model = random_model(4, vocab_size=40, img_dim=12, num_regions=6)
     encoded = scoring.encode_split(model, tiny_split(n_img=4), TinyVocab(), batch_size=4)
     small = scoring.score_matrix([model], [encoded], image_block=2)
-    stored = json.loads(cache.read_text()) if cache.exists() else {}   # (the matmul route is measured)
+    stored = json.loads(tuning_cache.read_text()) if tuning_cache.exists() else {}   # (the matmul route is measured)
     assert not any("scoring threads" in key or "chunk bytes" in key for key in stored)   # 4 x 20 pairs
     monkeypatch.setattr(blocks, "TUNE_MIN_PAIRS", 80)
     measured = scoring.score_matrix([model], [encoded], image_block=2)
-    stored = json.loads(cache.read_text())
+    stored = json.loads(tuning_cache.read_text())
     assert any("cpu scoring threads|fp32" in key for key in stored) == (torch.get_num_threads() > 1)
     assert any("eval chunk bytes" in key for key in stored)
     assert_close(measured, small, SAME_PATH)

@@ -17,7 +17,7 @@ import torch
 
 from numerics import REORDERED, assert_close, largest
 from sgraf.errors import InputError
-from sgraf.kernels import plan, tuning, words
+from sgraf.kernels import plan, words
 
 pytestmark = pytest.mark.numeric
 
@@ -120,26 +120,16 @@ def test_the_golden_scores_through_the_fused_route():
         assert difference <= 1e-6, (module, difference)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("SGRAF_TUNE", raising=False)
-    monkeypatch.delenv("SGRAF_WORD_ROUTE", raising=False)
-    tuning.forget()
-    yield tmp_path / "tuning.json"
-    tuning.forget()
-
-
-def test_the_cpu_takes_the_eager_route_without_measuring(cache):
+def test_the_cpu_takes_the_eager_route_without_measuring(tuning_cache):
     assert not words.fusable("cpu")
     assert words.measure_word_route("cpu", torch.float32, 1024, 256) == "eager"
     assert words.word_route("cpu", torch.bfloat16, 1024, 256) == "eager"
     with plan.emulate_gpu():
         assert words.word_route("cpu", torch.float32, 1024, 256) == "eager"
-    assert not cache.exists()                             # nothing measured, nothing stored
+    assert not tuning_cache.exists()                             # nothing measured, nothing stored
 
 
-def test_a_forced_route_must_be_known_and_possible_here(cache, monkeypatch):
+def test_a_forced_route_must_be_known_and_possible_here(tuning_cache, monkeypatch):
     monkeypatch.setenv("SGRAF_WORD_ROUTE", "Eager")
     assert words.word_route("cpu", torch.float32, 1024, 256) == "eager"
     monkeypatch.setenv("SGRAF_WORD_ROUTE", "fused")
@@ -153,12 +143,12 @@ def test_a_forced_route_must_be_known_and_possible_here(cache, monkeypatch):
         words.measure_word_route("cpu", torch.float32, 1024, 256)
 
 
-def test_a_route_that_fails_to_build_is_never_chosen(cache, monkeypatch):
+def test_a_route_that_fails_to_build_is_never_chosen(tuning_cache, monkeypatch):
     """On a device where the kernel does not compile, the probe times it as never finishing."""
     monkeypatch.setattr(words, "fusable", lambda device: True)
     monkeypatch.setattr(words, "_fused", lambda *args: (_ for _ in ()).throw(RuntimeError("no sm_90 here")))
     assert words.measure_word_route("cpu", torch.float32, 24, 16) == "eager"
-    stored = json.loads(cache.read_text())
+    stored = json.loads(tuning_cache.read_text())
     entry = next(value for key, value in stored.items() if "word nodes route" in key)
     assert entry["choice"] == "eager" and len(entry["seconds"]) == 1 + len(words.TILES)
     assert all(entry["seconds"][json.dumps(route)] == float("inf") for route in words.MEASURED[1:])
