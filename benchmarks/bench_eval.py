@@ -51,6 +51,7 @@ import torch
 AUTHORS_SHARD = 100
 VOCAB_WORDS = 8481 - 4  # the Flickr30K vocabulary's size, special tokens aside
 CAPS_PER_IMAGE = 5
+TUNING_DIR: Path | None = None   # --tuning
 
 
 def caption_lengths(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -82,10 +83,15 @@ def build(out: Path, n_images: int, module: str, seed: int) -> None:
     save_model(SGRAF(config).eval(), out / "model.pt", vocab=vocab)
 
 
+def cache_dir(out: Path) -> Path:
+    """The runs' `SGRAF_CACHE_DIR` (measured choices and kept token ids): --tuning, or in `out`."""
+    return TUNING_DIR or out / "tuning"
+
+
 def set_token_cache(out: Path, state: str) -> None:
     """Empty the runs' token cache (`cold`: the next run tokenises, as a first evaluation of a
     split does) or fill it (`warm`: the next run reads kept ids, as a later evaluation does)."""
-    tokens = out / "tuning" / "tokens"
+    tokens = cache_dir(out) / "tokens"
     if state == "cold":
         shutil.rmtree(tokens, ignore_errors=True)
         return
@@ -96,7 +102,7 @@ def set_token_cache(out: Path, state: str) -> None:
     from sgraf.scoring import tokenize_captions
 
     saved = os.environ.get("SGRAF_CACHE_DIR")
-    os.environ["SGRAF_CACHE_DIR"] = str(out / "tuning")
+    os.environ["SGRAF_CACHE_DIR"] = str(cache_dir(out))
     try:
         _, vocab = load_ensemble([out / "model.pt"])
         tokenize_captions(read_captions(out / "data" / "test_caps.txt"), vocab)
@@ -118,9 +124,9 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
     argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
             "--precision", precision, "--batch-size", str(batch_size), "--json", "--quiet", "--save-sims", str(sims),
             "--device", device] + ([] if source else ["--timings"])   # an earlier checkout may lack it
-    # measured choices (sgraf.kernels.tuning) are stored in the work folder: the first run of a
-    # fresh machine pays for the probes, like a user's first run
-    env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
+    # measured choices (sgraf.kernels.tuning) are stored in the work folder (or --tuning): the
+    # first run of a fresh machine pays for the probes, like a user's first run
+    env = dict(os.environ, SGRAF_CACHE_DIR=str(cache_dir(out)))
     if source:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(source) / "src"), env.get("PYTHONPATH")]))
     start = time.perf_counter()
@@ -245,6 +251,12 @@ def main() -> int:
                              f"{AUTHORS_SHARD}, one caption shard this small overstates their time per caption")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="runs per precision (median reported)")
+    parser.add_argument("--probed", action="store_true",
+                        help="first run each precision once untimed, so that the timed runs find the device's "
+                             "measured choices stored (the probes, and the fused kernel's compilation, of a "
+                             "first evaluation on a machine are then left out)")
+    parser.add_argument("--tuning", metavar="DIR", help="keep the measured choices in DIR (default: the work "
+                        "directory), e.g. shared by a Flickr30K-size run and an MSCOCO-size one after it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", metavar="CHECKOUT",
                         help="also time the command with another checkout's code (its src/ first on PYTHONPATH), "
@@ -256,6 +268,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where the command and the authors' loop run")
     parser.add_argument("--out", help="work directory (default: a temporary one, removed after)")
     args = parser.parse_args()
+    global TUNING_DIR
+    TUNING_DIR = Path(args.tuning) if args.tuning else None
 
     from sgraf.kernels.tuning import cpu_model
 
@@ -272,6 +286,10 @@ def main() -> int:
         states = ["cold", "warm"] if args.token_cache == "both" else [args.token_cache]
         for precision in args.precisions:
             measured, baseline, warm = [], [], []
+            if args.probed:
+                first = run_command(out, precision, args.batch_size, device=args.device, token_cache=states[0])
+                print(f"{precision}: an untimed first run ({first['wall_s']:.1f} s) stored the measured choices",
+                      flush=True)
             for _ in range(args.repeats):     # interleaved, so that a change of load hits both
                 measured.append(run_command(out, precision, args.batch_size, device=args.device,
                                             token_cache=states[0]))
@@ -300,7 +318,7 @@ def main() -> int:
                       f"median {base['wall_s']:.1f} s, peak RSS {base['peak_mb']:.0f} MiB -> ours "
                       f"{base['wall_s'] / run['wall_s']:.2f}x its speed; max |diff| of the matrices {error:.2e}",
                       flush=True)
-        print_choices(out / "tuning" / "tuning.json")
+        print_choices(cache_dir(out) / "tuning.json")
         if args.no_authors:
             return 0
         reference = authors(out, args.authors_captions, args.seed, args.device)
