@@ -311,3 +311,22 @@ def test_eval_constants_do_not_depend_on_the_callers_autocast():
         t for step in under["folded"] for t in step if isinstance(t, torch.Tensor)]
     assert len(flat) == len(flat_under) > 4
     assert all(torch.equal(a, b) for a, b in zip(flat, flat_under))
+
+
+def test_l2norms_written_out_gradient_is_autograds():
+    """`norms.l2norm`'s backward (`_L2Norm`, fewer launches) is the gradient of its forward:
+    gradcheck in float64, and the same values as autograd through the plain formula, along either
+    dimension; a bf16 input gets a bf16 gradient."""
+    from sgraf.model.norms import EPS, l2norm
+
+    x = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    for dim in (-1, 1):
+        assert torch.autograd.gradcheck(lambda t: l2norm(t, dim), (x,))
+        grad = torch.randn(3, 5, 7, dtype=torch.float64)
+        ours, = torch.autograd.grad(l2norm(x, dim), x, grad)
+        plain, = torch.autograd.grad(x / ((x * x).sum(dim=dim, keepdim=True).sqrt() + EPS), x, grad)
+        assert_close(ours, plain, REORDERED)
+        assert torch.equal(l2norm(x, dim), (x / ((x * x).sum(dim=dim, keepdim=True).sqrt() + EPS)))  # same forward
+    low = torch.randn(4, 6, dtype=torch.bfloat16, requires_grad=True)
+    l2norm(low).sum().backward()
+    assert low.grad.dtype == torch.bfloat16
