@@ -22,7 +22,6 @@ take the default.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -81,7 +81,12 @@ def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int,
 def fusable(device: torch.device | str) -> bool:
     """Whether the fused route can run here: a CUDA device with Triton importable. (Tests run
     the kernel on the CPU through Triton's interpreter by asking `word_nodes` for it.)"""
-    return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+    return torch.device(device).type == "cuda" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _forced(device: torch.device | str) -> str:
