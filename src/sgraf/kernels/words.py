@@ -8,16 +8,17 @@ read by `W_loc`. On an H100 those crossings of memory were a third of an SGR blo
 - `eager`: PyTorch's operations: the context matmul with the words as its (negated) addend, the
   square in place, `W_loc` (`sgraf.kernels.cpu.fast_linear`), and the l2 norm.
 - `fused`: one Triton kernel per block. Each program takes one image and a tile of its (caption,
-  word) rows: it computes the contexts 32 features at a time, squares them on chip and adds
+  word) rows: it computes the contexts 32 or 64 features at a time, squares them on chip and adds
   their product with `W_loc`'s columns to the tile's accumulator, then adds the bias, normalises
   and writes the nodes. The context rows never reach memory. The kernel rounds where the eager
   route rounds (the difference and its square to the nodes' dtype), so the two agree to the
   accumulation order.
 
-`measure_word_route(device, dtype, dim, width)` times both once per device, dtype and width on a
-block-shaped probe (`sgraf.kernels.tuning`; `SGRAF.tune_eval` calls it before a large split on a
-CUDA device with Triton) and keeps `eager`, the default, unless `fused` is more than 20 % faster;
-a fused route that fails to build there is timed as never finishing. `word_route` then returns
+`measure_word_route(device, dtype, dim, width)` times the eager route and the kernel with each
+of `TILES` once per device, dtype and sizes on a block-shaped probe (`sgraf.kernels.tuning`;
+`SGRAF.tune_eval` calls it before a large split on a CUDA device with Triton) and keeps `eager`,
+the default, unless a tile is more than 20 % faster; the tile is stored with the choice
+('fused 64x32x8x2'). A tile that fails to build there is timed as never finishing. `word_route` then returns
 the stored choice without measuring. `SGRAF_WORD_ROUTE=eager|fused` forces one. Elsewhere (the
 CPU, a compiled graph, `plan.emulate_gpu`, no Triton) the route is `eager`.
 """
