@@ -7,7 +7,8 @@ For SGR and SAF, fp32 and bf16, a paper-size model with random weights:
   counts and the host reads it sees, the CUDA kernels and copies `torch.profiler` records, the
   step's median seconds over `--steps` steps (synchronised) and the allocator's peak memory;
 - a scoring block of 256 images x 128 and x 1,024 captions of one length bucket (the middle of 8,
-  as `sgraf evaluate` sorts a split's captions by length): the same counts; for SGR once per
+  as `sgraf evaluate` sorts a split's captions by length): the same counts, and its GPU time by
+  place in sgraf's code (the function and the operation it called); for SGR once per
   edge route (`sgraf.kernels.edges`: two batched matmuls and a softmax, or PyTorch's fused
   attention), and for both modules once more with the word nodes from one Triton kernel
   (`sgraf.kernels.words`, where it can run), routes `sgraf evaluate` chooses between by probes
@@ -67,6 +68,43 @@ def kernels(work, device: torch.device) -> tuple[int, int, float, str]:
         times[e.name[:60]] += e.device_time / 1000.0
     top = ", ".join(f"{name} x{names[name]} {ms:.1f} ms" for name, ms in times.most_common(12))
     return len(events) - len(copies), len(copies), busy, top
+
+
+def by_place(work, device: torch.device, top: int = 10) -> str:
+    """Where `work()`'s time goes in sgraf's code: each operation's own GPU time (CPU time on a
+    CPU), charged to the sgraf function that called it and the operation it called there
+    (`torch.profiler`'s Python events as the operations' parents), the `top` that took the most:
+    "similarity.py fast_forward aten::baddbmm 12.3 ms, ..."."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities, with_stack=True) as prof:
+        work()
+        sync(device)
+    places: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or not event.name.startswith("aten::"):
+            continue
+        own = ((getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0))
+               if device.type == "cuda" else event.self_cpu_time_total)
+        if not own:
+            continue
+        called, parent = event.name, event.cpu_parent
+        while parent is not None and not _sgraf_frame(parent.name):   # up to the innermost sgraf frame
+            if parent.name.startswith("aten::"):
+                called = parent.name                # the operation sgraf's code called
+            parent = parent.cpu_parent
+        if parent is not None:
+            # "sgraf/model/similarity.py(400): fast_forward" -> "similarity.py fast_forward"
+            path, _, function = parent.name.partition(": ")
+            places[f"{path.rsplit('/', 1)[-1].split('(')[0]} {function} {called}"] += own / 1000.0
+    return ", ".join(f"{place} {ms:.1f} ms" for place, ms in places.most_common(top)) or "-"
+
+
+def _sgraf_frame(name: str) -> bool:
+    """Whether a profiler event is a Python frame of sgraf's code ("sgraf/model/x.py(12): f"),
+    other than the helpers every caller shares (`kernels.cpu`'s linear layers: their caller counts)."""
+    path = name.partition("(")[0]
+    return path.endswith(".py") and "sgraf/" in path and not path.endswith(("kernels/launches.py", "kernels/cpu.py"))
 
 
 def sync_points(work, device: torch.device) -> str:
@@ -224,6 +262,7 @@ def _block_figures(module: str, precision: str, n_img: int, n_cap: int, device: 
             counter = counted(block, bucket.lengths)
             syncs = sync_points(block, device)
             n_kernels, n_copies, busy, top = kernels(block, device)
+            by_code = by_place(block, device)
             times = timed(block, 5, device)
     pairs = n_img * len(bucket.index)
     seconds = statistics.median(times)
@@ -232,7 +271,7 @@ def _block_figures(module: str, precision: str, n_img: int, n_cap: int, device: 
             f"{module} {precision}: "
             f"{seconds * 1000:.1f} ms, {pairs / seconds / 1e6:.2f} M pairs/s; profiler: {n_kernels} kernels + "
             f"{n_copies} copies/fills, GPU busy {busy:.1f} ms; counted on the CPU side: {counter.summary()}; "
-            f"host waits: {syncs}; most time: {top}")
+            f"host waits: {syncs}; most time: {top}; by place: {by_code}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,10 @@ def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path):
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
     assert "FAILED" not in completed.stdout
     assert re.search(r"train step, batch 8, sgr fp32: [0-9.]+ s .* [0-9]+ launches", completed.stdout), completed.stdout
+    # each block's time by place in sgraf's code (CPU time in this dry run), the shared linear
+    # helper charged to its caller
+    assert re.search(r"by place: \w+\.py \w+ aten::\w+ [0-9.]+ ms", completed.stdout), completed.stdout
+    assert "cpu.py fast_linear" not in completed.stdout and "words.py word_nodes aten::" in completed.stdout
     # each block once per edge route (the word nodes eager: the fused kernel needs a CUDA device)
     assert completed.stdout.count("scoring block 4 x ") == 4
     assert [completed.stdout.count(f"; edge route {route}; word route eager\n") for route in ("layout", "sdpa")] == [2, 2]
