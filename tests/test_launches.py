@@ -6,8 +6,9 @@ is counted at batch 32 here (the batch in one chunk: SAF 443 launches in fp32; S
 backward through the selected pairs, `sgraf.training.pairs`, adding their forward to the
 matrix's; both since `norms.l2norm` writes out its backward), and an SGR step at the paper's
 batch of 128, where the GPU cut makes three chunks (751 launches; 1,131 through the whole
-matrix before the l2 norms' backward: `benchmarks/launch_counts.py`), against the issue's 1,000; a scoring block at 16 images (73
-launches for SGR, 56 for SAF, whatever the images and captions in it); the launches of a scoring
+matrix before the l2 norms' backward: `benchmarks/launch_counts.py`), against the issue's
+1,000; a scoring block at 16 images (73 launches for SGR, 56 for SAF, whatever the images and
+captions in it); the launches of a scoring
 block must not grow with the captions in it.
 """
 

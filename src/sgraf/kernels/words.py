@@ -18,8 +18,8 @@ read by `W_loc`. On an H100 those crossings of memory were a third of an SGR blo
 of `TILES` once per device, dtype and sizes on a block-shaped probe (`sgraf.kernels.tuning`;
 `SGRAF.tune_eval` calls it before a large split on a CUDA device with Triton) and keeps `eager`,
 the default, unless a tile is more than 20 % faster; the tile is stored with the choice
-('fused 64x32x8x2'). A tile that fails to build there is timed as never finishing. `word_route` then returns
-the stored choice without measuring. `SGRAF_WORD_ROUTE=eager|fused` forces one. Elsewhere (the
+('fused 64x32x8x2'). A tile that fails to build there is timed as never finishing. `word_route`
+then returns the stored choice without measuring. `SGRAF_WORD_ROUTE=eager|fused` forces one. Elsewhere (the
 CPU, a compiled graph, `plan.emulate_gpu`, no Triton) the route is `eager`.
 """
 
@@ -54,8 +54,9 @@ MEASURED = (ROUTES[0], *(f"fused {'x'.join(map(str, tile))}" for tile in TILES))
 
 def word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
     """'eager' or a fused route ('fused', or 'fused RxFxWxS' with its tile) for `word_nodes` on
-    `device` in `dtype`, `dim` features in and `width` out: `SGRAF_WORD_ROUTE` if set, else the choice `measure_word_route` stored for this device,
-    else the default. Never measures (it is asked inside the scoring loop)."""
+    `device` in `dtype`, `dim` features in and `width` out: `SGRAF_WORD_ROUTE` if set, else the
+    choice `measure_word_route` stored for this device, else the default. Never measures (it is
+    asked inside the scoring loop)."""
     if torch.compiler.is_compiling():
         return ROUTES[0]
     forced = _forced(device)
