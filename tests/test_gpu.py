@@ -65,6 +65,23 @@ def test_the_edge_route_is_measured_on_the_device_and_stored(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_layers_relu_in_the_matmul_epilogue_gives_the_separate_relu_on_the_device(dtype):
+    """`fast_linear(relu=True)` on CUDA (`torch._addmm_activation`, the ReLU in cuBLASLt's
+    epilogue) against the matmul and a ReLU after it, on nodes shaped like SGR's."""
+    from sgraf.kernels.cpu import fast_linear
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(4096, 14, 256, device="cuda", generator=generator).to(dtype)
+    weight = (torch.randn(256, 256, device="cuda", generator=generator) / 16).to(dtype)
+    bias = torch.randn(256, device="cuda", generator=generator).to(dtype)
+    fused = fast_linear(x, weight, bias, relu=True)
+    separate = torch.relu(torch.nn.functional.linear(x, weight, bias))
+    scale = separate.abs().max().item()
+    assert fused.shape == separate.shape and fused.dtype == dtype
+    assert (fused.float() - separate.float()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 2**-8) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_word_nodes_give_the_eager_route_on_the_device(dtype):
     """`sgraf.kernels.words`' Triton kernel at the paper's sizes (a block of 64 images x 256
     captions of 13 words): every node written, and no further from float64 than the eager route

@@ -131,7 +131,8 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """`x @ weight^T + bias` in x's dtype (eval only, no autograd), optionally followed by ReLU.
 
     Through oneDNN when that is this machine's faster route (see the module), the ReLU then
-    applied as the matmul writes its output (no second pass).
+    applied as the matmul writes its output (no second pass); on a GPU likewise, in cuBLASLt's
+    epilogue (`torch._addmm_activation`).
 
     Args:
         x: (..., in) input; its dtype is the compute dtype.
@@ -145,6 +146,12 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bias = None if bias is None else bias.to(x.dtype)
     if _onednn(x):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "relu" if relu else "none", [], "")
+    if relu and bias is not None and plan.gpu_plan(x.device) and not torch.compiler.is_compiling():
+        # on a GPU the ReLU in cuBLASLt's epilogue, as the matmul writes its output: no second pass
+        # over it (a whole read and write of SGR's nodes per reasoning step; on the CPU the same
+        # operation is the matmul, then the ReLU)
+        flat = torch._addmm_activation(bias, x.reshape(-1, x.size(-1)), weight.t())
+        return flat.view(*x.shape[:-1], flat.size(-1))
     out = F.linear(x, weight, bias)
     return torch.relu_(out) if relu else out
 
