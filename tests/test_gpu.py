@@ -65,6 +65,44 @@ def test_the_edge_route_is_measured_on_the_device_and_stored(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_reasoning_steps_give_the_eager_steps_on_the_device(dtype):
+    """`sgraf.kernels.graph_steps`' Triton kernel at the paper's sizes (64 images x 256 captions,
+    graphs of 14 nodes, 3 steps of 256-wide nodes), every tile: no further from float64 than the
+    eager steps (float32: the same values up to the accumulation order)."""
+    pytest.importorskip("triton")
+    from sgraf.kernels import graph_steps
+
+    folded, graphs, blocked, n_cap = graph_steps.probe(torch.device("cuda"), dtype, 256, 3)
+    n_img = graphs.size(0) // n_cap
+    eager = graph_steps.eager_steps(folded, graphs, blocked, n_img, True).double()[:, 0]
+    exact = graph_steps.eager_steps([tuple(t.double() for t in step) for step in folded], graphs.double(),
+                                    blocked.double(), n_img, True)[:, 0]
+    largest_value = exact.abs().max().item()
+    for route in graph_steps.MEASURED[1:]:
+        fused = graph_steps.reason(folded, graphs, blocked, n_cap, route).double()
+        assert torch.isfinite(fused).all(), route
+        if dtype == torch.float32:
+            assert (fused - eager).abs().max().item() <= 1e-5 * largest_value, route
+        else:
+            eager_error = (eager - exact).abs().max().item()
+            assert (fused - exact).abs().max().item() <= eager_error + 2**-8 * largest_value, route
+
+
+def test_the_fused_reasoning_steps_give_the_cpu_scores_on_the_device(monkeypatch):
+    pytest.importorskip("triton")
+    entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)["SGR"]
+    model = golden_model(entry, "SGR")
+    cpu = model.score(entry["images"], entry["captions"], entry["lengths"])
+    monkeypatch.setenv("SGRAF_STEP_ROUTE", "fused")
+    model = model.cuda()
+    images, captions = entry["images"].cuda(), entry["captions"].cuda()
+    assert (model.score(images, captions, entry["lengths"]).cpu() - cpu).abs().max() <= 1e-5
+    with autocast("bf16", "cuda"):
+        bf16 = model.score(images, captions, entry["lengths"])
+    assert (bf16.cpu() - cpu).abs().max() <= 2**-10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_linear_layers_relu_in_the_matmul_epilogue_gives_the_separate_relu_on_the_device(dtype):
     """`fast_linear(relu=True)` on CUDA (`torch._addmm_activation`, the ReLU in cuBLASLt's
     epilogue) against the matmul and a ReLU after it, on nodes shaped like SGR's."""

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgraf.kernels import edges, plan
-from sgraf.kernels.cpu import fast_linear, train_linear
+from sgraf.kernels import graph_steps, plan
+from sgraf.kernels.cpu import train_linear
 
 
 class GraphReasoning(nn.Module):
@@ -127,7 +127,8 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
     Per step: the edge logits use the folded `W_q^T W_k` (see `fold_steps`); the edge softmax
     and the aggregation `E N` go through `sgraf.kernels.edges` (the faster of two routes on this
     device); Eq. 8's `ReLU(W_r E N + b_r)` is one matmul with the ReLU applied as it writes. The
-    last step updates only the global node (the read-out). The matmuls and the edge softmax
+    last step updates only the global node (the read-out). On a CUDA device with Triton all the
+    steps may instead run in one kernel (`sgraf.kernels.graph_steps`, by its measured route). The matmuls and the edge softmax
     run in the nodes' dtype (float32, or bfloat16 for bf16 scoring, the softmax accumulating in
     float32); the result is float32.
 
@@ -149,16 +150,11 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
     blocked = None
     if plan.gpu_plan(nodes.device) or torch.compiler.is_compiling() or not bool(node_mask.all()):
         blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device).masked_fill_(~node_mask, float("-inf"))
-    route = edges.edge_route(nodes.device, low, dim)
     graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m)
-    for index, (bilinear_t, key_term, w_r, b_r) in enumerate(folded):
-        last = has_global and index == len(folded) - 1
-        queries = fast_linear(graphs[:, :1] if last else graphs, bilinear_t, key_term)  # (G, Q, m)
-        aggregated = edges.edge_aggregate(queries, graphs, blocked, n_img, route)     # (G, Q, m)
-        graphs = fast_linear(aggregated, w_r, b_r, relu=True)                        # (G, Q, m)
-        if last:
-            return graphs.float().view(n_img, n_cap, dim)
-    graphs = graphs.float()
+    route = graph_steps.step_route(nodes.device, low, dim, len(folded))
+    if folded and graph_steps.applies(route, n_nodes, has_global, low):               # all the steps in one kernel
+        return graph_steps.reason(folded, graphs, blocked, n_cap, route).view(n_img, n_cap, dim)
+    graphs = graph_steps.eager_steps(folded, graphs, blocked, n_img, has_global).float()
     if has_global:
         return graphs[:, 0].reshape(n_img, n_cap, dim)
     weights = node_mask.to(graphs.dtype).view(1, n_cap, n_nodes, 1)

@@ -18,7 +18,7 @@ from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
-from sgraf.kernels import compiled, edges, plan, tuning
+from sgraf.kernels import compiled, edges, graph_steps, plan, tuning
 from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
@@ -413,8 +413,8 @@ class SGRAF(nn.Module):
     def tune_eval(self, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None,
                   label: str = "") -> int:
         """Measure this machine's eval choices for the current precision once (stored, see
-        `sgraf.kernels.tuning`): SGR's edge route on this device (`sgraf.kernels.edges`), the word
-        nodes' route on a CUDA device with Triton (`sgraf.kernels.words`) and, on
+        `sgraf.kernels.tuning`): SGR's edge route on this device (`sgraf.kernels.edges`) and its
+        reasoning steps' route (`sgraf.kernels.graph_steps`), the word nodes' route on a CUDA device with Triton (`sgraf.kernels.words`) and, on
         the CPU, the chunk budget (about a second at the paper's size), which it returns; inside
         `frozen_weights` the model then uses that budget until the context ends.
 
@@ -431,6 +431,7 @@ class SGRAF(nn.Module):
         low = compute_dtype(device)
         if "sgr" in self.heads and self.sim_enc.supports_fast():
             edges.measure_edge_route(device, low, self.sim_enc.node_dim)
+            graph_steps.measure_step_route(device, low, self.sim_enc.node_dim, len(self.sim_enc.SGR_module))
         if self.sim_enc.supports_fast() and self.sim_enc.use_local:
             layer = self.sim_enc.sim_tranloc_w
             words_kernels.measure_word_route(device, low, layer.in_features, layer.out_features)

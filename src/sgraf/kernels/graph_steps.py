@@ -1,0 +1,214 @@
+"""SGR's reasoning steps over every graph of an eval scoring block (Eq. 6-8), by the faster of
+two routes on this device.
+
+Each (image, caption) pair is a graph of a dozen nodes of 256 values. The eager route
+(`sgraf.model.reasoning.fast_graph_reasoning`: per step, the folded query matmul, the edge
+step of `sgraf.kernels.edges` and `ReLU(W_r E N + b_r)`) writes each step's queries, logits,
+edges, aggregates and new nodes to memory and reads them back: at a block of 256 images x 1,024
+captions of 13 words, about 21 GB per step in bf16 (`benchmarks/launch_counts.py --traffic`),
+where the nodes themselves are 1.9 GB.
+
+- `eager`: those operations.
+- `fused`: one Triton kernel for all the steps. Each program takes the nodes of a few graphs
+  (`ROWS` rows, each graph padded to a power of two), and per step computes the queries
+  `CHUNK` output features at a time, accumulating their logits against the nodes, the masked
+  softmax within each graph, the aggregates and `ReLU(W_r . + b_r)`, writing the new nodes to a
+  scratch area of its own (read back by the next step, mostly from the L2 cache); the last step
+  writes the global node's vector. The kernel rounds where the eager route rounds (queries,
+  logits, edges, aggregates and nodes to the nodes' dtype), so the two agree to the
+  accumulation order.
+
+`measure_step_route(device, dtype, dim, steps)` times the eager route and the kernel with each
+of `TILES` once per device, dtype and sizes on a block-shaped probe (`sgraf.kernels.tuning`;
+`SGRAF.tune_eval` calls it before a large split on a CUDA device with Triton) and keeps `eager`
+unless a tile is more than 20 % faster. `step_route` then returns the stored choice without
+measuring. `SGRAF_STEP_ROUTE=eager|fused` forces one. Elsewhere (the CPU, a compiled graph,
+`plan.emulate_gpu`, no Triton), in float32 (`DTYPES`), for graphs of more than `MAX_NODES` nodes
+and for a model without a global node, the route is `eager`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from sgraf.errors import InputError
+from sgraf.kernels import edges, tuning
+from sgraf.kernels.cpu import fast_linear
+from sgraf.kernels.words import fusable
+
+logger = logging.getLogger(__name__)
+
+ROUTES = ("eager", "fused")          # the first is the default; `SGRAF_STEP_ROUTE` takes these
+MAX_NODES = 64                       # graphs of more nodes (captions of 64 words or more): eager
+# the nodes' dtypes the kernel takes. In float32 (exact products on the CUDA cores) Triton 3.9
+# took about a minute per tile to compile it for sm_90 and spilled 16-99 KB of registers, so
+# float32 stays eager without a probe (its block is bound by arithmetic, not memory, anyway)
+DTYPES = (torch.bfloat16, torch.float16)
+# the probe: (images, captions, nodes) of a scoring block's middle length bucket
+PROBE_GRAPHS = (64, 256, 14)
+# the kernel's tiles: (rows of nodes per program, output features per matmul step, warps,
+# pipeline stages). The first is "fused"'s; the probe times each as a route of its own
+TILES = ((64, 32, 8, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 32, 4, 1))
+MEASURED = (ROUTES[0], *(f"fused {'x'.join(map(str, tile))}" for tile in TILES))
+
+
+def step_route(device: torch.device | str, dtype: torch.dtype, dim: int, steps: int) -> str:
+    """'eager' or a fused route ('fused' or 'fused RxCxWxS') for `reason` on `device` in
+    `dtype`: `SGRAF_STEP_ROUTE` if set, else the choice `measure_step_route` stored for this
+    device, else the default. Never measures (it is asked inside the scoring loop)."""
+    if torch.compiler.is_compiling():
+        return ROUTES[0]
+    forced = _forced(device)
+    if forced:
+        return forced
+    if not fusable(device) or dtype not in DTYPES:
+        return ROUTES[0]
+    return tuning.peek(_name(dtype, dim, steps), MEASURED, device=device)
+
+
+def measure_step_route(device: torch.device | str, dtype: torch.dtype, dim: int, steps: int) -> str:
+    """`step_route`, measured on this device if it has not been (a scorer calls this before
+    scoring a large split)."""
+    forced = _forced(device)
+    if forced:
+        return forced
+    device = torch.device(device)
+    if not fusable(device) or dtype not in DTYPES:
+        return ROUTES[0]
+    return tuning.choose(_name(dtype, dim, steps), MEASURED,
+                         lambda route: _time_route(route, device, dtype, dim, steps), device=device)
+
+
+def _forced(device: torch.device | str) -> str:
+    forced = tuning.forced_route("SGRAF_STEP_ROUTE", ROUTES)
+    if forced == "fused" and not fusable(device):
+        raise InputError(f"SGRAF_STEP_ROUTE=fused needs a CUDA device with Triton installed; this is {device}")
+    return forced
+
+
+def _name(dtype: torch.dtype, dim: int, steps: int) -> str:
+    return f"sgr step route|{dtype}|m={dim}|steps={steps}"
+
+
+def applies(route: str, n_nodes: int, has_global: bool, dtype: torch.dtype) -> bool:
+    """Whether `route` runs the kernel for graphs of `n_nodes` nodes in `dtype` (else the eager
+    steps)."""
+    return route.startswith("fused") and has_global and n_nodes <= MAX_NODES and dtype in DTYPES
+
+
+def eager_steps(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked: torch.Tensor | None,
+                n_img: int, has_global: bool) -> torch.Tensor:
+    """The eager route: per step the folded queries, the edge step (`sgraf.kernels.edges`, by its
+    route on this device) and `ReLU(W_r E N + b_r)` (the ReLU applied as the matmul writes).
+
+    Args and the tensors' dtype as `reason`'s; `n_img` the images of the block.
+
+    Returns:
+        (G, Q, m) in the nodes' dtype: every node after the last step, or with `has_global` the
+        global node alone (Q = 1: the last step updates only the read-out).
+    """
+    route = edges.edge_route(graphs.device, graphs.dtype, graphs.size(2))
+    for index, (bilinear_t, key_term, w_r, b_r) in enumerate(folded):
+        last = has_global and index == len(folded) - 1
+        queries = fast_linear(graphs[:, :1] if last else graphs, bilinear_t, key_term)  # (G, Q, m)
+        aggregated = edges.edge_aggregate(queries, graphs, blocked, n_img, route)     # (G, Q, m)
+        graphs = fast_linear(aggregated, w_r, b_r, relu=True)                        # (G, Q, m)
+    return graphs
+
+
+def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked: torch.Tensor | None,
+           n_cap: int, route: str) -> torch.Tensor:
+    """The fused route: every reasoning step over `graphs`, the global node's last vector.
+
+    Args:
+        folded: `sgraf.model.reasoning.fold_steps`, in the nodes' dtype.
+        graphs: (G, P, m) nodes of G = n_img x n_cap graphs (image-major), contiguous; node 0
+            is the global node.
+        blocked: (n_cap, P) additive key mask (0 or -inf) in the nodes' dtype, or None.
+        route: 'fused' (the first of `TILES`) or 'fused RxCxWxS'.
+
+    Returns:
+        (G, m) float32: the global node after the last step.
+    """
+    import triton
+
+    rows, chunk, warps, stages = _tile(route)
+    n_graphs, n_nodes, dim = graphs.shape
+    if not graphs.is_contiguous() or n_nodes > MAX_NODES:
+        raise ValueError(f"reason() takes contiguous graphs of at most {MAX_NODES} nodes")
+    nodes_tile = max(2, triton.next_power_of_2(n_nodes))
+    rows = max(rows, nodes_tile)
+    per_program = rows // nodes_tile
+    programs = triton.cdiv(n_graphs, per_program)
+    low = graphs.dtype
+    bilinear, key_term, weight, bias = (torch.stack([step[i] for step in folded]).to(low).contiguous()
+                                        for i in range(4))
+    scratch = torch.empty(programs * rows, dim, device=graphs.device, dtype=low)
+    out = torch.empty(n_graphs, dim, device=graphs.device, dtype=torch.float32)
+    exact = low == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    _kernel()[(programs,)](
+        graphs, graphs if blocked is None else blocked.contiguous(), bilinear, key_term, weight, bias, scratch,
+        out, n_graphs, n_cap, n_nodes, STEPS=len(folded), DIM=dim, NODES=nodes_tile, ROWS=rows,
+        CHUNK=min(chunk, dim), HAS_MASK=blocked is not None, PRECISION="ieee" if exact else "tf32",
+        # Triton's interpreter (the CPU tests) multiplies bf16 tiles wrongly and truncates casts to
+        # bf16: there the tiles are float32 and the rounding is done on the bits
+        WIDEN=interpreted, EMULATE=interpreted and low == torch.bfloat16, num_warps=warps, num_stages=stages)
+    return out
+
+
+def _tile(route: str) -> tuple[int, ...]:
+    _, _, tile = route.partition(" ")
+    return tuple(int(part) for part in tile.split("x")) if tile else TILES[0]
+
+
+def _kernel() -> Any:
+    """The Triton kernel (its module imported at the first use)."""
+    from sgraf.kernels.triton_graph_steps import graph_steps_kernel
+
+    return graph_steps_kernel
+
+
+def probe(device: torch.device, dtype: torch.dtype, dim: int, steps: int, seed: int = 0,
+          block: tuple[int, int, int] | None = None) -> tuple[Any, ...]:
+    """`reason` inputs drawn on `device`, shaped like a scoring block's graphs (`block`: images,
+    captions, nodes; default `PROBE_GRAPHS` on a GPU, a small one elsewhere): (folded, graphs,
+    blocked, n_cap), a third of the captions a word shorter (a masked key)."""
+    n_img, n_cap, n_nodes = block or (PROBE_GRAPHS if device.type == "cuda" else (3, 4, 6))
+    generator = torch.Generator(device).manual_seed(seed)
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, device=device) * scale
+
+    folded = [tuple(t.to(dtype) for t in (draw(dim, dim, scale=dim ** -0.5), draw(dim, scale=0.1),
+                                          draw(dim, dim, scale=2 * dim ** -0.5), draw(dim, scale=0.1)))
+              for _ in range(steps)]
+    graphs = torch.nn.functional.normalize(draw(n_img * n_cap, n_nodes, dim), dim=-1).to(dtype)
+    lengths = n_nodes - (torch.arange(n_cap, device=device) % 3 == 0).long()
+    blocked = torch.zeros(n_cap, n_nodes, device=device).masked_fill_(
+        torch.arange(n_nodes, device=device) >= lengths[:, None], float("-inf")).to(dtype)
+    return folded, graphs, blocked, n_cap
+
+
+def _time_route(route: str, device: torch.device, dtype: torch.dtype, dim: int, steps: int) -> float:
+    folded, graphs, blocked, n_cap = probe(device, dtype, dim, steps)
+    n_img = graphs.size(0) // n_cap
+
+    def run() -> None:
+        if route == ROUTES[0]:
+            eager_steps(folded, graphs, blocked, n_img, True)
+        else:
+            reason(folded, graphs, blocked, n_cap, route)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        return tuning.best_time(run)
+    except Exception as error:   # noqa: BLE001  (a kernel that does not build here is never chosen)
+        logger.warning("the fused reasoning-step route failed on %s (%s: %s); the eager route stays",
+                       device, type(error).__name__, error)
+        return float("inf")

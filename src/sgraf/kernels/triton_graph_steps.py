@@ -1,0 +1,95 @@
+"""The Triton kernel of `sgraf.kernels.graph_steps` (imported at its first use: Triton is an
+optional dependency, never imported by `import sgraf`)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def narrow(x, low: tl.constexpr, EMULATE: tl.constexpr):
+    """`x` (float32) rounded to the nodes' dtype as PyTorch's kernels write it. Triton's
+    interpreter truncates a cast to bf16, so there (EMULATE) the rounding to nearest even is
+    done on the bits and the value stays float32 (the interpreter multiplies bf16 tiles
+    wrongly too)."""
+    if EMULATE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(low)
+
+
+@triton.jit
+def graph_steps_kernel(graphs, blocked, bilinear, key_term, weight, bias, scratch, out,
+                       n_graphs, n_cap, n_nodes,
+                       STEPS: tl.constexpr, DIM: tl.constexpr, NODES: tl.constexpr, ROWS: tl.constexpr,
+                       CHUNK: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                       WIDEN: tl.constexpr, EMULATE: tl.constexpr):
+    program = tl.program_id(0).to(tl.int64)          # 64-bit offsets: a block's nodes pass 2**31 values
+    local = tl.arange(0, ROWS)
+    graph = program * (ROWS // NODES) + local // NODES
+    node = local % NODES
+    row_ok = (node < n_nodes) & (graph < n_graphs)
+    feats = tl.arange(0, DIM)
+    at_graph = graph * n_nodes * DIM + node * DIM               # (ROWS,) a row's place in `graphs`
+    at_scratch = (program * ROWS + local) * DIM                  # ... in this program's scratch rows
+    low = graphs.dtype.element_ty
+    # keys: a node of the query's own graph, not padding; the caption's mask added as the eager route adds it
+    keys_ok = ((local[:, None] // NODES) == (local[None, :] // NODES)) & (node < n_nodes)[None, :]
+    if HAS_MASK:
+        key_add = tl.load(blocked + (graph % n_cap) * n_nodes + node, mask=node < n_nodes, other=0.0)
+    for step in tl.static_range(STEPS):
+        if step == 0:
+            source = graphs + at_graph
+        else:
+            source = scratch + at_scratch
+        x = tl.load(source[:, None] + feats[None, :], mask=row_ok[:, None], other=0.0)     # (ROWS, DIM)
+        if WIDEN:
+            x = x.to(tl.float32)
+        logits = tl.zeros((ROWS, ROWS), dtype=tl.float32)
+        for start in range(0, DIM, CHUNK):
+            outs = start + tl.arange(0, CHUNK)
+            w = tl.load(bilinear + step * DIM * DIM + outs[None, :] * DIM + feats[:, None])   # (DIM, CHUNK)
+            keys = tl.load(source[:, None] + outs[None, :], mask=row_ok[:, None], other=0.0)
+            if WIDEN:
+                w = w.to(tl.float32)
+                keys = keys.to(tl.float32)
+            query = tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32)
+            query += tl.load(key_term + step * DIM + outs).to(tl.float32)[None, :]
+            query = narrow(query, low, EMULATE)                                    # rounded as F.linear's
+            logits += tl.dot(query, tl.trans(keys), input_precision=PRECISION, out_dtype=tl.float32)
+        logits = narrow(logits, low, EMULATE).to(tl.float32)                       # the logits' matmul output
+        if HAS_MASK:
+            logits += key_add.to(tl.float32)[None, :]
+        logits = tl.where(keys_ok, logits, float("-inf"))
+        top = tl.max(logits, axis=1)
+        edges = tl.exp(logits - top[:, None])
+        edges = narrow(edges / tl.sum(edges, axis=1)[:, None], low, EMULATE)       # the softmax's output
+        # the aggregates, CHUNK features at a time, into this program's scratch rows: a feature of
+        # the aggregate reads that feature of the nodes alone, so each chunk overwrites what it read
+        for start in range(0, DIM, CHUNK):
+            outs = start + tl.arange(0, CHUNK)
+            values = tl.load(source[:, None] + outs[None, :], mask=row_ok[:, None], other=0.0)
+            if WIDEN:
+                values = values.to(tl.float32)
+            part = narrow(tl.dot(edges, values, input_precision=PRECISION, out_dtype=tl.float32), low, EMULATE)
+            tl.debug_barrier()      # the chunk's nodes are read by every thread before they are overwritten
+            tl.store(scratch + at_scratch[:, None] + outs[None, :], part.to(low))
+        tl.debug_barrier()
+        aggregate = tl.load(scratch + at_scratch[:, None] + feats[None, :])               # (ROWS, DIM)
+        if WIDEN:
+            aggregate = aggregate.to(tl.float32)
+        tl.debug_barrier()          # every thread holds the aggregates: the new nodes may overwrite them
+        for start in range(0, DIM, CHUNK):
+            outs = start + tl.arange(0, CHUNK)
+            w = tl.load(weight + step * DIM * DIM + outs[None, :] * DIM + feats[:, None])     # (DIM, CHUNK)
+            if WIDEN:
+                w = w.to(tl.float32)
+            new = tl.dot(aggregate, w, input_precision=PRECISION, out_dtype=tl.float32)
+            new += tl.load(bias + step * DIM + outs).to(tl.float32)[None, :]
+            new = narrow(tl.maximum(new, 0.0), low, EMULATE)                        # ReLU(W_r . + b_r)
+            if step == STEPS - 1:
+                tl.store(out + graph[:, None] * DIM + outs[None, :], new.to(tl.float32),
+                         mask=(row_ok & (node == 0))[:, None])
+            else:
+                tl.store(scratch + at_scratch[:, None] + outs[None, :], new.to(low))
+        tl.debug_barrier()          # the new nodes are written before the next step reads them

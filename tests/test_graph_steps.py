@@ -1,0 +1,181 @@
+"""SGR's reasoning steps of a scoring block (`sgraf.kernels.graph_steps`): the fused Triton
+kernel held to the eager steps (on the CPU through Triton's interpreter, where Triton is
+installed; on a GPU in tests/test_gpu.py), and the route choice."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from sgraf.errors import InputError
+from sgraf.kernels import graph_steps, plan
+
+pytestmark = pytest.mark.numeric
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Triton is not installed (pip install triton)")
+
+FUSED_CHECK = r"""
+import json, sys, torch
+from sgraf.kernels import graph_steps as gs
+dtype = getattr(torch, sys.argv[1])
+results = {}
+# (width, steps, (images, captions, nodes)): graphs of a power of two and not, several graphs per
+# tile and a tile's last graphs missing, one graph wider than the default tile's 64 rows / 2
+for dim, steps, block in [(32, 3, (2, 5, 6)), (64, 2, (3, 7, 14)), (32, 3, (1, 3, 33)), (64, 1, (2, 9, 16))]:
+    folded, graphs, blocked, n_cap = gs.probe(torch.device("cpu"), dtype, dim, steps, seed=dim, block=block)
+    n_img = graphs.size(0) // n_cap
+    before = graphs.clone()
+    eager = gs.eager_steps(folded, graphs, blocked, n_img, True).double()[:, 0]
+    exact = gs.eager_steps([tuple(t.double() for t in f) for f in folded], graphs.double(), blocked.double(),
+                           n_img, True)[:, 0]
+    fused = gs.reason(folded, graphs, blocked, n_cap, "fused").double()
+    other = gs.reason(folded, graphs, blocked, n_cap, "fused 32x32x4x1").double()
+    unmasked = gs.reason(folded, graphs, None, n_cap, "fused").double()
+    results[f"{dim}x{steps}x{block}"] = {
+        "finite": bool(torch.isfinite(fused).all()), "input_kept": bool(torch.equal(graphs, before)),
+        "largest": float(exact.abs().max()), "apart": float((fused - eager).abs().max()),
+        "fused_error": float((fused - exact).abs().max()), "eager_error": float((eager - exact).abs().max()),
+        "tiles_apart": float((other - fused).abs().max()), "mask_effect": float((unmasked - fused).abs().max())}
+print(json.dumps(results))
+"""
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_steps_give_the_eager_steps_through_tritons_interpreter(dtype):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    completed = subprocess.run([sys.executable, "-c", FUSED_CHECK, dtype], capture_output=True, text=True,
+                               env=env, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    for case in results.values():
+        assert case["finite"] and case["input_kept"], results
+        assert case["mask_effect"] > 1e-3, results          # the caption's key mask is applied
+        if dtype == "float32":   # the same values up to the accumulation order, whatever the tile
+            assert case["apart"] <= 1e-6 * case["largest"] and case["tiles_apart"] <= 1e-6, results
+        else:
+            # rounded where the eager steps round (to nearest even on the bits: the interpreter
+            # truncates its casts), so no further from float64 than one bf16 unit of the
+            # largest value past the eager steps' own error
+            assert case["fused_error"] <= case["eager_error"] + 2 ** -8 * case["largest"], results
+            assert case["tiles_apart"] <= 2 ** -8 * case["largest"], results
+
+
+GOLDEN_THROUGH_FUSED = r"""
+import json, os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from model_helpers import DATA, golden_model
+from sgraf.kernels import graph_steps
+from sgraf.precision import autocast
+graph_steps.fusable = lambda device: True    # the interpreter stands in for a device
+entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)["SGR"]
+model = golden_model(entry, "SGR")
+scores = {}
+for route in ("eager", "fused"):
+    os.environ["SGRAF_STEP_ROUTE"] = route
+    with autocast("bf16", "cpu"):
+        scores[route] = model.score(entry["images"], entry["captions"], entry["lengths"])
+print(json.dumps({"apart": float((scores["fused"] - scores["eager"]).abs().max()),
+                  "fused_from_golden": float((scores["fused"] - entry["sims"]).abs().max()),
+                  "eager_from_golden": float((scores["eager"] - entry["sims"]).abs().max())}))
+"""
+
+
+@needs_triton
+def test_the_golden_scores_in_bf16_through_the_fused_steps():
+    """SGR's bf16 scorer with its reasoning steps in the kernel (Triton's interpreter on the CPU)
+    gives the eager steps' bf16 scores of the golden data, and is no further from the authors'
+    float32 scores than they are."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    completed = subprocess.run([sys.executable, "-c", GOLDEN_THROUGH_FUSED, str(pathlib.Path(__file__).parent)],
+                               capture_output=True, text=True, env=env, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["apart"] <= 2**-10, result
+    assert result["fused_from_golden"] <= result["eager_from_golden"] + 2**-10, result
+
+
+def test_the_cpu_and_float32_take_the_eager_steps_without_measuring(tuning_cache, monkeypatch):
+    assert graph_steps.measure_step_route("cpu", torch.float32, 256, 3) == "eager"
+    assert graph_steps.step_route("cpu", torch.bfloat16, 256, 3) == "eager"
+    with plan.emulate_gpu():
+        assert graph_steps.step_route("cpu", torch.float32, 256, 3) == "eager"
+    monkeypatch.setattr(graph_steps, "fusable", lambda device: True)     # as on a GPU with Triton:
+    assert graph_steps.measure_step_route("cpu", torch.float32, 256, 3) == "eager"   # float32 is not probed
+    assert not tuning_cache.exists()                             # nothing measured, nothing stored
+
+
+def test_the_kernel_applies_to_16_bit_graphs_with_a_global_node_of_at_most_64_nodes():
+    bf16 = torch.bfloat16
+    assert graph_steps.applies("fused", 14, True, bf16) and graph_steps.applies("fused 32x32x4x1", 64, True, bf16)
+    assert not graph_steps.applies("fused", 65, True, bf16)           # captions of 64 words or more: eager
+    assert not graph_steps.applies("fused", 14, False, bf16)          # the averaged read-out: eager
+    assert not graph_steps.applies("fused", 14, True, torch.float32)  # float32: eager
+    assert not graph_steps.applies("eager", 14, True, bf16)
+
+
+def test_a_forced_step_route_must_be_known_and_possible_here(tuning_cache, monkeypatch):
+    monkeypatch.setenv("SGRAF_STEP_ROUTE", "Eager")
+    assert graph_steps.step_route("cpu", torch.float32, 256, 3) == "eager"
+    monkeypatch.setenv("SGRAF_STEP_ROUTE", "fused")
+    with pytest.raises(InputError, match="SGRAF_STEP_ROUTE=fused needs a CUDA device with Triton installed; "
+                                         "this is cpu"):
+        graph_steps.step_route("cpu", torch.float32, 256, 3)
+    monkeypatch.setattr(graph_steps, "fusable", lambda device: True)
+    assert graph_steps.step_route("cpu", torch.float32, 256, 3) == "fused"
+    monkeypatch.setenv("SGRAF_STEP_ROUTE", "triton")
+    with pytest.raises(InputError, match="SGRAF_STEP_ROUTE must be one of eager, fused, got 'triton'"):
+        graph_steps.measure_step_route("cpu", torch.float32, 256, 3)
+
+
+def test_a_step_route_that_fails_to_build_is_never_chosen(tuning_cache, monkeypatch):
+    """On a device where the kernel does not compile, the probe times it as never finishing."""
+    monkeypatch.setattr(graph_steps, "fusable", lambda device: True)
+    monkeypatch.setattr(graph_steps, "reason", lambda *args: (_ for _ in ()).throw(RuntimeError("no sm_90 here")))
+    assert graph_steps.measure_step_route("cpu", torch.bfloat16, 16, 2) == "eager"
+    stored = json.loads(tuning_cache.read_text())
+    entry = next(value for key, value in stored.items() if "sgr step route" in key)
+    assert entry["choice"] == "eager" and len(entry["seconds"]) == 1 + len(graph_steps.TILES)
+    assert all(entry["seconds"][json.dumps(route)] == float("inf") for route in graph_steps.MEASURED[1:])
+
+
+@needs_triton
+def test_the_fused_steps_compile_for_hopper_without_spilling():
+    """No GPU needed: Triton compiles the bf16 kernel for sm_90 at the paper's sizes (256-wide
+    nodes, graphs of 14 nodes padded to 16, 3 steps) with each tile the probe may pick; `ptxas -v`
+    (the one Triton runs) reports no register spills, and the 64-row tiles run their products on
+    wgmma."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    kernel = graph_steps._kernel()
+    pointers = {name: "*bf16" for name in ("graphs", "blocked", "bilinear", "key_term", "weight", "bias", "scratch")}
+    pointers["out"] = "*fp32"
+    ptxas = get_ptxas(90).path
+    for rows, chunk, warps, stages in graph_steps.TILES:
+        values = dict(STEPS=3, DIM=256, NODES=16, ROWS=rows, CHUNK=chunk, HAS_MASK=True, WIDEN=False,
+                      EMULATE=False, PRECISION="tf32")
+        signature = {name: "constexpr" if name in values else pointers.get(name, "i32") for name in kernel.arg_names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(kernel.arg_names.index(name),): value for name, value in values.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
+        ptx = pathlib.Path(tempfile.mkdtemp()) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+        spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+        assert spilled and spilled == [0] * len(spilled), (rows, chunk, warps, report)
+        if rows >= 64:   # a warp group's matmul takes 64 rows
+            assert "wgmma" in compiled.asm["ptx"], (rows, chunk)
