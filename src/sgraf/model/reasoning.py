@@ -128,9 +128,9 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
     and the aggregation `E N` go through `sgraf.kernels.edges` (the faster of two routes on this
     device); Eq. 8's `ReLU(W_r E N + b_r)` is one matmul with the ReLU applied as it writes. The
     last step updates only the global node (the read-out). On a CUDA device with Triton all the
-    steps may instead run in one kernel (`sgraf.kernels.graph_steps`, by its measured route). The matmuls and the edge softmax
-    run in the nodes' dtype (float32, or bfloat16 for bf16 scoring, the softmax accumulating in
-    float32); the result is float32.
+    steps may instead run in one kernel (`sgraf.kernels.graph_steps`, by its measured route).
+    The matmuls and the edge softmax run in the nodes' dtype (float32, or bfloat16 for bf16
+    scoring, the softmax accumulating in float32); the result is float32.
 
     Args:
         folded: `fold_steps` of the model's reasoning steps, in the nodes' dtype.

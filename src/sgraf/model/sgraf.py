@@ -413,10 +413,11 @@ class SGRAF(nn.Module):
     def tune_eval(self, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None,
                   label: str = "") -> int:
         """Measure this machine's eval choices for the current precision once (stored, see
-        `sgraf.kernels.tuning`): SGR's edge route on this device (`sgraf.kernels.edges`) and its
-        reasoning steps' route (`sgraf.kernels.graph_steps`), the word nodes' route on a CUDA device with Triton (`sgraf.kernels.words`) and, on
-        the CPU, the chunk budget (about a second at the paper's size), which it returns; inside
-        `frozen_weights` the model then uses that budget until the context ends.
+        `sgraf.kernels.tuning`): SGR's edge route on this device (`sgraf.kernels.edges`); on a CUDA
+        device with Triton, SGR's reasoning steps' route (`sgraf.kernels.graph_steps`) and the word
+        nodes' route (`sgraf.kernels.words`); on the CPU, the chunk budget (about a second at the
+        paper's size), which it returns; inside `frozen_weights` the model then uses that budget
+        until the context ends.
 
         Scorers of whole splits call this before scoring; a single `similarity` call uses the
         stored choices or the defaults without measuring. Call in eval mode, under the autocast
