@@ -52,9 +52,10 @@ def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path):
     # helper charged to its caller
     assert re.search(r"by place: \w+\.py \w+ aten::\w+ [0-9.]+ ms", completed.stdout), completed.stdout
     assert "cpu.py fast_linear" not in completed.stdout and "words.py word_nodes aten::" in completed.stdout
-    # each block once per edge route (the word nodes eager: the fused kernel needs a CUDA device)
+    # each block once per edge route (the word nodes and the reasoning steps eager: the fused
+    # kernels need a CUDA device)
     assert completed.stdout.count("scoring block 4 x ") == 4
-    assert [completed.stdout.count(f"; edge route {route}; word route eager\n")
+    assert [completed.stdout.count(f"; edge route {route}; word route eager; step route eager\n")
             for route in ("layout", "sdpa")] == [2, 2]
     completed = subprocess.run([*common, "--modules", "saf", "--sweep", "--keep-shares", "0", "1",
                                 "--memory-shares", "0.03"],
