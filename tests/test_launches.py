@@ -165,6 +165,11 @@ def test_launches_are_charged_to_the_place_in_sgraf_that_called_them():
     places = [launch.place for launch in counter.traffic.launches]
     assert places[-1] == launches.OUTSIDE
     assert set(places[:-1]) == {"model.norms.l2norm"}, places
+    # the shared matmul helpers are charged to their caller
+    traffic = launch_counts.score_block_traffic("sgr", "fp32", n_img=4, n_cap=8, width=5, scale=64)
+    places = {place for place, _, _ in traffic.by_place()}
+    assert {"kernels.words.word_nodes", "kernels.graph_steps.eager_steps"} <= places, places
+    assert not any(place.startswith("kernels.cpu") for place in places), places
 
 
 @pytest.mark.parametrize("module", ["sgr", "saf"])

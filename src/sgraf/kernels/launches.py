@@ -63,6 +63,7 @@ RNN_FORWARD, RNN_BACKWARD = "cudnn rnn (emulated)", "cudnn rnn backward (emulate
 MATMULS = {"aten.mm.default": (0, 1), "aten.addmm.default": (1, 2), "aten.bmm.default": (0, 1),
            "aten.baddbmm.default": (1, 2), "aten._addmm_activation.default": (1, 2)}
 OUTSIDE = "(outside sgraf)"
+SKIPPED_FILES = (os.sep + "launches.py", os.sep + os.path.join("kernels", "cpu.py"))
 SGRAF_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NVIDIA H100 SXM5 80 GB, as specified (dense, no sparsity): HBM3 bytes/s, and operations/s of the
 # tensor cores in bf16 and of the CUDA cores in float32 (TF32 off, as sgraf runs)
@@ -157,13 +158,14 @@ def matmul_flops(name: str, args: tuple[Any, ...]) -> int:
 
 
 def place() -> str:
-    """`module.function` of the innermost frame in sgraf's code outside this module (the caller
-    of the operation), or OUTSIDE when there is none (autograd's backward, optimiser internals,
-    a caller's own operations)."""
+    """`module.function` of the innermost frame in sgraf's code outside this module and the
+    shared matmul helpers of `sgraf.kernels.cpu` (so a linear layer is charged to its caller),
+    or OUTSIDE when there is none (autograd's backward, optimiser internals, a caller's own
+    operations)."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(SGRAF_ROOT) and not filename.endswith("launches.py"):
+        if filename.startswith(SGRAF_ROOT) and not filename.endswith(SKIPPED_FILES):
             module = os.path.relpath(filename, SGRAF_ROOT)[:-3].replace(os.sep, ".")
             return f"{module}.{frame.f_code.co_name}"
         frame = frame.f_back
