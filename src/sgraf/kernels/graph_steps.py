@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 
-from sgraf.errors import InputError
 from sgraf.kernels import edges, tuning
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.words import fusable
+from sgraf.kernels.words import forced_kernel_route, fusable
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +83,7 @@ def measure_step_route(device: torch.device | str, dtype: torch.dtype, dim: int,
 
 
 def _forced(device: torch.device | str) -> str:
-    forced = tuning.forced_route("SGRAF_STEP_ROUTE", ROUTES)
-    if forced == "fused" and not fusable(device):
-        raise InputError(f"SGRAF_STEP_ROUTE=fused needs a CUDA device with Triton installed; this is {device}")
-    return forced
+    return forced_kernel_route("SGRAF_STEP_ROUTE", device, fusable(device))
 
 
 def _name(dtype: torch.dtype, dim: int, steps: int) -> str:

@@ -92,9 +92,19 @@ def _triton_installed() -> bool:
 
 
 def _forced(device: torch.device | str) -> str:
-    forced = tuning.forced_route("SGRAF_WORD_ROUTE", ROUTES)
-    if forced == "fused" and not fusable(device):
-        raise InputError(f"SGRAF_WORD_ROUTE=fused needs a CUDA device with Triton installed; this is {device}")
+    return forced_kernel_route("SGRAF_WORD_ROUTE", device, fusable(device))
+
+
+def forced_kernel_route(variable: str, device: torch.device | str, can_fuse: bool) -> str:
+    """The route ('eager' or 'fused') the environment variable forces, '' when it is unset; the
+    Triton kernels' modules share it (`can_fuse`: `fusable(device)`, looked up by the caller).
+
+    Raises:
+        InputError: the variable names another route, or 'fused' where no kernel can run.
+    """
+    forced = tuning.forced_route(variable, ROUTES)
+    if forced == "fused" and not can_fuse:
+        raise InputError(f"{variable}=fused needs a CUDA device with Triton installed; this is {device}")
     return forced
 
 
