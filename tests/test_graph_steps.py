@@ -116,11 +116,14 @@ def test_the_cpu_and_float32_take_the_eager_steps_without_measuring(tuning_cache
 
 def test_the_kernel_applies_to_16_bit_graphs_with_a_global_node_of_at_most_64_nodes():
     bf16 = torch.bfloat16
-    assert graph_steps.applies("fused", 14, True, bf16) and graph_steps.applies("fused 32x32x4x1", 64, True, bf16)
-    assert not graph_steps.applies("fused", 65, True, bf16)           # captions of 64 words or more: eager
-    assert not graph_steps.applies("fused", 14, False, bf16)          # the averaged read-out: eager
-    assert not graph_steps.applies("fused", 14, True, torch.float32)  # float32: eager
-    assert not graph_steps.applies("eager", 14, True, bf16)
+    assert graph_steps.applies("fused", 14, 256, True, bf16)
+    assert graph_steps.applies("fused 32x32x4x1", 64, 16, True, bf16)
+    assert not graph_steps.applies("fused", 65, 256, True, bf16)           # captions of 64 words or more
+    assert not graph_steps.applies("fused", 14, 256, False, bf16)          # the averaged read-out
+    assert not graph_steps.applies("fused", 14, 256, True, torch.float32)  # float32
+    assert not graph_steps.applies("fused", 14, 100, True, bf16)           # nodes not a power of two wide
+    assert not graph_steps.applies("fused", 14, 8, True, bf16)             # narrower than a tile
+    assert not graph_steps.applies("eager", 14, 256, True, bf16)
 
 
 def test_a_forced_step_route_must_be_known_and_possible_here(tuning_cache, monkeypatch):

@@ -24,7 +24,8 @@ of `TILES` once per device, dtype and sizes on a block-shaped probe (`sgraf.kern
 unless a tile is more than 20 % faster. `step_route` then returns the stored choice without
 measuring. `SGRAF_STEP_ROUTE=eager|fused` forces one. Elsewhere (the CPU, a compiled graph,
 `plan.emulate_gpu`, no Triton), in float32 (`DTYPES`), for graphs of more than `MAX_NODES` nodes
-and for a model without a global node, the route is `eager`.
+or of nodes whose width is not a power of two, and for a model without a global node, the
+route is `eager` (`applies`).
 """
 
 from __future__ import annotations
@@ -90,10 +91,12 @@ def _name(dtype: torch.dtype, dim: int, steps: int) -> str:
     return f"sgr step route|{dtype}|m={dim}|steps={steps}"
 
 
-def applies(route: str, n_nodes: int, has_global: bool, dtype: torch.dtype) -> bool:
-    """Whether `route` runs the kernel for graphs of `n_nodes` nodes in `dtype` (else the eager
-    steps)."""
-    return route.startswith("fused") and has_global and n_nodes <= MAX_NODES and dtype in DTYPES
+def applies(route: str, n_nodes: int, dim: int, has_global: bool, dtype: torch.dtype) -> bool:
+    """Whether `route` runs the kernel for graphs of `n_nodes` nodes of `dim` values in `dtype`
+    (else the eager steps): 16-bit nodes, a power of two of at least 16 values (the kernel's
+    tiles), at most `MAX_NODES`, and a global node to read out."""
+    return (route.startswith("fused") and has_global and n_nodes <= MAX_NODES and dtype in DTYPES
+            and dim >= 16 and dim & (dim - 1) == 0)
 
 
 def eager_steps(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked: torch.Tensor | None,
