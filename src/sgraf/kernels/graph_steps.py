@@ -24,8 +24,8 @@ of `TILES` once per device, dtype and sizes on a block-shaped probe (`sgraf.kern
 unless a tile is more than 20 % faster. `step_route` then returns the stored choice without
 measuring. `SGRAF_STEP_ROUTE=eager|fused` forces one. Elsewhere (the CPU, a compiled graph,
 `plan.emulate_gpu`, no Triton), in float32 (`DTYPES`), for graphs of more than `MAX_NODES` nodes
-or of nodes whose width is not a power of two, and for a model without a global node, the
-route is `eager` (`applies`).
+and for a model without a global node, the route is `eager` (`applies`). A node width that is
+not a power of two is padded to one inside the kernel.
 """
 
 from __future__ import annotations
@@ -91,12 +91,10 @@ def _name(dtype: torch.dtype, dim: int, steps: int) -> str:
     return f"sgr step route|{dtype}|m={dim}|steps={steps}"
 
 
-def applies(route: str, n_nodes: int, dim: int, has_global: bool, dtype: torch.dtype) -> bool:
-    """Whether `route` runs the kernel for graphs of `n_nodes` nodes of `dim` values in `dtype`
-    (else the eager steps): 16-bit nodes, a power of two of at least 16 values (the kernel's
-    tiles), at most `MAX_NODES`, and a global node to read out."""
-    return (route.startswith("fused") and has_global and n_nodes <= MAX_NODES and dtype in DTYPES
-            and dim >= 16 and dim & (dim - 1) == 0)
+def applies(route: str, n_nodes: int, has_global: bool, dtype: torch.dtype) -> bool:
+    """Whether `route` runs the kernel for graphs of `n_nodes` nodes in `dtype` (else the eager
+    steps): 16-bit nodes, at most `MAX_NODES`, and a global node to read out."""
+    return route.startswith("fused") and has_global and n_nodes <= MAX_NODES and dtype in DTYPES
 
 
 def eager_steps(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked: torch.Tensor | None,
@@ -146,14 +144,15 @@ def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked
     low = graphs.dtype
     bilinear, key_term, weight, bias = (torch.stack([step[i] for step in folded]).to(low).contiguous()
                                         for i in range(4))
-    scratch = torch.empty(programs * rows, dim, device=graphs.device, dtype=low)
+    dim_tile = max(16, triton.next_power_of_2(dim))           # a tile's width (the nodes' padded)
+    scratch = torch.empty(programs * rows, dim_tile, device=graphs.device, dtype=low)
     out = torch.empty(n_graphs, dim, device=graphs.device, dtype=torch.float32)
     exact = low == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     _kernel()[(programs,)](
         graphs, graphs if blocked is None else blocked.contiguous(), bilinear, key_term, weight, bias, scratch,
-        out, n_graphs, n_cap, n_nodes, STEPS=len(folded), DIM=dim, NODES=nodes_tile, ROWS=rows,
-        CHUNK=min(chunk, dim), HAS_MASK=blocked is not None, PRECISION="ieee" if exact else "tf32",
+        out, n_graphs, n_cap, n_nodes, STEPS=len(folded), DIM=dim, DIM_TILE=dim_tile, NODES=nodes_tile,
+        ROWS=rows, CHUNK=min(chunk, dim_tile), HAS_MASK=blocked is not None, PRECISION="ieee" if exact else "tf32",
         # Triton's interpreter (the CPU tests) multiplies bf16 tiles wrongly and truncates casts to
         # bf16: there the tiles are float32 and the rounding is done on the bits
         WIDEN=interpreted, EMULATE=interpreted and low == torch.bfloat16, num_warps=warps, num_stages=stages)

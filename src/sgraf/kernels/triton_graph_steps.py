@@ -21,7 +21,8 @@ def narrow(x, low: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit
 def graph_steps_kernel(graphs, blocked, bilinear, key_term, weight, bias, scratch, out,
                        n_graphs, n_cap, n_nodes,
-                       STEPS: tl.constexpr, DIM: tl.constexpr, NODES: tl.constexpr, ROWS: tl.constexpr,
+                       STEPS: tl.constexpr, DIM: tl.constexpr, DIM_TILE: tl.constexpr, NODES: tl.constexpr,
+                       ROWS: tl.constexpr,
                        CHUNK: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
                        WIDEN: tl.constexpr, EMULATE: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)          # 64-bit offsets: a block's nodes pass 2**31 values
@@ -29,9 +30,10 @@ def graph_steps_kernel(graphs, blocked, bilinear, key_term, weight, bias, scratc
     graph = program * (ROWS // NODES) + local // NODES
     node = local % NODES
     row_ok = (node < n_nodes) & (graph < n_graphs)
-    feats = tl.arange(0, DIM)
+    feats = tl.arange(0, DIM_TILE)                                # the node width, padded to a power of two
+    feat_ok = feats < DIM
     at_graph = graph * n_nodes * DIM + node * DIM               # (ROWS,) a row's place in `graphs`
-    at_scratch = (program * ROWS + local) * DIM                  # ... in this program's scratch rows
+    at_scratch = (program * ROWS + local) * DIM_TILE             # ... in this program's scratch rows
     low = graphs.dtype.element_ty
     # keys: a node of the query's own graph, not padding; the caption's mask added as the eager route adds it
     keys_ok = ((local[:, None] // NODES) == (local[None, :] // NODES)) & (node < n_nodes)[None, :]
@@ -42,19 +44,21 @@ def graph_steps_kernel(graphs, blocked, bilinear, key_term, weight, bias, scratc
             source = graphs + at_graph
         else:
             source = scratch + at_scratch
-        x = tl.load(source[:, None] + feats[None, :], mask=row_ok[:, None], other=0.0)     # (ROWS, DIM)
+        x = tl.load(source[:, None] + feats[None, :], mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
         if WIDEN:
             x = x.to(tl.float32)
         logits = tl.zeros((ROWS, ROWS), dtype=tl.float32)
-        for start in range(0, DIM, CHUNK):
+        for start in range(0, DIM_TILE, CHUNK):
             outs = start + tl.arange(0, CHUNK)
-            w = tl.load(bilinear + step * DIM * DIM + outs[None, :] * DIM + feats[:, None])   # (DIM, CHUNK)
-            keys = tl.load(source[:, None] + outs[None, :], mask=row_ok[:, None], other=0.0)
+            out_ok = outs < DIM
+            w = tl.load(bilinear + step * DIM * DIM + outs[None, :] * DIM + feats[:, None],
+                        mask=feat_ok[:, None] & out_ok[None, :], other=0.0)                 # (DIM_TILE, CHUNK)
+            keys = tl.load(source[:, None] + outs[None, :], mask=row_ok[:, None] & out_ok[None, :], other=0.0)
             if WIDEN:
                 w = w.to(tl.float32)
                 keys = keys.to(tl.float32)
             query = tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32)
-            query += tl.load(key_term + step * DIM + outs).to(tl.float32)[None, :]
+            query += tl.load(key_term + step * DIM + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
             query = narrow(query, low, EMULATE)                                    # rounded as F.linear's
             logits += tl.dot(query, tl.trans(keys), input_precision=PRECISION, out_dtype=tl.float32)
         logits = narrow(logits, low, EMULATE).to(tl.float32)                       # the logits' matmul output
@@ -66,30 +70,32 @@ def graph_steps_kernel(graphs, blocked, bilinear, key_term, weight, bias, scratc
         edges = narrow(edges / tl.sum(edges, axis=1)[:, None], low, EMULATE)       # the softmax's output
         # the aggregates, CHUNK features at a time, into this program's scratch rows: a feature of
         # the aggregate reads that feature of the nodes alone, so each chunk overwrites what it read
-        for start in range(0, DIM, CHUNK):
+        for start in range(0, DIM_TILE, CHUNK):
             outs = start + tl.arange(0, CHUNK)
-            values = tl.load(source[:, None] + outs[None, :], mask=row_ok[:, None], other=0.0)
+            values = tl.load(source[:, None] + outs[None, :], mask=row_ok[:, None] & (outs < DIM)[None, :], other=0.0)
             if WIDEN:
                 values = values.to(tl.float32)
             part = narrow(tl.dot(edges, values, input_precision=PRECISION, out_dtype=tl.float32), low, EMULATE)
             tl.debug_barrier()      # the chunk's nodes are read by every thread before they are overwritten
             tl.store(scratch + at_scratch[:, None] + outs[None, :], part.to(low))
         tl.debug_barrier()
-        aggregate = tl.load(scratch + at_scratch[:, None] + feats[None, :])               # (ROWS, DIM)
+        aggregate = tl.load(scratch + at_scratch[:, None] + feats[None, :])               # (ROWS, DIM_TILE)
         if WIDEN:
             aggregate = aggregate.to(tl.float32)
         tl.debug_barrier()          # every thread holds the aggregates: the new nodes may overwrite them
-        for start in range(0, DIM, CHUNK):
+        for start in range(0, DIM_TILE, CHUNK):
             outs = start + tl.arange(0, CHUNK)
-            w = tl.load(weight + step * DIM * DIM + outs[None, :] * DIM + feats[:, None])     # (DIM, CHUNK)
+            out_ok = outs < DIM
+            w = tl.load(weight + step * DIM * DIM + outs[None, :] * DIM + feats[:, None],
+                        mask=feat_ok[:, None] & out_ok[None, :], other=0.0)                 # (DIM_TILE, CHUNK)
             if WIDEN:
                 w = w.to(tl.float32)
             new = tl.dot(aggregate, w, input_precision=PRECISION, out_dtype=tl.float32)
-            new += tl.load(bias + step * DIM + outs).to(tl.float32)[None, :]
+            new += tl.load(bias + step * DIM + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
             new = narrow(tl.maximum(new, 0.0), low, EMULATE)                        # ReLU(W_r . + b_r)
             if step == STEPS - 1:
                 tl.store(out + graph[:, None] * DIM + outs[None, :], new.to(tl.float32),
-                         mask=(row_ok & (node == 0))[:, None])
+                         mask=(row_ok & (node == 0))[:, None] & out_ok[None, :])
             else:
                 tl.store(scratch + at_scratch[:, None] + outs[None, :], new.to(low))
         tl.debug_barrier()          # the new nodes are written before the next step reads them

@@ -152,7 +152,7 @@ def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Te
         blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device).masked_fill_(~node_mask, float("-inf"))
     graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m)
     route = graph_steps.step_route(nodes.device, low, dim, len(folded))
-    if folded and graph_steps.applies(route, n_nodes, dim, has_global, low):               # all the steps in one kernel
+    if folded and graph_steps.applies(route, n_nodes, has_global, low):               # all the steps in one kernel
         return graph_steps.reason(folded, graphs, blocked, n_cap, route).view(n_img, n_cap, dim)
     graphs = graph_steps.eager_steps(folded, graphs, blocked, n_img, has_global).float()
     if has_global:
