@@ -64,11 +64,11 @@ def test_the_edge_route_is_measured_on_the_device_and_stored(tmp_path, monkeypat
         tuning.forget()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_reasoning_steps_give_the_eager_steps_on_the_device(dtype):
+def test_the_fused_reasoning_steps_give_the_eager_steps_on_the_device():
     """`sgraf.kernels.graph_steps`' Triton kernel at the paper's sizes (64 images x 256 captions,
-    graphs of 14 nodes, 3 steps of 256-wide nodes), every tile: no further from float64 than the
-    eager steps (float32: the same values up to the accumulation order)."""
+    graphs of 14 nodes, 3 steps of 256-wide nodes), every tile, in bf16 (the only dtype it is
+    routed; float32 compiles for minutes): no further from float64 than the eager steps."""
+    dtype = torch.bfloat16
     pytest.importorskip("triton")
     from sgraf.kernels import graph_steps
 
@@ -81,11 +81,8 @@ def test_the_fused_reasoning_steps_give_the_eager_steps_on_the_device(dtype):
     for route in graph_steps.MEASURED[1:]:
         fused = graph_steps.reason(folded, graphs, blocked, n_cap, route).double()
         assert torch.isfinite(fused).all(), route
-        if dtype == torch.float32:
-            assert (fused - eager).abs().max().item() <= 1e-5 * largest_value, route
-        else:
-            eager_error = (eager - exact).abs().max().item()
-            assert (fused - exact).abs().max().item() <= eager_error + 2**-8 * largest_value, route
+        eager_error = (eager - exact).abs().max().item()
+        assert (fused - exact).abs().max().item() <= eager_error + 2**-8 * largest_value, route
 
 
 def test_the_fused_reasoning_steps_give_the_cpu_scores_on_the_device(monkeypatch):
