@@ -23,7 +23,9 @@ this gives a roofline of the work on a given GPU (`Traffic.floor_seconds`): no k
 bytes faster than the memory's bandwidth or does its arithmetic faster than the chip's peak, so
 the sum of each launch's larger bound is the least time the work can take as written. Where a
 profiler measured more, the gap is the kernels' inefficiency; where the floor itself is high,
-only fewer bytes (fusion, fewer casts and copies) or fewer operations bring it down.
+only fewer bytes (fusion, fewer casts and copies) or fewer operations bring it down. A
+recurrent layer's launches are counted but not weighed (the CPU runs it step by step, not as
+cuDNN's kernel), so the weights serve scoring blocks, which have none.
 
 What this does not see: host-to-device copies of host tensors (a few per step: they are the same
 device on a CPU) and kernels an operation launches internally beyond the first (cuDNN's GRU,
