@@ -85,20 +85,6 @@ def test_the_fused_reasoning_steps_give_the_eager_steps_on_the_device():
         assert (fused - exact).abs().max().item() <= eager_error + 2**-8 * largest_value, route
 
 
-def test_the_fused_reasoning_steps_give_the_cpu_scores_on_the_device(monkeypatch):
-    pytest.importorskip("triton")
-    entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)["SGR"]
-    model = golden_model(entry, "SGR")
-    cpu = model.score(entry["images"], entry["captions"], entry["lengths"])
-    monkeypatch.setenv("SGRAF_STEP_ROUTE", "fused")
-    model = model.cuda()
-    images, captions = entry["images"].cuda(), entry["captions"].cuda()
-    assert (model.score(images, captions, entry["lengths"]).cpu() - cpu).abs().max() <= 1e-5
-    with autocast("bf16", "cuda"):
-        bf16 = model.score(images, captions, entry["lengths"])
-    assert (bf16.cpu() - cpu).abs().max() <= 2**-10
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_linear_layers_relu_in_the_matmul_epilogue_gives_the_separate_relu_on_the_device(dtype):
     """`fast_linear(relu=True)` on CUDA (`torch._addmm_activation`, the ReLU in cuBLASLt's
@@ -141,14 +127,17 @@ def test_the_fused_word_nodes_give_the_eager_route_on_the_device(dtype):
         assert (out.double() - exact).abs().max().item() <= eager_error + 2**-8 * largest_node
 
 
-@pytest.mark.parametrize("module", ["SGR", "SAF"])
-def test_the_fused_word_route_gives_the_cpu_scores_on_the_device(monkeypatch, module):
+@pytest.mark.parametrize("variable, module", [("SGRAF_WORD_ROUTE", "SGR"), ("SGRAF_WORD_ROUTE", "SAF"),
+                                              ("SGRAF_STEP_ROUTE", "SGR")])
+def test_each_fused_route_gives_the_cpu_scores_on_the_device(monkeypatch, variable, module):
+    """The word nodes' kernel (both modules) and SGR's reasoning steps' kernel (bf16 only; fp32
+    takes the eager steps) against the eager CPU scores of the golden data."""
     pytest.importorskip("triton")
     entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)[module]
     model = golden_model(entry, module)
-    monkeypatch.setenv("SGRAF_WORD_ROUTE", "eager")
+    monkeypatch.setenv(variable, "eager")
     cpu = model.score(entry["images"], entry["captions"], entry["lengths"])
-    monkeypatch.setenv("SGRAF_WORD_ROUTE", "fused")
+    monkeypatch.setenv(variable, "fused")
     model = model.cuda()
     images, captions = entry["images"].cuda(), entry["captions"].cuda()
     assert (model.score(images, captions, entry["lengths"]).cpu() - cpu).abs().max() <= 1e-5
