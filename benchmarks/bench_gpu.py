@@ -20,7 +20,8 @@ difference, and the queries whose top-1 changed outside near-ties.
     python benchmarks/bench_gpu.py                  # on CUDA when there is one (else the CPU: hours)
     python benchmarks/bench_gpu.py --smoke          # tiny sizes on any device: checks that it runs
 
-The smoke run is what CI runs (tests/test_benchmarks.py); its figures mean nothing.
+The smoke run is what CI runs (tests/test_benchmarks.py), its training row with the model's
+feature sizes / 16; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def rows(device: str, smoke: bool) -> list[tuple[str, list[str]]]:
         (f"Flickr30K-size evaluate ({f30k} images), SGR", [*evaluate, "--images", str(f30k)]),
         (f"train step, batch {batch}, SGR and SAF", [sys.executable, str(HERE / "bench_train.py"), "--device", device,
                                                      "--batch", str(batch), "--steps", str(steps)]
-         + (["--no-memory"] if smoke else [])),
+         + (["--no-memory", "--scale", "16"] if smoke else [])),
         (f"CPU: SGRAF.score on {call} x {captions} raw inputs, fp32",
          [sys.executable, str(HERE / "bench_score.py"), "--modules", "sgr", "--call-images", str(call),
           "--call-captions", str(captions), "--images", "0", "--repeats", "1" if smoke else "3"]),

@@ -12,7 +12,7 @@ for SGR the backward pass runs through the pairs the loss reads, `sgraf.training
 `--matrix` adds "matrix", ours with the backward through the whole score matrix).
 Dropout is off so both compute the same first loss (printed: a correctness check).
 
-The times come from one process per configuration, the processes taking one step each in turn
+The times come from one process per configuration (started together), the processes taking one step each in turn
 per round (A/B interleaved, so that a change of the machine's load hits all of them, and
 neither's memory or allocator settings reach the other): medians over --steps rounds after one
 warm-up step each, and each round's ratio. The peak
@@ -25,6 +25,7 @@ with glibc's defaults, as their code does.
 
     python benchmarks/bench_train.py                     # SGR and SAF, authors fp32 vs ours fp32/bf16
     python benchmarks/bench_train.py --batch 32 --steps 2   # quicker
+    python benchmarks/bench_train.py --batch 6 --steps 1 --scale 16 --no-memory   # a check that it runs
 """
 
 from __future__ import annotations
@@ -39,34 +40,25 @@ import sys
 import time
 
 
-def caption_lengths(n: int, generator):
-    """Flickr30K-like token counts with <start>/<end>: right-skewed, min 3, mean about 14."""
-    import torch
-
-    words = torch.distributions.Gamma(torch.tensor(5.0), torch.tensor(5.0 / 12.0)).sample((n,))
-    return (words.round().clamp(1, 80) + 2).long()
-
-
-def setup(module: str, batch_size: int, threads: int, device: str = "cpu"):
-    """The paper-size model (dropout off) and one Flickr30K-like batch, the same for every run."""
+def setup(module: str, batch_size: int, threads: int, device: str = "cpu", scale: int = 1):
+    """The paper-size model (dropout off; its feature sizes divided by `scale`, `launch_counts`'s
+    model) and one Flickr30K-like batch, the same for every run."""
     import torch
     from types import SimpleNamespace
 
-    from sgraf.config import ModelConfig
-    from sgraf.model.sgraf import SGRAF
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from launch_counts import caption_lengths, scaled_model
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = SGRAF(ModelConfig(vocab_size=8500, img_dim=2048, word_dim=300, embed_size=1024, sim_dim=256,
-                              num_regions=36, module=module, dropout=0.0)).to(device)
+    model = scaled_model(module, scale).to(device)
     gen = torch.Generator().manual_seed(1)
-    torch.manual_seed(1)
-    lengths = caption_lengths(batch_size, gen)
-    captions = torch.randint(4, 8500, (batch_size, int(lengths.max())), generator=gen)
+    lengths = caption_lengths(batch_size, seed=1)
+    vocab, regions, img_dim = model.config.vocab_size, model.config.num_regions, model.config.img_dim
+    captions = torch.randint(4, vocab, (batch_size, int(lengths.max())), generator=gen)
     for i, n in enumerate(lengths.tolist()):
         captions[i, n:] = 0
         captions[i, 0], captions[i, n - 1] = 1, 2
-    batch = SimpleNamespace(images=torch.randn(batch_size, 36, 2048, generator=gen).to(device),
+    batch = SimpleNamespace(images=torch.randn(batch_size, regions, img_dim, generator=gen).to(device),
                             captions=captions.to(device), lengths=lengths, image_ids=torch.arange(batch_size))
     return model, batch
 
@@ -109,12 +101,12 @@ def make_step(model, batch, module: str, impl: str, precision: str, chunk: int |
 
 
 def stepper(module: str, impl: str, precision: str, batch_size: int, threads: int, chunk: int | None = None,
-            checkpoint: bool = True, device: str = "cpu") -> None:
+            checkpoint: bool = True, device: str = "cpu", scale: int = 1) -> None:
     """A child process holding one configuration: after 'ready', one timed step per 'step' line
     read from stdin, each answered with a JSON line {"seconds", "loss"}."""
     import torch
 
-    model, batch = setup(module, batch_size, threads, device)
+    model, batch = setup(module, batch_size, threads, device, scale)
     step = make_step(model, batch, module, impl, precision, chunk, checkpoint, device)
     del model
     cuda = torch.device(device).type == "cuda"
@@ -144,6 +136,7 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
             child = subprocess.Popen([sys.executable, __file__, *common, "--child", "stepper", module, impl, precision],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             children.append(child)
+        for child in children:   # started together, each answers once it is set up
             _answer(child, "ready")
         times: list[list[float]] = [[] for _ in runs]
         losses: list[list[float]] = [[] for _ in runs]
@@ -156,9 +149,11 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
                 if k:
                     times[index].append(answer["seconds"])
     finally:
-        for child in children:   # 'quit' by closing stdin; a child that hangs is killed
+        for child in children:   # 'quit' by closing stdin, all at once; a child that hangs is killed
             if child.poll() is None:
                 child.stdin.close()
+        for child in children:
+            if child.poll() is None:
                 try:
                     child.wait(timeout=60)
                 except subprocess.TimeoutExpired:
@@ -180,13 +175,13 @@ def _answer(child: subprocess.Popen, expected: str | None = None) -> str:
 
 
 def memory(module: str, impl: str, precision: str, batch_size: int, threads: int, chunk: int | None = None,
-           checkpoint: bool = True, device: str = "cpu") -> dict:
+           checkpoint: bool = True, device: str = "cpu", scale: int = 1) -> dict:
     """Peak memory of two steps of one configuration, alone in this (fresh) process: the
     interpreter, torch, the model, Adam's moments and the step (ru_maxrss; on a GPU its
     allocator's peak)."""
     import torch
 
-    model, batch = setup(module, batch_size, threads, device)
+    model, batch = setup(module, batch_size, threads, device, scale)
     step = make_step(model, batch, module, impl, precision, chunk, checkpoint, device)
     del model
     for _ in range(2):
@@ -223,10 +218,12 @@ def main() -> None:
     parser.add_argument("--matrix", action="store_true",
                         help="also ours with the backward through the whole score matrix (pair_backward=false)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: the GPU allocator's there)")
+    parser.add_argument("--scale", type=int, default=1,
+                        help="the model's feature sizes divided by this (a quick check that every row runs)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    options = (args.chunk, not args.no_checkpoint, args.device)
+    options = (args.chunk, not args.no_checkpoint, args.device, args.scale)
     if args.child:
         kind, module, *rest = args.child
         if kind == "stepper":
@@ -243,9 +240,10 @@ def main() -> None:
         + ([("matrix", p) for p in args.precisions] if args.matrix else [])
     where = torch_device_name(args.device)
     common = ["--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
-              "--device", args.device] + (["--chunk", str(args.chunk)] if args.chunk else []) \
+              "--device", args.device, "--scale", str(args.scale)] + (["--chunk", str(args.chunk)] if args.chunk else []) \
         + (["--no-checkpoint"] if args.no_checkpoint else [])
-    print(f"{where}: batch {args.batch}, {args.steps} timed rounds, {args.threads} threads, load average "
+    size = "the paper's sizes" if args.scale == 1 else f"feature sizes / {args.scale}"
+    print(f"{where}: {size}, batch {args.batch}, {args.steps} timed rounds, {args.threads} threads, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
           + ("" if args.device != "cpu" else f"; bf16 matmuls in oneDNN on this CPU: {onednn_runs(torch.bfloat16)}"))
     print("the authors' algorithm: sgraf.model.oracle.authors_forward, their loop and memory layouts, "

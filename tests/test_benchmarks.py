@@ -29,7 +29,7 @@ def test_bench_train_times_each_configuration_and_measures_its_peak_memory(tmp_p
     """The training benchmark (a stepping process per configuration, a fresh one per memory
     figure) prints a time, a peak and a ratio for each; a failed child is named, not a nan."""
     completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_train.py"), "--batch", "4", "--steps", "1",
-                                "--modules", "saf", "--precisions", "fp32", "--threads", "1"],
+                                "--modules", "saf", "--precisions", "fp32", "--threads", "1", "--scale", "16"],
                                capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
     out = completed.stdout
