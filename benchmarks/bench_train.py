@@ -12,11 +12,10 @@ for SGR the backward pass runs through the pairs the loss reads, `sgraf.training
 `--matrix` adds "matrix", ours with the backward through the whole score matrix).
 Dropout is off so both compute the same first loss (printed: a correctness check).
 
-The times come from one process per configuration (started together), the processes taking one step each in turn
-per round (A/B interleaved, so that a change of the machine's load hits all of them, and
-neither's memory or allocator settings reach the other): medians over --steps rounds after one
-warm-up step each, and each round's ratio. The peak
-memory of each configuration comes from a fresh process of its own running two steps
+The times come from one process per configuration (started together), the processes taking one
+step each in turn per round (A/B interleaved, so that a change of the machine's load hits all of
+them, and neither's memory or allocator settings reach the other): medians over --steps rounds
+after one warm-up step each, and each round's ratio. The peak memory of each configuration comes from a fresh process of its own running two steps
 (ru_maxrss: the interpreter, torch, the model, Adam's moments and the step), so it is clean.
 The authors' stand-in was calibrated against their own `train_emb` in the same process
 (benchmarks/results/calibration-*). `train_step` on the CPU sets glibc to keep freed memory for
