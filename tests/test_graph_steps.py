@@ -17,7 +17,6 @@ import tempfile
 import pytest
 import torch
 
-from sgraf.errors import InputError
 from sgraf.kernels import graph_steps, plan
 
 pytestmark = pytest.mark.numeric
@@ -128,31 +127,6 @@ def test_the_kernel_applies_to_16_bit_graphs_with_a_global_node_of_at_most_64_no
     assert not graph_steps.applies("fused", 14, False, bf16)          # the averaged read-out: eager
     assert not graph_steps.applies("fused", 14, True, torch.float32)  # float32: eager
     assert not graph_steps.applies("eager", 14, True, bf16)
-
-
-def test_a_forced_step_route_must_be_known_and_possible_here(tuning_cache, monkeypatch):
-    monkeypatch.setenv("SGRAF_STEP_ROUTE", "Eager")
-    assert graph_steps.step_route("cpu", torch.float32, 256, 3) == "eager"
-    monkeypatch.setenv("SGRAF_STEP_ROUTE", "fused")
-    with pytest.raises(InputError, match="SGRAF_STEP_ROUTE=fused needs a CUDA device with Triton installed; "
-                                         "this is cpu"):
-        graph_steps.step_route("cpu", torch.float32, 256, 3)
-    monkeypatch.setattr(graph_steps, "fusable", lambda device: True)
-    assert graph_steps.step_route("cpu", torch.float32, 256, 3) == "fused"
-    monkeypatch.setenv("SGRAF_STEP_ROUTE", "triton")
-    with pytest.raises(InputError, match="SGRAF_STEP_ROUTE must be one of eager, fused, got 'triton'"):
-        graph_steps.measure_step_route("cpu", torch.float32, 256, 3)
-
-
-def test_a_step_route_that_fails_to_build_is_never_chosen(tuning_cache, monkeypatch):
-    """On a device where the kernel does not compile, the probe times it as never finishing."""
-    monkeypatch.setattr(graph_steps, "fusable", lambda device: True)
-    monkeypatch.setattr(graph_steps, "reason", lambda *args: (_ for _ in ()).throw(RuntimeError("no sm_90 here")))
-    assert graph_steps.measure_step_route("cpu", torch.bfloat16, 16, 2) == "eager"
-    stored = json.loads(tuning_cache.read_text())
-    entry = next(value for key, value in stored.items() if "sgr step route" in key)
-    assert entry["choice"] == "eager" and len(entry["seconds"]) == 1 + len(graph_steps.TILES)
-    assert all(entry["seconds"][json.dumps(route)] == float("inf") for route in graph_steps.MEASURED[1:])
 
 
 @needs_triton

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from numerics import REORDERED, assert_close, largest
-from sgraf.errors import InputError
 from sgraf.kernels import plan, words
 
 pytestmark = pytest.mark.numeric
@@ -128,31 +127,6 @@ def test_the_cpu_takes_the_eager_route_without_measuring(tuning_cache):
     with plan.emulate_gpu():
         assert words.word_route("cpu", torch.float32, 1024, 256) == "eager"
     assert not tuning_cache.exists()                             # nothing measured, nothing stored
-
-
-def test_a_forced_route_must_be_known_and_possible_here(tuning_cache, monkeypatch):
-    monkeypatch.setenv("SGRAF_WORD_ROUTE", "Eager")
-    assert words.word_route("cpu", torch.float32, 1024, 256) == "eager"
-    monkeypatch.setenv("SGRAF_WORD_ROUTE", "fused")
-    with pytest.raises(InputError, match="SGRAF_WORD_ROUTE=fused needs a CUDA device with Triton installed; "
-                                         "this is cpu"):
-        words.word_route("cpu", torch.float32, 1024, 256)
-    monkeypatch.setattr(words, "fusable", lambda device: True)
-    assert words.word_route("cpu", torch.float32, 1024, 256) == "fused"
-    monkeypatch.setenv("SGRAF_WORD_ROUTE", "triton")
-    with pytest.raises(InputError, match="SGRAF_WORD_ROUTE must be one of eager, fused, got 'triton'"):
-        words.measure_word_route("cpu", torch.float32, 1024, 256)
-
-
-def test_a_route_that_fails_to_build_is_never_chosen(tuning_cache, monkeypatch):
-    """On a device where the kernel does not compile, the probe times it as never finishing."""
-    monkeypatch.setattr(words, "fusable", lambda device: True)
-    monkeypatch.setattr(words, "_fused", lambda *args: (_ for _ in ()).throw(RuntimeError("no sm_90 here")))
-    assert words.measure_word_route("cpu", torch.float32, 24, 16) == "eager"
-    stored = json.loads(tuning_cache.read_text())
-    entry = next(value for key, value in stored.items() if "word nodes route" in key)
-    assert entry["choice"] == "eager" and len(entry["seconds"]) == 1 + len(words.TILES)
-    assert all(entry["seconds"][json.dumps(route)] == float("inf") for route in words.MEASURED[1:])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")

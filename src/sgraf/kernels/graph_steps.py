@@ -30,19 +30,18 @@ not a power of two is padded to one inside the kernel.
 
 from __future__ import annotations
 
-import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from sgraf.kernels import edges, tuning
+from sgraf.kernels import edges
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.words import forced_kernel_route, fusable
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes
+from sgraf.kernels.words import fusable
 
-logger = logging.getLogger(__name__)
 
-ROUTES = ("eager", "fused")          # the first is the default; `SGRAF_STEP_ROUTE` takes these
 MAX_NODES = 64                       # graphs of more nodes (captions of 64 words or more): eager
 # the nodes' dtypes the kernel takes. In float32 (exact products on the CUDA cores) Triton 3.9
 # took about a minute per tile to compile it for sm_90 and spilled 16-99 KB of registers, so
@@ -53,38 +52,29 @@ PROBE_GRAPHS = (64, 256, 14)
 # the kernel's tiles: (rows of nodes per program, output features per matmul step, warps,
 # pipeline stages). The first is "fused"'s; the probe times each as a route of its own
 TILES = ((64, 32, 8, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 32, 4, 1))
-MEASURED = (ROUTES[0], *(f"fused {'x'.join(map(str, tile))}" for tile in TILES))
+ROUTE = FusedRoutes("SGRAF_STEP_ROUTE", "reasoning-step", TILES)
+MEASURED = ROUTE.measured
 
 
 def step_route(device: torch.device | str, dtype: torch.dtype, dim: int, steps: int) -> str:
     """'eager' or a fused route ('fused' or 'fused RxCxWxS') for `reason` on `device` in
     `dtype`: `SGRAF_STEP_ROUTE` if set, else the choice `measure_step_route` stored for this
     device, else the default. Never measures (it is asked inside the scoring loop)."""
-    if torch.compiler.is_compiling():
-        return ROUTES[0]
-    forced = _forced(device)
-    if forced:
-        return forced
-    if not fusable(device) or dtype not in DTYPES:
-        return ROUTES[0]
-    return tuning.peek(_name(dtype, dim, steps), MEASURED, device=device)
+    return ROUTE.peek(_name(dtype, dim, steps), device, fusable(device), dtype in DTYPES)
 
 
 def measure_step_route(device: torch.device | str, dtype: torch.dtype, dim: int, steps: int) -> str:
     """`step_route`, measured on this device if it has not been (a scorer calls this before
     scoring a large split)."""
-    forced = _forced(device)
-    if forced:
-        return forced
     device = torch.device(device)
-    if not fusable(device) or dtype not in DTYPES:
-        return ROUTES[0]
-    return tuning.choose(_name(dtype, dim, steps), MEASURED,
-                         lambda route: _time_route(route, device, dtype, dim, steps), device=device)
 
+    def runner(route: str) -> Callable[[], Any]:
+        folded, graphs, blocked, n_cap = probe(device, dtype, dim, steps)
+        if route == ROUTES[0]:
+            return lambda: eager_steps(folded, graphs, blocked, graphs.size(0) // n_cap, True)
+        return lambda: reason(folded, graphs, blocked, n_cap, route)
 
-def _forced(device: torch.device | str) -> str:
-    return forced_kernel_route("SGRAF_STEP_ROUTE", device, fusable(device))
+    return ROUTE.choose(_name(dtype, dim, steps), device, fusable(device), dtype in DTYPES, runner)
 
 
 def _name(dtype: torch.dtype, dim: int, steps: int) -> str:
@@ -133,7 +123,7 @@ def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked
     """
     import triton
 
-    rows, chunk, warps, stages = _tile(route)
+    rows, chunk, warps, stages = ROUTE.tile(route)
     n_graphs, n_nodes, dim = graphs.shape
     if not graphs.is_contiguous() or n_nodes > MAX_NODES:
         raise ValueError(f"reason() takes contiguous graphs of at most {MAX_NODES} nodes")
@@ -157,11 +147,6 @@ def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked
         # bf16: there the tiles are float32 and the rounding is done on the bits
         WIDEN=interpreted, EMULATE=interpreted and low == torch.bfloat16, num_warps=warps, num_stages=stages)
     return out
-
-
-def _tile(route: str) -> tuple[int, ...]:
-    _, _, tile = route.partition(" ")
-    return tuple(int(part) for part in tile.split("x")) if tile else TILES[0]
 
 
 def _kernel() -> Any:
@@ -190,23 +175,3 @@ def probe(device: torch.device, dtype: torch.dtype, dim: int, steps: int, seed: 
     blocked = torch.zeros(n_cap, n_nodes, device=device).masked_fill_(
         torch.arange(n_nodes, device=device) >= lengths[:, None], float("-inf")).to(dtype)
     return folded, graphs, blocked, n_cap
-
-
-def _time_route(route: str, device: torch.device, dtype: torch.dtype, dim: int, steps: int) -> float:
-    folded, graphs, blocked, n_cap = probe(device, dtype, dim, steps)
-    n_img = graphs.size(0) // n_cap
-
-    def run() -> None:
-        if route == ROUTES[0]:
-            eager_steps(folded, graphs, blocked, n_img, True)
-        else:
-            reason(folded, graphs, blocked, n_cap, route)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    try:
-        return tuning.best_time(run)
-    except Exception as error:   # noqa: BLE001  (a kernel that does not build here is never chosen)
-        logger.warning("the fused reasoning-step route failed on %s (%s: %s); the eager route stays",
-                       device, type(error).__name__, error)
-        return float("inf")

@@ -19,27 +19,25 @@ of `TILES` once per device, dtype and sizes on a block-shaped probe (`sgraf.kern
 `SGRAF.tune_eval` calls it before a large split on a CUDA device with Triton) and keeps `eager`,
 the default, unless a tile is more than 20 % faster; the tile is stored with the choice
 ('fused 64x32x8x2'). A tile that fails to build there is timed as never finishing. `word_route`
-then returns the stored choice without measuring. `SGRAF_WORD_ROUTE=eager|fused` forces one. Elsewhere (the
-CPU, a compiled graph, `plan.emulate_gpu`, no Triton) the route is `eager`.
+then returns the stored choice without measuring. `SGRAF_WORD_ROUTE=eager|fused` forces one.
+Elsewhere (the CPU, a compiled graph, `plan.emulate_gpu`, no Triton) the route is `eager`. The
+reasoning steps' kernel chooses its route the same way (`sgraf.kernels.fused_routes`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from sgraf.errors import InputError
-from sgraf.kernels import tuning
 from sgraf.kernels.cpu import fast_linear
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes
 
-logger = logging.getLogger(__name__)
 
-ROUTES = ("eager", "fused")          # the first is the default; `SGRAF_WORD_ROUTE` takes these
 EPS = 1e-8                           # sgraf.model.norms.EPS: the l2 norms' epsilon
 # the probe: (images, captions, words) of a scoring block's middle length bucket
 PROBE_BLOCK = (64, 256, 13)
@@ -49,7 +47,8 @@ PROBE_BLOCK = (64, 256, 13)
 # route of its own ("fused 64x32x8x2"), so the tile chosen is stored with the route, and a later
 # process compiles that one tile and times nothing
 TILES = ((64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2))
-MEASURED = (ROUTES[0], *(f"fused {'x'.join(map(str, tile))}" for tile in TILES))
+ROUTE = FusedRoutes("SGRAF_WORD_ROUTE", "word-node", TILES)
+MEASURED = ROUTE.measured
 
 
 def word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
@@ -57,27 +56,19 @@ def word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: 
     `device` in `dtype`, `dim` features in and `width` out: `SGRAF_WORD_ROUTE` if set, else the
     choice `measure_word_route` stored for this device, else the default. Never measures (it is
     asked inside the scoring loop)."""
-    if torch.compiler.is_compiling():
-        return ROUTES[0]
-    forced = _forced(device)
-    if forced:
-        return forced
-    if not fusable(device):
-        return ROUTES[0]
-    return tuning.peek(_name(dtype, dim, width), MEASURED, device=device)
+    return ROUTE.peek(_name(dtype, dim, width), device, fusable(device))
 
 
 def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
     """`word_route`, measured on this device if it has not been (a scorer calls this before
     scoring a large split)."""
-    forced = _forced(device)
-    if forced:
-        return forced
     device = torch.device(device)
-    if not fusable(device):
-        return ROUTES[0]
-    return tuning.choose(_name(dtype, dim, width), MEASURED,
-                         lambda route: _time_route(route, device, dtype, dim, width), device=device)
+
+    def runner(route: str) -> Callable[[], None]:
+        inputs = probe(device, dtype, dim, width)
+        return lambda: word_nodes(*inputs, route=route)
+
+    return ROUTE.choose(_name(dtype, dim, width), device, fusable(device), True, runner)
 
 
 def fusable(device: torch.device | str) -> bool:
@@ -89,23 +80,6 @@ def fusable(device: torch.device | str) -> bool:
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-def _forced(device: torch.device | str) -> str:
-    return forced_kernel_route("SGRAF_WORD_ROUTE", device, fusable(device))
-
-
-def forced_kernel_route(variable: str, device: torch.device | str, can_fuse: bool) -> str:
-    """The route ('eager' or 'fused') the environment variable forces, '' when it is unset; the
-    Triton kernels' modules share it (`can_fuse`: `fusable(device)`, looked up by the caller).
-
-    Raises:
-        InputError: the variable names another route, or 'fused' where no kernel can run.
-    """
-    forced = tuning.forced_route(variable, ROUTES)
-    if forced == "fused" and not can_fuse:
-        raise InputError(f"{variable}=fused needs a CUDA device with Triton installed; this is {device}")
-    return forced
 
 
 def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
@@ -121,8 +95,8 @@ def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, w
             nodes' slice of a block's node tensor).
         route: `word_route`'s answer: 'eager', 'fused' (the first of `TILES`) or 'fused RxFxWxS'.
     """
-    if route.startswith("fused"):
-        _fused(attn, regions, words, weight, bias, out, _tile(route))
+    if route != ROUTES[0]:
+        _fused(attn, regions, words, weight, bias, out, ROUTE.tile(route))
         return
     n_img, n_cap, n_words, _ = out.shape
     dim = regions.size(2)
@@ -136,12 +110,6 @@ def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, w
         out.copy_(local * inverse)
     else:
         torch.mul(local, inverse, out=out)
-
-
-def _tile(route: str) -> tuple[int, ...]:
-    """The tile a fused route names ('fused 64x32x8x2'), or the first of `TILES` ('fused')."""
-    _, _, tile = route.partition(" ")
-    return tuple(int(part) for part in tile.split("x")) if tile else TILES[0]
 
 
 def _fused(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
@@ -243,19 +211,3 @@ def probe(device: torch.device, dtype: torch.dtype, dim: int, width: int, seed: 
     bias = draw(width, scale=0.01).to(dtype)
     nodes = torch.empty(n_img, n_cap, n_words + 1, width, device=device, dtype=dtype)
     return attn, regions, words, weight, bias, nodes[:, :, 1:]
-
-
-def _time_route(route: str, device: torch.device, dtype: torch.dtype, dim: int, width: int) -> float:
-    inputs = probe(device, dtype, dim, width)
-
-    def run() -> None:
-        word_nodes(*inputs, route=route)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    try:
-        return tuning.best_time(run)
-    except Exception as error:   # noqa: BLE001  (a kernel that does not build here is never chosen)
-        logger.warning("the fused word-node route failed on %s (%s: %s); the eager route stays",
-                       device, type(error).__name__, error)
-        return float("inf")
