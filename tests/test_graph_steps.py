@@ -4,19 +4,17 @@ installed; on a GPU in tests/test_gpu.py), and the route choice."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 
+from hopper import compile_tiles, spills
 from sgraf.kernels import graph_steps, plan
 
 pytestmark = pytest.mark.numeric
@@ -135,36 +133,14 @@ def test_the_fused_steps_compile_for_hopper_without_spilling():
     nodes, graphs of 14 nodes padded to 16, 3 steps) with each tile the probe may pick; `ptxas -v`
     (the one Triton runs) reports no register spills, and the 64-row tiles run their products on
     wgmma."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
-    kernel = graph_steps._kernel()
     pointers = {name: "*bf16" for name in ("graphs", "blocked", "bilinear", "key_term", "weight", "bias", "scratch")}
     pointers["out"] = "*fp32"
-    ptxas = get_ptxas(90).path
-
-    def build(tile: tuple[int, ...]) -> tuple[str, str]:
-        rows, chunk, warps, stages = tile
-        values = dict(STEPS=3, DIM=256, DIM_TILE=256, NODES=16, ROWS=rows, CHUNK=chunk, HAS_MASK=True, WIDEN=False,
-                      EMULATE=False, PRECISION="tf32")
-        signature = {name: "constexpr" if name in values else pointers.get(name, "i32") for name in kernel.arg_names}
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(kernel.arg_names.index(name),): value for name, value in values.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps, "num_stages": stages})
-        ptx = pathlib.Path(tempfile.mkdtemp()) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr
-        return compiled.asm["ptx"], report
-
-    # two tiles at a time (Triton's compiler releases the GIL): half the suite's wait on 2 cores
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        built = list(pool.map(build, graph_steps.TILES))
+    values = dict(STEPS=3, DIM=256, DIM_TILE=256, NODES=16, HAS_MASK=True, WIDEN=False, EMULATE=False,
+                  PRECISION="tf32")
+    built = compile_tiles(graph_steps._kernel(), values, pointers, graph_steps.TILES,
+                          lambda tile: {"ROWS": tile[0], "CHUNK": tile[1]})
     for (rows, chunk, warps, _), (ptx, report) in zip(graph_steps.TILES, built):
-        spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+        spilled = spills(report)
         assert spilled and spilled == [0] * len(spilled), (rows, chunk, warps, report)
         if rows >= 64:   # a warp group's matmul takes 64 rows
             assert "wgmma" in ptx, (rows, chunk)

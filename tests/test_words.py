@@ -8,14 +8,13 @@ import importlib.util
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 
+from hopper import compile_tiles, spills
 from numerics import REORDERED, assert_close, largest
 from sgraf.kernels import plan, words
 
@@ -136,33 +135,17 @@ def test_the_fused_kernel_compiles_for_hopper_without_spilling(dtype):
     the probe may pick, and in bf16 the `ptxas -v` Triton runs reports no register spills (tiles
     of 64 rows run their products on wgmma). float32 (exact, on CUDA cores) only has to compile:
     Triton 3.9 spills a few bytes of its first tile, 3.6 none."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = words._kernel()
     constants = dict(DIM=1024, REGIONS=64, WIDTH=256, WIDTH_TILE=256, EPSILON=words.EPS, WIDEN=False,
                      PRECISION="ieee" if dtype == "fp32" else "tf32")
     pointers = {"attn": "*fp32", **{name: f"*{dtype}" for name in ("regions", "words", "weight", "bias", "out")}}
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(90).path        # the one Triton itself runs for sm_90 (3.9 bundles two)
     tiles = words.TILES if dtype == "bf16" else words.TILES[:1]
-    for rows, features, warps, stages in tiles:
-        values = {**constants, "ROWS": rows, "FEATURES": features}
-        signature = {name: "constexpr" if name in values else pointers.get(name, "i32") for name in kernel.arg_names}
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(kernel.arg_names.index(name),): value for name, value in values.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps, "num_stages": stages})
-        ptx = pathlib.Path(tempfile.mkdtemp()) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr
-        spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    built = compile_tiles(words._kernel(), constants, pointers, tiles,
+                          lambda tile: {"ROWS": tile[0], "FEATURES": tile[1]})
+    for (rows, features, warps, stages), (ptx, report) in zip(tiles, built):
+        spilled = spills(report)
         assert spilled, report
         if dtype == "bf16":
             # the tiles that run on the tensor cores: nothing spilled (Triton 3.6 and 3.9)
             assert spilled == [0] * len(spilled), (rows, features, warps, stages, report)
             if rows >= 64:   # a warp group's matmul takes 64 rows
-                assert "wgmma" in compiled.asm["ptx"], (rows, features)
+                assert "wgmma" in ptx, (rows, features)

@@ -1,0 +1,51 @@
+"""Compiling a Triton kernel for an H100 (sm_90) without a GPU: its PTX, and the report of the
+`ptxas -v` Triton itself runs for sm_90 (registers, spills)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+
+def compile_for_hopper(kernel: Any, values: dict[str, Any], pointers: dict[str, str], warps: int,
+                       stages: int) -> tuple[str, str]:
+    """(PTX, ptxas report) of `kernel` with its `constexpr` arguments `values`, its pointer
+    arguments typed by `pointers` ('*bf16', ...) and every other argument an i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in values else pointers.get(name, "i32") for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(name),): value for name, value in values.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    ptx = pathlib.Path(tempfile.mkdtemp()) / "kernel.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                            capture_output=True, text=True, check=True).stderr
+    return compiled.asm["ptx"], report
+
+
+def compile_tiles(kernel: Any, values: dict[str, Any], pointers: dict[str, str], tiles: Iterable[tuple[int, ...]],
+                  tile_values: Any) -> list[tuple[str, str]]:
+    """`compile_for_hopper` for each tile (rows, features, warps, stages), two at a time (Triton's
+    compiler releases the GIL: half the wait on 2 cores); `tile_values(tile)` gives the tile's own
+    constexpr values."""
+    def build(tile: tuple[int, ...]) -> tuple[str, str]:
+        return compile_for_hopper(kernel, {**values, **tile_values(tile)}, pointers, tile[2], tile[3])
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(build, tiles))
+
+
+def spills(report: str) -> list[int]:
+    """The bytes of spill stores of each function in a `ptxas -v` report."""
+    return [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
