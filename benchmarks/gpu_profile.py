@@ -12,7 +12,8 @@ For SGR and SAF, fp32 and bf16, a paper-size model with random weights:
   edge route (`sgraf.kernels.edges`: two batched matmuls and a softmax, or PyTorch's fused
   attention), and for both modules once more with the word nodes from one Triton kernel
   (`sgraf.kernels.words`, where it can run), and for SGR once more with its reasoning steps in
-  one kernel too (`sgraf.kernels.graph_steps`): routes `sgraf evaluate` chooses between by probes
+  one kernel too (`sgraf.kernels.graph_steps`), and for both once more with the attention in one
+  kernel as well (`sgraf.kernels.attention`): routes `sgraf evaluate` chooses between by probes
   on the device.
 
     python benchmarks/gpu_profile.py                    # needs CUDA
@@ -215,7 +216,8 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
             f"{statistics.median(times):.4f} s, peak {peak_gib(device):.2f} GiB")
 
 
-ROUTE_NAMES = {"SGRAF_EDGE_ROUTE": "edge route", "SGRAF_WORD_ROUTE": "word route", "SGRAF_STEP_ROUTE": "step route"}
+ROUTE_NAMES = {"SGRAF_EDGE_ROUTE": "edge route", "SGRAF_WORD_ROUTE": "word route", "SGRAF_STEP_ROUTE": "step route",
+               "SGRAF_ATTENTION_ROUTE": "attention route"}
 
 
 def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int,
@@ -237,15 +239,22 @@ def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: t
 
 
 def block_routes(module: str, edge_routes: list[str], word_routes: list[str]) -> list[dict[str, str]]:
-    """The routes a module's blocks are profiled with: SGR once per edge route (the word nodes and
-    the reasoning steps eager), then every module once per other word route (the edge route
-    measured or default), and SGR once more with its reasoning steps in one kernel as well."""
+    """The routes a module's blocks are profiled with: SGR once per edge route (the word nodes,
+    the reasoning steps and the attention eager), then every module once per other word route (the
+    edge route measured or default), SGR once more with its reasoning steps in one kernel as well,
+    and every module once more with the attention in one kernel too."""
     eager_steps = {"SGRAF_STEP_ROUTE": "eager"} if module == "sgr" else {}
-    edge = [{"SGRAF_EDGE_ROUTE": route, "SGRAF_WORD_ROUTE": "eager", **eager_steps} for route in edge_routes] \
-        if module == "sgr" else [{"SGRAF_WORD_ROUTE": "eager"}]
-    fused = [{"SGRAF_WORD_ROUTE": route, **eager_steps} for route in word_routes if route != "eager"]
-    if module == "sgr":   # and the reasoning steps in one kernel too (`sgraf.kernels.graph_steps`)
-        fused += [{"SGRAF_WORD_ROUTE": route, "SGRAF_STEP_ROUTE": route} for route in word_routes if route != "eager"]
+    eager_rest = {"SGRAF_WORD_ROUTE": "eager", **eager_steps, "SGRAF_ATTENTION_ROUTE": "eager"}
+    edge = [{"SGRAF_EDGE_ROUTE": route, **eager_rest} for route in edge_routes] if module == "sgr" else [eager_rest]
+    fused = []
+    for route in word_routes:
+        if route == "eager":
+            continue
+        fused.append({"SGRAF_WORD_ROUTE": route, **eager_steps, "SGRAF_ATTENTION_ROUTE": "eager"})
+        steps = {"SGRAF_STEP_ROUTE": route} if module == "sgr" else {}
+        if steps:   # the reasoning steps in one kernel too (`sgraf.kernels.graph_steps`)
+            fused.append({"SGRAF_WORD_ROUTE": route, **steps, "SGRAF_ATTENTION_ROUTE": "eager"})
+        fused.append({"SGRAF_WORD_ROUTE": route, **steps, "SGRAF_ATTENTION_ROUTE": route})   # and the attention
     return edge + fused
 
 

@@ -9,7 +9,7 @@ import pathlib
 import re
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -35,12 +35,13 @@ def compile_for_hopper(kernel: Any, values: dict[str, Any], pointers: dict[str, 
 
 
 def compile_tiles(kernel: Any, values: dict[str, Any], pointers: dict[str, str], tiles: Iterable[tuple[int, ...]],
-                  tile_values: Any) -> list[tuple[str, str]]:
-    """`compile_for_hopper` for each tile (rows, features, warps, stages), two at a time (Triton's
-    compiler releases the GIL: half the wait on 2 cores); `tile_values(tile)` gives the tile's own
-    constexpr values."""
+                  launch: Callable[[tuple[int, ...]], tuple[dict[str, Any], int, int]]) -> list[tuple[str, str]]:
+    """`compile_for_hopper` for each tile, two at a time (Triton's compiler releases the GIL:
+    half the wait on 2 cores); `launch(tile)` gives the tile's own constexpr values, its warps
+    and its pipeline stages."""
     def build(tile: tuple[int, ...]) -> tuple[str, str]:
-        return compile_for_hopper(kernel, {**values, **tile_values(tile)}, pointers, tile[2], tile[3])
+        own, warps, stages = launch(tile)
+        return compile_for_hopper(kernel, {**values, **own}, pointers, warps, stages)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return list(pool.map(build, tiles))

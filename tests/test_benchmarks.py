@@ -55,7 +55,7 @@ def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path):
     # each block once per edge route (the word nodes and the reasoning steps eager: the fused
     # kernels need a CUDA device)
     assert completed.stdout.count("scoring block 4 x ") == 4
-    assert [completed.stdout.count(f"; edge route {route}; word route eager; step route eager\n")
+    assert [completed.stdout.count(f"; edge route {route}; word route eager; step route eager; attention route eager\n")
             for route in ("layout", "sdpa")] == [2, 2]
     completed = subprocess.run([*common, "--modules", "saf", "--sweep", "--keep-shares", "0", "1",
                                 "--memory-shares", "0.03"],

@@ -1,6 +1,7 @@
-"""How both Triton kernels' routes are chosen (`sgraf.kernels.fused_routes`): the variable that
+"""How the Triton kernels' routes are chosen (`sgraf.kernels.fused_routes`): the variable that
 forces one, and the probe, in which a tile that fails to build is never chosen. Each test runs
-for the word nodes' kernel (`sgraf.kernels.words`) and the reasoning steps' (`graph_steps`)."""
+for the word nodes' kernel (`sgraf.kernels.words`), the reasoning steps' (`graph_steps`) and the
+attention's (`attention`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from sgraf.errors import InputError
-from sgraf.kernels import graph_steps, words
+from sgraf.kernels import attention, graph_steps, words
 from sgraf.kernels.fused_routes import FusedRoutes
 
 # module, its route functions with small sizes, its forcing variable, its stored choice's name,
@@ -22,6 +23,9 @@ KERNELS = {
     "reasoning steps": (graph_steps, lambda: graph_steps.step_route("cpu", torch.bfloat16, 16, 2),
                         lambda: graph_steps.measure_step_route("cpu", torch.bfloat16, 16, 2),
                         "SGRAF_STEP_ROUTE", "sgr step route", "reason"),
+    "attention": (attention, lambda: attention.attention_route("cpu", torch.bfloat16),
+                  lambda: attention.measure_attention_route("cpu", torch.bfloat16),
+                  "SGRAF_ATTENTION_ROUTE", "attention route", "_fused"),
 }
 
 

@@ -127,11 +127,29 @@ def test_the_fused_word_nodes_give_the_eager_route_on_the_device(dtype):
         assert (out.double() - exact).abs().max().item() <= eager_error + 2**-8 * largest_node
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_attention_gives_the_eager_route_on_the_device(dtype):
+    """`sgraf.kernels.attention`'s Triton kernel with every tile, on a block of 64 images x 256
+    captions of 13 words: after the load it works in float32 as the eager route does, so the two
+    agree to the summation order."""
+    pytest.importorskip("triton")
+    from sgraf.kernels import attention
+
+    relevance, gram, n_words = attention.probe(torch.device("cuda"), dtype)
+    eager = attention.scaled_attention(relevance.clone(), gram, n_words, 9.0, "eager")
+    for route in attention.MEASURED[1:]:
+        fused = attention.scaled_attention(relevance.clone(), gram, n_words, 9.0, route)
+        assert torch.isfinite(fused).all(), route
+        assert (fused - eager).abs().max().item() <= 1e-5 * eager.abs().max().item(), route
+
+
 @pytest.mark.parametrize("variable, module", [("SGRAF_WORD_ROUTE", "SGR"), ("SGRAF_WORD_ROUTE", "SAF"),
-                                              ("SGRAF_STEP_ROUTE", "SGR")])
+                                              ("SGRAF_STEP_ROUTE", "SGR"), ("SGRAF_ATTENTION_ROUTE", "SGR"),
+                                              ("SGRAF_ATTENTION_ROUTE", "SAF")])
 def test_each_fused_route_gives_the_cpu_scores_on_the_device(monkeypatch, variable, module):
-    """The word nodes' kernel (both modules) and SGR's reasoning steps' kernel (bf16 only; fp32
-    takes the eager steps) against the eager CPU scores of the golden data."""
+    """The word nodes' kernel and the attention's (both modules) and SGR's reasoning steps'
+    kernel (bf16 only; fp32 takes the eager steps) against the eager CPU scores of the golden
+    data."""
     pytest.importorskip("triton")
     entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)[module]
     model = golden_model(entry, module)
@@ -146,18 +164,28 @@ def test_each_fused_route_gives_the_cpu_scores_on_the_device(monkeypatch, variab
     assert (bf16.cpu() - cpu).abs().max() <= 2**-10
 
 
-def test_the_word_route_is_measured_on_the_device_and_stored(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel", ["words", "graph_steps", "attention"])
+def test_each_fused_route_is_measured_on_the_device_and_stored(tmp_path, monkeypatch, kernel):
+    """The probe of each Triton kernel at the paper's sizes, in bf16: every tile builds and runs
+    (none timed as never finishing), and the choice is stored and read back without measuring."""
     pytest.importorskip("triton")
-    from sgraf.kernels import tuning, words
+    from sgraf.kernels import attention, graph_steps, tuning, words
 
+    module, variable, measure, peek, name = {
+        "words": (words, "SGRAF_WORD_ROUTE", words.measure_word_route, words.word_route, "word nodes route"),
+        "graph_steps": (graph_steps, "SGRAF_STEP_ROUTE", graph_steps.measure_step_route, graph_steps.step_route,
+                        "sgr step route"),
+        "attention": (attention, "SGRAF_ATTENTION_ROUTE", lambda *args: attention.measure_attention_route(*args[:2]),
+                      lambda *args: attention.attention_route(*args[:2]), "attention route")}[kernel]
+    sizes = (1024, 256) if kernel == "words" else (256, 3)
     monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("SGRAF_WORD_ROUTE", raising=False)
+    monkeypatch.delenv(variable, raising=False)
     tuning.forget()
     try:
-        chosen = words.measure_word_route("cuda", torch.bfloat16, 1024, 256)
-        assert chosen in words.ROUTES and words.word_route("cuda", torch.bfloat16, 1024, 256) == chosen
+        chosen = measure("cuda", torch.bfloat16, *sizes)
+        assert chosen in module.MEASURED and peek("cuda", torch.bfloat16, *sizes) == chosen
         stored = (tmp_path / "tuning.json").read_text()
-        assert "word nodes route" in stored and "Infinity" not in stored   # the fused kernel built and ran
+        assert name in stored and "Infinity" not in stored   # every tile built and ran
     finally:
         tuning.forget()
 

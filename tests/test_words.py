@@ -140,7 +140,7 @@ def test_the_fused_kernel_compiles_for_hopper_without_spilling(dtype):
     pointers = {"attn": "*fp32", **{name: f"*{dtype}" for name in ("regions", "words", "weight", "bias", "out")}}
     tiles = words.TILES if dtype == "bf16" else words.TILES[:1]
     built = compile_tiles(words._kernel(), constants, pointers, tiles,
-                          lambda tile: {"ROWS": tile[0], "FEATURES": tile[1]})
+                          lambda tile: ({"ROWS": tile[0], "FEATURES": tile[1]}, *tile[2:]))
     for (rows, features, warps, stages), (ptx, report) in zip(tiles, built):
         spilled = spills(report)
         assert spilled, report

@@ -1,4 +1,4 @@
-"""How the route of each Triton kernel is chosen (`sgraf.kernels.words`, `sgraf.kernels.graph_steps`).
+"""How the route of each Triton kernel is chosen (`sgraf.kernels.words`, `graph_steps`, `attention`).
 
 Each of those modules has two routes: 'eager' (PyTorch's operations, the default) and 'fused' (its
 kernel). The kernel comes in a few tiles, and a probe times each tile as a route of its own
@@ -32,7 +32,8 @@ ROUTES = ("eager", "fused")          # the first is the default; the forcing var
 @dataclass(frozen=True)
 class FusedRoutes:
     """The routes of one kernel: `variable` forces one, `what` names it in the log, `tiles`
-    ((rows, features, warps, stages) each, the first being plain 'fused''s) are timed."""
+    (tuples of ints the kernel's module reads, such as rows, features, warps and stages; the
+    first is plain 'fused''s) are timed."""
 
     variable: str
     what: str

@@ -18,7 +18,7 @@ from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
-from sgraf.kernels import compiled, edges, graph_steps, plan, tuning
+from sgraf.kernels import attention, compiled, edges, graph_steps, plan, tuning
 from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
@@ -436,6 +436,7 @@ class SGRAF(nn.Module):
         if self.sim_enc.supports_fast() and self.sim_enc.use_local:
             layer = self.sim_enc.sim_tranloc_w
             words_kernels.measure_word_route(device, low, layer.in_features, layer.out_features)
+            attention.measure_attention_route(device, low)
         if plan.gpu_plan(device) or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
             return self.eval_chunk_bytes(low)
         blocks: list[Callable[[], None]] = []      # the synthetic block, made at the first measurement only

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgraf.errors import InputError
+from sgraf.kernels import attention
 from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear, train_linear, weight_gradient
 from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
@@ -445,21 +446,21 @@ class SimilarityRepresentation(nn.Module):
                 gram = self.region_gram(regions)                                  # (n_img, K, K)
             r_low, w_low = regions.to(low).contiguous(), words.to(low).contiguous()
             # (n_img * K, n_cap * L): every region against every word of the block, one matmul
-            relevance = fast_linear(r_low.view(n_img * n_regions, dim), w_low.view(n_cap * n_words, dim)).float()
-            relevance = F.leaky_relu_(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
-            relevance.mul_(inverse_norm(relevance).mul_(self.smooth))             # norm over the words
-            # softmax over the regions where they lie, (n_img, K, n_cap * L): every (caption, word)
-            # column side by side in memory, no transposed copy
-            attn = relevance.view(n_img, n_regions, n_cap * n_words).softmax(dim=1)  # float32
-            if centres is not None:   # the place each word reads: its attention over the centres
-                read = attn if self.place_sharpness == 1.0 else \
-                    (relevance.view(n_img, n_regions, n_cap * n_words) * self.place_sharpness).softmax(dim=1)
-                places = torch.bmm(read.transpose(1, 2), centres.float()).view(n_img, n_cap, n_words, 2)
-            # |a_j|^2 = attn_j (R R^T) attn_j^T from each image's (K, K) Gram matrix, in float32:
-            # the attention columns are scaled by 1 / (|a_j| + eps) before the context matmul, so
-            # the contexts come out normalised, without another pass over (n_img, n_cap, L, d)
-            sq_norm = torch.bmm(gram, attn).mul_(attn).sum(dim=1, keepdim=True)   # (n_img, 1, n_cap * L)
-            attn.mul_(sq_norm.clamp_(min=0).sqrt_().add_(EPS).reciprocal_())
+            relevance = fast_linear(r_low.view(n_img * n_regions, dim), w_low.view(n_cap * n_words, dim))
+            found = []
+
+            def read_places(logits: torch.Tensor, attn: torch.Tensor) -> None:
+                """The place each word reads: its attention (at `place_sharpness`) over the centres."""
+                sharp = attn if self.place_sharpness == 1.0 else (logits * self.place_sharpness).softmax(dim=1)
+                found.append(torch.bmm(sharp.transpose(1, 2), centres.float()).view(n_img, n_cap, n_words, 2))
+
+            # (n_img, K, n_cap * L) float32, each (caption, word) column scaled by 1 / (|a_j| + eps)
+            # from the regions' Gram matrix, so the contexts come out of the word nodes' matmul
+            # normalised, without another pass over (n_img, n_cap, L, d)
+            route = attention.attention_route(regions.device, low)
+            attn = attention.scaled_attention(relevance.view(n_img, n_regions, n_cap * n_words), gram, n_words,
+                                              self.smooth, route, None if centres is None else read_places)
+            places = found[0] if found else None
             # l2norm(W_loc (a_j / |a_j| - t_j)^2 + b) into the word nodes, by this device's route
             route = words_kernels.word_route(regions.device, low, dim, self.node_dim)
             words_kernels.word_nodes(attn, r_low, w_low.view(n_cap * n_words, dim), *layers["sim_tranloc_w"],
