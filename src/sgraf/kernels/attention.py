@@ -118,8 +118,7 @@ def _fused(relevance: torch.Tensor, gram: torch.Tensor, n_words: int, smooth: fl
 
     columns, warps, stages = tile
     n_img, n_regions, n_rows = relevance.shape
-    if not (relevance.is_contiguous() and gram.is_contiguous()) or gram.dtype != torch.float32:
-        raise ValueError("scaled_attention(route='fused') takes contiguous relevance and a float32 Gram matrix")
+    relevance, gram = relevance.contiguous(), gram.float().contiguous()     # (as they come: no copy)
     words = max(2, triton.next_power_of_2(n_words))
     captions = max(1, columns // words)
     n_cap = n_rows // n_words
