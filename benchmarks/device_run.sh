@@ -43,7 +43,7 @@ if [[ " ${STEPS:-probe} " == *" probe "* ]]; then
 print('uptime', open('/proc/uptime').read().split()[0], 'process age at entry', process_age())"; done
   } >> "$OUT/summary.txt" 2>&1
 fi
-step test_gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step test_gpu 180 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 TAIL=14 step gpu_profile 150 python3 benchmarks/gpu_profile.py --steps 5
 TAIL=20 step sweep 90 python3 benchmarks/gpu_profile.py --sweep --steps 3
 step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --features synthetic --n-train 400 --n-dev 60 --n-test 60 --no-images

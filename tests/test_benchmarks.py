@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import subprocess
@@ -38,33 +37,34 @@ def test_bench_train_times_each_configuration_and_measures_its_peak_memory(tmp_p
     assert re.search(r"saf ours fp32: [0-9.]+x faster .*, [0-9.]+x the authors' peak memory", out), out
 
 
-def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path):
+def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path, monkeypatch, capsys):
     """benchmarks/gpu_profile.py is a device script (`device_run.sh`); on the CPU its dry run keeps
     it from rotting between device sessions: every row and the sweep run, none fails."""
-    common = [sys.executable, str(BENCHMARKS / "gpu_profile.py"), "--device", "cpu", "--scale", "64", "--batch", "8",
-              "--steps", "1", "--precisions", "fp32"]
-    completed = subprocess.run([*common, "--modules", "sgr", "--images", "4", "--captions", "4", "8"],
-                               capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
-    assert "FAILED" not in completed.stdout
-    assert re.search(r"train step, batch 8, sgr fp32: [0-9.]+ s .* [0-9]+ launches", completed.stdout), completed.stdout
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_profile                        # in this process: a command's imports are 4 s here
+
+    common = ["--device", "cpu", "--scale", "64", "--batch", "8", "--steps", "1", "--precisions", "fp32"]
+    assert gpu_profile.main([*common, "--modules", "sgr", "--images", "4", "--captions", "4", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out
+    assert re.search(r"train step, batch 8, sgr fp32: [0-9.]+ s .* [0-9]+ launches", out), out
     # each block's time by place in sgraf's code (CPU time in this dry run), the shared linear
     # helper charged to its caller
-    assert re.search(r"by place: \w+\.py \w+ aten::\w+ [0-9.]+ ms", completed.stdout), completed.stdout
-    assert "cpu.py fast_linear" not in completed.stdout and "words.py word_nodes aten::" in completed.stdout
-    # each block once per edge route (the word nodes and the reasoning steps eager: the fused
-    # kernels need a CUDA device)
-    assert completed.stdout.count("scoring block 4 x ") == 4
-    assert [completed.stdout.count(f"; edge route {route}; word route eager; step route eager; attention route eager\n")
+    assert re.search(r"by place: \w+\.py \w+ aten::\w+ [0-9.]+ ms", out), out
+    assert "cpu.py fast_linear" not in out and "words.py word_nodes aten::" in out
+    # each block once per edge route (the word nodes, the reasoning steps and the attention eager:
+    # the fused kernels need a CUDA device)
+    assert out.count("scoring block 4 x ") == 4
+    assert [out.count(f"; edge route {route}; word route eager; step route eager; attention route eager\n")
             for route in ("layout", "sdpa")] == [2, 2]
-    completed = subprocess.run([*common, "--modules", "saf", "--sweep", "--keep-shares", "0", "1",
-                                "--memory-shares", "0.03"],
-                               capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
-    assert completed.stdout.count("sweep keep ") == 2, completed.stdout
+    assert gpu_profile.main([*common, "--modules", "saf", "--sweep", "--keep-shares", "0", "1",
+                             "--memory-shares", "0.03"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("sweep keep ") == 2, out
 
 
-def test_the_relation_probe_fine_tunes_on_relation_twins_alone(tmp_path):
+def test_the_relation_probe_fine_tunes_on_relation_twins_alone(tmp_path, monkeypatch, capsys):
     from sgraf.checkpoint import save_model
     from sgraf.config import ModelConfig
     from sgraf.data.benchmark import generate_benchmark
@@ -79,17 +79,18 @@ def test_the_relation_probe_fine_tunes_on_relation_twins_alone(tmp_path):
                               sim_dim=8, sgr_step=1, positions="box"))
     model.vocab = vocab
     save_model(model, tmp_path / "model.pt", vocab=vocab)
-    completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_relations.py"), "--checkpoint",
-                                str(tmp_path / "model.pt"), "--data", str(data), "--steps", "4", "--every", "2",
-                                "--held", "4", "--pairs", "2"], capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
-    lines = completed.stdout.splitlines()
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import probe_relations                      # in this process: a command's imports are 4 s here
+
+    assert probe_relations.main(["--checkpoint", str(tmp_path / "model.pt"), "--data", str(data), "--steps", "4",
+                                 "--every", "2", "--held", "4", "--pairs", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert "relation pairs in train: fine-tuning on" in lines[0]
     assert [line.split(":")[0] for line in lines[1:]] == ["step 0", "step 2", "step 4"]
     assert all("held out" in line for line in lines[1:])
 
 
-def test_the_place_term_probe_measures_the_term_beside_the_logits(tmp_path):
+def test_the_place_term_probe_measures_the_term_beside_the_logits(tmp_path, monkeypatch, capsys):
     import torch
 
     from sgraf.checkpoint import save_model
@@ -109,32 +110,26 @@ def test_the_place_term_probe_measures_the_term_beside_the_logits(tmp_path):
         if positions == "place":    # a term that is not zero: every word reads "right of"
             torch.nn.init.constant_(model.sim_enc.place_term.relation.bias[0], 0.1)
         save_model(model, tmp_path / f"{positions}.pt", vocab=vocab)
-    completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_place_term.py"), "--data", str(data),
-                                "--images", "5", str(tmp_path / "place.pt"), str(tmp_path / "box.pt")],
-                               capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "SGRAF_TUNE": "off"})   # nothing to measure for 5 pictures
-    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
-    place, box = completed.stdout.splitlines()
+    monkeypatch.setenv("SGRAF_TUNE", "off")      # nothing to measure for 5 pictures
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import probe_place_term                        # in this process: a command's imports are 4 s here
+
+    def probe(*argv: str) -> list[str]:
+        assert probe_place_term.main(["--data", str(data), *argv]) == 0
+        return capsys.readouterr().out.splitlines()
+
+    place, box = probe("--images", "5", str(tmp_path / "place.pt"), str(tmp_path / "box.pt"))
     sd = float(place.split("term mean")[1].split("sd ")[1].split(",")[0])
     assert place.startswith(f"{tmp_path / 'place.pt'}: logit mean") and sd > 0
     assert box == f"{tmp_path / 'box.pt'}: not a place model (no place term)"
-    completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_place_term.py"), "--data", str(data),
-                                "--split", "test", "--diagnose", str(tmp_path / "place.pt"), "--sharpness", "1", "3"],
-                               capture_output=True, text=True, timeout=300, env={**os.environ, "SGRAF_TUNE": "off"})
-    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
-    lines = completed.stdout.splitlines()
+    lines = probe("--split", "test", "--diagnose", str(tmp_path / "place.pt"), "--sharpness", "1", "3")
     assert lines[1].split() == ["binding", "attribute", "relation", "count", "all", "rsum"]
     assert [line[:16].strip() for line in lines[2:]] == ["with the term", "term removed", "read at 1 x lam",
                                                         "read at 3 x lam"]
     assert all(len(line[16:].split()) == 6 for line in lines[2:])
     assert lines[4][16:] == lines[2][16:]            # the model reads at 1: as trained
     for kind in ("relation", "binding"):   # every kind the tiny split may or may not hold
-        completed = subprocess.run([sys.executable, str(BENCHMARKS / "probe_place_term.py"), "--data", str(data),
-                                    "--split", "train", "--twins", kind, str(tmp_path / "place.pt"),
-                                    str(tmp_path / "box.pt")], capture_output=True, text=True, timeout=300,
-                                   env={**os.environ, "SGRAF_TUNE": "off"})
-        assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
-        lines = completed.stdout.splitlines()
+        lines = probe("--split", "train", "--twins", kind, str(tmp_path / "place.pt"), str(tmp_path / "box.pt"))
         assert f"{kind} captions false of their twin; the term differs between the two pictures by" in lines[0]
         assert float(lines[0].split(" by ")[1].split()[0]) > 0     # the twins' places differ, and so does the term
         assert lines[-1] == f"{tmp_path / 'box.pt'}: not a place model (no place term)"
