@@ -15,8 +15,9 @@ Dropout is off so both compute the same first loss (printed: a correctness check
 The times come from one process per configuration (started together), the processes taking one
 step each in turn per round (A/B interleaved, so that a change of the machine's load hits all of
 them, and neither's memory or allocator settings reach the other): medians over --steps rounds
-after one warm-up step each, and each round's ratio. The peak memory of each configuration comes from a fresh process of its own running two steps
-(ru_maxrss: the interpreter, torch, the model, Adam's moments and the step), so it is clean.
+after one warm-up step each, and each round's ratio. The peak memory of each configuration
+comes from a fresh process of its own running two steps (ru_maxrss: the interpreter, torch, the
+model, Adam's moments and the step), so it is clean.
 The authors' stand-in was calibrated against their own `train_emb` in the same process
 (benchmarks/results/calibration-*). `train_step` on the CPU sets glibc to keep freed memory for
 its whole process (`sgraf.kernels.memory`); the authors' stand-in, in a process of its own, runs
@@ -239,7 +240,8 @@ def main() -> None:
         + ([("matrix", p) for p in args.precisions] if args.matrix else [])
     where = torch_device_name(args.device)
     common = ["--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
-              "--device", args.device, "--scale", str(args.scale)] + (["--chunk", str(args.chunk)] if args.chunk else []) \
+              "--device", args.device, "--scale", str(args.scale)] \
+        + (["--chunk", str(args.chunk)] if args.chunk else []) \
         + (["--no-checkpoint"] if args.no_checkpoint else [])
     size = "the paper's sizes" if args.scale == 1 else f"feature sizes / {args.scale}"
     print(f"{where}: {size}, batch {args.batch}, {args.steps} timed rounds, {args.threads} threads, load average "
