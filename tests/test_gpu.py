@@ -128,6 +128,32 @@ def test_the_fused_word_nodes_give_the_eager_route_on_the_device(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_global_nodes_give_the_eager_route_on_the_device(dtype):
+    """The word nodes' kernel with the attention left out (`words.global_nodes`), every tile, on
+    64 images x 256 captions at the paper's sizes: no further from float64 than the eager route
+    (float32: the same values up to the accumulation order)."""
+    pytest.importorskip("triton")
+    from sgraf.kernels import words
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    img_glo, cap_glo = (torch.randn(n, 1024, generator=generator, device="cuda") * 0.05 for n in (64, 256))
+    weight = (torch.randn(256, 1024, generator=generator, device="cuda") / 32).to(dtype)
+    bias = (torch.randn(256, generator=generator, device="cuda") * 0.01).to(dtype)
+    eager = words.global_nodes(img_glo, cap_glo, weight, bias, "eager")
+    local = (img_glo.double()[:, None] - cap_glo.double()[None]).square() @ weight.double().t() + bias.double()
+    exact = local / (local.norm(dim=-1, keepdim=True) + words.EPS)
+    largest_node = exact.abs().max().item()
+    for route in words.MEASURED[1:]:
+        fused = words.global_nodes(img_glo, cap_glo, weight, bias, route)
+        assert fused.shape == eager.shape and torch.isfinite(fused).all(), route
+        if dtype == torch.float32:
+            assert (fused - eager).abs().max().item() <= 1e-5 * largest_node, route
+        else:
+            eager_error = (eager.double() - exact).abs().max().item()
+            assert (fused.double() - exact).abs().max().item() <= eager_error + 2**-8 * largest_node, route
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_attention_gives_the_eager_route_on_the_device(dtype):
     """`sgraf.kernels.attention`'s Triton kernel with every tile, on a block of 64 images x 256
     captions of 13 words: after the load it works in float32 as the eager route does, so the two

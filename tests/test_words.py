@@ -65,6 +65,21 @@ for dim, width, block in [(48, 16, (2, 9, 13)), (64, 24, (3, 70, 1))]:   # width
         "fused_error": float((out.double() - exact).abs().max()),
         "eager_error": float((eager.double() - exact).abs().max()),
         "tiles_apart": float((other.float() - out.float()).abs().max())}
+# the global nodes (the attention left out): captions past a tile of 64 rows, features not a
+# multiple of 32, a width of part of a tile
+generator = torch.Generator().manual_seed(3)
+img_glo, cap_glo = torch.randn(3, 48, generator=generator) * 0.1, torch.randn(70, 48, generator=generator) * 0.1
+weight, bias = (torch.randn(24, 48, generator=generator) * 48 ** -0.5).to(dtype), (torch.randn(24) * 0.01).to(dtype)
+eager = words.global_nodes(img_glo, cap_glo, weight, bias, "eager")
+fused, other = (words.global_nodes(img_glo, cap_glo, weight, bias, route) for route in ("fused", "fused 32x64x4x2"))
+local = (img_glo.double()[:, None] - cap_glo.double()[None]).square() @ weight.double().t() + bias.double()
+exact = local / (local.norm(dim=-1, keepdim=True) + words.EPS)
+results["global"] = {
+    "shape": list(fused.shape), "dtype": str(fused.dtype), "written": bool(torch.isfinite(fused).all()),
+    "max_diff": float((fused.float() - eager.float()).abs().max()), "largest": float(eager.float().abs().max()),
+    "fused_error": float((fused.double() - exact).abs().max()),
+    "eager_error": float((eager.double() - exact).abs().max()),
+    "tiles_apart": float((other.float() - fused.float()).abs().max())}
 print(json.dumps(results))
 """
 
@@ -77,6 +92,13 @@ def test_the_fused_kernel_gives_the_eager_route_through_tritons_interpreter(dtyp
                                env=env, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads(completed.stdout.strip().splitlines()[-1])
+    glob = results.pop("global")
+    assert glob["shape"] == [3, 70, 24] and glob["dtype"] == f"torch.{dtype}" and glob["written"], glob
+    if dtype == "float32":
+        assert glob["max_diff"] <= 1e-5 * glob["largest"] and glob["tiles_apart"] <= 1e-5 * glob["largest"], glob
+    else:    # as the word nodes below: the interpreter truncates where a GPU rounds
+        assert glob["fused_error"] <= glob["eager_error"] + 2 * 2 ** -8 * glob["largest"], glob
+        assert glob["tiles_apart"] <= 2 ** -8 * glob["largest"], glob
     for case in results.values():
         assert case["written"] and case["front_kept"], results
         if dtype == "float32":   # the same values up to the accumulation order, whatever the tile
@@ -96,6 +118,8 @@ sys.path.insert(0, sys.argv[1])
 from model_helpers import DATA, golden_model
 from sgraf.kernels import words
 words.fusable = lambda device: True          # the interpreter stands in for a device
+kernel, calls = words._fused, []
+words._fused = lambda attn, *args: calls.append(attn is None) or kernel(attn, *args)
 results = {}
 for module in ("SGR", "SAF"):
     entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)[module]
@@ -103,19 +127,23 @@ for module in ("SGR", "SAF"):
     os.environ["SGRAF_WORD_ROUTE"] = "fused"
     scores = model.score(entry["images"], entry["captions"], entry["lengths"])
     results[module] = float((scores - entry["sims"]).abs().max())
+results["calls"] = {"global nodes": sum(calls), "word nodes": len(calls) - sum(calls)}
 print(json.dumps(results))
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
 def test_the_golden_scores_through_the_fused_route():
-    """The model's scorer with the word nodes from the kernel (Triton's interpreter on the CPU)
-    gives the authors' golden scores, as the eager route does (tests/test_model_golden.py)."""
+    """The model's scorer with the word nodes and the global nodes from the kernel (Triton's
+    interpreter on the CPU) gives the authors' golden scores, as the eager route does
+    (tests/test_model_golden.py)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     completed = subprocess.run([sys.executable, "-c", GOLDEN_THROUGH_FUSED, str(pathlib.Path(__file__).parent)],
                                capture_output=True, text=True, env=env, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    for module, difference in json.loads(completed.stdout.strip().splitlines()[-1]).items():
+    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert all(count > 0 for count in results.pop("calls").values()), results   # both through the kernel
+    for module, difference in results.items():
         assert difference <= 1e-6, (module, difference)
 
 
@@ -134,18 +162,25 @@ def test_the_fused_kernel_compiles_for_hopper_without_spilling(dtype):
     """No GPU needed: Triton compiles the kernel for sm_90 at the paper's sizes, with each tile
     the probe may pick, and in bf16 the `ptxas -v` Triton runs reports no register spills (tiles
     of 64 rows run their products on wgmma). float32 (exact, on CUDA cores) only has to compile:
-    Triton 3.9 spills a few bytes of its first tile, 3.6 none."""
+    Triton 3.9 spills a few bytes of its first tile, 3.6 none. The global nodes' variant (float32
+    global vectors, no attention) with each tile too, in bf16."""
     constants = dict(DIM=1024, REGIONS=64, WIDTH=256, WIDTH_TILE=256, EPSILON=words.EPS, WIDEN=False,
                      PRECISION="ieee" if dtype == "fp32" else "tf32")
     pointers = {"attn": "*fp32", **{name: f"*{dtype}" for name in ("regions", "words", "weight", "bias", "out")}}
     tiles = words.TILES if dtype == "bf16" else words.TILES[:1]
-    built = compile_tiles(words._kernel(), constants, pointers, tiles,
-                          lambda tile: ({"ROWS": tile[0], "FEATURES": tile[1]}, *tile[2:]))
-    for (rows, features, warps, stages), (ptx, report) in zip(tiles, built):
+    variants = [(tile, False) for tile in tiles] + [(tile, True) for tile in (tiles if dtype == "bf16" else [])]
+    kernel = words._kernel()
+    built = compile_tiles(kernel, constants, pointers, [tile for tile, _ in variants[:len(tiles)]],
+                          lambda tile: ({"ROWS": tile[0], "FEATURES": tile[1], "GLOBAL": False}, *tile[2:]))
+    if dtype == "bf16":
+        built += compile_tiles(kernel, {**constants, "REGIONS": 16},
+                               {**pointers, "regions": "*fp32", "words": "*fp32"}, tiles,
+                               lambda tile: ({"ROWS": tile[0], "FEATURES": tile[1], "GLOBAL": True}, *tile[2:]))
+    for ((rows, features, warps, stages), glob), (ptx, report) in zip(variants, built):
         spilled = spills(report)
         assert spilled, report
         if dtype == "bf16":
             # the tiles that run on the tensor cores: nothing spilled (Triton 3.6 and 3.9)
-            assert spilled == [0] * len(spilled), (rows, features, warps, stages, report)
+            assert spilled == [0] * len(spilled), (rows, features, warps, stages, glob, report)
             if rows >= 64:   # a warp group's matmul takes 64 rows
-                assert "wgmma" in ptx, (rows, features)
+                assert "wgmma" in ptx, (rows, features, glob)

@@ -22,6 +22,11 @@ the default, unless a tile is more than 20 % faster; the tile is stored with the
 then returns the stored choice without measuring. `SGRAF_WORD_ROUTE=eager|fused` forces one.
 Elsewhere (the CPU, a compiled graph, `plan.emulate_gpu`, no Triton) the route is `eager`. The
 reasoning steps' kernel chooses its route the same way (`sgraf.kernels.fused_routes`).
+
+The global nodes `l2norm(W_glo (g_i - h_c)^2 + b)` of every (image, caption) pair are the same
+chain with the attention left out (`global_nodes`): they take the word nodes' route, the fused
+one running this kernel with the images' global vectors in place of the contexts (the
+difference in float32, as the eager route takes it), and the probe times the two together.
 """
 
 from __future__ import annotations
@@ -66,7 +71,14 @@ def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int,
 
     def runner(route: str) -> Callable[[], None]:
         inputs = probe(device, dtype, dim, width)
-        return lambda: word_nodes(*inputs, route=route)
+        n_img, n_cap, _ = PROBE_BLOCK if device.type == "cuda" else (4, 8, 5)
+        img_glo, cap_glo = (torch.randn(n, dim, device=device) * 0.05 for n in (n_img, n_cap))
+
+        def run() -> None:   # the word nodes and the global nodes: the fused routes run both
+            word_nodes(*inputs, route=route)
+            global_nodes(img_glo, cap_glo, inputs[3], inputs[4], route)
+
+        return run
 
     return ROUTE.choose(_name(dtype, dim, width), device, fusable(device), True, runner)
 
@@ -112,22 +124,50 @@ def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, w
         torch.mul(local, inverse, out=out)
 
 
-def _fused(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
+def global_nodes(img_glo: torch.Tensor, cap_glo: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 route: str) -> torch.Tensor:
+    """The global nodes `l2norm((g_i - h_c)^2 W^T + b)` of every (image, caption) pair (Eq. 1).
+
+    Args:
+        img_glo, cap_glo: (n_img, d) and (n_cap, d) float32 global vectors.
+        weight: (m, d) and bias: (m,) of `W_glo`, in the nodes' dtype `low`.
+        route: `word_route`'s answer: the fused routes run the word nodes' kernel with the
+            attention left out (the difference in float32, as here).
+
+    Returns:
+        (n_img, n_cap, m) in `low`.
+    """
+    low = weight.dtype
+    if route != ROUTES[0]:
+        out = torch.empty(img_glo.size(0), cap_glo.size(0), 1, weight.size(0), device=weight.device, dtype=low)
+        _fused(None, img_glo.float().contiguous(), cap_glo.float().contiguous(), weight, bias, out, ROUTE.tile(route))
+        return out.squeeze(2)
+    diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                        # (n_img, n_cap, d)
+    square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
+    sim_glo = fast_linear(square, weight, bias)
+    return sim_glo.mul_(torch.linalg.vector_norm(sim_glo, dim=-1, keepdim=True).add_(EPS).reciprocal_())
+
+
+def _fused(attn: torch.Tensor | None, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor, out: torch.Tensor, tile: tuple[int, ...]) -> None:
-    n_img, n_regions, n_rows = attn.shape
-    _, n_cap, n_words, width = out.shape
-    dim = regions.size(2)
-    if out.stride(3) != 1 or not (attn.is_contiguous() and regions.is_contiguous() and words.is_contiguous()):
+    """The kernel over `out` (n_img, n_cap, L, m); without `attn`, the global nodes: `regions`
+    the images' global vectors (n_img, d), `words` the captions' (n_cap, d), L = 1."""
+    glob = attn is None
+    n_img, n_cap, n_words, width = out.shape
+    n_regions, n_rows = (1, n_cap) if glob else attn.shape[1:]
+    dim = regions.size(-1)
+    if out.stride(3) != 1 or not (glob or attn.is_contiguous()) or not (regions.is_contiguous()
+                                                                         and words.is_contiguous()):
         raise ValueError("word_nodes(route='fused') takes contiguous inputs and an output whose last dim is contiguous")
     import triton
 
     rows, features, warps, stages = tile
-    exact = regions.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    exact = weight.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     _kernel()[(n_img, triton.cdiv(n_rows, rows))](
-        attn, regions, words, weight.contiguous(), bias.contiguous(), out, n_regions, n_rows, n_words,
-        *out.stride()[:3], DIM=dim, REGIONS=max(16, triton.next_power_of_2(n_regions)), WIDTH=width,
+        regions if glob else attn, regions, words, weight.contiguous(), bias.contiguous(), out, n_regions, n_rows,
+        n_words, *out.stride()[:3], DIM=dim, REGIONS=max(16, triton.next_power_of_2(n_regions)), WIDTH=width,
         WIDTH_TILE=max(16, triton.next_power_of_2(width)), ROWS=rows, FEATURES=features, EPSILON=EPS,
-        PRECISION="ieee" if exact else "tf32",
+        PRECISION="ieee" if exact else "tf32", GLOBAL=glob,
         # the interpreter (CPU tests) multiplies bf16 tiles wrongly: there, in float32
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
 
@@ -144,7 +184,7 @@ def _kernel() -> Any:
                           DIM: tl.constexpr, REGIONS: tl.constexpr, WIDTH: tl.constexpr, WIDTH_TILE: tl.constexpr,
                           ROWS: tl.constexpr,
                           FEATURES: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-                          EPSILON: tl.constexpr):
+                          EPSILON: tl.constexpr, GLOBAL: tl.constexpr):
         image = tl.program_id(0).to(tl.int64)          # 64-bit offsets: a block's nodes pass 2**31 values
         rows = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_rows
@@ -153,22 +193,27 @@ def _kernel() -> Any:
         outs = tl.arange(0, WIDTH_TILE)
         o_ok = outs < WIDTH
         low = out.dtype.element_ty
-        # the tile's attention (ROWS, REGIONS), rounded to the nodes' dtype as the eager matmul reads it
-        a = tl.load(attn + image * n_regions * n_rows + ks[None, :] * n_rows + rows[:, None],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(low)
-        if WIDEN:
-            a = a.to(tl.float32)
+        if not GLOBAL:
+            # the tile's attention (ROWS, REGIONS), rounded to the nodes' dtype as the eager matmul reads it
+            a = tl.load(attn + image * n_regions * n_rows + ks[None, :] * n_rows + rows[:, None],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(low)
+            if WIDEN:
+                a = a.to(tl.float32)
         acc = tl.zeros((ROWS, WIDTH_TILE), dtype=tl.float32)
         for start in range(0, DIM, FEATURES):
             feats = start + tl.arange(0, FEATURES)
             f_ok = feats < DIM
-            r = tl.load(regions + image * n_regions * DIM + ks[:, None] * DIM + feats[None, :],
-                        mask=k_ok[:, None] & f_ok[None, :], other=0.0)
             t = tl.load(words + rows[:, None] * DIM + feats[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0.0)
-            if WIDEN:
-                r = r.to(tl.float32)
-            context = tl.dot(a, r, input_precision=PRECISION, out_dtype=tl.float32)
-            diff = (context - t.to(tl.float32)).to(low).to(tl.float32)          # rounded as the eager matmul's output
+            if GLOBAL:   # the image's global vector against the captions', in float32 as the eager route
+                g = tl.load(regions + image * DIM + feats, mask=f_ok, other=0.0).to(tl.float32)
+                diff = g[None, :] - t.to(tl.float32)
+            else:
+                r = tl.load(regions + image * n_regions * DIM + ks[:, None] * DIM + feats[None, :],
+                            mask=k_ok[:, None] & f_ok[None, :], other=0.0)
+                if WIDEN:
+                    r = r.to(tl.float32)
+                context = tl.dot(a, r, input_precision=PRECISION, out_dtype=tl.float32)
+                diff = (context - t.to(tl.float32)).to(low).to(tl.float32)      # rounded as the eager matmul's output
             square = (diff * diff).to(low)
             w = tl.load(weight + outs[None, :] * DIM + feats[:, None], mask=f_ok[:, None] & o_ok[None, :],
                         other=0.0)                                                   # (FEATURES, WIDTH_TILE)

@@ -394,10 +394,9 @@ class SimilarityRepresentation(nn.Module):
             (n_img, n_cap, m) in `low`.
         """
         weight, bias = (layers or self.cast_layers(low))["sim_tranglo_w"]
-        diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                        # (n_img, n_cap, d)
-        square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
-        sim_glo = fast_linear(square, weight, bias)
-        return sim_glo.mul_(inverse_norm(sim_glo, dtype=None))
+        # by the word nodes' route on this device: the same chain, the attention left out
+        route = words_kernels.word_route(img_glo.device, low, weight.size(1), weight.size(0))
+        return words_kernels.global_nodes(img_glo, cap_glo, weight, bias, route)
 
     def fast_forward(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                      low: torch.dtype, glo_nodes: torch.Tensor | None = None, gram: torch.Tensor | None = None,
