@@ -35,10 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes
-from sgraf.kernels.words import fusable
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
+from sgraf.kernels.words import EPS
 
-EPS = 1e-8                           # sgraf.model.norms.EPS: the norms' epsilon
 MAX_WORDS = 128                      # a caption's words in one tile, at most (longer captions: eager)
 # the probe: (images, captions, words) of a scoring block's middle length bucket
 PROBE_BLOCK = (64, 256, 13)

@@ -9,12 +9,15 @@ the modules share:
 - the probe (`sgraf.kernels.tuning.choose`), in which a tile that fails to build is timed as never
   finishing, so it is never chosen;
 - the tile a route names.
-Whether the kernel can run on a device (`can_fuse`) and whether it takes this work (`applies`) are
-the caller's to say, looked up at each call.
+Whether the kernel can run on a device (`can_fuse`: `fusable(device)`, a CUDA device with Triton)
+and whether it takes this work (`applies`) are the caller's to say, looked up at each call (so a
+test can stand Triton's interpreter in for a device, one kernel's module at a time).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +30,17 @@ from sgraf.kernels import tuning
 logger = logging.getLogger(__name__)
 
 ROUTES = ("eager", "fused")          # the first is the default; the forcing variables take these
+
+
+def fusable(device: torch.device | str) -> bool:
+    """Whether a fused route can run here: a CUDA device with Triton importable. (Tests run the
+    kernels on the CPU through Triton's interpreter by asking for a fused route.)"""
+    return torch.device(device).type == "cuda" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,7 @@ import torch
 
 from sgraf.kernels import edges
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes
-from sgraf.kernels.words import fusable
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
 
 
 MAX_NODES = 64                       # graphs of more nodes (captions of 64 words or more): eager

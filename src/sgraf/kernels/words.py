@@ -32,7 +32,6 @@ difference in float32, as the eager route takes it), and the probe times the two
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
 
 
 EPS = 1e-8                           # sgraf.model.norms.EPS: the l2 norms' epsilon
@@ -71,8 +70,8 @@ def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int,
 
     def runner(route: str) -> Callable[[], None]:
         inputs = probe(device, dtype, dim, width)
-        n_img, n_cap, _ = PROBE_BLOCK if device.type == "cuda" else (4, 8, 5)
-        img_glo, cap_glo = (torch.randn(n, dim, device=device) * 0.05 for n in (n_img, n_cap))
+        # global vectors for the probe block's images and captions (the shape of its output)
+        img_glo, cap_glo = (torch.randn(n, dim, device=device) * 0.05 for n in inputs[5].shape[:2])
 
         def run() -> None:   # the word nodes and the global nodes: the fused routes run both
             word_nodes(*inputs, route=route)
@@ -81,17 +80,6 @@ def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int,
         return run
 
     return ROUTE.choose(_name(dtype, dim, width), device, fusable(device), True, runner)
-
-
-def fusable(device: torch.device | str) -> bool:
-    """Whether the fused route can run here: a CUDA device with Triton importable. (Tests run
-    the kernel on the CPU through Triton's interpreter by asking `word_nodes` for it.)"""
-    return torch.device(device).type == "cuda" and _triton_installed()
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
