@@ -5,13 +5,17 @@ attention's (`attention`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from sgraf.errors import InputError
-from sgraf.kernels import attention, graph_steps, words
+from sgraf.kernels import attention, fused_routes, graph_steps, words
 from sgraf.kernels.fused_routes import FusedRoutes
 
 # module, its route functions with small sizes, its forcing variable, its stored choice's name,
@@ -66,3 +70,76 @@ def test_a_route_that_fails_to_build_is_never_chosen(kernel, tuning_cache, monke
     assert entry["seconds"][json.dumps("eager")] < float("inf")
     assert all(entry["seconds"][json.dumps(r)] == float("inf") for r in module.MEASURED[1:])
     assert route() == "eager"
+
+
+# stand-ins for each kernel that run quickly and give the wrong values (the shapes are right)
+WRONG = {
+    "word nodes": lambda attn, regions, words_, weight, bias, out, tile: out.fill_(0.25),
+    "reasoning steps": lambda folded, graphs, blocked, n_cap, route: torch.ones(graphs.size(0), graphs.size(2)),
+    "attention": lambda relevance, gram, n_words, smooth, tile: torch.ones_like(relevance, dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_route_whose_values_are_not_the_eager_routes_is_never_chosen(kernel, tuning_cache, monkeypatch, caplog):
+    """A kernel that builds and runs but computes something else on this device (a fault the
+    interpreter's tests cannot see) is refused by the probe, with a warning that says by how much."""
+    module, route, measure, _, name, fused = KERNELS[kernel]
+    monkeypatch.setattr(module, "fusable", lambda device: True)
+    monkeypatch.setattr(module, fused, WRONG[kernel])
+    with caplog.at_level("WARNING", logger="sgraf.kernels.fused_routes"):
+        assert measure() == "eager"
+    entry = next(value for key, value in json.loads(tuning_cache.read_text()).items() if name in key)
+    assert entry["choice"] == "eager" and entry["seconds"][json.dumps("eager")] < float("inf")
+    assert all(entry["seconds"][json.dumps(r)] == float("inf") for r in module.MEASURED[1:])
+    refusals = [r.getMessage() for r in caplog.records if "of the largest apart from the eager route's" in r.getMessage()]
+    assert len(refusals) == len(module.TILES), caplog.text
+    assert f"(at most {fused_routes.AGREEMENT[torch.bfloat16]:.3g} allowed); it is never chosen" in refusals[0]
+    assert route() == "eager"
+
+
+def test_the_difference_a_probe_holds_a_route_to():
+    ref = torch.tensor([[1.0, -4.0], [2.0, 0.0]])
+    assert fused_routes.relative_difference(ref + 0.5, ref) == 0.125            # 0.5 of the largest, 4
+    pair = (ref, torch.full((3,), 8.0))
+    assert fused_routes.relative_difference((ref, pair[1] - 1), pair) == 0.125   # over both tensors
+    nan = ref.clone()
+    nan[1, 1] = float("nan")
+    for output, reference in [(nan, ref), (ref, nan), (ref[:1], ref), (ref, pair), (pair, ref), (pair[:1], pair)]:
+        assert fused_routes.relative_difference(output, reference) == float("inf")
+    assert fused_routes.relative_difference(torch.zeros(2), torch.zeros(2)) == 0.0
+
+
+CHECKED_PROBES = r"""
+import json, logging, torch
+from sgraf.kernels import attention, graph_steps, tuning, words
+logging.basicConfig(level=logging.WARNING)
+timed = tuning.best_time
+tuning.best_time = lambda run, repeats=3, warmup=1: timed(run, 1, warmup)    # one timed call: quicker
+results = {}
+for module, measure in [(words, lambda: words.measure_word_route("cpu", torch.bfloat16, 48, 24)),
+                        (graph_steps, lambda: graph_steps.measure_step_route("cpu", torch.bfloat16, 32, 3)),
+                        (attention, lambda: attention.measure_attention_route("cpu", torch.bfloat16))]:
+    module.fusable = lambda device: True     # the interpreter stands in for a device
+    measure()
+print(json.dumps(json.loads(tuning.cache_path().read_text())))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+def test_the_probes_admit_the_real_kernels_through_tritons_interpreter(tmp_path):
+    """The agreement a probe asks of the three kernels holds for the kernels themselves in bf16,
+    even through the interpreter, whose casts truncate where a GPU rounds: every tile is timed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SGRAF_CACHE_DIR": str(tmp_path), "SGRAF_TUNE": "on"}
+    for variable in ("SGRAF_WORD_ROUTE", "SGRAF_STEP_ROUTE", "SGRAF_ATTENTION_ROUTE"):
+        env.pop(variable, None)
+    completed = subprocess.run([sys.executable, "-c", CHECKED_PROBES], capture_output=True, text=True, env=env,
+                               timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "never chosen" not in completed.stderr and "failed" not in completed.stderr, completed.stderr[-3000:]
+    stored = json.loads(completed.stdout.strip().splitlines()[-1])
+    for name, module in [("word nodes route", words), ("sgr step route", graph_steps),
+                         ("attention route", attention)]:
+        entry = next(value for key, value in stored.items() if name in key)
+        assert sorted(entry["seconds"]) == sorted(json.dumps(r) for r in module.MEASURED), entry
+        assert all(seconds < float("inf") for seconds in entry["seconds"].values()), (name, entry)

@@ -192,8 +192,9 @@ def test_each_fused_route_gives_the_cpu_scores_on_the_device(monkeypatch, variab
 
 @pytest.mark.parametrize("kernel", ["words", "graph_steps", "attention"])
 def test_each_fused_route_is_measured_on_the_device_and_stored(tmp_path, monkeypatch, kernel):
-    """The probe of each Triton kernel at the paper's sizes, in bf16: every tile builds and runs
-    (none timed as never finishing), and the choice is stored and read back without measuring."""
+    """The probe of each Triton kernel at the paper's sizes, in bf16: every tile builds, runs and
+    gives the eager route's values within `fused_routes.AGREEMENT` (none timed as never
+    finishing), and the choice is stored and read back without measuring."""
     pytest.importorskip("triton")
     from sgraf.kernels import attention, graph_steps, tuning, words
 

@@ -65,7 +65,7 @@ def measure_attention_route(device: torch.device | str, dtype: torch.dtype) -> s
         relevance, gram, n_words = probe(device, dtype)
         return lambda: scaled_attention(relevance.clone(), gram, n_words, 9.0, route)
 
-    return ROUTE.choose(_name(dtype), device, fusable(device), True, runner)
+    return ROUTE.choose(_name(dtype), device, fusable(device), True, runner, dtype)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -6,8 +6,10 @@ kernel). The kernel comes in a few tiles, and a probe times each tile as a route
 the modules share:
 - the environment variable that forces 'eager' or 'fused';
 - the stored choice, looked up without measuring (inside a scoring loop);
-- the probe (`sgraf.kernels.tuning.choose`), in which a tile that fails to build is timed as never
-  finishing, so it is never chosen;
+- the probe (`sgraf.kernels.tuning.choose`), in which a tile that fails to build, or whose output
+  on the probe's inputs lies further from the eager route's than `AGREEMENT` allows, is timed as
+  never finishing, so it is never chosen (the kernels' tests hold them to the eager route through
+  Triton's interpreter; the probe checks it again on the device that will run them);
 - the tile a route names.
 Whether the kernel can run on a device (`can_fuse`: `fusable(device)`, a CUDA device with Triton)
 and whether it takes this work (`applies`) are the caller's to say, looked up at each call (so a
@@ -19,8 +21,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -29,7 +33,15 @@ from sgraf.kernels import tuning
 
 logger = logging.getLogger(__name__)
 
+Outputs = Union[torch.Tensor, tuple[torch.Tensor, ...]]   # what a probed route returns
+
 ROUTES = ("eager", "fused")          # the first is the default; the forcing variables take these
+# How far a fused route's output may lie from the eager route's on the probe's inputs, as a
+# fraction of the largest eager value, by the probe's dtype. float32 sums in another order (the
+# kernels' tests hold them within 1e-5); 16-bit values are rounded at other places (through
+# Triton's interpreter, which truncates where a GPU rounds, the word nodes' bf16 probe lies 1.5 %
+# apart, the reasoning steps' 0.5 %). A kernel that reads or writes the wrong place is further off
+AGREEMENT = {torch.float32: 1e-4, torch.bfloat16: 2 ** -4, torch.float16: 2 ** -4}
 
 
 def fusable(device: torch.device | str) -> bool:
@@ -88,28 +100,57 @@ class FusedRoutes:
         return tuning.peek(name, self.measured, device=device)
 
     def choose(self, name: str, device: torch.device | str, can_fuse: bool, applies: bool,
-               runner: Callable[[str], Callable[[], object]]) -> str:
-        """`peek`, measured on this device if it has not been: `runner(route)` sets up a probe
-        and returns the call to time (synchronised here on a CUDA device)."""
+               runner: Callable[[str], Callable[[], Outputs]], dtype: torch.dtype) -> str:
+        """`peek`, measured on this device if it has not been: `runner(route)` sets up a probe (the
+        same inputs for every route) and returns the call to time, which returns the route's
+        output; a fused route's first output is held to the eager route's within `AGREEMENT[dtype]`."""
         forced = self.forced(device, can_fuse)
         if forced:
             return forced
         device = torch.device(device)
         if not (can_fuse and applies):
             return ROUTES[0]
-        return tuning.choose(name, self.measured, lambda route: self._time(route, device, runner), device=device)
+        reference: list[Outputs] = []    # the eager route's output, measured first
+        return tuning.choose(name, self.measured,
+                             lambda route: self._time(route, device, runner, reference, AGREEMENT[dtype]),
+                             device=device)
 
-    def _time(self, route: str, device: torch.device, runner: Callable[[str], Callable[[], object]]) -> float:
+    def _time(self, route: str, device: torch.device, runner: Callable[[str], Callable[[], Outputs]],
+              reference: list[Outputs], agreement: float) -> float:
         try:
             run = runner(route)
 
-            def synchronised() -> None:
-                run()
+            def synchronised() -> Outputs:
+                output = run()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
+                return output
 
-            return tuning.best_time(synchronised)
+            output = synchronised()     # the warm-up call
+            if route == ROUTES[0]:
+                reference.append(output)
+            else:
+                apart = relative_difference(output, reference[0]) if reference else float("inf")
+                if not apart <= agreement:
+                    logger.warning("the fused %s route %r gave values %.3g of the largest apart from the eager "
+                                   "route's on %s (at most %.3g allowed); it is never chosen", self.what, route,
+                                   apart, device, agreement)
+                    return float("inf")
+            return tuning.best_time(synchronised, warmup=0)
         except Exception as error:   # noqa: BLE001  (a kernel that does not build here is never chosen)
             logger.warning("the fused %s route failed on %s (%s: %s); the eager route stays",
                            self.what, device, type(error).__name__, error)
             return float("inf")
+
+
+def relative_difference(output: Outputs, reference: Outputs) -> float:
+    """The largest |output - reference| over the largest |reference|, over every tensor of the two
+    (a tensor or a tuple of tensors); infinite where their shapes differ or a value is not finite."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    references = reference if isinstance(reference, tuple) else (reference,)
+    if len(outputs) != len(references) or any(a.shape != b.shape for a, b in zip(outputs, references)):
+        return float("inf")
+    apart = [float((a.double() - b.double()).abs().max()) for a, b in zip(outputs, references)]
+    largest = max(float(b.double().abs().max()) for b in references)
+    ratio = max(apart) / largest if largest > 0 else max(apart)
+    return ratio if all(math.isfinite(x) for x in apart) and math.isfinite(ratio) else float("inf")

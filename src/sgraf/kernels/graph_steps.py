@@ -70,10 +70,10 @@ def measure_step_route(device: torch.device | str, dtype: torch.dtype, dim: int,
     def runner(route: str) -> Callable[[], Any]:
         folded, graphs, blocked, n_cap = probe(device, dtype, dim, steps)
         if route == ROUTES[0]:
-            return lambda: eager_steps(folded, graphs, blocked, graphs.size(0) // n_cap, True)
+            return lambda: eager_steps(folded, graphs, blocked, graphs.size(0) // n_cap, True)[:, 0]
         return lambda: reason(folded, graphs, blocked, n_cap, route)
 
-    return ROUTE.choose(_name(dtype, dim, steps), device, fusable(device), dtype in DTYPES, runner)
+    return ROUTE.choose(_name(dtype, dim, steps), device, fusable(device), dtype in DTYPES, runner, dtype)
 
 
 def _name(dtype: torch.dtype, dim: int, steps: int) -> str:

@@ -68,18 +68,20 @@ def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int,
     scoring a large split)."""
     device = torch.device(device)
 
-    def runner(route: str) -> Callable[[], None]:
+    def runner(route: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         inputs = probe(device, dtype, dim, width)
         # global vectors for the probe block's images and captions (the shape of its output)
-        img_glo, cap_glo = (torch.randn(n, dim, device=device) * 0.05 for n in inputs[5].shape[:2])
+        generator = torch.Generator(device).manual_seed(1)
+        img_glo, cap_glo = (torch.randn(n, dim, generator=generator, device=device) * 0.05
+                            for n in inputs[5].shape[:2])
 
-        def run() -> None:   # the word nodes and the global nodes: the fused routes run both
+        def run() -> tuple[torch.Tensor, torch.Tensor]:   # the word and global nodes: fused routes run both
             word_nodes(*inputs, route=route)
-            global_nodes(img_glo, cap_glo, inputs[3], inputs[4], route)
+            return inputs[5], global_nodes(img_glo, cap_glo, inputs[3], inputs[4], route)
 
         return run
 
-    return ROUTE.choose(_name(dtype, dim, width), device, fusable(device), True, runner)
+    return ROUTE.choose(_name(dtype, dim, width), device, fusable(device), True, runner, dtype)
 
 
 def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
