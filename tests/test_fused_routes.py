@@ -92,7 +92,8 @@ def test_a_route_whose_values_are_not_the_eager_routes_is_never_chosen(kernel, t
     entry = next(value for key, value in json.loads(tuning_cache.read_text()).items() if name in key)
     assert entry["choice"] == "eager" and entry["seconds"][json.dumps("eager")] < float("inf")
     assert all(entry["seconds"][json.dumps(r)] == float("inf") for r in module.MEASURED[1:])
-    refusals = [r.getMessage() for r in caplog.records if "of the largest apart from the eager route's" in r.getMessage()]
+    refusals = [message for message in (r.getMessage() for r in caplog.records)
+                if "of the largest apart from the eager route's" in message]
     assert len(refusals) == len(module.TILES), caplog.text
     assert f"(at most {fused_routes.AGREEMENT[torch.bfloat16]:.3g} allowed); it is never chosen" in refusals[0]
     assert route() == "eager"
