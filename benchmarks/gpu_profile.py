@@ -12,9 +12,10 @@ For SGR and SAF, fp32 and bf16, a paper-size model with random weights:
   edge route (`sgraf.kernels.edges`: two batched matmuls and a softmax, or PyTorch's fused
   attention), and for both modules once more with the word nodes from one Triton kernel
   (`sgraf.kernels.words`, where it can run), and for SGR once more with its reasoning steps in
-  one kernel too (`sgraf.kernels.graph_steps`), and for both once more with the attention in one
-  kernel as well (`sgraf.kernels.attention`): routes `sgraf evaluate` chooses between by probes
-  on the device.
+  one kernel too (`sgraf.kernels.graph_steps`), for both once more with the attention in one
+  kernel as well (`sgraf.kernels.attention`), and for SAF once more with its filtration in one
+  kernel too (`sgraf.kernels.filtration`): routes `sgraf evaluate` chooses between by probes on
+  the device.
 
     python benchmarks/gpu_profile.py                    # needs CUDA
     python benchmarks/gpu_profile.py --modules sgr --precisions bf16 --steps 3
@@ -217,7 +218,7 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
 
 
 ROUTE_NAMES = {"SGRAF_EDGE_ROUTE": "edge route", "SGRAF_WORD_ROUTE": "word route", "SGRAF_STEP_ROUTE": "step route",
-               "SGRAF_ATTENTION_ROUTE": "attention route"}
+               "SGRAF_ATTENTION_ROUTE": "attention route", "SGRAF_FILTER_ROUTE": "filter route"}
 
 
 def block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int,
@@ -242,8 +243,10 @@ def block_routes(module: str, edge_routes: list[str], word_routes: list[str]) ->
     """The routes a module's blocks are profiled with: SGR once per edge route (the word nodes,
     the reasoning steps and the attention eager), then every module once per other word route (the
     edge route measured or default), SGR once more with its reasoning steps in one kernel as well,
-    and every module once more with the attention in one kernel too."""
-    eager_steps = {"SGRAF_STEP_ROUTE": "eager"} if module == "sgr" else {}
+    every module once more with the attention in one kernel too, and SAF once more with its
+    filtration in one kernel as well."""
+    # the kernels a module does not run are left out; SAF's filtration is eager until its own entry
+    eager_steps = {"SGRAF_STEP_ROUTE": "eager"} if module == "sgr" else {"SGRAF_FILTER_ROUTE": "eager"}
     eager_rest = {"SGRAF_WORD_ROUTE": "eager", **eager_steps, "SGRAF_ATTENTION_ROUTE": "eager"}
     edge = [{"SGRAF_EDGE_ROUTE": route, **eager_rest} for route in edge_routes] if module == "sgr" else [eager_rest]
     fused = []
@@ -254,7 +257,9 @@ def block_routes(module: str, edge_routes: list[str], word_routes: list[str]) ->
         steps = {"SGRAF_STEP_ROUTE": route} if module == "sgr" else {}
         if steps:   # the reasoning steps in one kernel too (`sgraf.kernels.graph_steps`)
             fused.append({"SGRAF_WORD_ROUTE": route, **steps, "SGRAF_ATTENTION_ROUTE": "eager"})
-        fused.append({"SGRAF_WORD_ROUTE": route, **steps, "SGRAF_ATTENTION_ROUTE": route})   # and the attention
+        fused.append({"SGRAF_WORD_ROUTE": route, **(steps or eager_steps), "SGRAF_ATTENTION_ROUTE": route})
+        if module != "sgr":   # and SAF's filtration (`sgraf.kernels.filtration`)
+            fused.append({"SGRAF_WORD_ROUTE": route, "SGRAF_FILTER_ROUTE": route, "SGRAF_ATTENTION_ROUTE": route})
     return edge + fused
 
 

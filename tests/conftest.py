@@ -57,7 +57,8 @@ def tuning_cache(tmp_path, monkeypatch):
     from sgraf.kernels import tuning
 
     monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
-    for variable in ("SGRAF_TUNE", "SGRAF_EDGE_ROUTE", "SGRAF_WORD_ROUTE", "SGRAF_STEP_ROUTE", "SGRAF_ATTENTION_ROUTE"):
+    for variable in ("SGRAF_TUNE", "SGRAF_EDGE_ROUTE", "SGRAF_WORD_ROUTE", "SGRAF_STEP_ROUTE", "SGRAF_ATTENTION_ROUTE",
+                     "SGRAF_FILTER_ROUTE"):
         monkeypatch.delenv(variable, raising=False)
     tuning.forget()
     yield tmp_path / "tuning.json"

@@ -1,7 +1,7 @@
 """How the Triton kernels' routes are chosen (`sgraf.kernels.fused_routes`): the variable that
-forces one, and the probe, in which a tile that fails to build is never chosen. Each test runs
-for the word nodes' kernel (`sgraf.kernels.words`), the reasoning steps' (`graph_steps`) and the
-attention's (`attention`)."""
+forces one, and the probe, in which a tile that fails to build or computes something else is
+never chosen. Each test runs for the word nodes' kernel (`sgraf.kernels.words`), the reasoning
+steps' (`graph_steps`), the attention's (`attention`) and SAF's filtration's (`filtration`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sgraf.errors import InputError
-from sgraf.kernels import attention, fused_routes, graph_steps, words
+from sgraf.kernels import attention, filtration, fused_routes, graph_steps, words
 from sgraf.kernels.fused_routes import FusedRoutes
 
 # module, its route functions with small sizes, its forcing variable, its stored choice's name,
@@ -30,6 +30,9 @@ KERNELS = {
     "attention": (attention, lambda: attention.attention_route("cpu", torch.bfloat16),
                   lambda: attention.measure_attention_route("cpu", torch.bfloat16),
                   "SGRAF_ATTENTION_ROUTE", "attention route", "_fused"),
+    "attention filtration": (filtration, lambda: filtration.filter_route("cpu", torch.bfloat16, 24),
+                             lambda: filtration.measure_filter_route("cpu", torch.bfloat16, 24),
+                             "SGRAF_FILTER_ROUTE", "saf filter route", "_fused"),
 }
 
 
@@ -77,6 +80,7 @@ WRONG = {
     "word nodes": lambda attn, regions, words_, weight, bias, out, tile: out.fill_(0.25),
     "reasoning steps": lambda folded, graphs, blocked, n_cap, route: torch.ones(graphs.size(0), graphs.size(2)),
     "attention": lambda relevance, gram, n_words, smooth, tile: torch.ones_like(relevance, dtype=torch.float32),
+    "attention filtration": lambda nodes, node_mask, *args: torch.ones(nodes.shape[:2] + nodes.shape[3:]),
 }
 
 
@@ -113,14 +117,15 @@ def test_the_difference_a_probe_holds_a_route_to():
 
 CHECKED_PROBES = r"""
 import json, logging, torch
-from sgraf.kernels import attention, graph_steps, tuning, words
+from sgraf.kernels import attention, filtration, graph_steps, tuning, words
 logging.basicConfig(level=logging.WARNING)
 timed = tuning.best_time
 tuning.best_time = lambda run, repeats=3, warmup=1: timed(run, 1, warmup)    # one timed call: quicker
 results = {}
 for module, measure in [(words, lambda: words.measure_word_route("cpu", torch.bfloat16, 48, 24)),
                         (graph_steps, lambda: graph_steps.measure_step_route("cpu", torch.bfloat16, 32, 3)),
-                        (attention, lambda: attention.measure_attention_route("cpu", torch.bfloat16))]:
+                        (attention, lambda: attention.measure_attention_route("cpu", torch.bfloat16)),
+                        (filtration, lambda: filtration.measure_filter_route("cpu", torch.bfloat16, 24))]:
     module.fusable = lambda device: True     # the interpreter stands in for a device
     measure()
 print(json.dumps(json.loads(tuning.cache_path().read_text())))
@@ -129,10 +134,10 @@ print(json.dumps(json.loads(tuning.cache_path().read_text())))
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
 def test_the_probes_admit_the_real_kernels_through_tritons_interpreter(tmp_path):
-    """The agreement a probe asks of the three kernels holds for the kernels themselves in bf16,
+    """The agreement a probe asks of the four kernels holds for the kernels themselves in bf16,
     even through the interpreter, whose casts truncate where a GPU rounds: every tile is timed."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "SGRAF_CACHE_DIR": str(tmp_path), "SGRAF_TUNE": "on"}
-    for variable in ("SGRAF_WORD_ROUTE", "SGRAF_STEP_ROUTE", "SGRAF_ATTENTION_ROUTE"):
+    for variable in ("SGRAF_WORD_ROUTE", "SGRAF_STEP_ROUTE", "SGRAF_ATTENTION_ROUTE", "SGRAF_FILTER_ROUTE"):
         env.pop(variable, None)
     completed = subprocess.run([sys.executable, "-c", CHECKED_PROBES], capture_output=True, text=True, env=env,
                                timeout=300)
@@ -140,7 +145,7 @@ def test_the_probes_admit_the_real_kernels_through_tritons_interpreter(tmp_path)
     assert "never chosen" not in completed.stderr and "failed" not in completed.stderr, completed.stderr[-3000:]
     stored = json.loads(completed.stdout.strip().splitlines()[-1])
     for name, module in [("word nodes route", words), ("sgr step route", graph_steps),
-                         ("attention route", attention)]:
+                         ("attention route", attention), ("saf filter route", filtration)]:
         entry = next(value for key, value in stored.items() if name in key)
         assert sorted(entry["seconds"]) == sorted(json.dumps(r) for r in module.MEASURED), entry
         assert all(seconds < float("inf") for seconds in entry["seconds"].values()), (name, entry)

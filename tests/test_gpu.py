@@ -169,13 +169,30 @@ def test_the_fused_attention_gives_the_eager_route_on_the_device(dtype):
         assert (fused - eager).abs().max().item() <= 1e-5 * eager.abs().max().item(), route
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_filtration_gives_the_eager_route_on_the_device(dtype):
+    """`sgraf.kernels.filtration`'s Triton kernel with every tile, on a block of 64 images x 256
+    captions of 14 nodes of 256, and on pairs of 33 nodes (padded to 64: fewer pairs per program,
+    more warps): after the load it works in float32 as the eager route does."""
+    pytest.importorskip("triton")
+    from sgraf.kernels import filtration
+
+    for block in (None, (16, 64, 33)):
+        inputs = filtration.probe(torch.device("cuda"), dtype, 256, block=block)
+        eager = filtration.filtered(*inputs, route="eager")
+        for route in filtration.MEASURED[1:]:
+            fused = filtration.filtered(*inputs, route=route)
+            assert fused.shape == eager.shape and torch.isfinite(fused).all(), (block, route)
+            assert (fused - eager).abs().max().item() <= 1e-5 * eager.abs().max().item(), (block, route)
+
+
 @pytest.mark.parametrize("variable, module", [("SGRAF_WORD_ROUTE", "SGR"), ("SGRAF_WORD_ROUTE", "SAF"),
                                               ("SGRAF_STEP_ROUTE", "SGR"), ("SGRAF_ATTENTION_ROUTE", "SGR"),
-                                              ("SGRAF_ATTENTION_ROUTE", "SAF")])
+                                              ("SGRAF_ATTENTION_ROUTE", "SAF"), ("SGRAF_FILTER_ROUTE", "SAF")])
 def test_each_fused_route_gives_the_cpu_scores_on_the_device(monkeypatch, variable, module):
-    """The word nodes' kernel and the attention's (both modules) and SGR's reasoning steps'
-    kernel (bf16 only; fp32 takes the eager steps) against the eager CPU scores of the golden
-    data."""
+    """The word nodes' kernel and the attention's (both modules), SGR's reasoning steps' kernel
+    (bf16 only; fp32 takes the eager steps) and SAF's filtration's against the eager CPU scores
+    of the golden data."""
     pytest.importorskip("triton")
     entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)[module]
     model = golden_model(entry, module)
@@ -190,20 +207,22 @@ def test_each_fused_route_gives_the_cpu_scores_on_the_device(monkeypatch, variab
     assert (bf16.cpu() - cpu).abs().max() <= 2**-10
 
 
-@pytest.mark.parametrize("kernel", ["words", "graph_steps", "attention"])
+@pytest.mark.parametrize("kernel", ["words", "graph_steps", "attention", "filtration"])
 def test_each_fused_route_is_measured_on_the_device_and_stored(tmp_path, monkeypatch, kernel):
     """The probe of each Triton kernel at the paper's sizes, in bf16: every tile builds, runs and
     gives the eager route's values within `fused_routes.AGREEMENT` (none timed as never
     finishing), and the choice is stored and read back without measuring."""
     pytest.importorskip("triton")
-    from sgraf.kernels import attention, graph_steps, tuning, words
+    from sgraf.kernels import attention, filtration, graph_steps, tuning, words
 
     module, variable, measure, peek, name = {
         "words": (words, "SGRAF_WORD_ROUTE", words.measure_word_route, words.word_route, "word nodes route"),
         "graph_steps": (graph_steps, "SGRAF_STEP_ROUTE", graph_steps.measure_step_route, graph_steps.step_route,
                         "sgr step route"),
         "attention": (attention, "SGRAF_ATTENTION_ROUTE", lambda *args: attention.measure_attention_route(*args[:2]),
-                      lambda *args: attention.attention_route(*args[:2]), "attention route")}[kernel]
+                      lambda *args: attention.attention_route(*args[:2]), "attention route"),
+        "filtration": (filtration, "SGRAF_FILTER_ROUTE", lambda *args: filtration.measure_filter_route(*args[:3]),
+                       lambda *args: filtration.filter_route(*args[:3]), "saf filter route")}[kernel]
     sizes = (1024, 256) if kernel == "words" else (256, 3)
     monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(variable, raising=False)

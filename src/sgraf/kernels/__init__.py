@@ -7,7 +7,11 @@ through oneDNN or PyTorch's own route, whichever this processor runs faster), `t
 (probes that time the candidates once per machine and remember the winner), `plan` (whether a
 device gets the CPU's or the GPU's plan of work, and the GPU plan emulated on CPU tensors),
 `launches` (the kernel launches of a piece of work, counted without a GPU), `edges` (SGR's eval
-edge step by batched matmuls or PyTorch's fused attention, whichever this device runs faster)
-and `packing` (the GRU's packed order with one gather). Nothing here imports the model, the
-scorer or anything above them.
+edge step by batched matmuls or PyTorch's fused attention, whichever this device runs faster),
+the eval block's Triton kernels beside their eager routes (`words`: the word and global nodes;
+`attention`; `graph_steps`: SGR's reasoning steps; `filtration`: SAF's filter), chosen per device
+by `fused_routes`, `norms` (their eager routes' l2 norm), `gru` (the caption GRU's training pass
+on the CPU), `memory` (glibc's allocator kept from returning freed memory), `compiled` (the
+opt-in compiled eval chunk) and `packing` (the GRU's packed order with one gather). Nothing here
+imports the model, the scorer or anything above them.
 """

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
-from sgraf.kernels.words import EPS
+from sgraf.kernels.norms import EPS, inverse_norm
 
 MAX_WORDS = 128                      # a caption's words in one tile, at most (longer captions: eager)
 # the probe: (images, captions, words) of a scoring block's middle length bucket
@@ -99,8 +99,7 @@ def scaled_attention(relevance: torch.Tensor, gram: torch.Tensor, n_words: int, 
     n_img, n_regions, n_rows = relevance.shape
     logits = F.leaky_relu_(relevance.float(), 0.1).view(n_img, n_regions, n_rows // n_words, n_words)
     # lambda / (||r||_words + eps), over each caption's words
-    norm = torch.linalg.vector_norm(logits, dim=-1, keepdim=True, dtype=torch.float32)
-    logits = logits.mul_(norm.add_(EPS).reciprocal_().mul_(smooth)).view(n_img, n_regions, n_rows)
+    logits = logits.mul_(inverse_norm(logits).mul_(smooth)).view(n_img, n_regions, n_rows)
     # the softmax over the regions where they lie: every (caption, word) column side by side in
     # memory, no transposed copy
     attn = logits.softmax(dim=1)

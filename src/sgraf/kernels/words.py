@@ -40,9 +40,9 @@ import torch
 
 from sgraf.kernels.cpu import fast_linear
 from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
+from sgraf.kernels.norms import EPS, inverse_norm
 
 
-EPS = 1e-8                           # sgraf.model.norms.EPS: the l2 norms' epsilon
 # the probe: (images, captions, words) of a scoring block's middle length bucket
 PROBE_BLOCK = (64, 256, 13)
 # the fused kernel's tiles (rows of (caption, word) per program, features per step, warps,
@@ -107,7 +107,7 @@ def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, w
     square = diff.view(n_img, n_cap, n_words, dim).square_()              # (a_j / |a_j| - t_j)^2
     local = fast_linear(square.view(-1, dim), weight, bias).view(n_img, n_cap, n_words, -1)
     # the norm in the nodes' dtype (accumulated in float32), so no float32 copy of the block
-    inverse = torch.linalg.vector_norm(local, dim=-1, keepdim=True).add_(EPS).reciprocal_()
+    inverse = inverse_norm(local, dtype=None)
     if torch.compiler.is_compiling():   # the same product; a compiled graph takes no `out=` view
         out.copy_(local * inverse)
     else:
@@ -135,7 +135,7 @@ def global_nodes(img_glo: torch.Tensor, cap_glo: torch.Tensor, weight: torch.Ten
     diff = img_glo.unsqueeze(1) - cap_glo.unsqueeze(0)                        # (n_img, n_cap, d)
     square = torch.mul(diff, diff, out=diff if low == diff.dtype else torch.empty_like(diff, dtype=low))
     sim_glo = fast_linear(square, weight, bias)
-    return sim_glo.mul_(torch.linalg.vector_norm(sim_glo, dim=-1, keepdim=True).add_(EPS).reciprocal_())
+    return sim_glo.mul_(inverse_norm(sim_glo, dtype=None))
 
 
 def _fused(attn: torch.Tensor | None, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,

@@ -18,7 +18,7 @@ from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
-from sgraf.kernels import attention, compiled, edges, graph_steps, plan, tuning
+from sgraf.kernels import attention, compiled, edges, filtration, graph_steps, plan, tuning
 from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
@@ -27,7 +27,7 @@ from sgraf.model.filtration import AttentionFiltration, average_scores
 from sgraf.model.positions import PlaceTerm
 from sgraf.model.reasoning import (GraphReasoning, fast_graph_reasoning, fold_steps, graph_reasoning,
                                    train_graph_reasoning)
-from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, inverse_norm, region_attention
+from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, region_attention
 from sgraf.precision import current_precision
 
 logger = logging.getLogger(__name__)
@@ -170,18 +170,14 @@ class SimilarityEncoder(SimilarityRepresentation):
                 pooled = fast_graph_reasoning(folded, nodes.to(low), node_mask, self.use_global)
                 layer = self.sim_eval_w
             else:
-                nodes = nodes.float()
                 saf = self.SAF_module
                 bn = saf.bn
                 # eval BatchNorm folded into the filter: beta = sigmoid(scale * (W_f s + b_f) + shift)
                 scale = (bn.running_var + bn.eps).rsqrt() * (bn.weight if bn.affine else 1.0)
                 shift = (bn.bias if bn.affine else 0.0) - bn.running_mean * scale
-                logits = fast_linear(nodes, saf.attn_sim_w.weight, saf.attn_sim_w.bias).squeeze(3)  # (n_img, n_cap, P)
-                beta = torch.sigmoid_(logits.mul_(scale).add_(shift)).mul_(node_mask.unsqueeze(0))
-                beta = beta.div_(beta.sum(dim=2, keepdim=True).add_(1e-8))                # l1norm (beta >= 0)
-                n_img, n_cap, n_nodes, dim = nodes.shape
-                pooled = torch.bmm(beta.view(-1, 1, n_nodes), nodes.view(-1, n_nodes, dim)).view(n_img, n_cap, dim)
-                pooled = pooled.mul_(inverse_norm(pooled))
+                route = filtration.filter_route(nodes.device, nodes.dtype, nodes.size(3))
+                pooled = filtration.filtered(nodes, node_mask, saf.attn_sim_w.weight, saf.attn_sim_w.bias,
+                                             scale.float(), shift.float(), route)
                 layer = self.saf_eval_w if self.module == "joint" and head == "saf" else self.sim_eval_w
             scores[head] = _score(fast_linear(pooled, layer.weight, layer.bias).squeeze(2), offset)
         return scores
@@ -437,6 +433,8 @@ class SGRAF(nn.Module):
             layer = self.sim_enc.sim_tranloc_w
             words_kernels.measure_word_route(device, low, layer.in_features, layer.out_features)
             attention.measure_attention_route(device, low)
+        if "saf" in self.heads and self.sim_enc.supports_fast():
+            filtration.measure_filter_route(device, low, self.sim_enc.node_dim)
         if plan.gpu_plan(device) or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
             return self.eval_chunk_bytes(low)
         blocks: list[Callable[[], None]] = []      # the synthetic block, made at the first measurement only

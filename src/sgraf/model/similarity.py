@@ -110,12 +110,6 @@ def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, 
                                weight, bias))
 
 
-def inverse_norm(x: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    """`1 / (||x||_2 + eps)` over the last dim, keepdim (one fused reduction), in float32 by
-    default; `dtype=None` keeps x's dtype (a bf16 norm still accumulates in float32)."""
-    return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype).add_(EPS).reciprocal_()
-
-
 def attend_regions(regions: torch.Tensor, words: torch.Tensor, smooth: float) -> torch.Tensor:
     """Text-to-image attention (SCAN): for each word, the attended image context (Eq. 3-4).
 
