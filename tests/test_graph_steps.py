@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hopper import compile_tiles, spills
-from sgraf.kernels import graph_steps, plan
+from sgraf.kernels import fused_routes, graph_steps, plan
 
 pytestmark = pytest.mark.numeric
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -64,6 +64,8 @@ def test_the_fused_steps_give_the_eager_steps_through_tritons_interpreter():
             if dtype == "float32":   # the same values up to the accumulation order, whatever the tile
                 assert case["apart"] <= 1e-6 * case["largest"] and case["tiles_apart"] <= 1e-6, case
             else:
+                # what the route's probe asks of it
+                assert case["apart"] <= fused_routes.AGREEMENT[torch.bfloat16] * case["largest"], case
                 # rounded where the eager steps round (to nearest even on the bits: the interpreter
                 # truncates its casts), so no further from float64 than one bf16 unit of the
                 # largest value past the eager steps' own error
