@@ -5,9 +5,10 @@ lengths follow Flickr30K's: about 12 words, 14 tokens with <start>/<end>, a long
 paper-size model (embed 1024, sim 256, word 300, vocabulary 8,481) with random weights. Then, in
 the same run:
 
-- `sgraf evaluate` as a subprocess, fp32 and bf16: wall time (the whole command, imports and
-  loading included), peak resident memory and the command's own breakdown of its time
-  (`--timings`: startup, checkpoint, tokenise, encode, score, metrics, save);
+- `sgraf evaluate` as a subprocess, fp32 and bf16 (`--precisions tf32`: fp32 with `--tf32`):
+  wall time (the whole command, imports and loading included), peak resident memory and the
+  command's own breakdown of its time (`--timings`: startup, checkpoint, tokenise, encode,
+  score, metrics, save);
 - the authors' algorithm as they run it (see `authors`: five copies of each image encoded, then
   shards of 100 images x 100 captions, each shard's captions scored one at a time against its
   images) on a random slice of captions, extrapolated to the split;
@@ -113,6 +114,12 @@ def set_token_cache(out: Path, state: str) -> None:
             os.environ["SGRAF_CACHE_DIR"] = saved
 
 
+def precision_options(precision: str) -> list[str]:
+    """`sgraf evaluate`'s options for a benchmark precision: 'fp32', 'bf16', or 'tf32' (fp32 with
+    CUDA's matmuls and cuDNN in TF32, `--tf32`)."""
+    return ["--precision", "fp32", "--tf32"] if precision == "tf32" else ["--precision", precision]
+
+
 def run_command(out: Path, precision: str, batch_size: int, source: str | None = None,
                 device: str = "cpu", token_cache: str = "cold") -> dict:
     """`sgraf evaluate` in a fresh process: this checkout's code, or the `src` folder of `source`;
@@ -122,7 +129,8 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
     sims = out / f"sims_{precision}_{tag}.npy"
     report = out / f"report_{precision}_{tag}.json"
     argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
-            "--precision", precision, "--batch-size", str(batch_size), "--json", "--quiet", "--save-sims", str(sims),
+            *precision_options(precision), "--batch-size", str(batch_size), "--json", "--quiet",
+            "--save-sims", str(sims),
             "--device", device] + ([] if source else ["--timings"])   # an earlier checkout may lack it
     # measured choices (sgraf.kernels.tuning) are stored in the work folder (or --tuning): the
     # first run of a fresh machine pays for the probes, like a user's first run
@@ -244,7 +252,8 @@ def recalls(result: dict) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=1000, help="images (x5 captions); Flickr30K test: 1000")
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "tf32"],
+                        help="tf32: fp32 with CUDA's matmuls in TF32 (sgraf evaluate --tf32)")
     parser.add_argument("--module", default="sgr", choices=["sgr", "saf"])
     parser.add_argument("--authors-captions", type=int, default=AUTHORS_SHARD,
                         help="captions timed with the authors' loop (extrapolated to the split); below "
@@ -331,15 +340,17 @@ def main() -> int:
         first = runs[args.precisions[0]]
         error = np.abs(first["sims"][:, reference["chosen"]] - reference["columns"]).max()
         print(f"authors' slice vs {args.precisions[0]} matrix: max |diff| {error:.2e}")
-        if "fp32" in runs and "bf16" in runs:
-            difference = np.abs(np.subtract(recalls(runs["bf16"]["result"]), recalls(runs["fp32"]["result"])))
-            score_error = np.abs(runs["bf16"]["sims"] - runs["fp32"]["sims"]).max()
+        for low in ("bf16", "tf32"):
+            if "fp32" not in runs or low not in runs:
+                continue
+            difference = np.abs(np.subtract(recalls(runs[low]["result"]), recalls(runs["fp32"]["result"])))
+            score_error = np.abs(runs[low]["sims"] - runs["fp32"]["sims"]).max()
             spread = float(runs["fp32"]["sims"].std())
-            print(f"bf16 vs fp32: largest recall difference {difference.max():.2f} (target <= 0.1), "
+            print(f"{low} vs fp32: largest recall difference {difference.max():.2f} (target <= 0.1), "
                   f"largest score difference {score_error:.2e} (fp32 scores: std {spread:.2e})")
-            same, queries, far = top1_agreement(runs["fp32"]["sims"], runs["bf16"]["sims"], 2 * score_error)
-            print(f"bf16 vs fp32 top-1: the same for {same} of {queries} queries (both directions); "
-                  f"changed outside near-ties (fp32 margin above twice the largest bf16 error): {far}")
+            same, queries, far = top1_agreement(runs["fp32"]["sims"], runs[low]["sims"], 2 * score_error)
+            print(f"{low} vs fp32 top-1: the same for {same} of {queries} queries (both directions); "
+                  f"changed outside near-ties (fp32 margin above twice the largest {low} error): {far}")
     return 0
 
 

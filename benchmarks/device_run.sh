@@ -55,7 +55,7 @@ step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --fea
 TAIL=20 step bench_train 240 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 3 --matrix
 # the Flickr30K-size run first pays the device's probes (edge route, word-node route with the fused
 # kernel's compilation) in an untimed run per precision, and stores them for the MSCOCO-size one
-TAIL=20 step eval_f30k 150 python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions bf16 fp32 --authors-captions 100 --token-cache both --probed --tuning /tmp/sgraf-tuning
+TAIL=20 step eval_f30k 150 python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions bf16 fp32 tf32 --authors-captions 100 --token-cache both --probed --tuning /tmp/sgraf-tuning
 TAIL=20 step eval_coco 230 python3 benchmarks/bench_eval.py --device cuda --images 5000 --precisions bf16 fp32 --authors-captions 100 --tuning /tmp/sgraf-tuning
 # the compiled eval chunk (sgraf.kernels.compiled, opt-in) on CUDA: not by default (on an H100 its
 # compilations made a Flickr30K-size evaluate 13x slower, benchmarks/results/gpu-h100-*-b024312.txt)

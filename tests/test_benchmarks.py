@@ -18,10 +18,10 @@ def test_bench_gpu_smoke_runs_every_row_beside_the_authors(tmp_path):
     assert out.count("=== ") == 4 and "Flickr30K-size evaluate" in out     # all rows but the MSCOCO-size one
     assert out.count("speed-up vs the authors' algorithm (bf16)") == 1
     assert out.count("speed-up vs the authors' algorithm (fp32)") == 1
+    assert "bf16 vs fp32 top-1: the same for" in out and "tf32 vs fp32 top-1: the same for" in out
     assert "sgr ours fp32:" in out and "saf ours bf16:" in out                   # train rows vs the authors
     assert "SGRAF.score" in out and "x" in out.split("SGRAF.score", 1)[1]
     assert "train step, batch 16, sgr fp32:" in out and "scoring block 8 x 32, sgr fp32:" in out   # launches
-    assert "bf16 vs fp32 top-1: the same for" in out
 
 
 def test_bench_train_times_each_configuration_and_measures_its_peak_memory(tmp_path):

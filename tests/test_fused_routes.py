@@ -138,3 +138,24 @@ def test_a_route_that_gives_the_eager_routes_values_is_timed(kernel, tuning_cach
     entry = next(value for key, value in json.loads(tuning_cache.read_text()).items() if name in key)
     assert sorted(entry["seconds"]) == sorted(json.dumps(r) for r in module.MEASURED)
     assert all(seconds < float("inf") for seconds in entry["seconds"].values()), entry
+
+
+def test_float32_under_tf32_is_held_to_tf32s_rounding_and_stored_apart(tuning_cache, monkeypatch):
+    """With CUDA's matmuls in TF32 (`sgraf evaluate --tf32`) the eager route and the kernels both
+    round to 10 bits: a kernel 1e-3 off is refused in float32, timed under TF32, and the two
+    choices are stored under their own names."""
+    monkeypatch.setattr(attention, "fusable", lambda device: True)
+    monkeypatch.setattr(attention, "_fused", lambda relevance, gram, n_words, smooth, tile: attention.scaled_attention(
+        relevance, gram, n_words, smooth, "eager") * (1 + 1e-3))
+    assert fused_routes.dtype_key(torch.float32) == "torch.float32"
+    assert attention.measure_attention_route("cpu", torch.float32) == "eager"
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert fused_routes.dtype_key(torch.float32) == "torch.float32|tf32"
+    assert fused_routes.dtype_key(torch.bfloat16) == "torch.bfloat16"
+    assert fused_routes.agreement(torch.float32) == fused_routes.AGREEMENT_TF32 > 1e-3
+    attention.measure_attention_route("cpu", torch.float32)
+    stored = json.loads(tuning_cache.read_text())
+    exact, tf32 = (next(entry for key, entry in stored.items() if key.endswith(f"attention route|{name}"))
+                   for name in ("torch.float32", "torch.float32|tf32"))
+    assert all(exact["seconds"][json.dumps(r)] == float("inf") for r in attention.MEASURED[1:])
+    assert all(tf32["seconds"][json.dumps(r)] < float("inf") for r in attention.MEASURED)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
 from sgraf.kernels.norms import EPS, inverse_norm
 
 MAX_WORDS = 128                      # a caption's words in one tile, at most (longer captions: eager)
@@ -69,7 +69,7 @@ def measure_attention_route(device: torch.device | str, dtype: torch.dtype) -> s
 
 
 def _name(dtype: torch.dtype) -> str:
-    return f"attention route|{dtype}"
+    return f"attention route|{dtype_key(dtype)}"
 
 
 def applies(route: str, n_words: int) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
 from sgraf.kernels.norms import EPS, inverse_norm
 
 L1_EPS = 1e-8                        # sgraf.model.norms.l1norm's epsilon
@@ -69,7 +69,7 @@ def measure_filter_route(device: torch.device | str, dtype: torch.dtype, dim: in
 
 
 def _name(dtype: torch.dtype, dim: int) -> str:
-    return f"saf filter route|{dtype}|m={dim}"
+    return f"saf filter route|{dtype_key(dtype)}|m={dim}"
 
 
 def applies(route: str, n_nodes: int, dim: int) -> bool:

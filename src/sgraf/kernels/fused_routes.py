@@ -42,6 +42,25 @@ ROUTES = ("eager", "fused")          # the first is the default; the forcing var
 # Triton's interpreter, which truncates where a GPU rounds, the word nodes' bf16 probe lies 1.5 %
 # apart, the reasoning steps' 0.5 %). A kernel that reads or writes the wrong place is further off
 AGREEMENT = {torch.float32: 1e-4, torch.bfloat16: 2 ** -4, torch.float16: 2 ** -4}
+# float32 under TF32 (`sgraf evaluate --tf32`): the eager route's matmuls and the kernels' both
+# round their operands to 10 bits of mantissa, as float16 does
+AGREEMENT_TF32 = AGREEMENT[torch.float16]
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    """`dtype` as the kernels' stored choices name it. float32 while CUDA's matmuls may use TF32
+    is a dtype of its own: the eager route and the kernels then multiply in TF32, so they are
+    timed and held to each other apart from exact float32."""
+    return f"{dtype}|tf32" if _tf32(dtype) else str(dtype)
+
+
+def agreement(dtype: torch.dtype) -> float:
+    """How far a fused route's probe output may lie from the eager route's (`AGREEMENT`)."""
+    return AGREEMENT_TF32 if _tf32(dtype) else AGREEMENT[dtype]
+
+
+def _tf32(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
 
 
 def fusable(device: torch.device | str) -> bool:
@@ -103,7 +122,7 @@ class FusedRoutes:
                runner: Callable[[str], Callable[[], Outputs]], dtype: torch.dtype) -> str:
         """`peek`, measured on this device if it has not been: `runner(route)` sets up a probe (the
         same inputs for every route) and returns the call to time, which returns the route's
-        output; a fused route's first output is held to the eager route's within `AGREEMENT[dtype]`."""
+        output; a fused route's first output is held to the eager route's within `agreement(dtype)`."""
         forced = self.forced(device, can_fuse)
         if forced:
             return forced
@@ -112,7 +131,7 @@ class FusedRoutes:
             return ROUTES[0]
         reference: list[Outputs] = []    # the eager route's output, measured first
         return tuning.choose(name, self.measured,
-                             lambda route: self._time(route, device, runner, reference, AGREEMENT[dtype]),
+                             lambda route: self._time(route, device, runner, reference, agreement(dtype)),
                              device=device)
 
     def _time(self, route: str, device: torch.device, runner: Callable[[str], Callable[[], Outputs]],

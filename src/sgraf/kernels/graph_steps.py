@@ -38,7 +38,7 @@ import torch
 
 from sgraf.kernels import edges
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
 
 
 MAX_NODES = 64                       # graphs of more nodes (captions of 64 words or more): eager
@@ -77,7 +77,7 @@ def measure_step_route(device: torch.device | str, dtype: torch.dtype, dim: int,
 
 
 def _name(dtype: torch.dtype, dim: int, steps: int) -> str:
-    return f"sgr step route|{dtype}|m={dim}|steps={steps}"
+    return f"sgr step route|{dtype_key(dtype)}|m={dim}|steps={steps}"
 
 
 def applies(route: str, n_nodes: int, has_global: bool, dtype: torch.dtype) -> bool:

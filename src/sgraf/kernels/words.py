@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, fusable
+from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
 from sgraf.kernels.norms import EPS, inverse_norm
 
 
@@ -223,7 +223,7 @@ def _kernel() -> Any:
 
 
 def _name(dtype: torch.dtype, dim: int, width: int) -> str:
-    return f"word nodes route|{dtype}|d={dim}|m={width}"
+    return f"word nodes route|{dtype_key(dtype)}|d={dim}|m={width}"
 
 
 def probe(device: torch.device, dtype: torch.dtype, dim: int, width: int, seed: int = 0,
