@@ -5,23 +5,15 @@ its compilation for an H100."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from hopper import compile_tiles, spills
+from interpreted import TESTS, interpreted, needs_triton
 from numerics import REORDERED, assert_close, largest
 from sgraf.kernels import attention, plan
 
 pytestmark = pytest.mark.numeric
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (pip install triton)")
 
 
 def reference(relevance: torch.Tensor, gram: torch.Tensor, n_words: int, smooth: float) -> torch.Tensor:
@@ -93,10 +85,7 @@ def test_the_fused_kernel_gives_the_eager_route_through_tritons_interpreter():
     """Every tile, float32 and bf16 relevance: after the load the kernel works in float32 as the
     eager route does, so the two agree to the summation order (Triton's interpreter runs each
     program in Python: the cases are few and small)."""
-    completed = subprocess.run([sys.executable, "-c", FUSED_CHECK], capture_output=True, text=True,
-                               env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = interpreted(FUSED_CHECK)
     assert len(results) == len(attention.TILES) + 3
     for case, result in results.items():
         assert result["finite"] and result["max_diff"] <= 1e-5 * result["largest"], (case, result)
@@ -122,11 +111,7 @@ print(json.dumps(results))
 def test_the_golden_scores_through_the_fused_attention():
     """The model's scorer with the attention from the kernel (Triton's interpreter on the CPU)
     gives the authors' golden scores, as the eager route does (tests/test_model_golden.py)."""
-    completed = subprocess.run([sys.executable, "-c", GOLDEN_THROUGH_FUSED, str(pathlib.Path(__file__).parent)],
-                               capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"},
-                               timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = interpreted(GOLDEN_THROUGH_FUSED, TESTS)
     assert results.pop("kernel_calls") > 0, results            # the scorer took the kernel
     for module, difference in results.items():
         assert difference <= 1e-6, (module, difference)

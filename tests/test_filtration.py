@@ -6,24 +6,16 @@ the kernel compiled for an H100. Its route choice is tested with the other kerne
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from hopper import compile_tiles, spills
+from interpreted import TESTS, interpreted, needs_triton
 from numerics import REORDERED, assert_close, largest
 from sgraf.kernels import filtration, plan
 from sgraf.model.filtration import AttentionFiltration
 
 pytestmark = pytest.mark.numeric
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (pip install triton)")
 
 
 def folded_batch_norm(saf: AttentionFiltration) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,14 +78,14 @@ for dtype, dim, block, routes in cases:
     for route in routes:
         fused = filtration.filtered(*inputs, route=route)
         results[f"{dtype}, {dim}, {block}, {route}"] = {
-            "finite": bool(torch.isfinite(fused).all()), "shape": list(fused.shape),
+            "finite": bool(torch.isfinite(fused).all()), "shape": list(fused.shape), "expected": [*block[:2], dim],
             "max_diff": float((fused - eager).abs().max()), "largest": float(eager.abs().max())}
 nodes, *rest = filtration.probe(torch.device("cpu"), torch.float32, 32, seed=1, block=(2, 4, 7))
 wide = torch.zeros(2, 4, 7, 48)
 wide[..., 8:40] = nodes
 view = wide[..., 8:40]                                   # the last dim contiguous, the others strided
 fused, eager = filtration.filtered(view, *rest, route="fused"), filtration.filtered(nodes, *rest, route="eager")
-results["strided"] = {"finite": bool(torch.isfinite(fused).all()), "shape": list(fused.shape),
+results["strided"] = {"finite": bool(torch.isfinite(fused).all()), "shape": list(fused.shape), "expected": [2, 4, 32],
                       "max_diff": float((fused - eager).abs().max()), "largest": float(eager.abs().max())}
 print(json.dumps(results))
 """
@@ -104,15 +96,11 @@ def test_the_fused_kernel_gives_the_eager_route_through_tritons_interpreter():
     """Every tile, float32 and bf16 nodes: after the load the kernel works in float32 as the eager
     route does, so the two agree to the summation order (the interpreter runs each program in
     Python: the cases are few and small)."""
-    completed = subprocess.run([sys.executable, "-c", FUSED_CHECK], capture_output=True, text=True,
-                               env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = interpreted(FUSED_CHECK)
     assert len(results) == len(filtration.TILES) + 5
     for case, result in results.items():
         assert result["finite"] and result["max_diff"] <= 1e-6 * result["largest"], (case, result)
-        assert result["shape"][:2] == ([2, 4] if case == "strided" else json.loads(case.split(", (")[1]
-                                                                                    .split(")")[0].join("[]"))[:2])
+        assert result["shape"] == result["expected"], (case, result)
 
 
 GOLDEN_THROUGH_FUSED = r"""
@@ -134,11 +122,7 @@ print(json.dumps({"SAF": float((scores - entry["sims"]).abs().max()), "kernel_ca
 def test_the_golden_scores_through_the_fused_filtration():
     """The model's scorer with SAF's filtration from the kernel (Triton's interpreter on the CPU)
     gives the authors' golden scores, as the eager route does (tests/test_model_golden.py)."""
-    completed = subprocess.run([sys.executable, "-c", GOLDEN_THROUGH_FUSED, str(pathlib.Path(__file__).parent)],
-                               capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"},
-                               timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = interpreted(GOLDEN_THROUGH_FUSED, TESTS)
     assert results["kernel_calls"] > 0, results            # the scorer took the kernel
     assert results["SAF"] <= 1e-6, results
 

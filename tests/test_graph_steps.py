@@ -4,22 +4,14 @@ installed; on a GPU in tests/test_gpu.py), and the route choice."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from hopper import compile_tiles, spills
+from interpreted import TESTS, interpreted, needs_triton
 from sgraf.kernels import fused_routes, graph_steps, plan
 
 pytestmark = pytest.mark.numeric
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (pip install triton)")
 
 FUSED_CHECK = r"""
 import json, torch
@@ -51,11 +43,7 @@ print(json.dumps(results))
 
 @needs_triton
 def test_the_fused_steps_give_the_eager_steps_through_tritons_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    completed = subprocess.run([sys.executable, "-c", FUSED_CHECK], capture_output=True, text=True, env=env,
-                               timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = interpreted(FUSED_CHECK)
     assert sorted(results) == ["bfloat16", "float32"] and all(len(cases) == 4 for cases in results.values())
     for dtype, cases in results.items():
         for case in cases:
@@ -100,11 +88,7 @@ def test_the_golden_scores_in_bf16_through_the_fused_steps():
     """SGR's bf16 scorer with its reasoning steps in the kernel (Triton's interpreter on the CPU)
     gives the eager steps' bf16 scores of the golden data, and is no further from the authors'
     float32 scores than they are."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    completed = subprocess.run([sys.executable, "-c", GOLDEN_THROUGH_FUSED, str(pathlib.Path(__file__).parent)],
-                               capture_output=True, text=True, env=env, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    result = interpreted(GOLDEN_THROUGH_FUSED, TESTS)
     assert result["kernel_calls"] > 0, result                   # the scorer took the kernel
     assert result["apart"] <= 2**-10, result
     assert result["fused_from_golden"] <= result["eager_from_golden"] + 2**-10, result

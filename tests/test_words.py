@@ -4,17 +4,11 @@ interpreter, where Triton is installed; on a GPU in tests/test_gpu.py), and the 
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from hopper import compile_tiles, spills
+from interpreted import TESTS, interpreted, needs_triton
 from numerics import REORDERED, assert_close, largest
 from sgraf.kernels import fused_routes, plan, words
 
@@ -84,14 +78,10 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+@needs_triton
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_fused_kernel_gives_the_eager_route_through_tritons_interpreter(dtype):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    completed = subprocess.run([sys.executable, "-c", FUSED_CHECK, dtype], capture_output=True, text=True,
-                               env=env, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = interpreted(FUSED_CHECK, dtype)
     agreement = fused_routes.AGREEMENT[getattr(torch, dtype)]     # what the route's probe asks of it
     assert all(case["max_diff"] <= agreement * case["largest"] for case in results.values()), results
     glob = results.pop("global")
@@ -134,16 +124,12 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+@needs_triton
 def test_the_golden_scores_through_the_fused_route():
     """The model's scorer with the word nodes and the global nodes from the kernel (Triton's
     interpreter on the CPU) gives the authors' golden scores, as the eager route does
     (tests/test_model_golden.py)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    completed = subprocess.run([sys.executable, "-c", GOLDEN_THROUGH_FUSED, str(pathlib.Path(__file__).parent)],
-                               capture_output=True, text=True, env=env, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = interpreted(GOLDEN_THROUGH_FUSED, TESTS)
     assert all(count > 0 for count in results.pop("calls").values()), results   # both through the kernel
     for module, difference in results.items():
         assert difference <= 1e-6, (module, difference)
@@ -158,7 +144,7 @@ def test_the_cpu_takes_the_eager_route_without_measuring(tuning_cache):
     assert not tuning_cache.exists()                             # nothing measured, nothing stored
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+@needs_triton
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_fused_kernel_compiles_for_hopper_without_spilling(dtype):
     """No GPU needed: Triton compiles the kernel for sm_90 at the paper's sizes, with each tile
