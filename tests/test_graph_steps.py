@@ -124,7 +124,8 @@ def test_the_fused_steps_compile_for_hopper_without_spilling():
     values = dict(STEPS=3, DIM=256, DIM_TILE=256, NODES=16, HAS_MASK=True, WIDEN=False, EMULATE=False,
                   PRECISION="tf32")
     built = compile_tiles(graph_steps._kernel(), values, pointers, graph_steps.TILES,
-                          lambda tile: ({"ROWS": tile[0], "CHUNK": tile[1]}, *tile[2:]))
+                          lambda tile: ({"ROWS": tile[0], "CHUNK": tile[1], "GLOBALS": max(16, tile[0] // 16)},
+                                        *tile[2:]))
     for (rows, chunk, warps, _), (ptx, report) in zip(graph_steps.TILES, built):
         spilled = spills(report)
         assert spilled and spilled == [0] * len(spilled), (rows, chunk, warps, report)

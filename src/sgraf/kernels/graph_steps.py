@@ -13,8 +13,10 @@ where the nodes themselves are 1.9 GB.
   (`ROWS` rows, each graph padded to a power of two), and per step computes the queries
   `CHUNK` output features at a time, accumulating their logits against the nodes, the masked
   softmax within each graph, the aggregates and `ReLU(W_r . + b_r)`, writing the new nodes to a
-  scratch area of its own (read back by the next step, mostly from the L2 cache); the last step
-  writes the global node's vector. The kernel rounds where the eager route rounds (queries,
+  scratch area of its own (read back by the next step, mostly from the L2 cache). The last step
+  computes the global nodes alone, as the eager route does: the program's graphs' global rows
+  gathered into one tile of at least 16 rows (`GLOBALS`), a quarter of a full step's products
+  for a 64-row tile; it writes their vectors. The kernel rounds where the eager route rounds (queries,
   logits, edges, aggregates and nodes to the nodes' dtype), so the two agree to the
   accumulation order.
 
@@ -141,7 +143,8 @@ def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked
     _kernel()[(programs,)](
         graphs, graphs if blocked is None else blocked.contiguous(), bilinear, key_term, weight, bias, scratch,
         out, n_graphs, n_cap, n_nodes, STEPS=len(folded), DIM=dim, DIM_TILE=dim_tile, NODES=nodes_tile,
-        ROWS=rows, CHUNK=min(chunk, dim_tile), HAS_MASK=blocked is not None, PRECISION="ieee" if exact else "tf32",
+        ROWS=rows, GLOBALS=max(16, per_program), CHUNK=min(chunk, dim_tile), HAS_MASK=blocked is not None,
+        PRECISION="ieee" if exact else "tf32",
         # Triton's interpreter (the CPU tests) multiplies bf16 tiles wrongly and truncates casts to
         # bf16: there the tiles are float32 and the rounding is done on the bits
         WIDEN=interpreted, EMULATE=interpreted and low == torch.bfloat16, num_warps=warps, num_stages=stages)

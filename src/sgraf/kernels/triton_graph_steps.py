@@ -22,9 +22,13 @@ def narrow(x, low: tl.constexpr, EMULATE: tl.constexpr):
 def graph_steps_kernel(graphs, blocked, bilinear, key_term, weight, bias, scratch, out,
                        n_graphs, n_cap, n_nodes,
                        STEPS: tl.constexpr, DIM: tl.constexpr, DIM_TILE: tl.constexpr, NODES: tl.constexpr,
-                       ROWS: tl.constexpr,
+                       ROWS: tl.constexpr, GLOBALS: tl.constexpr,
                        CHUNK: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
                        WIDEN: tl.constexpr, EMULATE: tl.constexpr):
+    """Every reasoning step over the graphs of `ROWS // NODES` graphs (each padded to `NODES` rows)
+    per program, through this program's `ROWS` scratch rows; the last step for each graph's
+    global node alone (the read-out), its rows gathered into a tile of `GLOBALS` rows (at least
+    16, what a tensor-core product takes), as the eager steps update only the read-out."""
     program = tl.program_id(0).to(tl.int64)          # 64-bit offsets: a block's nodes pass 2**31 values
     local = tl.arange(0, ROWS)
     graph = program * (ROWS // NODES) + local // NODES
@@ -39,7 +43,7 @@ def graph_steps_kernel(graphs, blocked, bilinear, key_term, weight, bias, scratc
     keys_ok = ((local[:, None] // NODES) == (local[None, :] // NODES)) & (node < n_nodes)[None, :]
     if HAS_MASK:
         key_add = tl.load(blocked + (graph % n_cap) * n_nodes + node, mask=node < n_nodes, other=0.0)
-    for step in tl.static_range(STEPS):
+    for step in tl.static_range(STEPS - 1):
         if step == 0:
             source = graphs + at_graph
         else:
@@ -93,9 +97,70 @@ def graph_steps_kernel(graphs, blocked, bilinear, key_term, weight, bias, scratc
             new = tl.dot(aggregate, w, input_precision=PRECISION, out_dtype=tl.float32)
             new += tl.load(bias + step * DIM + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
             new = narrow(tl.maximum(new, 0.0), low, EMULATE)                        # ReLU(W_r . + b_r)
-            if step == STEPS - 1:
-                tl.store(out + graph[:, None] * DIM + outs[None, :], new.to(tl.float32),
-                         mask=(row_ok & (node == 0))[:, None] & out_ok[None, :])
-            else:
-                tl.store(scratch + at_scratch[:, None] + outs[None, :], new.to(low))
+            tl.store(scratch + at_scratch[:, None] + outs[None, :], new.to(low))
         tl.debug_barrier()          # the new nodes are written before the next step reads them
+    # the last step: each graph's global node (its row 0) alone, as queries against all the keys
+    step = STEPS - 1
+    if step == 0:
+        source = graphs + at_graph
+    else:
+        source = scratch + at_scratch
+    mine = tl.arange(0, GLOBALS)                                  # a global node per row; padding past them
+    own = program * (ROWS // NODES) + mine
+    mine_ok = (mine < ROWS // NODES) & (own < n_graphs)
+    if step == 0:
+        at_own = graphs + own * n_nodes * DIM
+    else:
+        at_own = scratch + (program * ROWS + mine * NODES) * DIM_TILE
+    x = tl.load(at_own[:, None] + feats[None, :], mask=mine_ok[:, None] & feat_ok[None, :], other=0.0)
+    if WIDEN:
+        x = x.to(tl.float32)
+    logits = tl.zeros((GLOBALS, ROWS), dtype=tl.float32)
+    for start in range(0, DIM_TILE, CHUNK):
+        outs = start + tl.arange(0, CHUNK)
+        out_ok = outs < DIM
+        w = tl.load(bilinear + step * DIM * DIM + outs[None, :] * DIM + feats[:, None],
+                    mask=feat_ok[:, None] & out_ok[None, :], other=0.0)                     # (DIM_TILE, CHUNK)
+        keys = tl.load(source[:, None] + outs[None, :], mask=row_ok[:, None] & out_ok[None, :], other=0.0)
+        if WIDEN:
+            w = w.to(tl.float32)
+            keys = keys.to(tl.float32)
+        query = tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32)
+        query += tl.load(key_term + step * DIM + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
+        query = narrow(query, low, EMULATE)
+        logits += tl.dot(query, tl.trans(keys), input_precision=PRECISION, out_dtype=tl.float32)
+    logits = narrow(logits, low, EMULATE).to(tl.float32)
+    if HAS_MASK:
+        logits += key_add.to(tl.float32)[None, :]
+    # a global node's keys are its own graph's nodes; a padding row takes every key (finite, not stored)
+    own_keys = ((mine[:, None] == (local[None, :] // NODES)) & (node < n_nodes)[None, :]) | ~mine_ok[:, None]
+    logits = tl.where(own_keys, logits, float("-inf"))
+    top = tl.max(logits, axis=1)
+    edges = tl.exp(logits - top[:, None])
+    edges = narrow(edges / tl.sum(edges, axis=1)[:, None], low, EMULATE)
+    # the global nodes' aggregates into this program's first GLOBALS scratch rows, a chunk of
+    # features at a time (each chunk overwrites only the features it read)
+    at_mine = (program * ROWS + mine) * DIM_TILE
+    for start in range(0, DIM_TILE, CHUNK):
+        outs = start + tl.arange(0, CHUNK)
+        values = tl.load(source[:, None] + outs[None, :], mask=row_ok[:, None] & (outs < DIM)[None, :], other=0.0)
+        if WIDEN:
+            values = values.to(tl.float32)
+        part = narrow(tl.dot(edges, values, input_precision=PRECISION, out_dtype=tl.float32), low, EMULATE)
+        tl.debug_barrier()
+        tl.store(scratch + at_mine[:, None] + outs[None, :], part.to(low))
+    tl.debug_barrier()
+    aggregate = tl.load(scratch + at_mine[:, None] + feats[None, :])                          # (GLOBALS, DIM_TILE)
+    if WIDEN:
+        aggregate = aggregate.to(tl.float32)
+    for start in range(0, DIM_TILE, CHUNK):
+        outs = start + tl.arange(0, CHUNK)
+        out_ok = outs < DIM
+        w = tl.load(weight + step * DIM * DIM + outs[None, :] * DIM + feats[:, None],
+                    mask=feat_ok[:, None] & out_ok[None, :], other=0.0)
+        if WIDEN:
+            w = w.to(tl.float32)
+        new = tl.dot(aggregate, w, input_precision=PRECISION, out_dtype=tl.float32)
+        new += tl.load(bias + step * DIM + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
+        new = narrow(tl.maximum(new, 0.0), low, EMULATE)
+        tl.store(out + own[:, None] * DIM + outs[None, :], new.to(tl.float32), mask=mine_ok[:, None] & out_ok[None, :])
