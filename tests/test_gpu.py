@@ -237,6 +237,28 @@ def test_each_fused_route_is_measured_on_the_device_and_stored(tmp_path, monkeyp
         tuning.forget()
 
 
+@pytest.mark.parametrize("tf32", [False, True])
+def test_the_word_nodes_float32_probe_with_and_without_tf32(tmp_path, monkeypatch, tf32):
+    """The word nodes' kernel in float32 (its products exact, or in TF32 under `--tf32`, the one
+    float32 product no CPU test runs): every tile builds and agrees with the eager route within
+    `fused_routes.agreement`, and the choice is stored under its own name."""
+    pytest.importorskip("triton")
+    from sgraf.kernels import tuning, words
+    from sgraf.precision import tf32 as allow_tf32
+
+    monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SGRAF_WORD_ROUTE", raising=False)
+    tuning.forget()
+    try:
+        with allow_tf32(tf32):
+            chosen = words.measure_word_route("cuda", torch.float32, 1024, 256)
+        assert chosen in words.MEASURED
+        stored = (tmp_path / "tuning.json").read_text()
+        assert ("torch.float32|tf32" in stored) == tf32 and "Infinity" not in stored
+    finally:
+        tuning.forget()
+
+
 @pytest.mark.parametrize("module", ["SGR", "SAF"])
 def test_gpu_gradients_equal_the_authors_within_float32_noise(module):
     entry = torch.load(DATA / "golden_train.pt", weights_only=True)[module]
