@@ -24,7 +24,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -33,7 +32,7 @@ from sgraf.kernels import tuning
 
 logger = logging.getLogger(__name__)
 
-Outputs = Union[torch.Tensor, tuple[torch.Tensor, ...]]   # what a probed route returns
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]   # what a probed route returns
 
 ROUTES = ("eager", "fused")          # the first is the default; the forcing variables take these
 # How far a fused route's output may lie from the eager route's on the probe's inputs, as a

@@ -16,8 +16,8 @@ where the nodes themselves are 1.9 GB.
   scratch area of its own (read back by the next step, mostly from the L2 cache). The last step
   computes the global nodes alone, as the eager route does: the program's graphs' global rows
   gathered into one tile of at least 16 rows (`GLOBALS`), a quarter of a full step's products
-  for a 64-row tile; it writes their vectors. The kernel rounds where the eager route rounds (queries,
-  logits, edges, aggregates and nodes to the nodes' dtype), so the two agree to the
+  for a 64-row tile; it writes their vectors. The kernel rounds where the eager route rounds
+  (queries, logits, edges, aggregates and nodes to the nodes' dtype), so the two agree to the
   accumulation order.
 
 `measure_step_route(device, dtype, dim, steps)` times the eager route and the kernel with each
