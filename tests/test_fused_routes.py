@@ -13,6 +13,7 @@ import torch
 from sgraf.errors import InputError
 from sgraf.kernels import attention, filtration, fused_routes, graph_steps, words
 from sgraf.kernels.fused_routes import FusedRoutes
+from sgraf.precision import tf32
 
 # module, its route functions with small sizes, its forcing variable, its stored choice's name,
 # and the function its fused route calls
@@ -149,13 +150,15 @@ def test_float32_under_tf32_is_held_to_tf32s_rounding_and_stored_apart(tuning_ca
         relevance, gram, n_words, smooth, "eager") * (1 + 1e-3))
     assert fused_routes.dtype_key(torch.float32) == "torch.float32"
     assert attention.measure_attention_route("cpu", torch.float32) == "eager"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert fused_routes.dtype_key(torch.float32) == "torch.float32|tf32"
-    assert fused_routes.dtype_key(torch.bfloat16) == "torch.bfloat16"
-    assert fused_routes.agreement(torch.float32) == fused_routes.AGREEMENT_TF32 > 1e-3
-    attention.measure_attention_route("cpu", torch.float32)
+    # (the flag also sets PyTorch's float32 matmul precision, CPU included: `tf32` restores both)
+    with tf32(True):
+        assert fused_routes.dtype_key(torch.float32) == "torch.float32|tf32"
+        assert fused_routes.dtype_key(torch.bfloat16) == "torch.bfloat16"
+        assert fused_routes.agreement(torch.float32) == fused_routes.AGREEMENT_TF32 > 1e-3
+        attention.measure_attention_route("cpu", torch.float32)
+    assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
     stored = json.loads(tuning_cache.read_text())
-    exact, tf32 = (next(entry for key, entry in stored.items() if key.endswith(f"attention route|{name}"))
-                   for name in ("torch.float32", "torch.float32|tf32"))
+    exact, rounded = (next(entry for key, entry in stored.items() if key.endswith(f"attention route|{name}"))
+                      for name in ("torch.float32", "torch.float32|tf32"))
     assert all(exact["seconds"][json.dumps(r)] == float("inf") for r in attention.MEASURED[1:])
-    assert all(tf32["seconds"][json.dumps(r)] < float("inf") for r in attention.MEASURED)
+    assert all(rounded["seconds"][json.dumps(r)] < float("inf") for r in attention.MEASURED)
