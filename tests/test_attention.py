@@ -124,7 +124,7 @@ def test_the_fused_attention_compiles_for_hopper_without_spilling(dtype):
     captions of 13 words padded to 16) with each tile the probe may pick, and the `ptxas -v`
     Triton runs reports no register spills."""
     pointers = {"relevance": f"*{dtype}", "gram": "*fp32", "out": "*fp32"}
-    values = dict(REGIONS=64, WORDS=16, EPSILON=attention.EPS)
+    values = dict(n_regions=36, REGIONS=64, WORDS=16, EPSILON=attention.EPS)
     built = compile_tiles(attention._kernel(), values, pointers, attention.TILES,
                           lambda tile: ({"CAPTIONS": tile[0] // 16}, *tile[1:]))
     for tile, (_, report) in zip(attention.TILES, built):

@@ -122,7 +122,7 @@ def _fused(relevance: torch.Tensor, gram: torch.Tensor, n_words: int, smooth: fl
     n_cap = n_rows // n_words
     out = torch.empty(n_img, n_regions, n_rows, device=relevance.device, dtype=torch.float32)
     _kernel()[(n_img, triton.cdiv(n_cap, captions))](
-        relevance, gram, out, n_regions, n_cap, n_words, n_rows, float(smooth),
+        relevance, gram, out, n_cap, n_words, n_rows, float(smooth), n_regions=n_regions,
         REGIONS=max(16, triton.next_power_of_2(n_regions)), WORDS=words, CAPTIONS=captions,
         EPSILON=EPS, num_warps=warps, num_stages=stages)
     return out

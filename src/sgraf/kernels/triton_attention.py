@@ -6,12 +6,14 @@ import triton.language as tl
 
 
 @triton.jit
-def attention_kernel(relevance, gram, out, n_regions, n_cap, n_words, n_rows, smooth,
+def attention_kernel(relevance, gram, out, n_cap, n_words, n_rows, smooth, n_regions: tl.constexpr,
                      REGIONS: tl.constexpr, WORDS: tl.constexpr, CAPTIONS: tl.constexpr, EPSILON: tl.constexpr):
     """One image's attention over a tile of `CAPTIONS` captions: `relevance` (n_img, K, n_rows)
     in the nodes' dtype, n_rows = n_cap x n_words, `gram` (n_img, K, K) and `out` (n_img, K,
     n_rows) float32. Rows are regions (padded to `REGIONS`), columns the tile's (caption, word)
-    pairs, each caption's words padded to `WORDS`; everything after the load in float32."""
+    pairs, each caption's words padded to `WORDS`; everything after the load in float32. The
+    region count K is a compile-time constant (a model's; the loop over the regions takes it as
+    its bound, which Triton 3.6's interpreter needs)."""
     COLUMNS: tl.constexpr = CAPTIONS * WORDS
     # an image's offset in 64 bits (a block's attention passes 2**31 values), offsets within it in 32
     image = tl.program_id(0).to(tl.int64)
