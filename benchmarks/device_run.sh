@@ -45,7 +45,7 @@ print('uptime', open('/proc/uptime').read().split()[0], 'process age at entry', 
 fi
 step test_gpu 180 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 # the blocks at 1,024 captions only (128 was for the launch counts, read in session 14): each module is
-# profiled once per set of routes, SGR five times and SAF three (the attention's kernel adds one each)
+# profiled once per set of routes, SGR five times and SAF four (the attention's and the filtration's kernels)
 TAIL=14 step gpu_profile 150 python3 benchmarks/gpu_profile.py --steps 5 --captions 1024
 TAIL=20 step sweep 90 python3 benchmarks/gpu_profile.py --sweep --steps 3
 step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --features synthetic --n-train 400 --n-dev 60 --n-test 60 --no-images

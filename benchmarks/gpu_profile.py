@@ -245,21 +245,18 @@ def block_routes(module: str, edge_routes: list[str], word_routes: list[str]) ->
     edge route measured or default), SGR once more with its reasoning steps in one kernel as well,
     every module once more with the attention in one kernel too, and SAF once more with its
     filtration in one kernel as well."""
-    # the kernels a module does not run are left out; SAF's filtration is eager until its own entry
-    eager_steps = {"SGRAF_STEP_ROUTE": "eager"} if module == "sgr" else {"SGRAF_FILTER_ROUTE": "eager"}
-    eager_rest = {"SGRAF_WORD_ROUTE": "eager", **eager_steps, "SGRAF_ATTENTION_ROUTE": "eager"}
+    own = "SGRAF_STEP_ROUTE" if module == "sgr" else "SGRAF_FILTER_ROUTE"   # the module's own head kernel
+    eager_rest = {"SGRAF_WORD_ROUTE": "eager", own: "eager", "SGRAF_ATTENTION_ROUTE": "eager"}
     edge = [{"SGRAF_EDGE_ROUTE": route, **eager_rest} for route in edge_routes] if module == "sgr" else [eager_rest]
     fused = []
-    for route in word_routes:
-        if route == "eager":
-            continue
-        fused.append({"SGRAF_WORD_ROUTE": route, **eager_steps, "SGRAF_ATTENTION_ROUTE": "eager"})
-        steps = {"SGRAF_STEP_ROUTE": route} if module == "sgr" else {}
-        if steps:   # the reasoning steps in one kernel too (`sgraf.kernels.graph_steps`)
-            fused.append({"SGRAF_WORD_ROUTE": route, **steps, "SGRAF_ATTENTION_ROUTE": "eager"})
-        fused.append({"SGRAF_WORD_ROUTE": route, **(steps or eager_steps), "SGRAF_ATTENTION_ROUTE": route})
+    for route in (r for r in word_routes if r != "eager"):
+        fused.append({"SGRAF_WORD_ROUTE": route, own: "eager", "SGRAF_ATTENTION_ROUTE": "eager"})
+        if module == "sgr":   # the reasoning steps in one kernel too (`sgraf.kernels.graph_steps`)
+            fused.append({"SGRAF_WORD_ROUTE": route, own: route, "SGRAF_ATTENTION_ROUTE": "eager"})
+        fused.append({"SGRAF_WORD_ROUTE": route, own: route if module == "sgr" else "eager",
+                      "SGRAF_ATTENTION_ROUTE": route})
         if module != "sgr":   # and SAF's filtration (`sgraf.kernels.filtration`)
-            fused.append({"SGRAF_WORD_ROUTE": route, "SGRAF_FILTER_ROUTE": route, "SGRAF_ATTENTION_ROUTE": route})
+            fused.append({"SGRAF_WORD_ROUTE": route, own: route, "SGRAF_ATTENTION_ROUTE": route})
     return edge + fused
 
 

@@ -35,7 +35,6 @@ from sgraf.kernels.cpu import fast_linear
 from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
 from sgraf.kernels.norms import EPS, inverse_norm
 
-L1_EPS = 1e-8                        # sgraf.model.norms.l1norm's epsilon
 # a pair's values (nodes x features, each padded to a power of two) in one program, at most
 # (larger pairs: eager): 64 nodes of 256 features, which compile for sm_90 without spilling
 # registers with the tiles as `launch` adjusts them
@@ -112,7 +111,7 @@ def filtered(nodes: torch.Tensor, node_mask: torch.Tensor, weight: torch.Tensor,
     nodes = nodes.float()
     logits = fast_linear(nodes, weight, bias).squeeze(3)                                   # (n_img, n_cap, P)
     beta = torch.sigmoid_(logits.mul_(scale).add_(shift)).mul_(node_mask.unsqueeze(0))
-    beta = beta.div_(beta.sum(dim=2, keepdim=True).add_(L1_EPS))                           # l1norm (beta >= 0)
+    beta = beta.div_(beta.sum(dim=2, keepdim=True).add_(EPS))                              # l1norm (beta >= 0)
     pooled = torch.bmm(beta.view(-1, 1, n_nodes), nodes.reshape(-1, n_nodes, dim)).view(n_img, n_cap, dim)
     return pooled.mul_(inverse_norm(pooled))
 
@@ -133,7 +132,7 @@ def _fused(nodes: torch.Tensor, node_mask: torch.Tensor, weight: torch.Tensor, b
         scale.float(), shift.float(), out, n_pairs, n_cap, n_nodes, dim,
         nodes.stride(0), nodes.stride(1), nodes.stride(2),
         NODES=padded_nodes, DIM=padded_dim, PAIRS=pairs,
-        EPSILON=EPS, L1_EPSILON=L1_EPS, num_warps=warps, num_stages=stages)
+        EPSILON=EPS, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -1,4 +1,5 @@
-"""How the route of each Triton kernel is chosen (`sgraf.kernels.words`, `graph_steps`, `attention`).
+"""How the route of each Triton kernel is chosen (`sgraf.kernels.words`, `graph_steps`, `attention`,
+`filtration`).
 
 Each of those modules has two routes: 'eager' (PyTorch's operations, the default) and 'fused' (its
 kernel). The kernel comes in a few tiles, and a probe times each tile as a route of its own

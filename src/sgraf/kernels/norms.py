@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-EPS = 1e-8                           # sgraf.model.norms.EPS: the l2 norms' epsilon
+EPS = 1e-8                           # sgraf.model.norms.EPS: the l2 and l1 norms' epsilon
 
 
 def inverse_norm(x: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:

@@ -8,8 +8,7 @@ import triton.language as tl
 @triton.jit
 def filter_kernel(nodes, mask, weight, bias, scale, shift, out, n_pairs, n_cap, n_nodes, dim,
                   stride_img, stride_cap, stride_node,
-                  NODES: tl.constexpr, DIM: tl.constexpr, PAIRS: tl.constexpr, EPSILON: tl.constexpr,
-                  L1_EPSILON: tl.constexpr):
+                  NODES: tl.constexpr, DIM: tl.constexpr, PAIRS: tl.constexpr, EPSILON: tl.constexpr):
     """SAF's pooled vector of `PAIRS` (image, caption) pairs, one after the other: `nodes`
     (n_img, n_cap, P, m) in its dtype, `mask` (n_cap, P) uint8, `weight` (m,), `bias`, `scale`
     and `shift` (1,) float32, `out` (n_img x n_cap, m) float32. A pair's nodes are rows (padded to
@@ -33,7 +32,7 @@ def filter_kernel(nodes, mask, weight, bias, scale, shift, out, n_pairs, n_cap, 
                     other=0.0).to(tl.float32)
         logits = tl.sum(x * w[None, :], axis=1) + b                          # W_f s + b_f
         beta = tl.sigmoid(logits * a + c) * valid                            # the eval BatchNorm folded in
-        beta = beta / (tl.sum(beta, axis=0) + L1_EPSILON)                    # l1norm over the valid nodes
+        beta = beta / (tl.sum(beta, axis=0) + EPSILON)                       # l1norm over the valid nodes
         pooled = tl.sum(beta[:, None] * x, axis=0)
         pooled = pooled * (1.0 / (tl.sqrt(tl.sum(pooled * pooled, axis=0)) + EPSILON))
         tl.store(out + pair * dim + ds, pooled, mask=d_ok & (ds * 0 + pair < n_pairs))
