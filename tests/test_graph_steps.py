@@ -94,6 +94,35 @@ def test_the_golden_scores_in_bf16_through_the_fused_steps():
     assert result["fused_from_golden"] <= result["eager_from_golden"] + 2**-10, result
 
 
+@needs_triton
+def test_a_models_folded_weights_are_stacked_for_the_kernel_once(monkeypatch):
+    """The scorer's cached folded weights (`SGRAF.eval_constants`, kept for a split) reach the
+    kernel stacked once, not on every block; a plain list of step weights is stacked per call
+    into the same values."""
+    from model_helpers import random_model
+
+    passed = []
+
+    class Kernel:        # stands in for the Triton kernel: keeps the weights it is launched with
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: passed.append(args[2:6])
+
+    monkeypatch.setattr(graph_steps, "_kernel", Kernel)
+    model = random_model(module="sgr", sgr_step=3)
+    graphs = torch.randn(6, 5, model.config.sim_dim).to(torch.bfloat16)
+    with model.frozen_weights():
+        folded = model.eval_constants(torch.bfloat16)["folded"]
+        assert isinstance(folded, graph_steps.FoldedSteps) and len(folded) == model.config.sgr_step
+        for _ in range(2):
+            graph_steps.reason(model.eval_constants(torch.bfloat16)["folded"], graphs, None, 3, "fused")
+    graph_steps.reason(list(folded), graphs, None, 3, "fused")
+    first, again, plain = passed
+    assert all(a is b for a, b in zip(first, again))               # the same stacked tensors
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(first, plain))
+    for kind, stacked in enumerate(first):
+        assert stacked.is_contiguous() and torch.equal(stacked, torch.stack([step[kind] for step in folded]))
+
+
 def test_the_cpu_and_float32_take_the_eager_steps_without_measuring(tuning_cache, monkeypatch):
     assert graph_steps.measure_step_route("cpu", torch.float32, 256, 3) == "eager"
     assert graph_steps.step_route("cpu", torch.bfloat16, 256, 3) == "eager"

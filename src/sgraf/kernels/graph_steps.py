@@ -32,6 +32,7 @@ not a power of two is padded to one inside the kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,18 @@ PROBE_GRAPHS = (64, 256, 14)
 TILES = ((64, 32, 8, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 32, 4, 1))
 ROUTE = FusedRoutes("SGRAF_STEP_ROUTE", "reasoning-step", TILES)
 MEASURED = ROUTE.measured
+
+
+class FoldedSteps(list):
+    """`sgraf.model.reasoning.fold_steps`' per-step weight tuples, and the same weights as the
+    kernel reads them: each kind stacked over the steps (`stacked`, built at its first use and
+    kept with the tuples, which never change, so a model's cached weights stack once, not on
+    every scoring block)."""
+
+    @functools.cached_property
+    def stacked(self) -> tuple[torch.Tensor, ...]:
+        """(bilinear_t (S, m, m), key_term (S, m), W_r (S, m, m), b_r (S, m)), contiguous."""
+        return tuple(torch.stack([step[kind] for step in self]).contiguous() for kind in range(4))
 
 
 def step_route(device: torch.device | str, dtype: torch.dtype, dim: int, steps: int) -> str:
@@ -113,7 +126,8 @@ def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked
     """The fused route: every reasoning step over `graphs`, the global node's last vector.
 
     Args:
-        folded: `sgraf.model.reasoning.fold_steps`, in the nodes' dtype.
+        folded: `sgraf.model.reasoning.fold_steps` (a `FoldedSteps`; a plain list is stacked
+            here), in the nodes' dtype.
         graphs: (G, P, m) nodes of G = n_img x n_cap graphs (image-major), contiguous; node 0
             is the global node.
         blocked: (n_cap, P) additive key mask (0 or -inf) in the nodes' dtype, or None.
@@ -133,8 +147,8 @@ def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked
     per_program = rows // nodes_tile
     programs = triton.cdiv(n_graphs, per_program)
     low = graphs.dtype
-    bilinear, key_term, weight, bias = (torch.stack([step[i] for step in folded]).to(low).contiguous()
-                                        for i in range(4))
+    stacked = (folded if isinstance(folded, FoldedSteps) else FoldedSteps(folded)).stacked
+    bilinear, key_term, weight, bias = (weights.to(low) for weights in stacked)
     dim_tile = max(16, triton.next_power_of_2(dim))           # a tile's width (the nodes' padded)
     scratch = torch.empty(programs * rows, dim_tile, device=graphs.device, dtype=low)
     out = torch.empty(n_graphs, dim, device=graphs.device, dtype=torch.float32)
@@ -169,9 +183,9 @@ def probe(device: torch.device, dtype: torch.dtype, dim: int, steps: int, seed: 
     def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(shape, generator=generator, device=device) * scale
 
-    folded = [tuple(t.to(dtype) for t in (draw(dim, dim, scale=dim ** -0.5), draw(dim, scale=0.1),
-                                          draw(dim, dim, scale=2 * dim ** -0.5), draw(dim, scale=0.1)))
-              for _ in range(steps)]
+    folded = FoldedSteps(tuple(t.to(dtype) for t in (draw(dim, dim, scale=dim ** -0.5), draw(dim, scale=0.1),
+                                                     draw(dim, dim, scale=2 * dim ** -0.5), draw(dim, scale=0.1)))
+                         for _ in range(steps))
     graphs = torch.nn.functional.normalize(draw(n_img * n_cap, n_nodes, dim), dim=-1).to(dtype)
     lengths = n_nodes - (torch.arange(n_cap, device=device) % 3 == 0).long()
     blocked = torch.zeros(n_cap, n_nodes, device=device).masked_fill_(

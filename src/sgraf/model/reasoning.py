@@ -104,15 +104,16 @@ def graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: torch.
     return pooled.view(n_img, n_cap, dim)
 
 
-def fold_steps(steps: nn.ModuleList, low: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+def fold_steps(steps: nn.ModuleList, low: torch.dtype) -> graph_steps.FoldedSteps:
     """Per step, the eval-mode weights of `fast_graph_reasoning`, in `low`.
 
     The queries folded with the keys (`GraphReasoning.folded_query`), then cast once.
 
     Returns:
-        [(bilinear_t (m, m), key_term (m,), W_r (m, m), b_r (m,)), ...], one tuple per step.
+        [(bilinear_t (m, m), key_term (m,), W_r (m, m), b_r (m,)), ...], one tuple per step (a
+        list that also keeps the weights stacked as the fused steps' kernel reads them).
     """
-    folded = []
+    folded = graph_steps.FoldedSteps()
     for step in steps:
         bilinear_t, key_term = step.folded_query()
         folded.append((bilinear_t.to(low), key_term.to(low), step.sim_graph_w.weight.to(low),
