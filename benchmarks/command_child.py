@@ -8,9 +8,11 @@ command spent getting its captions' token ids).
 
     python command_child.py REPORT.json [--stand-in] -- evaluate --checkpoint ... --data ...
 
-`--stand-in` replaces the two device stages of `sgraf evaluate`: the encoders return at once
-and the scorer returns a random matrix of the split's shape, which leaves the host side alone
-(`bench_evaluate_host.py`). `bench_eval.py` runs the real command.
+`--stand-in` replaces the device's work in `sgraf evaluate`: the model's encoders return at once
+(an empty tensor one feature wide, no global vectors) and the scorer returns a random matrix of
+the split's shape, which leaves the host side alone (`bench_evaluate_host.py`), the encoding's
+included: the features read off their memory map and checked, the captions padded and bucketed.
+`bench_eval.py` runs the real command.
 """
 
 from __future__ import annotations
@@ -29,15 +31,19 @@ def stand_in(spent: list[float]) -> None:
 
     def install() -> None:
         import numpy as np
+        import torch
 
+        import sgraf.model.sgraf as model
         import sgraf.scoring as scoring
 
-        class Stand:
-            """An encoding of the split: only its shape."""
+        def encode_images(self, images, boxes=None):
+            return images.new_empty(*images.shape[:2], 1)
 
-            def __init__(self, split) -> None:
-                self.n_images, self.n_captions = split.n_images, len(split.captions)
+        def encode_captions(self, captions, lengths):
+            return captions.new_empty(len(captions), int(max(lengths)), 1, dtype=torch.float32)
 
+        model.SGRAF.encode_images, model.SGRAF.encode_captions = encode_images, encode_captions
+        model.SGRAF.image_globals = model.SGRAF.caption_globals = lambda self, *args: None
         real_tokenize = scoring.tokenize_captions
 
         def tokenize(captions, vocab, *rest):
@@ -47,7 +53,6 @@ def stand_in(spent: list[float]) -> None:
             return ids
 
         scoring.tokenize_captions = tokenize
-        scoring.encode_split = lambda model, split, vocab, **options: Stand(split)
         scoring.score_matrix = lambda models, encoded, **options: np.random.default_rng(0).random(
             (encoded[0].n_images, encoded[0].n_captions), dtype=np.float32)
 

@@ -1,4 +1,4 @@
-"""Untrusted .npy files and the NaN/inf check of region features (sgraf.data.arrays)."""
+"""Untrusted .npy files, the NaN/inf check of region features and padded token ids (sgraf.data.arrays)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgraf.data.arrays import check_finite_features, open_npy
+from sgraf.data.arrays import check_finite_features, open_npy, padded_ids
 from sgraf.errors import InputError
 
 EXPECTED = "float32 features of shape (n_images, regions, dim)"
@@ -93,3 +93,11 @@ def test_non_finite_feature_is_named_by_file_image_region_dim(tmp_path, bad):
             check_finite_features(view)
     with pytest.raises(InputError, match=r"^image features: feature \[image 0, region 1, dim 1\]"):
         check_finite_features(mapped[4:5, 1:])   # not whole images: no file position is claimed
+
+
+def test_padded_ids_lays_rows_of_any_length_and_kind_into_one_zero_padded_tensor():
+    rows = [[5, 6, 7], [8], np.array([9, 10], dtype=np.int32), torch.tensor([11, 12, 13, 14])]
+    padded = padded_ids(rows)
+    assert padded.dtype == torch.int64 and padded.shape == (4, 4)
+    assert padded.tolist() == [[5, 6, 7, 0], [8, 0, 0, 0], [9, 10, 0, 0], [11, 12, 13, 14]]
+    assert padded_ids([]).shape == (0, 0)

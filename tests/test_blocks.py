@@ -150,3 +150,43 @@ def test_a_call_with_few_captions_scores_its_images_in_one_block(monkeypatch):
     fixed = blocks.score_encoded([model], [encoded], image_block=blocks.IMAGE_BLOCK)
     assert len(record["widths"]) == 1 + 3
     assert_close(one_block, fixed, SAME_PATH)
+
+
+@pytest.mark.parametrize("gpu_plan", [False, True], ids=["the caller's thread", "the GPU plan's threads"])
+def test_image_batches_are_read_ahead_in_order_and_a_bad_one_is_named_when_reached(tmp_path, gpu_plan, monkeypatch):
+    """`read_ahead` gives every batch of a memory map once, in order, as float32 copies (from
+    float16 features too), on the caller's thread or the GPU plan's threads reading ahead; NaN in a later batch raises the
+    error naming that image when the caller reaches it, after the batches before it."""
+    from sgraf.errors import InputError
+    from sgraf.kernels import plan
+
+    import threading
+
+    readers = set()
+    check = blocks.check_finite_features
+    monkeypatch.setattr(blocks, "check_finite_features",
+                        lambda *args, **kwargs: readers.add(threading.current_thread().name) or check(*args, **kwargs))
+    features = np.random.default_rng(0).standard_normal((23, 3, 4)).astype(np.float16)
+    np.save(tmp_path / "f.npy", features)
+    mapped = np.load(tmp_path / "f.npy", mmap_mode="r")
+    context = plan.emulate_gpu() if gpu_plan else blocks.contextlib.nullcontext()
+    with context:
+        with blocks.read_ahead(mapped, 5, "f.npy", 0, torch.device("cpu")) as batches:
+            read = list(batches)
+        assert [start for start, _ in read] == [0, 5, 10, 15, 20]
+        assert all(batch.dtype == torch.float32 for _, batch in read)
+        assert torch.equal(torch.cat([batch for _, batch in read]), torch.from_numpy(features.astype(np.float32)))
+        if gpu_plan:
+            assert readers and all(name.startswith("sgraf-read") for name in readers)
+            assert len(readers) <= blocks.READ_THREADS_GPU
+        else:
+            assert readers == {threading.current_thread().name}
+        features[17, 1, 2] = np.nan
+        np.save(tmp_path / "f.npy", features)
+        mapped = np.load(tmp_path / "f.npy", mmap_mode="r")
+        reached = []
+        with pytest.raises(InputError, match=r"f\.npy.*image 17"):
+            with blocks.read_ahead(mapped, 5, "f.npy", 0, torch.device("cpu")) as batches:
+                for start, _ in batches:
+                    reached.append(start)
+        assert reached == [0, 5, 10]

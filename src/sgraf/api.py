@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from sgraf.data.arrays import check_finite_features, mapped_file
+from sgraf.data.arrays import check_finite_features, mapped_file, padded_ids
 from sgraf.devices import resolve_device
 from sgraf.errors import InputError, check_positive_int
 from sgraf.precision import autocast, check_precision
@@ -296,10 +296,7 @@ class Matcher:
         tokenised = [self.tokenize(text, allow_unknown=allow_unknown) for text in texts]
         ids = [t[1] for t in tokenised]
         lengths = torch.tensor([len(i) for i in ids], dtype=torch.int64)
-        captions = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
-        for row, caption in enumerate(ids):
-            captions[row, :len(caption)] = torch.tensor(caption, dtype=torch.int64)
-        encoding = self.encode_token_ids(captions, lengths)
+        encoding = self.encode_token_ids(padded_ids(ids), lengths)
         encoding.tokens = [t[0] for t in tokenised]
         return encoding
 

@@ -42,7 +42,7 @@ import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys, split_shortlist_keys
 from sgraf.atomic_write import preallocated_memmap, temporary_folder, write_error
-from sgraf.data.arrays import check_finite_features, mapped_file, open_npy
+from sgraf.data.arrays import check_finite_features, mapped_file, open_npy, padded_ids
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError, check_positive_int
 from sgraf.scoring import tokenize_captions
@@ -285,10 +285,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
     with _progress(n_cap, "encoding captions", "cap", progress) as bar:
         for start in range(0, n_cap, batch_size):
             chunk = ids[start:start + batch_size]
-            padded = torch.zeros(len(chunk), max(len(c) for c in chunk), dtype=torch.int64)
-            for row, caption in enumerate(chunk):
-                padded[row, :len(caption)] = torch.tensor(caption)
-            encoding = matcher.encode_token_ids(padded, torch.from_numpy(lengths[start:start + len(chunk)]))
+            encoding = matcher.encode_token_ids(padded_ids(chunk), torch.from_numpy(lengths[start:start + len(chunk)]))
             keys = shortlist_keys(encoding.global_vectors)
             if cap_keys_out is None:
                 cap_keys_out = _open_out(folder / "caption_keys.npy", (n_cap, keys.shape[1]), "float32")

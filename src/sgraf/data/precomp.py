@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from sgraf.data.arrays import check_finite_features, open_npy
+from sgraf.data.arrays import check_finite_features, open_npy, padded_ids
 from sgraf.data.boxes import read_boxes
 from sgraf.data.captions import read_captions
 from sgraf.data.layout import split_files
@@ -348,12 +348,9 @@ def collate_batch(items: Sequence[tuple[Any, ...]]) -> Batch:
     features, ids, caption_ids, image_ids = (list(column) for column in zip(*(item[:4] for item in items)))
     boxes = torch.from_numpy(np.stack([item[4] for item in items])) if len(items[0]) > 4 else None
     lengths = torch.tensor([len(x) for x in ids], dtype=torch.int64)
-    captions = torch.zeros(len(ids), int(lengths.max()), dtype=torch.int64)
-    for row, x in enumerate(ids):
-        captions[row, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
     return Batch(
         images=torch.from_numpy(np.stack(features)),
-        captions=captions,
+        captions=padded_ids(ids),
         lengths=lengths,
         caption_ids=torch.tensor(caption_ids, dtype=torch.int64),
         image_ids=torch.tensor(image_ids, dtype=torch.int64),
