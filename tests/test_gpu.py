@@ -403,3 +403,27 @@ def test_a_timed_stage_ends_when_the_device_has_finished_its_work():
             x = torch.tanh(x @ x)
     assert torch.cuda.current_stream().query()      # nothing left running after the stage
     assert watch.report()["work"] > 0
+
+
+def test_images_off_a_memory_map_are_read_ahead_into_page_locked_memory_and_encoded_as_on_the_cpu(tmp_path):
+    """`blocks.read_ahead` on a CUDA device: the reading threads' page-locked batches, copied to
+    the device beside the encoder, give the CPU's region embeddings; NaN in a later batch is
+    named when it is reached."""
+    import numpy as np
+
+    from sgraf.errors import InputError
+    from sgraf.model import blocks
+
+    model = random_model(img_dim=20, num_regions=5)
+    features = np.random.default_rng(0).standard_normal((37, 5, 20)).astype(np.float32)
+    np.save(tmp_path / "f.npy", features)
+    mapped = np.load(tmp_path / "f.npy", mmap_mode="r")
+    cpu = blocks.encode_images(model, mapped, batch_size=4)
+    with blocks.read_ahead(mapped, 4, "f.npy", 0, torch.device("cuda")) as batches:
+        assert all(batch.is_pinned() for _, batch in batches)
+    gpu = blocks.encode_images(model.cuda(), mapped, batch_size=4)
+    assert gpu.device.type == "cuda" and (gpu.cpu() - cpu).abs().max() <= 1e-5
+    features[29, 3, 7] = np.inf
+    np.save(tmp_path / "f.npy", features)
+    with pytest.raises(InputError, match="image 29"):
+        blocks.encode_images(model, np.load(tmp_path / "f.npy", mmap_mode="r"), batch_size=4)
