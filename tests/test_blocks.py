@@ -190,3 +190,23 @@ def test_image_batches_are_read_ahead_in_order_and_a_bad_one_is_named_when_reach
                 for start, _ in batches:
                     reached.append(start)
         assert reached == [0, 5, 10]
+
+
+def test_under_the_gpu_plan_captions_are_encoded_in_buckets_of_a_scoring_blocks_captions(monkeypatch):
+    """Under the GPU plan the caption buckets hold `GPU_CAPTION_BLOCK` captions (the scorer joins
+    buckets that far anyway): the same captions in the same order and the same word features as
+    buckets of the asked size, joined."""
+    from sgraf.kernels import plan
+
+    monkeypatch.setattr(blocks, "GPU_CAPTION_BLOCK", 8)
+    model = random_model(8, module="sgr", num_regions=7)
+    lengths = torch.randint(2, 12, (21,), generator=torch.Generator().manual_seed(3))
+    token_ids = [list(range(4, 4 + int(n))) for n in lengths]
+    small = blocks.merge_buckets(blocks.encode_token_buckets(model, token_ids, batch_size=2), 8)
+    with plan.emulate_gpu():
+        large = blocks.encode_token_buckets(model, token_ids, batch_size=2)
+        words = blocks.bucket_words(model, torch.zeros(21, 11, model.config.embed_size), lengths, batch_size=2)
+    assert [len(b.index) for b in large] == [8, 8, 5] == [len(b.index) for b in words]
+    for joined, bucket in zip(small, large):
+        assert torch.equal(joined.index, bucket.index) and torch.equal(joined.lengths, bucket.lengths)
+        assert_close(bucket.embs, joined.embs, SAME_PATH)

@@ -427,3 +427,19 @@ def test_images_off_a_memory_map_are_read_ahead_into_page_locked_memory_and_enco
     np.save(tmp_path / "f.npy", features)
     with pytest.raises(InputError, match="image 29"):
         blocks.encode_images(model, np.load(tmp_path / "f.npy", mmap_mode="r"), batch_size=4)
+
+
+def test_captions_encoded_on_the_device_in_a_scoring_blocks_buckets_give_the_cpus_word_features():
+    """On a CUDA device the caption buckets hold `GPU_CAPTION_BLOCK` captions; their word features
+    are the CPU's (buckets of 128) for the same captions."""
+    from sgraf.model import blocks
+
+    model = random_model()
+    lengths = torch.randint(2, 30, (1500,), generator=torch.Generator().manual_seed(0))
+    token_ids = [[4 + (i * 7 + j) % 25 for j in range(int(n))] for i, n in enumerate(lengths)]
+    cpu = blocks.merge_buckets(blocks.encode_token_buckets(model, token_ids), blocks.GPU_CAPTION_BLOCK)
+    gpu = blocks.encode_token_buckets(model.cuda(), token_ids)
+    assert [len(b.index) for b in gpu] == [blocks.GPU_CAPTION_BLOCK, 1500 - blocks.GPU_CAPTION_BLOCK]
+    for on_cpu, on_gpu in zip(cpu, gpu):
+        assert torch.equal(on_cpu.index, on_gpu.index)
+        assert (on_gpu.embs.cpu() - on_cpu.embs).abs().max() <= 1e-5

@@ -295,9 +295,10 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
                          on_batch: Callable[[int], Any] | None = None) -> list[CaptionBucket]:
     """Encode captions in buckets of similar length.
 
-    Captions are sorted by decreasing length (stably), cut into buckets of `batch_size`, and
-    each bucket is encoded padded only to its own longest caption; the model's caption global
-    vectors are computed per bucket, once.
+    Captions are sorted by decreasing length (stably), cut into buckets of `batch_size` (under
+    the GPU plan at least `GPU_CAPTION_BLOCK`, the captions the scorer joins into a block anyway:
+    fewer, larger encoder calls), and each bucket is encoded padded only to its own longest
+    caption; the model's caption global vectors are computed per bucket, once.
 
     Args:
         token_ids: lists of token ids, or a padded (n, L) int64 tensor with `lengths`.
@@ -317,7 +318,7 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
     caption_globals = getattr(model, "caption_globals", None)
     buckets = []
     with eval_mode([model]):  # type: ignore[list-item]
-        for index, bucket_lengths in _length_buckets(lengths, batch_size):
+        for index, bucket_lengths in _length_buckets(lengths, batch_size, device):
             width = int(bucket_lengths.max())
             if padded_all is not None:
                 padded = padded_all[index.to(padded_all.device, non_blocking=True), :width]
@@ -333,11 +334,13 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
     return buckets
 
 
-def _length_buckets(lengths: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _length_buckets(lengths: torch.Tensor, batch_size: int,
+                    device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(positions, lengths) of each bucket: captions sorted by decreasing length (stably), cut
-    into buckets of `batch_size`. `encode_token_buckets` and `bucket_words` bucket alike, so an
+    into buckets of `batch_size` (at least `GPU_CAPTION_BLOCK` under the GPU plan of `device`). `encode_token_buckets` and `bucket_words` bucket alike, so an
     ensemble encoded either way shares its buckets."""
     order = torch.sort(lengths, descending=True, stable=True).indices
+    batch_size = max(batch_size, GPU_CAPTION_BLOCK) if plan.gpu_plan(device) else batch_size
     for start in range(0, len(lengths), batch_size):
         index = order[start:start + batch_size]
         yield index, lengths[index]
@@ -353,7 +356,7 @@ def bucket_words(model: Scorer, words: torch.Tensor, lengths: torch.Tensor, batc
     caption_globals = getattr(model, "caption_globals", None)
     buckets = []
     with eval_mode([model]):  # type: ignore[list-item]
-        for index, bucket_lengths in _length_buckets(lengths, batch_size):
+        for index, bucket_lengths in _length_buckets(lengths, batch_size, device):
             rows = index.to(words.device, non_blocking=True)
             embs = words[rows, : int(bucket_lengths.max())].to(device, model_dtype(model))
             with autocast(precision, device):
