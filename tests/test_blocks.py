@@ -155,8 +155,9 @@ def test_a_call_with_few_captions_scores_its_images_in_one_block(monkeypatch):
 @pytest.mark.parametrize("gpu_plan", [False, True], ids=["the caller's thread", "the GPU plan's threads"])
 def test_image_batches_are_read_ahead_in_order_and_a_bad_one_is_named_when_reached(tmp_path, gpu_plan, monkeypatch):
     """`read_ahead` gives every batch of a memory map once, in order, as float32 copies (from
-    float16 features too), on the caller's thread or the GPU plan's threads reading ahead; NaN in a later batch raises the
-    error naming that image when the caller reaches it, after the batches before it."""
+    float16 features too), on the caller's thread or the GPU plan's threads reading ahead; NaN in
+    a later batch raises the error naming that image when the caller reaches it, after the
+    batches before it."""
     from sgraf.errors import InputError
     from sgraf.kernels import plan
 

@@ -337,8 +337,9 @@ def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | tor
 def _length_buckets(lengths: torch.Tensor, batch_size: int,
                     device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(positions, lengths) of each bucket: captions sorted by decreasing length (stably), cut
-    into buckets of `batch_size` (at least `GPU_CAPTION_BLOCK` under the GPU plan of `device`). `encode_token_buckets` and `bucket_words` bucket alike, so an
-    ensemble encoded either way shares its buckets."""
+    into buckets of `batch_size` (at least `GPU_CAPTION_BLOCK` under the GPU plan of `device`).
+    `encode_token_buckets` and `bucket_words` bucket alike, so an ensemble encoded either way
+    shares its buckets."""
     order = torch.sort(lengths, descending=True, stable=True).indices
     batch_size = max(batch_size, GPU_CAPTION_BLOCK) if plan.gpu_plan(device) else batch_size
     for start in range(0, len(lengths), batch_size):
