@@ -232,3 +232,37 @@ def test_a_given_vocabulary_that_differs_from_the_stored_one_is_named_in_a_warni
     assert f"model.pt carries its own vocabulary, which differs from the one given ({tmp_path / 'other.json'})" \
         in caplog.text
     assert model.vocab.word2idx["w0"] == 29
+
+
+def test_loading_draws_no_initial_weights_and_holds_exactly_the_saved_ones(tmp_path, monkeypatch):
+    """`load_model` builds the model without drawing the weights the checkpoint overwrites: the
+    global random generator is where it was, every parameter and buffer is the saved one, and
+    the parameters train. A model with a buffer no state dict holds is built the usual way."""
+    from sgraf import checkpoint
+
+    model = random_model(3, module="saf")
+    save_model(model, tmp_path / "m.pt")
+    first_draw = torch.manual_seed(11) and torch.rand(1)
+    torch.manual_seed(11)
+    loaded = load_model(tmp_path / "m.pt")
+    assert torch.equal(torch.rand(1), first_draw)                      # the generator was not advanced
+    saved, held = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == held.keys() and all(torch.equal(saved[k], held[k]) for k in saved)
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in loaded.parameters())
+    assert torch.rand(3).uniform_().abs().sum() > 0                   # draws work again after loading
+
+    built = []
+    real = checkpoint.load_state_checked
+    monkeypatch.setattr(checkpoint, "load_state_checked", lambda m, *a, **k: built.append(m) or real(m, *a, **k))
+    batch_norm = torch.nn.BatchNorm1d.__init__
+
+    def with_a_buffer_of_its_own(self, *args, **kwargs):
+        batch_norm(self, *args, **kwargs)
+        self.register_buffer("own", torch.ones(1), persistent=False)
+
+    monkeypatch.setattr(torch.nn.BatchNorm1d, "__init__", with_a_buffer_of_its_own)
+    torch.manual_seed(11)
+    again = load_model(tmp_path / "m.pt")
+    assert not torch.equal(torch.rand(1), first_draw)                  # drawn as usual
+    assert len(built) == 1 and built[0] is again
+    assert all(torch.equal(saved[k], again.state_dict()[k]) for k in saved)
