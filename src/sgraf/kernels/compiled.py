@@ -135,7 +135,8 @@ def _signature(value: Any) -> Any:
 
 def padded_count(n: int) -> int:
     """`n` rounded up to a power of two: the images or captions of a GPU-plan block in a compiled
-    graph (a block is one chunk there; rounding keeps its shapes to a handful)."""
+    graph (a block is one chunk there; rounding keeps its shapes to a handful), and the filtration
+    kernel's block sizes (`sgraf.kernels.filtration`)."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 

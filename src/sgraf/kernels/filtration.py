@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from sgraf.kernels.compiled import padded_count
 from sgraf.kernels.cpu import fast_linear
 from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
 from sgraf.kernels.norms import EPS, inverse_norm
@@ -88,7 +89,7 @@ def launch(tile: tuple[int, ...], nodes: int, dim: int) -> tuple[int, int, int]:
 
 def _padded(n: int, least: int) -> int:
     """The power of two at least `n` and `least` (the kernel's block sizes)."""
-    return max(least, 1 << (n - 1).bit_length())
+    return max(least, padded_count(n))
 
 
 def filtered(nodes: torch.Tensor, node_mask: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
