@@ -251,13 +251,11 @@ def read_ahead(images: Any, batch_size: int, source: str | os.PathLike[str] | No
 
     def read(start: int) -> torch.Tensor:
         part = images[start:start + batch_size]                       # (b, K, D), off the memory map
-        if isinstance(part, torch.Tensor):
-            batch = part
-        elif pinned:
+        if pinned and not isinstance(part, torch.Tensor):
             batch = torch.empty(tuple(np.shape(part)), dtype=torch.float32, pin_memory=True)
             np.copyto(batch.numpy(), part, casting="unsafe")          # as np.array(part, np.float32)
-        else:        # numpy's own allocation: on Linux in huge pages (about half the page faults' time)
-            batch = torch.from_numpy(np.array(part, dtype=np.float32))
+        else:   # numpy's own allocation: on Linux in huge pages (about half the page faults' time)
+            batch = _as_tensor(part)
         check_finite_features(batch, source, first_image=first_row + start)
         return batch
 
