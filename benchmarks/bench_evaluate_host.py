@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def run(out: Path, state: str, source: str | None = None) -> dict:
 
     set_token_cache(out, state)
     report = out / "report.json"
-    argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
+    argv = ["evaluate", "--checkpoint", str(checkpoint_for(out, source)), "--data", str(out / "data"), "--split", "test",
             "--json", "--quiet", "--save-sims", str(out / "sims.npy")] + (["--timings"] if timed(source) else [])
     env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
     if source:
@@ -52,6 +53,24 @@ def run(out: Path, state: str, source: str | None = None) -> dict:
         raise SystemExit(f"sgraf evaluate failed:\n{completed.stderr[-3000:]}")
     timings = json.loads(completed.stdout.strip().splitlines()[-1]).get("timings")
     return {"wall_s": wall, "timings": timings, **json.loads(report.read_text())}
+
+
+def checkpoint_for(out: Path, source: str | None) -> Path:
+    """The split's checkpoint in a format the sgraf of `source` reads: for an sgraf from before
+    version 2 of the checkpoint format, a copy in version 1 (the vocabulary as a dict)."""
+    if source is None:
+        return out / "model.pt"
+    code = (Path(source) / "src" / "sgraf" / "checkpoint.py").read_text()
+    version = int(re.search(r"^VERSION = (\d+)", code, re.M).group(1))
+    if version >= 2:
+        return out / "model.pt"
+    old = out / "model-v1.pt"
+    if not old.exists():
+        import torch
+
+        raw = torch.load(out / "model.pt", weights_only=True)
+        torch.save({**raw, "version": 1, "vocab": json.loads(raw["vocab"])}, old)
+    return old
 
 
 def timed(source: str | None) -> bool:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import pytest
 import torch
 
 from model_helpers import DATA, random_batch, random_model
-from sgraf.checkpoint import atomic_save, convert_official, load_checkpoint, load_model, save_model
+from sgraf.checkpoint import atomic_save, convert_official, load_checkpoint, load_model, non_finite_tensor, save_model
 from sgraf.cli import main
 from sgraf.config import ModelConfig
 from sgraf.data.vocab import Vocabulary, load_vocab
@@ -26,9 +27,10 @@ def test_save_and_load_roundtrip_keeps_config_weights_vocab_and_scores(tmp_path)
     path = tmp_path / "model.pt"
     save_model(model, path, vocab=vocab, extra={"epoch": 3})
     raw = torch.load(path, weights_only=True)                 # plain data only
-    assert raw["format"] == "sgraf" and raw["version"] == 1 and raw["extra"] == {"epoch": 3}
+    assert raw["format"] == "sgraf" and raw["version"] == 2 and raw["extra"] == {"epoch": 3}
     assert raw["config"] == model.config.to_dict()
-    assert raw["vocab"] == vocab.to_dict()
+    assert isinstance(raw["vocab"], str) and json.loads(raw["vocab"]) == vocab.to_dict()   # one string: quick to unpickle
+    assert load_checkpoint(path)["vocab"] == vocab.to_dict()
     loaded = load_model(path)
     assert not loaded.training and loaded.config == model.config
     assert isinstance(loaded.vocab, Vocabulary) and loaded.vocab == vocab
@@ -69,7 +71,8 @@ def test_convert_command_writes_a_weights_only_checkpoint_with_vocab(tmp_path, c
     assert main(["convert-checkpoint", str(DATA / "e2e" / "sgr.pth.tar"), str(dst), "--vocab", str(E2E_VOCAB)]) == 0
     assert "module sgr" in capsys.readouterr().out
     raw = torch.load(dst, weights_only=True)
-    assert raw["config"]["sgr_step"] == 4 and raw["vocab"]["word2idx"]["<start>"] == 1
+    assert raw["version"] == 2 and raw["config"]["sgr_step"] == 4
+    assert json.loads(raw["vocab"])["word2idx"]["<start>"] == 1
     official = load_model(DATA / "e2e" / "sgr.pth.tar")
     converted = load_model(dst)
     assert isinstance(converted.vocab, Vocabulary) and len(converted.vocab) == 181
@@ -209,6 +212,53 @@ def test_weights_holding_nan_or_inf_are_refused_naming_file_and_tensor(tmp_path,
     torch.save(official, tmp_path / "official.pth.tar")
     with pytest.raises(InputError, match=r"official\.pth\.tar: tensor 'sim_enc\."):
         load_model(tmp_path / "official.pth.tar")
+
+
+def test_a_version_1_checkpoint_with_its_vocabulary_as_a_dict_still_loads_and_converts_to_version_2(tmp_path):
+    model = random_model(1, vocab_size=181)
+    vocab = load_vocab(E2E_VOCAB)
+    save_model(model, tmp_path / "new.pt", vocab=vocab)
+    raw = torch.load(tmp_path / "new.pt", weights_only=True)
+    atomic_save({**raw, "version": 1, "vocab": vocab.to_dict()}, tmp_path / "old.pt")   # as sgraf wrote it before
+    assert load_checkpoint(tmp_path / "old.pt")["vocab"] == vocab.to_dict()
+    loaded = load_model(tmp_path / "old.pt")
+    assert loaded.vocab == vocab
+    convert_official(tmp_path / "old.pt", tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=True)
+    assert converted["version"] == 2 and json.loads(converted["vocab"]) == vocab.to_dict()
+
+
+@pytest.mark.parametrize(("version", "vocab", "message"), [
+    (2, "{not json", r"checkpoint field 'vocab' is not valid JSON \("),
+    (2, "[1, 2]", r"checkpoint field 'vocab' must be the JSON text of a vocabulary or null, got list"),
+    (2, 7, r"checkpoint field 'vocab' must be the JSON text of a vocabulary or null, got int"),
+    (1, "{}", r"checkpoint field 'vocab' must be the vocabulary's content \(a dict\) or null, got str"),
+    (3, None, r"checkpoint version 3 is not supported \(this sgraf reads up to 2\)"),
+])
+def test_a_bad_vocabulary_field_or_a_later_version_is_refused_naming_the_file(tmp_path, capsys, version, vocab,
+                                                                              message):
+    save_model(random_model(1), tmp_path / "model.pt")
+    raw = torch.load(tmp_path / "model.pt", weights_only=True)
+    atomic_save({**raw, "version": version, "vocab": vocab}, tmp_path / "model.pt")
+    with pytest.raises(InputError, match=rf"model\.pt: {message}"):
+        load_model(tmp_path / "model.pt")
+    assert main(["convert-checkpoint", str(tmp_path / "model.pt"), str(tmp_path / "out.pt")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "out.pt").exists()
+
+
+def test_the_finite_check_finds_each_bad_value_and_passes_sums_that_overflow_float32():
+    finite = {"a": torch.full((4, 5), 3e38), "b": torch.ones(3, dtype=torch.float64) * 1e300,
+              "c": torch.ones(2, dtype=torch.bfloat16), "steps": torch.tensor(7)}   # sums overflow float32
+    assert non_finite_tensor(finite) is None
+    assert non_finite_tensor({}) is None and non_finite_tensor({"n": torch.tensor([1, 2])}) is None
+    for name in ("a", "b", "c"):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            broken = {key: tensor.clone() for key, tensor in finite.items()}
+            broken[name].view(-1)[1] = bad
+            assert non_finite_tensor(broken) == f"{name!r} (1 NaN/inf of {broken[name].numel()} values)"
+    # infinities of both signs sum to NaN; two in one tensor are counted
+    both = {"a": torch.tensor([float("inf"), 1.0, float("-inf")])}
+    assert non_finite_tensor(both) == "'a' (2 NaN/inf of 3 values)"
 
 
 def test_a_model_with_non_finite_weights_is_never_written(tmp_path):

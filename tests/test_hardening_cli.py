@@ -283,7 +283,10 @@ def test_files_that_are_not_checkpoints_or_arrays_say_what_they_are_not(gallery,
 @pytest.mark.parametrize("change, message", [
     ({"config": {}}, "model config lacks the field(s) vocab_size"),
     ({"config": {"module": "xyz"}}, "model config field 'module' must be one of"),
-    ({"vocab": "abc"}, "checkpoint field 'vocab' must be the vocabulary's content (a dict) or null, got str"),
+    ({"vocab": "abc"}, "checkpoint field 'vocab' is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+    ({"vocab": 3}, "checkpoint field 'vocab' must be the JSON text of a vocabulary or null, got int"),
+    ({"vocab": "abc", "version": 1}, "checkpoint field 'vocab' must be the vocabulary's content (a dict) or null, "
+                                     "got str"),
 ])
 def test_sgraf_checkpoints_with_bad_fields_are_named(gallery, tmp_path, capsys, change, message):
     checkpoint = torch.load(gallery["checkpoint"], weights_only=True)

@@ -2,17 +2,24 @@
 
 Our format is `torch.save` of::
 
-    {"format": "sgraf", "version": 1, "config": ModelConfig.to_dict(),
-     "state_dict": {name: tensor}, "vocab": Vocabulary.to_dict() | None, "extra": {...}}
+    {"format": "sgraf", "version": 2, "config": ModelConfig.to_dict(),
+     "state_dict": {name: tensor}, "vocab": JSON text of Vocabulary.to_dict() | None, "extra": {...}}
 
-and loads with `torch.load(weights_only=True)`. The authors' files hold a list of three state
-dicts (image encoder, text encoder, similarity encoder) and a pickled `argparse.Namespace` of
-options; exactly that class is allow-listed for unpickling, anything else is refused.
+and loads with `torch.load(weights_only=True)`. The vocabulary is stored as the text of the
+authors' JSON vocabulary file: the unpickler `weights_only` uses is written in Python, and a
+vocabulary read as a dict (Flickr30K's 8,481 words, each with its id both ways) took 0.22 s of a
+0.3 s load on a 2-core AMD EPYC Zen 3; as one string it takes a few milliseconds. Version 1 (the
+vocabulary as a dict) is still read; `load_checkpoint` returns the dict content for both.
+
+The authors' files hold a list of three state dicts (image encoder, text encoder, similarity
+encoder) and a pickled `argparse.Namespace` of options; exactly that class is allow-listed for
+unpickling, anything else is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
@@ -29,7 +36,7 @@ from sgraf.weights_file import load_weights_only
 logger = logging.getLogger(__name__)
 
 FORMAT = "sgraf"
-VERSION = 1
+VERSION = 2     # 2: the vocabulary stored as JSON text (1: as a dict)
 OFFICIAL_PREFIXES = ("img_enc", "txt_enc", "sim_enc")
 
 
@@ -59,11 +66,50 @@ def _vocab_dict(vocab: Any) -> dict | None:
     raise InputError(f"vocab must be a Vocabulary, its to_dict() content or None, got {type(vocab).__name__}")
 
 
+def _vocab_text(content: dict | None) -> str | None:
+    """The stored form of a vocabulary's dict content: its JSON text (see the module)."""
+    return None if content is None else json.dumps(content, ensure_ascii=False, separators=(",", ":"))
+
+
+def _vocab_content(stored: Any, version: int, path: Path) -> dict | None:
+    """The dict content of a stored vocabulary field: JSON text from version 2 on, a dict before."""
+    if stored is None or isinstance(stored, dict):
+        return stored
+    if version >= 2 and isinstance(stored, str):
+        try:
+            stored = json.loads(stored)
+        except ValueError as error:
+            raise InputError(f"{path}: checkpoint field 'vocab' is not valid JSON ({error})") from None
+        if isinstance(stored, dict):
+            return stored
+    expected = "the JSON text of a vocabulary" if version >= 2 else "the vocabulary's content (a dict)"
+    raise InputError(f"{path}: checkpoint field 'vocab' must be {expected} or null, got {type(stored).__name__}")
+
+
+def on_disk(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What `torch.save` writes for a checkpoint dict as `load_checkpoint` returns it: this
+    version, the vocabulary as JSON text."""
+    return {**checkpoint, "version": VERSION, "vocab": _vocab_text(_vocab_dict(checkpoint.get("vocab")))}
+
+
 def non_finite_tensor(state_dict: dict[str, Any]) -> str | None:
     """The name of the first floating tensor of `state_dict` holding NaN/inf, with what it holds
-    (e.g. "'sim_enc.fc.weight' (3 NaN/inf of 4096 values)"), or None when all are finite."""
-    for name, tensor in state_dict.items():
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    (e.g. "'sim_enc.fc.weight' (3 NaN/inf of 4096 values)"), or None when all are finite.
+
+    A sum of finite values is finite unless it overflows, and a NaN or an infinity makes the sum
+    NaN or infinite: so when every tensor's float32 sum is finite, every value is, and only
+    otherwise are the values looked at one by one (0.004 s instead of 0.035 s for the paper's
+    72 MB of weights)."""
+    floating = [(name, tensor) for name, tensor in state_dict.items()
+                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()]
+    if not floating:
+        return None
+    if len({tensor.device for _, tensor in floating}) == 1:
+        sums = torch.stack([tensor.sum(dtype=torch.float32) for _, tensor in floating])
+        if bool(torch.isfinite(sums).all()):
+            return None
+    for name, tensor in floating:
+        if not bool(torch.isfinite(tensor).all()):
             count = int((~torch.isfinite(tensor)).sum())
             return f"{name!r} ({count} NaN/inf of {tensor.numel()} values)"
     return None
@@ -93,7 +139,7 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike, vocab: Any = Non
         "vocab": _vocab_dict(vocab if vocab is not None else getattr(model, "vocab", None)),
         "extra": dict(extra or {}),
     }
-    atomic_save(checkpoint, path)
+    atomic_save(on_disk(checkpoint), path)
     logger.info("saved model checkpoint to %s", path)
 
 
@@ -133,11 +179,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         for key, kind in (("config", dict), ("state_dict", dict)):
             if not isinstance(raw.get(key), kind):
                 raise InputError(f"{path}: checkpoint field {key!r} must be a {kind.__name__}")
-        raw.setdefault("vocab", None)
         raw.setdefault("extra", {})
-        if raw["vocab"] is not None and not isinstance(raw["vocab"], dict):
-            raise InputError(f"{path}: checkpoint field 'vocab' must be the vocabulary's content (a dict) or "
-                             f"null, got {type(raw['vocab']).__name__}")
+        raw["vocab"] = _vocab_content(raw.get("vocab"), raw["version"], path)
         return raw
     if isinstance(raw, dict) and isinstance(raw.get("opt"), argparse.Namespace) and "model" in raw:
         parts = raw["model"]
@@ -292,6 +335,7 @@ def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any 
         raise InputError(f"the vocabulary has {_vocab_size(resolved)} words but {src} has "
                          f"vocab_size={config.vocab_size}")
     checkpoint["vocab"] = _vocab_dict(resolved)
-    atomic_save(checkpoint, dst)
+    checkpoint["version"] = VERSION
+    atomic_save(on_disk(checkpoint), dst)
     logger.info("converted %s to %s", src, dst)
     return checkpoint
