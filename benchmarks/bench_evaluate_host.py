@@ -40,8 +40,9 @@ def run(out: Path, state: str, source: str | None = None) -> dict:
 
     set_token_cache(out, state)
     report = out / "report.json"
-    argv = ["evaluate", "--checkpoint", str(checkpoint_for(out, source)), "--data", str(out / "data"), "--split", "test",
-            "--json", "--quiet", "--save-sims", str(out / "sims.npy")] + (["--timings"] if timed(source) else [])
+    argv = ["evaluate", "--checkpoint", str(checkpoint_for(out, source)), "--data", str(out / "data"),
+            "--split", "test", "--json", "--quiet", "--save-sims", str(out / "sims.npy")]
+    argv += ["--timings"] if timed(source) else []
     env = dict(os.environ, SGRAF_CACHE_DIR=str(out / "tuning"))
     if source:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(source) / "src"), env.get("PYTHONPATH")]))

@@ -29,7 +29,8 @@ def test_save_and_load_roundtrip_keeps_config_weights_vocab_and_scores(tmp_path)
     raw = torch.load(path, weights_only=True)                 # plain data only
     assert raw["format"] == "sgraf" and raw["version"] == 2 and raw["extra"] == {"epoch": 3}
     assert raw["config"] == model.config.to_dict()
-    assert isinstance(raw["vocab"], str) and json.loads(raw["vocab"]) == vocab.to_dict()   # one string: quick to unpickle
+    # the vocabulary as one string: quick for the weights-only unpickler
+    assert isinstance(raw["vocab"], str) and json.loads(raw["vocab"]) == vocab.to_dict()
     assert load_checkpoint(path)["vocab"] == vocab.to_dict()
     loaded = load_model(path)
     assert not loaded.training and loaded.config == model.config
