@@ -443,3 +443,34 @@ def test_captions_encoded_on_the_device_in_a_scoring_blocks_buckets_give_the_cpu
     for on_cpu, on_gpu in zip(cpu, gpu):
         assert torch.equal(on_cpu.index, on_gpu.index)
         assert (on_gpu.embs.cpu() - on_cpu.embs).abs().max() <= 1e-5
+
+
+def test_ranks_are_counted_on_the_device_as_numpy_counts_them():
+    """A CUDA score matrix stays on the device for its metrics (`sgraf.metrics`); the ranks, ties
+    included, are NumPy's."""
+    from sgraf import metrics
+
+    generator = torch.Generator().manual_seed(3)
+    sims = torch.randint(0, 5, (40, 200), generator=generator).float()     # many ties
+    assert isinstance(metrics.as_score_matrix(sims.cuda()), torch.Tensor)
+    for got, expected in zip(metrics.i2t_ranks(sims.cuda()) + metrics.t2i_ranks(sims.cuda()),
+                             metrics.i2t_ranks(sims.numpy()) + metrics.t2i_ranks(sims.numpy())):
+        assert (got == expected).all()
+    assert metrics.evaluate_sims(sims.cuda(), folds=5) == metrics.evaluate_sims(sims.numpy(), folds=5)
+
+
+def test_evaluate_on_the_device_counts_the_metrics_of_the_matrix_it_returns():
+    """`evaluate_checkpoints_with_sims` on CUDA: the matrix stays there for the metrics, then
+    comes to the host as a NumPy array; the metrics are NumPy's of that array, and the matrix is
+    the CPU's within float32 noise."""
+    from sgraf import metrics
+    from sgraf.evaluate import evaluate_checkpoints_with_sims
+
+    e2e = DATA / "e2e"
+    args = ([e2e / "sgr.pth.tar"], e2e / "data" / "toy_precomp", "test")
+    kwargs = dict(vocab=e2e / "data" / "toy_vocab.json")
+    _, cpu_sims = evaluate_checkpoints_with_sims(*args, device="cpu", **kwargs)
+    on_gpu, gpu_sims = evaluate_checkpoints_with_sims(*args, device="cuda", **kwargs)
+    assert isinstance(gpu_sims, type(cpu_sims)) and gpu_sims.shape == cpu_sims.shape
+    assert abs(gpu_sims - cpu_sims).max() <= 1e-5
+    assert on_gpu == metrics.evaluate_sims(gpu_sims)

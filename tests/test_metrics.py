@@ -144,3 +144,80 @@ def test_format_table_shows_means_and_folds(golden):
     assert "mean over 5 folds" in text
     assert f"rsum {result['rsum']:.1f}" in text
     assert sum(line.startswith("fold ") for line in text.splitlines()) == 5
+
+
+# A matrix on a GPU is counted there with PyTorch (`sgraf evaluate` scores on the device); here the
+# same path runs on CPU tensors, and tests/test_gpu.py runs it on a CUDA device.
+@pytest.fixture
+def counted_with_torch(monkeypatch):
+    monkeypatch.setattr(metrics, "_stays_on_device", lambda sims: True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_matrix_counted_with_torch_matches_the_authors_exactly(golden, counted_with_torch, dtype):
+    entry = golden["single_structured"]
+    sims = entry["sims"].to(dtype)
+    assert isinstance(metrics.as_score_matrix(sims), torch.Tensor)
+    result = metrics.evaluate_sims(sims)
+    assert as_list(result["i2t"]) == entry["i2t"] and as_list(result["t2i"]) == entry["t2i"]
+    for got, expected in zip(metrics.i2t_ranks(sims) + metrics.t2i_ranks(sims),
+                             ("i2t_ranks", "i2t_top1", "t2i_ranks", "t2i_top1")):
+        assert isinstance(got, np.ndarray) and got.dtype == np.int64
+        np.testing.assert_array_equal(got, entry[expected].numpy())
+    folds = golden["fold5_structured"]
+    result = metrics.evaluate_sims(folds["sims"].to(dtype), folds=5)   # each fold a strided view
+    assert as_list(result["i2t"]) == folds["mean_i2t"] and as_list(result["t2i"]) == folds["mean_t2i"]
+    assert result["rsum"] == folds["mean_rsum"]
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 2])     # one chunk; ties carried across chunks of 2 rows
+@pytest.mark.parametrize("cpi", [1, 3, 5])
+def test_ranks_counted_with_torch_equal_the_argsort_loop_with_ties(monkeypatch, counted_with_torch, cpi,
+                                                                   rows_per_chunk):
+    rng = np.random.default_rng(10 + cpi)
+    n_img = 13
+    if rows_per_chunk:
+        monkeypatch.setattr(metrics, "_CHUNK_ELEMENTS", rows_per_chunk * n_img * cpi)
+    sims = rng.integers(0, 4, size=(n_img, n_img * cpi)).astype(np.float32)
+    expected = argsort_ranks(sims, cpi)
+    got = metrics.i2t_ranks(torch.from_numpy(sims), cpi) + metrics.t2i_ranks(torch.from_numpy(sims), cpi)
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+    assert metrics.evaluate_sims(torch.from_numpy(sims)) == metrics.evaluate_sims(sims)
+
+
+def test_a_matrix_counted_with_torch_refuses_bad_input_alike(counted_with_torch):
+    with pytest.raises(InputError, match=r"score matrix: expected a non-empty 2-d .* got shape \(5,\)"):
+        metrics.evaluate_sims(torch.zeros(5))
+    with pytest.raises(InputError, match=r"got shape \(0, 5\)"):
+        metrics.evaluate_sims(torch.zeros(0, 5))
+    with pytest.raises(InputError, match="score matrix: contains NaN or infinite scores"):
+        metrics.evaluate_sims(torch.tensor([[0.0, float("inf")]]))
+    with pytest.raises(InputError, match="whole multiple"):
+        metrics.evaluate_sims(torch.zeros(3, 7))
+    # integer and half scores are compared as float32, as in NumPy
+    half = torch.tensor([[2.0, 1.0, 0.0, 0.0], [1.0, 1.0, 3.0, 0.5]], dtype=torch.float16)
+    assert metrics.evaluate_sims(half) == metrics.evaluate_sims(half.float().numpy())
+
+
+def test_a_cpu_tensor_is_counted_in_numpy():
+    sims = torch.rand(4, 20)
+    assert isinstance(metrics.as_score_matrix(sims), np.ndarray)
+    assert not metrics._stays_on_device(sims)
+
+
+def test_evaluate_hands_the_metrics_the_matrix_where_it_was_scored(monkeypatch):
+    """`evaluate_split` keeps the matrix where it was scored for the metrics (on a GPU: there),
+    then returns it as NumPy; counted with torch or NumPy, the metrics are the same."""
+    from sgraf.evaluate import evaluate_checkpoints_with_sims
+
+    e2e = DATA / "e2e"
+    args = ([e2e / "sgr.pth.tar"], e2e / "data" / "toy_precomp", "test")
+    seen = []
+    count = metrics._evaluate_one
+    monkeypatch.setattr(metrics, "_evaluate_one", lambda sims, cpi: seen.append(type(sims)) or count(sims, cpi))
+    in_numpy, sims = evaluate_checkpoints_with_sims(*args, vocab=e2e / "data" / "toy_vocab.json")
+    monkeypatch.setattr(metrics, "_stays_on_device", lambda sims: True)
+    with_torch, again = evaluate_checkpoints_with_sims(*args, vocab=e2e / "data" / "toy_vocab.json")
+    assert seen == [np.ndarray, torch.Tensor]
+    assert with_torch == in_numpy and isinstance(again, np.ndarray) and np.array_equal(again, sims)

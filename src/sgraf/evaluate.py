@@ -98,8 +98,10 @@ def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
 
 def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, precision: str = "fp32",
                 batch_size: int = 128, progress: bool = False, head: str | None = None,
-                token_ids: Sequence[Sequence[int]] | None = None, stopwatch: Stopwatch | None = None) -> np.ndarray:
-    """The (n_img, n_cap) float32 score matrix of a model or an ensemble on a split.
+                token_ids: Sequence[Sequence[int]] | None = None, stopwatch: Stopwatch | None = None,
+                keep_on_device: bool = False) -> np.ndarray | torch.Tensor:
+    """The (n_img, n_cap) float32 score matrix of a model or an ensemble on a split (with
+    `keep_on_device`, a tensor left on the CUDA device that scored it).
 
     The captions are tokenised once for every model (unless `token_ids` gives them). Under
     ``torchrun`` every process must call this; each scores a share of the images and every
@@ -114,7 +116,8 @@ def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, preci
                                     stopwatch=stopwatch)
                for model in models]
     with stage(stopwatch, "score"):
-        return scoring.score_matrix(list(models), encoded, precision=precision, progress=progress, head=head)
+        return scoring.score_matrix(list(models), encoded, precision=precision, progress=progress, head=head,
+                                    keep_on_device=keep_on_device)
 
 
 def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, folds: int = 1,
@@ -124,11 +127,15 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
     """Metrics (`sgraf.metrics.evaluate_sims`) and the score matrix of models on a split.
 
     This is what training validation calls, so that it matches `sgraf evaluate` exactly.
-    `stopwatch` times `score_split`'s stages and 'metrics'.
+    `stopwatch` times `score_split`'s stages and 'metrics'. On a GPU the ranks are counted where
+    the matrix was scored, before it is copied to the host (timed as 'score').
     """
-    sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids, stopwatch)
+    sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids, stopwatch,
+                       keep_on_device=True)
     with stage(stopwatch, "metrics"):
         result = metrics.evaluate_sims(sims, folds=folds, caps_per_image=split.caps_per_image)
+    with stage(stopwatch, "score"):
+        sims = sims.cpu().numpy()
     return result, sims
 
 

@@ -16,6 +16,9 @@ this rule equals theirs whenever the scores have no ties.
 
 Ranks are computed by counting, ``rank = #(s > s_gt) + #(s == s_gt and index > gt)``, over
 bounded chunks of whole rows: no per-row sort and no float64 copy of the matrix.
+
+A matrix held on a GPU (a CUDA tensor, as `sgraf evaluate` scores there) is counted there with
+the same comparisons, so the ranks are the same integers; only the ranks come to the host.
 """
 
 from __future__ import annotations
@@ -37,12 +40,23 @@ RECALL_KEYS = ("r1", "r5", "r10", "medr", "meanr")
 _CHUNK_ELEMENTS = 1 << 23
 
 
-def as_score_matrix(sims: Any, name: str = "score matrix") -> np.ndarray:
-    """A 2-d finite float numpy view of `sims` (numpy array or tensor), without copying floats.
+def as_score_matrix(sims: Any, name: str = "score matrix") -> np.ndarray | torch.Tensor:
+    """A 2-d finite float numpy view of `sims` (numpy array or tensor), without copying floats; a
+    tensor on a GPU stays there (`_stays_on_device`), checked there.
 
     Raises:
         InputError: not 2-d, empty, or containing NaN/inf.
     """
+    if isinstance(sims, torch.Tensor) and _stays_on_device(sims):
+        sims = sims.detach()
+        if sims.ndim != 2 or sims.shape[0] == 0 or sims.shape[1] == 0:
+            raise InputError(f"{name}: expected a non-empty 2-d (n_images, n_captions) matrix, got shape "
+                             f"{tuple(sims.shape)}")
+        if sims.dtype not in (torch.float32, torch.float64):
+            sims = sims.float()
+        if not bool(torch.isfinite(sims).all()):
+            raise InputError(f"{name}: contains NaN or infinite scores")
+        return sims
     if isinstance(sims, torch.Tensor):
         sims = sims.detach().cpu()
         if sims.dtype not in (torch.float32, torch.float64):
@@ -74,8 +88,15 @@ def infer_caps_per_image(n_images: int, n_captions: int, caps_per_image: int | N
     return caps_per_image
 
 
-def _last_argmax(values: np.ndarray, axis: int) -> np.ndarray:
+def _stays_on_device(sims: torch.Tensor) -> bool:
+    """Whether a tensor's ranks are counted where it lies (a GPU's) rather than in NumPy."""
+    return sims.device.type != "cpu"
+
+
+def _last_argmax(values: np.ndarray | torch.Tensor, axis: int) -> np.ndarray | torch.Tensor:
     """Index of the maximum along `axis`, the LAST one among equal maxima (stable descending)."""
+    if isinstance(values, torch.Tensor):   # torch.argmax returns the first of equal maxima, as NumPy's
+        return values.shape[axis] - 1 - torch.argmax(values.flip(axis), dim=axis)
     flipped = np.flip(values, axis=axis)
     return values.shape[axis] - 1 - np.argmax(flipped, axis=axis)
 
@@ -95,7 +116,9 @@ def i2t_ranks(sims: Any, caps_per_image: int | None = None) -> tuple[np.ndarray,
     return _i2t_ranks(sims, infer_caps_per_image(*sims.shape, caps_per_image))
 
 
-def _i2t_ranks(sims: np.ndarray, cpi: int) -> tuple[np.ndarray, np.ndarray]:
+def _i2t_ranks(sims: np.ndarray | torch.Tensor, cpi: int) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(sims, torch.Tensor):
+        return _i2t_ranks_tensor(sims, cpi)
     n_img, n_cap = sims.shape
     caption_index = np.arange(n_cap)
 
@@ -116,12 +139,35 @@ def _i2t_ranks(sims: np.ndarray, cpi: int) -> tuple[np.ndarray, np.ndarray]:
             np.concatenate([top1 for _, top1 in parts]).astype(np.int64, copy=False))
 
 
+def _i2t_ranks_tensor(sims: torch.Tensor, cpi: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_i2t_ranks` counted with PyTorch where the tensor lies (the same comparisons)."""
+    n_img, n_cap = sims.shape
+    caption_index = torch.arange(n_cap, device=sims.device)
+    ranks, top1 = [], []
+    for start, stop in _row_chunks(n_img, n_cap):
+        block = sims[start:stop]
+        b = stop - start
+        images = torch.arange(start, stop, device=sims.device)
+        own = block.reshape(b, n_img, cpi)[torch.arange(b, device=sims.device), images]
+        best = images * cpi + _last_argmax(own, 1)
+        best_score = block.gather(1, best[:, None])
+        ahead = (block > best_score) | ((block == best_score) & (caption_index[None, :] > best[:, None]))
+        ranks.append(ahead.sum(dim=1))
+        top1.append(_last_argmax(block, 1))
+    return torch.cat(ranks).cpu().numpy(), torch.cat(top1).cpu().numpy()
+
+
+def _row_chunks(n_img: int, n_cap: int) -> list[tuple[int, int]]:
+    """(start, stop) of chunks of about `_CHUNK_ELEMENTS` scores, whole rows."""
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // n_cap)
+    return [(start, min(start + rows_per_chunk, n_img)) for start in range(0, n_img, rows_per_chunk)]
+
+
 def _map_row_chunks(function: Any, n_img: int, n_cap: int) -> list[Any]:
     """`function((start, stop))` of every chunk of about `_CHUNK_ELEMENTS` scores (whole rows),
     in order; on `torch.get_num_threads()` threads (NumPy's comparisons and sums release the
     GIL), so MSCOCO's 125 million scores take a fraction of a second on a many-core host."""
-    rows_per_chunk = max(1, _CHUNK_ELEMENTS // n_cap)
-    chunks = [(start, min(start + rows_per_chunk, n_img)) for start in range(0, n_img, rows_per_chunk)]
+    chunks = _row_chunks(n_img, n_cap)
     workers = min(len(chunks), torch.get_num_threads())
     if workers <= 1:
         return [function(chunk) for chunk in chunks]
@@ -144,9 +190,11 @@ def t2i_ranks(sims: Any, caps_per_image: int | None = None) -> tuple[np.ndarray,
     return _t2i_ranks(sims, infer_caps_per_image(*sims.shape, caps_per_image))
 
 
-def _t2i_ranks(sims: np.ndarray, cpi: int) -> tuple[np.ndarray, np.ndarray]:
+def _t2i_ranks(sims: np.ndarray | torch.Tensor, cpi: int) -> tuple[np.ndarray, np.ndarray]:
     # Counted over chunks of rows (contiguous in memory), then each column's counts summed and
     # its maxima merged in row order: about 3x faster than strided chunks of columns.
+    if isinstance(sims, torch.Tensor):
+        return _t2i_ranks_tensor(sims, cpi)
     n_img, n_cap = sims.shape
     captions = np.arange(n_cap)
     truth = captions // cpi  # (n_cap,)
@@ -170,6 +218,28 @@ def _t2i_ranks(sims: np.ndarray, cpi: int) -> tuple[np.ndarray, np.ndarray]:
         best = np.where(later, chunk_best, best)
         top1 = np.where(later, chunk_top, top1)
     return ranks, top1
+
+
+def _t2i_ranks_tensor(sims: torch.Tensor, cpi: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_t2i_ranks` counted with PyTorch where the tensor lies (the same comparisons)."""
+    n_img, n_cap = sims.shape
+    captions = torch.arange(n_cap, device=sims.device)
+    truth = captions // cpi
+    truth_score = sims[truth, captions]
+    ranks = torch.zeros(n_cap, dtype=torch.int64, device=sims.device)
+    best = torch.full((n_cap,), -torch.inf, dtype=sims.dtype, device=sims.device)
+    top1 = torch.zeros(n_cap, dtype=torch.int64, device=sims.device)
+    for start, stop in _row_chunks(n_img, n_cap):
+        block = sims[start:stop]
+        images = torch.arange(start, stop, device=sims.device)[:, None]
+        ahead = (block > truth_score) | ((block == truth_score) & (images > truth))
+        ranks += ahead.sum(dim=0)
+        chunk_top = _last_argmax(block, 0)
+        chunk_best = block.gather(0, chunk_top[None, :])[0]
+        later = chunk_best >= best   # a later image wins a tie (the last maximum)
+        best = torch.where(later, chunk_best, best)
+        top1 = torch.where(later, start + chunk_top, top1)
+    return ranks.cpu().numpy(), top1.cpu().numpy()
 
 
 def recall_metrics(ranks: np.ndarray) -> dict[str, float]:
@@ -198,7 +268,7 @@ def rsum(i2t_metrics: dict[str, float], t2i_metrics: dict[str, float]) -> float:
     return r["r1"] + r["r5"] + r["r10"] + ri["r1"] + ri["r5"] + ri["r10"]
 
 
-def _evaluate_one(sims: np.ndarray, cpi: int) -> dict[str, Any]:
+def _evaluate_one(sims: np.ndarray | torch.Tensor, cpi: int) -> dict[str, Any]:
     """`evaluate_sims` of a matrix `as_score_matrix` checked, `cpi` captions per image."""
     forward = recall_metrics(_i2t_ranks(sims, cpi)[0])
     backward = recall_metrics(_t2i_ranks(sims, cpi)[0])
@@ -222,7 +292,8 @@ def evaluate_sims(sims: Any, folds: int = 1, caps_per_image: int | None = None) 
     "Average t2i Recall" the rsum. The values returned here are correctly named.)
 
     Args:
-        sims: (n_img, n_cap) scores (numpy or tensor, float32 or float64).
+        sims: (n_img, n_cap) scores (numpy or tensor, float32 or float64); a tensor on a GPU
+            is counted there.
         folds: number of consecutive equal folds.
         caps_per_image: captions per image (default: ``n_cap // n_img``).
 

@@ -156,7 +156,8 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
 
 def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision: str = "fp32",
                  image_block: int | None = None, block_elements: int | None = None,
-                 progress: bool = False, head: str | None = None, shard: bool = True) -> np.ndarray:
+                 progress: bool = False, head: str | None = None, shard: bool = True,
+                 keep_on_device: bool = False) -> np.ndarray | torch.Tensor:
     """The (n_img, n_cap) score matrix of one model, or the average of several models.
 
     Args:
@@ -168,6 +169,8 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
         progress: progress bar with ETA on stderr (rank 0 only).
         head: passed to ``similarity`` (``"sgr"``/``"saf"`` of a joint model; None: its score).
         shard: under ``torchrun``, let each process score a share of the images and gather.
+        keep_on_device: return a float32 tensor where the scores were computed (a CUDA device
+            keeps them: `sgraf.metrics` counts the ranks there) instead of numpy.
 
     Returns:
         float32 numpy (n_img, n_cap) in caption-file order, identical on every process. Several
@@ -193,10 +196,11 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     show = progress and distributed.is_main_process()
     with _progress((last_row - first_row) * n_cap, "scoring", show, "pair") as bar:
         share = score_encoded(models, encoded, precision, rows=(first_row, last_row), image_block=image_block,
-                              block_elements=block_elements, head=head, on_block=bar.update)
+                              block_elements=block_elements, head=head, on_block=bar.update,
+                              keep_on_device=keep_on_device)
     if shard and distributed.is_distributed():
         share = distributed.all_gather_cat(share)
-    return share.numpy()
+    return share if keep_on_device else share.numpy()
 
 
 def average_matrices(matrices: Sequence[np.ndarray], rows_per_chunk: int = 1024) -> np.ndarray:

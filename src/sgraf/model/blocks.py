@@ -455,9 +455,10 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
                   rows: tuple[int, int] | None = None, image_block: int | None = None,
                   block_elements: int | None = None, head: str | None = None,
                   on_block: Callable[[int], Any] | None = None,
-                  caption_block: int | None = None) -> torch.Tensor:
+                  caption_block: int | None = None, keep_on_device: bool = False) -> torch.Tensor:
     """Scores of images `rows` (default: all) against every caption, one model or the mean of
-    several: float32 (n_rows, n_cap) on the CPU, in the callers' caption order.
+    several: float32 (n_rows, n_cap) on the CPU (with `keep_on_device`, on the CUDA device that
+    scored them), in the callers' caption order.
 
     Args:
         models: one model, or several for an ensemble (each in eval mode during the call).
@@ -536,7 +537,7 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
             else:
                 for task in tasks:
                     score_task(task)
-    return share.cpu()
+    return share if keep_on_device else share.cpu()
 
 
 def _caption_blocks(bucket: CaptionBucket, image_block: int, block_elements: int) -> Iterator[slice]:

@@ -330,14 +330,15 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: 
 
 def validate(model: nn.Module, split: Any, vocab: Any, config: TrainConfig,
              device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Recalls and rsum of `model` on a split with the fast scorer (`sgraf.scoring`)."""
+    """Recalls and rsum of `model` on a split with the fast scorer (`sgraf.scoring`); on a GPU
+    the matrix stays there and only the ranks come to the host (`sgraf.metrics`)."""
     from sgraf.metrics import evaluate_sims
     from sgraf.scoring import encode_split, score_matrix
 
     precision = "bf16" if config.precision == "bf16" else "fp32"
     encoded = encode_split(model, split, vocab, batch_size=config.val_batch_size, precision=precision,
                            device=device)
-    sims = score_matrix([model], [encoded], precision=precision)
+    sims = score_matrix([model], [encoded], precision=precision, keep_on_device=True)
     return evaluate_sims(sims, caps_per_image=split.caps_per_image)
 
 
