@@ -190,3 +190,42 @@ def test_two_gloo_processes_equal_one(tmp_path, expected):
     np.testing.assert_array_equal(sims_one, sims_two)
     assert two["rsum"] == expected["ensemble_rsum"]
     assert_close(sims_two, expected["sims_ensemble"], AUTHORS)
+
+
+def test_the_gpu_plan_emulated_on_the_cpu_gives_the_cpus_metrics_and_matrix(tmp_path):
+    """The whole evaluation under the plan a CUDA device gets (`plan.emulate_gpu`): images read
+    ahead on threads, caption buckets of `GPU_CAPTION_BLOCK`, image blocks of `GPU_IMAGE_BLOCK`,
+    the matrix kept where it was scored for the metrics. A split large enough for two image
+    blocks and two caption buckets scores as the CPU's plan does."""
+    from sgraf.checkpoint import save_model
+    from sgraf.config import ModelConfig
+    from sgraf.data.vocab import Vocabulary
+    from sgraf.evaluate import evaluate_checkpoints_with_sims
+    from sgraf.kernels import plan
+    from sgraf.model import blocks
+    from sgraf.model.sgraf import SGRAF
+
+    n_img = blocks.GPU_IMAGE_BLOCK + 44                        # two image blocks
+    assert 5 * n_img > blocks.GPU_CAPTION_BLOCK                # two caption buckets
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(40)]
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "test_ims.npy", rng.standard_normal((n_img, 5, 12)).astype(np.float32))
+    (data / "test_caps.txt").write_text("".join(" ".join(rng.choice(words, size=2 + i % 9)) + "\n"
+                                                for i in range(5 * n_img)))
+    vocab = Vocabulary.from_words(words)
+    checkpoints = []
+    for module in ("sgr", "saf"):
+        torch.manual_seed(1)
+        model = SGRAF(ModelConfig(vocab_size=len(vocab), img_dim=12, word_dim=4, embed_size=8, sim_dim=4,
+                                  num_regions=5, sgr_step=1, module=module))
+        checkpoints.append(tmp_path / f"{module}.pt")
+        save_model(model, checkpoints[-1], vocab=vocab)
+    on_cpu, cpu_sims = evaluate_checkpoints_with_sims(checkpoints, data, "test", batch_size=128)
+    with plan.emulate_gpu():
+        on_plan, plan_sims = evaluate_checkpoints_with_sims(checkpoints, data, "test", batch_size=128)
+    assert isinstance(plan_sims, np.ndarray) and plan_sims.shape == (n_img, 5 * n_img)
+    assert np.abs(plan_sims - cpu_sims).max() <= 1e-6
+    assert on_plan == metrics.evaluate_sims(plan_sims)
+    assert on_plan["rsum"] == pytest.approx(on_cpu["rsum"], abs=1.0)   # a near-tie may flip one rank
