@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from sgraf.data.arrays import check_finite_features, open_npy, padded_ids
+from sgraf.data.arrays import (check_finite_features, first_non_finite, map_row_chunks, open_npy, padded_ids,
+                               row_chunks)
 from sgraf.errors import InputError
 
 EXPECTED = "float32 features of shape (n_images, regions, dim)"
@@ -101,3 +102,28 @@ def test_padded_ids_lays_rows_of_any_length_and_kind_into_one_zero_padded_tensor
     assert padded.dtype == torch.int64 and padded.shape == (4, 4)
     assert padded.tolist() == [[5, 6, 7, 0], [8, 0, 0, 0], [9, 10, 0, 0], [11, 12, 13, 14]]
     assert padded_ids([]).shape == (0, 0)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("elements", [1, 7, 10 ** 6])      # a row per chunk, 2 rows, one chunk
+def test_first_non_finite_names_the_first_bad_score_in_row_order_whatever_the_chunks(monkeypatch, tmp_path,
+                                                                                     threads, elements):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    matrix = np.random.default_rng(0).random((9, 4)).astype(np.float32)
+    assert first_non_finite(matrix, elements) is None
+    matrix[7, 0] = np.inf
+    matrix[5, 3] = -np.inf
+    assert first_non_finite(matrix, elements) == (5, 3)
+    matrix[5, 1] = np.nan
+    assert first_non_finite(matrix, elements) == (5, 1)
+    np.save(tmp_path / "m.npy", matrix)                       # a memory map is read the same way
+    assert first_non_finite(np.load(tmp_path / "m.npy", mmap_mode="r"), elements) == (5, 1)
+    assert first_non_finite(np.zeros((3, 0), np.float32), elements) is None
+
+
+def test_map_row_chunks_covers_every_row_once_in_order(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert row_chunks(10, 3, 7) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert row_chunks(3, 100, 7) == [(0, 1), (1, 2), (2, 3)]     # at least a row
+    assert row_chunks(0, 5, 7) == []
+    assert map_row_chunks(lambda rows: rows[1] - rows[0], 10, 3, 7) == [2, 2, 2, 2, 2]

@@ -18,7 +18,7 @@ import torch
 
 from sgraf import distributed, metrics, scoring
 from sgraf.atomic_write import atomic_path
-from sgraf.data.arrays import open_npy
+from sgraf.data.arrays import first_non_finite, open_npy
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.devices import resolve_device
 from sgraf.errors import InputError
@@ -171,14 +171,14 @@ def load_matrix(path: str | os.PathLike) -> np.ndarray:
     return sims
 
 
-def _check_finite_matrix(sims: np.ndarray, path: str | os.PathLike, rows_per_chunk: int = 1024) -> None:
-    """InputError naming the file and the first image row holding NaN/inf, read in row chunks."""
-    for start in range(0, sims.shape[0], rows_per_chunk):
-        finite = np.isfinite(sims[start:start + rows_per_chunk])
-        if not finite.all():
-            row, column = (int(v) for v in np.argwhere(~finite)[0])
-            raise InputError(f"{path}: score [image {start + row}, caption {column}] is "
-                             f"{sims[start + row, column]}; expected finite scores")
+def _check_finite_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
+    """InputError naming the file and the first score holding NaN/inf (`first_non_finite`, read
+    in row chunks)."""
+    where = first_non_finite(sims)
+    if where is not None:
+        row, column = where
+        raise InputError(f"{path}: score [image {row}, caption {column}] is {sims[row, column]}; "
+                         f"expected finite scores")
 
 
 def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,

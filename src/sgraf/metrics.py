@@ -24,12 +24,12 @@ the same comparisons, so the ranks are the same integers; only the ranks come to
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from sgraf.data.arrays import first_non_finite, map_row_chunks, row_chunks
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def as_score_matrix(sims: Any, name: str = "score matrix") -> np.ndarray | torch
         raise InputError(f"{name}: expected a non-empty 2-d (n_images, n_captions) matrix, got shape {sims.shape}")
     if sims.dtype not in (np.float32, np.float64):
         sims = sims.astype(np.float32)
-    if not np.isfinite(sims).all():
+    if first_non_finite(sims) is not None:
         raise InputError(f"{name}: contains NaN or infinite scores")
     return sims
 
@@ -159,20 +159,14 @@ def _i2t_ranks_tensor(sims: torch.Tensor, cpi: int) -> tuple[np.ndarray, np.ndar
 
 def _row_chunks(n_img: int, n_cap: int) -> list[tuple[int, int]]:
     """(start, stop) of chunks of about `_CHUNK_ELEMENTS` scores, whole rows."""
-    rows_per_chunk = max(1, _CHUNK_ELEMENTS // n_cap)
-    return [(start, min(start + rows_per_chunk, n_img)) for start in range(0, n_img, rows_per_chunk)]
+    return row_chunks(n_img, n_cap, _CHUNK_ELEMENTS)
 
 
 def _map_row_chunks(function: Any, n_img: int, n_cap: int) -> list[Any]:
-    """`function((start, stop))` of every chunk of about `_CHUNK_ELEMENTS` scores (whole rows),
-    in order; on `torch.get_num_threads()` threads (NumPy's comparisons and sums release the
-    GIL), so MSCOCO's 125 million scores take a fraction of a second on a many-core host."""
-    chunks = _row_chunks(n_img, n_cap)
-    workers = min(len(chunks), torch.get_num_threads())
-    if workers <= 1:
-        return [function(chunk) for chunk in chunks]
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(function, chunks))
+    """`function((start, stop))` of every chunk of `_row_chunks`, in order, on PyTorch's number
+    of threads (`sgraf.data.arrays.map_row_chunks`), so MSCOCO's 125 million scores take a
+    fraction of a second on a many-core host."""
+    return map_row_chunks(function, n_img, n_cap, _CHUNK_ELEMENTS)
 
 
 def t2i_ranks(sims: Any, caps_per_image: int | None = None) -> tuple[np.ndarray, np.ndarray]:
