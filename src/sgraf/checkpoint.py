@@ -87,9 +87,9 @@ def _vocab_content(stored: Any, version: int, path: Path) -> dict | None:
 
 
 def on_disk(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """What `torch.save` writes for a checkpoint dict as `load_checkpoint` returns it: this
-    version, the vocabulary as JSON text."""
-    return {**checkpoint, "version": VERSION, "vocab": _vocab_text(_vocab_dict(checkpoint.get("vocab")))}
+    """What `torch.save` writes for a checkpoint dict of this version as `load_checkpoint`
+    returns it: the same, the vocabulary as JSON text."""
+    return {**checkpoint, "vocab": _vocab_text(_vocab_dict(checkpoint.get("vocab")))}
 
 
 def non_finite_tensor(state_dict: dict[str, Any]) -> str | None:

@@ -47,27 +47,24 @@ def as_score_matrix(sims: Any, name: str = "score matrix") -> np.ndarray | torch
     Raises:
         InputError: not 2-d, empty, or containing NaN/inf.
     """
-    if isinstance(sims, torch.Tensor) and _stays_on_device(sims):
-        sims = sims.detach()
-        if sims.ndim != 2 or sims.shape[0] == 0 or sims.shape[1] == 0:
-            raise InputError(f"{name}: expected a non-empty 2-d (n_images, n_captions) matrix, got shape "
-                             f"{tuple(sims.shape)}")
-        if sims.dtype not in (torch.float32, torch.float64):
-            sims = sims.float()
-        if not bool(torch.isfinite(sims).all()):
-            raise InputError(f"{name}: contains NaN or infinite scores")
-        return sims
     if isinstance(sims, torch.Tensor):
-        sims = sims.detach().cpu()
+        sims = sims.detach()
         if sims.dtype not in (torch.float32, torch.float64):
             sims = sims.float()
-        sims = sims.numpy()
-    sims = np.asarray(sims)
+        if not _stays_on_device(sims):
+            sims = sims.cpu().numpy()
+    else:
+        sims = np.asarray(sims)
     if sims.ndim != 2 or sims.shape[0] == 0 or sims.shape[1] == 0:
-        raise InputError(f"{name}: expected a non-empty 2-d (n_images, n_captions) matrix, got shape {sims.shape}")
-    if sims.dtype not in (np.float32, np.float64):
-        sims = sims.astype(np.float32)
-    if first_non_finite(sims) is not None:
+        raise InputError(f"{name}: expected a non-empty 2-d (n_images, n_captions) matrix, got shape "
+                         f"{tuple(sims.shape)}")
+    if isinstance(sims, torch.Tensor):
+        finite = bool(torch.isfinite(sims).all())
+    else:
+        if sims.dtype not in (np.float32, np.float64):
+            sims = sims.astype(np.float32)
+        finite = first_non_finite(sims) is None
+    if not finite:
         raise InputError(f"{name}: contains NaN or infinite scores")
     return sims
 
