@@ -161,3 +161,13 @@ def test_the_metrics_benchmark_compares_two_checkouts(tmp_path):
                                cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert re.search(r"ours: [0-9.]+x the baseline's speed; same metrics: True", completed.stdout), completed.stdout
+
+
+def test_the_host_copy_benchmark_times_both_ways():
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_host_copy.py"), "--device", "cpu",
+                                "--images", "64", "--band", "16", "--band-ms", "2", "--repeats", "1"],
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    for way in ("after", "bands"):
+        assert re.search(rf"^{way}: whole [0-9.]+ s, after the last band [0-9.]+ s$", completed.stdout, re.M)
+    assert re.search(r"ratio after/bands: whole [0-9.]+x, after the last band [0-9.]+x", completed.stdout)

@@ -192,11 +192,14 @@ def test_two_gloo_processes_equal_one(tmp_path, expected):
     assert_close(sims_two, expected["sims_ensemble"], AUTHORS)
 
 
-def test_the_gpu_plan_emulated_on_the_cpu_gives_the_cpus_metrics_and_matrix(tmp_path):
+def test_the_gpu_plan_emulated_on_the_cpu_gives_the_cpus_metrics_and_matrix(tmp_path, monkeypatch):
     """The whole evaluation under the plan a CUDA device gets (`plan.emulate_gpu`): images read
     ahead on threads, caption buckets of `GPU_CAPTION_BLOCK`, image blocks of `GPU_IMAGE_BLOCK`,
-    the matrix kept where it was scored for the metrics. A split large enough for two image
-    blocks and two caption buckets scores as the CPU's plan does."""
+    the matrix kept where it was scored for the metrics and copied to the host band by band as
+    each image block is scored (`HostCopy`), and not copied at all when nothing asks for it. A
+    split large enough for two image blocks and two caption buckets scores as the CPU's plan does."""
+    from sgraf import evaluate
+    from sgraf.model.host_copy import HostCopy
     from sgraf.checkpoint import save_model
     from sgraf.config import ModelConfig
     from sgraf.data.vocab import Vocabulary
@@ -222,10 +225,26 @@ def test_the_gpu_plan_emulated_on_the_cpu_gives_the_cpus_metrics_and_matrix(tmp_
                                   num_regions=5, sgr_step=1, module=module))
         checkpoints.append(tmp_path / f"{module}.pt")
         save_model(model, checkpoints[-1], vocab=vocab)
+    bands, copies = [], []                                      # rows handed over, rows copied by the worker
+    band, copy_band = HostCopy.band, HostCopy._copy
+    monkeypatch.setattr(HostCopy, "band", lambda self, share, rows: (bands.append(rows), band(self, share, rows))[1])
+    monkeypatch.setattr(HostCopy, "_copy", lambda self, share, rows, event: (copies.append(rows),
+                                                                              copy_band(self, share, rows, event))[1])
     on_cpu, cpu_sims = evaluate_checkpoints_with_sims(checkpoints, data, "test", batch_size=128)
+    assert bands == []                                          # the CPU's plan: the matrix is on the host
     with plan.emulate_gpu():
         on_plan, plan_sims = evaluate_checkpoints_with_sims(checkpoints, data, "test", batch_size=128)
+    blocks_ = blocks.GPU_IMAGE_BLOCK
+    assert bands == copies == [slice(0, blocks_), slice(blocks_, n_img)]
     assert isinstance(plan_sims, np.ndarray) and plan_sims.shape == (n_img, 5 * n_img)
     assert np.abs(plan_sims - cpu_sims).max() <= 1e-6
     assert on_plan == metrics.evaluate_sims(plan_sims)
     assert on_plan["rsum"] == pytest.approx(on_cpu["rsum"], abs=1.0)   # a near-tie may flip one rank
+    # without --save-sims nothing is copied to the host; with it, the bands are what is saved
+    bands.clear()
+    with plan.emulate_gpu():
+        assert evaluate.evaluate_checkpoints(checkpoints, data, "test", batch_size=128) == on_plan
+        assert bands == []
+        assert evaluate.evaluate_checkpoints(checkpoints, data, "test", batch_size=128,
+                                             save_sims=tmp_path / "sims.npy") == on_plan
+    assert len(bands) == 2 and np.array_equal(np.load(tmp_path / "sims.npy"), plan_sims)

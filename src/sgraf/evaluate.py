@@ -8,6 +8,7 @@ through `sgraf.scoring`, the same path as validation during training.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -22,6 +23,8 @@ from sgraf.data.arrays import first_non_finite, open_npy
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.devices import resolve_device
 from sgraf.errors import InputError
+from sgraf.kernels import plan
+from sgraf.model.host_copy import HostCopy
 from sgraf.stopwatch import Stopwatch, stage
 
 logger = logging.getLogger(__name__)
@@ -99,9 +102,10 @@ def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
 def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, precision: str = "fp32",
                 batch_size: int = 128, progress: bool = False, head: str | None = None,
                 token_ids: Sequence[Sequence[int]] | None = None, stopwatch: Stopwatch | None = None,
-                keep_on_device: bool = False) -> np.ndarray | torch.Tensor:
+                keep_on_device: bool = False, on_rows: Any = None) -> np.ndarray | torch.Tensor:
     """The (n_img, n_cap) float32 score matrix of a model or an ensemble on a split (with
-    `keep_on_device`, a tensor left on the CUDA device that scored it).
+    `keep_on_device`, a tensor left on the CUDA device that scored it; `on_rows`: see
+    `sgraf.scoring.score_matrix`).
 
     The captions are tokenised once for every model (unless `token_ids` gives them). Under
     ``torchrun`` every process must call this; each scores a share of the images and every
@@ -117,26 +121,33 @@ def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, preci
                for model in models]
     with stage(stopwatch, "score"):
         return scoring.score_matrix(list(models), encoded, precision=precision, progress=progress, head=head,
-                                    keep_on_device=keep_on_device)
+                                    keep_on_device=keep_on_device, on_rows=on_rows)
 
 
 def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, folds: int = 1,
                    precision: str = "fp32", batch_size: int = 128, progress: bool = False,
                    head: str | None = None, token_ids: Sequence[Sequence[int]] | None = None,
-                   stopwatch: Stopwatch | None = None) -> tuple[dict[str, Any], np.ndarray]:
+                   stopwatch: Stopwatch | None = None, matrix: bool = True
+                   ) -> tuple[dict[str, Any], np.ndarray | None]:
     """Metrics (`sgraf.metrics.evaluate_sims`) and the score matrix of models on a split.
 
     This is what training validation calls, so that it matches `sgraf evaluate` exactly.
     `stopwatch` times `score_split`'s stages and 'metrics'. On a GPU the ranks are counted where
-    the matrix was scored, before it is copied to the host (timed as 'score').
+    the matrix was scored, and the matrix comes to the host band by band while the rest is
+    scored (`sgraf.model.host_copy`; the wait for the last band is timed as 'score'). Without
+    `matrix` nothing is copied to the host and None is returned in its place.
     """
-    sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids, stopwatch,
-                       keep_on_device=True)
-    with stage(stopwatch, "metrics"):
-        result = metrics.evaluate_sims(sims, folds=folds, caps_per_image=split.caps_per_image)
-    with stage(stopwatch, "score"):
-        sims = sims.cpu().numpy()
-    return result, sims
+    device = next(iter(models[0].parameters())).device if models else torch.device("cpu")
+    copy = HostCopy((split.n_images, split.n_captions)) if matrix and plan.gpu_plan(device) else None
+    with copy if copy is not None else contextlib.nullcontext():
+        sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids, stopwatch,
+                           keep_on_device=True, on_rows=copy.band if copy is not None else None)
+        with stage(stopwatch, "metrics"):
+            result = metrics.evaluate_sims(sims, folds=folds, caps_per_image=split.caps_per_image)
+        if not matrix:
+            return result, None
+        with stage(stopwatch, "score"):
+            return result, copy.result(sims) if copy is not None else sims.cpu().numpy()
 
 
 def open_split(data_dir: str | os.PathLike, split: str) -> Any:
@@ -209,8 +220,9 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
     Returns:
         The `sgraf.metrics.evaluate_sims` dict.
     """
-    return evaluate_checkpoints_with_sims(checkpoints, data_dir, split, vocab, folds, precision, batch_size,
-                                          device, progress, save_sims, stopwatch, token_prefetch)[0]
+    # the matrix comes to the host only to be saved
+    return _evaluate_checkpoints(checkpoints, data_dir, split, vocab, folds, precision, batch_size, device,
+                                 progress, save_sims, stopwatch, token_prefetch, matrix=save_sims is not None)[0]
 
 
 def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike,
@@ -220,6 +232,19 @@ def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], dat
                                    save_sims: str | os.PathLike | None = None, stopwatch: Stopwatch | None = None,
                                    token_prefetch: Any = None) -> tuple[dict[str, Any], np.ndarray]:
     """`evaluate_checkpoints`, returning ``(metrics, (n_img, n_cap) float32 score matrix)``."""
+    result, sims = _evaluate_checkpoints(checkpoints, data_dir, split, vocab, folds, precision, batch_size,
+                                         device, progress, save_sims, stopwatch, token_prefetch, matrix=True)
+    assert sims is not None
+    return result, sims
+
+
+def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,
+                          vocab: str | os.PathLike | Any, folds: int, precision: str, batch_size: int,
+                          device: torch.device | str, progress: bool, save_sims: str | os.PathLike | None,
+                          stopwatch: Stopwatch | None, token_prefetch: Any, matrix: bool
+                          ) -> tuple[dict[str, Any], np.ndarray | None]:
+    """`evaluate_checkpoints_with_sims`; without `matrix` (and `save_sims`) the matrix is not
+    copied to the host and None is returned in its place."""
     if isinstance(folds, bool) or not isinstance(folds, int) or folds < 1:
         raise InputError(f"--folds must be a positive integer, got {folds!r}")
     device = resolve_device(device)     # 'auto': CUDA when available
@@ -239,7 +264,7 @@ def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], dat
     logger.info("evaluating %s on %s (%d images, %d captions)", ", ".join(map(str, checkpoints)),
                 precomp.caps_path, precomp.n_images, precomp.n_captions)
     result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress,
-                                  token_ids=token_ids, stopwatch=stopwatch)
+                                  token_ids=token_ids, stopwatch=stopwatch, matrix=matrix or save_sims is not None)
     if save_sims is not None and distributed.is_main_process():
         with stage(stopwatch, "save"):
             save_matrix(sims, save_sims)

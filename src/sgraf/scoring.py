@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -162,7 +162,8 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
 def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision: str = "fp32",
                  image_block: int | None = None, block_elements: int | None = None,
                  progress: bool = False, head: str | None = None, shard: bool = True,
-                 keep_on_device: bool = False) -> np.ndarray | torch.Tensor:
+                 keep_on_device: bool = False,
+                 on_rows: Callable[[torch.Tensor, slice], Any] | None = None) -> np.ndarray | torch.Tensor:
     """The (n_img, n_cap) score matrix of one model, or the average of several models.
 
     Args:
@@ -202,7 +203,8 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     with _progress((last_row - first_row) * n_cap, "scoring", show, "pair") as bar:
         share = score_encoded(models, encoded, precision, rows=(first_row, last_row), image_block=image_block,
                               block_elements=block_elements, head=head, on_block=bar.update,
-                              keep_on_device=keep_on_device)
+                              keep_on_device=keep_on_device,
+                              on_rows=None if shard and distributed.is_distributed() else on_rows)
     if shard and distributed.is_distributed():
         share = distributed.all_gather_cat(share)
     return share if keep_on_device else share.numpy()

@@ -455,7 +455,8 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
                   rows: tuple[int, int] | None = None, image_block: int | None = None,
                   block_elements: int | None = None, head: str | None = None,
                   on_block: Callable[[int], Any] | None = None,
-                  caption_block: int | None = None, keep_on_device: bool = False) -> torch.Tensor:
+                  caption_block: int | None = None, keep_on_device: bool = False,
+                  on_rows: Callable[[torch.Tensor, slice], Any] | None = None) -> torch.Tensor:
     """Scores of images `rows` (default: all) against every caption, one model or the mean of
     several: float32 (n_rows, n_cap) on the CPU (with `keep_on_device`, on the CUDA device that
     scored them), in the callers' caption order.
@@ -535,8 +536,10 @@ def score_encoded(models: Sequence[Scorer], encoded: Sequence[Encoded], precisio
                 with ThreadPoolExecutor(workers) as pool:
                     list(pool.map(score_task, tasks))
             else:
-                for task in tasks:
-                    score_task(task)
+                for row, bucket_id in tasks:
+                    score_task((row, bucket_id))
+                    if on_rows is not None and bucket_id == len(encoded[0].buckets) - 1:
+                        on_rows(share, slice(row - first_row, min(row + image_block, last_row) - first_row))
     return share if keep_on_device else share.cpu()
 
 

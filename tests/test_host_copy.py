@@ -1,0 +1,69 @@
+"""`sgraf.model.host_copy.HostCopy`: a score matrix copied to the host band by band while the rest
+is scored (on CPU tensors here, the path a GPU run takes without streams; on CUDA in
+tests/test_gpu.py)."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from sgraf.model.host_copy import HostCopy
+
+
+def test_bands_are_copied_as_handed_over_and_the_rest_at_the_end():
+    share = torch.randn(10, 7)
+    with HostCopy((10, 7)) as copy:
+        copy.band(share, slice(0, 4))
+        copy.band(share, slice(4, 8))
+        for future in copy._pending:
+            future.result()
+        handed = share.clone()
+        share[:8] += 100.0            # rows of a band are never written again: the copy made then is kept
+        host = copy.result(share)
+    assert isinstance(host, np.ndarray) and host.dtype == np.float32 and host.shape == (10, 7)
+    assert np.array_equal(host[:8], handed[:8].numpy())
+    assert np.array_equal(host[8:], share[8:].numpy())       # no band: copied by `result`
+
+
+def test_without_bands_the_whole_matrix_is_copied():
+    share = torch.randn(5, 3)
+    with HostCopy((5, 3)) as copy:
+        host = copy.result(share)
+    assert np.array_equal(host, share.numpy())
+    assert not np.shares_memory(host, share.numpy())
+
+
+def test_the_copies_run_on_one_worker_thread_in_the_order_handed_over():
+    share = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    threads, order = set(), []
+    with HostCopy((6, 10)) as copy:
+        copy_band = copy._copy
+
+        def spy(share, rows, event):
+            threads.add(threading.get_ident())
+            order.append(rows.start)
+            copy_band(share, rows, event)
+
+        copy._copy = spy
+        for start in (0, 2, 4):
+            copy.band(share, slice(start, start + 2))
+        host = copy.result(share)
+    assert order == [0, 2, 4] and len(threads) == 1 and threading.get_ident() not in threads
+    assert np.array_equal(host, share.numpy())
+    assert not copy._pool._threads or not any(t.is_alive() for t in copy._pool._threads)   # closed
+
+
+def test_a_matrix_of_another_shape_is_refused():
+    with HostCopy((4, 4)) as copy:
+        with pytest.raises(ValueError, match=r"\(3, 4\).*expected \(4, 4\)"):
+            copy.band(torch.zeros(3, 4), slice(0, 1))
+        with pytest.raises(ValueError, match=r"\(4, 5\).*expected \(4, 4\)"):
+            copy.result(torch.zeros(4, 5))
+
+
+def test_a_failed_copy_is_raised_by_result():
+    with HostCopy((4, 4)) as copy:
+        copy.band(torch.zeros(4, 4, device="meta"), slice(0, 2))   # a tensor without data: no copy
+        with pytest.raises(NotImplementedError):
+            copy.result(torch.zeros(4, 4))
