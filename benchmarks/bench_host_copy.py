@@ -3,9 +3,11 @@
 `sgraf evaluate` scores the (n_images, n_captions) matrix on the device and needs it on the host
 to save it. This times the two ways on the same work, in turns, medians:
 
-- `after`: every band scored, then the whole matrix copied (`.cpu()`, as before session 20);
-- `bands`: each band handed to `sgraf.model.host_copy.HostCopy` as soon as it is scored, and
-  `result()` waited for after the last (what `evaluate_split` now does on a GPU).
+- `after`: every band scored, then the whole matrix copied (`.cpu()`) and saved (`np.save`,
+  then synced: `sgraf evaluate --save-sims` before session 20);
+- `bands`: each band handed to `sgraf.model.host_copy.HostCopy` as soon as it is scored, which
+  copies it and writes it to the file, and `result()` waited for after the last, then the file
+  synced (what `evaluate_split` now does on a GPU). `--no-save`: the copies alone.
 
 The scoring is a stand-in of the same length per band as the real one (`--band-ms`, the MSCOCO
 bf16 block rows predicted on an H100: 20 bands of 256 images in about 6 s): matmuls on a CUDA
@@ -20,10 +22,14 @@ the last band (what stands on the command's path), and their ratio.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from sgraf.kernels.tuning import cpu_model
@@ -51,13 +57,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(way: str, device: torch.device, shape: tuple[int, int], band: int, work: torch.Tensor, reps: int
-        ) -> tuple[float, float]:
-    """(whole seconds, seconds after the last band was scored) of one way."""
+def run(way: str, device: torch.device, shape: tuple[int, int], band: int, work: torch.Tensor, reps: int,
+        file: Path | None) -> tuple[float, float]:
+    """(whole seconds, seconds after the last band was scored) of one way, saving to `file` if given."""
+    if file is not None:
+        file.unlink(missing_ok=True)
     sync(device)
     start = time.perf_counter()
     share = torch.empty(shape, device=device)
-    copy = HostCopy(shape) if way == "bands" else None
+    copy = HostCopy(shape, file) if way == "bands" else None
     try:
         for row in range(0, shape[0], band):
             for _ in range(reps):
@@ -72,6 +80,13 @@ def run(way: str, device: torch.device, shape: tuple[int, int], band: int, work:
     finally:
         if copy is not None:
             copy.close()
+    if file is not None:
+        if copy is None:
+            with open(file, "wb") as handle:
+                np.save(handle, host)
+        handle = os.open(file, os.O_RDONLY)
+        os.fsync(handle)                                # as `sgraf.atomic_write.atomic_path` does
+        os.close(handle)
     end = time.perf_counter()
     assert host.shape == shape and float(host[-1, -1]) == float(share[-1, -1])
     return end - start, end - scored
@@ -84,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--band", type=int, default=256, help="rows per band (the GPU's image block)")
     parser.add_argument("--band-ms", type=float, default=300.0, help="the stand-in scoring's time per band")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-save", action="store_true", help="the copies alone, no file written")
     parser.add_argument("--threads", type=int, default=None,
                         help="PyTorch's threads for the stand-in (default on a CPU: one core left free, as a GPU's "
                              "host has cores beside the one that launches the kernels)")
@@ -99,11 +115,14 @@ def main(argv: list[str] | None = None) -> int:
           f"stand-in scoring each (PyTorch threads: {torch.get_num_threads()}); {args.repeats} turns of each way, "
           f"medians", flush=True)
     times: dict[str, list[tuple[float, float]]] = {"after": [], "bands": []}
-    for turn in range(args.repeats + 1):           # the first turn warms up and is not counted
-        for way in times:
-            whole, tail = run(way, device, shape, args.band, work, reps)
-            if turn:
-                times[way].append((whole, tail))
+    with tempfile.TemporaryDirectory() as folder:
+        file = None if args.no_save else Path(folder) / "sims.npy"
+        print(f"saved to a file in {folder} and synced" if file else "not saved", flush=True)
+        for turn in range(args.repeats + 1):           # the first turn warms up and is not counted
+            for way in times:
+                whole, tail = run(way, device, shape, args.band, work, reps, file)
+                if turn:
+                    times[way].append((whole, tail))
     medians = {way: (statistics.median(w for w, _ in rows), statistics.median(t for _, t in rows))
                for way, rows in times.items()}
     for way, (whole, tail) in medians.items():

@@ -248,3 +248,12 @@ def test_the_gpu_plan_emulated_on_the_cpu_gives_the_cpus_metrics_and_matrix(tmp_
         assert evaluate.evaluate_checkpoints(checkpoints, data, "test", batch_size=128,
                                              save_sims=tmp_path / "sims.npy") == on_plan
     assert len(bands) == 2 and np.array_equal(np.load(tmp_path / "sims.npy"), plan_sims)
+    np.save(tmp_path / "expected.npy", plan_sims)          # written by the bands: NumPy's own bytes
+    assert (tmp_path / "sims.npy").read_bytes() == (tmp_path / "expected.npy").read_bytes()
+    # a failure after the bands were written leaves the previous file and no temporary one
+    monkeypatch.setattr(metrics, "evaluate_sims", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
+    before = sorted(tmp_path.iterdir())
+    with plan.emulate_gpu(), pytest.raises(RuntimeError, match="stop"):
+        evaluate.evaluate_checkpoints(checkpoints, data, "test", batch_size=128, save_sims=tmp_path / "sims.npy")
+    assert sorted(tmp_path.iterdir()) == before
+    assert (tmp_path / "sims.npy").read_bytes() == (tmp_path / "expected.npy").read_bytes()

@@ -476,16 +476,19 @@ def test_evaluate_on_the_device_counts_the_metrics_of_the_matrix_it_returns():
     assert on_gpu == metrics.evaluate_sims(gpu_sims)
 
 
-def test_host_copy_copies_cuda_bands_on_its_stream_while_the_scoring_stream_goes_on():
+def test_host_copy_copies_cuda_bands_on_its_stream_while_the_scoring_stream_goes_on(tmp_path):
     """`HostCopy` on a CUDA matrix: each band is copied once the kernels that wrote it have run
     (an event on the scoring stream), on the worker's own stream, while later kernels on the
-    scoring stream write the next rows; the host matrix is the device's, band and rest."""
+    scoring stream write the next rows; the host matrix and the file written from it are the
+    device's, band and rest."""
+    import numpy as np
+
     from sgraf.model.host_copy import HostCopy
 
     torch.manual_seed(0)
     share = torch.zeros(1024, 4096, device="cuda")
     parts = torch.randn(4, 256, 4096, device="cuda")
-    with HostCopy(tuple(share.shape)) as copy:
+    with HostCopy(tuple(share.shape), file=tmp_path / "sims.npy") as copy:
         for band in range(3):            # the last 256 rows are handed over by no band
             rows = slice(256 * band, 256 * (band + 1))
             share[rows] = (parts[band] @ parts[band].T @ parts[band]).tanh()   # enough work to overlap
@@ -494,3 +497,4 @@ def test_host_copy_copies_cuda_bands_on_its_stream_while_the_scoring_stream_goes
         host = copy.result(share)
         assert copy._stream is not None and copy._stream != torch.cuda.current_stream()
     assert (torch.from_numpy(host) == share.cpu()).all()
+    assert np.array_equal(np.load(tmp_path / "sims.npy"), share.cpu().numpy())

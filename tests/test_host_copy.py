@@ -67,3 +67,23 @@ def test_a_failed_copy_is_raised_by_result():
         copy.band(torch.zeros(4, 4, device="meta"), slice(0, 2))   # a tensor without data: no copy
         with pytest.raises(NotImplementedError):
             copy.result(torch.zeros(4, 4))
+
+
+def test_the_matrix_is_written_as_numpys_npy_band_by_band_and_the_rest_at_the_end(tmp_path):
+    share = torch.randn(10, 6)
+    path = tmp_path / "sims.npy"
+    with HostCopy((10, 6), file=path) as copy:
+        copy.band(share, slice(2, 4))
+        copy.band(share, slice(6, 8))
+        host = copy.result(share)       # rows 0-1, 4-5 and 8-9 written now
+    expected = tmp_path / "expected.npy"
+    np.save(expected, share.numpy())
+    assert path.read_bytes() == expected.read_bytes()
+    assert np.array_equal(np.load(path), host)
+
+
+def test_a_file_that_cannot_be_written_is_raised_by_result(tmp_path):
+    with HostCopy((2, 2), file=tmp_path / "missing" / "sims.npy") as copy:
+        copy.band(torch.zeros(2, 2), slice(0, 1))
+        with pytest.raises(FileNotFoundError):
+            copy.result(torch.zeros(2, 2))

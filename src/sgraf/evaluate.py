@@ -127,18 +127,21 @@ def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, preci
 def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, folds: int = 1,
                    precision: str = "fp32", batch_size: int = 128, progress: bool = False,
                    head: str | None = None, token_ids: Sequence[Sequence[int]] | None = None,
-                   stopwatch: Stopwatch | None = None, matrix: bool = True
-                   ) -> tuple[dict[str, Any], np.ndarray | None]:
+                   stopwatch: Stopwatch | None = None, matrix: bool = True,
+                   save_to: str | os.PathLike | None = None) -> tuple[dict[str, Any], np.ndarray | None]:
     """Metrics (`sgraf.metrics.evaluate_sims`) and the score matrix of models on a split.
 
     This is what training validation calls, so that it matches `sgraf evaluate` exactly.
-    `stopwatch` times `score_split`'s stages and 'metrics'. On a GPU the ranks are counted where
-    the matrix was scored, and the matrix comes to the host band by band while the rest is
+    `stopwatch` times `score_split`'s stages, 'metrics' and 'save'. On a GPU the ranks are counted
+    where the matrix was scored, and the matrix comes to the host band by band while the rest is
     scored (`sgraf.model.host_copy`; the wait for the last band is timed as 'score'). Without
-    `matrix` nothing is copied to the host and None is returned in its place.
+    `matrix` nothing is copied to the host and None is returned in its place. `save_to`: a path
+    the float32 matrix is written to as a `.npy` (by the same bands on a GPU; the caller makes
+    the write atomic, `sgraf.atomic_write.atomic_path`).
     """
+    matrix = matrix or save_to is not None
     device = next(iter(models[0].parameters())).device if models else torch.device("cpu")
-    copy = HostCopy((split.n_images, split.n_captions)) if matrix and plan.gpu_plan(device) else None
+    copy = HostCopy((split.n_images, split.n_captions), save_to) if matrix and plan.gpu_plan(device) else None
     with copy if copy is not None else contextlib.nullcontext():
         sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids, stopwatch,
                            keep_on_device=True, on_rows=copy.band if copy is not None else None)
@@ -147,7 +150,11 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
         if not matrix:
             return result, None
         with stage(stopwatch, "score"):
-            return result, copy.result(sims) if copy is not None else sims.cpu().numpy()
+            host = copy.result(sims) if copy is not None else sims.cpu().numpy()
+    if save_to is not None and copy is None:
+        with stage(stopwatch, "save"), open(save_to, "wb") as handle:
+            np.save(handle, np.asarray(host, dtype=np.float32))
+    return result, host
 
 
 def open_split(data_dir: str | os.PathLike, split: str) -> Any:
@@ -263,11 +270,16 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
     warn_unknown_share(vocabulary, token_ids, str(precomp.caps_path))
     logger.info("evaluating %s on %s (%d images, %d captions)", ", ".join(map(str, checkpoints)),
                 precomp.caps_path, precomp.n_images, precomp.n_captions)
-    result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress,
-                                  token_ids=token_ids, stopwatch=stopwatch, matrix=matrix or save_sims is not None)
-    if save_sims is not None and distributed.is_main_process():
+    saving = save_sims is not None and distributed.is_main_process()
+    with contextlib.ExitStack() as write:
+        # opened first, so that a path that cannot be written fails before the work
+        temporary = write.enter_context(atomic_path(save_sims)) if saving else None
+        result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress,
+                                      token_ids=token_ids, stopwatch=stopwatch,
+                                      matrix=matrix or save_sims is not None, save_to=temporary)
         with stage(stopwatch, "save"):
-            save_matrix(sims, save_sims)
+            write.close()           # synced and moved into place
+    if saving:
         logger.info("wrote the %s score matrix to %s", sims.shape, save_sims)
     return result, sims
 

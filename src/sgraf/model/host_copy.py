@@ -18,6 +18,12 @@ copy takes 0.2 s into fresh memory and 0.04 s into memory already touched).
   (a scorer that calls no `on_rows`, the matrix gathered from several processes) are copied
   then, so the result is always the whole matrix.
 
+Given a `file`, the worker also writes the matrix there as a float32 `.npy` (the bytes `np.save`
+writes): the header first, each band at its rows' offset once copied, and a `fdatasync` after
+each, so that saving the matrix (`sgraf evaluate --save-sims`: 500 MB written and synced, 0.38 s
+of an MSCOCO-size run on the H100) is done beside the scoring too, and the final sync of the
+caller's atomic write (`sgraf.atomic_write.atomic_path`) has little left to flush.
+
 The worker copies bands in the order they were scored, one at a time; each band's rows are
 written by the scorer before the band is handed over and never again, so the copy reads
 finished scores only. On CPU tensors (`sgraf.kernels.plan.emulate_gpu`, the tests) the same
@@ -26,6 +32,9 @@ thread copies without streams or events.
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -39,13 +48,15 @@ class HostCopy:
     Use as a context manager (the worker thread ends on exit), or call `close`.
     """
 
-    def __init__(self, shape: tuple[int, int]) -> None:
+    def __init__(self, shape: tuple[int, int], file: str | os.PathLike[str] | None = None) -> None:
         self.shape = (int(shape[0]), int(shape[1]))
         self._host: torch.Tensor | None = None
         self._copied = np.zeros(self.shape[0], dtype=bool)
         self._stream: Any = None
+        self._fd: int | None = None
+        self._offset = 0                    # of the first row in `file`: its header's length
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sgraf-host-copy")
-        self._pending: list[Future] = [self._pool.submit(self._allocate)]
+        self._pending: list[Future] = [self._pool.submit(self._allocate, file)]
 
     def __enter__(self) -> HostCopy:
         return self
@@ -53,10 +64,35 @@ class HostCopy:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _allocate(self) -> None:
+    def _allocate(self, file: str | os.PathLike[str] | None) -> None:
+        if file is not None:
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
+                                                          "fortran_order": False, "shape": self.shape})
+            self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            self._write(header.getvalue(), 0)
+            self._offset = len(header.getvalue())
         host = torch.empty(self.shape, dtype=torch.float32)
         host.zero_()    # its pages faulted in here, beside the scoring, not during the copy
         self._host = host
+
+    def _write(self, data: Any, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.pwrite(self._fd, view, offset)     # type: ignore[arg-type]
+            view, offset = view[written:], offset + written
+
+    def _save(self, rows: slice) -> None:
+        """Write `rows` of the host matrix to the file at their offset and sync them."""
+        if self._fd is None:
+            return
+        assert self._host is not None
+        self._write(self._host[rows].numpy(), self._offset + rows.start * self.shape[1] * 4)
+        try:
+            os.fdatasync(self._fd)
+        except OSError as error:
+            if error.errno not in (errno.EINVAL, errno.ENOTSUP):    # file systems that cannot sync
+                raise
 
     def band(self, share: torch.Tensor, rows: slice) -> None:
         """Queue `share[rows]` (scored, never written again) for copying to the same rows."""
@@ -80,6 +116,7 @@ class HostCopy:
                 # a pageable destination: returns when copied; the scoring stream goes on
                 self._host[rows].copy_(share[rows])
         self._copied[rows] = True
+        self._save(rows)
 
     def result(self, matrix: torch.Tensor) -> np.ndarray:
         """The host matrix, once every band is copied; the rows no band covered copied from
@@ -97,8 +134,15 @@ class HostCopy:
             index = torch.from_numpy(missing)
             self._host[index] = matrix[index.to(matrix.device)].cpu()
         self._copied[:] = True
+        if missing.size:       # the runs of rows no band covered, to the file
+            breaks = np.flatnonzero(np.diff(missing) != 1) + 1
+            for run in np.split(missing, breaks):
+                self._save(slice(int(run[0]), int(run[-1]) + 1))
         return self._host.numpy()
 
     def close(self) -> None:
-        """Wait for queued copies (they hold the device matrix) and end the worker."""
+        """Wait for queued copies (they hold the device matrix), end the worker, close the file."""
         self._pool.shutdown(wait=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
