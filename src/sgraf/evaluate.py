@@ -152,8 +152,8 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
         with stage(stopwatch, "score"):
             host = copy.result(sims) if copy is not None else sims.cpu().numpy()
     if save_to is not None and copy is None:
-        with stage(stopwatch, "save"), open(save_to, "wb") as handle:
-            np.save(handle, np.asarray(host, dtype=np.float32))
+        with stage(stopwatch, "save"):
+            write_matrix(host, save_to)
     return result, host
 
 
@@ -173,7 +173,13 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Any:
 
 def save_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
     """Write a float32 .npy atomically (temporary file, then `os.replace`)."""
-    with atomic_path(path) as temporary, open(temporary, "wb") as handle:
+    with atomic_path(path) as temporary:
+        write_matrix(sims, temporary)
+
+
+def write_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
+    """Write a float32 .npy to `path` as it is (`save_matrix` makes the write atomic)."""
+    with open(path, "wb") as handle:
         np.save(handle, np.asarray(sims, dtype=np.float32))
 
 
