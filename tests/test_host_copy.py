@@ -87,3 +87,29 @@ def test_a_file_that_cannot_be_written_is_raised_by_result(tmp_path):
         copy.band(torch.zeros(2, 2), slice(0, 1))
         with pytest.raises(FileNotFoundError):
             copy.result(torch.zeros(2, 2))
+
+
+def test_a_full_disk_under_the_gpu_plan_is_one_line_naming_the_file_and_leaves_nothing(tmp_path, monkeypatch):
+    """`sgraf evaluate --save-sims` whose bands cannot be written (ENOSPC from the worker's
+    writes): the `InputError` names the file the user asked for, and no file is left."""
+    import errno
+    import os
+    import pathlib
+
+    from sgraf import evaluate
+    from sgraf.errors import InputError
+    from sgraf.kernels import plan
+    from sgraf.model import host_copy
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(host_copy.os, "pwrite", full)
+    e2e = pathlib.Path(__file__).parent / "data" / "e2e"
+    out = tmp_path / "out"
+    out.mkdir()
+    with plan.emulate_gpu(), pytest.raises(InputError) as raised:
+        evaluate.evaluate_checkpoints([e2e / "sgr.pth.tar"], e2e / "data" / "toy_precomp", "test",
+                                      vocab=e2e / "data" / "toy_vocab.json", save_sims=out / "sims.npy")
+    assert str(raised.value) == f"cannot write {out / 'sims.npy'}: No space left on device"
+    assert list(out.iterdir()) == []
