@@ -184,6 +184,32 @@ def test_loader_order_depends_only_on_seed_and_workers_are_honoured(tmp_path):
     assert plain == [list(range(10)), list(range(10, 20)), list(range(20, 24))]
 
 
+def test_with_workers_the_workers_check_the_features_and_the_consumer_only_names_a_bad_image(tmp_path, monkeypatch):
+    """`CheckedLoader`: with DataLoader workers the worker that collates a batch looks at its
+    features (`Batch.finite`, kept by `pin_memory` and `to`), so the consuming process (a GPU's
+    host-bound training loop) checks no finite batch; a batch with a NaN is still refused in
+    the consumer, in one line naming the file and the image. Without workers it checks each."""
+    write_split(tmp_path, n_img=12, caps_per_image=2)
+    split = PrecompSplit(tmp_path, "train")
+    dataset = PrecompDataset(split, build_vocab(split.captions, min_count=1))
+    checked = []
+    check = PrecompDataset.check_batch
+    monkeypatch.setattr(PrecompDataset, "check_batch", lambda self, batch: (checked.append(len(batch)),
+                                                                             check(self, batch))[1])
+    batches = list(make_loader(dataset, batch_size=5, num_workers=2))
+    assert checked == [] and [b.finite for b in batches] == [True] * 5
+    assert batches[0].to("cpu").finite is True and batches[0]._apply(lambda t: t.clone()).finite is True
+    assert len(list(make_loader(dataset, batch_size=5))) == 5 and checked == [5, 5, 5, 5, 4]
+    images = np.load(tmp_path / "train_ims.npy")
+    images[7, 2, 3] = np.inf
+    np.save(tmp_path / "train_ims.npy", images)
+    dataset = PrecompDataset(PrecompSplit(tmp_path, "train"), dataset.vocab)
+    checked.clear()
+    with pytest.raises(InputError, match=r"train_ims.npy: feature \[image 7, region 2, dim 3\] is inf"):
+        list(make_loader(dataset, batch_size=5, num_workers=2))
+    assert checked == [5]              # the first batch found not finite (caption 14, image 7), checked to name it
+
+
 def test_cli_data_check_summary(tmp_path, capsys, data_dir):
     root = data_dir / "e2e" / "data"
     code = main(["data", "check", "--data", str(root / "toy_precomp"), "--split", "test",
