@@ -171,3 +171,13 @@ def test_the_host_copy_benchmark_times_both_ways():
     for way in ("after", "bands"):
         assert re.search(rf"^{way}: whole [0-9.]+ s, after the last band [0-9.]+ s$", completed.stdout, re.M)
     assert re.search(r"ratio after/bands: whole [0-9.]+x, after the last band [0-9.]+x", completed.stdout)
+
+
+def test_the_train_loader_benchmark_times_the_check_in_both_places():
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_train_loader.py"), "--images", "12",
+                                "--dim", "16", "--batch", "8", "--workers", "1", "--repeats", "1"],
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    for way in ("the training thread checks", "the workers check"):
+        assert re.search(rf"^  {way}: [0-9.]+ ms$", completed.stdout, re.M), completed.stdout
+    assert re.search(r"saved: -?[0-9.]+ ms per batch", completed.stdout), completed.stdout
