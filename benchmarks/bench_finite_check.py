@@ -31,25 +31,33 @@ from sgraf.data.arrays import check_finite_features
 from sgraf.model.encoders import ImageEncoder
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def features_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a paper-size features file and its batches (this and bench_train_loader.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--images", type=int, default=1000)
     parser.add_argument("--regions", type=int, default=36)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    return parser
+
+
+def write_features(path: Path, images: int, regions: int, dim: int, block: int = 128) -> None:
+    """A float32 (images, regions, dim) `.npy` of uniform random values, written `block` images at a time."""
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(images, regions, dim))
+    rng = np.random.default_rng(0)
+    for start in range(0, images, block):
+        part = out[start:start + block]
+        part[...] = rng.random(part.shape, dtype=np.float32)
+    out.flush()
+
+
+def main() -> None:
+    args = features_parser(__doc__.splitlines()[0]).parse_args()
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "test_ims.npy"
-        out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
-                                        shape=(args.images, args.regions, args.dim))
-        rng = np.random.default_rng(0)
-        for start in range(0, args.images, args.batch):
-            block = out[start:start + args.batch]
-            block[...] = rng.random(block.shape, dtype=np.float32)
-        out.flush()
-        del out
+        write_features(path, args.images, args.regions, args.dim, args.batch)
         features = np.load(path, mmap_mode="r")
         encoder = ImageEncoder(args.dim, 1024).eval()
 

@@ -20,7 +20,6 @@ at the flag) is what is timed, medians over `--repeats` epochs after one that fi
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -34,17 +33,14 @@ from torch.utils.data import DataLoader
 from sgraf.data import precomp
 from sgraf.data.precomp import PrecompDataset, PrecompSplit
 from sgraf.data.vocab import build_vocab
+from bench_finite_check import features_parser, write_features
 from sgraf.kernels.tuning import cpu_model
 
 
 def write_split(folder: Path, images: int, regions: int, dim: int) -> None:
-    out = np.lib.format.open_memmap(folder / "train_ims.npy", mode="w+", dtype=np.float32,
-                                    shape=(images, regions, dim))
+    """A training split: random features, five captions of 8-17 random words per image."""
+    write_features(folder / "train_ims.npy", images, regions, dim)
     rng = np.random.default_rng(0)
-    for start in range(0, images, 100):
-        block = out[start:start + 100]
-        block[...] = rng.random(block.shape, dtype=np.float32)
-    out.flush()
     words = [f"w{i}" for i in range(300)]
     (folder / "train_caps.txt").write_text("".join(" ".join(rng.choice(words, size=8 + i % 10)) + "\n"
                                                    for i in range(5 * images)))
@@ -77,13 +73,8 @@ def epoch(dataset: PrecompDataset, batch: int, workers: int, in_workers: bool) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=1000)
-    parser.add_argument("--regions", type=int, default=36)
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=128)
+    parser = features_parser(__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         write_split(Path(folder), args.images, args.regions, args.dim)

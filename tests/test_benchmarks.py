@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -163,21 +165,20 @@ def test_the_metrics_benchmark_compares_two_checkouts(tmp_path):
     assert re.search(r"ours: [0-9.]+x the baseline's speed; same metrics: True", completed.stdout), completed.stdout
 
 
-def test_the_host_copy_benchmark_times_both_ways():
-    completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_host_copy.py"), "--device", "cpu",
-                                "--images", "64", "--band", "16", "--band-ms", "2", "--repeats", "1"],
+@pytest.mark.parametrize("script, args, lines", [
+    ("bench_host_copy.py", ["--device", "cpu", "--images", "64", "--band", "16", "--band-ms", "2"],
+     [r"^after: whole [0-9.]+ s, after the last band [0-9.]+ s$",
+      r"^bands: whole [0-9.]+ s, after the last band [0-9.]+ s$",
+      r"^ratio after/bands: whole [0-9.]+x, after the last band [0-9.]+x$"]),
+    ("bench_train_loader.py", ["--images", "12", "--dim", "16", "--batch", "8", "--workers", "1"],
+     [r"^  the training thread checks: [0-9.]+ ms$", r"^  the workers check: [0-9.]+ ms$",
+      r"^  saved: -?[0-9.]+ ms per batch"]),
+])
+def test_the_session_20_benchmarks_time_both_ways(script, args, lines):
+    """bench_host_copy.py (the matrix copied after the scoring or band by band) and
+    bench_train_loader.py (the NaN/inf check in the training thread or the workers) on tiny sizes."""
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / script), *args, "--repeats", "1"],
                                capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-2000:]
-    for way in ("after", "bands"):
-        assert re.search(rf"^{way}: whole [0-9.]+ s, after the last band [0-9.]+ s$", completed.stdout, re.M)
-    assert re.search(r"ratio after/bands: whole [0-9.]+x, after the last band [0-9.]+x", completed.stdout)
-
-
-def test_the_train_loader_benchmark_times_the_check_in_both_places():
-    completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_train_loader.py"), "--images", "12",
-                                "--dim", "16", "--batch", "8", "--workers", "1", "--repeats", "1"],
-                               capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    for way in ("the training thread checks", "the workers check"):
-        assert re.search(rf"^  {way}: [0-9.]+ ms$", completed.stdout, re.M), completed.stdout
-    assert re.search(r"saved: -?[0-9.]+ ms per batch", completed.stdout), completed.stdout
+    for line in lines:
+        assert re.search(line, completed.stdout, re.M), completed.stdout
