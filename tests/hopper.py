@@ -25,8 +25,10 @@ def compile_for_hopper(kernel: Any, values: dict[str, Any], pointers: dict[str, 
     signature = {name: "constexpr" if name in values else pointers.get(name, "i32") for name in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(kernel.arg_names.index(name),): value for name, value in values.items()})
+    from sgraf.kernels.fused_routes import FP_FUSION
+
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": FP_FUSION})
     ptx = pathlib.Path(tempfile.mkdtemp()) / "kernel.ptx"
     ptx.write_text(compiled.asm["ptx"])
     report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],

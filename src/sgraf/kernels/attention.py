@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
+from sgraf.kernels.fused_routes import FP_FUSION, ROUTES, FusedRoutes, dtype_key, fusable
 from sgraf.kernels.norms import EPS, inverse_norm
 
 MAX_WORDS = 128                      # a caption's words in one tile, at most (longer captions: eager)
@@ -124,7 +124,7 @@ def _fused(relevance: torch.Tensor, gram: torch.Tensor, n_words: int, smooth: fl
     _kernel()[(n_img, triton.cdiv(n_cap, captions))](
         relevance, gram, out, n_cap, n_words, n_rows, float(smooth), n_regions=n_regions,
         REGIONS=max(16, triton.next_power_of_2(n_regions)), WORDS=words, CAPTIONS=captions,
-        EPSILON=EPS, num_warps=warps, num_stages=stages)
+        EPSILON=EPS, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
     return out
 
 

@@ -33,7 +33,7 @@ import torch
 
 from sgraf.kernels.compiled import padded_count
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
+from sgraf.kernels.fused_routes import FP_FUSION, ROUTES, FusedRoutes, dtype_key, fusable
 from sgraf.kernels.norms import EPS, inverse_norm
 
 # a pair's values (nodes x features, each padded to a power of two) in one program, at most
@@ -133,7 +133,7 @@ def _fused(nodes: torch.Tensor, node_mask: torch.Tensor, weight: torch.Tensor, b
         scale.float(), shift.float(), out, n_pairs, n_cap, n_nodes, dim,
         nodes.stride(0), nodes.stride(1), nodes.stride(2),
         NODES=padded_nodes, DIM=padded_dim, PAIRS=pairs,
-        EPSILON=EPS, num_warps=warps, num_stages=stages)
+        EPSILON=EPS, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
     return out
 
 

@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]   # what a probed route returns
 
 ROUTES = ("eager", "fused")          # the first is the default; the forcing variables take these
+# Every kernel is built with multiplies and adds contracted into FMAs, as nvcc builds PyTorch's own
+# CUDA kernels and as the kernels' probes and budgets were set; pinned, since Triton 3.10 builds
+# without them unless asked.
+FP_FUSION = True
 # How far a fused route's output may lie from the eager route's on the probe's inputs, as a
 # fraction of the largest eager value, by the probe's dtype. float32 sums in another order (the
 # kernels' tests hold them within 1e-5); 16-bit values are rounded at other places (through

@@ -41,7 +41,7 @@ import torch
 
 from sgraf.kernels import edges
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
+from sgraf.kernels.fused_routes import FP_FUSION, ROUTES, FusedRoutes, dtype_key, fusable
 
 
 MAX_NODES = 64                       # graphs of more nodes (captions of 64 words or more): eager
@@ -161,7 +161,8 @@ def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked
         PRECISION="ieee" if exact else "tf32",
         # Triton's interpreter (the CPU tests) multiplies bf16 tiles wrongly and truncates casts to
         # bf16: there the tiles are float32 and the rounding is done on the bits
-        WIDEN=interpreted, EMULATE=interpreted and low == torch.bfloat16, num_warps=warps, num_stages=stages)
+        WIDEN=interpreted, EMULATE=interpreted and low == torch.bfloat16, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=FP_FUSION)
     return out
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from sgraf.kernels.cpu import fast_linear
-from sgraf.kernels.fused_routes import ROUTES, FusedRoutes, dtype_key, fusable
+from sgraf.kernels.fused_routes import FP_FUSION, ROUTES, FusedRoutes, dtype_key, fusable
 from sgraf.kernels.norms import EPS, inverse_norm
 
 
@@ -159,7 +159,8 @@ def _fused(attn: torch.Tensor | None, regions: torch.Tensor, words: torch.Tensor
         WIDTH_TILE=max(16, triton.next_power_of_2(width)), ROWS=rows, FEATURES=features, EPSILON=EPS,
         PRECISION="ieee" if exact else "tf32", GLOBAL=glob,
         # the interpreter (CPU tests) multiplies bf16 tiles wrongly: there, in float32
-        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages,
+        enable_fp_fusion=FP_FUSION)
 
 
 @functools.cache
