@@ -50,8 +50,9 @@ TAIL=14 step gpu_profile 150 python3 benchmarks/gpu_profile.py --steps 5 --capti
 TAIL=20 step sweep 90 python3 benchmarks/gpu_profile.py --sweep --steps 3
 step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --features synthetic --n-train 400 --n-dev 60 --n-test 60 --no-images
   python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf train --data /tmp/gen --out /tmp/run --preset tiny --set device=cuda epochs=2
-  python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --precision bf16 --quiet
-  python3 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --device cuda --quiet --timings'
+  python3 -m torch.distributed.run --nproc-per-node 1 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --precision bf16 --quiet --save-sims /tmp/run/sims_bf16.npy
+  python3 -m sgraf evaluate --checkpoint /tmp/run/best.pt --data /tmp/gen --split test --device cuda --quiet --timings --save-sims /tmp/run/sims.npy
+  python3 -c "import numpy as np; a, b = np.load(\"/tmp/run/sims_bf16.npy\"), np.load(\"/tmp/run/sims.npy\"); print(\"saved matrices\", a.shape, b.shape, \"bf16 - fp32 at most\", float(abs(a - b).max()))"'
 TAIL=20 step bench_train 240 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 3 --matrix
 # the Flickr30K-size run first pays the device's probes (edge route, word-node route with the fused
 # kernel's compilation) in an untimed run per precision, and stores them for the MSCOCO-size one
