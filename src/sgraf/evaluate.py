@@ -24,6 +24,7 @@ from sgraf.data.vocab import warn_unknown_share
 from sgraf.devices import resolve_device
 from sgraf.errors import InputError
 from sgraf.kernels import plan
+from sgraf.model.blocks import model_device
 from sgraf.model.host_copy import HostCopy
 from sgraf.stopwatch import Stopwatch, stage
 
@@ -140,8 +141,8 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
     the write atomic, `sgraf.atomic_write.atomic_path`).
     """
     matrix = matrix or save_to is not None
-    device = next(iter(models[0].parameters())).device if models else torch.device("cpu")
-    copy = HostCopy((split.n_images, split.n_captions), save_to) if matrix and plan.gpu_plan(device) else None
+    on_gpu = bool(models) and plan.gpu_plan(model_device(models[0]))
+    copy = HostCopy((split.n_images, split.n_captions), save_to) if matrix and on_gpu else None
     with copy if copy is not None else contextlib.nullcontext():
         sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids, stopwatch,
                            keep_on_device=True, on_rows=copy.band if copy is not None else None)
