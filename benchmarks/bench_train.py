@@ -26,6 +26,10 @@ with glibc's defaults, as their code does.
     python benchmarks/bench_train.py                     # SGR and SAF, authors fp32 vs ours fp32/bf16
     python benchmarks/bench_train.py --batch 32 --steps 2   # quicker
     python benchmarks/bench_train.py --batch 6 --steps 1 --scale 16 --no-memory   # a check that it runs
+
+`--against DIR` adds "before": `train_step` of another checkout of the project (DIR/src, for
+example `git worktree add /tmp/base <commit>`), stepping in turn with the others, so that a
+change is timed against the code before it in one run (the ratio per round is printed).
 """
 
 from __future__ import annotations
@@ -123,8 +127,17 @@ def stepper(module: str, impl: str, precision: str, batch_size: int, threads: in
         print(json.dumps({"seconds": time.perf_counter() - tic, "loss": loss}), flush=True)
 
 
+def child_command(impl: str, against: str | None) -> tuple[str, dict[str, str] | None]:
+    """The implementation a child runs and its environment: "before" is "ours" with the `sgraf`
+    package of the checkout `against` (its src/ first on the path)."""
+    if impl != "before":
+        return impl, None
+    return "ours", {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(against, "src"),
+                                                                  os.environ.get("PYTHONPATH", "")])}
+
+
 def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: int, batch_size: int,
-           threads: int, device: str) -> list[dict]:
+           threads: int, device: str, against: str | None = None) -> list[dict]:
     """Seconds per step of every (impl, precision) in `runs`, each in a process of its own (so
     that one's memory and allocator settings do not reach the other), the processes stepping in
     turn: one warm-up step each, then `steps` rounds of one step of each (so that a change of the
@@ -133,8 +146,10 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
     children = []
     try:
         for impl, precision in runs:
+            impl, env = child_command(impl, against)
             child = subprocess.Popen([sys.executable, __file__, *common, "--child", "stepper", module, impl, precision],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=env)
             children.append(child)
         for child in children:   # started together, each answers once it is set up
             _answer(child, "ready")
@@ -220,6 +235,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: the GPU allocator's there)")
     parser.add_argument("--scale", type=int, default=1,
                         help="the model's feature sizes divided by this (a quick check that every row runs)")
+    parser.add_argument("--against", metavar="DIR",
+                        help="also \"before\": train_step of the project checked out in DIR (its src/)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -237,7 +254,10 @@ def main() -> None:
     from sgraf.kernels.cpu import onednn_runs
 
     runs = ([] if args.no_authors else [("authors", "fp32")]) + [("ours", p) for p in args.precisions] \
-        + ([("matrix", p) for p in args.precisions] if args.matrix else [])
+        + ([("matrix", p) for p in args.precisions] if args.matrix else []) \
+        + ([("before", p) for p in args.precisions] if args.against else [])
+    if args.against and not os.path.isdir(os.path.join(args.against, "src", "sgraf")):
+        parser.error(f"--against {args.against}: no src/sgraf there (a checkout of the project is expected)")
     where = torch_device_name(args.device)
     common = ["--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
               "--device", args.device, "--scale", str(args.scale)] \
@@ -253,15 +273,16 @@ def main() -> None:
     for module in args.modules:
         # a process per configuration, stepping in turn; each memory figure has a fresh process
         try:
-            timed = timing(module, runs, common, args.steps, args.batch, args.threads, args.device)
+            timed = timing(module, runs, common, args.steps, args.batch, args.threads, args.device, args.against)
         except RuntimeError as error:
             print(f"{module}: FAILED: {error}")
             continue
         for r in timed:
             r["peak_gib"] = float("nan")
             if not args.no_memory:
-                proc = subprocess.run([sys.executable, __file__, *common, "--child", "memory", module, r["impl"],
-                                       r["precision"]], capture_output=True, text=True)
+                impl, env = child_command(r["impl"], args.against)
+                proc = subprocess.run([sys.executable, __file__, *common, "--child", "memory", module, impl,
+                                       r["precision"]], capture_output=True, text=True, env=env)
                 if proc.returncode != 0:   # say so: a nan figure alone hides the cause
                     print(f"{module} {r['impl']} {r['precision']} memory: FAILED: {proc.stderr.strip().splitlines()[-1]}")
                 else:
@@ -283,6 +304,14 @@ def main() -> None:
                 print(f"{module} {r['impl']} {r['precision']}: {ratio:.2f}x faster "
                       f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {peak}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
+    for r in results:
+        before = next((b for b in results if b["module"] == r["module"] and b["impl"] == "before"
+                       and b["precision"] == r["precision"]), None)
+        if r["impl"] == "ours" and before is not None:
+            rounds = [b / o for b, o in zip(before["times"], r["times"])]
+            print(f"{r['module']} ours {r['precision']} against before ({args.against}): "
+                  f"{before['seconds_per_step'] / r['seconds_per_step']:.3f}x faster (ratio of the medians; "
+                  f"per round {', '.join(f'{x:.3f}' for x in rounds)})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

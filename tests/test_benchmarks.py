@@ -28,15 +28,24 @@ def test_bench_gpu_smoke_runs_every_row_beside_the_authors(tmp_path):
 
 def test_bench_train_times_each_configuration_and_measures_its_peak_memory(tmp_path):
     """The training benchmark (a stepping process per configuration, a fresh one per memory
-    figure) prints a time, a peak and a ratio for each; a failed child is named, not a nan."""
-    completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_train.py"), "--batch", "4", "--steps", "1",
-                                "--modules", "saf", "--precisions", "fp32", "--threads", "1", "--scale", "16"],
-                               capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    figure) prints a time, a peak and a ratio for each; a failed child is named, not a nan.
+    `--against` times another checkout's train_step too (here this one's: the same first loss)."""
+    command = [sys.executable, str(BENCHMARKS / "bench_train.py"), "--batch", "4", "--steps", "1",
+               "--modules", "saf", "--precisions", "fp32", "--threads", "1", "--scale", "16"]
+    completed = subprocess.run([*command, "--against", str(BENCHMARKS.parent)], capture_output=True, text=True,
+                               timeout=600, cwd=tmp_path)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
     out = completed.stdout
     assert "FAILED" not in out and "nan" not in out, out
-    assert out.count(" s/step ") == 2 and out.count("first loss") == 3
+    assert out.count(" s/step ") == 3 and out.count("first loss") == 5
     assert re.search(r"saf ours fp32: [0-9.]+x faster .*, [0-9.]+x the authors' peak memory", out), out
+    assert re.search(r"saf ours fp32 against before \(.*\): [0-9.]+x faster \(ratio of the medians; per round "
+                     r"[0-9.]+\)", out), out
+    losses = re.findall(r"saf +(?:ours|before) +fp32 .* first loss ([0-9.]+)", out)
+    assert len(losses) == 2 and losses[0] == losses[1], out
+    completed = subprocess.run([*command, "--against", str(tmp_path)], capture_output=True, text=True, timeout=60,
+                               cwd=tmp_path)
+    assert completed.returncode == 2 and "no src/sgraf there" in completed.stderr
 
 
 def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path, monkeypatch, capsys):

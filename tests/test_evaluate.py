@@ -92,12 +92,19 @@ def test_batch_size_does_not_change_results(capsys, tmp_path, expected, batch_si
     assert_close(np.load(out), expected["sims_ensemble"], AUTHORS)
 
 
-def test_bf16_stays_close(capsys, tmp_path, expected):
+def test_bf16_stays_close(capsys, caplog, tmp_path, expected):
+    from sgraf.kernels.cpu import onednn_runs
+    from sgraf.precision import slow_on_this_cpu
+
     out = tmp_path / "sims.npy"
+    slow_on_this_cpu.cache_clear()
     evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--precision", "bf16",
                   "--save-sims", out)
     assert_close(np.load(out), expected["sims_sgr"], BFLOAT16, scale=1.0)
     assert not np.array_equal(np.load(out), expected["sims_sgr"].numpy())   # bf16 really ran
+    # a CPU without bf16 kernels (AVX2 only) is named once; one with them, not at all
+    slow = [r for r in caplog.records if r.getMessage().startswith("bf16 on this CPU is several times slower")]
+    assert len(slow) == (0 if onednn_runs(torch.bfloat16) else 1)
 
 
 def test_our_checkpoints_carry_their_vocabulary(capsys, tmp_path, expected):

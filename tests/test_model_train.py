@@ -199,6 +199,42 @@ def test_chunked_checkpointed_training_equals_one_block(monkeypatch, config, kee
     assert grads and (buffers or config.get("alignments") == "local")
 
 
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_a_chunked_batch_forms_the_regions_gram_matrices_once(module):
+    """The contexts' norms read each image's (K, K) Gram matrix: a batch cut into chunks forms it
+    once, forward and backward, not once per chunk (each chunk kept or recomputed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n_img, n_regions = 5, 6
+
+    class GramCount(TorchDispatchMode):
+        """Matmuls forming a Gram matrix (regions by regions over the features), and matmuls of
+        a Gram matrix's gradient with the regions (its backward)."""
+        formed = backward = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+                shapes, gram = [tuple(a.shape) for a in args[:2]], (n_img, n_regions, n_regions)
+                if tuple(out.shape) == gram and shapes[0] == (n_img, n_regions, dim):
+                    GramCount.formed += 1
+                elif gram in shapes and tuple(out.shape) in ((n_img, n_regions, dim), (n_img, dim, n_regions)):
+                    GramCount.backward += 1
+            return out
+
+    batch = random_batch(random_model(4, num_regions=n_regions, module=module), n_img, [5, 3, 9, 4, 7], seed=5)
+    for checkpoint in (False, True):
+        model = random_model(4, num_regions=n_regions, module=module).train()
+        dim = model.config.embed_size
+        model.train_chunk, model.train_checkpoint = 2, checkpoint       # 3 chunks
+        assert len(model.train_chunks(n_img, batch[2])) == 3
+        GramCount.formed = GramCount.backward = 0
+        with GramCount():
+            scores = model(*batch)
+            ranking_loss(scores if torch.is_tensor(scores) else scores[module]).backward()
+        assert (GramCount.formed, GramCount.backward) == (1, 2), checkpoint
+
+
 def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
     import sgraf.model.sgraf as sgraf_module
 

@@ -162,3 +162,39 @@ def test_low_precision_weights_is_nothing_in_fp32():
     model = torch.nn.Linear(3, 2)
     with low_precision_weights(model, "fp32"):
         assert model.weight.dtype == torch.float32
+
+
+def test_a_low_precision_without_fast_kernels_on_this_cpu_is_named_once(monkeypatch, caplog):
+    """bf16 or fp16 on a CPU whose oneDNN has no kernel for it (an AVX2-only processor) runs
+    PyTorch's generic matmuls, several times slower than fp32: the first autocast of each says so
+    in one warning; a CPU with the kernels, fp32 and the GPU plan emulated on the CPU say nothing."""
+    import logging
+
+    from sgraf import precision
+    from sgraf.kernels import cpu, plan
+
+    monkeypatch.setattr(cpu, "onednn_runs", lambda dtype: False)
+    precision.slow_on_this_cpu.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="sgraf.precision"):
+            with plan.emulate_gpu(2**30), autocast("bf16", "cpu"):
+                pass
+            assert not caplog.records
+            for _ in range(2):
+                for name in ("fp32", "bf16", "fp16"):
+                    with autocast(name, "cpu"):
+                        assert current_precision("cpu") == name
+            messages = [record.getMessage() for record in caplog.records]
+            assert len(messages) == 2, messages
+            assert messages[0].startswith("bf16 on this CPU is several times slower than fp32")
+            assert "AVX-512 BF16 or AMX" in messages[0] and "AVX-512 FP16" in messages[1]
+            assert all(record.levelname == "WARNING" for record in caplog.records)
+
+            caplog.clear()
+            precision.slow_on_this_cpu.cache_clear()
+            monkeypatch.setattr(cpu, "onednn_runs", lambda dtype: True)
+            with autocast("bf16", "cpu"), autocast("fp16", "cpu"):
+                pass
+            assert not caplog.records
+    finally:
+        precision.slow_on_this_cpu.cache_clear()

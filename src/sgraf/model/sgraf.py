@@ -717,9 +717,9 @@ class SGRAF(nn.Module):
         def place_offset(places, chunk_directions):
             return None if places is None else sim.place_term.term(places, chunk_directions)
 
-        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_centres, chunk_directions):
+        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_centres, chunk_directions, gram):
             nodes, node_mask, places = sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo,
-                                                       chunk_centres)
+                                                       chunk_centres, gram=gram)
             return head_scores(nodes, node_mask, place_offset(places, chunk_directions))
 
         # With light nodes (`local_nodes` keeps no word x feature tensor), only the heads can need
@@ -735,16 +735,20 @@ class SGRAF(nn.Module):
         means, variances = [], []
         host_lengths = lengths.cpu() if host_lengths is None else host_lengths
         chunks = self.train_chunks(img_embs.size(0), host_lengths)
+        # the regions' Gram matrices (the contexts' norms, `train_nodes`) once for every chunk:
+        # one matmul forward and back instead of one per chunk
+        gram = (img_embs @ img_embs.transpose(1, 2)
+                if sim.use_local and sim.supports_fast() and len(chunks) > 1 else None)
         for index in chunks:
             n_words = int(host_lengths[index].max())
             index = index.to(words.device, non_blocking=True)   # a host tensor: no wait for the device
             chunk_words, chunk_mask = words[index, :n_words], word_mask[index, :n_words]
             chunk_glo = None if cap_glo is None else cap_glo[index]
             chunk_directions = None if directions is None else directions[index, :n_words]
-            args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, centres, chunk_directions)
+            args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, centres, chunk_directions, gram)
             if recompute and light:
                 nodes, node_mask, places = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo,
-                                                           centres)
+                                                           centres, gram=gram)
                 chunk_offset = place_offset(places, chunk_directions)
                 kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE  # nodes: (n_img, n, P, m)
                 if kept_bytes <= keep_bytes:

@@ -267,7 +267,8 @@ class SimilarityRepresentation(nn.Module):
 
     def train_nodes(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                     img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None, centres: torch.Tensor | None = None,
-                    aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    aligned: bool = False, gram: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`forward` from precomputed global vectors; pure, so safe to recompute in backward.
 
         For vector nodes with text-to-image attention, the local contexts are normalised before
@@ -283,6 +284,9 @@ class SimilarityRepresentation(nn.Module):
             aligned: score P aligned pairs instead of a grid: image p against caption p only,
                 every argument's first dimension P (vector nodes, text-to-image attention).
                 The same math; the block is then one row of P pairs.
+            gram: the regions' Gram matrices `regions @ regions^T` (n_img, K, K), when the
+                caller scores several chunks of captions against the same regions (computed
+                here otherwise).
 
         Returns:
             nodes (n_img, n_cap, P, m) and node_mask (n_cap, P) bool, global node first, and
@@ -317,7 +321,8 @@ class SimilarityRepresentation(nn.Module):
             if centres is not None:   # the place each word reads: its attention over the centres
                 places = PlaceTerm.places(attn.float(), centres.float())
             attn = attn.reshape(n_img, n_cap * n_words, n_regions)
-            gram = regions @ regions.transpose(1, 2)                                      # (n_img, K, K)
+            if gram is None:
+                gram = regions @ regions.transpose(1, 2)                                  # (n_img, K, K)
             sq_norm = ((attn @ gram) * attn).sum(dim=2, keepdim=True)                    # |a_j|^2
             # the authors' l2norm: a_j / (|a_j| + eps)
             attn = attn / (sq_norm.clamp(min=0).sqrt() + EPS)
