@@ -132,8 +132,9 @@ def child_command(impl: str, against: str | None) -> tuple[str, dict[str, str] |
     package of the checkout `against` (its src/ first on the path)."""
     if impl != "before":
         return impl, None
-    return "ours", {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(against, "src"),
-                                                                  os.environ.get("PYTHONPATH", "")])}
+    # the caller's path after it, if any (an empty entry would put the working folder on the path)
+    path = os.pathsep.join(filter(None, [os.path.join(against, "src"), os.environ.get("PYTHONPATH")]))
+    return "ours", {**os.environ, "PYTHONPATH": path}
 
 
 def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: int, batch_size: int,
