@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from sgraf.config import PRECISIONS
+from sgraf.kernels import plan
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +29,8 @@ def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.A
         return contextlib.nullcontext()
     device_type = torch.device(device).type
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    if device_type == "cpu":
-        from sgraf.kernels import plan
-
-        if not plan.gpu_plan(torch.device("cpu")):   # (not the GPU plan emulated on the CPU, which counts)
-            slow_on_this_cpu(precision)
+    if device_type == "cpu" and not plan.gpu_plan(device_type):   # (not the GPU plan emulated on the CPU)
+        slow_on_this_cpu(precision)
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
