@@ -30,6 +30,9 @@ with glibc's defaults, as their code does.
 `--against DIR` adds "before": `train_step` of another checkout of the project (DIR/src, for
 example `git worktree add /tmp/base <commit>`), stepping in turn with the others, so that a
 change is timed against the code before it in one run (the ratio per round is printed).
+`--compiled` adds "compiled": ours with the selected pairs compiled (`SGRAF_COMPILE=train`,
+`sgraf.kernels.compiled`; SGR only, SAF takes no pairs' backward); its warm-up step, which
+compiles the batch's graphs, is printed apart, and its steps against ours per round.
 """
 
 from __future__ import annotations
@@ -129,7 +132,10 @@ def stepper(module: str, impl: str, precision: str, batch_size: int, threads: in
 
 def child_command(impl: str, against: str | None) -> tuple[str, dict[str, str] | None]:
     """The implementation a child runs and its environment: "before" is "ours" with the `sgraf`
-    package of the checkout `against` (its src/ first on the path)."""
+    package of the checkout `against` (its src/ first on the path); "compiled" is "ours" with its
+    pairs compiled."""
+    if impl == "compiled":
+        return "ours", {**os.environ, "SGRAF_COMPILE": "train"}
     if impl != "before":
         return impl, None
     # the caller's path after it, if any (an empty entry would put the working folder on the path)
@@ -156,6 +162,7 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
             _answer(child, "ready")
         times: list[list[float]] = [[] for _ in runs]
         losses: list[list[float]] = [[] for _ in runs]
+        warmups = [0.0 for _ in runs]
         for k in range(steps + 1):
             for index, child in enumerate(children):
                 child.stdin.write("step\n")
@@ -164,6 +171,8 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
                 losses[index].append(answer["loss"])
                 if k:
                     times[index].append(answer["seconds"])
+                else:
+                    warmups[index] = answer["seconds"]
     finally:
         for child in children:   # 'quit' by closing stdin, all at once; a child that hangs is killed
             if child.poll() is None:
@@ -176,8 +185,8 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
                     child.kill()
     return [{"module": module, "impl": impl, "precision": precision, "seconds_per_step": statistics.median(t),
              "times": t, "per_round_vs_first": [x / y for x, y in zip(t, times[0])], "first_loss": loss[0],
-             "threads": threads, "batch_size": batch_size, "device": device}
-            for (impl, precision), t, loss in zip(runs, times, losses)]
+             "warmup_seconds": warmup, "threads": threads, "batch_size": batch_size, "device": device}
+            for (impl, precision), t, loss, warmup in zip(runs, times, losses, warmups)]
 
 
 def _answer(child: subprocess.Popen, expected: str | None = None) -> str:
@@ -238,6 +247,8 @@ def main() -> None:
                         help="the model's feature sizes divided by this (a quick check that every row runs)")
     parser.add_argument("--against", metavar="DIR",
                         help="also \"before\": train_step of the project checked out in DIR (its src/)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add ours with the selected pairs compiled (SGRAF_COMPILE=train; SGR)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,7 +267,8 @@ def main() -> None:
 
     runs = ([] if args.no_authors else [("authors", "fp32")]) + [("ours", p) for p in args.precisions] \
         + ([("matrix", p) for p in args.precisions] if args.matrix else []) \
-        + ([("before", p) for p in args.precisions] if args.against else [])
+        + ([("before", p) for p in args.precisions] if args.against else []) \
+        + ([("compiled", p) for p in args.precisions] if args.compiled else [])
     if args.against and not os.path.isdir(os.path.join(args.against, "src", "sgraf")):
         parser.error(f"--against {args.against}: no src/sgraf there (a checkout of the project is expected)")
     where = torch_device_name(args.device)
@@ -306,13 +318,19 @@ def main() -> None:
                       f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {peak}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
     for r in results:
-        before = next((b for b in results if b["module"] == r["module"] and b["impl"] == "before"
-                       and b["precision"] == r["precision"]), None)
-        if r["impl"] == "ours" and before is not None:
-            rounds = [b / o for b, o in zip(before["times"], r["times"])]
-            print(f"{r['module']} ours {r['precision']} against before ({args.against}): "
-                  f"{before['seconds_per_step'] / r['seconds_per_step']:.3f}x faster (ratio of the medians; "
-                  f"per round {', '.join(f'{x:.3f}' for x in rounds)})")
+        ours = next((o for o in results if o["module"] == r["module"] and o["impl"] == "ours"
+                     and o["precision"] == r["precision"]), None)
+        if r["impl"] not in ("before", "compiled") or ours is None:
+            continue
+        if r["impl"] == "before":   # ours against the code before it
+            slow, fast, name = r, ours, f"ours {r['precision']} against before ({args.against})"
+        else:                       # the compiled pairs against ours
+            slow, fast, name = ours, r, f"compiled {r['precision']} against ours"
+        rounds = [s / f for s, f in zip(slow["times"], fast["times"])]
+        print(f"{r['module']} {name}: {slow['seconds_per_step'] / fast['seconds_per_step']:.3f}x faster (ratio of "
+              f"the medians; per round {', '.join(f'{x:.3f}' for x in rounds)})"
+              + (f"; its warm-up step (the compilations) {r['warmup_seconds']:.1f} s, ours "
+                 f"{ours['warmup_seconds']:.1f} s" if r["impl"] == "compiled" else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -21,7 +21,7 @@ def test_bench_gpu_smoke_runs_every_row_beside_the_authors(tmp_path):
     assert out.count("speed-up vs the authors' algorithm (bf16)") == 1
     assert out.count("speed-up vs the authors' algorithm (fp32)") == 1
     assert "bf16 vs fp32 top-1: the same for" in out and "tf32 vs fp32 top-1: the same for" in out
-    assert "sgr ours fp32:" in out and "saf ours bf16:" in out                   # train rows vs the authors
+    assert "sgr ours fp32:" in out and "saf ours" not in out      # the train row (SGR fp32 in the smoke) vs the authors
     assert "SGRAF.score" in out and "x" in out.split("SGRAF.score", 1)[1]
     assert "train step, batch 16, sgr fp32:" in out and "scoring block 8 x 32, sgr fp32:" in out   # launches
 
@@ -46,6 +46,19 @@ def test_bench_train_times_each_configuration_and_measures_its_peak_memory(tmp_p
     completed = subprocess.run([*command, "--against", str(tmp_path)], capture_output=True, text=True, timeout=60,
                                cwd=tmp_path)
     assert completed.returncode == 2 and "no src/sgraf there" in completed.stderr
+
+
+def test_bench_train_runs_compiled_as_ours_with_the_pairs_compiled(monkeypatch):
+    """`--compiled` adds a child stepping `train_step` with SGRAF_COMPILE=train (compiling takes
+    tens of seconds, so the child itself is not run here: tests/test_compiled.py holds the path)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setenv("SGRAF_COMPILE", "off")
+    import bench_train
+
+    impl, env = bench_train.child_command("compiled", None)
+    assert impl == "ours" and env["SGRAF_COMPILE"] == "train"
+    assert bench_train.child_command("ours", None) == ("ours", None)
+    assert bench_train.child_command("before", "/elsewhere")[1]["SGRAF_COMPILE"] == "off"   # the caller's setting
 
 
 def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path, monkeypatch, capsys):

@@ -1,20 +1,30 @@
-"""The compiled scoring path (`sgraf.kernels.compiled`): held to the eager one by the numerics
-budgets, one graph per caption-width bucket, nothing recompiled for the same shapes or other
-weights, no graph breaks. Compiling costs seconds, so one tiny joint model (both heads in one
-graph) is compiled once for the module."""
+"""The compiled paths (`sgraf.kernels.compiled`), scoring and the training step's pairs: held to
+the eager ones by the numerics budgets, one graph per caption-width bucket, nothing recompiled for
+the same shapes, other pairs or other weights, no graph breaks. Compiling costs seconds (tens of
+them cold), so one tiny joint model (both heads in one graph) is compiled once for the module,
+and one tiny SGR model's training pairs once; the other plans' graphs are counted with the
+"aot_eager" backend, which guards alike without generating code."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 
 from model_helpers import random_batch, random_model
-from numerics import REORDERED, assert_close
+from numerics import BFLOAT16, GRADIENT, REORDERED, assert_close, largest
 from sgraf.errors import InputError
-from sgraf.kernels import compiled
+from sgraf.model.loss import max_pairs
+from sgraf.kernels import compiled, plan
 from sgraf.model import sgraf as sgraf_model
+from sgraf.training import pairs
+from sgraf.training.config import preset
+from sgraf.training.loop import train_step
 
 # captions of every length from 1 to 14 words in buckets of 4: widths round up to 8 and 16
 LENGTHS = [1 + (5 * i) % 14 for i in range(28)]
@@ -101,9 +111,13 @@ def test_eager_is_the_default_and_the_setting_is_checked(monkeypatch):
     monkeypatch.delenv("SGRAF_COMPILE", raising=False)
     assert compiled.mode() == "off" and not compiled.eval_enabled()
     monkeypatch.setenv("SGRAF_COMPILE", "on")
-    assert compiled.mode() == "eval"
+    assert compiled.mode() == "eval" and compiled.eval_enabled() and not compiled.train_enabled()
     with compiled.compiling("off"):
         assert not compiled.eval_enabled()
+    monkeypatch.setenv("SGRAF_COMPILE", "train")
+    assert compiled.train_enabled() and not compiled.eval_enabled()
+    monkeypatch.setenv("SGRAF_COMPILE", "all")
+    assert compiled.train_enabled() and compiled.eval_enabled()
     monkeypatch.setenv("SGRAF_COMPILE", "fast")
     with pytest.raises(InputError, match="SGRAF_COMPILE must be one of"):
         compiled.mode()
@@ -126,3 +140,110 @@ def test_worker_threads_meeting_a_new_shape_compile_it_once(compiled_scores, mon
         scores = model.score(*inputs, batch_size=BATCH)
     assert _graphs() - before == len(_widths())
     assert_close(scores, eager, REORDERED, what="compiled scores, two worker threads")
+
+
+# a training batch whose captions all fit one width bucket (8 words): its pairs' groups share a graph
+TRAIN_LENGTHS = [3, 7, 5, 2, 7, 4, 6, 3, 5, 8]
+# hardest negatives and a recipe's batch that takes the pairs' backward (the batches here hold 10)
+TRAIN = dict(max_violation=True, batch_size=pairs.MIN_BATCH, grad_clip=0.0)
+
+
+def _train_batch(model, seed):
+    images, captions, lengths = random_batch(model, len(TRAIN_LENGTHS), TRAIN_LENGTHS, seed=seed)
+    boxes = None
+    if model.needs_boxes:   # a place model's region boxes
+        corner = torch.rand(len(TRAIN_LENGTHS), model.config.num_regions, 2, generator=torch.Generator().manual_seed(seed))
+        boxes = torch.cat([corner * 0.6, corner * 0.6 + 0.3], dim=2)
+    return SimpleNamespace(images=images, captions=captions, lengths=lengths,
+                           image_ids=torch.arange(len(TRAIN_LENGTHS)), boxes=boxes)
+
+
+def _step(model, batch, precision="fp32", **options):
+    """One training step's loss, every parameter's gradient and the number of pairs its loss
+    selected (nothing updated: SGD at rate 0)."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    listing, counts = pairs.loss_and_pairs, []
+
+    def counted(*args):
+        result = listing(*args)
+        counts.append(len(result[1]))
+        return result
+
+    with mock.patch.object(pairs, "loss_and_pairs", counted):
+        result = train_step(model, optimizer, batch, preset("tiny").replace(precision=precision, **TRAIN, **options))
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return SimpleNamespace(loss=float(result.loss), grads=grads, pairs=counts[0])
+
+
+@pytest.fixture(scope="module")
+def compiled_training():
+    """Eager and compiled steps of a tiny SGR model: two batches (other pairs, as many words) and
+    another model's weights, with the graphs each compiled call added."""
+    import torch._inductor.config
+
+    torch.set_num_threads(1)
+    model, other = random_model(4, module="sgr"), random_model(5, module="sgr")
+    batches = [_train_batch(model, seed) for seed in (1, 5)]     # 29 and 27 pairs selected
+    eager = [_step(model, batch) for batch in batches]
+    graphs, breaks = [_graphs()], _breaks()
+    try:
+        with compiled.compiling("train"), torch._inductor.config.patch(compile_threads=1):
+            steps = []
+            for step_model, batch in [(model, batches[0]), (model, batches[1]), (other, batches[0])]:
+                steps.append(_step(step_model, batch))
+                graphs.append(_graphs())
+    except Exception as error:   # no C compiler, or Inductor cannot build here
+        if os.environ.get("CI", "").lower() == "true":
+            raise
+        pytest.skip(f"torch.compile (Inductor) does not run on this machine: {type(error).__name__}: {error}")
+    return {"eager": eager, "compiled": steps, "graphs": [b - a for a, b in zip(graphs, graphs[1:])],
+            "breaks": _breaks() - breaks}
+
+
+@pytest.mark.numeric
+def test_compiled_training_pairs_take_the_eager_loss_and_gradients(compiled_training):
+    for eager, step in zip(compiled_training["eager"], compiled_training["compiled"]):
+        assert step.loss == eager.loss and step.pairs == eager.pairs   # the matrix is not compiled
+        assert step.grads.keys() == eager.grads.keys()
+        scale = largest(eager.grads)
+        for name, grad in eager.grads.items():
+            assert_close(step.grads[name], grad, GRADIENT, scale=scale, what=f"compiled pairs, {name}'s gradient")
+
+
+def test_training_compiles_one_graph_for_a_width_bucket_and_nothing_for_other_pairs_or_weights(compiled_training):
+    eager = compiled_training["eager"]
+    # the two batches select different numbers of pairs: both are padded to the loss's bound
+    assert eager[0].pairs != eager[1].pairs and max(e.pairs for e in eager) <= max_pairs(10, 10)
+    assert compiled_training["graphs"] == [1, 0, 0]
+    assert compiled_training["breaks"] == 0
+
+
+@pytest.mark.parametrize("setting", ["gpu-plan", "bf16", "places"])
+def test_the_gpu_plans_bf16_and_a_place_models_pairs_compile_one_graph_each(setting, monkeypatch):
+    """Under the GPU plan the pairs are one group as wide as the batch; in bf16 the weights are
+    new bf16 copies at every step (`low_precision_weights`); a place model adds its place term:
+    none compiles again at the next step, and each takes the eager gradients. Counted with the
+    "aot_eager" backend (the same tracing and guards, no code generated)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled, "_compiled", {})
+    torch._dynamo.reset()
+    options = dict(module="sgr", positions="place") if setting == "places" else {}
+    model = random_model(6, **{"module": "sgr", **options})
+    batches = [_train_batch(model, seed) for seed in (1, 2)]
+    precision = "bf16" if setting == "bf16" else "fp32"
+    emulated = plan.emulate_gpu() if setting == "gpu-plan" else contextlib.nullcontext()
+    with emulated:
+        eager = [_step(model, batch, precision, **options) for batch in batches]
+        before = _graphs()
+        with compiled.compiling("train"):
+            steps = [_step(model, batch, precision, **options) for batch in batches]
+    assert _graphs() - before == 1
+    budget = GRADIENT if precision == "fp32" else BFLOAT16
+    for eager_step, step in zip(eager, steps):
+        assert step.loss == eager_step.loss
+        scale = largest(eager_step.grads)
+        for name, grad in eager_step.grads.items():
+            assert_close(step.grads[name], grad, budget, scale=scale, what=f"{setting} compiled pairs, {name}")

@@ -11,7 +11,7 @@ import torch
 
 from model_helpers import random_batch, random_model
 from sgraf.errors import InputError
-from sgraf.model.loss import ranking_loss
+from sgraf.model.loss import max_pairs, ranking_loss
 from sgraf.training import pairs
 from sgraf.training.config import preset
 from sgraf.training.loop import NonFiniteLossError, train_step
@@ -115,8 +115,8 @@ def test_the_device_listing_without_a_read_gives_the_exact_listing_weights(colum
     values[:, 7] += 0.5          # image rows whose hardest negative is caption 7: many entries in one column
     width = len(range(12)[columns])
     exact = pairs.loss_and_pairs(values, ranking_loss, None, columns)
-    bounded = pairs.loss_and_pairs(values, ranking_loss, pairs.max_pairs(12, width), columns)
-    assert len(exact[1]) <= pairs.max_pairs(12, width) == len(bounded[1])
+    bounded = pairs.loss_and_pairs(values, ranking_loss, max_pairs(12, width), columns)
+    assert len(exact[1]) <= max_pairs(12, width) == len(bounded[1])
     dense = []
     for loss, rows, cols, weights in (exact, bounded):
         matrix = torch.zeros(12, width)
@@ -127,7 +127,7 @@ def test_the_device_listing_without_a_read_gives_the_exact_listing_weights(colum
     leaf = values.clone().requires_grad_()
     ranking_loss(leaf).backward()
     torch.testing.assert_close(dense[0], leaf.grad[:, columns], rtol=0, atol=0)
-    assert pairs.max_pairs(12, 12) == 36
+    assert max_pairs(12, 12) == 36
 
 
 def test_only_hardest_negatives_of_a_pair_coupling_free_model_take_it():

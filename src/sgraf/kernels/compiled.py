@@ -15,10 +15,21 @@ ours are graph inputs, so one compiled graph serves any weights: validation afte
 compiles nothing new). Graphs are compiled whole (`fullgraph=True`): a graph break is an error,
 not a silent second graph.
 
+Two pieces of work can run compiled:
+
+- `eval`: the eval scoring chunks (`SGRAF.score`, `sgraf evaluate`, the search index);
+- `train`: a training step's selected pairs (`sgraf.training.pairs`), scored with autograd and
+  differentiated: forward and backward are compiled together (AOTAutograd), so one graph
+  replaces a few hundred operations each way. Their count is padded to the loss's bound
+  (`sgraf.model.loss.max_pairs`, 3B at batch B: fixed for a batch size) and their width rounded
+  up like the eval chunks', so a run compiles a graph per width bucket (and per length group off
+  the GPU plan) and then nothing.
+
 On a 2-core AMD EPYC (Zen 3) the compiled scoring chunk is no faster than the eager one (the
 matmuls dominate, and the eager path already writes its elementwise work in place;
-`benchmarks/bench_compile.py`), so the default is off. `SGRAF_COMPILE=on` (or `eval`) turns it
-on for scoring; `compiling(mode)` does so within a block of code.
+`benchmarks/bench_compile.py`), so the default is off. `SGRAF_COMPILE` turns it on: `eval` (or
+`on`) for scoring, `train` for the training pairs, `all` for both; `compiling(mode)` does so
+within a block of code.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from typing import Any
 
 from sgraf.errors import InputError
 
-MODES = ("off", "eval")
+MODES = ("off", "eval", "train", "all")
 # caption widths (words) are rounded up to a multiple of this in compiled graphs
 WIDTH_STEP = 8
 # the most captions in one compiled eval chunk (a scorer's caption bucket holds 128)
@@ -39,13 +50,16 @@ MAX_CHUNK_CAPTIONS = 128
 # graphs one compiled function may hold (Dynamo's `recompile_limit` is raised to this at the
 # first compilation): widths up to 8 x 64 words, for a few precisions and kinds of model
 RECOMPILE_LIMIT = 64
+# the compiler behind `compiled`: Inductor (a test counting graphs may take "aot_eager", which
+# traces and guards alike without generating code)
+BACKEND = "inductor"
 
 _override: list[str] = []         # the innermost `compiling(...)`; process-wide (scorers use threads)
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 def mode() -> str:
-    """'off' or 'eval': the `compiling` context's mode, else `SGRAF_COMPILE` (default 'off')."""
+    """One of `MODES`: the `compiling` context's mode, else `SGRAF_COMPILE` (default 'off')."""
     if _override:
         return _override[-1]
     setting = os.environ.get("SGRAF_COMPILE", "").strip().lower()
@@ -60,12 +74,17 @@ def mode() -> str:
 
 def eval_enabled() -> bool:
     """Whether eval scoring chunks run compiled."""
-    return mode() == "eval"
+    return mode() in ("eval", "all")
+
+
+def train_enabled() -> bool:
+    """Whether a training step's selected pairs run compiled (`SGRAF._pair_scores`)."""
+    return mode() in ("train", "all")
 
 
 @contextlib.contextmanager
 def compiling(setting: str = "eval") -> Iterator[None]:
-    """Within this context the compiled path's mode is `setting` ('off' or 'eval'), whatever
+    """Within this context the compiled path's mode is `setting` (one of `MODES`), whatever
     `SGRAF_COMPILE` says. Process-wide (a scorer's worker threads follow it); not for use from
     several threads at once."""
     if setting not in MODES:
@@ -83,9 +102,9 @@ def bucket_width(n_words: int) -> int:
 
 
 def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` compiled by Inductor (`torch.compile(dynamic=False, fullgraph=True)`), once per
-    process: every call with new shapes, dtypes or configuration compiles a new graph (counted
-    in `torch._dynamo.utils.counters["stats"]["unique_graphs"]`)."""
+    """`function` compiled by Inductor (`torch.compile(dynamic=False, fullgraph=True)`, `BACKEND`),
+    once per process: every call with new shapes, dtypes or configuration compiles a new graph
+    (counted in `torch._dynamo.utils.counters["stats"]["unique_graphs"]`)."""
     found = _compiled.get(function)
     if found is None:
         import torch   # torch.compile imports its compiler stack at first use, not with sgraf
@@ -96,7 +115,7 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         found = _compiled[function] = _first_calls_serialised(
-            torch.compile(function, dynamic=False, fullgraph=True))
+            torch.compile(function, dynamic=False, fullgraph=True, backend=BACKEND))
     return found
 
 

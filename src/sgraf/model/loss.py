@@ -36,3 +36,12 @@ def ranking_loss(scores: torch.Tensor, margin: float = 0.2, max_violation: bool 
     if max_violation:
         return cost_caption.max(dim=1).values.sum() + cost_image.max(dim=0).values.sum()
     return cost_caption.sum() + cost_image.sum()
+
+
+def max_pairs(n_images: int, n_columns: int) -> int:
+    """The most entries of `n_columns` columns of an (n_images, n_cap) matrix the
+    hardest-negative loss (`ranking_loss` with `max_violation`) has a gradient at: each column's
+    positive and hardest negative image, and each image's hardest negative caption (3B for a
+    whole B x B matrix). `sgraf.training.pairs` lists that many entries under the GPU plan, and
+    the compiled pairs (`SGRAF._pair_scores`) are padded to it."""
+    return min(2 * n_columns + n_images, n_images * n_columns)

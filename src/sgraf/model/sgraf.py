@@ -24,6 +24,7 @@ from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
 from sgraf.model.encoders import ImageEncoder, TextEncoder
 from sgraf.model.filtration import AttentionFiltration, average_scores
+from sgraf.model.loss import max_pairs
 from sgraf.model.positions import PlaceTerm
 from sgraf.model.reasoning import (GraphReasoning, fast_graph_reasoning, fold_steps, graph_reasoning,
                                    train_graph_reasoning)
@@ -857,34 +858,43 @@ class SGRAF(nn.Module):
         Off the GPU plan, with the lengths on the CPU, the pairs are scored in `PAIR_GROUPS`
         groups of similar caption length, each padded to its own longest caption (a batch's
         longest caption is about three times its mean); under the GPU plan in one group as wide
-        as the batch (the pairs' lengths would be a read from the device)."""
-        if host_lengths is None or plan.gpu_plan(words.device) or rows.numel() < 2:
-            return self._pair_group(regions, img_glo, words, word_mask, cap_glo, centres, directions, rows, cols)
+        as the batch (the pairs' lengths would be a read from the device).
+
+        Compiled (`sgraf.kernels.compiled.train_enabled`), the pairs are padded with pair (0, 0)
+        to the hardest-negative loss's bound (`max_pairs`, fixed for a batch size; their scores
+        are dropped) and each group's width is rounded up (`bucket_width`): fixed shapes, so a
+        run compiles a handful of graphs."""
+        compile_pairs = compiled.train_enabled()
+        n_pairs = rows.numel()
+        if compile_pairs:
+            # the loss's bound, a multiple of the groups' number (groups of one size: one graph per width)
+            size = -(-max(n_pairs, max_pairs(regions.size(0), words.size(0))) // PAIR_GROUPS) * PAIR_GROUPS
+            rows, cols = compiled.pad_to(rows, size), compiled.pad_to(cols, size)
+        group_scores = compiled.compiled(_pair_group_scores) if compile_pairs else _pair_group_scores
+
+        def group(rows: torch.Tensor, cols: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+            def cut(tensor: torch.Tensor | None) -> torch.Tensor | None:
+                if tensor is None:
+                    return None
+                if not compile_pairs:
+                    return tensor[:, :width]
+                return compiled.pad_to(tensor[:, :width], compiled.bucket_width(width), 1)
+            return group_scores(self.sim_enc, self.heads, regions, img_glo, cut(words), cut(word_mask), cap_glo,
+                                centres, cut(directions), rows, cols)
+
+        if host_lengths is None or plan.gpu_plan(words.device) or n_pairs < 2:
+            scores = group(rows, cols, words.size(1))
+            return {head: block[:n_pairs] for head, block in scores.items()}
         sorted_lengths, order = torch.sort(host_lengths[cols.cpu()], stable=True)
         n_groups = min(PAIR_GROUPS, len(order))
         parts = []
-        for group, group_lengths in zip(order.tensor_split(n_groups), sorted_lengths.tensor_split(n_groups)):
-            width = int(group_lengths[-1])     # the group's longest caption (sorted ascending)
-            parts.append(self._pair_group(regions, img_glo, words[:, :width], word_mask[:, :width], cap_glo, centres,
-                                          None if directions is None else directions[:, :width],
-                                          rows[group], cols[group]))
+        for part, part_lengths in zip(order.tensor_split(n_groups), sorted_lengths.tensor_split(n_groups)):
+            # the group's longest caption (sorted ascending)
+            parts.append(group(rows[part], cols[part], int(part_lengths[-1])))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
-        inverse = inverse.to(words.device)
+        inverse = inverse[:n_pairs].to(words.device)
         return {head: torch.cat([part[head] for part in parts])[inverse] for head in self.heads}
-
-    def _pair_group(self, regions: torch.Tensor, img_glo: torch.Tensor | None, words: torch.Tensor,
-                    word_mask: torch.Tensor, cap_glo: torch.Tensor | None, centres: torch.Tensor | None,
-                    directions: torch.Tensor | None, rows: torch.Tensor, cols: torch.Tensor
-                    ) -> dict[str, torch.Tensor]:
-        """`_pair_scores` of one group of pairs, padded to the words' width."""
-        sim = self.sim_enc
-        nodes, node_mask, places = sim.train_nodes(
-            regions[rows], words[cols], word_mask[cols], None if img_glo is None else img_glo[rows],
-            None if cap_glo is None else cap_glo[cols], None if centres is None else centres[rows], aligned=True)
-        offset = None if places is None else sim.place_term.term(places, directions[cols])
-        scores, _ = sim.train_head_scores(nodes, node_mask, self.heads, offset)        # {head: (1, P)}
-        return {head: block.view(-1) for head, block in scores.items()}
 
     @torch.no_grad()
     def score(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any,
@@ -947,6 +957,22 @@ def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: tor
     nodes, node_mask, places = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers, centres)
     offset = None if places is None else sim.place_term.term(places, directions)
     return sim.fast_head_scores(nodes, node_mask, heads, low, folded, offset)
+
+
+def _pair_group_scores(sim: SimilarityEncoder, heads: tuple[str, ...], regions: torch.Tensor,
+                       img_glo: torch.Tensor | None, words: torch.Tensor, word_mask: torch.Tensor,
+                       cap_glo: torch.Tensor | None, centres: torch.Tensor | None, directions: torch.Tensor | None,
+                       rows: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Train-mode scores {head: (P,)} of the aligned pairs (image rows[p], caption cols[p]), with
+    autograd, padded to the words' width (`SGRAF._pair_scores`). A function of its arguments only,
+    weights included, so that `sgraf.kernels.compiled` compiles it once per shape for any model
+    and set of weights."""
+    nodes, node_mask, places = sim.train_nodes(
+        regions[rows], words[cols], word_mask[cols], None if img_glo is None else img_glo[rows],
+        None if cap_glo is None else cap_glo[cols], None if centres is None else centres[rows], aligned=True)
+    offset = None if places is None else sim.place_term.term(places, directions[cols])
+    scores, _ = sim.train_head_scores(nodes, node_mask, heads, offset)        # {head: (1, P)}
+    return {head: block.view(-1) for head, block in scores.items()}
 
 
 def _host_lengths(lengths: Any) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.kernels import plan
 from sgraf.kernels.memory import keep_freed_memory
+from sgraf.model.loss import max_pairs
 from sgraf.precision import autocast, low_precision_weights, tf32
 from sgraf.training import pairs
 from sgraf.training import run_dir as rd
@@ -207,7 +208,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
             columns = train_scores.columns
             loss, rows, cols, weights = pairs.loss_and_pairs(
                 values, lambda matrix: batch_loss(matrix, config, positives),
-                pairs.max_pairs(values.size(0), values[:, columns].size(1)) if on_device else None, columns)
+                max_pairs(values.size(0), values[:, columns].size(1)) if on_device else None, columns)
         else:
             loss = batch_loss(scores, config, positives)
         auxiliary = None

@@ -51,13 +51,6 @@ def applies(model: nn.Module, config: TrainConfig) -> bool:
             and bool(getattr(model, "pair_training", False)))
 
 
-def max_pairs(n_images: int, n_columns: int) -> int:
-    """The most entries of `n_columns` columns of an (n_images, n_cap) matrix the
-    hardest-negative loss has a gradient at: each column's positive and hardest negative image,
-    and each image's hardest negative caption (3B for a whole B x B matrix)."""
-    return min(2 * n_columns + n_images, n_images * n_columns)
-
-
 def loss_and_pairs(values: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor], bound: int | None,
                    columns: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss of a score matrix and the entries of `columns` its gradient is not zero at.
@@ -68,7 +61,7 @@ def loss_and_pairs(values: torch.Tensor, loss_of: Callable[[torch.Tensor], torch
         bound: None lists exactly the non-zero entries (reads their number from the device);
             a number lists that many entries, the non-zero ones and others of weight 0 (no
             device read, for the GPU plan; the loss must have at most `bound` non-zero entries
-            there, `max_pairs`).
+            there, `sgraf.model.loss.max_pairs`).
         columns: the columns to list (this process's captions, `TrainScores.columns`).
 
     Returns:
