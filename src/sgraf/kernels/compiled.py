@@ -22,8 +22,8 @@ Two pieces of work can run compiled:
   differentiated: forward and backward are compiled together (AOTAutograd), so one graph
   replaces a few hundred operations each way. Their count is padded to the loss's bound
   (`sgraf.model.loss.max_pairs`, 3B at batch B: fixed for a batch size) and their width rounded
-  up like the eval chunks', so a run compiles a graph per width bucket (and per length group off
-  the GPU plan) and then nothing.
+  up like the eval chunks' (each of the CPU's length groups to its own bucket), so a run
+  compiles a graph per width bucket it meets and then nothing.
 
 On a 2-core AMD EPYC (Zen 3) the compiled scoring chunk is no faster than the eager one (the
 matmuls dominate, and the eager path already writes its elementwise work in place;
