@@ -1,9 +1,10 @@
 """The compiled paths (`sgraf.kernels.compiled`), scoring and the training step's pairs: held to
 the eager ones by the numerics budgets, one graph per caption-width bucket, nothing recompiled for
-the same shapes, other pairs or other weights, no graph breaks. Inductor's compiling costs tens
-of seconds with a cold cache, so one tiny joint model (both heads in one graph) is compiled once
-for the module; the training pairs' graphs (forward and backward) are traced, guarded and
-counted on the "aot_eager" backend, which differs from Inductor only in generating no code."""
+the same shapes, other pairs or other weights, worker threads compiling a shape once, no graph
+breaks. Inductor's build costs tens of seconds per graph with a cold cache, so it builds one: a
+tiny joint model's scoring chunk (both heads in one graph), held to the eager scores. The graphs
+are traced, guarded and counted on the "aot_eager" backend, which differs from Inductor only in
+generating no code."""
 
 from __future__ import annotations
 
@@ -43,33 +44,91 @@ def _breaks() -> int:
 
 
 @pytest.fixture(scope="module")
-def compiled_scores():
-    """(model, inputs, eager scores, compiled scores, graphs compiled by the first and the second call)."""
-    import torch._dynamo
+def inductor_scores():
+    """The joint model's captions of one width bucket scored eager and by Inductor, twice, with
+    the graphs each compiled call added (the only Inductor build of the module: tens of seconds)."""
     import torch._inductor.config
 
     # one thread: Inductor's kernels are then serial (OpenMP teams spinning on a loaded 2-core
     # machine made tiny compiled chunks 50x slower), and no pool of compiler processes
     torch.set_num_threads(1)
-    chunk_bytes, sgraf_model.EVAL_CHUNK_BYTES = sgraf_model.EVAL_CHUNK_BYTES, CHUNK_BYTES
     model = random_model(3, module="joint")
-    inputs = random_batch(model, 10, LENGTHS)
-    eager = model.score(*inputs, batch_size=BATCH)
-    before, breaks = _graphs(), _breaks()
+    short = [length for length in LENGTHS if length <= compiled.WIDTH_STEP]     # one bucket: one graph
+    inputs = random_batch(model, 10, short)
     try:
-        with compiled.compiling(), torch._inductor.config.patch(compile_threads=1):
-            first = model.score(*inputs, batch_size=BATCH)
-            after_first = _graphs()
-            second = model.score(*inputs, batch_size=BATCH)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sgraf_model, "EVAL_CHUNK_BYTES", CHUNK_BYTES)
+            eager = model.score(*inputs, batch_size=BATCH)
+            graphs, breaks = [_graphs()], _breaks()
+            with compiled.compiling(), torch._inductor.config.patch(compile_threads=1):
+                scores = []
+                for _ in range(2):
+                    scores.append(model.score(*inputs, batch_size=BATCH))
+                    graphs.append(_graphs())
     except Exception as error:   # no C compiler, or Inductor cannot build here
         if os.environ.get("CI", "").lower() == "true":
             raise
-        sgraf_model.EVAL_CHUNK_BYTES = chunk_bytes
         pytest.skip(f"torch.compile (Inductor) does not run on this machine: {type(error).__name__}: {error}")
-    yield {"model": model, "inputs": inputs, "eager": eager, "first": first, "second": second,
-           "first_graphs": after_first - before, "second_graphs": _graphs() - after_first,
-           "breaks": _breaks() - breaks}
-    sgraf_model.EVAL_CHUNK_BYTES = chunk_bytes
+    return {"eager": eager, "scores": scores, "graphs": [b - a for a, b in zip(graphs, graphs[1:])],
+            "breaks": _breaks() - breaks}
+
+
+@pytest.mark.numeric
+def test_inductors_scoring_chunk_matches_eager_within_the_reordered_budget(inductor_scores):
+    assert_close(inductor_scores["scores"][0], inductor_scores["eager"], REORDERED, what="compiled scores")
+    assert torch.equal(inductor_scores["scores"][0], inductor_scores["scores"][1])
+    assert inductor_scores["graphs"] == [1, 0] and inductor_scores["breaks"] == 0
+
+
+@contextlib.contextmanager
+def _aot_eager():
+    """`sgraf.kernels.compiled` on the "aot_eager" backend: Dynamo's tracing and guards (and for
+    training AOTAutograd's joint forward and backward) as under Inductor, without generating
+    code: Inductor takes tens of seconds per graph on a 2-core CPU with a cold cache (one eval
+    graph above; `benchmarks/bench_train.py --compiled` builds the training graphs at the
+    paper's size). Dynamo's caches are emptied on entering and leaving, so that no graph of one
+    backend serves the other."""
+    import torch._dynamo
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled, "BACKEND", "aot_eager")
+        patch.setattr(compiled, "_compiled", {})
+        torch._dynamo.reset()
+        try:
+            yield
+        finally:
+            torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def compiled_scores():
+    """The joint model's split (two width buckets) scored eager and compiled (on "aot_eager"):
+    twice; then another model's weights on fewer images and captions; then a third model by two
+    worker threads. Each with its eager scores and the graphs its compiled call added."""
+    from sgraf.model import blocks
+
+    torch.set_num_threads(1)
+    model, other, threaded = random_model(3, module="joint"), random_model(4, module="joint"), \
+        random_model(5, module="sgr")                    # same sizes, other weights; one head: graphs of its own
+    inputs = random_batch(model, 10, LENGTHS)
+    images, captions, lengths = inputs
+    fewer = images[:3], captions[:13], lengths[:13]      # the same widths: chunks padded to the same grid
+    runs = [(model, inputs, 1), (model, inputs, 1), (other, fewer, 1), (threaded, inputs, 2)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sgraf_model, "EVAL_CHUNK_BYTES", CHUNK_BYTES)
+        patch.setattr(blocks, "thread_mode", lambda *args, **kwargs: "blocks")   # a block per core
+        results, breaks = [], _breaks()
+        for run_model, run_inputs, threads in runs:
+            torch.set_num_threads(threads)
+            results.append({"eager": run_model.score(*run_inputs, batch_size=BATCH)})
+        with _aot_eager(), compiled.compiling():
+            for (run_model, run_inputs, threads), result in zip(runs, results):
+                torch.set_num_threads(threads)
+                before = _graphs()
+                result["compiled"] = run_model.score(*run_inputs, batch_size=BATCH)
+                result["graphs"] = _graphs() - before
+        torch.set_num_threads(1)
+    return {"model": model, "runs": results, "breaks": _breaks() - breaks}
 
 
 def _widths() -> set[int]:
@@ -79,32 +138,31 @@ def _widths() -> set[int]:
 
 @pytest.mark.numeric
 def test_compiled_scores_match_eager_within_the_reordered_budget(compiled_scores):
-    assert_close(compiled_scores["first"], compiled_scores["eager"], REORDERED, what="compiled scores")
-    assert torch.equal(compiled_scores["first"], compiled_scores["second"])
+    first, second = compiled_scores["runs"][:2]
+    assert_close(first["compiled"], first["eager"], REORDERED, what="compiled scores")
+    assert torch.equal(first["compiled"], second["compiled"])
 
 
-def test_a_split_compiles_one_graph_per_width_bucket_and_the_same_shapes_nothing(compiled_scores):
+def test_a_split_compiles_one_graph_per_width_bucket_and_the_same_shapes_nothing(compiled_scores, monkeypatch):
     assert _widths() == {8, 16}
     model = compiled_scores["model"]
+    monkeypatch.setattr(sgraf_model, "EVAL_CHUNK_BYTES", CHUNK_BYTES)   # the fixture's chunk budget
     assert [model.compiled_chunk_shape(width, torch.float32) for width in (8, 16)] == [(8, 4), (8, 2)]
-    assert compiled_scores["first_graphs"] == len(_widths())
-    assert compiled_scores["second_graphs"] == 0
+    assert [run["graphs"] for run in compiled_scores["runs"][:2]] == [len(_widths()), 0]
     assert compiled_scores["breaks"] == 0
 
 
 @pytest.mark.numeric
 def test_other_weights_and_other_block_sizes_reuse_the_compiled_graphs(compiled_scores):
-    other = random_model(4, module="joint")                    # same sizes, other weights
-    images, captions, lengths = compiled_scores["inputs"]
-    # fewer images and captions, the same widths: chunks are padded to the same grid
-    inputs = images[:3], captions[:13], lengths[:13]
-    torch.set_num_threads(1)    # the threads the graphs were compiled for (see the fixture)
-    eager = other.score(*inputs, batch_size=BATCH)
-    before = _graphs()
-    with compiled.compiling():
-        scores = other.score(*inputs, batch_size=BATCH)
-    assert _graphs() == before
-    assert_close(scores, eager, REORDERED, what="compiled scores, other weights")
+    other = compiled_scores["runs"][2]
+    assert other["graphs"] == 0
+    assert_close(other["compiled"], other["eager"], REORDERED, what="compiled scores, other weights")
+
+
+def test_worker_threads_meeting_a_new_shape_compile_it_once(compiled_scores):
+    threaded = compiled_scores["runs"][3]
+    assert threaded["graphs"] == len(_widths())
+    assert_close(threaded["compiled"], threaded["eager"], REORDERED, what="compiled scores, two worker threads")
 
 
 def test_eager_is_the_default_and_the_setting_is_checked(monkeypatch):
@@ -123,23 +181,6 @@ def test_eager_is_the_default_and_the_setting_is_checked(monkeypatch):
         compiled.mode()
     assert [compiled.bucket_width(n) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 24]
     assert [compiled.padded_count(n) for n in (1, 2, 3, 200)] == [1, 2, 4, 256]
-
-
-def test_worker_threads_meeting_a_new_shape_compile_it_once(compiled_scores, monkeypatch):
-    import torch._inductor.config
-
-    from sgraf.model import blocks
-
-    monkeypatch.setattr(blocks, "thread_mode", lambda *args, **kwargs: "blocks")   # a block per core
-    torch.set_num_threads(2)
-    model = random_model(5, module="sgr")          # one head: graphs of its own
-    inputs = compiled_scores["inputs"]
-    eager = model.score(*inputs, batch_size=BATCH)
-    before = _graphs()
-    with compiled.compiling(), torch._inductor.config.patch(compile_threads=1):
-        scores = model.score(*inputs, batch_size=BATCH)
-    assert _graphs() - before == len(_widths())
-    assert_close(scores, eager, REORDERED, what="compiled scores, two worker threads")
 
 
 # a training batch whose captions all fit one width bucket (8 words): its pairs' groups share a graph
@@ -174,24 +215,6 @@ def _step(model, batch, precision="fp32", **options):
         result = train_step(model, optimizer, batch, preset("tiny").replace(precision=precision, **TRAIN, **options))
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return SimpleNamespace(loss=float(result.loss), grads=grads, pairs=counts[0])
-
-
-@contextlib.contextmanager
-def _aot_eager():
-    """`sgraf.kernels.compiled` on the "aot_eager" backend: Dynamo's tracing and guards and
-    AOTAutograd's joint forward and backward, as under Inductor, without generating code (an
-    Inductor graph of a training step takes about 50 s to build on a 2-core CPU with a cold
-    cache; `benchmarks/bench_train.py --compiled` runs Inductor's at the paper's size)."""
-    import torch._dynamo
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiled, "BACKEND", "aot_eager")
-        patch.setattr(compiled, "_compiled", {})
-        torch._dynamo.reset()
-        try:
-            yield
-        finally:
-            torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")
