@@ -193,7 +193,8 @@ def _train_batch(model, seed):
     images, captions, lengths = random_batch(model, len(TRAIN_LENGTHS), TRAIN_LENGTHS, seed=seed)
     boxes = None
     if model.needs_boxes:   # a place model's region boxes
-        corner = torch.rand(len(TRAIN_LENGTHS), model.config.num_regions, 2, generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        corner = torch.rand(len(TRAIN_LENGTHS), model.config.num_regions, 2, generator=generator)
         boxes = torch.cat([corner * 0.6, corner * 0.6 + 0.3], dim=2)
     return SimpleNamespace(images=images, captions=captions, lengths=lengths,
                            image_ids=torch.arange(len(TRAIN_LENGTHS)), boxes=boxes)
