@@ -60,3 +60,31 @@ def random_batch(model: SGRAF, n_img: int, lengths: list[int], pad_to: int | Non
         captions[i, 0] = 1
         captions[i, length - 1] = 2
     return images, captions, torch.tensor(lengths)
+
+
+def training_batch(model: SGRAF, lengths: list[int], image_ids: list[int] | None = None, seed: int = 1):
+    """A training batch of `len(lengths)` images and captions (`random_batch`), image i with
+    caption i unless `image_ids` says otherwise, and region boxes for a place model."""
+    from types import SimpleNamespace
+
+    images, captions, token_counts = random_batch(model, len(lengths), lengths, seed=seed)
+    boxes = None
+    if model.needs_boxes:
+        generator = torch.Generator().manual_seed(seed)
+        corner = torch.rand(len(lengths), model.config.num_regions, 2, generator=generator)
+        boxes = torch.cat([corner * 0.6, corner * 0.6 + 0.3], dim=2)
+    ids = torch.arange(len(lengths)) if image_ids is None else torch.tensor(image_ids)
+    return SimpleNamespace(images=images, captions=captions, lengths=token_counts, image_ids=ids, boxes=boxes)
+
+
+def step_gradients(model: SGRAF, batch, config):
+    """One `train_step` of a copy of `model` (nothing updated: SGD at rate 0): its result and
+    every parameter's gradient."""
+    import copy
+
+    from sgraf.training.loop import train_step
+
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    result = train_step(model, optimizer, batch, config)
+    return result, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

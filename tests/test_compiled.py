@@ -9,7 +9,6 @@ generating no code."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 from types import SimpleNamespace
 from unittest import mock
@@ -17,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
-from model_helpers import random_batch, random_model
+from model_helpers import random_batch, random_model, step_gradients, training_batch
 from numerics import BFLOAT16, GRADIENT, REORDERED, assert_close, largest
 from sgraf.errors import InputError
 from sgraf.model.loss import max_pairs
@@ -25,7 +24,6 @@ from sgraf.kernels import compiled, plan
 from sgraf.model import sgraf as sgraf_model
 from sgraf.training import pairs
 from sgraf.training.config import preset
-from sgraf.training.loop import train_step
 
 # captions of every length from 1 to 14 words in buckets of 4: widths round up to 8 and 16
 LENGTHS = [1 + (5 * i) % 14 for i in range(28)]
@@ -190,21 +188,12 @@ TRAIN = dict(max_violation=True, batch_size=pairs.MIN_BATCH, grad_clip=0.0)
 
 
 def _train_batch(model, seed):
-    images, captions, lengths = random_batch(model, len(TRAIN_LENGTHS), TRAIN_LENGTHS, seed=seed)
-    boxes = None
-    if model.needs_boxes:   # a place model's region boxes
-        generator = torch.Generator().manual_seed(seed)
-        corner = torch.rand(len(TRAIN_LENGTHS), model.config.num_regions, 2, generator=generator)
-        boxes = torch.cat([corner * 0.6, corner * 0.6 + 0.3], dim=2)
-    return SimpleNamespace(images=images, captions=captions, lengths=lengths,
-                           image_ids=torch.arange(len(TRAIN_LENGTHS)), boxes=boxes)
+    return training_batch(model, TRAIN_LENGTHS, seed=seed)
 
 
 def _step(model, batch, precision="fp32", **options):
     """One training step's loss, every parameter's gradient and the number of pairs its loss
     selected (nothing updated: SGD at rate 0)."""
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     listing, counts = pairs.loss_and_pairs, []
 
     def counted(*args):
@@ -213,8 +202,7 @@ def _step(model, batch, precision="fp32", **options):
         return result
 
     with mock.patch.object(pairs, "loss_and_pairs", counted):
-        result = train_step(model, optimizer, batch, preset("tiny").replace(precision=precision, **TRAIN, **options))
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        result, grads = step_gradients(model, batch, preset("tiny").replace(precision=precision, **TRAIN, **options))
     return SimpleNamespace(loss=float(result.loss), grads=grads, pairs=counts[0])
 
 

@@ -3,13 +3,10 @@ same loss and gradients as the backward through the whole score matrix."""
 
 from __future__ import annotations
 
-import copy
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from model_helpers import random_batch, random_model
+from model_helpers import random_model, step_gradients, training_batch
 from sgraf.errors import InputError
 from sgraf.model.loss import max_pairs, ranking_loss
 from sgraf.training import pairs
@@ -22,21 +19,13 @@ HARDEST = dict(max_violation=True, batch_size=pairs.MIN_BATCH)
 
 
 def _batch(model, image_ids=None, seed=1):
-    images, captions, lengths = random_batch(model, len(LENGTHS), LENGTHS, seed=seed)
-    boxes = None
-    if model.needs_boxes:
-        corner = torch.rand(len(LENGTHS), model.config.num_regions, 2, generator=torch.Generator().manual_seed(seed))
-        boxes = torch.cat([corner * 0.6, corner * 0.6 + 0.3], dim=2)
-    ids = torch.arange(len(LENGTHS)) if image_ids is None else torch.tensor(image_ids)
-    return SimpleNamespace(images=images, captions=captions, lengths=lengths, image_ids=ids, boxes=boxes)
+    return training_batch(model, LENGTHS, image_ids, seed)
 
 
 def _gradients(model, batch, config, pair_backward):
     """The loss and every parameter's gradient of one step (nothing updated: SGD at rate 0)."""
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    result = train_step(model, optimizer, batch, config.replace(pair_backward=pair_backward, grad_clip=0.0))
-    return result.loss, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    result, grads = step_gradients(model, batch, config.replace(pair_backward=pair_backward, grad_clip=0.0))
+    return result.loss, grads
 
 
 def _largest_difference(dense, by_pairs):
