@@ -16,14 +16,25 @@ def pytest_configure(config):
     os.environ.setdefault("SGRAF_CACHE_DIR", tempfile.mkdtemp(prefix="sgraf-test-cache-"))
 
 
+def test_threads() -> int:
+    """Torch threads each test starts with: `SGRAF_TEST_THREADS` where set (another count, for the
+    kernel matrix), else 2 (reproducible and light on the 2-core CI machines), or fewer when
+    pytest-xdist's workers (`pytest -n N`) would otherwise share the cores out more than once:
+    one each with two workers on two cores. Tests of paths that need several threads set them."""
+    if "SGRAF_TEST_THREADS" in os.environ:
+        return int(os.environ["SGRAF_TEST_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, cores // workers))
+
+
 @pytest.fixture(autouse=True)
 def _process_state():
     """Each test starts with the same process-wide state and leaves it as it found it, however the
     suite was started (from a terminal, or in the background where SIGINT is inherited ignored):
     torch threads, SIGINT/SIGTERM handlers, umask, working folder and environment."""
     threads = torch.get_num_threads()
-    # reproducible and light on the 2-core CI machines (SGRAF_TEST_THREADS: another count, for the kernel matrix)
-    torch.set_num_threads(int(os.environ.get("SGRAF_TEST_THREADS", "2")))
+    torch.set_num_threads(test_threads())
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     umask = os.umask(0o022)
     os.umask(umask)

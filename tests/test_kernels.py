@@ -69,11 +69,16 @@ def test_a_choice_another_process_stored_while_this_one_measured_wins(tuning_cac
     assert json.loads(tuning_cache.read_text())[f"{tuning.machine_key()}|probe"]["choice"] == "a"
 
 
-def _measure_preferring(own: str) -> object:
-    """In a fresh process: choose between 'a' and 'b' while finding its own one fastest."""
+def _measure_preferring(own: str, threads: int) -> object:
+    """In a fresh process with the test's `threads` (part of the stored key): choose between 'a'
+    and 'b' while finding its own one fastest."""
     import time
 
+    import torch
+
     from sgraf.kernels import tuning
+
+    torch.set_num_threads(threads)
 
     def measure(candidate):
         time.sleep(0.3)        # the two processes measure at the same time
@@ -87,7 +92,7 @@ def test_two_processes_measuring_at_once_agree_on_one_choice(tuning_cache):
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        choices = list(pool.map(_measure_preferring, ["a", "b"]))
+        choices = list(pool.map(_measure_preferring, ["a", "b"], [torch.get_num_threads()] * 2))
     assert choices[0] == choices[1] in ("a", "b")
     assert json.loads(tuning_cache.read_text())[f"{tuning.machine_key()}|race"]["choice"] == choices[0]
 
@@ -217,8 +222,7 @@ def test_the_scorers_thread_mode_is_measured_once_per_precision(tuning_cache, pr
     from sgraf.model import blocks
 
     model = random_model(2, module="saf", num_regions=7)
-    if torch.get_num_threads() < 2:
-        pytest.skip("one thread: nothing to share")
+    torch.set_num_threads(2)     # whatever the suite's count: the choice exists with several threads
     mode = blocks.thread_mode([model], precision, torch.device("cpu"))
     assert mode in blocks.THREAD_MODES[precision]
     key = f"{tuning.machine_key()}|cpu scoring threads|{precision}|{model.size_key()}"
@@ -235,6 +239,7 @@ def test_only_large_splits_measure_before_scoring(tuning_cache, monkeypatch):
     from test_scoring import TinyVocab, tiny_split
 
     model = random_model(4, vocab_size=40, img_dim=12, num_regions=6)
+    torch.set_num_threads(2)     # the thread mode is measured with several threads only
     encoded = scoring.encode_split(model, tiny_split(n_img=4), TinyVocab(), batch_size=4)
     small = scoring.score_matrix([model], [encoded], image_block=2)
     stored = json.loads(tuning_cache.read_text()) if tuning_cache.exists() else {}   # (the matmul route is measured)
@@ -242,7 +247,7 @@ def test_only_large_splits_measure_before_scoring(tuning_cache, monkeypatch):
     monkeypatch.setattr(blocks, "TUNE_MIN_PAIRS", 80)
     measured = scoring.score_matrix([model], [encoded], image_block=2)
     stored = json.loads(tuning_cache.read_text())
-    assert any("cpu scoring threads|fp32" in key for key in stored) == (torch.get_num_threads() > 1)
+    assert any("cpu scoring threads|fp32" in key for key in stored)
     assert any("eval chunk bytes" in key for key in stored)
     assert_close(measured, small, SAME_PATH)
 
