@@ -22,7 +22,7 @@ cat "$OUT/summary.txt"
 # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and the time left, log to $OUT/NAME.txt
 step() {
   local name=$1 limit=$2; shift 2
-  [[ " ${STEPS:-probe test_gpu gpu_profile torchrun bench_train train_compiled eval_f30k eval_coco host_copy} " == *" $name "* ]] || return 0
+  [[ " ${STEPS:-probe test_gpu gpu_profile torchrun bench_train train_compiled eval_f30k eval_coco host_copy train_matrix} " == *" $name "* ]] || return 0
   local left=$(( DEADLINE_S - ($(date +%s) - START) ))
   if (( left < 20 )); then echo "=== $name: skipped (${left} s left)" | tee -a "$OUT/summary.txt"; return; fi
   (( limit > left )) && limit=$left
@@ -63,6 +63,10 @@ TAIL=20 step eval_f30k 150 python3 benchmarks/bench_eval.py --device cuda --imag
 TAIL=20 step eval_coco 230 python3 benchmarks/bench_eval.py --device cuda --images 5000 --precisions bf16 fp32 --authors-captions 100 --tuning /tmp/sgraf-tuning
 # the MSCOCO-size matrix copied (and saved) after the scoring or band by band beside it (session 20)
 TAIL=8 step host_copy 60 python3 benchmarks/bench_host_copy.py --repeats 3 --band-ms 150
+# the SGR matrix a training step scores without autograd, by the training path and by the eval scorer (by the
+# training chunks and whole): seconds and launches of each on the device (session 23: on the CPU the eval scorer is
+# slower, under the emulated GPU plan it launches 72-94 operations instead of 266-302 when whole)
+TAIL=8 step train_matrix 60 python3 benchmarks/probe_train_matrix.py --device cuda --precisions bf16 fp32 --rounds 5
 # the compiled eval chunk (sgraf.kernels.compiled, opt-in) on CUDA: not by default (on an H100 its
 # compilations made a Flickr30K-size evaluate 13x slower, benchmarks/results/gpu-h100-*-b024312.txt)
 TAIL=20 step eval_compiled 120 env SGRAF_COMPILE=on python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions ${COMPILED_PRECISIONS:-bf16 fp32} --no-authors

@@ -88,6 +88,23 @@ def test_gpu_profile_runs_its_rows_and_its_sweep_in_a_dry_run(tmp_path, monkeypa
     assert out.count("sweep keep ") == 2, out
 
 
+def test_the_train_matrix_probe_scores_one_matrix_three_ways(monkeypatch, capsys):
+    """benchmarks/probe_train_matrix.py: the training path's matrix and the eval scorer's, by the
+    training chunks and whole, agree within float32 rounding; each way's seconds and launches."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import probe_train_matrix
+
+    assert probe_train_matrix.main(["--scale", "64", "--count-scale", "256", "--batch", "8", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"sgr fp32 (train|eval chunks|eval whole) *: [0-9.]+ s \(per round [0-9., ]+\), "
+                      r"[0-9.]+x the train path, largest difference ([0-9.e+-]+) of the largest score, "
+                      r"([0-9]+) launches under the GPU plan", out)
+    assert [row[0] for row in rows] == ["train", "eval chunks", "eval whole"], out
+    assert float(rows[0][1]) == 0 and all(float(row[1]) < 1e-6 for row in rows), out
+    counts = [int(row[2]) for row in rows]
+    assert counts[2] <= counts[1] < counts[0], out      # the eval scorer launches fewer operations
+
+
 def test_the_relation_probe_fine_tunes_on_relation_twins_alone(tmp_path, monkeypatch, capsys):
     from sgraf.checkpoint import save_model
     from sgraf.config import ModelConfig
