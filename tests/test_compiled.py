@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model_helpers import random_batch, random_model, step_gradients, training_batch
-from numerics import BFLOAT16, GRADIENT, REORDERED, assert_close, largest
+from numerics import BFLOAT16_GRADIENT, GRADIENT, REORDERED, assert_close, largest
 from sgraf.errors import InputError
 from sgraf.model.loss import max_pairs
 from sgraf.kernels import compiled, plan
@@ -259,7 +259,7 @@ def test_the_gpu_plans_bf16_and_a_place_models_pairs_compile_one_graph_each(sett
             before = _graphs()
             steps = [_step(model, batch, precision, **options) for batch in batches]
             assert _graphs() - before == 1
-    budget = GRADIENT if precision == "fp32" else BFLOAT16
+    budget = GRADIENT if precision == "fp32" else BFLOAT16_GRADIENT
     for eager_step, step in zip(eager, steps):
         assert step.loss == eager_step.loss
         scale = largest(eager_step.grads)
