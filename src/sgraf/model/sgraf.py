@@ -845,54 +845,8 @@ class SGRAF(nn.Module):
         embeddings = (regions, img_glo, words, word_mask, cap_glo, centres, directions)
         with torch.no_grad():
             detached = [None if t is None else t.detach() for t in embeddings]
-            # the eval scorer computes in float32 at most, and reads a place model's places its own way
-            if centres is not None or torch.float64 in (regions.dtype, words.dtype):
-                values = self._train_block_scores(*detached[:5], lengths, host_lengths, *detached[5:])
-            else:
-                values = self._train_matrix(*detached[:5], lengths, host_lengths)
+            values = self._train_block_scores(*detached[:5], lengths, host_lengths, *detached[5:])
         return TrainScores(values, lambda rows, cols: self._pair_scores(*embeddings, host_lengths, rows, cols))
-
-    def _train_matrix(self, regions: torch.Tensor, img_glo: torch.Tensor | None, words: torch.Tensor,
-                      word_mask: torch.Tensor, cap_glo: torch.Tensor | None, lengths: torch.Tensor,
-                      host_lengths: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """A pair-trained batch's train-mode score matrix, without autograd, through the eval scorer.
-
-        Once the batch's train-mode global vectors are given, the per-pair part of the training
-        path is the eval scorer's math: it draws no random numbers and has no BatchNorm (SGR, AVE;
-        not a place model's, whose scorer reads the places from an attention of its own, at
-        `place_smooth`, where training reads them from the nodes' attention).
-        So the captions are cut into the training path's chunks (`train_chunks`: sorted by length,
-        the same memory budget) and each chunk goes through `_eval_similarity_heads`, the Gram
-        matrices and the weight-only constants made once for the batch. Against the training
-        path's chunks (`_train_block_scores`), for the paper's SGR at batch 128 in fp32: 3.75 s
-        instead of 4.39 s on a 2-core AMD EPYC Zen 3, and 211 operations instead of 257 under the
-        GPU plan (243 instead of 293 in bf16), the same scores within float32 rounding
-        (`benchmarks/probe_train_matrix.py`).
-
-        The eval scorer's fused ReLU on the CPU (oneDNN's) writes 0 where its input is NaN, so a
-        NaN or inf anywhere in the batch's embeddings is added to the matrix (their sums times
-        zero: one reduction each, no host read) and the step's loss check sees it, as it does
-        through the training path, whose global vectors' BatchNorm spreads it to every score."""
-        host_lengths = lengths.cpu() if host_lengths is None else host_lengths
-        chunks = self.train_chunks(regions.size(0), host_lengths)
-        gram = self.region_grams(regions)
-        columns: dict[str, list[torch.Tensor]] = {head: [] for head in self.heads}
-        with self.frozen_weights():
-            for index in chunks:
-                n_words = int(host_lengths[index].max())
-                on_device = index.to(words.device, non_blocking=True)   # a host tensor: no wait for the device
-                chunk = self._eval_similarity_heads(
-                    regions, words[on_device, :n_words], word_mask[on_device, :n_words], lengths[on_device],
-                    img_glo, None if cap_glo is None else cap_glo[on_device], gram, host_lengths[index])
-                for head, block in chunk.items():
-                    columns[head].append(block)
-        non_finite = (regions.sum(dtype=torch.float32) + words.sum(dtype=torch.float32)) * 0     # 0, or NaN
-        if len(chunks) == 1:      # the captions in their own order (`train_chunks`)
-            return {head: blocks[0] + non_finite for head, blocks in columns.items()}
-        order = torch.cat(chunks).to(words.device, non_blocking=True)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return {head: torch.cat(blocks, dim=1)[:, inverse] + non_finite for head, blocks in columns.items()}
 
     def _pair_scores(self, regions: torch.Tensor, img_glo: torch.Tensor | None, words: torch.Tensor,
                      word_mask: torch.Tensor, cap_glo: torch.Tensor | None, centres: torch.Tensor | None,
