@@ -64,8 +64,9 @@ TAIL=20 step eval_coco 230 python3 benchmarks/bench_eval.py --device cuda --imag
 # the MSCOCO-size matrix copied (and saved) after the scoring or band by band beside it (session 20)
 TAIL=8 step host_copy 60 python3 benchmarks/bench_host_copy.py --repeats 3 --band-ms 150
 # the SGR matrix a training step scores without autograd, by the training path and by the eval scorer (by the
-# training chunks and whole): seconds and launches of each on the device (session 23, on the CPU: by the chunks 1.17x
-# alone but the whole step 0.96x; under the emulated GPU plan 211-243 operations by the chunks, 71-93 whole, not 257-293)
+# training chunks and whole): seconds and launches of each on the device (session 23, on the CPU: by the chunks
+# 1.17x alone, but the whole step 0.96x; under the emulated GPU plan 211-243 operations by the chunks and 71-93
+# whole, against 257-293)
 TAIL=8 step train_matrix 60 python3 benchmarks/probe_train_matrix.py --device cuda --precisions bf16 fp32 --rounds 5
 # the compiled eval chunk (sgraf.kernels.compiled, opt-in) on CUDA: not by default (on an H100 its
 # compilations made a Flickr30K-size evaluate 13x slower, benchmarks/results/gpu-h100-*-b024312.txt)
