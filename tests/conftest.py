@@ -16,7 +16,7 @@ def pytest_configure(config):
     os.environ.setdefault("SGRAF_CACHE_DIR", tempfile.mkdtemp(prefix="sgraf-test-cache-"))
 
 
-def test_threads() -> int:
+def threads_per_test() -> int:
     """Torch threads each test starts with: `SGRAF_TEST_THREADS` where set (another count, for the
     kernel matrix), else 2 (reproducible and light on the 2-core CI machines), or fewer when
     pytest-xdist's workers (`pytest -n N`) would otherwise share the cores out more than once:
@@ -34,7 +34,7 @@ def _process_state():
     suite was started (from a terminal, or in the background where SIGINT is inherited ignored):
     torch threads, SIGINT/SIGTERM handlers, umask, working folder and environment."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(test_threads())
+    torch.set_num_threads(threads_per_test())
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     umask = os.umask(0o022)
     os.umask(umask)
