@@ -37,11 +37,13 @@ from typing import Any
 
 import torch
 
+from gpu_profile import sync
 from launch_counts import batch_of, emulated_memory, scaled_model
 from sgraf.kernels import plan
 from sgraf.kernels.launches import LaunchCounter
 from sgraf.kernels.tuning import cpu_model
 from sgraf.model.sgraf import SGRAF, _host_lengths, _masked_words
+from sgraf.precision import autocast
 
 WAYS = ("train", "eval chunks", "eval whole")
 
@@ -82,20 +84,13 @@ def matrix_ways(model: SGRAF, batch: Any, device: torch.device) -> dict[str, Cal
     return dict(zip(WAYS, (train, eval_chunks, eval_whole)))
 
 
-def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast as a training step at `precision` runs its matrix (bf16), or none (fp32)."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def launches(module: str, precision: str, batch_size: int, scale: int, device: torch.device) -> dict[str, int]:
     """Operations each way launches under the GPU plan (emulated on a CPU), at `scale`."""
     model = scaled_model(module, scale).to(device).train()
     batch = batch_of(model, batch_size)
     emulated = plan.emulate_gpu(emulated_memory(scale)) if device.type == "cpu" else contextlib.nullcontext()
     counts = {}
-    with emulated, torch.no_grad(), precision_context(precision, device):
+    with emulated, torch.no_grad(), autocast(precision, device):
         for way, score in matrix_ways(model, batch, device).items():
             score()                                    # the weight-only constants' first use, as in a run
             with LaunchCounter() as counter:
@@ -103,11 +98,6 @@ def launches(module: str, precision: str, batch_size: int, scale: int, device: t
                 score()
             counts[way] = counter.launches
     return counts
-
-
-def synchronised(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,17 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         model = scaled_model(args.module, args.scale).to(device).train()
         batch = batch_of(model, args.batch)
-        with torch.no_grad(), precision_context(precision, device):
+        with torch.no_grad(), autocast(precision, device):
             ways = matrix_ways(model, batch, device)
             reference = ways["train"]().float()
             seconds: dict[str, list[float]] = {way: [] for way in ways}
             differences = {way: float((score().float() - reference).abs().max()) for way, score in ways.items()}
             for _ in range(args.rounds):
                 for way, score in ways.items():
-                    synchronised(device)
+                    sync(device)
                     start = time.perf_counter()
                     score()
-                    synchronised(device)
+                    sync(device)
                     seconds[way].append(time.perf_counter() - start)
         counts = launches(args.module, precision, args.batch, args.count_scale, device)
         largest = float(reference.abs().max())
