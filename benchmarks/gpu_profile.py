@@ -75,12 +75,16 @@ def kernels(work, device: torch.device) -> tuple[int, int, float, str]:
 
 def by_place(work, device: torch.device, top: int = 10) -> str:
     """Where `work()`'s time goes in sgraf's code: each operation's own GPU time (CPU time on a
-    CPU), charged to the sgraf function that called it and the operation it called there
-    (`torch.profiler`'s Python events as the operations' parents), the `top` that took the most:
-    "similarity.py fast_forward aten::baddbmm 12.3 ms, ..."."""
+    CPU), charged to the sgraf function that called it and the operation it called there, the
+    `top` that took the most: "similarity.py fast_forward aten::baddbmm 12.3 ms, ...".
+
+    The caller is the innermost sgraf frame of the operation's Python stack. PyTorch 2.13's
+    profiler records the frames as events, the operations' parents; 2.11's (the device image's)
+    records none, and gives each operation its stack as a list of frames when its profile is
+    verbose: both are read."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
-    with profile(activities=activities, with_stack=True) as prof:
+    with profile(activities=activities, with_stack=True, experimental_config=_verbose()) as prof:
         work()
         sync(device)
     places: collections.Counter = collections.Counter()
@@ -91,16 +95,27 @@ def by_place(work, device: torch.device, top: int = 10) -> str:
                if device.type == "cuda" else event.self_cpu_time_total)
         if not own:
             continue
-        called, parent = event.name, event.cpu_parent
+        called, parent, stack = event.name, event.cpu_parent, list(event.stack or ())
         while parent is not None and not _sgraf_frame(parent.name):   # up to the innermost sgraf frame
             if parent.name.startswith("aten::"):
                 called = parent.name                # the operation sgraf's code called
+                stack = stack or list(parent.stack or ())
             parent = parent.cpu_parent
-        if parent is not None:
+        frame = parent.name if parent is not None else next((f for f in stack if _sgraf_frame(f)), None)
+        if frame is not None:
             # "sgraf/model/similarity.py(400): fast_forward" -> "similarity.py fast_forward"
-            path, _, function = parent.name.partition(": ")
+            path, _, function = frame.partition(": ")
             places[f"{path.rsplit('/', 1)[-1].split('(')[0]} {function} {called}"] += own / 1000.0
     return ", ".join(f"{place} {ms:.1f} ms" for place, ms in places.most_common(top)) or "-"
+
+
+def _verbose() -> object | None:
+    """A verbose profile's settings, under which PyTorch 2.11 keeps each operation's stack."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+        return _ExperimentalConfig(verbose=True)
+    except (ImportError, TypeError):
+        return None
 
 
 def _sgraf_frame(name: str) -> bool:
