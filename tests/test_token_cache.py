@@ -3,7 +3,9 @@ read back without it, and never trusted when the file does not hold ids of these
 
 from __future__ import annotations
 
+import io
 import os
+import zipfile
 
 import numpy as np
 import pytest
@@ -70,6 +72,16 @@ def damage(path, how):
     elif how == "a plain .npy":
         with open(path, "wb") as handle:
             np.save(handle, np.arange(5, dtype=np.int32))
+    elif how == "garbled header":       # Python 3.12: numpy's fallback header parser raises TokenError
+        with np.load(path) as stored:
+            lengths = stored["lengths"]
+        member = io.BytesIO()
+        np.save(member, lengths)
+        raw = bytearray(member.getvalue())
+        raw[12:40] = b"{'descr': <<garbage>>, 'sh"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("lengths.npy", bytes(raw))
+            archive.writestr("ids.npy", bytes(raw))
     else:
         with np.load(path) as stored:
             lengths, ids = stored["lengths"], stored["ids"]
@@ -87,8 +99,8 @@ def damage(path, how):
             np.savez(handle, lengths=lengths, ids=ids)
 
 
-@pytest.mark.parametrize("how", ["truncated", "not npz", "a plain .npy", "id outside the vocabulary", "one caption too few",
-                                 "no <start>", "float ids"])
+@pytest.mark.parametrize("how", ["truncated", "not npz", "a plain .npy", "garbled header", "id outside the vocabulary",
+                                 "one caption too few", "no <start>", "float ids"])
 def test_a_damaged_file_is_tokenised_again_and_rewritten(cache, toy, how):
     vocab, captions, expected = toy
     tokenize_captions(captions, vocab)

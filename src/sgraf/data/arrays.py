@@ -21,6 +21,7 @@ region and dimension.
 from __future__ import annotations
 
 import os
+import tokenize
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -32,6 +33,9 @@ from sgraf.errors import InputError
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
+# What numpy raises reading a damaged `.npy` (or a member of an `.npz`): on Python 3.12 a header
+# its literal parser refuses reaches its fallback parser, whose `tokenize` raises TokenError.
+DAMAGED_NPY = (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError)
 
 
 def open_npy(path: str | os.PathLike[str], expected: str, what: str = "") -> np.ndarray:
@@ -55,7 +59,7 @@ def open_npy(path: str | os.PathLike[str], expected: str, what: str = "") -> np.
         raise InputError(f"{path}: {what}not a readable .npy array: {_not_npy(head)}; expected {expected}")
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError):
+    except DAMAGED_NPY:
         raise InputError(f"{path}: {what}not a readable .npy array: {_why_unreadable(path)}; "
                          f"expected {expected}") from None
     if not isinstance(array, np.ndarray):  # np.load's other results (archives) are ruled out above
@@ -80,7 +84,7 @@ def _why_unreadable(path: Path) -> str:
                 shape, _, dtype = np.lib.format.read_array_header_1_0(handle)
             else:
                 shape, _, dtype = np.lib.format.read_array_header_2_0(handle)
-        except (ValueError, OSError, EOFError, SyntaxError, TypeError):
+        except DAMAGED_NPY:
             return "its header is corrupted"
         data_start = handle.tell()
     if dtype.hasobject:

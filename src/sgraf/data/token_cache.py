@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from sgraf.atomic_write import atomic_path
+from sgraf.data.arrays import DAMAGED_NPY
 from sgraf.data.vocab import TOKENIZER_REVISION, Vocabulary, tokenize
 from sgraf.errors import InputError
 from sgraf.user_cache import cache_dir, switched_on
@@ -220,7 +221,7 @@ def _read(path: Path, n_captions: int, vocab_size: int, start: int, end: int) ->
             lengths, ids = stored["lengths"], stored["ids"]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+    except (*DAMAGED_NPY, KeyError, zipfile.BadZipFile) as error:
         logger.debug("ignoring the damaged token ids in %s: %s", path, error)
         return None
     if (lengths.dtype != np.int32 or ids.dtype != np.int32 or lengths.shape != (n_captions,) or ids.ndim != 1
