@@ -88,7 +88,13 @@ def test_a_failing_job_stops_the_others_and_its_error_is_raised(toy_data, tmp_pa
     try:
         with pytest.raises(InputError, match="feature size is 20 but the training config has img_dim=2048"):
             fit_all(jobs, workers=2, threads=1)
-        assert (tmp_path / "long" / "last.pt").is_file()      # stopped cleanly, not killed
+        long = tmp_path / "long"
+        # "bad" fails within a second of starting; when "long" had not started by then it never
+        # starts (seen under PyTorch 2.11's CUDA build, whose import makes a worker start later).
+        # When it had, it was stopped cleanly after a step, not killed: its checkpoint saved, its
+        # folder unlocked.
+        if long.exists():
+            assert (long / "last.pt").is_file() and not (long / ".sgraf-lock").exists()
         assert bystander.is_alive()                           # the stop went to the pool's workers only
     finally:
         bystander.kill()
