@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -183,6 +185,46 @@ def test_the_weight_gradient_route_defaults_to_mkl_and_is_forced_with_the_rest(m
     assert cpu.weight_gradient_route() == "aten" and cpu.float32_route() == ("onednn" if cpu.ONEDNN else "aten")
     monkeypatch.setenv("SGRAF_CPU_MATMUL", "onednn")
     assert cpu.weight_gradient_route() == cpu.float32_route() == ("onednn" if cpu.ONEDNN else "aten")
+
+
+SIGNALLED_MATMULS = """
+import signal, torch
+from sgraf.kernels import cpu
+received = []
+signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+generator = torch.Generator().manual_seed(0)
+rows, inputs = torch.randn(4096, 256, generator=generator), torch.randn(4096, 1024, generator=generator)
+weight = torch.randn(256, 1024, generator=generator)
+print("ready", flush=True)
+for _ in range(30):
+    cpu.weight_gradient(rows, inputs)
+    cpu.fast_linear(inputs, weight, relu=True)
+    cpu.train_linear(inputs, weight)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("done", len(received), cpu.ONEDNN, flush=True)
+"""
+
+
+def test_a_signal_during_the_cpu_matmuls_crashes_nothing():
+    """Training turns SIGTERM and SIGINT into a stop after the step through a Python handler.
+    Under PyTorch 2.11 a signal arriving during oneDNN's linear corrupted the heap (see
+    `sgraf.kernels.cpu`): every route sgraf may take here, forced to oneDNN where it allows it,
+    keeps computing under a SIGTERM every 10 ms."""
+    env = dict(os.environ, SGRAF_CPU_MATMUL="onednn", SGRAF_TUNE="0")
+    process = subprocess.Popen([sys.executable, "-c", SIGNALLED_MATMULS], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        signals = 0
+        while process.poll() is None and signals < 3000:
+            process.send_signal(signal.SIGTERM)
+            signals += 1
+            time.sleep(0.01)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and out.startswith("done"), (process.returncode, err[-2000:])
+    assert int(out.split()[1]) > 10            # the signals arrived while it computed
 
 
 def test_eval_chunks_are_measured_per_precision_and_change_no_score(tuning_cache, monkeypatch):

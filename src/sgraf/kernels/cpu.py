@@ -12,6 +12,13 @@ two routes give the same values up to float32 summation order.
 
 `SGRAF_CPU_MATMUL=onednn` or `=aten` forces a route (for a comparison, or the numeric tests'
 kernel matrix).
+
+Under PyTorch before 2.12 only the aten route is taken (`onednn_usable`): there oneDNN's linear
+was not safe against a signal arriving while it ran. With a Python handler installed, as
+training has for SIGTERM and SIGINT (stop after the step, save `last.pt`), PyTorch 2.11.0
+crashed with a corrupted heap or a segmentation fault in 4 to 6 of 6 runs of signals sent
+every 10 ms during its linear, and never during MKL's matmul; 2.12.1 and 2.13.0 never did
+(`tests/test_kernels.py` sends them, `benchmarks/results/device-image-suite-*`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,17 @@ from sgraf.errors import InputError
 from sgraf.kernels import plan, tuning
 
 ROUTES = ("onednn", "aten")          # the first is the matmul route's default (weight gradients: the last)
-ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# the first PyTorch whose oneDNN linear a signal does not crash (see the module)
+ONEDNN_SIGNAL_SAFE = (2, 12)
+
+
+def onednn_usable(version: str, available: bool, has_linear: bool) -> bool:
+    """Whether sgraf calls oneDNN's linear itself under PyTorch `version` (e.g. "2.11.0+cu130")."""
+    return available and has_linear and torch.torch_version.TorchVersion(version) >= ONEDNN_SIGNAL_SAFE
+
+
+ONEDNN = onednn_usable(torch.__version__, torch.backends.mkldnn.is_available(),
+                       hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 # The probe's shape: a block of word nodes through W_loc (2,048 rows, 1,024 -> 256), the most
 # frequent float32 matmul of scoring and training at the paper's size.
 PROBE_SHAPE = (2048, 1024, 256)
