@@ -187,6 +187,14 @@ def test_the_weight_gradient_route_defaults_to_mkl_and_is_forced_with_the_rest(m
     assert cpu.weight_gradient_route() == cpu.float32_route() == ("onednn" if cpu.ONEDNN else "aten")
 
 
+@pytest.mark.parametrize("version, available, usable", [
+    ("2.11.0+cu130", True, False), ("2.12.0a0+git1234", True, False), ("2.12.1+cu130", True, True),
+    ("2.13.0+cpu", True, True), ("2.13.0+cpu", False, False)])
+def test_onednn_is_called_only_where_a_signal_cannot_crash_it(version, available, usable):
+    assert cpu.onednn_usable(version, available, has_linear=True) is usable
+    assert not cpu.onednn_usable(version, available, has_linear=False)
+
+
 SIGNALLED_MATMULS = """
 import signal, torch
 from sgraf.kernels import cpu
