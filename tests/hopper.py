@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -39,12 +40,20 @@ def compile_for_hopper(kernel: Any, values: dict[str, Any], pointers: dict[str, 
 def compile_tiles(kernel: Any, values: dict[str, Any], pointers: dict[str, str], tiles: Iterable[tuple[int, ...]],
                   launch: Callable[[tuple[int, ...]], tuple[dict[str, Any], int, int]]) -> list[tuple[str, str]]:
     """`compile_for_hopper` for each tile, two at a time (Triton's compiler releases the GIL:
-    half the wait on 2 cores); `launch(tile)` gives the tile's own constexpr values, its warps
-    and its pipeline stages."""
+    half the wait on 2 cores) except under Python 3.11; `launch(tile)` gives the tile's own
+    constexpr values, its warps and its pipeline stages.
+
+    Python 3.11 keeps `ast.parse`'s recursion count in one place per interpreter: when a thread
+    switch lands inside one parse (a garbage collection running a finalizer, say) and the other
+    thread parses, the first raises "SystemError: AST constructor recursion depth mismatch"
+    (seen in the suite on 3.11.7; 3.10, 3.12 and 3.13 do not count that way). Triton parses
+    each kernel's source at every compilation, so there the tiles compile one at a time."""
     def build(tile: tuple[int, ...]) -> tuple[str, str]:
         own, warps, stages = launch(tile)
         return compile_for_hopper(kernel, {**values, **own}, pointers, warps, stages)
 
+    if sys.version_info[:2] == (3, 11):
+        return [build(tile) for tile in tiles]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return list(pool.map(build, tiles))
 
