@@ -81,6 +81,80 @@ class _LocalNodes(torch.autograd.Function):
         return grad_attn, grad_regions, grad_words, grad_weight, grad_bias
 
 
+class _LowPrecisionLocalNodes(torch.autograd.Function):
+    """`W (A R - T)^2 + b` (the word nodes before their l2 norm) under autocast, keeping no
+    (word x feature) tensor: `_LocalNodes` for bf16 and fp16 training.
+
+    The same operations in the same dtypes as autograd through autocast (the K-deep matmul and
+    the linear layer in the low precision, the squared difference in the promoted dtype, float32
+    beside float32 words), so the same values and gradients bit for bit
+    (`tests/test_train_low_precision_nodes.py`); autograd would keep the squared difference and
+    the difference itself for backward (two (n_img, n_cap, L, d) tensors, float32), which this
+    recomputes from the attention instead. On a CPU with bf16 matmuls that makes a bf16 chunk
+    light as a float32 one is (`SimilarityEncoder.light_train_nodes`): computed once, its heads
+    kept, instead of computed twice.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+        ctx.low = low
+        with torch.autocast(attn.device.type, enabled=False):
+            diff = _low_context_minus_words(attn, regions, words, low)         # (n_img, n_cap, L, d)
+            square = diff.mul_(diff).to(low)
+            del diff
+            out = torch.addmm(bias.to(low), square.view(-1, square.shape[-1]), weight.to(low).t())
+        ctx.save_for_backward(attn, regions, words, weight, bias)
+        return out.view(*square.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        attn, regions, words, weight, bias = ctx.saved_tensors
+        low = ctx.low
+        n_img, n_cap, n_words, n_regions = attn.shape
+        diff = _low_context_minus_words(attn, regions, words, low)              # recomputed
+        rows = grad.reshape(-1, grad.shape[-1]).to(low)                         # (n, m)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[3]:   # autograd's addmm backward: (grad^T square)
+            square = (diff * diff).to(low)
+            grad_weight = rows.t().mm(square.view(-1, square.shape[-1]))
+            del square
+        if ctx.needs_input_grad[4]:
+            grad_bias = rows.sum_to_size(bias.shape)
+        # d(diff^2) = 2 diff d(square): the doubling is exact, so 2 (grad W) diff rounds as
+        # autograd's grad W diff + grad W diff
+        grad_diff = diff.mul_(rows.mm(weight.to(low)).mul_(2).view(diff.shape))   # (n_img, n_cap, L, d)
+        grad_attn = grad_regions = grad_words = None
+        flat = grad_diff.to(low).view(n_img, n_cap * n_words, -1)               # the context's gradient
+        if ctx.needs_input_grad[0]:
+            grad_attn = torch.bmm(flat, regions.to(low).transpose(1, 2)).view(attn.shape)
+        if ctx.needs_input_grad[1]:
+            grad_regions = torch.bmm(attn.to(low).reshape(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
+        if ctx.needs_input_grad[2]:   # summed over the images that share the words
+            grad_words = grad_diff.sum_to_size(words.shape).neg_()
+        return grad_attn, grad_regions, grad_words, grad_weight, grad_bias, None
+
+
+def _low_context_minus_words(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
+                             low: torch.dtype) -> torch.Tensor:
+    """`A R - T` as autograd computes it under autocast: the matmul in `low`, the difference in
+    the dtype it promotes to (float32 beside float32 words)."""
+    n_img, n_cap, n_words, n_regions = attn.shape
+    context = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions).to(low), regions.to(low))
+    return context.view(n_img, n_cap, n_words, -1) - words
+
+
+def low_precision_light(device_type: str, *tensors: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype (bf16 or fp16) in which `local_nodes` takes `_LowPrecisionLocalNodes`
+    for these tensors, or None: autocast on, and every tensor in float32 or that dtype."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    low = torch.get_autocast_dtype(device_type)
+    if low not in (torch.bfloat16, torch.float16):
+        return None
+    return low if all(t.dtype in (torch.float32, low) for t in tensors) else None
+
+
 def _context_minus_words(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """(n_img, n_cap, L, K) attention, (n_img, K, d) regions, (n_cap, L, d) words shared by every
     image (or (n_img, 1, L, d), one caption per image) -> `A R - T`."""
@@ -99,11 +173,15 @@ def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, 
             with one caption per image (aligned pairs); weight: (m, d); bias: (m,).
 
     Returns:
-        (n_img, n_cap, L, m) nodes. In float32 outside autocast this is `_LocalNodes` (no
-        (word x feature) tensor kept for backward); otherwise plain autograd.
+        (n_img, n_cap, L, m) nodes. In float32 outside autocast this is `_LocalNodes`, under
+        bf16 or fp16 autocast `_LowPrecisionLocalNodes` (neither keeps a (word x feature) tensor
+        for backward); otherwise plain autograd.
     """
     if not torch.is_autocast_enabled(attn.device.type) and attn.dtype == torch.float32:
         return _LocalNodes.apply(attn, regions, words, weight, bias)
+    low = low_precision_light(attn.device.type, attn, regions, words, weight, bias)
+    if low is not None:
+        return l2norm(_LowPrecisionLocalNodes.apply(attn, regions, words, weight, bias, low))
     n_img, n_cap, n_words, n_regions = attn.shape
     context = (attn.reshape(n_img, n_cap * n_words, n_regions) @ regions).view(n_img, n_cap, n_words, -1)
     return l2norm(train_linear(squared_difference(context, words if words.dim() == 4 else words.unsqueeze(0)),
@@ -261,9 +339,13 @@ class SimilarityRepresentation(nn.Module):
         return self.v_global_w(regions), self.t_global_w(words, word_mask)
 
     def light_train_nodes(self, words: torch.Tensor) -> bool:
-        """Whether `train_nodes` keeps no (word x feature) tensor for backward (`local_nodes`)."""
-        return (self.similarity == "vector" and self.attention == "t2i" and words.dtype == torch.float32
-                and not torch.is_autocast_enabled(words.device.type))
+        """Whether `train_nodes` keeps no (word x feature) tensor for backward (`local_nodes`:
+        float32 outside autocast, or bf16/fp16 autocast)."""
+        if not (self.similarity == "vector" and self.attention == "t2i"):
+            return False
+        if torch.is_autocast_enabled(words.device.type):
+            return low_precision_light(words.device.type, words, self.sim_tranloc_w.weight) is not None
+        return words.dtype == torch.float32
 
     def train_nodes(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                     img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None, centres: torch.Tensor | None = None,

@@ -1,0 +1,96 @@
+"""The word nodes under bf16 (and fp16) autocast without a (word x feature) tensor kept for
+backward (`_LowPrecisionLocalNodes`): the same values and gradients, bit for bit, as autograd
+through autocast, and a training step whose chunks are computed once instead of twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import random_model, step_gradients, training_batch
+from sgraf.model import similarity
+from sgraf.model.norms import l2norm
+from sgraf.training.config import preset
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _inputs(aligned: bool, weight_dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    n_img, n_cap, n_words, n_regions, dim, out = 3, 4, 5, 6, 16, 8
+    regions = torch.randn(n_img, n_regions, dim, generator=generator)
+    attn = torch.randn(n_img, 1 if aligned else n_cap, n_words, n_regions, generator=generator).softmax(-1)
+    words = torch.randn(n_img if aligned else n_cap, 1 if aligned else n_words, *(
+        (n_words, dim) if aligned else (dim,)), generator=generator)
+    weight = torch.randn(out, dim, generator=generator).to(weight_dtype)
+    bias = torch.randn(out, generator=generator).to(weight_dtype)
+    return [t.requires_grad_() for t in (attn, regions, words, weight, bias)]
+
+
+def _autograd_nodes(attn, regions, words, weight, bias):
+    """What `local_nodes` computed under autocast before: plain autograd."""
+    n_img, n_cap, n_words, n_regions = attn.shape
+    context = (attn.reshape(n_img, n_cap * n_words, n_regions) @ regions).view(n_img, n_cap, n_words, -1)
+    words = words if words.dim() == 4 else words.unsqueeze(0)
+    return l2norm(torch.nn.functional.linear(similarity.squared_difference(context, words), weight, bias))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("aligned", [False, True], ids=["grid", "aligned"])
+@pytest.mark.parametrize("weights", ["float32", "low"], ids=["float32-weights", "low-weights"])
+def test_the_light_nodes_give_autograds_values_and_gradients_bit_for_bit(precision, aligned, weights):
+    low = LOW[precision]
+    results = []
+    for nodes in (similarity.local_nodes, _autograd_nodes):
+        inputs = _inputs(aligned, torch.float32 if weights == "float32" else low)
+        with torch.autocast("cpu", dtype=low):
+            out = nodes(*inputs)
+        assert out.dtype == low
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(low)
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in inputs])
+    light, reference = results
+    for name, a, b in zip(["nodes", "attn", "regions", "words", "weight", "bias"], light, reference):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_the_light_nodes_are_taken_under_autocast_only_for_float32_or_the_autocast_dtype(monkeypatch):
+    applied = []
+    original = similarity._LowPrecisionLocalNodes.apply
+    monkeypatch.setattr(similarity._LowPrecisionLocalNodes, "apply",
+                        lambda *args: applied.append(args[-1]) or original(*args))
+    inputs = _inputs(False, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        similarity.local_nodes(*inputs)
+        similarity.local_nodes(*[t.detach().double() for t in inputs])        # float64: plain autograd
+    similarity.local_nodes(*inputs)                                            # float32: `_LocalNodes`
+    assert applied == [torch.bfloat16]
+
+
+def _step(model, batch, precision, monkeypatch, light):
+    if not light:
+        monkeypatch.setattr(similarity, "low_precision_light", lambda *args: None)
+    recomputed = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda function, *args, **kwargs: recomputed.append(function.__name__)
+                        or checkpoint(function, *args, **kwargs))
+    result, grads = step_gradients(model, batch, preset("tiny").replace(precision=precision, grad_clip=0.0))
+    monkeypatch.undo()
+    return result.loss, grads, recomputed
+
+
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_a_bf16_step_with_light_nodes_gives_the_same_loss_and_gradients_computing_each_chunk_once(
+        module, monkeypatch):
+    model = random_model(module=module)
+    model.train_chunk = 3
+    batch = training_batch(model, [3, 7, 5, 2, 7, 4, 6, 3])
+    loss, grads, recomputed = _step(model, batch, "bf16", monkeypatch, light=True)
+    heavy_loss, heavy_grads, heavy_recomputed = _step(model, batch, "bf16", monkeypatch, light=False)
+    # before: every chunk recomputed whole in backward; now its nodes once and its heads kept
+    assert heavy_recomputed == ["chunk_scores"] * 3 and recomputed == []
+    assert loss == heavy_loss
+    assert grads.keys() == heavy_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], heavy_grads[name]), name
