@@ -155,8 +155,57 @@ def test_both_float32_routes_compute_the_linear_layer(monkeypatch, route):
     (F.linear(*reference) * upstream.double()).sum().backward()
     for got, want in zip(params, reference):
         assert_close(got.grad, want.grad, REORDERED, scale=largest(want.grad))
-    rows, inputs = torch.randn(9, 3, generator=generator), torch.randn(9, 6, generator=generator)
-    assert_close(cpu.weight_gradient(rows, inputs), rows.double().t() @ inputs.double(), REORDERED)
+    # weight gradients with an input wider than the output (W_loc's) and narrower (the GRU's)
+    for out_features, in_features in ((3, 6), (6, 3)):
+        rows = torch.randn(9, out_features, generator=generator)
+        inputs = torch.randn(9, in_features, generator=generator)
+        assert_close(cpu.weight_gradient(rows, inputs), rows.double().t() @ inputs.double(), REORDERED)
+    addend = torch.randn(2, 5, 7, generator=generator).reshape(10, 7)
+    assert_close(cpu.linear_add(x.reshape(10, 24), weight, addend),
+                 addend.double() + x.reshape(10, 24).double() @ weight.double().t(), REORDERED)
+
+
+@pytest.mark.parametrize("route", cpu.ROUTES)
+def test_the_encoders_linear_layers_take_the_route_to_train_and_are_nn_linear_otherwise(monkeypatch, route):
+    """`TrainLinear` (the image encoder and the self-attention layers): `train_linear` while
+    autograd records, `nn.Linear` itself without autograd and within `authors_kernels` (the
+    authors' stand-ins); the same parameters and state-dict keys as `nn.Linear`."""
+    monkeypatch.setenv("SGRAF_CPU_MATMUL", route)
+    routed = []
+    apply = cpu._OneDNNLinear.apply
+    monkeypatch.setattr(cpu._OneDNNLinear, "apply", lambda *args: routed.append(1) or apply(*args))
+    torch.manual_seed(0)
+    layer, plain = cpu.TrainLinear(24, 7), torch.nn.Linear(24, 7)
+    plain.load_state_dict(layer.state_dict())
+    assert list(layer.state_dict()) == list(plain.state_dict()) and isinstance(layer, torch.nn.Linear)
+    x = torch.randn(3, 5, 24)
+    with torch.no_grad():
+        assert torch.equal(layer(x), plain(x)) and not routed
+    with cpu.authors_kernels():
+        assert torch.equal(layer(x), plain(x)) and not routed
+    out = layer(x.requires_grad_())
+    assert len(routed) == (1 if route == "onednn" and cpu.ONEDNN else 0)
+    assert_close(out, F.linear(x.double(), layer.weight.double(), layer.bias.double()), REORDERED)
+    out.sum().backward()
+    assert_close(layer.weight.grad, x.detach().double().sum(dim=(0, 1)).expand(7, 24), REORDERED)
+
+
+def test_the_authors_stand_in_trains_on_pytorchs_own_matmuls(monkeypatch):
+    """`authors_forward` is timed as the authors' code: none of its layers takes oneDNN's route
+    (sgraf's encoders do, where it is the faster)."""
+    from model_helpers import random_batch, random_model
+    from sgraf.model.oracle import authors_forward
+
+    monkeypatch.setenv("SGRAF_CPU_MATMUL", "onednn")
+    routed = []
+    apply = cpu._OneDNNLinear.apply
+    monkeypatch.setattr(cpu._OneDNNLinear, "apply", lambda *args: routed.append(1) or apply(*args))
+    model = random_model(module="saf").train()
+    images, captions, lengths = random_batch(model, 3, [5, 4, 3])
+    authors_forward(model, images, captions, lengths)["saf"].sum().backward()
+    assert routed == []
+    model.img_enc(images).sum().backward()
+    assert len(routed) == (1 if cpu.ONEDNN else 0)
 
 
 def test_a_forced_route_must_be_known(monkeypatch):
@@ -329,11 +378,13 @@ def test_packing_by_index_equals_torch_packing_values_and_gradients():
 
 # ------------------------------------------------------------------ the training GRU (sgraf.kernels.gru)
 
+@pytest.mark.parametrize("route", cpu.ROUTES)
 @pytest.mark.parametrize("bidirectional", [True, False])
-def test_the_packed_gru_equals_nn_gru_in_values_and_every_gradient(bidirectional):
+def test_the_packed_gru_equals_nn_gru_in_values_and_every_gradient(bidirectional, route, monkeypatch):
     """`packed_gru` computes `nn.GRU`'s outputs and the gradients of its input, weights and
-    biases (unsorted lengths, ties, a caption of one word)."""
+    biases (unsorted lengths, ties, a caption of one word), its matmuls by either route."""
     from sgraf.kernels.gru import packed_gru
+    monkeypatch.setenv("SGRAF_CPU_MATMUL", route)
     from sgraf.kernels.packing import Packing
 
     torch.manual_seed(0)

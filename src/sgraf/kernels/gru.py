@@ -20,7 +20,9 @@ values equal `nn.GRU`'s up to float32 summation order.
 
 At the paper's size (300 -> 1,024, bidirectional, 128 Flickr30K-like captions), 2 threads of a
 2-core AMD EPYC Zen 3: forward and backward 0.94 s against `nn.GRU`'s 1.12 s, and a whole SAF
-training step at batch 128 8.1 s against 8.6 s (the two timed in turns in one process).
+training step at batch 128 8.1 s against 8.6 s (the two timed in turns in one process). Its
+matmuls take `sgraf.kernels.cpu`'s measured routes (oneDNN where it is the faster: about 2x
+MKL's speed for these shapes on an AMD EPYC Zen 5).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from sgraf.kernels import plan
+from sgraf.kernels.cpu import fast_linear, linear_add, weight_gradient
 
 
 def packed_gru(gru: nn.GRU, packed: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
@@ -79,18 +82,17 @@ class _PackedGRU(torch.autograd.Function):
                 b_hh: torch.Tensor, batch_sizes: list[int], reverse: bool) -> torch.Tensor:
         hidden = w_hh.size(1)
         steps = _steps(batch_sizes, reverse)
-        input_gates = torch.addmm(b_ih, packed, w_ih.t())                   # (N, 3H), every step at once
+        input_gates = fast_linear(packed, w_ih, b_ih)                       # (N, 3H), every step at once
         n_rows = packed.size(0)
         # what backward needs, row by row: r, z, n, W_hn h + b_hn, and the previous state h
         saved = packed.new_empty(5, n_rows, hidden)
         reset, update, new, hidden_new, previous = saved.unbind(0)
         out = packed.new_empty(n_rows, hidden)
         state = packed.new_zeros(max(batch_sizes, default=0), hidden)
-        w_hh_t = w_hh.t()
         for start, size in steps:
             rows = slice(start, start + size)
             h = state[:size]
-            gates = torch.addmm(b_hh, h, w_hh_t)                                 # (B_t, 3H)
+            gates = fast_linear(h, w_hh, b_hh)                                   # (B_t, 3H)
             i_r, i_z, i_n = input_gates[rows].split(hidden, dim=1)
             h_r, h_z, h_n = gates.split(hidden, dim=1)
             r = torch.sigmoid(i_r + h_r, out=reset[rows])
@@ -114,6 +116,7 @@ class _PackedGRU(torch.autograd.Function):
         grad_hidden_gates = packed.new_empty(n_rows, 3 * hidden)
         grad_state = packed.new_zeros(max(ctx.batch_sizes, default=0), hidden)
         grad_out = grad_out.contiguous()
+        w_hh_t = w_hh.t().contiguous()                                          # (H, 3H)
         for start, size in reversed(_steps(ctx.batch_sizes, ctx.reverse)):
             rows = slice(start, start + size)
             dh = grad_state[:size] + grad_out[rows]
@@ -127,10 +130,10 @@ class _PackedGRU(torch.autograd.Function):
             d_hr.copy_(d_ir)
             d_hz.copy_(d_iz)
             torch.mul(d_in, r, out=d_hn)
-            grad_state[:size] = torch.addmm(dh * z, grad_hidden_gates[rows], w_hh)
-        grad_packed = grad_input_gates @ w_ih if ctx.needs_input_grad[0] else None
-        grad_w_ih = grad_input_gates.t() @ packed if ctx.needs_input_grad[1] else None
-        grad_w_hh = grad_hidden_gates.t() @ previous if ctx.needs_input_grad[2] else None
+            grad_state[:size] = linear_add(grad_hidden_gates[rows], w_hh_t, dh * z)
+        grad_packed = fast_linear(grad_input_gates, w_ih.t().contiguous()) if ctx.needs_input_grad[0] else None
+        grad_w_ih = weight_gradient(grad_input_gates, packed) if ctx.needs_input_grad[1] else None
+        grad_w_hh = weight_gradient(grad_hidden_gates, previous) if ctx.needs_input_grad[2] else None
         grad_b_ih = grad_input_gates.sum(dim=0) if ctx.needs_input_grad[3] else None
         grad_b_hh = grad_hidden_gates.sum(dim=0) if ctx.needs_input_grad[4] else None
         return grad_packed, grad_w_ih, grad_w_hh, grad_b_ih, grad_b_hh, None, None

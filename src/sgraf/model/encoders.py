@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from sgraf.kernels import gru
+from sgraf.kernels.cpu import TrainLinear
 from sgraf.kernels.packing import Packing
 from sgraf.model.norms import l2norm
 from sgraf.model.positions import BoxEmbedding, RegionRelation, box_centres
@@ -26,7 +27,7 @@ class ImageEncoder(nn.Module):
 
     def __init__(self, img_dim: int, embed_size: int, normalize: bool = True, positions: str = "none") -> None:
         super().__init__()
-        self.fc = nn.Linear(img_dim, embed_size)
+        self.fc = TrainLinear(img_dim, embed_size)
         self.normalize = normalize
         self.positions = positions
         if positions != "none":
@@ -88,9 +89,9 @@ class VisualSelfAttention(nn.Module):
 
     def __init__(self, embed_size: int, num_regions: int, dropout: float = 0.4) -> None:
         super().__init__()
-        self.embedding_local = nn.Sequential(nn.Linear(embed_size, embed_size), nn.BatchNorm1d(num_regions),
+        self.embedding_local = nn.Sequential(TrainLinear(embed_size, embed_size), nn.BatchNorm1d(num_regions),
                                              nn.Tanh(), nn.Dropout(dropout))
-        self.embedding_global = nn.Sequential(nn.Linear(embed_size, embed_size), nn.BatchNorm1d(embed_size),
+        self.embedding_global = nn.Sequential(TrainLinear(embed_size, embed_size), nn.BatchNorm1d(embed_size),
                                               nn.Tanh(), nn.Dropout(dropout))
         self.embedding_common = nn.Sequential(nn.Linear(embed_size, 1))
 
@@ -107,8 +108,8 @@ class TextSelfAttention(nn.Module):
 
     def __init__(self, embed_size: int, dropout: float = 0.4) -> None:
         super().__init__()
-        self.embedding_local = nn.Sequential(nn.Linear(embed_size, embed_size), nn.Tanh(), nn.Dropout(dropout))
-        self.embedding_global = nn.Sequential(nn.Linear(embed_size, embed_size), nn.Tanh(), nn.Dropout(dropout))
+        self.embedding_local = nn.Sequential(TrainLinear(embed_size, embed_size), nn.Tanh(), nn.Dropout(dropout))
+        self.embedding_global = nn.Sequential(TrainLinear(embed_size, embed_size), nn.Tanh(), nn.Dropout(dropout))
         self.embedding_common = nn.Sequential(nn.Linear(embed_size, 1))
 
     def forward(self, words: torch.Tensor, word_mask: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ none of the vectorised code paths. Also covers the ablation switches, written th
 
 `authors_forward` and `authors_shard_scores` put it together as the authors run it (their
 training forward and their evaluation loop): what the benchmarks time as "the authors' code".
+Their layers run on PyTorch's own kernels (`sgraf.kernels.cpu.authors_kernels`), as theirs do.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from sgraf.kernels.cpu import authors_kernels
 from sgraf.model.norms import cosine, l1norm, l2norm
 
 
@@ -67,6 +69,7 @@ def _saf(sim: Any, nodes: torch.Tensor) -> torch.Tensor:
     return l2norm(torch.matmul(attn, nodes).squeeze(1), dim=-1)
 
 
+@authors_kernels()
 def oracle_similarity(model: torch.nn.Module, img_embs: torch.Tensor, cap_embs: torch.Tensor,
                       lengths: Any) -> dict[str, torch.Tensor]:
     """Per-caption scores {head: (n_img, n_cap)} from embeddings, the authors' way."""
@@ -123,6 +126,7 @@ def oracle_encode_captions(model: torch.nn.Module, captions: torch.Tensor, lengt
     return torch.cat(out, 0)
 
 
+@authors_kernels()
 def oracle_forward(model: torch.nn.Module, images: torch.Tensor, captions: torch.Tensor,
                    lengths: Any) -> dict[str, torch.Tensor]:
     """Per-caption scores {head: (n_img, n_cap)} from raw inputs, in the model's current mode."""
@@ -140,6 +144,7 @@ def authors_encode_captions(model: torch.nn.Module, captions: torch.Tensor, leng
     return _word_states(enc, states)
 
 
+@authors_kernels()
 def authors_forward(model: torch.nn.Module, images: torch.Tensor, captions: torch.Tensor,
                     lengths: Any) -> dict[str, torch.Tensor]:
     """The authors' training forward as they run it: both encoders once over the whole batch

@@ -91,7 +91,7 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
     (`tests/test_train_low_precision_nodes.py`); autograd would keep the squared difference and
     the difference itself for backward (two (n_img, n_cap, L, d) tensors, float32), which this
     recomputes from the attention instead. On a CPU with bf16 matmuls that makes a bf16 chunk
-    light as a float32 one is (`SimilarityEncoder.light_train_nodes`): computed once, its heads
+    light as a float32 one is (`SimilarityRepresentation.light_train_nodes`): computed once, its heads
     kept, instead of computed twice.
     """
 
@@ -306,7 +306,7 @@ class SimilarityRepresentation(nn.Module):
         Returns:
             nodes (n_img, n_cap, P, m) and node_mask (n_cap, P) bool, P = [1 +] (L or K).
         """
-        n_img, n_cap = regions.size(0), words.size(0)
+        n_cap = words.size(0)
         nodes, masks = [], []
         if self.use_global:
             img_glo = self.v_global_w(regions)                     # (n_img, d)
