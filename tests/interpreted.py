@@ -3,7 +3,6 @@ own (`TRITON_INTERPRET=1` must be set before Triton is imported)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from sgraf import torch_compat
+
 TESTS = str(pathlib.Path(__file__).parent)     # for a script's `sys.path` (the tests' helpers)
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (pip install triton)")
+needs_triton = pytest.mark.skipif(not torch_compat.triton_usable(),
+                                  reason="needs Triton 3.4 or later (pip install 'triton>=3.4')")
 
 
 def interpreted(script: str, *args: str) -> Any:

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 import torch
 
+from sgraf import torch_compat
 from sgraf.config import ModelConfig
 from sgraf.model.sgraf import SGRAF
 
 DATA = pathlib.Path(__file__).parent / "data"
 
+
+# the emulated GPU plan's training step runs Adam's fused kernel on CPU tensors: PyTorch 2.4 and later
+needs_fused_adam_on_cpu = pytest.mark.skipif(
+    not torch_compat.fused_adam_runs(torch.device("cpu")),
+    reason="the emulated GPU plan's step needs Adam's fused kernel on the CPU (PyTorch 2.4 or later)")
+# sgraf's compiled paths (`sgraf.kernels.compiled`) need PyTorch 2.5 or later
+needs_compile = pytest.mark.skipif(not torch_compat.compile_supported(),
+                                   reason="sgraf's compiled paths need PyTorch 2.5 or later")
 
 def golden_config(entry: dict, module: str, dropout: float = 0.4) -> ModelConfig:
     opts = entry["config"]

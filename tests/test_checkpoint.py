@@ -317,3 +317,38 @@ def test_loading_draws_no_initial_weights_and_holds_exactly_the_saved_ones(tmp_p
     assert not torch.equal(torch.rand(1), first_draw)                  # drawn as usual
     assert len(built) == 1 and built[0] is again
     assert all(torch.equal(saved[k], again.state_dict()[k]) for k in saved)
+
+
+class _Runs:
+    """Unpickled, it would run a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_before_pytorch_2_4_the_authors_options_are_read_by_a_restricted_unpickler(tmp_path, monkeypatch):
+    """PyTorch 2.3's `weights_only` accepts no class, so the authors' checkpoints (an
+    `argparse.Namespace` of options) are read there by an unpickler that resolves PyTorch's
+    allowed globals and Namespace alone (`torch_compat.load_allowing`); forced here on any
+    PyTorch: the same checkpoint, and nothing else resolved or run."""
+    from sgraf import torch_compat
+
+    expected = load_checkpoint(DATA / "official_ckpt_SGR.pth.tar")
+    monkeypatch.setattr(torch_compat, "can_allow_classes", lambda: False)
+    restricted = load_checkpoint(DATA / "official_ckpt_SGR.pth.tar")
+    assert restricted["config"] == expected["config"] and restricted["extra"] == expected["extra"]
+    assert restricted["state_dict"].keys() == expected["state_dict"].keys()
+    assert all(torch.equal(restricted["state_dict"][k], v) for k, v in expected["state_dict"].items())
+    evil = tmp_path / "evil.pth.tar"
+    torch.save({"model": [{}, {}, {}], "opt": argparse.Namespace(), "hook": Payload()}, evil)
+    with pytest.raises(ValueError, match=r"refusing to load: the checkpoint pickles the class "
+                                         r"test_checkpoint.Payload; only tensors"):
+        load_checkpoint(evil)
+    marker = tmp_path / "ran"
+    torch.save({"model": [{}, {}, {}], "opt": argparse.Namespace(), "hook": _Runs(marker)}, evil)
+    with pytest.raises(ValueError, match=r"refusing to load: the checkpoint pickles the class posix.system"):
+        load_checkpoint(evil)
+    assert not marker.exists()

@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
-from model_helpers import random_batch, random_model, step_gradients, training_batch
+from model_helpers import needs_compile, random_batch, random_model, step_gradients, training_batch
 from numerics import BFLOAT16_GRADIENT, GRADIENT, REORDERED, assert_close, largest
 from sgraf.errors import InputError
 from sgraf.model.loss import max_pairs
@@ -24,6 +24,8 @@ from sgraf.kernels import compiled, plan
 from sgraf.model import sgraf as sgraf_model
 from sgraf.training import pairs
 from sgraf.training.config import preset
+
+pytestmark = needs_compile
 
 # captions of every length from 1 to 14 words in buckets of 4: widths round up to 8 and 16
 LENGTHS = [1 + (5 * i) % 14 for i in range(28)]

@@ -14,11 +14,17 @@ import torch
 
 from model_helpers import DATA, golden_model, random_batch, random_model
 from numerics import GRADIENT, assert_close, largest
+from sgraf import torch_compat
 from sgraf.model.loss import ranking_loss
 from sgraf.precision import autocast
 
 pytestmark = [pytest.mark.numeric,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")]
+
+
+def needs_triton() -> None:
+    if not torch_compat.triton_usable():
+        pytest.skip(f"needs Triton {'.'.join(map(str, torch_compat.TRITON_MIN))} or later")
 
 
 @pytest.mark.parametrize("module", ["SGR", "SAF"])
@@ -69,7 +75,7 @@ def test_the_fused_reasoning_steps_give_the_eager_steps_on_the_device():
     graphs of 14 nodes, 3 steps of 256-wide nodes), every tile, in bf16 (the only dtype it is
     routed; float32 compiles for minutes): no further from float64 than the eager steps."""
     dtype = torch.bfloat16
-    pytest.importorskip("triton")
+    needs_triton()
     from sgraf.kernels import graph_steps
 
     folded, graphs, blocked, n_cap = graph_steps.probe(torch.device("cuda"), dtype, 256, 3)
@@ -107,7 +113,7 @@ def test_the_fused_word_nodes_give_the_eager_route_on_the_device(dtype):
     """`sgraf.kernels.words`' Triton kernel at the paper's sizes (a block of 64 images x 256
     captions of 13 words): every node written, and no further from float64 than the eager route
     (float32: the same values up to the accumulation order)."""
-    pytest.importorskip("triton")
+    needs_triton()
     from sgraf.kernels import words
 
     attn, regions, words_, weight, bias, out = words.probe(torch.device("cuda"), dtype, 1024, 256)
@@ -132,7 +138,7 @@ def test_the_fused_global_nodes_give_the_eager_route_on_the_device(dtype):
     """The word nodes' kernel with the attention left out (`words.global_nodes`), every tile, on
     64 images x 256 captions at the paper's sizes: no further from float64 than the eager route
     (float32: the same values up to the accumulation order)."""
-    pytest.importorskip("triton")
+    needs_triton()
     from sgraf.kernels import words
 
     generator = torch.Generator("cuda").manual_seed(0)
@@ -158,7 +164,7 @@ def test_the_fused_attention_gives_the_eager_route_on_the_device(dtype):
     """`sgraf.kernels.attention`'s Triton kernel with every tile, on a block of 64 images x 256
     captions of 13 words: after the load it works in float32 as the eager route does, so the two
     agree to the summation order."""
-    pytest.importorskip("triton")
+    needs_triton()
     from sgraf.kernels import attention
 
     relevance, gram, n_words = attention.probe(torch.device("cuda"), dtype)
@@ -175,7 +181,7 @@ def test_the_fused_filtration_gives_the_eager_route_on_the_device(dtype):
     captions of 14 nodes of 256, and on pairs of 33 nodes (padded to 64: fewer pairs per program,
     more warps; the tiles come down to two launches there): after the load it works in float32 as
     the eager route does."""
-    pytest.importorskip("triton")
+    needs_triton()
     from sgraf.kernels import filtration
 
     for block, routes in ((None, filtration.MEASURED[1:]), ((16, 64, 33), ("fused", "fused 8x4x1"))):
@@ -194,7 +200,7 @@ def test_each_fused_route_gives_the_cpu_scores_on_the_device(monkeypatch, variab
     """The word nodes' kernel and the attention's (both modules), SGR's reasoning steps' kernel
     (bf16 only; fp32 takes the eager steps) and SAF's filtration's against the eager CPU scores
     of the golden data."""
-    pytest.importorskip("triton")
+    needs_triton()
     entry = torch.load(DATA / "golden_small_perturbed.pt", weights_only=True)[module]
     model = golden_model(entry, module)
     monkeypatch.setenv(variable, "eager")
@@ -213,7 +219,7 @@ def test_each_fused_route_is_measured_on_the_device_and_stored(tmp_path, monkeyp
     """The probe of each Triton kernel at the paper's sizes, in bf16: every tile builds, runs and
     gives the eager route's values within `fused_routes.AGREEMENT` (none timed as never
     finishing), and the choice is stored and read back without measuring."""
-    pytest.importorskip("triton")
+    needs_triton()
     from sgraf.kernels import attention, filtration, graph_steps, tuning, words
 
     module, variable, measure, peek, name = {
@@ -242,7 +248,7 @@ def test_the_word_nodes_float32_probe_with_and_without_tf32(tmp_path, monkeypatc
     """The word nodes' kernel in float32 (its products exact, or in TF32 under `--tf32`, the one
     float32 product no CPU test runs): every tile builds and agrees with the eager route within
     `fused_routes.agreement`, and the choice is stored under its own name."""
-    pytest.importorskip("triton")
+    needs_triton()
     from sgraf.kernels import tuning, words
     from sgraf.precision import tf32 as allow_tf32
 

@@ -470,7 +470,8 @@ def test_keeping_freed_memory_stops_most_page_faults_of_reused_blocks():
         assert changed == ("True" if mode == "keep" else "False")
         counts[mode] = int(faults)
     assert counts["default"] > 6 * 3 * 14000, counts
-    assert counts["keep"] < counts["default"] / 4, counts
+    # a quarter or less here under PyTorch 2.13, 28 % under 2.3.1 (its allocator gives back more)
+    assert counts["keep"] < counts["default"] / 3, counts
 
 
 def test_keeping_freed_memory_can_be_turned_off_and_refuses_other_values(monkeypatch):
@@ -481,3 +482,21 @@ def test_keeping_freed_memory_can_be_turned_off_and_refuses_other_values(monkeyp
     monkeypatch.setenv("SGRAF_KEEP_FREED_MEMORY", "sometimes")
     with pytest.raises(InputError, match="SGRAF_KEEP_FREED_MEMORY must be 'on' or 'off', got 'sometimes'"):
         keep_freed_memory()
+
+
+def test_the_compiled_paths_refuse_a_pytorch_that_cannot_trace_them_in_one_line(monkeypatch):
+    """Before PyTorch 2.5 sgraf's compiled paths do not trace (2.3: an autograd Function's
+    `needs_input_grad`; new weights recompiled): `SGRAF_COMPILE` and `compiling` say so in one
+    line instead of failing inside Dynamo; off stays off."""
+    from sgraf import torch_compat
+    from sgraf.kernels import compiled
+
+    monkeypatch.setattr(torch_compat, "compile_supported", lambda: False)
+    monkeypatch.setenv("SGRAF_COMPILE", "train")
+    with pytest.raises(InputError, match=r"^SGRAF_COMPILE=train needs PyTorch 2\.5 or later \(this is "):
+        compiled.mode()
+    with pytest.raises(InputError, match=r"^compiling\('eval'\) needs PyTorch 2\.5 or later"):
+        with compiled.compiling("eval"):
+            pass
+    monkeypatch.setenv("SGRAF_COMPILE", "off")
+    assert compiled.mode() == "off" and not compiled.eval_enabled()

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model_helpers import random_batch, random_model
+from model_helpers import needs_fused_adam_on_cpu, random_batch, random_model
 from sgraf.kernels import plan
 from sgraf.kernels import launches
 from sgraf.kernels.launches import LaunchCounter
@@ -73,6 +73,7 @@ def test_a_gru_counts_as_one_operation_each_way_as_cudnn_runs_it():
     assert counter.launches < 12
 
 
+@needs_fused_adam_on_cpu
 @pytest.mark.parametrize("module", ["sgr", "saf"])
 def test_a_training_step_stays_under_its_launch_budget_and_reads_nothing_back(module):
     counter = launch_counts.train_step_launches(module, "fp32", batch_size=32, scale=64)
@@ -80,12 +81,14 @@ def test_a_training_step_stays_under_its_launch_budget_and_reads_nothing_back(mo
     assert counter.launches <= TRAIN_STEP_BUDGET[module], counter.summary(20)
 
 
+@needs_fused_adam_on_cpu
 def test_an_sgr_step_at_the_paper_batch_launches_fewer_than_a_thousand_kernels():
     counter = launch_counts.train_step_launches("sgr", "fp32", batch_size=128, scale=64)
     assert counter.host_reads == 0, counter.reads_by_op
     assert counter.launches <= PAPER_BATCH_SGR_BUDGET, counter.summary(20)
 
 
+@needs_fused_adam_on_cpu
 @pytest.mark.parametrize("module", ["sgr", "saf"])
 def test_a_bf16_training_step_casts_the_weights_once(module):
     """The linear layers' weights reach bf16 in one multi-tensor copy per step and their gradients
@@ -108,6 +111,7 @@ def test_a_scoring_block_launches_the_same_whatever_its_captions(module):
     assert few.host_reads == many.host_reads == 0
 
 
+@needs_fused_adam_on_cpu
 def test_under_the_gpu_plan_a_non_finite_loss_skips_the_update_on_the_device_and_raises_when_read():
     model = random_model(3, module="sgr").train()
     images, captions, lengths = random_batch(model, 4, [3, 4, 2, 5])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import random_batch, random_model
+from model_helpers import needs_compile, random_batch, random_model
 from numerics import REORDERED, assert_close
 from sgraf.checkpoint import load_model, save_model
 from sgraf.config import ModelConfig
@@ -415,6 +415,7 @@ def test_train_refuses_a_model_setting_that_does_not_fit_before_reading_any_data
     assert not (tmp_path / "run").exists()
 
 
+@needs_compile
 def test_the_place_models_compiled_chunk_grid_pads_places_and_directions(monkeypatch):
     from sgraf.kernels import compiled
 

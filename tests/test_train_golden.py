@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from model_helpers import needs_fused_adam_on_cpu
 from numerics import AUTHORS, GRADIENT, STEP, adam_noise, approx, assert_close, excess, largest
 from sgraf.config import ModelConfig
 from sgraf.kernels import plan
@@ -107,6 +108,7 @@ def test_second_step_matches_authors(golden, name):
     _assert_params(model.state_dict(), _flat(step2["state_dict_after"]), set(case["noise_dominated_grads"]), steps=2)
 
 
+@needs_fused_adam_on_cpu
 @pytest.mark.parametrize("name", ["SGR", "SAF"])
 def test_two_steps_under_the_gpu_plan_match_authors(golden, name):
     """The plan a CUDA device gets, run on the CPU (`plan.emulate_gpu`): the batch in one chunk,

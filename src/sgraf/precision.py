@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from sgraf import torch_compat
 from sgraf.config import PRECISIONS
 from sgraf.kernels import plan
 
@@ -57,9 +58,9 @@ def slow_on_this_cpu(precision: str) -> bool:
 def current_precision(device: torch.device | str = "cpu") -> str:
     """The precision of the autocast context active on `device`'s type now ('fp32' outside one)."""
     device_type = torch.device(device).type
-    if not torch.is_autocast_enabled(device_type):
+    if not torch_compat.autocast_enabled(device_type):
         return "fp32"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch.get_autocast_dtype(device_type), "fp32")
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch_compat.autocast_dtype(device_type), "fp32")
 
 
 _rnn_lock = threading.Lock()

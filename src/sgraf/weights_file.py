@@ -15,8 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
+from sgraf import torch_compat
 from sgraf.errors import InputError
 
 _PICKLE_PROTOCOL = 0x80   # first byte of a pickle of protocol 2 or higher
@@ -33,10 +32,10 @@ def load_weights_only(path: str | os.PathLike[str], map_location: Any = "cpu", a
     """
     path = Path(path)
     try:
-        with torch.serialization.safe_globals(list(allowed)), warnings.catch_warnings():
+        with warnings.catch_warnings():
             # a raw pickle's protocol draws a warning before the refusal, which says it all
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch_compat.load_allowing(path, map_location, allowed)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as error:  # noqa: BLE001 - any parser failure on a foreign file means "not a checkpoint"
@@ -52,7 +51,7 @@ def _unsafe(path: Path, message: str, what: str, allowed: Sequence[type]) -> Inp
     """The refusal: never torch's text, which advises loading the file unsafely."""
     found = re.search(r"GLOBAL ([\w.]+)", message)
     accepted = "only tensors, plain values" + "".join(f" and {_class_name(c)}" for c in allowed) + " are allowed"
-    if found:
+    if found and not _is_raw_pickle(path):
         return InputError(f"{path}: refusing to load: the {what} pickles the class {found.group(1)}; {accepted}")
     kind = "a raw Python pickle" if _is_raw_pickle(path) else "a pickle of Python objects"
     return InputError(f"{path}: not a safe {what}: it is {kind}, a format that can run code when loaded, not a "

@@ -40,6 +40,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from sgraf import torch_compat
 from sgraf.errors import InputError
 
 MODES = ("off", "eval", "train", "all")
@@ -69,7 +70,17 @@ def mode() -> str:
     if setting not in MODES:
         raise InputError(f"SGRAF_COMPILE must be one of off, on, {', '.join(MODES[1:])}, got "
                          f"{os.environ['SGRAF_COMPILE']!r}")
+    if setting != "off":
+        _check_supported(f"SGRAF_COMPILE={os.environ['SGRAF_COMPILE'].strip()}")
     return setting
+
+
+def _check_supported(what: str) -> None:
+    if not torch_compat.compile_supported():
+        import torch
+
+        raise InputError(f"{what} needs PyTorch {'.'.join(map(str, torch_compat.COMPILE_MIN))} or later "
+                         f"(this is {torch.__version__}, whose compiler cannot trace sgraf's compiled paths)")
 
 
 def eval_enabled() -> bool:
@@ -89,6 +100,8 @@ def compiling(setting: str = "eval") -> Iterator[None]:
     several threads at once."""
     if setting not in MODES:
         raise ValueError(f"compile mode must be one of {', '.join(MODES)}, got {setting!r}")
+    if setting != "off":
+        _check_supported(f"compiling({setting!r})")
     _override.append(setting)
     try:
         yield
@@ -112,8 +125,7 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
 
         # Dynamo keeps at most `recompile_limit` graphs per function (8 by default), then fails
         # under fullgraph: one function serves every width, precision and kind of model here
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
         found = _compiled[function] = _first_calls_serialised(
             torch.compile(function, dynamic=False, fullgraph=True, backend=BACKEND))
     return found

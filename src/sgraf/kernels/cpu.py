@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgraf import torch_compat
 from sgraf.errors import InputError
 from sgraf.kernels import plan, tuning
 
@@ -207,7 +208,7 @@ def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     In float32 outside autocast on a machine whose faster route is oneDNN, the forward pass and
     both gradients run through oneDNN; otherwise this is `F.linear`.
     """
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") \
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch_compat.autocast_enabled("cpu") \
             and _onednn(x):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -19,8 +19,6 @@ test can stand Triton's interpreter in for a device, one kernel's module at a ti
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import logging
 import math
 from collections.abc import Callable
@@ -28,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgraf import torch_compat
 from sgraf.errors import InputError
 from sgraf.kernels import tuning
 
@@ -68,14 +67,10 @@ def _tf32(dtype: torch.dtype) -> bool:
 
 
 def fusable(device: torch.device | str) -> bool:
-    """Whether a fused route can run here: a CUDA device with Triton importable. (Tests run the
-    kernels on the CPU through Triton's interpreter by asking for a fused route.)"""
-    return torch.device(device).type == "cuda" and _triton_installed()
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether a fused route can run here: a CUDA device with Triton 3.4 or later installed
+    (`torch_compat.triton_usable`). (Tests run the kernels on the CPU through Triton's
+    interpreter by asking for a fused route.)"""
+    return torch.device(device).type == "cuda" and torch_compat.triton_usable()
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sgraf import torch_compat
 from sgraf.kernels import plan
 from sgraf.kernels.cpu import fast_linear, linear_add, weight_gradient
 
@@ -62,7 +63,7 @@ def supports(gru: nn.GRU, packed: torch.Tensor) -> bool:
     as it is)."""
     return (gru.num_layers == 1 and gru.bias and packed.device.type == "cpu" and not plan.gpu_plan(packed.device)
             and packed.dtype == torch.float32 and gru.weight_hh_l0.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu") and gru.proj_size == 0)
+            and not torch_compat.autocast_enabled("cpu") and gru.proj_size == 0)
 
 
 def _steps(batch_sizes: list[int], reverse: bool) -> list[tuple[int, int]]:

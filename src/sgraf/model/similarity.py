@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgraf import torch_compat
 from sgraf.errors import InputError
 from sgraf.kernels import attention
 from sgraf.kernels import words as words_kernels
@@ -24,8 +25,8 @@ from sgraf.model.positions import PlaceTerm
 
 def compute_dtype(device: torch.device) -> torch.dtype:
     """The matmul dtype autocast would use on `device` now (float32 outside autocast)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
+    if torch_compat.autocast_enabled(device.type):
+        return torch_compat.autocast_dtype(device.type)
     return torch.float32
 
 
@@ -147,9 +148,9 @@ def _low_context_minus_words(attn: torch.Tensor, regions: torch.Tensor, words: t
 def low_precision_light(device_type: str, *tensors: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype (bf16 or fp16) in which `local_nodes` takes `_LowPrecisionLocalNodes`
     for these tensors, or None: autocast on, and every tensor in float32 or that dtype."""
-    if not torch.is_autocast_enabled(device_type):
+    if not torch_compat.autocast_enabled(device_type):
         return None
-    low = torch.get_autocast_dtype(device_type)
+    low = torch_compat.autocast_dtype(device_type)
     if low not in (torch.bfloat16, torch.float16):
         return None
     return low if all(t.dtype in (torch.float32, low) for t in tensors) else None
@@ -177,7 +178,7 @@ def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, 
         bf16 or fp16 autocast `_LowPrecisionLocalNodes` (neither keeps a (word x feature) tensor
         for backward); otherwise plain autograd.
     """
-    if not torch.is_autocast_enabled(attn.device.type) and attn.dtype == torch.float32:
+    if not torch_compat.autocast_enabled(attn.device.type) and attn.dtype == torch.float32:
         return _LocalNodes.apply(attn, regions, words, weight, bias)
     low = low_precision_light(attn.device.type, attn, regions, words, weight, bias)
     if low is not None:
@@ -343,7 +344,7 @@ class SimilarityRepresentation(nn.Module):
         float32 outside autocast, or bf16/fp16 autocast)."""
         if not (self.similarity == "vector" and self.attention == "t2i"):
             return False
-        if torch.is_autocast_enabled(words.device.type):
+        if torch_compat.autocast_enabled(words.device.type):
             return low_precision_light(words.device.type, words, self.sim_tranloc_w.weight) is not None
         return words.dtype == torch.float32
 

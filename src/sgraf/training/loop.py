@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from sgraf import distributed
+from sgraf import distributed, torch_compat
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.kernels import plan
@@ -117,10 +117,11 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Adam:
     Under the GPU plan (`sgraf.kernels.plan`), Adam's fused kernel: a few launches per step for
     all parameters (PyTorch's CUDA default, `foreach`, launches about fifteen), and an update the
     device itself skips when the loss is not finite (`train_step` reads nothing back). Elsewhere
-    PyTorch's default (on a CPU, one parameter at a time: the numerics of the golden tests)."""
+    PyTorch's default (on a CPU, one parameter at a time: the numerics of the golden tests), as
+    under the emulated GPU plan with a PyTorch whose fused Adam runs on CUDA alone (before 2.4)."""
     device = next(model.parameters()).device
     return torch.optim.Adam(model.parameters(), lr=learning_rate(config, 0),
-                            fused=True if plan.gpu_plan(device) else None)
+                            fused=True if plan.gpu_plan(device) and torch_compat.fused_adam_runs(device) else None)
 
 
 def make_grad_scaler(config: TrainConfig, device: torch.device) -> Any | None:
@@ -244,7 +245,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
     if config.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
     else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = torch_compat.total_norm([p.grad for p in params if p.grad is not None])
     skipped = False
     if scaler is not None:
         scale = scaler.get_scale()
