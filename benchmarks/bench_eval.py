@@ -84,6 +84,24 @@ def build(out: Path, n_images: int, module: str, seed: int) -> None:
     save_model(SGRAF(config).eval(), out / "model.pt", vocab=vocab)
 
 
+def write_older_checkpoint(out: Path) -> None:
+    """`out/model-v1.pt`: `out/model.pt` in checkpoint version 1 (the vocabulary as a dict), with
+    only the config entries that differ from their defaults, so that a checkout from before
+    version 2 or before a config key was added (`--baseline`) reads the same weights."""
+    import dataclasses
+
+    from sgraf.checkpoint import load_checkpoint
+    from sgraf.config import ModelConfig
+
+    checkpoint = load_checkpoint(out / "model.pt")
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    config = {key: value for key, value in checkpoint["config"].items()
+              if key not in defaults or value != defaults[key]}
+    torch.save({"format": checkpoint["format"], "version": 1, "config": config,
+                "state_dict": checkpoint["state_dict"], "vocab": checkpoint["vocab"], "extra": {}},
+               out / "model-v1.pt")
+
+
 def cache_dir(out: Path) -> Path:
     """The runs' `SGRAF_CACHE_DIR` (measured choices and kept token ids): --tuning, or in `out`."""
     return TUNING_DIR or out / "tuning"
@@ -128,7 +146,9 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
     tag = "baseline" if source else "ours"
     sims = out / f"sims_{precision}_{tag}.npy"
     report = out / f"report_{precision}_{tag}.json"
-    argv = ["evaluate", "--checkpoint", str(out / "model.pt"), "--data", str(out / "data"), "--split", "test",
+    # an earlier checkout may read checkpoint version 1 only (write_older_checkpoint)
+    checkpoint = out / ("model-v1.pt" if source else "model.pt")
+    argv = ["evaluate", "--checkpoint", str(checkpoint), "--data", str(out / "data"), "--split", "test",
             *precision_options(precision), "--batch-size", str(batch_size), "--json", "--quiet",
             "--save-sims", str(sims),
             "--device", device] + ([] if source else ["--timings"])   # an earlier checkout may lack it
@@ -286,6 +306,8 @@ def main() -> int:
         out = Path(args.out or scratch)
         start = time.perf_counter()
         build(out, args.images, args.module, args.seed)
+        if args.baseline:
+            write_older_checkpoint(out)
         print(f"generated {args.images} images x {args.images * CAPS_PER_IMAGE} captions, paper-size "
               f"{args.module.upper()} model, in {time.perf_counter() - start:.0f} s; "
               f"{torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else cpu_model()}, "
