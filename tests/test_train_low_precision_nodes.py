@@ -1,6 +1,8 @@
 """The word nodes under bf16 (and fp16) autocast without a (word x feature) tensor kept for
 backward (`_LowPrecisionLocalNodes`): the same values and gradients, bit for bit, as autograd
-through autocast, and a training step whose chunks are computed once instead of twice."""
+through autocast, whether their elementwise passes run over the whole chunk or image tile by
+image tile (`plan.cache_tiles`), and a training step whose chunks are computed once instead of
+twice."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 
 from model_helpers import random_model, step_gradients, training_batch
+from sgraf.kernels import plan
 from sgraf.model import similarity
 from sgraf.model.norms import l2norm
 from sgraf.training.config import preset
@@ -38,8 +41,13 @@ def _autograd_nodes(attn, regions, words, weight, bias):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("aligned", [False, True], ids=["grid", "aligned"])
 @pytest.mark.parametrize("weights", ["float32", "low"], ids=["float32-weights", "low-weights"])
-def test_the_light_nodes_give_autograds_values_and_gradients_bit_for_bit(precision, aligned, weights):
+@pytest.mark.parametrize("tiles", ["whole", "per-image"])
+def test_the_light_nodes_give_autograds_values_and_gradients_bit_for_bit(precision, aligned, weights, tiles,
+                                                                          monkeypatch):
     low = LOW[precision]
+    if tiles == "per-image":
+        monkeypatch.setattr(plan, "TILE_BYTES", 1)
+        assert len(plan.cache_tiles(3, 4, "cpu")) == 3
     results = []
     for nodes in (similarity.local_nodes, _autograd_nodes):
         inputs = _inputs(aligned, torch.float32 if weights == "float32" else low)

@@ -51,3 +51,22 @@ def emulate_gpu(free_bytes: int = EMULATED_FREE_BYTES) -> Iterator[None]:
         yield
     finally:
         _state.free = outer
+
+
+# The CPU plan runs the elementwise passes of a bf16 (or fp16) training chunk's word nodes over
+# their (images x words x features) tensors image by image, in tiles of about this many float32
+# bytes, so that a tile's several passes stay in a core's cache instead of each streaming the
+# whole chunk through memory (`sgraf.model.similarity._LowPrecisionLocalNodes`: the same values;
+# a SAF bf16 step 1.12x faster on a 2-core Intel Xeon with AMX). Float32's nodes, whose passes
+# run in place, gained nothing from tiles and run whole.
+TILE_BYTES = 2**20
+
+
+def cache_tiles(n: int, bytes_per_item: int, device: torch.device | str) -> list[slice]:
+    """Slices of `range(n)` of about `TILE_BYTES` each (at least one item) under the CPU plan, for
+    elementwise passes that run tile by tile; one slice, the whole, under the GPU plan (where each
+    pass is a kernel launch and the device's memory is fast)."""
+    if gpu_plan(device) or n <= 1:
+        return [slice(0, n)]
+    step = max(1, TILE_BYTES // max(int(bytes_per_item), 1))
+    return [slice(start, min(start + step, n)) for start in range(0, n, step)]

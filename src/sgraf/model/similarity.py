@@ -15,7 +15,7 @@ from torch import nn
 
 from sgraf import torch_compat
 from sgraf.errors import InputError
-from sgraf.kernels import attention
+from sgraf.kernels import attention, plan
 from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear, train_linear, weight_gradient
 from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
@@ -43,7 +43,7 @@ class _LocalNodes(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        square = _context_minus_words(attn, regions, words).square_()         # (n_img, n_cap, L, d)
+        square = _contexts(attn, regions).sub_(words).square_()               # (n_img, n_cap, L, d)
         out = fast_linear(square, weight, bias)                               # (n_img, n_cap, L, m)
         del square
         ctx.save_for_backward(attn, regions, words, weight, out)
@@ -60,7 +60,7 @@ class _LocalNodes(torch.autograd.Function):
         grad_norm = (-grad * ((out / scale) / scale)).sum(dim=-1, keepdim=True) / (2 * norm)
         half = out * grad_norm
         grad_out = grad / scale + (half + half)
-        diff = _context_minus_words(attn, regions, words)                       # (n_img, n_cap, L, d)
+        diff = _contexts(attn, regions).sub_(words)                             # (n_img, n_cap, L, d)
         rows = grad_out.reshape(-1, grad_out.shape[-1])                           # (n, m)
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[3]:
@@ -93,7 +93,9 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
     the difference itself for backward (two (n_img, n_cap, L, d) tensors, float32), which this
     recomputes from the attention instead. On a CPU with bf16 matmuls that makes a bf16 chunk
     light as a float32 one is (`SimilarityRepresentation.light_train_nodes`): computed once, its heads
-    kept, instead of computed twice.
+    kept, instead of computed twice. The difference, its square and its gradient are computed
+    image tile by image tile (`plan.cache_tiles`), in float32 only inside a tile; only the
+    words' gradient, summed over the images, takes a whole float32 (word x feature) tensor.
     """
 
     @staticmethod
@@ -101,9 +103,7 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
                 weight: torch.Tensor, bias: torch.Tensor, low: torch.dtype) -> torch.Tensor:
         ctx.low = low
         with torch.autocast(attn.device.type, enabled=False):
-            diff = _low_context_minus_words(attn, regions, words, low)         # (n_img, n_cap, L, d)
-            square = diff.mul_(diff).to(low)
-            del diff
+            square = _low_squares(_low_contexts(attn, regions, low), words)    # (n_img, n_cap, L, d)
             out = torch.addmm(bias.to(low), square.view(-1, square.shape[-1]), weight.to(low).t())
         ctx.save_for_backward(attn, regions, words, weight, bias)
         return out.view(*square.shape[:-1], -1)
@@ -113,36 +113,79 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
         attn, regions, words, weight, bias = ctx.saved_tensors
         low = ctx.low
         n_img, n_cap, n_words, n_regions = attn.shape
-        diff = _low_context_minus_words(attn, regions, words, low)              # recomputed
+        context = _low_contexts(attn, regions, low)                              # recomputed
         rows = grad.reshape(-1, grad.shape[-1]).to(low)                         # (n, m)
+        # d(diff^2) = 2 diff d(square): the doubling is exact, so 2 (grad W) diff rounds as
+        # autograd's grad W diff + grad W diff
+        grad_square = rows.mm(weight.to(low)).view(context.shape)               # (n_img, n_cap, L, d)
+        promoted = torch.promote_types(low, words.dtype)
+        square = torch.empty_like(context) if ctx.needs_input_grad[3] else None
+        tiles = _image_tiles(context)
+        # the words' gradient sums the difference's gradient over the images as autograd does,
+        # in one reduction over the whole tensor (tile by tile would round differently)
+        grad_diff = (context.new_empty(context.shape, dtype=promoted)
+                     if ctx.needs_input_grad[2] and len(tiles) > 1 else None)
+        flat = context      # the context's gradient, written over each tile's contexts once read
+        for tile in tiles:
+            difference = torch.sub(context[tile], _tile_words(words, tile))   # in the promoted dtype
+            if square is not None:
+                square[tile] = difference * difference
+            difference.mul_(grad_square[tile].mul_(2))
+            flat[tile] = difference
+            if ctx.needs_input_grad[2]:
+                if grad_diff is None:
+                    grad_diff = difference                                       # one tile: the whole
+                else:
+                    grad_diff[tile] = difference
+        del grad_square
         grad_weight = grad_bias = None
-        if ctx.needs_input_grad[3]:   # autograd's addmm backward: (grad^T square)
-            square = (diff * diff).to(low)
+        if square is not None:   # autograd's addmm backward: (grad^T square)
             grad_weight = rows.t().mm(square.view(-1, square.shape[-1]))
             del square
         if ctx.needs_input_grad[4]:
             grad_bias = rows.sum_to_size(bias.shape)
-        # d(diff^2) = 2 diff d(square): the doubling is exact, so 2 (grad W) diff rounds as
-        # autograd's grad W diff + grad W diff
-        grad_diff = diff.mul_(rows.mm(weight.to(low)).mul_(2).view(diff.shape))   # (n_img, n_cap, L, d)
+        flat = flat.view(n_img, n_cap * n_words, -1)
         grad_attn = grad_regions = grad_words = None
-        flat = grad_diff.to(low).view(n_img, n_cap * n_words, -1)               # the context's gradient
         if ctx.needs_input_grad[0]:
             grad_attn = torch.bmm(flat, regions.to(low).transpose(1, 2)).view(attn.shape)
         if ctx.needs_input_grad[1]:
             grad_regions = torch.bmm(attn.to(low).reshape(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
-        if ctx.needs_input_grad[2]:   # summed over the images that share the words
+        if grad_diff is not None:   # summed over the images that share the words
             grad_words = grad_diff.sum_to_size(words.shape).neg_()
         return grad_attn, grad_regions, grad_words, grad_weight, grad_bias, None
 
 
-def _low_context_minus_words(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
-                             low: torch.dtype) -> torch.Tensor:
-    """`A R - T` as autograd computes it under autocast: the matmul in `low`, the difference in
-    the dtype it promotes to (float32 beside float32 words)."""
+def _contexts(attn: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
+    """(n_img, n_cap, L, K) attention, (n_img, K, d) regions -> the contexts `A R`, (n_img, n_cap, L, d)."""
     n_img, n_cap, n_words, n_regions = attn.shape
-    context = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions).to(low), regions.to(low))
-    return context.view(n_img, n_cap, n_words, -1) - words
+    return torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions), regions).view(n_img, n_cap, n_words, -1)
+
+
+def _low_contexts(attn: torch.Tensor, regions: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+    """`A R` as autograd computes it under autocast: the matmul in `low`."""
+    return _contexts(attn.to(low), regions.to(low))
+
+
+def _image_tiles(tensor: torch.Tensor) -> list[slice]:
+    """`plan.cache_tiles` over the images of an (n_img, n_cap, L, d) tensor, sized in float32 (the
+    dtype of the low-precision nodes' differences)."""
+    return plan.cache_tiles(tensor.shape[0], tensor[0].numel() * 4, tensor.device)
+
+
+def _tile_words(words: torch.Tensor, tile: slice) -> torch.Tensor:
+    """The words of an image tile: (n_cap, L, d) words shared by every image, or the tile's rows of
+    (n_img, 1, L, d) words, one caption per image."""
+    return words if words.dim() == 3 else words[tile]
+
+
+def _low_squares(context: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """`(A R - T)^2` in the context's (low) dtype, from low-precision contexts: the difference and
+    its square in the promoted dtype, as autograd under autocast, tile by tile."""
+    square = torch.empty_like(context)
+    for tile in _image_tiles(context):
+        difference = torch.sub(context[tile], _tile_words(words, tile))        # in the promoted dtype
+        square[tile] = difference.mul_(difference)
+    return square
 
 
 def low_precision_light(device_type: str, *tensors: torch.Tensor) -> torch.dtype | None:
@@ -154,14 +197,6 @@ def low_precision_light(device_type: str, *tensors: torch.Tensor) -> torch.dtype
     if low not in (torch.bfloat16, torch.float16):
         return None
     return low if all(t.dtype in (torch.float32, low) for t in tensors) else None
-
-
-def _context_minus_words(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """(n_img, n_cap, L, K) attention, (n_img, K, d) regions, (n_cap, L, d) words shared by every
-    image (or (n_img, 1, L, d), one caption per image) -> `A R - T`."""
-    n_img, n_cap, n_words, n_regions = attn.shape
-    context = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions), regions)
-    return context.view(n_img, n_cap, n_words, -1).sub_(words)
 
 
 def local_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
