@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from model_helpers import random_batch, random_model
-from numerics import GRADIENT, REORDERED, SAME_PATH, assert_close, largest
+from numerics import BFLOAT16, BFLOAT16_GRADIENT, GRADIENT, REORDERED, SAME_PATH, assert_close, largest
 from sgraf.errors import InputError
 from sgraf.kernels import cpu, plan, tuning
 
@@ -409,7 +409,8 @@ def test_the_packed_gru_equals_nn_gru_in_values_and_every_gradient(bidirectional
 
 def test_the_text_encoder_takes_the_packed_gru_only_to_train_on_the_cpu(monkeypatch):
     """Scoring (no autograd) runs `nn.GRU` itself; a float32 training pass on the CPU runs
-    `packed_gru`, with the same states; two layers, autocast or bf16 keep `nn.GRU`."""
+    `packed_gru`, with the same states (under bf16 autocast too); two layers, bf16 weights or fp16
+    autocast keep `nn.GRU`."""
     from sgraf.kernels import gru as gru_kernels
     from sgraf.model.encoders import TextEncoder
 
@@ -433,7 +434,49 @@ def test_the_text_encoder_takes_the_packed_gru_only_to_train_on_the_cpu(monkeypa
     with plan.emulate_gpu():
         assert not gru_kernels.supports(encoder.cap_rnn, data)
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert gru_kernels.supports(encoder.cap_rnn, data)
+    with torch.autocast("cpu", dtype=torch.float16):
         assert not gru_kernels.supports(encoder.cap_rnn, data)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_packed_gru_under_bf16_autocast_is_as_close_to_float64_as_nn_gru_under_it(seed):
+    """Under bf16 autocast `packed_gru` rounds the matmuls' operands and products to bf16, as
+    autocast does, and keeps the gates and the state in float32 (`nn.GRU` under autocast rounds
+    the gates to bf16 as well, and its weights again at every time step): its states and every
+    gradient are within the bf16 budgets of a float64 `nn.GRU`, and its states no further from
+    it than `nn.GRU`'s under autocast."""
+    import copy
+
+    from sgraf.kernels.gru import packed_gru
+    from sgraf.kernels.packing import Packing
+
+    torch.manual_seed(seed)
+    gru = torch.nn.GRU(6, 5, batch_first=True, bidirectional=True)
+    lengths = torch.tensor([3, 7, 7, 1, 5, 2])
+    x = torch.randn(6, 7, 6, requires_grad=True)
+    packing = Packing(lengths, x.device)
+    grad = torch.randn(6, 7, 10)
+    results = {}
+    for kind in ("float64", "nn.GRU", "packed_gru"):
+        module = copy.deepcopy(gru).double() if kind == "float64" else gru
+        inputs = x.detach().double().requires_grad_() if kind == "float64" else x
+        packed = packing.pack(inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind != "float64"):
+            out = packed_gru(module, packed.data, packed.batch_sizes.tolist()) if kind == "packed_gru" \
+                else module(packed)[0].data
+        states = packing.unpack(out)
+        assert states.dtype == (torch.float64 if kind == "float64" else torch.float32)
+        grads = torch.autograd.grad(states, [inputs, *module.parameters()], grad.to(states.dtype))
+        results[kind] = (states.detach().double(), [g.double() for g in grads])
+    expected, expected_grads = results["float64"]
+    states, grads = results["packed_gru"]
+    assert_close(states, expected, BFLOAT16, scale=1.0)
+    scale = largest(expected_grads)
+    for got, want in zip(grads, expected_grads):
+        assert_close(got, want, BFLOAT16_GRADIENT, scale=scale)
+    error = (states - expected).abs().max()
+    assert error <= (results["nn.GRU"][0] - expected).abs().max()
 
 
 # ------------------------------------------------------------------ freed memory (sgraf.kernels.memory)
