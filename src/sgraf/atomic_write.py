@@ -19,9 +19,12 @@ import errno
 import os
 import pathlib
 import secrets
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from sgraf.errors import InputError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _ATTEMPTS = 100
 
@@ -77,7 +80,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
         raise
 
 
-def preallocated_memmap(path: str | os.PathLike[str], dtype: object, shape: tuple[int, ...]) -> "np.memmap":
+def preallocated_memmap(path: str | os.PathLike[str], dtype: object, shape: tuple[int, ...]) -> np.memmap:
     """A new `.npy` file at `path` opened as a writable memory map, its blocks reserved first.
 
     `numpy.lib.format.open_memmap(mode="w+")` makes a sparse file: on a full disk the first
