@@ -30,8 +30,9 @@ with glibc's defaults, as their code does.
 `--against DIR` adds "before": `train_step` of another checkout of the project (DIR/src, for
 example `git worktree add /tmp/base <commit>`), stepping in turn with the others, so that a
 change is timed against the code before it in one run (the ratio per round is printed).
-`--compiled` adds "compiled": ours with the selected pairs compiled (`SGRAF_COMPILE=train`,
-`sgraf.kernels.compiled`; SGR only, SAF takes no pairs' backward); its warm-up step, which
+`--compiled` adds "compiled": ours under `SGRAF_COMPILE=train` (`sgraf.kernels.compiled`: SGR's
+selected pairs compiled, SAF taking no pairs' backward; in bf16 also the word nodes' elementwise
+passes fused, SGR and SAF); its warm-up step, which
 compiles the batch's graphs, is printed apart, and its steps against ours per round.
 """
 
@@ -248,7 +249,7 @@ def main() -> None:
     parser.add_argument("--against", metavar="DIR",
                         help="also \"before\": train_step of the project checked out in DIR (its src/)")
     parser.add_argument("--compiled", action="store_true",
-                        help="add ours with the selected pairs compiled (SGRAF_COMPILE=train; SGR)")
+                        help="add ours under SGRAF_COMPILE=train (SGR's selected pairs; bf16's fused word nodes)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()

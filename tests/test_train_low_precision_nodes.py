@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import random_model, step_gradients, training_batch
+from model_helpers import needs_compile, random_model, step_gradients, training_batch
 from sgraf.kernels import plan
 from sgraf.model import similarity
 from sgraf.model.norms import l2norm
@@ -102,3 +102,69 @@ def test_a_bf16_step_with_light_nodes_gives_the_same_loss_and_gradients_computin
     assert grads.keys() == heavy_grads.keys()
     for name in grads:
         assert torch.equal(grads[name], heavy_grads[name]), name
+
+
+# ------------------------------------------------------------------ the fused passes (SGRAF_COMPILE=train)
+
+def _fresh_elementwise(monkeypatch, backend: str) -> None:
+    """The nodes' compiled functions built anew on `backend` (another test may have built them)."""
+    from sgraf.kernels import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", backend)
+    for function in (similarity._squares, similarity._square_and_gradient):
+        monkeypatch.delitem(compiled._compiled, function, raising=False)
+
+
+@needs_compile
+def test_the_fused_passes_under_inductor_give_autograds_bits(monkeypatch):
+    from sgraf.kernels import compiled
+
+    _fresh_elementwise(monkeypatch, "inductor")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # Inductor's loops serial: quick to build and run on a loaded machine
+    try:
+        results = []
+        for fused in (True, False):
+            inputs = _inputs(False, torch.float32)
+            with compiled.compiling("train" if fused else "off"), torch.autocast("cpu", dtype=torch.bfloat16):
+                out = similarity.local_nodes(*inputs)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+            results.append([out.detach()] + [t.grad for t in inputs])
+    finally:
+        torch.set_num_threads(threads)
+    assert similarity._squares in compiled._compiled and similarity._square_and_gradient in compiled._compiled
+    for name, a, b in zip(["nodes", "attn", "regions", "words", "weight", "bias"], *results):
+        assert torch.equal(a, b), name
+
+
+@needs_compile
+def test_the_fused_passes_compile_once_for_every_chunk_shape(monkeypatch):
+    """Dynamic shapes: one forward and one backward graph for chunks of any size (of sizes above
+    one), and one more pair for aligned words (one caption per image)."""
+    import torch._dynamo
+
+    from sgraf.kernels import compiled
+
+    _fresh_elementwise(monkeypatch, "aot_eager")
+
+    def graphs() -> int:
+        return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def nodes(n_img, n_cap, n_words, aligned=False):
+        generator = torch.Generator().manual_seed(n_img * 100 + n_cap)
+        attn = torch.randn(n_img, 1 if aligned else n_cap, n_words, 6, generator=generator).softmax(-1)
+        words = torch.randn(*((n_img, 1) if aligned else (n_cap,)), n_words, 16, generator=generator)
+        inputs = [t.requires_grad_() for t in (attn, torch.randn(n_img, 6, 16, generator=generator), words,
+                                              torch.randn(8, 16, generator=generator), torch.zeros(8))]
+        with compiled.compiling("train"), torch.autocast("cpu", dtype=torch.bfloat16):
+            similarity.local_nodes(*inputs).float().sum().backward()
+
+    before = graphs()
+    nodes(3, 4, 5)
+    assert graphs() - before == 2
+    for shape in [(5, 2, 7), (2, 6, 3), (4, 3, 9)]:
+        nodes(*shape)
+    assert graphs() - before == 2
+    nodes(3, 4, 5, aligned=True)
+    nodes(5, 4, 7, aligned=True)
+    assert graphs() - before == 4

@@ -24,6 +24,9 @@ Two pieces of work can run compiled:
   (`sgraf.model.loss.max_pairs`, 3B at batch B: fixed for a batch size) and their width rounded
   up like the eval chunks' (each of the CPU's length groups to its own bucket), so a run
   compiles a graph per width bucket it meets and then nothing.
+  Also under `train`: the bf16 (fp16) word nodes' elementwise passes
+  (`sgraf.model.similarity._LowPrecisionLocalNodes`), each chain one fused loop (`elementwise`,
+  dynamic shapes: compiled once for every chunk size), with the same bits as the eager passes.
 
 On a 2-core AMD EPYC (Zen 3) the compiled scoring chunk is no faster than the eager one (the
 matmuls dominate, and the eager path already writes its elementwise work in place;
@@ -128,6 +131,21 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
         torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
         found = _compiled[function] = _first_calls_serialised(
             torch.compile(function, dynamic=False, fullgraph=True, backend=BACKEND))
+    return found
+
+
+def elementwise(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, a chain of elementwise operations, compiled by Inductor with dynamic shapes
+    (`torch.compile(dynamic=True, fullgraph=True)`, `BACKEND`), once per process: one graph
+    serves every shape of the same rank and dtypes, so a training run's chunks of every size
+    compile it once. Inductor fuses the chain into one loop over the tensors (on a CPU, C++)."""
+    found = _compiled.get(function)
+    if found is None:
+        import torch
+        import torch._dynamo
+
+        torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
+        found = _compiled[function] = torch.compile(function, dynamic=True, fullgraph=True, backend=BACKEND)
     return found
 
 

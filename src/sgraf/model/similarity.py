@@ -15,7 +15,7 @@ from torch import nn
 
 from sgraf import torch_compat
 from sgraf.errors import InputError
-from sgraf.kernels import attention, plan
+from sgraf.kernels import attention, compiled, plan
 from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear, train_linear, weight_gradient
 from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
@@ -102,23 +102,32 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
     def forward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor, low: torch.dtype) -> torch.Tensor:
         ctx.low = low
+        ctx.fused = compiled.train_enabled()   # backward follows the forward's setting
         with torch.autocast(attn.device.type, enabled=False):
-            square = _low_squares(_low_contexts(attn, regions, low), words)    # (n_img, n_cap, L, d)
+            context = _low_contexts(attn, regions, low)
+            if ctx.fused or torch.compiler.is_compiling():
+                square = _elementwise(_squares)(context, words)
+            else:
+                square = _low_squares(context, words)                         # (n_img, n_cap, L, d)
+            del context
             out = torch.addmm(bias.to(low), square.view(-1, square.shape[-1]), weight.to(low).t())
         ctx.save_for_backward(attn, regions, words, weight, bias)
+        ctx.bias_shape = bias.shape
         return out.view(*square.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         attn, regions, words, weight, bias = ctx.saved_tensors
         low = ctx.low
-        n_img, n_cap, n_words, n_regions = attn.shape
         context = _low_contexts(attn, regions, low)                              # recomputed
         rows = grad.reshape(-1, grad.shape[-1]).to(low)                         # (n, m)
         # d(diff^2) = 2 diff d(square): the doubling is exact, so 2 (grad W) diff rounds as
         # autograd's grad W diff + grad W diff
         grad_square = rows.mm(weight.to(low)).view(context.shape)               # (n_img, n_cap, L, d)
         promoted = torch.promote_types(low, words.dtype)
+        if ctx.fused or torch.compiler.is_compiling():
+            square, flat, grad_diff = _elementwise(_square_and_gradient)(context, words, grad_square)
+            return _low_backward(ctx, attn, regions, words, rows, square, flat, grad_diff)
         square = torch.empty_like(context) if ctx.needs_input_grad[3] else None
         tiles = _image_tiles(context)
         # the words' gradient sums the difference's gradient over the images as autograd does,
@@ -138,21 +147,55 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
                 else:
                     grad_diff[tile] = difference
         del grad_square
-        grad_weight = grad_bias = None
-        if square is not None:   # autograd's addmm backward: (grad^T square)
-            grad_weight = rows.t().mm(square.view(-1, square.shape[-1]))
-            del square
-        if ctx.needs_input_grad[4]:
-            grad_bias = rows.sum_to_size(bias.shape)
-        flat = flat.view(n_img, n_cap * n_words, -1)
-        grad_attn = grad_regions = grad_words = None
-        if ctx.needs_input_grad[0]:
-            grad_attn = torch.bmm(flat, regions.to(low).transpose(1, 2)).view(attn.shape)
-        if ctx.needs_input_grad[1]:
-            grad_regions = torch.bmm(attn.to(low).reshape(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
-        if grad_diff is not None:   # summed over the images that share the words
-            grad_words = grad_diff.sum_to_size(words.shape).neg_()
-        return grad_attn, grad_regions, grad_words, grad_weight, grad_bias, None
+        return _low_backward(ctx, attn, regions, words, rows, square, flat, grad_diff)
+
+
+def _low_backward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, rows: torch.Tensor,
+                  square: torch.Tensor | None, flat: torch.Tensor, grad_diff: torch.Tensor | None
+                  ) -> tuple[torch.Tensor | None, ...]:
+    """`_LowPrecisionLocalNodes.backward` after its elementwise passes: the matmuls of the
+    weight's, the attention's and the regions' gradients, and the words' sum over the images."""
+    n_img, n_cap, n_words, n_regions = attn.shape
+    low = ctx.low
+    grad_weight = grad_bias = None
+    if square is not None and ctx.needs_input_grad[3]:   # autograd's addmm backward: (grad^T square)
+        grad_weight = rows.t().mm(square.view(-1, square.shape[-1]))
+    del square
+    if ctx.needs_input_grad[4]:
+        grad_bias = rows.sum_to_size(ctx.bias_shape)
+    flat = flat.view(n_img, n_cap * n_words, -1)
+    grad_attn = grad_regions = grad_words = None
+    if ctx.needs_input_grad[0]:
+        grad_attn = torch.bmm(flat, regions.to(low).transpose(1, 2)).view(attn.shape)
+    if ctx.needs_input_grad[1]:
+        grad_regions = torch.bmm(attn.to(low).reshape(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
+    if grad_diff is not None and ctx.needs_input_grad[2]:   # summed over the images that share the words
+        grad_words = grad_diff.sum_to_size(words.shape).neg_()
+    return grad_attn, grad_regions, grad_words, grad_weight, grad_bias, None
+
+
+def _elementwise(function: Any) -> Any:
+    """`function` compiled by `compiled.elementwise` (`SGRAF_COMPILE=train`: each chain of the
+    low-precision nodes' elementwise passes one fused loop), or as it is inside a graph being
+    compiled (the compiled selected pairs: Inductor fuses it there, and tiles would only unroll)."""
+    return function if torch.compiler.is_compiling() else compiled.elementwise(function)
+
+
+def _squares(context: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """`(A R - T)^2` in the context's dtype, the difference and its square in the promoted one
+    (`_low_squares` in one expression, for `compiled.elementwise`)."""
+    difference = context - words
+    return (difference * difference).to(context.dtype)
+
+
+def _square_and_gradient(context: torch.Tensor, words: torch.Tensor, grad_square: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The square (in the context's dtype), the difference's gradient `2 (grad W) diff` in the
+    context's dtype (for the matmuls) and in the promoted one (for the words' sum), as the eager
+    tile loop of `_LowPrecisionLocalNodes.backward` computes them."""
+    difference = context - words
+    gradient = difference * (grad_square * 2)
+    return (difference * difference).to(context.dtype), gradient.to(context.dtype), gradient
 
 
 def _contexts(attn: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:
