@@ -168,3 +168,20 @@ def test_the_fused_passes_compile_once_for_every_chunk_shape(monkeypatch):
     nodes(3, 4, 5, aligned=True)
     nodes(5, 4, 7, aligned=True)
     assert graphs() - before == 4
+
+
+@needs_compile
+def test_only_float32_words_take_the_fused_passes(monkeypatch):
+    """With bf16 words eager rounds every intermediate to bf16 and a fused loop would not: they
+    keep the eager passes under `SGRAF_COMPILE=train`."""
+    from sgraf.kernels import compiled
+
+    fused = []
+    monkeypatch.setattr(compiled, "elementwise", lambda function: fused.append(function.__name__) or function)
+    for words_dtype in (torch.bfloat16, torch.float32):
+        attn, regions, words, weight, bias = _inputs(False, torch.float32)
+        words = words.detach().to(words_dtype).requires_grad_()
+        with compiled.compiling("train"), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = similarity.local_nodes(attn, regions, words, weight, bias)
+            out.float().sum().backward()
+        assert fused == ([] if words_dtype == torch.bfloat16 else ["_squares", "_square_and_gradient"])

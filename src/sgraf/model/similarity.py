@@ -102,7 +102,9 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
     def forward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor, low: torch.dtype) -> torch.Tensor:
         ctx.low = low
-        ctx.fused = compiled.train_enabled()   # backward follows the forward's setting
+        # backward follows the forward's setting; float32 words only: with low-precision words
+        # eager rounds each intermediate to `low`, where Inductor's fused loop would not
+        ctx.fused = compiled.train_enabled() and words.dtype == torch.float32
         with torch.autocast(attn.device.type, enabled=False):
             context = _low_contexts(attn, regions, low)
             if ctx.fused or torch.compiler.is_compiling():
