@@ -123,14 +123,7 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     (counted in `torch._dynamo.utils.counters["stats"]["unique_graphs"]`)."""
     found = _compiled.get(function)
     if found is None:
-        import torch   # torch.compile imports its compiler stack at first use, not with sgraf
-        import torch._dynamo
-
-        # Dynamo keeps at most `recompile_limit` graphs per function (8 by default), then fails
-        # under fullgraph: one function serves every width, precision and kind of model here
-        torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
-        found = _compiled[function] = _first_calls_serialised(
-            torch.compile(function, dynamic=False, fullgraph=True, backend=BACKEND))
+        found = _compiled[function] = _first_calls_serialised(_torch_compile(function, dynamic=False))
     return found
 
 
@@ -141,12 +134,19 @@ def elementwise(function: Callable[..., Any]) -> Callable[..., Any]:
     compile it once. Inductor fuses the chain into one loop over the tensors (on a CPU, C++)."""
     found = _compiled.get(function)
     if found is None:
-        import torch
-        import torch._dynamo
-
-        torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
-        found = _compiled[function] = torch.compile(function, dynamic=True, fullgraph=True, backend=BACKEND)
+        found = _compiled[function] = _torch_compile(function, dynamic=True)
     return found
+
+
+def _torch_compile(function: Callable[..., Any], dynamic: bool) -> Callable[..., Any]:
+    """`torch.compile(function, fullgraph=True)` on `BACKEND`, Dynamo's graph limit raised first."""
+    import torch   # torch.compile imports its compiler stack at first use, not with sgraf
+    import torch._dynamo
+
+    # Dynamo keeps at most `recompile_limit` graphs per function (8 by default), then fails
+    # under fullgraph: one function serves every width, precision and kind of model here
+    torch_compat.raise_recompile_limit(RECOMPILE_LIMIT)
+    return torch.compile(function, dynamic=dynamic, fullgraph=True, backend=BACKEND)
 
 
 def _first_calls_serialised(graph: Callable[..., Any]) -> Callable[..., Any]:

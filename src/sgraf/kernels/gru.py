@@ -58,7 +58,7 @@ def packed_gru(gru: nn.GRU, packed: torch.Tensor, batch_sizes: list[int]) -> tor
         `gru(PackedSequence(packed, batch_sizes, ...))[0].data` up to rounding.
     """
     suffixes = ["", "_reverse"] if gru.bidirectional else [""]
-    low = torch_compat.autocast_dtype("cpu") if torch_compat.autocast_enabled("cpu") else None
+    low = _autocast_dtype()
     outputs = []
     for suffix in suffixes:
         weights = [getattr(gru, f"{name}_l0{suffix}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
@@ -70,10 +70,14 @@ def supports(gru: nn.GRU, packed: torch.Tensor) -> bool:
     """Whether `packed_gru` covers this GRU and input: one layer with biases, float32 CPU
     tensors outside the GPU plan (`sgraf.kernels.plan`), autocast off or in bf16 (elsewhere
     `nn.GRU` runs as it is)."""
-    low = torch_compat.autocast_dtype("cpu") if torch_compat.autocast_enabled("cpu") else None
     return (gru.num_layers == 1 and gru.bias and packed.device.type == "cpu" and not plan.gpu_plan(packed.device)
             and packed.dtype == torch.float32 and gru.weight_hh_l0.dtype == torch.float32
-            and low in (None, torch.bfloat16) and gru.proj_size == 0)
+            and _autocast_dtype() in (None, torch.bfloat16) and gru.proj_size == 0)
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    """The CPU's autocast dtype, or None with autocast off."""
+    return torch_compat.autocast_dtype("cpu") if torch_compat.autocast_enabled("cpu") else None
 
 
 def _steps(batch_sizes: list[int], reverse: bool) -> list[tuple[int, int]]:
@@ -105,6 +109,14 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
     if low is None:
         return fast_linear(x, weight, bias)
     return fast_linear(x.to(low), weight, bias).float()
+
+
+def _weight_gradient(rows: torch.Tensor, inputs: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
+    """`rows^T inputs` in float32, or as autocast's matmuls give a weight's gradient: in `low`,
+    widened to float32."""
+    if low is None:
+        return weight_gradient(rows, inputs)
+    return weight_gradient(rows.to(low), inputs.to(low)).float()
 
 
 def _forward(ctx: Any, packed: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor,
@@ -168,12 +180,8 @@ def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ..
             grad_state[:size] = _matmul(grad_hidden_gates[rows], w_hh_t, None, low).add_(dh * z)
     needs = ctx.needs_input_grad
     grad_packed = _matmul(grad_input_gates, w_ih.t().contiguous(), None, low) if needs[0] else None
-    if low is None:
-        grad_w_ih = weight_gradient(grad_input_gates, packed) if needs[1] else None
-        grad_w_hh = weight_gradient(grad_hidden_gates, previous) if needs[2] else None
-    else:    # the weights' gradients as autocast's matmuls give them: in `low`, widened to float32
-        grad_w_ih = weight_gradient(grad_input_gates.to(low), packed.to(low)).float() if needs[1] else None
-        grad_w_hh = weight_gradient(grad_hidden_gates.to(low), previous.to(low)).float() if needs[2] else None
+    grad_w_ih = _weight_gradient(grad_input_gates, packed, low) if needs[1] else None
+    grad_w_hh = _weight_gradient(grad_hidden_gates, previous, low) if needs[2] else None
     grad_b_ih = grad_input_gates.sum(dim=0) if needs[3] else None
     grad_b_hh = grad_hidden_gates.sum(dim=0) if needs[4] else None
     return grad_packed, grad_w_ih, grad_w_hh, grad_b_ih, grad_b_hh

@@ -114,7 +114,6 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
             del context
             out = torch.addmm(bias.to(low), square.view(-1, square.shape[-1]), weight.to(low).t())
         ctx.save_for_backward(attn, regions, words, weight, bias)
-        ctx.bias_shape = bias.shape
         return out.view(*square.shape[:-1], -1)
 
     @staticmethod
@@ -126,10 +125,10 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
         # d(diff^2) = 2 diff d(square): the doubling is exact, so 2 (grad W) diff rounds as
         # autograd's grad W diff + grad W diff
         grad_square = rows.mm(weight.to(low)).view(context.shape)               # (n_img, n_cap, L, d)
-        promoted = torch.promote_types(low, words.dtype)
         if ctx.fused or torch.compiler.is_compiling():
             square, flat, grad_diff = _elementwise(_square_and_gradient)(context, words, grad_square)
-            return _low_backward(ctx, attn, regions, words, rows, square, flat, grad_diff)
+            return _low_backward(ctx, attn, regions, words, bias, rows, square, flat, grad_diff)
+        promoted = torch.promote_types(low, words.dtype)
         square = torch.empty_like(context) if ctx.needs_input_grad[3] else None
         tiles = _image_tiles(context)
         # the words' gradient sums the difference's gradient over the images as autograd does,
@@ -149,12 +148,12 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
                 else:
                     grad_diff[tile] = difference
         del grad_square
-        return _low_backward(ctx, attn, regions, words, rows, square, flat, grad_diff)
+        return _low_backward(ctx, attn, regions, words, bias, rows, square, flat, grad_diff)
 
 
-def _low_backward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, rows: torch.Tensor,
-                  square: torch.Tensor | None, flat: torch.Tensor, grad_diff: torch.Tensor | None
-                  ) -> tuple[torch.Tensor | None, ...]:
+def _low_backward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, bias: torch.Tensor,
+                  rows: torch.Tensor, square: torch.Tensor | None, flat: torch.Tensor,
+                  grad_diff: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """`_LowPrecisionLocalNodes.backward` after its elementwise passes: the matmuls of the
     weight's, the attention's and the regions' gradients, and the words' sum over the images."""
     n_img, n_cap, n_words, n_regions = attn.shape
@@ -164,7 +163,7 @@ def _low_backward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: to
         grad_weight = rows.t().mm(square.view(-1, square.shape[-1]))
     del square
     if ctx.needs_input_grad[4]:
-        grad_bias = rows.sum_to_size(ctx.bias_shape)
+        grad_bias = rows.sum_to_size(bias.shape)
     flat = flat.view(n_img, n_cap * n_words, -1)
     grad_attn = grad_regions = grad_words = None
     if ctx.needs_input_grad[0]:
