@@ -151,7 +151,9 @@ def run_command(out: Path, precision: str, batch_size: int, source: str | None =
     argv = ["evaluate", "--checkpoint", str(checkpoint), "--data", str(out / "data"), "--split", "test",
             *precision_options(precision), "--batch-size", str(batch_size), "--json", "--quiet",
             "--save-sims", str(sims),
-            "--device", device] + ([] if source else ["--timings"])   # an earlier checkout may lack it
+            "--device", device]
+    if not source or (Path(source) / "src" / "sgraf" / "stopwatch.py").exists():   # added with --timings
+        argv.append("--timings")
     # measured choices (sgraf.kernels.tuning) are stored in the work folder (or --tuning): the
     # first run of a fresh machine pays for the probes, like a user's first run
     env = dict(os.environ, SGRAF_CACHE_DIR=str(cache_dir(out)))
@@ -349,6 +351,7 @@ def main() -> int:
                       f"median {base['wall_s']:.1f} s, peak RSS {base['peak_mb']:.0f} MiB -> ours "
                       f"{base['wall_s'] / run['wall_s']:.2f}x its speed; max |diff| of the matrices {error:.2e}",
                       flush=True)
+                print_stages(f"{precision} baseline, token cache {states[0]},", base)
         print_choices(cache_dir(out) / "tuning.json")
         if args.no_authors:
             return 0

@@ -61,6 +61,27 @@ def test_choose_takes_the_fastest_and_stores_it_for_the_next_process(tuning_cach
     assert tuning.peek("other", ["x", "y"]) == "x"        # never measured: the default
 
 
+def test_peek_reads_the_store_once_per_name_until_forget(tuning_cache, monkeypatch):
+    """The scoring loop peeks at its routes and chunk size once per chunk: a name with nothing
+    stored must not open and parse the store each time."""
+    reads = []
+    read = tuning._read
+    monkeypatch.setattr(tuning, "_read", lambda: reads.append(1) or read())
+    for _ in range(3):
+        assert tuning.peek("unmeasured", ["x", "y"]) == "x"
+    assert len(reads) == 1
+    # stored meanwhile by another process: this one keeps its default until it forgets
+    tuning_cache.write_text(json.dumps({f"{tuning.machine_key()}|unmeasured": {"choice": "y"}}))
+    assert tuning.peek("unmeasured", ["x", "y"]) == "x" and len(reads) == 1
+    tuning.forget()
+    assert tuning.peek("unmeasured", ["x", "y"]) == "y" and tuning.peek("unmeasured", ["x", "y"]) == "y"
+    assert len(reads) == 2
+    # a choice measured in this process after a peek found nothing is the one peek gives
+    assert tuning.peek("later", ["a", "b"]) == "a"
+    assert tuning.choose("later", ["a", "b"], {"a": 3.0, "b": 1.0}.get) == "b"
+    assert tuning.peek("later", ["a", "b"]) == "b"
+
+
 def test_a_choice_another_process_stored_while_this_one_measured_wins(tuning_cache):
     def measure(candidate):    # meanwhile, a worker beside this process stored its own choice
         tuning_cache.write_text(json.dumps({f"{tuning.machine_key()}|probe": {"choice": "a"}}))

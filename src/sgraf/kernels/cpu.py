@@ -136,8 +136,8 @@ def onednn_runs(dtype: torch.dtype) -> bool:
 def _onednn(x: torch.Tensor, route: Callable[[], str] = float32_route) -> bool:
     """Whether a CPU matmul on `x` goes through oneDNN: bf16 where oneDNN runs it (else PyTorch's
     own bf16 matmul), float32 where it is the faster `route`."""
-    if not ONEDNN or x.device.type != "cpu" or plan.gpu_plan(x.device):   # the GPU plan: PyTorch's ops
-        return False
+    if not ONEDNN or x.device.type != "cpu" or plan.emulated_free_bytes() is not None:   # the GPU plan:
+        return False                                                                    # PyTorch's ops
     if torch.compiler.is_compiling():
         # Inductor lowers oneDNN's linear only with constant weights (ours are graph inputs):
         # a compiled graph takes PyTorch's own matmuls and Inductor picks their kernels

@@ -28,7 +28,7 @@ def emulated_free_bytes() -> int | None:
 
 def gpu_plan(device: torch.device | str) -> bool:
     """Whether work on `device` follows the GPU plan: a CUDA device, or the CPU inside `emulate_gpu`."""
-    kind = torch.device(device).type
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     return kind == "cuda" or (kind == "cpu" and emulated_free_bytes() is not None)
 
 

@@ -49,6 +49,9 @@ KEEP_DEFAULT = 0.2
 
 _lock = threading.RLock()
 _chosen: dict[str, Any] = {}
+# the keys `peek` found nothing stored for: not read again until `forget` (the scoring loop peeks
+# at its routes and chunk size once per chunk, and a read of the store is a file's open and parse)
+_absent: set[str] = set()
 _generation = 0
 
 
@@ -90,15 +93,18 @@ def enabled() -> bool:
 
 def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu", default: Any = None) -> Any:
     """The choice made or stored for `name` on this machine, else the default (`default`, or
-    `candidates[0]`), without measuring."""
+    `candidates[0]`), without measuring. The store is read once per name and process (until
+    `forget`): a choice another process stores later is not taken up midway."""
     key = f"{machine_key(device)}|{name}"
     with _lock:
         if key in _chosen:
             return _chosen[key]
-        stored = _stored(key, candidates) if enabled() else None
+        stored = _stored(key, candidates) if enabled() and key not in _absent else None
         if stored is not None:
             _chosen[key] = stored
             return stored
+        if enabled():
+            _absent.add(key)
     return candidates[0] if default is None else default
 
 
@@ -175,6 +181,7 @@ def forget() -> None:
     global _generation
     with _lock:
         _chosen.clear()
+        _absent.clear()
         _generation += 1
 
 
