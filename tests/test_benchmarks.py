@@ -221,3 +221,20 @@ def test_the_session_20_benchmarks_time_both_ways(script, args, lines):
     assert completed.returncode == 0, completed.stderr[-2000:]
     for line in lines:
         assert re.search(line, completed.stdout, re.M), completed.stdout
+
+
+def test_ab_train_method_steps_this_method_against_another_checkouts():
+    """benchmarks/ab_train_method.py: this tree's `SGRAF._train_block_scores` against the same
+    method taken from a checkout's file (here this one: the same code, so the same first loss)."""
+    root = BENCHMARKS.parent
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root), "--batch", "6",
+                                "--scale", "32", "--rounds", "2", "--threads", "1"],
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    losses = re.findall(r"^(this|earlier): first loss ([0-9.]+)$", completed.stdout, re.M)
+    assert sorted(name for name, _ in losses) == ["earlier", "this"] and losses[0][1] == losses[1][1], completed.stdout
+    assert re.search(r"^this tree [0-9.]+x the earlier one's speed \(median of the rounds' ratios: [0-9., ]+\)$",
+                     completed.stdout, re.M), completed.stdout
+    missing = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root), "--method", "nope"],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and missing.stderr.strip() == "this tree has no SGRAF.nope"

@@ -235,6 +235,41 @@ def test_a_chunked_batch_forms_the_regions_gram_matrices_once(module):
         assert (GramCount.formed, GramCount.backward) == (1, 2), checkpoint
 
 
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_a_chunked_batch_gathers_the_words_once_and_scatters_their_gradient_once(module):
+    """The chunks take their words from one gather in chunk order, split: backward writes the
+    words' gradient back once, not once per chunk into a whole zero tensor added to the rest."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n_img, lengths = 5, [5, 3, 9, 4, 7]
+
+    class WordsIndexing(TorchDispatchMode):
+        """Gathers from and scatters into (captions, any width, d) tensors: the words'."""
+        gathers = scatters = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            shape = tuple(args[0].shape) if args and torch.is_tensor(args[0]) else ()
+            if len(shape) == 3 and (shape[0], shape[2]) == (len(lengths), dim):
+                if func is torch.ops.aten.index.Tensor:
+                    WordsIndexing.gathers += 1
+                elif func in (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                              torch.ops.aten._index_put_impl_.default):
+                    WordsIndexing.scatters += 1
+            return func(*args, **(kwargs or {}))
+
+    batch = random_batch(random_model(4, module=module), n_img, lengths, seed=5)
+    for checkpoint in (False, True):
+        model = random_model(4, module=module).train()
+        dim = model.config.embed_size
+        model.train_chunk, model.train_checkpoint = 2, checkpoint       # 3 chunks
+        assert len(model.train_chunks(n_img, batch[2])) == 3
+        WordsIndexing.gathers = WordsIndexing.scatters = 0
+        with WordsIndexing():
+            scores = model(*batch)
+            ranking_loss(scores if torch.is_tensor(scores) else scores[module]).backward()
+        assert (WordsIndexing.gathers, WordsIndexing.scatters) == (1, 1), checkpoint
+
+
 def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
     import sgraf.model.sgraf as sgraf_module
 

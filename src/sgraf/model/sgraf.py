@@ -744,12 +744,20 @@ class SGRAF(nn.Module):
         # one matmul forward and back instead of one per chunk
         gram = (img_embs @ img_embs.transpose(1, 2)
                 if sim.use_local and sim.supports_fast() and len(chunks) > 1 else None)
-        for index in chunks:
+        order = torch.cat(chunks).to(words.device, non_blocking=True)   # a host tensor: no wait for the device
+        # the captions' tensors with autograd gathered once in chunk order and split: in backward one
+        # concatenation and one scatter, where a gather per chunk scattered each chunk's gradient into
+        # a whole zero tensor and added it to the others' (three passes over the words per chunk)
+        sizes = [len(index) for index in chunks]
+        word_parts = words[order].split(sizes)
+        glo_parts = None if cap_glo is None else cap_glo[order].split(sizes)
+        direction_parts = None if directions is None else directions[order].split(sizes)
+        for part, index in enumerate(chunks):
             n_words = int(host_lengths[index].max())
-            index = index.to(words.device, non_blocking=True)   # a host tensor: no wait for the device
-            chunk_words, chunk_mask = words[index, :n_words], word_mask[index, :n_words]
-            chunk_glo = None if cap_glo is None else cap_glo[index]
-            chunk_directions = None if directions is None else directions[index, :n_words]
+            index = index.to(words.device, non_blocking=True)
+            chunk_words, chunk_mask = word_parts[part][:, :n_words].contiguous(), word_mask[index, :n_words]
+            chunk_glo = None if glo_parts is None else glo_parts[part]
+            chunk_directions = None if direction_parts is None else direction_parts[part][:, :n_words]
             args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, centres, chunk_directions, gram)
             if recompute and light:
                 nodes, node_mask, places = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo,
@@ -775,7 +783,6 @@ class SGRAF(nn.Module):
             if saf_stats is not None:
                 means.append(saf_stats[0])
                 variances.append(saf_stats[1])
-        order = torch.cat(chunks).to(words.device, non_blocking=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         if means:
