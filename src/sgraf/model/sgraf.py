@@ -749,13 +749,12 @@ class SGRAF(nn.Module):
         # concatenation and one scatter, where a gather per chunk scattered each chunk's gradient into
         # a whole zero tensor and added it to the others' (three passes over the words per chunk)
         sizes = [len(index) for index in chunks]
-        word_parts = words[order].split(sizes)
+        word_parts, mask_parts = words[order].split(sizes), word_mask[order].split(sizes)
         glo_parts = None if cap_glo is None else cap_glo[order].split(sizes)
         direction_parts = None if directions is None else directions[order].split(sizes)
         for part, index in enumerate(chunks):
             n_words = int(host_lengths[index].max())
-            index = index.to(words.device, non_blocking=True)
-            chunk_words, chunk_mask = word_parts[part][:, :n_words].contiguous(), word_mask[index, :n_words]
+            chunk_words, chunk_mask = word_parts[part][:, :n_words].contiguous(), mask_parts[part][:, :n_words]
             chunk_glo = None if glo_parts is None else glo_parts[part]
             chunk_directions = None if direction_parts is None else direction_parts[part][:, :n_words]
             args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, centres, chunk_directions, gram)
