@@ -199,40 +199,53 @@ def test_chunked_checkpointed_training_equals_one_block(monkeypatch, config, kee
     assert grads and (buffers or config.get("alignments") == "local")
 
 
+CHUNKED_IMAGES, CHUNKED_REGIONS, CHUNKED_LENGTHS = 5, 6, [5, 3, 9, 4, 7]
+
+
+def _chunked_passes(module: str, counter_type: type):
+    """A train-mode forward and backward of a batch cut into 3 chunks, kept and recomputed, each
+    under a fresh `counter_type(dim)` (a TorchDispatchMode): yields (checkpoint, counter)."""
+    batch = random_batch(random_model(4, num_regions=CHUNKED_REGIONS, module=module), CHUNKED_IMAGES,
+                         CHUNKED_LENGTHS, seed=5)
+    for checkpoint in (False, True):
+        model = random_model(4, num_regions=CHUNKED_REGIONS, module=module).train()
+        model.train_chunk, model.train_checkpoint = 2, checkpoint
+        assert len(model.train_chunks(CHUNKED_IMAGES, batch[2])) == 3
+        counter = counter_type(model.config.embed_size)
+        with counter:
+            scores = model(*batch)
+            ranking_loss(scores if torch.is_tensor(scores) else scores[module]).backward()
+        yield checkpoint, counter
+
+
 @pytest.mark.parametrize("module", ["sgr", "saf"])
 def test_a_chunked_batch_forms_the_regions_gram_matrices_once(module):
     """The contexts' norms read each image's (K, K) Gram matrix: a batch cut into chunks forms it
     once, forward and backward, not once per chunk (each chunk kept or recomputed)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    n_img, n_regions = 5, 6
+    n_img, n_regions = CHUNKED_IMAGES, CHUNKED_REGIONS
 
     class GramCount(TorchDispatchMode):
         """Matmuls forming a Gram matrix (regions by regions over the features), and matmuls of
         a Gram matrix's gradient with the regions (its backward)."""
-        formed = backward = 0
+
+        def __init__(self, dim):
+            super().__init__()
+            self.dim, self.formed, self.backward = dim, 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
-                shapes, gram = [tuple(a.shape) for a in args[:2]], (n_img, n_regions, n_regions)
+                dim, shapes, gram = self.dim, [tuple(a.shape) for a in args[:2]], (n_img, n_regions, n_regions)
                 if tuple(out.shape) == gram and shapes[0] == (n_img, n_regions, dim):
-                    GramCount.formed += 1
+                    self.formed += 1
                 elif gram in shapes and tuple(out.shape) in ((n_img, n_regions, dim), (n_img, dim, n_regions)):
-                    GramCount.backward += 1
+                    self.backward += 1
             return out
 
-    batch = random_batch(random_model(4, num_regions=n_regions, module=module), n_img, [5, 3, 9, 4, 7], seed=5)
-    for checkpoint in (False, True):
-        model = random_model(4, num_regions=n_regions, module=module).train()
-        dim = model.config.embed_size
-        model.train_chunk, model.train_checkpoint = 2, checkpoint       # 3 chunks
-        assert len(model.train_chunks(n_img, batch[2])) == 3
-        GramCount.formed = GramCount.backward = 0
-        with GramCount():
-            scores = model(*batch)
-            ranking_loss(scores if torch.is_tensor(scores) else scores[module]).backward()
-        assert (GramCount.formed, GramCount.backward) == (1, 2), checkpoint
+    for checkpoint, count in _chunked_passes(module, GramCount):
+        assert (count.formed, count.backward) == (1, 2), checkpoint
 
 
 @pytest.mark.parametrize("module", ["sgr", "saf"])
@@ -241,33 +254,25 @@ def test_a_chunked_batch_gathers_the_words_once_and_scatters_their_gradient_once
     words' gradient back once, not once per chunk into a whole zero tensor added to the rest."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    n_img, lengths = 5, [5, 3, 9, 4, 7]
+    scatters = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                torch.ops.aten._index_put_impl_.default)
 
     class WordsIndexing(TorchDispatchMode):
         """Gathers from and scatters into (captions, any width, d) tensors: the words'."""
-        gathers = scatters = 0
+
+        def __init__(self, dim):
+            super().__init__()
+            self.dim, self.gathers, self.scatters = dim, 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             shape = tuple(args[0].shape) if args and torch.is_tensor(args[0]) else ()
-            if len(shape) == 3 and (shape[0], shape[2]) == (len(lengths), dim):
-                if func is torch.ops.aten.index.Tensor:
-                    WordsIndexing.gathers += 1
-                elif func in (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
-                              torch.ops.aten._index_put_impl_.default):
-                    WordsIndexing.scatters += 1
+            if len(shape) == 3 and (shape[0], shape[2]) == (len(CHUNKED_LENGTHS), self.dim):
+                self.gathers += func is torch.ops.aten.index.Tensor
+                self.scatters += func in scatters
             return func(*args, **(kwargs or {}))
 
-    batch = random_batch(random_model(4, module=module), n_img, lengths, seed=5)
-    for checkpoint in (False, True):
-        model = random_model(4, module=module).train()
-        dim = model.config.embed_size
-        model.train_chunk, model.train_checkpoint = 2, checkpoint       # 3 chunks
-        assert len(model.train_chunks(n_img, batch[2])) == 3
-        WordsIndexing.gathers = WordsIndexing.scatters = 0
-        with WordsIndexing():
-            scores = model(*batch)
-            ranking_loss(scores if torch.is_tensor(scores) else scores[module]).backward()
-        assert (WordsIndexing.gathers, WordsIndexing.scatters) == (1, 1), checkpoint
+    for checkpoint, count in _chunked_passes(module, WordsIndexing):
+        assert (count.gathers, count.scatters) == (1, 1), checkpoint
 
 
 def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
