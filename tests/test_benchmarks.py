@@ -235,6 +235,12 @@ def test_ab_train_method_steps_this_method_against_another_checkouts():
     assert sorted(name for name, _ in losses) == ["earlier", "this"] and losses[0][1] == losses[1][1], completed.stdout
     assert re.search(r"^this tree [0-9.]+x the earlier one's speed \(median of the rounds' ratios: [0-9., ]+\)$",
                      completed.stdout, re.M), completed.stdout
-    missing = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root), "--method", "nope"],
-                             capture_output=True, text=True, timeout=300)
-    assert missing.returncode != 0 and missing.stderr.strip() == "this tree has no SGRAF.nope"
+    static = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root), "--batch", "6",
+                             "--scale", "32", "--rounds", "1", "--threads", "1", "--precision", "bf16",
+                             "--method", "model/similarity.py:_LowPrecisionLocalNodes.backward"],
+                            capture_output=True, text=True, timeout=300)
+    assert static.returncode == 0 and "_LowPrecisionLocalNodes.backward of this tree" in static.stdout, static.stderr
+    missing = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root),
+                              "--method", "model/sgraf.py:SGRAF.nope"], capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0
+    assert missing.stderr.strip() == "this tree has no SGRAF.nope in src/sgraf/model/sgraf.py"

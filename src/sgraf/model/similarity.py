@@ -122,9 +122,10 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
         low = ctx.low
         context = _low_contexts(attn, regions, low)                              # recomputed
         rows = grad.reshape(-1, grad.shape[-1]).to(low)                         # (n, m)
-        # d(diff^2) = 2 diff d(square): the doubling is exact, so 2 (grad W) diff rounds as
-        # autograd's grad W diff + grad W diff
-        grad_square = rows.mm(weight.to(low)).view(context.shape)               # (n_img, n_cap, L, d)
+        # d(diff^2) = 2 diff d(square): doublings are exact, so 2 (grad W) diff rounds as autograd's
+        # grad W diff + grad W diff, and grad (2 W) is 2 (grad W) bit for bit (every product and
+        # partial sum doubled): the doubling on the small weight, not on the (word x feature) tensor
+        grad_square = rows.mm(weight.to(low).mul(2)).view(context.shape)        # (n_img, n_cap, L, d), doubled
         if ctx.fused or torch.compiler.is_compiling():
             square, flat, grad_diff = _elementwise(_square_and_gradient)(context, words, grad_square)
             return _low_backward(ctx, attn, regions, words, bias, rows, square, flat, grad_diff)
@@ -140,7 +141,7 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
             difference = torch.sub(context[tile], _tile_words(words, tile))   # in the promoted dtype
             if square is not None:
                 square[tile] = difference * difference
-            difference.mul_(grad_square[tile].mul_(2))
+            difference.mul_(grad_square[tile])
             flat[tile] = difference
             if ctx.needs_input_grad[2]:
                 if grad_diff is None:
@@ -193,9 +194,9 @@ def _square_and_gradient(context: torch.Tensor, words: torch.Tensor, grad_square
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The square (in the context's dtype), the difference's gradient `2 (grad W) diff` in the
     context's dtype (for the matmuls) and in the promoted one (for the words' sum), as the eager
-    tile loop of `_LowPrecisionLocalNodes.backward` computes them."""
+    tile loop of `_LowPrecisionLocalNodes.backward` computes them (`grad_square` doubled already)."""
     difference = context - words
-    gradient = difference * (grad_square * 2)
+    gradient = difference * grad_square
     return (difference * difference).to(context.dtype), gradient.to(context.dtype), gradient
 
 
