@@ -124,7 +124,8 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1]).to(low)                         # (n, m)
         # d(diff^2) = 2 diff d(square): doublings are exact, so 2 (grad W) diff rounds as autograd's
         # grad W diff + grad W diff, and grad (2 W) is 2 (grad W) bit for bit (every product and
-        # partial sum doubled): the doubling on the small weight, not on the (word x feature) tensor
+        # partial sum doubled; outside the subnormal range, around 1e-38, where the two may round
+        # apart): the doubling on the small weight, not on the (word x feature) tensor
         grad_square = rows.mm(weight.to(low).mul(2)).view(context.shape)        # (n_img, n_cap, L, d), doubled
         if ctx.fused or torch.compiler.is_compiling():
             square, flat, grad_diff = _elementwise(_square_and_gradient)(context, words, grad_square)
