@@ -3,7 +3,8 @@
 A change of a few per cent to a training step is below what separate processes can resolve on a
 shared machine (`bench_train.py --against` runs each configuration in a process of its own).
 This takes the earlier version of one method (`--method FILE:CLASS.NAME`, FILE under
-src/sgraf/, default `model/sgraf.py:SGRAF._train_block_scores`) from another checkout's file
+src/sgraf/, default `model/sgraf.py:SGRAF._train_block_scores`; `FILE:NAME` for a function of
+the module, replaced wherever sgraf's modules imported it) from another checkout's file
 (compiled into this tree's module namespace, so the method must need nothing the module no
 longer has), builds two copies of the paper-size model of `bench_train.py` on the same batch,
 and steps them in turn, the method switched before each step, the order alternating per round:
@@ -13,6 +14,7 @@ are printed (a forward-only change must keep them equal).
     git worktree add /tmp/before HEAD~1
     python benchmarks/ab_train_method.py /tmp/before --module saf --precision bf16 --rounds 8
     python benchmarks/ab_train_method.py /tmp/before --method model/similarity.py:_LowPrecisionLocalNodes.backward
+    python benchmarks/ab_train_method.py /tmp/before --method model/reasoning.py:train_graph_reasoning --module sgr
 """
 
 from __future__ import annotations
@@ -27,27 +29,40 @@ from pathlib import Path
 
 
 def split_target(target: str) -> tuple[str, str, str]:
-    """'model/sgraf.py:SGRAF.name' -> ('model/sgraf.py', 'SGRAF', 'name')."""
+    """'model/sgraf.py:SGRAF.name' -> ('model/sgraf.py', 'SGRAF', 'name'); 'FILE:name' (a function of
+    the module) -> (FILE, '', 'name')."""
     path, _, qualified = target.partition(":")
-    owner, _, name = qualified.partition(".")
-    if not (path.endswith(".py") and owner and name):
-        raise SystemExit(f"--method must read FILE:CLASS.NAME (a file under src/sgraf/), got {target!r}")
+    owner, _, name = qualified.rpartition(".")
+    if not (path.endswith(".py") and name):
+        raise SystemExit(f"--method must read FILE:CLASS.NAME or FILE:NAME (a file under src/sgraf/), got {target!r}")
     return path, owner, name
 
 
-def earlier_method(checkout: Path, path: str, owner: str, name: str, namespace: dict) -> object:
-    """`<owner>.<name>` as `checkout`'s src/sgraf/<path> defines it, compiled in `namespace`."""
+def earlier_version(checkout: Path, path: str, owner: str, name: str, namespace: dict) -> object:
+    """`<owner>.<name>` (or the module's `<name>`) as `checkout`'s src/sgraf/<path> defines it,
+    compiled in `namespace`."""
     source = (checkout / "src" / "sgraf" / path).read_text(encoding="utf-8")
-    tree = ast.parse(source)
-    cls = next((node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == owner), None)
-    function = None if cls is None else next(
-        (node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == name), None)
+    body = ast.parse(source).body
+    if owner:
+        cls = next((node for node in body if isinstance(node, ast.ClassDef) and node.name == owner), None)
+        body = [] if cls is None else cls.body
+    function = next((node for node in body if isinstance(node, ast.FunctionDef) and node.name == name), None)
     if function is None:
-        raise SystemExit(f"{checkout} has no {owner}.{name} in src/sgraf/{path}")
+        raise SystemExit(f"{checkout} has no {owner + '.' if owner else ''}{name} in src/sgraf/{path}")
     function.decorator_list = []          # a staticmethod's decorator is put back by the caller
     scope = dict(namespace)
     exec(compile(ast.Module([function], type_ignores=[]), path, "exec"), scope)   # noqa: S102 (our own checkout)
     return scope[name]
+
+
+def holders(module: object, owner: str, name: str) -> list[object]:
+    """Where the version in use is looked up: the class, or for a function of the module every
+    loaded sgraf module that imported it by name (`from ... import name`)."""
+    if owner:
+        return [getattr(module, owner)]
+    current = getattr(module, name)
+    return [held for key, held in list(sys.modules.items())
+            if key.startswith("sgraf") and getattr(held, name, None) is current]
 
 
 def main() -> int:
@@ -72,23 +87,27 @@ def main() -> int:
     from sgraf.kernels.tuning import cpu_model
 
     path, owner, name = split_target(args.method)
+    importlib.import_module("sgraf.model.sgraf")     # the model's modules: every holder loaded
     module = importlib.import_module("sgraf." + path[:-3].replace("/", "."))
-    cls = getattr(module, owner, None)
-    if not callable(getattr(cls, name, None)):
-        raise SystemExit(f"this tree has no {owner}.{name} in src/sgraf/{path}")
-    wrap = staticmethod if isinstance(inspect.getattr_static(cls, name), staticmethod) else (lambda f: f)
-    versions = {"this": inspect.getattr_static(cls, name),
-                "earlier": wrap(earlier_method(args.checkout, path, owner, name, vars(module)))}
+    where = f"{owner + '.' if owner else ''}{name}"
+    place = getattr(module, owner, None) if owner else module
+    if not callable(getattr(place, name, None)):
+        raise SystemExit(f"this tree has no {where} in src/sgraf/{path}")
+    static = bool(owner) and isinstance(inspect.getattr_static(place, name), staticmethod)
+    earlier = earlier_version(args.checkout, path, owner, name, vars(module))
+    versions = {"this": inspect.getattr_static(place, name), "earlier": staticmethod(earlier) if static else earlier}
+    targets = holders(module, owner, name)
     keep_freed_memory()
     model, batch = setup(args.module, args.batch, args.threads, scale=args.scale)
     steps = {version: make_step(model, batch, args.module, "ours", args.precision) for version in versions}
-    print(f"{cpu_model()}, {args.threads} threads: {owner}.{name} of this tree against {args.checkout}'s, "
+    print(f"{cpu_model()}, {args.threads} threads: {where} of this tree against {args.checkout}'s, "
           f"{args.module} {args.precision}, batch {args.batch}, one warm-up and {args.rounds} timed rounds",
           flush=True)
     seconds: dict[str, list[float]] = {version: [] for version in versions}
     for round_ in range(args.rounds + 1):
         for version in (("this", "earlier") if round_ % 2 else ("earlier", "this")):
-            setattr(cls, name, versions[version])
+            for target in targets:
+                setattr(target, name, versions[version])
             start = time.perf_counter()
             loss = steps[version]()
             elapsed = time.perf_counter() - start
@@ -96,7 +115,8 @@ def main() -> int:
                 seconds[version].append(elapsed)
             else:
                 print(f"{version}: first loss {loss:.4f}", flush=True)
-    setattr(cls, name, versions["this"])
+    for target in targets:
+        setattr(target, name, versions["this"])
     ratios = [before / now for before, now in zip(seconds["earlier"], seconds["this"])]
     print("medians: " + ", ".join(f"{version} {statistics.median(s):.3f} s" for version, s in seconds.items()))
     print(f"this tree {statistics.median(ratios):.3f}x the earlier one's speed (median of the rounds' ratios: "

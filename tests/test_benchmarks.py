@@ -240,6 +240,11 @@ def test_ab_train_method_steps_this_method_against_another_checkouts():
                              "--method", "model/similarity.py:_LowPrecisionLocalNodes.backward"],
                             capture_output=True, text=True, timeout=300)
     assert static.returncode == 0 and "_LowPrecisionLocalNodes.backward of this tree" in static.stdout, static.stderr
+    function = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root), "--batch", "6",
+                               "--scale", "32", "--rounds", "1", "--threads", "1", "--module", "sgr",
+                               "--method", "model/reasoning.py:train_graph_reasoning"],
+                              capture_output=True, text=True, timeout=300)
+    assert function.returncode == 0 and "train_graph_reasoning of this tree" in function.stdout, function.stderr
     missing = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root),
                               "--method", "model/sgraf.py:SGRAF.nope"], capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0

@@ -190,9 +190,14 @@ def train_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: 
     for index, step in enumerate(steps):
         last = has_global and index == len(steps) - 1
         w_q, b_q, b_k = step.graph_query_w.weight, step.graph_query_w.bias, step.graph_key_w.bias
-        sources = graphs[:, :1] if last else graphs                                # (G, Q, m)
-        queries = train_linear(sources, *step.folded_query())                     # (G, Q, m)
-        row_terms = sources @ (w_q.t() @ b_k) + b_q @ b_k                         # (G, Q)
+        # the last step's one query row as a (G, m) matrix: a (G, 1, m) slice of the nodes is not
+        # contiguous, and PyTorch's matmul would then run it as G matmuls of one row against the
+        # weight expanded and copied G times (without autograd: 1,792 x 256 x 256 for one chunk)
+        sources = graphs[:, 0] if last else graphs                                 # (G, m) or (G, P, m)
+        queries = train_linear(sources, *step.folded_query())
+        row_terms = sources @ (w_q.t() @ b_k) + b_q @ b_k
+        if last:
+            queries, row_terms = queries.unsqueeze(1), row_terms.unsqueeze(1)      # (G, Q, m), (G, Q)
         logits = torch.baddbmm(row_terms.unsqueeze(2), queries, graphs.transpose(1, 2))  # (G, Q, P)
         edges = (logits.view(n_img, n_cap, -1, n_nodes) + blocked.to(logits.dtype)).softmax(dim=3)
         aggregated = edges.view(n_img * n_cap, -1, n_nodes) @ graphs
