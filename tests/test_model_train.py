@@ -275,6 +275,62 @@ def test_a_chunked_batch_gathers_the_words_once_and_scatters_their_gradient_once
         assert (count.gathers, count.scatters) == (1, 1), checkpoint
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("grad", [False, True], ids=["matrix", "pairs"])
+def test_the_training_reasoning_reads_its_last_query_rows_as_one_matrix(precision, grad):
+    """With a global node the last reasoning step queries one row per graph. As a (G, 1, m) slice
+    PyTorch's matmul ran that without autograd as G one-row matmuls against the weight expanded
+    and copied G times; as a (G, m) matrix it is one matmul, and no tensor holds G weights."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sgraf.model.reasoning import train_graph_reasoning
+    from sgraf.precision import autocast
+
+    model = random_model(4, module="sgr", sim_dim=12)
+    n_img, n_cap, n_nodes, dim = 6, 5, 7, 12
+    nodes = torch.randn(n_img, n_cap, n_nodes, dim, requires_grad=grad)
+    node_mask = torch.ones(n_cap, n_nodes, dtype=torch.bool)
+    node_mask[1, 4:] = False
+
+    class Largest(TorchDispatchMode):
+        """The most elements of any tensor an operation makes, and the batched matmuls of an
+        expanded operand (one matrix repeated over the batch)."""
+
+        def __init__(self):
+            super().__init__()
+            self.largest, self.expanded_bmms = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if torch.is_tensor(tensor):
+                    self.largest = max(self.largest, tensor.numel())
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
+                operands = args[1:3] if func is torch.ops.aten.baddbmm.default else args[:2]
+                self.expanded_bmms += any(a.size(0) > 1 and a.stride(0) == 0 for a in operands)
+            return out
+
+    def run():
+        with torch.set_grad_enabled(grad), autocast(precision, "cpu"):
+            pooled = train_graph_reasoning(model.sim_enc.SGR_module, nodes, node_mask, has_global=True)
+            if grad:
+                pooled.float().sum().backward()
+        return pooled
+
+    run()                   # the CPU matmul routes' probes (large tensors of their own) first
+    counter = Largest()
+    with counter:
+        pooled = run()
+    graphs = n_img * n_cap
+    assert pooled.shape == (n_img, n_cap, dim)
+    assert counter.expanded_bmms == 0
+    assert counter.largest < graphs * dim * dim, counter.largest     # no weight copied per graph
+    # with and without autograd the same read-out
+    with torch.no_grad(), autocast(precision, "cpu"):
+        again = train_graph_reasoning(model.sim_enc.SGR_module, nodes.detach(), node_mask, has_global=True)
+    assert torch.equal(pooled.detach(), again)
+
+
 def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
     import sgraf.model.sgraf as sgraf_module
 
