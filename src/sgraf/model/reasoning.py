@@ -67,7 +67,9 @@ class GraphReasoning(nn.Module):
 
         Returns (G, P, m), or (G, 1, m) with `global_only`.
         """
-        queries = nodes[:, :1] if global_only else nodes
+        # node 0 as a (G, 1, m) copy: PyTorch's matmul runs a non-contiguous slice as G one-row
+        # matmuls against the weight expanded G times
+        queries = nodes[:, :1].contiguous() if global_only else nodes
         edges = self.folded_logits(queries, nodes).masked_fill_(blocked, float("-inf")).softmax(dim=2)
         return torch.relu_(self.sim_graph_w(edges @ nodes))
 
