@@ -136,8 +136,8 @@ def onednn_runs(dtype: torch.dtype) -> bool:
 def _onednn(x: torch.Tensor, route: Callable[[], str] = float32_route) -> bool:
     """Whether a CPU matmul on `x` goes through oneDNN: bf16 where oneDNN runs it (else PyTorch's
     own bf16 matmul), float32 where it is the faster `route`."""
-    if not ONEDNN or x.device.type != "cpu" or plan.emulated_free_bytes() is not None:   # the GPU plan:
-        return False                                                                    # PyTorch's ops
+    if not ONEDNN or x.device.type != "cpu" or plan.gpu_plan(x.device):   # the GPU plan: PyTorch's ops
+        return False
     if torch.compiler.is_compiling():
         # Inductor lowers oneDNN's linear only with constant weights (ours are graph inputs):
         # a compiled graph takes PyTorch's own matmuls and Inductor picks their kernels
@@ -145,6 +145,19 @@ def _onednn(x: torch.Tensor, route: Callable[[], str] = float32_route) -> bool:
     if x.dtype == torch.bfloat16:
         return onednn_runs(torch.bfloat16)
     return x.dtype == torch.float32 and route() == "onednn"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` with the leading dimensions of `x` folded into one (a view wherever one exists).
+
+    PyTorch's matmul folds a 3-D or wider input into one matrix only when its leading dimensions
+    are contiguous or the weight needs a gradient; otherwise (a (G, 1, m) slice of (G, P, m)
+    nodes, without autograd) it runs G one-row matmuls against the weight expanded G times, which
+    the CPU's bf16 matmul then copies (1,792 x 256 x 256 for one chunk of SGR's last reasoning
+    step). Folded, it is one matmul."""
+    if x.dim() <= 2:
+        return F.linear(x, weight, bias)
+    return F.linear(x.reshape(-1, x.size(-1)), weight, bias).view(*x.shape[:-1], weight.size(0))
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -173,7 +186,7 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         # operation is the matmul, then the ReLU)
         flat = torch._addmm_activation(bias, x.reshape(-1, x.size(-1)), weight.t())
         return flat.view(*x.shape[:-1], flat.size(-1))
-    out = F.linear(x, weight, bias)
+    out = linear(x, weight, bias)
     return torch.relu_(out) if relu else out
 
 
@@ -206,12 +219,12 @@ def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """`F.linear(x, weight, bias)` for the training path, with autograd.
 
     In float32 outside autocast on a machine whose faster route is oneDNN, the forward pass and
-    both gradients run through oneDNN; otherwise this is `F.linear`.
+    both gradients run through oneDNN; otherwise this is `linear` (`F.linear`, the input folded).
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch_compat.autocast_enabled("cpu") \
             and _onednn(x):
         return _OneDNNLinear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return linear(x, weight, bias)
 
 
 def weight_gradient(rows: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:

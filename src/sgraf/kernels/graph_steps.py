@@ -115,10 +115,7 @@ def eager_steps(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, bl
     route = edges.edge_route(graphs.device, graphs.dtype, graphs.size(2))
     for index, (bilinear_t, key_term, w_r, b_r) in enumerate(folded):
         last = has_global and index == len(folded) - 1
-        # the read-out's one query row as a (G, m) matrix: a (G, 1, m) slice is not contiguous, and
-        # PyTorch's matmul runs one as G one-row matmuls against the weight expanded G times
-        queries = (fast_linear(graphs[:, 0], bilinear_t, key_term).unsqueeze(1) if last
-                   else fast_linear(graphs, bilinear_t, key_term))                    # (G, Q, m)
+        queries = fast_linear(graphs[:, :1] if last else graphs, bilinear_t, key_term)  # (G, Q, m)
         aggregated = edges.edge_aggregate(queries, graphs, blocked, n_img, route)     # (G, Q, m)
         graphs = fast_linear(aggregated, w_r, b_r, relu=True)                        # (G, Q, m)
     return graphs

@@ -99,11 +99,11 @@ def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu
     with _lock:
         if key in _chosen:
             return _chosen[key]
-        stored = _stored(key, candidates) if enabled() and key not in _absent else None
-        if stored is not None:
-            _chosen[key] = stored
-            return stored
-        if enabled():
+        if enabled() and key not in _absent:
+            stored = _stored(key, candidates)
+            if stored is not None:
+                _chosen[key] = stored
+                return stored
             _absent.add(key)
     return candidates[0] if default is None else default
 

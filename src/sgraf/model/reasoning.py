@@ -9,11 +9,10 @@ paper's Table 3 rows 2-3 describe).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sgraf.kernels import graph_steps, plan
-from sgraf.kernels.cpu import train_linear
+from sgraf.kernels.cpu import linear, train_linear
 
 
 class GraphReasoning(nn.Module):
@@ -56,7 +55,7 @@ class GraphReasoning(nn.Module):
             (G, Q, P) logits with the same row-wise softmax as Eq. 6 (see `folded_query`).
         """
         weight, bias = self.folded_query()
-        return F.linear(queries, weight.to(queries.dtype), bias.to(queries.dtype)) @ nodes.transpose(1, 2)
+        return linear(queries, weight.to(queries.dtype), bias.to(queries.dtype)) @ nodes.transpose(1, 2)
 
     def fast(self, nodes: torch.Tensor, blocked: torch.Tensor, global_only: bool) -> torch.Tensor:
         """Eval-mode step: folded logits; with `global_only`, only node 0 is updated.
@@ -67,9 +66,7 @@ class GraphReasoning(nn.Module):
 
         Returns (G, P, m), or (G, 1, m) with `global_only`.
         """
-        # node 0 as a (G, 1, m) copy: PyTorch's matmul runs a non-contiguous slice as G one-row
-        # matmuls against the weight expanded G times
-        queries = nodes[:, :1].contiguous() if global_only else nodes
+        queries = nodes[:, :1] if global_only else nodes
         edges = self.folded_logits(queries, nodes).masked_fill_(blocked, float("-inf")).softmax(dim=2)
         return torch.relu_(self.sim_graph_w(edges @ nodes))
 
@@ -192,14 +189,11 @@ def train_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: 
     for index, step in enumerate(steps):
         last = has_global and index == len(steps) - 1
         w_q, b_q, b_k = step.graph_query_w.weight, step.graph_query_w.bias, step.graph_key_w.bias
-        # the last step's one query row as a (G, m) matrix: a (G, 1, m) slice of the nodes is not
-        # contiguous, and PyTorch's matmul would then run it as G matmuls of one row against the
-        # weight expanded and copied G times (without autograd: 1,792 x 256 x 256 for one chunk)
-        sources = graphs[:, 0] if last else graphs                                 # (G, m) or (G, P, m)
-        queries = train_linear(sources, *step.folded_query())
-        row_terms = sources @ (w_q.t() @ b_k) + b_q @ b_k
-        if last:
-            queries, row_terms = queries.unsqueeze(1), row_terms.unsqueeze(1)      # (G, Q, m), (G, Q)
+        sources = graphs[:, :1] if last else graphs                                # (G, Q, m)
+        queries = train_linear(sources, *step.folded_query())                     # (G, Q, m)
+        # folded into one matrix-vector product as `linear` folds its input (the last step's
+        # (G, 1, m) slice would otherwise take the vector expanded over the graphs)
+        row_terms = (sources.reshape(-1, dim) @ (w_q.t() @ b_k)).view(sources.shape[:-1]) + b_q @ b_k  # (G, Q)
         logits = torch.baddbmm(row_terms.unsqueeze(2), queries, graphs.transpose(1, 2))  # (G, Q, P)
         edges = (logits.view(n_img, n_cap, -1, n_nodes) + blocked.to(logits.dtype)).softmax(dim=3)
         aggregated = edges.view(n_img * n_cap, -1, n_nodes) @ graphs
