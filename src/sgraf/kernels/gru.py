@@ -160,7 +160,8 @@ def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ..
     grad_hidden_gates = packed.new_empty(n_rows, 3 * hidden)
     grad_state = packed.new_zeros(max(ctx.batch_sizes, default=0), hidden)
     grad_out = grad_out.contiguous()
-    w_hh_t = w_hh.t().contiguous()                                          # (H, 3H)
+    # (H, 3H); in bf16 rounded once, as in the forward pass, not at every time step
+    w_hh_t = (w_hh if low is None else w_hh.to(low)).t().contiguous()
     for start, size in reversed(_steps(ctx.batch_sizes, ctx.reverse)):
         rows = slice(start, start + size)
         dh = grad_state[:size] + grad_out[rows]
