@@ -1,0 +1,144 @@
+"""The authors' own training step timed beside the stand-in for it and beside sgraf, in one process.
+
+`bench_train.py` times sgraf against a stand-in for the authors' `train_emb`
+(`sgraf.model.oracle.authors_forward` with their loss, clipping and Adam). A stand-in must run
+within 20 % of the authors' code on the same machine (`../shared/reference/speed.md`), and how
+fast their code runs depends on the processor, so this measures the three on this machine: their
+`SGRAF.train_emb` from a checkout of their repository (`git clone -b python3.6
+https://github.com/Paranioar/SGRAF`; nothing of it is copied here, it is imported from DIR), the
+stand-in, and `sgraf.training.train_step`, taking one step each in turn per round (the order
+rotating), on the paper-size model and the batch of `bench_train.py` (dropout off in all three,
+so their first losses agree: printed as the check that the same weights compute the same thing).
+
+Their model is built from DIR/model.py with one edit that changes no math: the loss's diagonal
+mask is put on the scores' device (their code defines it only on a CUDA machine). Their
+`logger` is a stub that keeps the loss. Our model's three state dicts load into theirs by name (every tensor of
+theirs checked).
+
+    python benchmarks/calibrate_authors.py /path/to/SGRAF --module saf --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+# their loss builds the diagonal mask, and moves it to the GPU only when one is present
+MASK_EDIT = ("        if torch.cuda.is_available():\n            I = mask.cuda()\n",
+             "        I = mask.to(scores.device)\n")
+
+
+class _Logger:
+    """What their `train_emb` calls on `self.logger`: keeps the last loss."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def update(self, key: str, value: float, count: int = 1) -> None:
+        self.values[key] = value
+
+
+def authors_module(checkout: Path) -> types.ModuleType:
+    """Their model.py as a module, with `MASK_EDIT` applied (an error if the file differs)."""
+    path = checkout / "model.py"
+    if not path.is_file():
+        raise SystemExit(f"{checkout} has no model.py: give a checkout of Paranioar/SGRAF (branch python3.6)")
+    source = path.read_text(encoding="utf-8")
+    if source.count(MASK_EDIT[0]) != 1:
+        raise SystemExit(f"{path}: the loss's mask is not where this harness expects it (branch python3.6?)")
+    module = types.ModuleType("authors_model")
+    module.__file__ = str(path)
+    exec(compile(source.replace(*MASK_EDIT), str(path), "exec"), module.__dict__)   # noqa: S102
+    return module
+
+
+def authors_step(module: types.ModuleType, ours, batch, name: str):
+    """Their SGRAF built on our model's weights and a function running one `train_emb` on `batch`
+    (sorted by length, longest first, as their collate_fn gives it); returns the loss."""
+    import torch
+
+    config = ours.config
+    opt = types.SimpleNamespace(grad_clip=2.0, img_dim=config.img_dim, embed_size=config.embed_size,
+                                no_imgnorm=False, vocab_size=config.vocab_size, word_dim=config.word_dim,
+                                num_layers=1, bi_gru=True, no_txtnorm=False, sim_dim=config.sim_dim,
+                                module_name=name.upper(), sgr_step=3, margin=0.2, max_violation=True,
+                                learning_rate=2e-4)
+    model = module.SGRAF(opt)
+    for theirs, mine in ((model.img_enc, ours.img_enc), (model.txt_enc, ours.txt_enc),
+                         (model.sim_enc, ours.sim_enc)):
+        state = mine.state_dict()
+        theirs.load_state_dict(state)     # their EncoderImage's own load_state_dict takes no `strict`
+        for key, value in theirs.state_dict().items():
+            if key not in state or not torch.equal(value, state[key]):
+                raise SystemExit(f"our model's {key} did not load into theirs")
+        for layer in theirs.modules():
+            if isinstance(layer, torch.nn.Dropout):
+                layer.p = 0.0
+    model.logger = _Logger()
+    order = torch.sort(batch.lengths, descending=True, stable=True).indices
+    images, captions = batch.images[order], batch.captions[order]
+    lengths = batch.lengths[order].tolist()
+
+    def step() -> float:
+        model.train_start()
+        model.train_emb(images, captions, lengths)
+        return float(model.logger.values["Loss"])
+
+    return step
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkout", type=Path, help="a checkout of Paranioar/SGRAF, branch python3.6")
+    parser.add_argument("--module", choices=["sgr", "saf"], default="saf")
+    parser.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
+                        help="sgraf's (the authors' code and the stand-in run in fp32)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_train import make_step, setup
+
+    import torch
+
+    from sgraf.kernels.tuning import cpu_model
+
+    module = authors_module(args.checkout)
+    model, batch = setup(args.module, args.batch, args.threads)
+    steps = {"authors": authors_step(module, model, batch, args.module),
+             "stand-in": make_step(model, batch, args.module, "authors", "fp32")}
+    for precision in args.precisions:
+        steps[f"sgraf {precision}"] = make_step(model, batch, args.module, "ours", precision)
+    print(f"{cpu_model()}, torch {torch.__version__}, {args.threads} threads, {args.module}, batch {args.batch}, "
+          f"one warm-up and {args.rounds} timed rounds, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+          flush=True)
+    names = list(steps)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(args.rounds + 1):
+        shift = round_ % len(names)
+        line = []
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            loss = steps[name]()
+            elapsed = time.perf_counter() - start
+            if round_:
+                seconds[name].append(elapsed)
+            line.append(f"{name} {elapsed:.2f} s (loss {loss:.4f})")
+        print(f"round {round_}{' (warm-up)' if not round_ else ''}: " + ", ".join(line), flush=True)
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    authors = medians["authors"]
+    for name in names:
+        print(f"{name}: median {medians[name]:.2f} s/step, the authors' code / this = {authors / medians[name]:.2f}")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
