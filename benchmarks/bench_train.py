@@ -32,8 +32,10 @@ example `git worktree add /tmp/base <commit>`), stepping in turn with the others
 change is timed against the code before it in one run (the ratio per round is printed).
 `--compiled` adds "compiled": ours under `SGRAF_COMPILE=train` (`sgraf.kernels.compiled`: SGR's
 selected pairs compiled, SAF taking no pairs' backward; in bf16 also the word nodes' elementwise
-passes fused, SGR and SAF); its warm-up step, which
-compiles the batch's graphs, is printed apart, and its steps against ours per round.
+passes fused, SGR and SAF); its steps against ours per round. "ours" is the default setting
+(`SGRAF_COMPILE=auto`: on the CPU in bf16 the word nodes' passes fused, compiled in the first
+step); `--eager` adds "eager", ours with nothing compiled, and its steps against ours per round.
+Every row prints its warm-up step (the untimed first step: where the compilations happen).
 """
 
 from __future__ import annotations
@@ -134,9 +136,10 @@ def stepper(module: str, impl: str, precision: str, batch_size: int, threads: in
 def child_command(impl: str, against: str | None) -> tuple[str, dict[str, str] | None]:
     """The implementation a child runs and its environment: "before" is "ours" with the `sgraf`
     package of the checkout `against` (its src/ first on the path); "compiled" is "ours" with its
-    pairs compiled."""
-    if impl == "compiled":
-        return "ours", {**os.environ, "SGRAF_COMPILE": "train"}
+    pairs compiled; "eager" is "ours" with nothing compiled (not even the bf16 word nodes' passes
+    that the default fuses on the CPU)."""
+    if impl in ("compiled", "eager"):
+        return "ours", {**os.environ, "SGRAF_COMPILE": "train" if impl == "compiled" else "off"}
     if impl != "before":
         return impl, None
     # the caller's path after it, if any (an empty entry would put the working folder on the path)
@@ -250,6 +253,8 @@ def main() -> None:
                         help="also \"before\": train_step of the project checked out in DIR (its src/)")
     parser.add_argument("--compiled", action="store_true",
                         help="add ours under SGRAF_COMPILE=train (SGR's selected pairs; bf16's fused word nodes)")
+    parser.add_argument("--eager", action="store_true",
+                        help="add ours under SGRAF_COMPILE=off (bf16 without the word nodes' fused passes)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -269,7 +274,8 @@ def main() -> None:
     runs = ([] if args.no_authors else [("authors", "fp32")]) + [("ours", p) for p in args.precisions] \
         + ([("matrix", p) for p in args.precisions] if args.matrix else []) \
         + ([("before", p) for p in args.precisions] if args.against else []) \
-        + ([("compiled", p) for p in args.precisions] if args.compiled else [])
+        + ([("compiled", p) for p in args.precisions] if args.compiled else []) \
+        + ([("eager", p) for p in args.precisions] if args.eager else [])
     if args.against and not os.path.isdir(os.path.join(args.against, "src", "sgraf")):
         parser.error(f"--against {args.against}: no src/sgraf there (a checkout of the project is expected)")
     where = torch_device_name(args.device)
@@ -304,7 +310,7 @@ def main() -> None:
             results.append(r)
             print(f"{module:<4} {r['impl']:<7} {r['precision']:<5} {r['seconds_per_step']:8.3g} s/step "
                   f"(rounds {', '.join(f'{t:.3g}' for t in r['times'])}), peak {r['peak_gib']:.2f} GiB, "
-                  f"first loss {r['first_loss']:.4f}", flush=True)
+                  f"first loss {r['first_loss']:.4f}; warm-up step {r['warmup_seconds']:.3g} s", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for module in args.modules:
         ref = next((r for r in results if r["module"] == module and r["impl"] == "authors"), None)
@@ -321,10 +327,12 @@ def main() -> None:
     for r in results:
         ours = next((o for o in results if o["module"] == r["module"] and o["impl"] == "ours"
                      and o["precision"] == r["precision"]), None)
-        if r["impl"] not in ("before", "compiled") or ours is None:
+        if r["impl"] not in ("before", "compiled", "eager") or ours is None:
             continue
         if r["impl"] == "before":   # ours against the code before it
             slow, fast, name = r, ours, f"ours {r['precision']} against before ({args.against})"
+        elif r["impl"] == "eager":  # the default against nothing compiled
+            slow, fast, name = r, ours, f"ours {r['precision']} against eager"
         else:                       # the compiled pairs against ours
             slow, fast, name = ours, r, f"compiled {r['precision']} against ours"
         rounds = [s / f for s, f in zip(slow["times"], fast["times"])]

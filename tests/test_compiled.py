@@ -165,8 +165,10 @@ def test_worker_threads_meeting_a_new_shape_compile_it_once(compiled_scores):
     assert_close(threaded["compiled"], threaded["eager"], REORDERED, what="compiled scores, two worker threads")
 
 
-def test_eager_is_the_default_and_the_setting_is_checked(monkeypatch):
+def test_auto_is_the_default_and_the_setting_is_checked(monkeypatch):
     monkeypatch.delenv("SGRAF_COMPILE", raising=False)
+    assert compiled.mode() == "auto" and not compiled.eval_enabled() and not compiled.train_enabled()
+    monkeypatch.setenv("SGRAF_COMPILE", "off")
     assert compiled.mode() == "off" and not compiled.eval_enabled()
     monkeypatch.setenv("SGRAF_COMPILE", "on")
     assert compiled.mode() == "eval" and compiled.eval_enabled() and not compiled.train_enabled()

@@ -1,8 +1,9 @@
 """The word nodes under bf16 (and fp16) autocast without a (word x feature) tensor kept for
 backward (`_LowPrecisionLocalNodes`): the same values and gradients, bit for bit, as autograd
 through autocast, whether their elementwise passes run over the whole chunk or image tile by
-image tile (`plan.cache_tiles`), and a training step whose chunks are computed once instead of
-twice."""
+image tile (`plan.cache_tiles`) or fused (`sgraf.kernels.compiled.elementwise`: under
+`SGRAF_COMPILE=train`, and by default for large CPU chunks, eagerly where compiling fails), and
+a training step whose chunks are computed once instead of twice."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from model_helpers import needs_compile, random_model, step_gradients, training_batch
+from sgraf import torch_compat
 from sgraf.kernels import plan
 from sgraf.model import similarity
 from sgraf.model.norms import l2norm
@@ -185,3 +187,111 @@ def test_only_float32_words_take_the_fused_passes(monkeypatch):
             out = similarity.local_nodes(attn, regions, words, weight, bias)
             out.float().sum().backward()
         assert fused == ([] if words_dtype == torch.bfloat16 else ["_squares", "_square_and_gradient"])
+
+
+# ------------------------------------------------------------------ the default (SGRAF_COMPILE=auto)
+
+def test_auto_fuses_the_word_nodes_of_large_cpu_chunks_where_it_can_compile(monkeypatch):
+    """The default fuses a chunk's passes on the CPU plan from `AUTO_ELEMENTWISE_MIN` values up,
+    never on the GPU plan, nowhere when a C++ compiler or a PyTorch that compiles is missing,
+    or under `off`; `train` fuses at any size."""
+    from sgraf.kernels import compiled
+
+    cxx_found = compiled._cxx_found
+    monkeypatch.delenv("SGRAF_COMPILE", raising=False)
+    monkeypatch.setattr(compiled, "_auto_failed", [])
+    monkeypatch.setattr(torch_compat, "compile_supported", lambda: True)
+    monkeypatch.setattr(compiled, "_cxx_found", lambda: True)
+    large = compiled.AUTO_ELEMENTWISE_MIN
+    assert compiled.fuses_word_nodes(large, cpu_plan=True)
+    assert not compiled.fuses_word_nodes(large - 1, cpu_plan=True)
+    assert not compiled.fuses_word_nodes(large, cpu_plan=False)
+    monkeypatch.setattr(compiled, "_cxx_found", lambda: False)
+    assert not compiled.fuses_word_nodes(large, cpu_plan=True)
+    monkeypatch.setattr(compiled, "_cxx_found", lambda: True)
+    monkeypatch.setattr(torch_compat, "compile_supported", lambda: False)
+    assert not compiled.fuses_word_nodes(large, cpu_plan=True)
+    monkeypatch.setattr(torch_compat, "compile_supported", lambda: True)
+    with compiled.compiling("off"):
+        assert not compiled.fuses_word_nodes(large, cpu_plan=True)
+    with compiled.compiling("train"):
+        assert compiled.fuses_word_nodes(1, cpu_plan=False)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert not cxx_found()
+
+
+def _failing_compile(monkeypatch):
+    """Every compilation fails as on a machine without a C++ compiler; the nodes' compiled
+    functions built anew."""
+    from sgraf.kernels import compiled
+
+    def compile_fails(function, dynamic):
+        def call(*args):
+            raise RuntimeError("InductorError: no C++ compiler\nmore detail")
+        return call
+
+    monkeypatch.setattr(compiled, "_torch_compile", compile_fails)
+    monkeypatch.setattr(compiled, "_auto_failed", [])
+    for function in (similarity._squares, similarity._square_and_gradient):
+        monkeypatch.delitem(compiled._compiled, function, raising=False)
+
+
+def test_under_auto_a_failed_compilation_runs_the_same_passes_eagerly_with_one_warning(monkeypatch, caplog):
+    from sgraf.kernels import compiled
+
+    _failing_compile(monkeypatch)
+    monkeypatch.delenv("SGRAF_COMPILE", raising=False)
+    monkeypatch.setattr(compiled, "AUTO_ELEMENTWISE_MIN", 1)
+    monkeypatch.setattr(compiled, "_cxx_found", lambda: True)
+    results = []
+    for setting in ("auto", "off"):
+        inputs = _inputs(False, torch.float32)
+        with compiled.compiling(setting), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = similarity.local_nodes(*inputs)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+        results.append([out.detach()] + [t.grad for t in inputs])
+    for name, a, b in zip(["nodes", "attn", "regions", "words", "weight", "bias"], *results):
+        assert torch.equal(a, b), name
+    warnings = [r.getMessage() for r in caplog.records if "could not compile" in r.getMessage()]
+    assert warnings == ["could not compile the bf16 word nodes' passes (RuntimeError: InductorError: no C++ "
+                        "compiler); they run eagerly, with the same values (SGRAF_COMPILE=off skips compiling)"]
+    assert not compiled.fuses_word_nodes(10**9, cpu_plan=True)      # eager for the rest of the process
+
+
+def test_under_train_a_failed_compilation_is_an_error(monkeypatch):
+    from sgraf.kernels import compiled
+
+    _failing_compile(monkeypatch)
+    inputs = _inputs(False, torch.float32)
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        with compiled.compiling("train"), torch.autocast("cpu", dtype=torch.bfloat16):
+            similarity.local_nodes(*inputs)
+
+
+def test_a_default_bf16_step_fuses_its_large_chunks_only(monkeypatch):
+    """Under the default a training step's chunks above the size take the fused functions (here
+    run as they are, not compiled), the others the eager tiles: the same loss and gradients."""
+    from sgraf.kernels import compiled
+
+    monkeypatch.delenv("SGRAF_COMPILE", raising=False)
+    monkeypatch.setattr(compiled, "_auto_failed", [])
+    monkeypatch.setattr(compiled, "_cxx_found", lambda: True)
+    monkeypatch.setattr(torch_compat, "compile_supported", lambda: True)
+    fused = []
+    monkeypatch.setattr(compiled, "elementwise", lambda function: fused.append(function.__name__) or function)
+    model = random_model(module="saf")
+    model.train_chunk = 3
+    batch = training_batch(model, [3, 7, 5, 2, 7, 4, 6, 3])
+    config = preset("tiny").replace(precision="bf16", grad_clip=0.0)
+    with compiled.compiling("off"):
+        eager, eager_grads = step_gradients(model, batch, config)
+    assert fused == []
+    # chunks of 3, 3 and 2 captions (sorted by length) against 8 images: only the last two reach
+    # the size set here (8 x 3 x 7 words and 8 x 2 x 7 words of `d` features, not 8 x 3 x 4)
+    dim = model.config.embed_size
+    monkeypatch.setattr(compiled, "AUTO_ELEMENTWISE_MIN", 8 * 2 * 7 * dim)
+    result, grads = step_gradients(model, batch, config)
+    assert fused.count("_squares") == 2 and fused.count("_square_and_gradient") == 2
+    assert result.loss == eager.loss
+    for name in grads:
+        assert torch.equal(grads[name], eager_grads[name]), name

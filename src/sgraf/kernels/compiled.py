@@ -30,15 +30,25 @@ Two pieces of work can run compiled:
 
 On a 2-core AMD EPYC (Zen 3) the compiled scoring chunk is no faster than the eager one (the
 matmuls dominate, and the eager path already writes its elementwise work in place;
-`benchmarks/bench_compile.py`), so the default is off. `SGRAF_COMPILE` turns it on: `eval` (or
-`on`) for scoring, `train` for the training pairs, `all` for both; `compiling(mode)` does so
-within a block of code.
+`benchmarks/bench_compile.py`), and SGR's compiled pairs were no faster in fp32 either, so
+those stay opt-in. The bf16 word nodes' fused passes are not: on a 2-core Intel Xeon with AMX,
+where bf16 matmuls are fast and those passes are half of the nodes' backward, they made a SAF
+bf16 step 1.2x and an SGR bf16 step 1.13x faster for about 20 s of compiling once per process
+(`benchmarks/results/train-bf16-fused-nodes-auto-*`). So the default, `auto`, fuses them on the
+CPU for chunks of at least `AUTO_ELEMENTWISE_MIN` (word x feature) values (`fuses_word_nodes`)
+where PyTorch can compile (`COMPILE_MIN`) and a C++ compiler is found, and runs them eagerly if
+compiling fails (one warning; the eager passes give the same bits); nothing else is compiled.
+`SGRAF_COMPILE` sets it: `off` for nothing, `eval` (or `on`) for scoring, `train` for the
+training pairs and the word nodes at any size, `all` for both; `compiling(mode)` does so within
+a block of code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,7 +56,7 @@ from typing import Any
 from sgraf import torch_compat
 from sgraf.errors import InputError
 
-MODES = ("off", "eval", "train", "all")
+MODES = ("off", "eval", "train", "all", "auto")
 # caption widths (words) are rounded up to a multiple of this in compiled graphs
 WIDTH_STEP = 8
 # the most captions in one compiled eval chunk (a scorer's caption bucket holds 128)
@@ -57,23 +67,29 @@ RECOMPILE_LIMIT = 64
 # the compiler behind `compiled`: Inductor (a test counting graphs may take "aot_eager", which
 # traces and guards alike without generating code)
 BACKEND = "inductor"
+# under `auto`, the bf16 (fp16) word nodes' passes are fused for chunks of at least this many
+# (image, caption, word, feature) values: a paper-size training chunk holds about 16 million
+# (128 images x 120 word slots x 1,024); a chunk this small spends about 4 ms per eager pass
+AUTO_ELEMENTWISE_MIN = 2**22
+
+logger = logging.getLogger(__name__)
 
 _override: list[str] = []         # the innermost `compiling(...)`; process-wide (scorers use threads)
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 def mode() -> str:
-    """One of `MODES`: the `compiling` context's mode, else `SGRAF_COMPILE` (default 'off')."""
+    """One of `MODES`: the `compiling` context's mode, else `SGRAF_COMPILE` (default 'auto')."""
     if _override:
         return _override[-1]
     setting = os.environ.get("SGRAF_COMPILE", "").strip().lower()
-    aliases = {"": "off", "0": "off", "false": "off", "no": "off", "1": "eval", "on": "eval", "true": "eval",
+    aliases = {"": "auto", "0": "off", "false": "off", "no": "off", "1": "eval", "on": "eval", "true": "eval",
                "yes": "eval"}
     setting = aliases.get(setting, setting)
     if setting not in MODES:
         raise InputError(f"SGRAF_COMPILE must be one of off, on, {', '.join(MODES[1:])}, got "
                          f"{os.environ['SGRAF_COMPILE']!r}")
-    if setting != "off":
+    if setting not in ("off", "auto"):
         _check_supported(f"SGRAF_COMPILE={os.environ['SGRAF_COMPILE'].strip()}")
     return setting
 
@@ -96,6 +112,29 @@ def train_enabled() -> bool:
     return mode() in ("train", "all")
 
 
+def fuses_word_nodes(elements: int, cpu_plan: bool) -> bool:
+    """Whether a training chunk's bf16 (fp16) word nodes run their elementwise passes fused
+    (`elementwise`): always under `train` and `all`; under `auto` on the CPU plan for a chunk of
+    at least `AUTO_ELEMENTWISE_MIN` (word x feature) values, where this PyTorch compiles, a C++
+    compiler is found and no compilation has failed in this process."""
+    setting = mode()
+    if setting in ("train", "all"):
+        return True
+    return setting == "auto" and cpu_plan and elements >= AUTO_ELEMENTWISE_MIN and _auto_compiles()
+
+
+_auto_failed: list[str] = []      # why compiling failed under `auto`, once it has: eager from then on
+
+
+def _auto_compiles() -> bool:
+    return not _auto_failed and torch_compat.compile_supported() and _cxx_found()
+
+
+def _cxx_found() -> bool:
+    """Whether Inductor's C++ compiler is on the path (`$CXX`, else g++, as Inductor looks)."""
+    return shutil.which(os.environ.get("CXX") or "g++") is not None
+
+
 @contextlib.contextmanager
 def compiling(setting: str = "eval") -> Iterator[None]:
     """Within this context the compiled path's mode is `setting` (one of `MODES`), whatever
@@ -103,7 +142,7 @@ def compiling(setting: str = "eval") -> Iterator[None]:
     several threads at once."""
     if setting not in MODES:
         raise ValueError(f"compile mode must be one of {', '.join(MODES)}, got {setting!r}")
-    if setting != "off":
+    if setting not in ("off", "auto"):
         _check_supported(f"compiling({setting!r})")
     _override.append(setting)
     try:
@@ -134,8 +173,29 @@ def elementwise(function: Callable[..., Any]) -> Callable[..., Any]:
     compile it once. Inductor fuses the chain into one loop over the tensors (on a CPU, C++)."""
     found = _compiled.get(function)
     if found is None:
-        found = _compiled[function] = _torch_compile(function, dynamic=True)
+        found = _compiled[function] = _eager_if_auto_fails(function, _torch_compile(function, dynamic=True))
     return found
+
+
+def _eager_if_auto_fails(function: Callable[..., Any], graph: Callable[..., Any]) -> Callable[..., Any]:
+    """`graph`, or under `auto` once compiling has failed, `function` itself (the same values):
+    the default must not stop a run on a machine that cannot compile. Under `train` and `all`,
+    which ask for the compiler, its error is raised."""
+    def call(*args: Any) -> Any:
+        if _auto_failed and mode() == "auto":
+            return function(*args)
+        try:
+            return graph(*args)
+        except Exception as error:   # noqa: BLE001 (any compiler failure: no C++ compiler, a crash)
+            if mode() != "auto":
+                raise
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            _auto_failed.append(f"{type(error).__name__}: {first_line}")
+            logger.warning("could not compile the bf16 word nodes' passes (%s); they run eagerly, with the same "
+                           "values (SGRAF_COMPILE=off skips compiling)", _auto_failed[0])
+            return function(*args)
+
+    return call
 
 
 def _torch_compile(function: Callable[..., Any], dynamic: bool) -> Callable[..., Any]:

@@ -100,7 +100,9 @@ class _LowPrecisionLocalNodes(torch.autograd.Function):
         ctx.low = low
         # backward follows the forward's setting; float32 words only: with low-precision words
         # eager rounds each intermediate to `low`, where Inductor's fused loop would not
-        ctx.fused = compiled.train_enabled() and words.dtype == torch.float32
+        n_img, n_cap, n_words, _ = attn.shape
+        ctx.fused = words.dtype == torch.float32 and compiled.fuses_word_nodes(
+            n_img * n_cap * n_words * regions.shape[-1], not plan.gpu_plan(attn.device))
         with torch.autocast(attn.device.type, enabled=False):
             context = _low_contexts(attn, regions, low)
             if ctx.fused or torch.compiler.is_compiling():
