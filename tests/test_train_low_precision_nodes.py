@@ -237,9 +237,13 @@ def _failing_compile(monkeypatch):
 
 
 def test_under_auto_a_failed_compilation_runs_the_same_passes_eagerly_with_one_warning(monkeypatch, caplog):
+    """A machine without a C++ compiler on the path's usual names, or a compiler that fails: the
+    default does not stop the run."""
     from sgraf.kernels import compiled
 
     _failing_compile(monkeypatch)
+    caplog.set_level("INFO", logger="sgraf.kernels.compiled")
+    monkeypatch.setattr(compiled, "_auto_announced", [])
     monkeypatch.delenv("SGRAF_COMPILE", raising=False)
     monkeypatch.setattr(compiled, "AUTO_ELEMENTWISE_MIN", 1)
     monkeypatch.setattr(compiled, "_cxx_found", lambda: True)
@@ -256,6 +260,10 @@ def test_under_auto_a_failed_compilation_runs_the_same_passes_eagerly_with_one_w
     assert warnings == ["could not compile the bf16 word nodes' passes (RuntimeError: InductorError: no C++ "
                         "compiler); they run eagerly, with the same values (SGRAF_COMPILE=off skips compiling)"]
     assert not compiled.fuses_word_nodes(10**9, cpu_plan=True)      # eager for the rest of the process
+    # the first compilation is announced once (a step that pauses says why)
+    assert [r.getMessage() for r in caplog.records].count(
+        "compiling the bf16 word nodes' fused passes (once per process, some seconds; SGRAF_COMPILE=off runs "
+        "them eagerly)") == 1
 
 
 def test_under_train_a_failed_compilation_is_an_error(monkeypatch):

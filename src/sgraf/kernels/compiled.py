@@ -124,6 +124,7 @@ def fuses_word_nodes(elements: int, cpu_plan: bool) -> bool:
 
 
 _auto_failed: list[str] = []      # why compiling failed under `auto`, once it has: eager from then on
+_auto_announced: list[bool] = []  # whether `auto`'s first compilation has been logged
 
 
 def _auto_compiles() -> bool:
@@ -182,12 +183,17 @@ def _eager_if_auto_fails(function: Callable[..., Any], graph: Callable[..., Any]
     the default must not stop a run on a machine that cannot compile. Under `train` and `all`,
     which ask for the compiler, its error is raised."""
     def call(*args: Any) -> Any:
-        if _auto_failed and mode() == "auto":
+        auto = mode() == "auto"
+        if auto and _auto_failed:
             return function(*args)
+        if auto and not _auto_announced:   # the first step pauses while Inductor compiles: say why
+            _auto_announced.append(True)
+            logger.info("compiling the bf16 word nodes' fused passes (once per process, some seconds; "
+                        "SGRAF_COMPILE=off runs them eagerly)")
         try:
             return graph(*args)
         except Exception as error:   # noqa: BLE001 (any compiler failure: no C++ compiler, a crash)
-            if mode() != "auto":
+            if not auto:
                 raise
             first_line = (str(error).strip().splitlines() or [""])[0]
             _auto_failed.append(f"{type(error).__name__}: {first_line}")
