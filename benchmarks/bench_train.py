@@ -19,7 +19,7 @@ after one warm-up step each, and each round's ratio. The peak memory of each con
 comes from a fresh process of its own running two steps (ru_maxrss: the interpreter, torch, the
 model, Adam's moments and the step), so it is clean.
 The authors' stand-in was calibrated against their own `train_emb` in the same process
-(benchmarks/results/calibration-*). `train_step` on the CPU sets glibc to keep freed memory for
+(benchmarks/results/calibration-*; on another machine: benchmarks/calibrate_authors.py). `train_step` on the CPU sets glibc to keep freed memory for
 its whole process (`sgraf.kernels.memory`); the authors' stand-in, in a process of its own, runs
 with glibc's defaults, as their code does.
 

@@ -232,6 +232,7 @@ def _failing_compile(monkeypatch):
 
     monkeypatch.setattr(compiled, "_torch_compile", compile_fails)
     monkeypatch.setattr(compiled, "_auto_failed", [])
+    monkeypatch.setattr(torch_compat, "compile_supported", lambda: True)   # as a newer PyTorch (none compiles here)
     for function in (similarity._squares, similarity._square_and_gradient):
         monkeypatch.delitem(compiled._compiled, function, raising=False)
 
