@@ -163,6 +163,24 @@ def test_a_run_with_hardest_negatives_says_and_takes_the_selected_pairs_backward
     assert listed and "backward: through the pairs the hardest-negative loss reads" in caplog.text
 
 
+def test_a_run_takes_no_more_loader_workers_than_its_cpus_and_says_so(toy_data, tmp_path, monkeypatch, caplog):
+    """The paper's presets ask for 4 workers (the authors' machines); on 2 CPUs PyTorch's loader
+    warned twice per run that it may slow down or freeze. The batches do not depend on it."""
+    from sgraf.data import precomp
+    from sgraf.training import pool
+
+    assert [loop.loader_workers(asked) for asked in (0, 1, 64)] == [0, 1, min(64, pool.available_cores())]
+    monkeypatch.setattr(pool, "available_cores", lambda: 1)
+    made = []
+    real_loader = precomp.CheckedLoader
+    monkeypatch.setattr(precomp, "CheckedLoader", lambda *args, **kwargs: made.append(kwargs["num_workers"])
+                        or real_loader(*args, **kwargs))
+    caplog.set_level("INFO", logger="sgraf.training.loop")
+    assert _train(toy_data, tmp_path / "run", "--set", "epochs=1", "workers=4") == 0
+    assert made == [1]
+    assert "data loading: 1 worker processes (workers=4 asked; this process may use 1 CPUs)" in caplog.text
+
+
 def test_same_image_option_removes_those_pairs_from_the_negatives():
     scores = torch.tensor([[0.9, 0.8, 0.1], [0.85, 0.9, 0.2], [0.1, 0.3, 0.7]])
     image_ids = torch.tensor([4, 4, 7])                        # captions 0 and 1 share an image

@@ -147,6 +147,16 @@ def same_image_mask(image_ids: torch.Tensor) -> torch.Tensor:
     return ids.unsqueeze(1) == ids.unsqueeze(0)
 
 
+def loader_workers(asked: int) -> int:
+    """`asked` DataLoader worker processes, at most the CPUs this process may use (the paper's
+    presets ask for 4, as the authors' GPU machines ran; past the CPUs PyTorch warns that its
+    loader may slow down or freeze). The batches do not depend on it: the samplers draw the
+    order, the workers only read."""
+    from sgraf.training.pool import available_cores
+
+    return min(asked, available_cores()) if asked > 0 else asked
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, config: TrainConfig,
                scaler: Any | None = None, device: torch.device | str = "cpu") -> StepResult:
     """One optimisation step on a batch (this process's share of the global batch).
@@ -561,6 +571,10 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
                 model_config.module, data_dir, len(dataset), n_steps, config.epochs, config.precision,
                 device, f", {info.world_size} processes" if info.world_size > 1 else "")
+    workers = loader_workers(config.workers)
+    if workers < config.workers:
+        logger.info("data loading: %d worker processes (workers=%d asked; this process may use %d CPUs)",
+                    workers, config.workers, workers)
     if config.warmup_epochs:
         logger.info("loss: the hinge summed over all negatives for the first %d epoch(s), then the hardest "
                     "negatives", config.warmup_epochs)
@@ -635,7 +649,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                 set_learning_rate(optimizer, learning_rate(config, progress.epoch))
                 sampler = epoch_sampler(progress.epoch, progress.epoch_step)
                 loader = CheckedLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                       num_workers=config.workers,
+                                       num_workers=workers,
                                        generator=torch.Generator().manual_seed(config.seed),
                                        pin_memory=device.type == "cuda")   # NaN/inf batches refused
                 bar = _progress_bar(config, is_main, n_steps, progress, signals)
