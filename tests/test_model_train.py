@@ -3,6 +3,7 @@ vectorised per-caption SAF BatchNorm against the per-caption oracle on other sha
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -266,7 +267,10 @@ def test_a_chunked_batch_gathers_the_words_once_and_scatters_their_gradient_once
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             shape = tuple(args[0].shape) if args and torch.is_tensor(args[0]) else ()
-            if len(shape) == 3 and (shape[0], shape[2]) == (len(CHUNKED_LENGTHS), self.dim):
+            # indexed by caption (one 1-D index), not by word (TextSA's (captions, L) mask of the words)
+            by_caption = len(args) > 1 and isinstance(args[1], (list, tuple)) and len(args[1]) == 1 \
+                and torch.is_tensor(args[1][0]) and args[1][0].dim() == 1
+            if len(shape) == 3 and (shape[0], shape[2]) == (len(CHUNKED_LENGTHS), self.dim) and by_caption:
                 self.gathers += func is torch.ops.aten.index.Tensor
                 self.scatters += func in scatters
             return func(*args, **(kwargs or {}))
@@ -393,3 +397,38 @@ def test_authors_forward_computes_the_oracle_scores(module):
     expected = oracle_forward(oracle, images, captions, lengths)[module]
     assert got.shape == (4, 4)
     assert_close(got, expected, REORDERED)
+
+
+def test_the_text_self_attention_skips_the_padding_with_the_same_values_and_random_numbers():
+    """On the CPU plan TextSA's local layer runs over the words only (`TextSelfAttention.forward`),
+    under the GPU plan over the whole padded block: the same global vectors and gradients up to
+    the summation order, the same dropout masks (the same random numbers drawn), and the padded
+    block's layer never sees the padding."""
+    from sgraf.model.encoders import TextSelfAttention
+
+    torch.manual_seed(0)
+    layer = TextSelfAttention(16, dropout=0.4).train()
+    lengths = torch.tensor([5, 2, 7, 3])
+    mask = torch.arange(7) < lengths.unsqueeze(1)
+    words = torch.randn(4, 7, 16) * mask.unsqueeze(2)
+    rows = []
+    original = layer.embedding_local[0].forward
+    layer.embedding_local[0].forward = lambda x: rows.append(x.shape[:-1]) or original(x)
+    results = []
+    for gpu in (False, True):
+        torch.manual_seed(1)                       # the dropouts' random numbers
+        inputs = words.clone().requires_grad_()
+        with plan.emulate_gpu() if gpu else contextlib.nullcontext():
+            out = layer(inputs, mask)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+        results.append((out.detach(), inputs.grad, [p.grad.clone() for p in layer.parameters()]))
+        layer.zero_grad()
+    assert rows == [torch.Size([17]), torch.Size([4, 7])]          # 17 words, then the padded block
+    (packed, packed_grad, packed_params), (whole, whole_grad, whole_params) = results
+    assert_close(packed, whole, REORDERED, what="global vectors")
+    assert_close(packed_grad, whole_grad, REORDERED, scale=largest(whole_grad), what="words' gradient")
+    for a, b in zip(packed_params, whole_params):
+        assert_close(a, b, REORDERED, scale=largest(whole_params), what="parameters' gradient")
+    torch.manual_seed(1)
+    eval_free = layer.eval()(words, mask)           # no dropout: a different vector, so the masks mattered
+    assert not torch.allclose(eval_free, packed)
