@@ -13,8 +13,9 @@ from PIL import Image
 from sgraf.checkpoint import load_model
 from sgraf.cli import main
 from sgraf.data.precomp import PrecompSplit
+from sgraf.devices import available_cores
 from sgraf.metrics import evaluate_sims
-from sgraf.training.pool import available_cores, plan_workers
+from sgraf.training.pool import plan_workers
 
 pytestmark = pytest.mark.numeric
 

@@ -166,11 +166,11 @@ def test_a_run_with_hardest_negatives_says_and_takes_the_selected_pairs_backward
 def test_a_run_takes_no_more_loader_workers_than_its_cpus_and_says_so(toy_data, tmp_path, monkeypatch, caplog):
     """The paper's presets ask for 4 workers (the authors' machines); on 2 CPUs PyTorch's loader
     warned twice per run that it may slow down or freeze. The batches do not depend on it."""
+    from sgraf import devices
     from sgraf.data import precomp
-    from sgraf.training import pool
 
-    assert [loop.loader_workers(asked) for asked in (0, 1, 64)] == [0, 1, min(64, pool.available_cores())]
-    monkeypatch.setattr(pool, "available_cores", lambda: 1)
+    assert [loop.loader_workers(asked) for asked in (0, 1, 64)] == [0, 1, min(64, devices.available_cores())]
+    monkeypatch.setattr(loop, "available_cores", lambda: 1)
     made = []
     real_loader = precomp.CheckedLoader
     monkeypatch.setattr(precomp, "CheckedLoader", lambda *args, **kwargs: made.append(kwargs["num_workers"])

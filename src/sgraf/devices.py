@@ -7,11 +7,21 @@ ones it can, instead of failing deep inside the first `.to(device)`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from sgraf.errors import InputError
 
 SUPPORTED_TYPES = ("cpu", "cuda", "mps")
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity, where the system tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
 
 
 def available_devices() -> list[str]:

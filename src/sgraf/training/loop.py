@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from sgraf import distributed, torch_compat
+from sgraf.devices import available_cores
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.kernels import plan
@@ -152,8 +153,6 @@ def loader_workers(asked: int) -> int:
     presets ask for 4, as the authors' GPU machines ran; past the CPUs PyTorch warns that its
     loader may slow down or freeze). The batches do not depend on it: the samplers draw the
     order, the workers only read."""
-    from sgraf.training.pool import available_cores
-
     return min(asked, available_cores()) if asked > 0 else asked
 
 

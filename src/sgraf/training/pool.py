@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from sgraf.devices import available_cores
 from sgraf.signals import Stopped
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,6 @@ class JobResult:
     summary: dict[str, Any]
     wall_s: float
     cpu_s: float
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity, where the system tells)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:   # not on Linux
-        return os.cpu_count() or 1
 
 
 def plan_workers(n_jobs: int, jobs: int | None = None, on_gpu: bool = False,
