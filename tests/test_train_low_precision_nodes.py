@@ -142,7 +142,8 @@ def test_the_fused_passes_under_inductor_give_autograds_bits(monkeypatch):
 @needs_compile
 def test_the_fused_passes_compile_once_for_every_chunk_shape(monkeypatch):
     """Dynamic shapes: one forward and one backward graph for chunks of any size (of sizes above
-    one), and one more pair for aligned words (one caption per image)."""
+    one), one more pair for aligned words (one caption per image), and none for words that need
+    no gradient."""
     import torch._dynamo
 
     from sgraf.kernels import compiled
@@ -169,6 +170,14 @@ def test_the_fused_passes_compile_once_for_every_chunk_shape(monkeypatch):
     assert graphs() - before == 2
     nodes(3, 4, 5, aligned=True)
     nodes(5, 4, 7, aligned=True)
+    assert graphs() - before == 4
+    # without autograd (the matrix a step scores to find its hardest negatives) the words need no
+    # gradient: the passes take them detached either way, so nothing compiles again
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad(), compiled.compiling("train"), torch.autocast("cpu", dtype=torch.bfloat16):
+        similarity.local_nodes(torch.randn(4, 3, 6, 6, generator=generator).softmax(-1),
+                               torch.randn(4, 6, 16, generator=generator), torch.randn(3, 6, 16, generator=generator),
+                               torch.randn(8, 16, generator=generator), torch.zeros(8))
     assert graphs() - before == 4
 
 

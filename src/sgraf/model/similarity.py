@@ -176,10 +176,16 @@ def _low_backward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: to
 
 
 def _elementwise(function: Any) -> Any:
-    """`function` compiled by `compiled.elementwise` (`SGRAF_COMPILE=train`: each chain of the
-    low-precision nodes' elementwise passes one fused loop), or as it is inside a graph being
-    compiled (the compiled selected pairs: Inductor fuses it there, and tiles would only unroll)."""
-    return function if torch.compiler.is_compiling() else compiled.elementwise(function)
+    """`function` compiled by `compiled.elementwise` (each chain of the low-precision nodes'
+    elementwise passes one fused loop; `compiled.fuses_word_nodes` says when), or as it is inside
+    a graph being compiled (the compiled selected pairs: Inductor fuses it there, and tiles would
+    only unroll). Its inputs are detached (the passes run inside an autograd Function): Dynamo
+    guards on `requires_grad`, and the words come with it and without, which compiled each
+    function twice, the second time in the middle of a run."""
+    if torch.compiler.is_compiling():
+        return function
+    fused = compiled.elementwise(function)
+    return lambda *tensors: fused(*(tensor.detach() for tensor in tensors))
 
 
 def _squares(context: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
