@@ -19,9 +19,10 @@ after one warm-up step each, and each round's ratio. The peak memory of each con
 comes from a fresh process of its own running two steps (ru_maxrss: the interpreter, torch, the
 model, Adam's moments and the step), so it is clean.
 The authors' stand-in was calibrated against their own `train_emb` in the same process
-(benchmarks/results/calibration-*; on another machine: benchmarks/calibrate_authors.py). `train_step` on the CPU sets glibc to keep freed memory for
-its whole process (`sgraf.kernels.memory`); the authors' stand-in, in a process of its own, runs
-with glibc's defaults, as their code does.
+(benchmarks/results/calibration-*; on another machine: benchmarks/calibrate_authors.py).
+`train_step` on the CPU sets glibc to keep freed memory for its whole process
+(`sgraf.kernels.memory`); the authors' stand-in, in a process of its own, runs with glibc's
+defaults, as their code does.
 
     python benchmarks/bench_train.py                     # SGR and SAF, authors fp32 vs ours fp32/bf16
     python benchmarks/bench_train.py --batch 32 --steps 2   # quicker
