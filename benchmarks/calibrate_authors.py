@@ -101,6 +101,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--scale", type=int, default=1, help="feature sizes divided by this (a quick check)")
     args = parser.parse_args()
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -111,7 +112,7 @@ def main() -> int:
     from sgraf.kernels.tuning import cpu_model
 
     module = authors_module(args.checkout)
-    model, batch = setup(args.module, args.batch, args.threads)
+    model, batch = setup(args.module, args.batch, args.threads, scale=args.scale)
     steps = {"authors": authors_step(module, model, batch, args.module),
              "stand-in": make_step(model, batch, args.module, "authors", "fp32")}
     for precision in args.precisions:

@@ -249,3 +249,68 @@ def test_ab_train_method_steps_this_method_against_another_checkouts():
                               "--method", "model/sgraf.py:SGRAF.nope"], capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0
     assert missing.stderr.strip() == "this tree has no SGRAF.nope in src/sgraf/model/sgraf.py"
+
+
+# A stand-in for the authors' model.py with their interface (`SGRAF(opt)`, its three encoders,
+# `train_start`, `train_emb` reporting the loss through `self.logger`, the loss's mask made only
+# on a CUDA machine), written here on sgraf's own modules: the harness's mechanics without their code.
+FAKE_AUTHORS_MODEL = '''
+import torch
+from sgraf.config import ModelConfig
+from sgraf.model.loss import ranking_loss
+from sgraf.model.sgraf import SGRAF as Ours
+
+
+class SGRAF(object):
+    def __init__(self, opt):
+        self.model = Ours(ModelConfig(vocab_size=opt.vocab_size, module=opt.module_name.lower(), img_dim=opt.img_dim,
+                                      embed_size=opt.embed_size, word_dim=opt.word_dim, sim_dim=opt.sim_dim))
+        self.img_enc, self.txt_enc, self.sim_enc = self.model.img_enc, self.model.txt_enc, self.model.sim_enc
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=opt.learning_rate)
+
+    def train_start(self):
+        self.model.train()
+
+    def loss(self, scores):
+        mask = torch.eye(scores.size(0)) > .5
+        if torch.cuda.is_available():
+            I = mask.cuda()
+        assert I.device == scores.device   # on a CPU only with the harness's edit
+        return ranking_loss(scores, margin=0.2, max_violation=True)
+
+    def train_emb(self, images, captions, lengths, ids=None, *args):
+        self.optimizer.zero_grad()
+        loss = self.loss(self.model(images, captions, torch.tensor(lengths)))
+        self.logger.update('Loss', loss.item(), images.size(0))
+        loss.backward()
+        self.optimizer.step()
+'''
+
+
+def test_calibrate_authors_steps_a_checkout_beside_the_stand_in(tmp_path):
+    """benchmarks/calibrate_authors.py on a model.py of the authors' interface (our own stand-in
+    for it; their code is not in the repository): the loss's mask put on the scores' device, our
+    weights loaded into it, the same first loss for all, a median per row; a folder without
+    model.py, or with the mask elsewhere, refused in one line."""
+    (tmp_path / "model.py").write_text(FAKE_AUTHORS_MODEL, encoding="utf-8")
+    command = [sys.executable, str(BENCHMARKS / "calibrate_authors.py"), str(tmp_path), "--module", "saf",
+               "--batch", "6", "--scale", "16", "--rounds", "1", "--threads", "1"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    warm_up = re.search(r"^round 0 \(warm-up\): (.*)$", completed.stdout, re.M).group(1)
+    losses = re.findall(r"(authors|stand-in|sgraf fp32) [0-9.]+ s \(loss ([0-9.]+)\)", warm_up)
+    assert [name for name, _ in losses] == ["authors", "stand-in", "sgraf fp32"], completed.stdout
+    assert len({loss for _, loss in losses}) == 1, completed.stdout
+    for name in ("authors", "stand-in", "sgraf fp32"):
+        assert re.search(rf"^{name}: median [0-9.]+ s/step, the authors' code / this = [0-9.]+$", completed.stdout,
+                         re.M), completed.stdout
+    (tmp_path / "model.py").write_text(FAKE_AUTHORS_MODEL.replace("        if torch.cuda.is_available():\n", ""),
+                                       encoding="utf-8")
+    moved = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert moved.returncode != 0 and moved.stderr.strip().endswith(
+        "model.py: the loss's mask is not where this harness expects it (branch python3.6?)"), moved.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = subprocess.run([*command[:2], str(empty)], capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and missing.stderr.strip() == (
+        f"{empty} has no model.py: give a checkout of Paranioar/SGRAF (branch python3.6)")
