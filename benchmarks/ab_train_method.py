@@ -66,19 +66,16 @@ def holders(module: object, owner: str, name: str) -> list[object]:
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_train import add_step_arguments, make_step, setup
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkout", type=Path, help="the other checkout (e.g. a git worktree)")
     parser.add_argument("--method", default="model/sgraf.py:SGRAF._train_block_scores", metavar="FILE:CLASS.NAME")
     parser.add_argument("--module", choices=["sgr", "saf"], default="saf")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--scale", type=int, default=1, help="feature sizes divided by this (a quick check)")
+    add_step_arguments(parser, rounds=6)
     args = parser.parse_args()
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_train import setup, make_step
 
     import importlib
     import inspect

@@ -51,6 +51,15 @@ import sys
 import time
 
 
+def add_step_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """--rounds, --batch, --threads and --scale, as the in-process harnesses beside this one take
+    them (`ab_train_method.py`, `calibrate_authors.py`)."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--scale", type=int, default=1, help="feature sizes divided by this (a quick check)")
+
+
 def setup(module: str, batch_size: int, threads: int, device: str = "cpu", scale: int = 1):
     """The paper-size model (dropout off; its feature sizes divided by `scale`, `launch_counts`'s
     model) and one Flickr30K-like batch, the same for every run."""

@@ -93,19 +93,16 @@ def authors_step(module: types.ModuleType, ours, batch, name: str):
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_train import add_step_arguments, make_step, setup
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkout", type=Path, help="a checkout of Paranioar/SGRAF, branch python3.6")
     parser.add_argument("--module", choices=["sgr", "saf"], default="saf")
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
                         help="sgraf's (the authors' code and the stand-in run in fp32)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--scale", type=int, default=1, help="feature sizes divided by this (a quick check)")
+    add_step_arguments(parser, rounds=3)
     args = parser.parse_args()
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_train import make_step, setup
 
     import torch
 
