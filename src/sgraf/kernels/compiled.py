@@ -1,4 +1,4 @@
-"""`torch.compile` (Inductor) over fixed-shape pieces of work, opt-in.
+"""`torch.compile` (Inductor) over fixed-shape pieces of work: opt-in, but for the CPU's bf16 word nodes.
 
 A compiled function is specialised to the shapes it is called with: scoring a split whose
 captions have every length from 1 to 60 would compile one graph per length and per chunk size.
