@@ -155,3 +155,42 @@ def test_a_non_finite_loss_stops_the_step_before_any_pair_is_scored_again(monkey
     assert rescored == []
     for name, parameter in model.named_parameters():   # no update
         torch.testing.assert_close(parameter.detach(), before[name], rtol=0, atol=0)
+
+
+def test_the_pairs_gather_their_images_and_captions_with_a_gradient_summed_in_a_fixed_order(monkeypatch):
+    """The pairs repeat images and captions. `x[index]`'s gradient (`index_put_` accumulating)
+    summed the repeated rows in the order two threads reached them, so two runs of one training
+    step gave other gradients by rounding; `gather_rows` (`index_select`, its gradient
+    `index_add_`) sums them in a fixed order. Every gather of the pairs goes through it."""
+    from sgraf.kernels import plan
+    from sgraf.model import sgraf as sgraf_module
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        rows = torch.randint(0, 64, (192,), generator=generator)          # images repeated
+        regions = torch.randn(64, 36, 64, generator=generator)
+        upstream = torch.randn(192, 36, 64, generator=generator)
+        gradients = []
+        for _ in range(8):
+            leaf = regions.clone().requires_grad_()
+            sgraf_module.gather_rows(leaf, rows).backward(upstream)
+            gradients.append(leaf.grad)
+        assert all(torch.equal(gradients[0], grad) for grad in gradients[1:])
+        with plan.emulate_gpu():                                           # a CUDA tensor's: as x[index]
+            assert torch.equal(sgraf_module.gather_rows(regions, rows), regions[rows])
+    finally:
+        torch.set_num_threads(threads)
+
+    gathered = []
+    real = sgraf_module.gather_rows
+    monkeypatch.setattr(sgraf_module, "gather_rows", lambda tensor, index: gathered.append(tuple(tensor.shape))
+                        or real(tensor, index))
+    model = random_model(module="sgr")
+    batch = training_batch(model, [3, 7, 5, 2, 7, 4, 6, 3] * 4)
+    step_gradients(model, batch, preset("tiny").replace(max_violation=True, batch_size=pairs.MIN_BATCH, grad_clip=0.0))
+    dim = model.config.embed_size
+    # per pair group: the regions, the words, the images' and the captions' global vectors
+    assert gathered and all(shape[-1] == dim for shape in gathered)
+    assert {len(shape) for shape in gathered} == {2, 3}

@@ -977,12 +977,26 @@ def _pair_group_scores(sim: SimilarityEncoder, heads: tuple[str, ...], regions: 
     autograd, padded to the words' width (`SGRAF._pair_scores`). A function of its arguments only,
     weights included, so that `sgraf.kernels.compiled` compiles it once per shape for any model
     and set of weights."""
+    def take(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+        return None if tensor is None else gather_rows(tensor, index)
+
     nodes, node_mask, places = sim.train_nodes(
-        regions[rows], words[cols], word_mask[cols], None if img_glo is None else img_glo[rows],
-        None if cap_glo is None else cap_glo[cols], None if centres is None else centres[rows], aligned=True)
-    offset = None if places is None else sim.place_term.term(places, directions[cols])
+        take(regions, rows), take(words, cols), word_mask[cols], take(img_glo, rows), take(cap_glo, cols),
+        take(centres, rows), aligned=True)
+    offset = None if places is None else sim.place_term.term(places, take(directions, cols))
     scores, _ = sim.train_head_scores(nodes, node_mask, heads, offset)        # {head: (1, P)}
     return {head: block.view(-1) for head, block in scores.items()}
+
+
+def gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`tensor[index]` along the first dimension, an index that repeats rows (the pairs' images
+    and captions). On the CPU plan by `index_select`, whose gradient `index_add_` sums the
+    repeated rows in a fixed order: the gradient of `tensor[index]` (`index_put_` accumulating)
+    sums them in whatever order its threads reach them, so two runs of the same step on two
+    threads gave gradients apart by rounding (29 of 30 backward passes of one gather differed
+    from the first). Under the GPU plan as `tensor[index]` (CUDA's `index_put_` sorts its
+    indices; `index_add_` would add them atomically, in no fixed order)."""
+    return tensor[index] if plan.gpu_plan(tensor.device) else tensor.index_select(0, index)
 
 
 def _host_lengths(lengths: Any) -> torch.Tensor | None:
