@@ -221,8 +221,9 @@ def test_a_large_caption_file_is_tokenised_by_several_processes(cache, toy, tmp_
     many = [f"{caption} number {i}, isn't it?" for i in range(10) for caption in captions]   # 300 captions
     path = tmp_path / "many_caps.txt"
     path.write_text("".join(caption + "\n" for caption in many), encoding="utf-8")
-    code = ("import sys\nimport sgraf.data.token_cache as t\nt._cpus = lambda: 3\nt.CAPTIONS_PER_WORKER = 100\n"
-            "assert t.tokenize_workers(300, t._cpus()) == 2\nsys.exit(t._keep_words(sys.argv[1]))")
+    code = ("import sys\nimport sgraf.data.token_cache as t\nt.available_cores = lambda: 3\n"
+            "t.CAPTIONS_PER_WORKER = 100\nassert t.tokenize_workers(300, t.available_cores()) == 2\n"
+            "sys.exit(t._keep_words(sys.argv[1]))")
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
     kept = json.loads(token_cache.words_path(many).read_text(encoding="utf-8"))
     assert kept == [vocab.tokenize(caption) for caption in many]

@@ -36,6 +36,7 @@ import numpy as np
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import DAMAGED_NPY
 from sgraf.data.vocab import TOKENIZER_REVISION, Vocabulary, tokenize
+from sgraf.devices import available_cores
 from sgraf.errors import InputError
 from sgraf.user_cache import cache_dir, switched_on
 
@@ -151,7 +152,7 @@ def _keep_words(captions_file: str) -> int:
     captions = read_captions(captions_file)
     path = words_path(captions)
     if _read_words(path, len(captions)) is None:
-        words = _tokenize_all(captions, tokenize_workers(len(captions), _cpus()))
+        words = _tokenize_all(captions, tokenize_workers(len(captions), available_cores()))
         with atomic_path(path) as temporary:
             Path(temporary).write_text(json.dumps(words, ensure_ascii=False), encoding="utf-8")
     return 0
@@ -167,13 +168,6 @@ def tokenize_workers(n_captions: int, cpus: int) -> int:
     `CAPTIONS_PER_WORKER` captions (MSCOCO's 25,000 test captions: 8 on a 16-core machine,
     about 8 s of nltk's rules on one core)."""
     return max(1, min(8, cpus - 1, n_captions // CAPTIONS_PER_WORKER))
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:                       # not on Linux
-        return os.cpu_count() or 1
 
 
 def _tokenize_all(captions: list[str], workers: int) -> list[list[str]]:

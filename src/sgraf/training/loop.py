@@ -153,7 +153,7 @@ def loader_workers(asked: int) -> int:
     presets ask for 4, as the authors' GPU machines ran; past the CPUs PyTorch warns that its
     loader may slow down or freeze). The batches do not depend on it: the samplers draw the
     order, the workers only read."""
-    return min(asked, available_cores()) if asked > 0 else asked
+    return min(asked, available_cores())
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, config: TrainConfig,
