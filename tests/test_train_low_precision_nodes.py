@@ -106,6 +106,20 @@ def test_a_bf16_step_with_light_nodes_gives_the_same_loss_and_gradients_computin
         assert torch.equal(grads[name], heavy_grads[name]), name
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_a_model_without_word_nodes_trains_under_autocast_computing_each_chunk_once(module, precision, monkeypatch):
+    """Global alignments only (Table 5's ablation): no local layer to ask for its dtype (a step under
+    autocast raised AttributeError on `sim_tranloc_w`), and nothing (word x feature) to keep."""
+    model = random_model(module=module, alignments="global")
+    model.train_chunk = 3
+    batch = training_batch(model, [3, 7, 5, 2, 7, 4, 6, 3])
+    loss, grads, recomputed = _step(model, batch, precision, monkeypatch, light=True)
+    assert recomputed == [] and torch.isfinite(torch.tensor(loss))
+    assert grads and all(bool(torch.isfinite(g).all()) for g in grads.values())
+    assert "sim_enc.sim_tranglo_w.weight" in grads
+
+
 # ------------------------------------------------------------------ the fused passes (SGRAF_COMPILE=train)
 
 def _fresh_elementwise(monkeypatch, backend: str) -> None:

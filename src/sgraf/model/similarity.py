@@ -426,10 +426,11 @@ class SimilarityRepresentation(nn.Module):
 
     def light_train_nodes(self, words: torch.Tensor) -> bool:
         """Whether `train_nodes` keeps no (word x feature) tensor for backward (`local_nodes`:
-        float32 outside autocast, or bf16/fp16 autocast)."""
+        float32 outside autocast, or bf16/fp16 autocast; without word nodes, global alignments
+        only, nothing of that size to keep)."""
         if not (self.similarity == "vector" and self.attention == "t2i"):
             return False
-        if torch_compat.autocast_enabled(words.device.type):
+        if self.use_local and torch_compat.autocast_enabled(words.device.type):
             return low_precision_light(words.device.type, words, self.sim_tranloc_w.weight) is not None
         return words.dtype == torch.float32
 
