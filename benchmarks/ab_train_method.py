@@ -13,7 +13,7 @@ are printed (a forward-only change must keep them equal).
 
     git worktree add /tmp/before HEAD~1
     python benchmarks/ab_train_method.py /tmp/before --module saf --precision bf16 --rounds 8
-    python benchmarks/ab_train_method.py /tmp/before --method model/similarity.py:_LowPrecisionLocalNodes.backward
+    python benchmarks/ab_train_method.py /tmp/before --method kernels/nodes.py:_LowPrecisionLocalNodes.backward
     python benchmarks/ab_train_method.py /tmp/before --method model/reasoning.py:train_graph_reasoning --module sgr
 """
 

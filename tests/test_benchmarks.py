@@ -237,7 +237,7 @@ def test_ab_train_method_steps_this_method_against_another_checkouts():
                      completed.stdout, re.M), completed.stdout
     static = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root), "--batch", "6",
                              "--scale", "32", "--rounds", "1", "--threads", "1", "--precision", "bf16",
-                             "--method", "model/similarity.py:_LowPrecisionLocalNodes.backward"],
+                             "--method", "kernels/nodes.py:_LowPrecisionLocalNodes.backward"],
                             capture_output=True, text=True, timeout=300)
     assert static.returncode == 0 and "_LowPrecisionLocalNodes.backward of this tree" in static.stdout, static.stderr
     function = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root), "--batch", "6",

@@ -267,7 +267,7 @@ def test_the_gpu_plans_bf16_and_a_place_models_pairs_compile_one_graph_each(sett
             steps.append(_step(model, batches[1], precision, **options))
             assert _graphs() - before == added      # nothing compiled again at the next step
             # the pairs' graph; in bf16 also the word nodes' fused square of the matrix's pass
-            # (`similarity._squares`, SGRAF_COMPILE=train)
+            # (`nodes._squares`, SGRAF_COMPILE=train)
             assert added == (1 if precision == "fp32" else 2)
     budget = GRADIENT if precision == "fp32" else BFLOAT16_GRADIENT
     for eager_step, step in zip(eager, steps):

@@ -56,13 +56,13 @@ def test_a_dropped_bias_misses_the_golden_scores(perturbed, module):
 @pytest.mark.parametrize("module", ["SGR", "SAF"])
 def test_a_wrong_sign_in_a_hand_written_backward_misses_the_golden_gradients(golden_train, monkeypatch, module):
     """The weight gradient of `W_loc` in `_LocalNodes.backward` with its sign flipped."""
-    import sgraf.model.similarity as similarity
+    import sgraf.kernels.nodes as nodes
 
     entry = golden_train[module]
     _, grads = _gradients(entry, module)
     assert _worst_gradient(grads, entry["grads"]) <= 1
-    correct = similarity.weight_gradient
-    monkeypatch.setattr(similarity, "weight_gradient", lambda rows, inputs: -correct(rows, inputs))
+    correct = nodes.weight_gradient
+    monkeypatch.setattr(nodes, "weight_gradient", lambda rows, inputs: -correct(rows, inputs))
     _, grads = _gradients(entry, module)
     assert excess(grads["sim_enc.sim_tranloc_w.weight"], entry["grads"]["sim_enc.sim_tranloc_w.weight"], GRADIENT,
                   scale=largest(entry["grads"])) > 10

@@ -12,6 +12,7 @@ import torch
 
 from model_helpers import needs_compile, random_model, step_gradients, training_batch
 from sgraf import torch_compat
+from sgraf.kernels import nodes as nodes_kernels
 from sgraf.kernels import plan
 from sgraf.model import similarity
 from sgraf.model.norms import l2norm
@@ -66,8 +67,8 @@ def test_the_light_nodes_give_autograds_values_and_gradients_bit_for_bit(precisi
 
 def test_the_light_nodes_are_taken_under_autocast_only_for_float32_or_the_autocast_dtype(monkeypatch):
     applied = []
-    original = similarity._LowPrecisionLocalNodes.apply
-    monkeypatch.setattr(similarity._LowPrecisionLocalNodes, "apply",
+    original = nodes_kernels._LowPrecisionLocalNodes.apply
+    monkeypatch.setattr(nodes_kernels._LowPrecisionLocalNodes, "apply",
                         lambda *args: applied.append(args[-1]) or original(*args))
     inputs = _inputs(False, torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -79,7 +80,7 @@ def test_the_light_nodes_are_taken_under_autocast_only_for_float32_or_the_autoca
 
 def _step(model, batch, precision, monkeypatch, light):
     if not light:
-        monkeypatch.setattr(similarity, "low_precision_light", lambda *args: None)
+        monkeypatch.setattr(nodes_kernels, "light_dtype", lambda *args: None)
     recomputed = []
     checkpoint = torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
@@ -105,7 +106,6 @@ def test_a_bf16_step_with_light_nodes_gives_the_same_loss_and_gradients_computin
     for name in grads:
         assert torch.equal(grads[name], heavy_grads[name]), name
 
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("module", ["sgr", "saf"])
 def test_a_model_without_word_nodes_trains_under_autocast_computing_each_chunk_once(module, precision, monkeypatch):
@@ -127,7 +127,7 @@ def _fresh_elementwise(monkeypatch, backend: str) -> None:
     from sgraf.kernels import compiled
 
     monkeypatch.setattr(compiled, "BACKEND", backend)
-    for function in (similarity._squares, similarity._square_and_gradient):
+    for function in (nodes_kernels._squares, nodes_kernels._square_and_gradient):
         monkeypatch.delitem(compiled._compiled, function, raising=False)
 
 
@@ -148,7 +148,7 @@ def test_the_fused_passes_under_inductor_give_autograds_bits(monkeypatch):
             results.append([out.detach()] + [t.grad for t in inputs])
     finally:
         torch.set_num_threads(threads)
-    assert similarity._squares in compiled._compiled and similarity._square_and_gradient in compiled._compiled
+    assert nodes_kernels._squares in compiled._compiled and nodes_kernels._square_and_gradient in compiled._compiled
     for name, a, b in zip(["nodes", "attn", "regions", "words", "weight", "bias"], *results):
         assert torch.equal(a, b), name
 
@@ -256,7 +256,7 @@ def _failing_compile(monkeypatch):
     monkeypatch.setattr(compiled, "_torch_compile", compile_fails)
     monkeypatch.setattr(compiled, "_auto_failed", [])
     monkeypatch.setattr(torch_compat, "compile_supported", lambda: True)   # as a newer PyTorch (none compiles here)
-    for function in (similarity._squares, similarity._square_and_gradient):
+    for function in (nodes_kernels._squares, nodes_kernels._square_and_gradient):
         monkeypatch.delitem(compiled._compiled, function, raising=False)
 
 

@@ -25,7 +25,7 @@ Two pieces of work can run compiled:
   up like the eval chunks' (each of the CPU's length groups to its own bucket), so a run
   compiles a graph per width bucket it meets and then nothing.
   Also under `train`: the bf16 (fp16) word nodes' elementwise passes
-  (`sgraf.model.similarity._LowPrecisionLocalNodes`), each chain one fused loop (`elementwise`,
+  (`sgraf.kernels.nodes._LowPrecisionLocalNodes`), each chain one fused loop (`elementwise`,
   dynamic shapes: compiled once for every chunk size), with the same bits as the eager passes.
 
 On a 2-core AMD EPYC (Zen 3) the compiled scoring chunk is no faster than the eager one (the

@@ -56,7 +56,7 @@ def emulate_gpu(free_bytes: int = EMULATED_FREE_BYTES) -> Iterator[None]:
 # The CPU plan runs the elementwise passes of a bf16 (or fp16) training chunk's word nodes over
 # their (images x words x features) tensors image by image, in tiles of about this many float32
 # bytes, so that a tile's several passes stay in a core's cache instead of each streaming the
-# whole chunk through memory (`sgraf.model.similarity._LowPrecisionLocalNodes`: the same values;
+# whole chunk through memory (`sgraf.kernels.nodes._LowPrecisionLocalNodes`: the same values;
 # a SAF bf16 step 1.12x faster on a 2-core Intel Xeon with AMX). Float32's nodes, whose passes
 # run in place, gained nothing from tiles and run whole.
 TILE_BYTES = 2**20
