@@ -55,8 +55,10 @@ step torchrun 75 bash -c 'set -e; python3 -m sgraf generate --out /tmp/gen --fea
   python3 -c "import numpy as np; a, b = np.load(\"/tmp/run/sims_bf16.npy\"), np.load(\"/tmp/run/sims.npy\"); print(\"saved matrices\", a.shape, b.shape, \"bf16 - fp32 at most\", float(abs(a - b).max()))"'
 TAIL=20 step bench_train 240 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 3 --matrix
 # the SGR bf16 step (the host-bound one) with its selected pairs compiled (SGRAF_COMPILE=train, session 22) beside eager: the warm-up
-# step compiles the batch's one graph (forward and backward), the timed steps say whether launches bound the step
-TAIL=8 step train_compiled 150 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 5 --modules sgr --precisions bf16 --no-authors --no-memory --compiled
+# step compiles the batch's one graph (forward and backward), the timed steps say whether launches bound the step; SAF's
+# (no pairs' backward) compiles only its bf16 word nodes' elementwise passes (Triton): whether `auto` should fuse them on a
+# GPU too, as it does on the CPU (session 28)
+TAIL=12 step train_compiled 150 python3 benchmarks/bench_train.py --device cuda --batch 128 --steps 5 --modules sgr saf --precisions bf16 --no-authors --no-memory --compiled
 # the Flickr30K-size run first pays the device's probes (edge route, word-node route with the fused
 # kernel's compilation) in an untimed run per precision, and stores them for the MSCOCO-size one
 TAIL=20 step eval_f30k 150 python3 benchmarks/bench_eval.py --device cuda --images 1000 --precisions bf16 fp32 tf32 --authors-captions 100 --token-cache both --probed --tuning /tmp/sgraf-tuning
