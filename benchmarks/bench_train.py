@@ -37,6 +37,11 @@ passes fused, SGR and SAF); its steps against ours per round. "ours" is the defa
 (`SGRAF_COMPILE=auto`: on the CPU in bf16 the word nodes' passes fused, compiled in the first
 step); `--eager` adds "eager", ours with nothing compiled, and its steps against ours per round.
 Every row prints its warm-up step (the untimed first step: where the compilations happen).
+`--theirs DIR` adds "theirs": the authors' own `train_emb`, imported from a checkout of their
+repository in DIR (`calibrate_authors.py`'s harness: their model.py with its loss's mask on the
+scores' device, our weights loaded), in a process of its own as they run it (glibc's allocator
+defaults: `calibrate_authors.py` steps it in the process where `train_step` has set glibc to
+keep freed memory, which speeds their step too), and prints every row's ratio against it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def add_step_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
@@ -84,12 +90,18 @@ def setup(module: str, batch_size: int, threads: int, device: str = "cpu", scale
 
 
 def make_step(model, batch, module: str, impl: str, precision: str, chunk: int | None = None,
-              checkpoint: bool = True, device: str = "cpu"):
-    """A function running one optimisation step of `impl` ('authors' or 'ours') on its own copy
-    of the model and its own Adam; returns the loss."""
+              checkpoint: bool = True, device: str = "cpu", theirs: str | None = None):
+    """A function running one optimisation step of `impl` ('authors', 'ours', or 'theirs': the
+    authors' own code from the checkout `theirs`) on its own copy of the model and its own Adam;
+    returns the loss."""
     import copy
 
     import torch
+
+    if impl == "theirs":
+        from calibrate_authors import authors_module, authors_step
+
+        return authors_step(authors_module(Path(theirs)), model, batch, module)
 
     from sgraf.model.oracle import authors_forward
     from sgraf.precision import autocast
@@ -121,13 +133,13 @@ def make_step(model, batch, module: str, impl: str, precision: str, chunk: int |
 
 
 def stepper(module: str, impl: str, precision: str, batch_size: int, threads: int, chunk: int | None = None,
-            checkpoint: bool = True, device: str = "cpu", scale: int = 1) -> None:
+            checkpoint: bool = True, device: str = "cpu", scale: int = 1, theirs: str | None = None) -> None:
     """A child process holding one configuration: after 'ready', one timed step per 'step' line
     read from stdin, each answered with a JSON line {"seconds", "loss"}."""
     import torch
 
     model, batch = setup(module, batch_size, threads, device, scale)
-    step = make_step(model, batch, module, impl, precision, chunk, checkpoint, device)
+    step = make_step(model, batch, module, impl, precision, chunk, checkpoint, device, theirs)
     del model
     cuda = torch.device(device).type == "cuda"
     print("ready", flush=True)
@@ -214,14 +226,14 @@ def _answer(child: subprocess.Popen, expected: str | None = None) -> str:
 
 
 def memory(module: str, impl: str, precision: str, batch_size: int, threads: int, chunk: int | None = None,
-           checkpoint: bool = True, device: str = "cpu", scale: int = 1) -> dict:
+           checkpoint: bool = True, device: str = "cpu", scale: int = 1, theirs: str | None = None) -> dict:
     """Peak memory of two steps of one configuration, alone in this (fresh) process: the
     interpreter, torch, the model, Adam's moments and the step (ru_maxrss; on a GPU its
     allocator's peak)."""
     import torch
 
     model, batch = setup(module, batch_size, threads, device, scale)
-    step = make_step(model, batch, module, impl, precision, chunk, checkpoint, device)
+    step = make_step(model, batch, module, impl, precision, chunk, checkpoint, device, theirs)
     del model
     for _ in range(2):
         step()
@@ -265,10 +277,13 @@ def main() -> None:
                         help="add ours under SGRAF_COMPILE=train (SGR's selected pairs; bf16's fused word nodes)")
     parser.add_argument("--eager", action="store_true",
                         help="add ours under SGRAF_COMPILE=off (bf16 without the word nodes' fused passes)")
+    parser.add_argument("--theirs", metavar="DIR",
+                        help="also \"theirs\": the authors' own train_emb from a checkout of Paranioar/SGRAF "
+                             "(python3.6) in DIR, in a process of its own (CPU)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    options = (args.chunk, not args.no_checkpoint, args.device, args.scale)
+    options = (args.chunk, not args.no_checkpoint, args.device, args.scale, args.theirs)
     if args.child:
         kind, module, *rest = args.child
         if kind == "stepper":
@@ -281,18 +296,27 @@ def main() -> None:
 
     from sgraf.kernels.cpu import onednn_runs
 
-    runs = ([] if args.no_authors else [("authors", "fp32")]) + [("ours", p) for p in args.precisions] \
+    runs = ([("theirs", "fp32")] if args.theirs else []) \
+        + ([] if args.no_authors else [("authors", "fp32")]) + [("ours", p) for p in args.precisions] \
         + ([("matrix", p) for p in args.precisions] if args.matrix else []) \
         + ([("before", p) for p in args.precisions] if args.against else []) \
         + ([("compiled", p) for p in args.precisions] if args.compiled else []) \
         + ([("eager", p) for p in args.precisions] if args.eager else [])
     if args.against and not os.path.isdir(os.path.join(args.against, "src", "sgraf")):
         parser.error(f"--against {args.against}: no src/sgraf there (a checkout of the project is expected)")
+    if args.theirs:
+        if args.device != "cpu":
+            parser.error("--theirs runs the authors' code on the CPU only")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from calibrate_authors import authors_module
+
+        authors_module(Path(args.theirs))   # a folder that is no checkout of theirs: refused now, in one line
     where = torch_device_name(args.device)
     common = ["--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
               "--device", args.device, "--scale", str(args.scale)] \
         + (["--chunk", str(args.chunk)] if args.chunk else []) \
-        + (["--no-checkpoint"] if args.no_checkpoint else [])
+        + (["--no-checkpoint"] if args.no_checkpoint else []) \
+        + (["--theirs", args.theirs] if args.theirs else [])
     size = "the paper's sizes" if args.scale == 1 else f"feature sizes / {args.scale}"
     print(f"{where}: {size}, batch {args.batch}, {args.steps} timed rounds, {args.threads} threads, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
@@ -327,13 +351,23 @@ def main() -> None:
         if ref is None:
             continue
         for r in results:
-            if r["module"] == module and r["impl"] != "authors":
+            if r["module"] == module and r["impl"] not in ("authors", "theirs"):
                 rounds = [1 / x for x in r["per_round_vs_first"]]
                 peak = "" if args.no_memory else f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
                 ratio = ref["seconds_per_step"] / r["seconds_per_step"]
                 print(f"{module} {r['impl']} {r['precision']}: {ratio:.2f}x faster "
                       f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {peak}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
+    for module in args.modules:   # every row against the authors' own code
+        own = next((r for r in results if r["module"] == module and r["impl"] == "theirs"), None)
+        for r in results if own is not None else []:
+            if r["module"] == module and r is not own:
+                rounds = [o / x for o, x in zip(own["times"], r["times"])]
+                what = "the stand-in" if r["impl"] == "authors" else f"{r['impl']} {r['precision']}"
+                ratio = own["seconds_per_step"] / r["seconds_per_step"]
+                print(f"{module} {what} against their own train_emb: {ratio:.2f}x faster (ratio of the medians; per "
+                      f"round {', '.join(f'{x:.2f}' for x in rounds)}; first loss {r['first_loss']:.4f} vs "
+                      f"{own['first_loss']:.4f})")
     for r in results:
         ours = next((o for o in results if o["module"] == r["module"] and o["impl"] == "ours"
                      and o["precision"] == r["precision"]), None)

@@ -287,6 +287,28 @@ class SGRAF(object):
 '''
 
 
+def test_bench_train_steps_the_authors_own_code_in_a_process_of_its_own(tmp_path):
+    """benchmarks/bench_train.py --theirs DIR: the authors' `train_emb` (a model.py of their
+    interface here) as one more row, in its own process, with the same first loss as the stand-in
+    and ours, and every row's ratio against it; a folder without model.py refused in one line."""
+    (tmp_path / "model.py").write_text(FAKE_AUTHORS_MODEL, encoding="utf-8")
+    command = [sys.executable, str(BENCHMARKS / "bench_train.py"), "--modules", "saf", "--precisions", "fp32",
+               "--batch", "6", "--scale", "16", "--steps", "1", "--threads", "1", "--no-memory",
+               "--theirs", str(tmp_path)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    losses = dict(re.findall(r"^saf  (theirs|authors|ours) .*first loss ([0-9.]+);", completed.stdout, re.M))
+    assert losses.keys() == {"theirs", "authors", "ours"} and len(set(losses.values())) == 1, completed.stdout
+    for what in ("the stand-in", "ours fp32"):
+        assert re.search(rf"^saf {what} against their own train_emb: [0-9.]+x faster \(ratio of the medians; per "
+                         rf"round [0-9.]+; first loss", completed.stdout, re.M), completed.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = subprocess.run([*command[:-1], str(empty)], capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and missing.stderr.strip() == (
+        f"{empty} has no model.py: give a checkout of Paranioar/SGRAF (branch python3.6)"), missing.stderr
+
+
 def test_calibrate_authors_steps_a_checkout_beside_the_stand_in(tmp_path):
     """benchmarks/calibrate_authors.py on a model.py of the authors' interface (our own stand-in
     for it; their code is not in the repository): the loss's mask put on the scores' device, our
