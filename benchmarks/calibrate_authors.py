@@ -10,6 +10,12 @@ stand-in, and `sgraf.training.train_step`, taking one step each in turn per roun
 rotating), on the paper-size model and the batch of `bench_train.py` (dropout off in all three,
 so their first losses agree: printed as the check that the same weights compute the same thing).
 
+All three share the process, so after sgraf's first step (`train_step` sets glibc to keep freed
+memory for the whole process, `sgraf.kernels.memory`) their step and the stand-in's run with that
+setting too, which their own runs do not have: the stand-in against their code is like for like
+here, and `bench_train.py --theirs DIR` times sgraf against their code with each in a process of
+its own (on a 2-core Intel Xeon their SAF step took 9.26 s there, 8.4-9.1 s here the same hour).
+
 Their model is built from DIR/model.py with one edit that changes no math: the loss's diagonal
 mask is put on the scores' device (their code defines it only on a CUDA machine). Their
 `logger` is a stub that keeps the loss. Our model's three state dicts load into theirs by name (every tensor of
