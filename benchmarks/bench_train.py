@@ -38,8 +38,8 @@ passes fused, SGR and SAF); its steps against ours per round. "ours" is the defa
 step); `--eager` adds "eager", ours with nothing compiled, and its steps against ours per round.
 Every row prints its warm-up step (the untimed first step: where the compilations happen).
 `--theirs DIR` adds "theirs": the authors' own `train_emb`, imported from a checkout of their
-repository in DIR (`calibrate_authors.py`'s harness: their model.py with its loss's mask on the
-scores' device, our weights loaded), in a process of its own as they run it (glibc's allocator
+repository in DIR (`authors_code.py`: their model.py with its loss's mask on the scores' device,
+our weights loaded), in a process of its own as they run it (glibc's allocator
 defaults: `calibrate_authors.py` steps it in the process where `train_step` has set glibc to
 keep freed memory, which speeds their step too), and prints every row's ratio against it.
 """
@@ -99,7 +99,7 @@ def make_step(model, batch, module: str, impl: str, precision: str, chunk: int |
     import torch
 
     if impl == "theirs":
-        from calibrate_authors import authors_module, authors_step
+        from authors_code import authors_module, authors_step
 
         return authors_step(authors_module(Path(theirs)), model, batch, module)
 
@@ -308,7 +308,7 @@ def main() -> None:
         if args.device != "cpu":
             parser.error("--theirs runs the authors' code on the CPU only")
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from calibrate_authors import authors_module
+        from authors_code import authors_module
 
         authors_module(Path(args.theirs))   # a folder that is no checkout of theirs: refused now, in one line
     where = torch_device_name(args.device)
