@@ -174,7 +174,7 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
     """Seconds per step of every (impl, precision) in `runs`, each in a process of its own (so
     that one's memory and allocator settings do not reach the other), the processes stepping in
     turn: one warm-up step each, then `steps` rounds of one step of each (so that a change of the
-    machine's load hits all of them); medians, and each round's time relative to the round's first run.
+    machine's load hits all of them); medians and every round's time.
     `common` holds the children's arguments (the batch size, threads and device given here too)."""
     children = []
     try:
@@ -210,7 +210,7 @@ def timing(module: str, runs: list[tuple[str, str]], common: list[str], steps: i
                 except subprocess.TimeoutExpired:
                     child.kill()
     return [{"module": module, "impl": impl, "precision": precision, "seconds_per_step": statistics.median(t),
-             "times": t, "per_round_vs_first": [x / y for x, y in zip(t, times[0])], "first_loss": loss[0],
+             "times": t, "first_loss": loss[0],
              "warmup_seconds": warmup, "threads": threads, "batch_size": batch_size, "device": device}
             for (impl, precision), t, loss, warmup in zip(runs, times, losses, warmups)]
 
@@ -241,6 +241,12 @@ def memory(module: str, impl: str, precision: str, batch_size: int, threads: int
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"module": module, "impl": impl, "precision": precision, "peak_gib": peak}
+
+
+def speed_against(slow: dict, fast: dict) -> tuple[float, list[float]]:
+    """How much faster `fast` ran than `slow`: the ratio of their medians, and of each round's times
+    (the configurations step in turn, so a round holds one step of each)."""
+    return slow["seconds_per_step"] / fast["seconds_per_step"], [s / f for s, f in zip(slow["times"], fast["times"])]
 
 
 def torch_device_name(device: str) -> str:
@@ -352,9 +358,8 @@ def main() -> None:
             continue
         for r in results:
             if r["module"] == module and r["impl"] not in ("authors", "theirs"):
-                rounds = [1 / x for x in r["per_round_vs_first"]]
+                ratio, rounds = speed_against(ref, r)
                 peak = "" if args.no_memory else f"{r['peak_gib'] / ref['peak_gib']:.2f}x the authors' peak memory "
-                ratio = ref["seconds_per_step"] / r["seconds_per_step"]
                 print(f"{module} {r['impl']} {r['precision']}: {ratio:.2f}x faster "
                       f"(ratio of the medians; per round {', '.join(f'{x:.2f}' for x in rounds)}), {peak}"
                       f"(first loss {r['first_loss']:.4f} vs {ref['first_loss']:.4f})")
@@ -362,9 +367,8 @@ def main() -> None:
         own = next((r for r in results if r["module"] == module and r["impl"] == "theirs"), None)
         for r in results if own is not None else []:
             if r["module"] == module and r is not own:
-                rounds = [o / x for o, x in zip(own["times"], r["times"])]
+                ratio, rounds = speed_against(own, r)
                 what = "the stand-in" if r["impl"] == "authors" else f"{r['impl']} {r['precision']}"
-                ratio = own["seconds_per_step"] / r["seconds_per_step"]
                 print(f"{module} {what} against their own train_emb: {ratio:.2f}x faster (ratio of the medians; per "
                       f"round {', '.join(f'{x:.2f}' for x in rounds)}; first loss {r['first_loss']:.4f} vs "
                       f"{own['first_loss']:.4f})")
@@ -379,8 +383,8 @@ def main() -> None:
             slow, fast, name = r, ours, f"ours {r['precision']} against eager"
         else:                       # the compiled pairs against ours
             slow, fast, name = ours, r, f"compiled {r['precision']} against ours"
-        rounds = [s / f for s, f in zip(slow["times"], fast["times"])]
-        print(f"{r['module']} {name}: {slow['seconds_per_step'] / fast['seconds_per_step']:.3f}x faster (ratio of "
+        ratio, rounds = speed_against(slow, fast)
+        print(f"{r['module']} {name}: {ratio:.3f}x faster (ratio of "
               f"the medians; per round {', '.join(f'{x:.3f}' for x in rounds)})"
               + (f"; its warm-up step (the compilations) {r['warmup_seconds']:.1f} s, ours "
                  f"{ours['warmup_seconds']:.1f} s" if r["impl"] == "compiled" else ""))

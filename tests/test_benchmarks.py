@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import subprocess
@@ -295,13 +296,20 @@ def test_bench_train_steps_the_authors_own_code_in_a_process_of_its_own(tmp_path
     command = [sys.executable, str(BENCHMARKS / "bench_train.py"), "--modules", "saf", "--precisions", "fp32",
                "--batch", "6", "--scale", "16", "--steps", "1", "--threads", "1", "--no-memory",
                "--theirs", str(tmp_path)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run([*command, "--json", str(tmp_path / "results.json")], capture_output=True, text=True,
+                               timeout=300)
     assert completed.returncode == 0, completed.stderr[-2000:]
     losses = dict(re.findall(r"^saf  (theirs|authors|ours) .*first loss ([0-9.]+);", completed.stdout, re.M))
     assert losses.keys() == {"theirs", "authors", "ours"} and len(set(losses.values())) == 1, completed.stdout
-    for what in ("the stand-in", "ours fp32"):
-        assert re.search(rf"^saf {what} against their own train_emb: [0-9.]+x faster \(ratio of the medians; per "
-                         rf"round [0-9.]+; first loss", completed.stdout, re.M), completed.stdout
+    # each ratio's rounds are the times of its own two rows (not of the first row run)
+    times = {r["impl"]: r["times"][0] for r in json.loads((tmp_path / "results.json").read_text())}
+    expected = {"saf ours fp32: ": times["authors"] / times["ours"],
+                "saf the stand-in against their own train_emb: ": times["theirs"] / times["authors"],
+                "saf ours fp32 against their own train_emb: ": times["theirs"] / times["ours"]}
+    for line, ratio in expected.items():
+        found = re.search(rf"^{line}[0-9.]+x faster \(ratio of the medians; per round ([0-9.]+)[;)]", completed.stdout,
+                          re.M)
+        assert found and found.group(1) == f"{ratio:.2f}", (line, ratio, completed.stdout)
     empty = tmp_path / "empty"
     empty.mkdir()
     missing = subprocess.run([*command[:-1], str(empty)], capture_output=True, text=True, timeout=300)
