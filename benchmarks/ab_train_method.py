@@ -3,8 +3,8 @@
 A change of a few per cent to a training step is below what separate processes can resolve on a
 shared machine (`bench_train.py --against` runs each configuration in a process of its own).
 This takes the earlier version of one method (`--method FILE:CLASS.NAME`, FILE under
-src/sgraf/, default `model/sgraf.py:SGRAF._train_block_scores`; `FILE:NAME` for a function of
-the module, replaced wherever sgraf's modules imported it) from another checkout's file
+src/sgraf/, default `kernels/train_chunks.py:block_scores`, a training step's chunks; `FILE:NAME`
+for a function of the module, replaced wherever sgraf's modules imported it) from another checkout's file
 (compiled into this tree's module namespace, so the method must need nothing the module no
 longer has), builds two copies of the paper-size model of `bench_train.py` on the same batch,
 and steps them in turn, the method switched before each step, the order alternating per round:
@@ -71,7 +71,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkout", type=Path, help="the other checkout (e.g. a git worktree)")
-    parser.add_argument("--method", default="model/sgraf.py:SGRAF._train_block_scores", metavar="FILE:CLASS.NAME")
+    parser.add_argument("--method", default="kernels/train_chunks.py:block_scores", metavar="FILE:CLASS.NAME")
     parser.add_argument("--module", choices=["sgr", "saf"], default="saf")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     add_step_arguments(parser, rounds=6)

@@ -214,12 +214,12 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
     """A training step's median seconds and peak memory with other shares of the free memory for
     the kept chunks (`TRAIN_GPU_KEEP_SHARE`) and the chunk size (`TRAIN_GPU_MEMORY_SHARE`, with no
     cap in (image, word) pairs: the sweep that set `TRAIN_GPU_CHUNK_PAIRS`)."""
-    from sgraf.model import sgraf as model_module
+    from sgraf.kernels import train_chunks
 
     names = ("TRAIN_GPU_KEEP_SHARE", "TRAIN_GPU_MEMORY_SHARE", "TRAIN_GPU_CHUNK_PAIRS")
-    saved = [getattr(model_module, name) for name in names]
+    saved = [getattr(train_chunks, name) for name in names]
     for name, value in zip(names, (keep_share, memory_share, 2**62)):
-        setattr(model_module, name, value)
+        setattr(train_chunks, name, value)
     try:
         model, batch, _, step = training(module, precision, batch_size, device, scale)
         step()
@@ -227,7 +227,7 @@ def sweep_figures(module: str, precision: str, batch_size: int, steps: int, devi
         chunks = len(model.train_chunks(batch_size, batch.lengths))
     finally:
         for name, value in zip(names, saved):
-            setattr(model_module, name, value)
+            setattr(train_chunks, name, value)
     return (f"sweep keep {keep_share:.4f} chunk {memory_share:.4f} ({chunks} chunks), {module} {precision}: "
             f"{statistics.median(times):.4f} s, peak {peak_gib(device):.2f} GiB")
 

@@ -225,8 +225,8 @@ def test_the_session_20_benchmarks_time_both_ways(script, args, lines):
 
 
 def test_ab_train_method_steps_this_method_against_another_checkouts():
-    """benchmarks/ab_train_method.py: this tree's `SGRAF._train_block_scores` against the same
-    method taken from a checkout's file (here this one: the same code, so the same first loss)."""
+    """benchmarks/ab_train_method.py: this tree's `train_chunks.block_scores` against the same
+    function taken from a checkout's file (here this one: the same code, so the same first loss)."""
     root = BENCHMARKS.parent
     completed = subprocess.run([sys.executable, str(BENCHMARKS / "ab_train_method.py"), str(root), "--batch", "6",
                                 "--scale", "32", "--rounds", "2", "--threads", "1"],

@@ -21,7 +21,7 @@ from numerics import BFLOAT16_GRADIENT, GRADIENT, REORDERED, assert_close, large
 from sgraf.errors import InputError
 from sgraf.model.loss import max_pairs
 from sgraf.kernels import compiled, plan
-from sgraf.model import sgraf as sgraf_model
+from sgraf.kernels import eval_chunks
 from sgraf.training import pairs
 from sgraf.training.config import preset
 
@@ -57,7 +57,7 @@ def inductor_scores():
     inputs = random_batch(model, 10, short)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(sgraf_model, "EVAL_CHUNK_BYTES", CHUNK_BYTES)
+            patch.setattr(eval_chunks, "EVAL_CHUNK_BYTES", CHUNK_BYTES)
             eager = model.score(*inputs, batch_size=BATCH)
             graphs, breaks = [_graphs()], _breaks()
             with compiled.compiling(), torch._inductor.config.patch(compile_threads=1):
@@ -115,7 +115,7 @@ def compiled_scores():
     fewer = images[:3], captions[:13], lengths[:13]      # the same widths: chunks padded to the same grid
     runs = [(model, inputs, 1), (model, inputs, 1), (other, fewer, 1), (threaded, inputs, 2)]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sgraf_model, "EVAL_CHUNK_BYTES", CHUNK_BYTES)
+        patch.setattr(eval_chunks, "EVAL_CHUNK_BYTES", CHUNK_BYTES)
         patch.setattr(blocks, "thread_mode", lambda *args, **kwargs: "blocks")   # a block per core
         results, breaks = [], _breaks()
         for run_model, run_inputs, threads in runs:
@@ -146,8 +146,10 @@ def test_compiled_scores_match_eager_within_the_reordered_budget(compiled_scores
 def test_a_split_compiles_one_graph_per_width_bucket_and_the_same_shapes_nothing(compiled_scores, monkeypatch):
     assert _widths() == {8, 16}
     model = compiled_scores["model"]
-    monkeypatch.setattr(sgraf_model, "EVAL_CHUNK_BYTES", CHUNK_BYTES)   # the fixture's chunk budget
-    assert [model.compiled_chunk_shape(width, torch.float32) for width in (8, 16)] == [(8, 4), (8, 2)]
+    monkeypatch.setattr(eval_chunks, "EVAL_CHUNK_BYTES", CHUNK_BYTES)   # the fixture's chunk budget
+    budget, embed = model.eval_chunk_bytes(torch.float32), model.config.embed_size
+    shapes = [eval_chunks.compiled_chunk_shape(budget, width, embed, torch.float32) for width in (8, 16)]
+    assert shapes == [(8, 4), (8, 2)]
     assert [run["graphs"] for run in compiled_scores["runs"][:2]] == [len(_widths()), 0]
     assert compiled_scores["breaks"] == 0
 

@@ -306,20 +306,20 @@ def test_a_signal_during_the_cpu_matmuls_crashes_nothing():
 
 
 def test_eval_chunks_are_measured_per_precision_and_change_no_score(tuning_cache, monkeypatch):
-    import sgraf.model.sgraf as sgraf_module
+    from sgraf.kernels import eval_chunks
     from sgraf.precision import autocast
 
     # small candidates so that the probe block really splits: 1, 2 and 4 pairs of 16 words x d=16
     pair = 16 * 16 * 4
-    monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_CANDIDATES", (4 * pair, pair, 2 * pair))
+    monkeypatch.setattr(eval_chunks, "EVAL_CHUNK_CANDIDATES", (4 * pair, pair, 2 * pair))
     model = random_model(3, module="sgr", num_regions=7)
     images, captions, lengths = random_batch(model, 5, [6, 3, 11, 3, 8], pad_to=13, seed=2)
     before = model.score(images, captions, lengths)
     chosen = model.tune_eval(torch.device("cpu"))
-    assert chosen in sgraf_module.EVAL_CHUNK_CANDIDATES
+    assert chosen in eval_chunks.EVAL_CHUNK_CANDIDATES
     assert model.eval_chunk_bytes(torch.float32) == chosen
     with autocast("bf16"):
-        assert model.tune_eval(torch.device("cpu")) in sgraf_module.EVAL_CHUNK_CANDIDATES
+        assert model.tune_eval(torch.device("cpu")) in eval_chunks.EVAL_CHUNK_CANDIDATES
     stored = json.loads(tuning_cache.read_text())
     chunk_keys = [key for key in stored if "eval chunk bytes" in key]
     assert len(chunk_keys) == 2 and {"torch.float32", "torch.bfloat16"} == {
@@ -333,7 +333,7 @@ def test_eval_chunks_are_measured_per_precision_and_change_no_score(tuning_cache
         assert model.eval_chunk_bytes(torch.float32) == 4 * pair
     assert model.eval_chunk_bytes(torch.float32) == chosen
     assert any(key.endswith("|2 blocks at once") for key in json.loads(tuning_cache.read_text()))
-    monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_BYTES", 12345)          # a fixed size wins
+    monkeypatch.setattr(eval_chunks, "EVAL_CHUNK_BYTES", 12345)          # a fixed size wins
     assert model.tune_eval(torch.device("cpu")) == model.eval_chunk_bytes(torch.float32) == 12345
 
 

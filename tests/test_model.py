@@ -226,7 +226,7 @@ FAST_CONFIGS = [dict(module="sgr"), dict(module="saf"), dict(module="joint"), di
 def test_eval_chunks_and_given_global_vectors_change_no_score(monkeypatch, config):
     """The eval path in many cache-sized chunks, and with global vectors computed beforehand
     (as the split scorer does), gives the per-caption oracle's scores."""
-    import sgraf.model.sgraf as sgraf_module
+    from sgraf.kernels import eval_chunks
 
     model = random_model(5, num_regions=7, **config)
     images, captions, lengths = random_batch(model, 9, LENGTHS + [4, 12, 7], pad_to=13, seed=4)
@@ -234,9 +234,13 @@ def test_eval_chunks_and_given_global_vectors_change_no_score(monkeypatch, confi
         expected = oracle_forward(model, images, captions, lengths)
         img_embs, cap_embs = model.encode_images(images), model.encode_captions(captions, lengths)
         # a budget of 6 (image, caption) pairs: chunks of 2 images x 3 captions (fewer at the edges)
-        monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_BYTES", 6 * 13 * model.config.embed_size * 4)
-        monkeypatch.setattr(sgraf_module, "EVAL_CHUNK_IMAGES", 2)
-        chunks = list(model.eval_chunks(9, len(lengths), 13, torch.float32, torch.device("cpu")))
+        budget = 6 * 13 * model.config.embed_size * 4
+        monkeypatch.setattr(eval_chunks, "EVAL_CHUNK_BYTES", budget)
+        monkeypatch.setattr(eval_chunks, "EVAL_CHUNK_IMAGES", 2)
+        assert model.eval_chunk_bytes(torch.float32) == budget
+        grid = eval_chunks.chunk_grid(9, len(lengths), 13, model.config.embed_size, torch.float32,
+                                      torch.device("cpu"), budget)
+        chunks = list(grid)
         assert len(chunks) > 10
         covered = torch.zeros(9, len(lengths), dtype=torch.int64)
         for rows, cols in chunks:

@@ -176,9 +176,9 @@ def _train_pass(model, batch, chunk, checkpoint):
 def test_chunked_checkpointed_training_equals_one_block(monkeypatch, config, keep_bytes):
     """Chunks, each recomputed in backward (whole, or only its heads when the nodes are light),
     or kept up to a byte budget, give one unchunked block's loss, gradients and buffers."""
-    import sgraf.model.sgraf as sgraf_module
+    from sgraf.kernels import train_chunks
 
-    monkeypatch.setattr(sgraf_module, "TRAIN_KEEP_BYTES", keep_bytes)
+    monkeypatch.setattr(train_chunks, "TRAIN_KEEP_BYTES", keep_bytes)
     lengths = [5, 3, 9, 3, 7, 4, 8]                     # unsorted, mixed, two of length 3
     batch = random_batch(random_model(4, num_regions=6, **config), 7, lengths, pad_to=11, seed=5)
     reference_model = random_model(4, num_regions=6, dropout=0.3, **config).train()
@@ -336,12 +336,12 @@ def test_the_training_reasoning_reads_its_last_query_rows_as_one_matrix(precisio
 
 
 def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
-    import sgraf.model.sgraf as sgraf_module
+    from sgraf.kernels import train_chunks
 
     model = random_model(2, module="saf").train()
     lengths = torch.tensor([4, 9, 2, 7, 3])
     # a budget of 10 padded words per chunk (3 images, d=16, float32)
-    monkeypatch.setattr(sgraf_module, "TRAIN_CHUNK_BYTES", 4 * 3 * 16 * 10)
+    monkeypatch.setattr(train_chunks, "TRAIN_CHUNK_BYTES", 4 * 3 * 16 * 10)
     chunks = [c.tolist() for c in model.train_chunks(3, lengths)]
     # sorted lengths 2, 3, 4, 7, 9: (2, 3) pads to 2 x 3 = 6 words; adding 4 would be 3 x 4 = 12 > 10
     assert chunks == [[2, 4], [0], [3], [1]]
@@ -353,23 +353,23 @@ def test_train_chunks_follow_the_memory_budget_and_sort_by_length(monkeypatch):
 
 
 def test_train_chunks_on_a_gpu_take_a_number_of_pairs_within_a_share_of_its_free_memory(monkeypatch):
-    import sgraf.model.sgraf as sgraf_module
+    from sgraf.kernels import train_chunks
 
-    model = random_model(2, module="saf")
-    pairs = sgraf_module.TRAIN_GPU_CHUNK_PAIRS * 4 * model.config.embed_size   # bytes of its float32 block
-    assert model.train_chunk_bytes() == sgraf_module.TRAIN_CHUNK_BYTES          # CPU
+    embed, cpu = 16, torch.device("cpu")
+    pairs = train_chunks.TRAIN_GPU_CHUNK_PAIRS * 4 * embed                    # bytes of its float32 block
+    assert train_chunks.chunk_bytes(cpu, embed) == train_chunks.TRAIN_CHUNK_BYTES
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
-    assert model.train_chunk_bytes(torch.device("cuda")) == pairs
+    assert train_chunks.chunk_bytes(torch.device("cuda"), embed) == pairs
     # a share however little is free (the CPU's budget could be more than the device has left)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
-    assert model.train_chunk_bytes(torch.device("cuda")) == int(2**20 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
+    assert train_chunks.chunk_bytes(torch.device("cuda"), embed) == int(2**20 * train_chunks.TRAIN_GPU_MEMORY_SHARE)
     # the GPU plan emulated on the CPU (sgraf.kernels.plan) cuts the same way
     with plan.emulate_gpu(40 * 2**30):
-        assert model.train_chunk_bytes() == pairs
-        assert model.train_keep_bytes(torch.device("cpu")) == int(40 * 2**30 * sgraf_module.TRAIN_GPU_KEEP_SHARE)
+        assert train_chunks.chunk_bytes(cpu, embed) == pairs
+        assert train_chunks.keep_bytes(cpu) == int(40 * 2**30 * train_chunks.TRAIN_GPU_KEEP_SHARE)
     with plan.emulate_gpu(2**20):
-        assert model.train_chunk_bytes() == int(2**20 * sgraf_module.TRAIN_GPU_MEMORY_SHARE)
-    assert model.train_keep_bytes(torch.device("cpu")) == sgraf_module.TRAIN_KEEP_BYTES
+        assert train_chunks.chunk_bytes(cpu, embed) == int(2**20 * train_chunks.TRAIN_GPU_MEMORY_SHARE)
+    assert train_chunks.keep_bytes(cpu) == train_chunks.TRAIN_KEEP_BYTES
     # at the paper's size a Flickr30K-like batch of 128 takes a few chunks (3 on the H200 measured)
     # (the paper's sizes / 16: the cuts do not depend on the sizes)
     torch.manual_seed(1)

@@ -132,9 +132,9 @@ def test_a_step_in_several_chunks_under_the_gpu_plan_matches_authors(golden, nam
     """The GPU plan's training cut (several chunks since the H200 sweep, `TRAIN_GPU_CHUNK_PAIRS`),
     with every chunk's intermediates kept (the default share) or every chunk recomputed: the
     same loss and gradients as the authors' one pass."""
-    import sgraf.model.sgraf as sgraf_module
+    from sgraf.kernels import train_chunks
 
-    monkeypatch.setattr(sgraf_module, "TRAIN_GPU_KEEP_SHARE", keep_share)
+    monkeypatch.setattr(train_chunks, "TRAIN_GPU_KEEP_SHARE", keep_share)
     with plan.emulate_gpu():
         case, model, config, optimizer, batch = _setup(golden, name)
         model.train_chunk = 2                                       # 6 captions: 3 chunks

@@ -163,7 +163,7 @@ def test_the_pairs_gather_their_images_and_captions_with_a_gradient_summed_in_a_
     step gave other gradients by rounding; `gather_rows` (`index_select`, its gradient
     `index_add_`) sums them in a fixed order. Every gather of the pairs goes through it."""
     from sgraf.kernels import plan
-    from sgraf.model import sgraf as sgraf_module
+    from sgraf.kernels import train_chunks
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -175,17 +175,17 @@ def test_the_pairs_gather_their_images_and_captions_with_a_gradient_summed_in_a_
         gradients = []
         for _ in range(8):
             leaf = regions.clone().requires_grad_()
-            sgraf_module.gather_rows(leaf, rows).backward(upstream)
+            train_chunks.gather_rows(leaf, rows).backward(upstream)
             gradients.append(leaf.grad)
         assert all(torch.equal(gradients[0], grad) for grad in gradients[1:])
         with plan.emulate_gpu():                                           # a CUDA tensor's: as x[index]
-            assert torch.equal(sgraf_module.gather_rows(regions, rows), regions[rows])
+            assert torch.equal(train_chunks.gather_rows(regions, rows), regions[rows])
     finally:
         torch.set_num_threads(threads)
 
     gathered = []
-    real = sgraf_module.gather_rows
-    monkeypatch.setattr(sgraf_module, "gather_rows", lambda tensor, index: gathered.append(tuple(tensor.shape))
+    real = train_chunks.gather_rows
+    monkeypatch.setattr(train_chunks, "gather_rows", lambda tensor, index: gathered.append(tuple(tensor.shape))
                         or real(tensor, index))
     model = random_model(module="sgr")
     batch = training_batch(model, [3, 7, 5, 2, 7, 4, 6, 3] * 4)

@@ -12,7 +12,9 @@ the eval block's Triton kernels beside their eager routes (`words`: the word and
 `attention`; `graph_steps`: SGR's reasoning steps; `filtration`: SAF's filter), chosen per device
 by `fused_routes`, `norms` (their eager routes' l2 norm), `gru` (the caption GRU's training pass
 on the CPU), `nodes` (a training chunk's word nodes, keeping no (word x feature) tensor for
-backward), `memory` (glibc's allocator kept from returning freed memory), `compiled`
+backward), `eval_chunks` and `train_chunks` (how an eval block and a training batch are cut
+into chunks, and what a training chunk keeps for backward), `memory` (glibc's allocator kept
+from returning freed memory), `compiled`
 (`torch.compile` of the eval chunk, the training pairs and the bf16 nodes' passes) and `packing`
 (the GRU's packed order with one gather). Nothing here imports the model, the scorer or anything
 above them.

@@ -4,8 +4,8 @@ A compiled function is specialised to the shapes it is called with: scoring a sp
 captions have every length from 1 to 60 would compile one graph per length and per chunk size.
 So the compiled path pads what it hands the compiler: caption widths rounded up to a multiple of
 `WIDTH_STEP` words (`bucket_width`), and each eval chunk padded to the full images x captions
-of the chunk grid (see `SGRAF.eval_chunks`). A split then compiles one graph per width bucket
-(at most `max_width / WIDTH_STEP` of them, per precision), and a second split of the same
+of the chunk grid (see `sgraf.kernels.eval_chunks`). A split then compiles one graph per width
+bucket (at most `max_width / WIDTH_STEP` of them, per precision), and a second split of the same
 widths compiles nothing. Padded words are masked like the padding of a caption; padded images
 and captions are scored and dropped.
 
@@ -108,7 +108,7 @@ def eval_enabled() -> bool:
 
 
 def train_enabled() -> bool:
-    """Whether a training step's selected pairs run compiled (`SGRAF._pair_scores`)."""
+    """Whether a training step's selected pairs run compiled (`sgraf.kernels.train_chunks.pair_scores`)."""
     return mode() in ("train", "all")
 
 

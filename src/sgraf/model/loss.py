@@ -43,5 +43,5 @@ def max_pairs(n_images: int, n_columns: int) -> int:
     hardest-negative loss (`ranking_loss` with `max_violation`) has a gradient at: each column's
     positive and hardest negative image, and each image's hardest negative caption (3B for a
     whole B x B matrix). `sgraf.training.pairs` lists that many entries under the GPU plan, and
-    the compiled pairs (`SGRAF._pair_scores`) are padded to it."""
+    the compiled pairs (`sgraf.kernels.train_chunks.pair_scores`) are padded to it."""
     return min(2 * n_columns + n_images, n_images * n_columns)

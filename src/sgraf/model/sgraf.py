@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
-from sgraf.kernels import attention, compiled, edges, filtration, graph_steps, plan, tuning
+from sgraf.kernels import (attention, compiled, edges, eval_chunks, filtration, graph_steps, plan, train_chunks,
+                           tuning)
 from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear
 from sgraf.model import blocks
@@ -35,50 +35,6 @@ logger = logging.getLogger(__name__)
 
 HEADS = ("sgr", "saf")
 
-# Auto chunk size for train-mode scoring: captions per chunk such that one chunk's
-# (n_img, n_cap, L, d) float32 block is about this many bytes (its other intermediates are
-# a few times that).
-TRAIN_CHUNK_BYTES = 64 * 2**20
-# On a GPU a chunk holds up to this many (image, word) pairs: at the paper's embed size of 1,024
-# its float32 block is 576 MiB. A chunk is padded to its own longest caption, so one chunk for a
-# whole batch pads every caption to the batch's longest (a Flickr30K-like batch of 128: 5,632 word
-# slots for 1,733 words; in 3 chunks, 2,966). Measured on an H200 (benchmarks/gpu_profile.py
-# --sweep, benchmarks/results/gpu-h200-*-a53a8d5.txt), SGR fp32 at batch 128 trains in 0.068 s
-# and 3.7 GiB in 3 such chunks, against 0.125 s and 9.5 GiB in one (1/32 of the free memory).
-# Counting pairs rather than bytes cuts a batch the same way at any feature size (so the CPU's
-# emulated plan counts the device's launches).
-TRAIN_GPU_CHUNK_PAIRS = 147_456
-# ... and never more than this share of the device's free memory (a small or busy GPU).
-TRAIN_GPU_MEMORY_SHARE = 1 / 32
-# With light nodes (see `_train_similarity_heads`), the heads' intermediates of the first chunks
-# are kept for backward up to about this many bytes; the later chunks' are recomputed.
-TRAIN_KEEP_BYTES = 1024 * 2**20
-# On a GPU the heads' intermediates are kept up to this share of the free memory instead: a
-# recomputed chunk costs its forward again (on the H200, keeping all three chunks of a batch of
-# 128 took SGR fp32 from 0.082 s to 0.068 s for 0.9 GiB more; a quarter of an 80 GB card's
-# memory keeps every chunk of a paper-size batch).
-TRAIN_GPU_KEEP_SHARE = 1 / 4
-# Float32 (G, P, m)-sized intermediates the SGR/SAF heads keep for backward, per node (an
-# estimate from the layers of `train_graph_reasoning`; it sets where recomputing starts).
-HEAD_KEPT_PER_NODE = 8
-# Float32 (n_img, n_cap, L, d)-sized intermediates a chunk without light nodes (bf16, i2t, scalar
-# similarities) keeps for backward when it is not recomputed (an estimate, as above).
-CHUNK_KEPT_PER_WORD = 4
-# Eval fast path on CPU: bytes of the largest (image, caption, word) x d operand of one chunk, and
-# images per chunk. Chunks that fit the caches score a pair about 1.7x faster than 128 MiB blocks
-# (their intermediates are reused while hot), but the best size depends on the processor and the
-# precision, so `tune_eval` times these candidates once per machine, model size and
-# precision (`sgraf.kernels.tuning`): EVAL_CHUNK_DEFAULT stays unless another size is clearly
-# faster (on a 2-core AMD EPYC Zen 5, 4-16 MiB score within 5 % of each other: it stays); among
-# near-equal faster ones the smallest wins (less memory). An int in EVAL_CHUNK_BYTES fixes it.
-EVAL_CHUNK_CANDIDATES = (4 * 2**20, 8 * 2**20, 16 * 2**20, 32 * 2**20)   # most frugal first
-EVAL_CHUNK_DEFAULT = 8 * 2**20
-EVAL_CHUNK_BYTES: int | None = None
-EVAL_CHUNK_IMAGES = 8
-# A training step's selected pairs (`train_scores`) are scored again in this many groups of
-# similar caption length on the CPU: at the paper's batch, 4 groups cut their padded words from
-# about 3.3x their words to 1.5x.
-PAIR_GROUPS = 4
 # The probe's block: images x captions of this many tokens (about Flickr30K's mean length).
 EVAL_PROBE_BLOCK = (16, 64, 16)
 
@@ -222,9 +178,9 @@ class SGRAF(nn.Module):
         self.txt_enc = TextEncoder(config.vocab_size, config.word_dim, config.embed_size, config.num_layers,
                                    config.bi_gru, config.txt_norm, config.dropout)
         self.sim_enc = SimilarityEncoder(config)
-        # train-mode scoring: captions per chunk (None: from `train_chunk_bytes`) and whether chunks'
-        # intermediates may be recomputed in backward instead of kept (activation checkpointing;
-        # with light nodes only beyond `train_keep_bytes`, see `_train_similarity_heads`)
+        # train-mode scoring: captions per chunk (None: from the device's memory budget) and whether
+        # chunks' intermediates may be recomputed in backward instead of kept (activation
+        # checkpointing; with light nodes only beyond a budget: `sgraf.kernels.train_chunks`)
         self.train_chunk: int | None = None
         self.train_checkpoint = True
         # the self-attention global vectors (n_img, d), (n_cap, d) of the last train-mode scoring
@@ -398,17 +354,13 @@ class SGRAF(nn.Module):
         return f"{cfg.module}|d={cfg.embed_size}|m={cfg.sim_dim}|K={cfg.num_regions}|steps={cfg.sgr_step}"
 
     def eval_chunk_bytes(self, low: torch.dtype) -> int:
-        """The CPU chunk budget for `low`: EVAL_CHUNK_BYTES if set; inside `frozen_weights`, the
-        budget a scorer measured for its way of scoring (`tune_eval`); else the choice
-        measured for this machine by a plain call, or the default."""
-        if EVAL_CHUNK_BYTES is not None:
-            return EVAL_CHUNK_BYTES
-        if self._probe_chunk_bytes is not None:
-            return self._probe_chunk_bytes
-        if self._eval_constants is not None and "chunk_bytes" in self._eval_constants.get(low, {}):
-            return self._eval_constants[low]["chunk_bytes"]
-        return tuning.peek(f"eval chunk bytes|{low}|{self.size_key()}", EVAL_CHUNK_CANDIDATES,
-                           default=EVAL_CHUNK_DEFAULT)
+        """The CPU chunk budget for `low` (`sgraf.kernels.eval_chunks.chunk_budget`): inside
+        `frozen_weights`, the budget a scorer measured for its way of scoring (`tune_eval`); else
+        the choice measured for this machine by a plain call, or the default."""
+        measured = self._probe_chunk_bytes
+        if measured is None and self._eval_constants is not None:
+            measured = self._eval_constants.get(low, {}).get("chunk_bytes")
+        return eval_chunks.chunk_budget(low, self.size_key(), measured)
 
     @torch.no_grad()
     def tune_eval(self, device: torch.device, timer: Callable[[Callable[[], None]], float] | None = None,
@@ -440,7 +392,7 @@ class SGRAF(nn.Module):
             attention.measure_attention_route(device, low)
         if "saf" in self.heads and self.sim_enc.supports_fast():
             filtration.measure_filter_route(device, low, self.sim_enc.node_dim)
-        if plan.gpu_plan(device) or not self.sim_enc.supports_fast() or EVAL_CHUNK_BYTES is not None:
+        if plan.gpu_plan(device) or not self.sim_enc.supports_fast() or eval_chunks.EVAL_CHUNK_BYTES is not None:
             return self.eval_chunk_bytes(low)
         blocks: list[Callable[[], None]] = []      # the synthetic block, made at the first measurement only
 
@@ -453,8 +405,7 @@ class SGRAF(nn.Module):
             finally:
                 self._probe_chunk_bytes = None
 
-        name = f"eval chunk bytes|{low}|{self.size_key()}" + (f"|{label}" if label else "")
-        chosen = tuning.choose(name, EVAL_CHUNK_CANDIDATES, measure, default=EVAL_CHUNK_DEFAULT)
+        chosen = eval_chunks.choose_budget(low, self.size_key(), measure, label)
         if self._eval_constants is not None:
             self.eval_constants(low)["chunk_bytes"] = chosen
         return chosen
@@ -491,49 +442,21 @@ class SGRAF(nn.Module):
 
         return score_block
 
-    def eval_chunks(self, n_img: int, n_cap: int, n_words: int, low: torch.dtype,
-                    device: torch.device) -> Iterator[tuple[slice, slice]]:
-        """(image rows, caption columns) of the eval fast path's chunks.
-
-        On CPU a chunk holds at most `eval_chunk_bytes(low)` of (image, caption, word) x d
-        operands in the matmul dtype, so its intermediates stay in cache and in the allocator's
-        heap; elsewhere (GPUs) the block is one chunk. With compiled scoring
-        (`sgraf.kernels.compiled`) the CPU grid is fixed for a width: `EVAL_CHUNK_IMAGES` images
-        x at most `compiled.MAX_CHUNK_CAPTIONS` captions, whatever the block's size (the last
-        chunks are padded to it), so that a width compiles one graph.
-        """
-        if plan.gpu_plan(device):
-            yield slice(0, n_img), slice(0, n_cap)
-            return
-        if compiled.eval_enabled():
-            img_step, cap_step = self.compiled_chunk_shape(n_words, low)
-        else:
-            budget = self._eval_chunk_pairs(n_words, low)
-            img_step = min(n_img, EVAL_CHUNK_IMAGES)
-            cap_step = max(1, budget // img_step)
-            if cap_step >= n_cap:  # few captions: take more images instead
-                cap_step = n_cap
-                img_step = min(n_img, max(img_step, budget // n_cap))
-        for row in range(0, n_img, img_step):
-            for col in range(0, n_cap, cap_step):
-                yield slice(row, min(row + img_step, n_img)), slice(col, min(col + cap_step, n_cap))
-
     def _eval_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                                lengths: torch.Tensor, img_glo: torch.Tensor | None,
                                cap_glo: torch.Tensor | None, gram: torch.Tensor | None,
                                host_lengths: torch.Tensor | None = None, centres: torch.Tensor | None = None
                                ) -> dict[str, torch.Tensor]:
-        """Eval fast path: explicit precision instead of autocast (see `fast_forward`), in
-        cache-sized chunks; the global vectors (or given), the global nodes, the Gram matrices
-        (or given) and the casts to the matmul dtype done once for the block. `host_lengths`, the
-        lengths on the CPU when the caller has them there, size the chunks without waiting for
-        the device. `centres` (n_img, K, 2), a place model's: each chunk takes its places from
-        its own attention, and the words' directions are computed once for the block."""
+        """Eval fast path: explicit precision instead of autocast (see `fast_forward`), in the
+        chunks of `sgraf.kernels.eval_chunks` (cache-sized on the CPU); the global vectors (or
+        given), the global nodes, the Gram matrices (or given) and the casts to the matmul dtype
+        done once for the block. `host_lengths`, the lengths on the CPU when the caller has them
+        there, size the chunks without waiting for the device. `centres` (n_img, K, 2), a place
+        model's: each chunk takes its places from its own attention, and the words' directions
+        are computed once for the block."""
         sim = self.sim_enc
         device = words.device
         low = compute_dtype(device)
-        n_img, n_cap = img_embs.size(0), words.size(0)
-        scores = {head: torch.empty((n_img, n_cap), dtype=torch.float32, device=device) for head in self.heads}
         with torch.autocast(device.type, enabled=False):
             constants = self.eval_constants(low)
             # computed once for the block, not per chunk; with them, fast_forward reads the
@@ -546,65 +469,9 @@ class SGRAF(nn.Module):
             if sim.use_local and gram is None:
                 gram = sim.region_gram(img_embs)
             directions = None if centres is None else sim.place_term.word_directions(words.float(), word_mask)
-            regions, words = img_embs.to(low), words.to(low)
-            compile_chunks = compiled.eval_enabled()   # read once for the block
-            if compile_chunks:
-                # fixed shapes for the compiler: the width rounded up, every chunk padded to the grid
-                width = compiled.bucket_width(words.size(1))
-                words, word_mask = compiled.pad_to(words, width, 1), compiled.pad_to(word_mask, width, 1)
-                if directions is not None:
-                    directions = compiled.pad_to(directions, width, 1)
-            chunk_scores = compiled.compiled(_eval_chunk_scores) if compile_chunks else _eval_chunk_scores
-            for rows, cols in self.eval_chunks(n_img, n_cap, words.size(1), low, device):
-                if compile_chunks:
-                    chunk = self._compiled_chunk(chunk_scores, rows, cols, regions, words, word_mask, low,
-                                                 glo_nodes, gram, constants, device, centres, directions)
-                else:
-                    # a chunk is padded to its own longest caption
-                    n_words = int((lengths if host_lengths is None else host_lengths)[cols].max())
-                    chunk = chunk_scores(sim, regions[rows], words[cols, :n_words], word_mask[cols, :n_words], low,
-                                         None if glo_nodes is None else glo_nodes[rows, cols],
-                                         None if gram is None else gram[rows], constants["layers"],
-                                         constants["folded"], self.heads,
-                                         None if centres is None else centres[rows],
-                                         None if directions is None else directions[cols, :n_words])
-                for head, block in chunk.items():
-                    scores[head][rows, cols] = block
-        return scores
-
-    def compiled_chunk_shape(self, n_words: int, low: torch.dtype) -> tuple[int, int]:
-        """(images, captions) of every CPU eval chunk of caption width `n_words` under compiled
-        scoring: `EVAL_CHUNK_IMAGES` x as many captions as `eval_chunk_bytes(low)` allows, at most
-        `compiled.MAX_CHUNK_CAPTIONS`."""
-        budget = self._eval_chunk_pairs(n_words, low)
-        return EVAL_CHUNK_IMAGES, min(max(1, budget // EVAL_CHUNK_IMAGES), compiled.MAX_CHUNK_CAPTIONS)
-
-    def _eval_chunk_pairs(self, n_words: int, low: torch.dtype) -> int:
-        """(image, caption) pairs of caption width `n_words` whose (word x d) operands in `low`
-        fit `eval_chunk_bytes(low)`: the budget of a CPU eval chunk."""
-        return max(1, self.eval_chunk_bytes(low) // (n_words * self.config.embed_size * low.itemsize))
-
-    def _compiled_chunk(self, chunk_scores: Callable[..., dict[str, torch.Tensor]], rows: slice, cols: slice,
-                        regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor, low: torch.dtype,
-                        glo_nodes: torch.Tensor | None, gram: torch.Tensor | None, constants: dict[str, Any],
-                        device: torch.device, centres: torch.Tensor | None = None,
-                        directions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """One eval chunk through the compiled `_eval_chunk_scores`, padded to a fixed shape: the
-        CPU's chunk grid (`eval_chunks`), or under the GPU plan the block's counts rounded up to
-        powers of two. Padded images and captions are zeros (their scores are dropped)."""
-        pad = compiled.pad_to
-        n_rows, n_cols = rows.stop - rows.start, cols.stop - cols.start
-        if plan.gpu_plan(device):
-            img_size, cap_size = compiled.padded_count(n_rows), compiled.padded_count(n_cols)
-        else:
-            img_size, cap_size = self.compiled_chunk_shape(words.size(1), low)
-        chunk = chunk_scores(
-            self.sim_enc, pad(regions[rows], img_size), pad(words[cols], cap_size), pad(word_mask[cols], cap_size),
-            low, None if glo_nodes is None else pad(pad(glo_nodes[rows, cols], img_size), cap_size, 1),
-            None if gram is None else pad(gram[rows], img_size), constants["layers"], constants["folded"],
-            self.heads, None if centres is None else pad(centres[rows], img_size),
-            None if directions is None else pad(directions[cols], cap_size))
-        return {head: block[:n_rows, :n_cols] for head, block in chunk.items()}
+            return eval_chunks.score_chunks(sim, self.heads, img_embs.to(low), words.to(low), word_mask,
+                                            lengths if host_lengths is None else host_lengths, glo_nodes, gram,
+                                            constants, self.eval_chunk_bytes(low), centres, directions)
 
     @torch.no_grad()
     def region_grams(self, img_embs: torch.Tensor) -> torch.Tensor | None:
@@ -633,44 +500,12 @@ class SGRAF(nn.Module):
         words, word_mask, _ = _masked_words(cap_embs, lengths)
         return self.sim_enc.eval_caption_globals(words, word_mask, compute_dtype(cap_embs.device))
 
-    def train_chunk_bytes(self, device: torch.device | None = None) -> int:
-        """Bytes of one train-mode chunk's (images x captions x words x d) float32 block on
-        `device` (default: the model's): under the GPU plan (`sgraf.kernels.plan`)
-        `TRAIN_GPU_CHUNK_PAIRS` (image, word) pairs, at most `TRAIN_GPU_MEMORY_SHARE` of its free
-        memory; else `TRAIN_CHUNK_BYTES`."""
-        device = device or next(self.parameters()).device
-        if not plan.gpu_plan(device):
-            return TRAIN_CHUNK_BYTES
-        block_bytes = TRAIN_GPU_CHUNK_PAIRS * 4 * self.config.embed_size     # float32 (pairs, d)
-        return max(1, min(block_bytes, int(plan.free_memory(device) * TRAIN_GPU_MEMORY_SHARE)))
-
-    def train_keep_bytes(self, device: torch.device) -> int:
-        """Bytes of the heads' intermediates kept for backward before chunks are recomputed:
-        `TRAIN_GPU_KEEP_SHARE` of the free memory under the GPU plan, else `TRAIN_KEEP_BYTES`."""
-        if not plan.gpu_plan(device):
-            return TRAIN_KEEP_BYTES
-        return int(plan.free_memory(device) * TRAIN_GPU_KEEP_SHARE)
-
     def train_chunks(self, n_img: int, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """Caption indices of each train-mode chunk: captions sorted by length, so a chunk is
-        padded only to its own longest caption, then cut by `train_chunk` or the byte budget."""
-        order = torch.sort(lengths.cpu(), stable=True).indices
-        sorted_lengths = lengths.cpu()[order].tolist()
-        if self.train_chunk is not None:
-            if not isinstance(self.train_chunk, int) or self.train_chunk < 1:
-                raise InputError(f"train_chunk must be a positive number of captions, got {self.train_chunk!r}")
-            return list(torch.split(order, self.train_chunk))
-        budget_words = max(1, self.train_chunk_bytes() // (4 * n_img * self.config.embed_size))
-        chunks, start = [], 0
-        for end in range(1, len(order) + 1):
-            # sorted ascending: the chunk [start, end) is padded to sorted_lengths[end - 1]
-            if end - start > 1 and (end - start) * sorted_lengths[end - 1] > budget_words:
-                chunks.append(order[start:end - 1])
-                start = end - 1
-        chunks.append(order[start:])
-        if len(chunks) == 1:   # one chunk: keep the given order (sorting would only reorder sums);
-            return [order.sort().values]   # 0..n-1, made from the host lengths like the other chunks
-        return chunks
+        """Caption indices of each train-mode chunk against `n_img` images: `train_chunk` captions
+        each, or cut by the memory budget of the model's device
+        (`sgraf.kernels.train_chunks.caption_chunks`)."""
+        return train_chunks.caption_chunks(lengths, n_img, self.config.embed_size, next(self.parameters()).device,
+                                           self.train_chunk)
 
     def _train_similarity_heads(self, img_embs: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                                 lengths: torch.Tensor, host_lengths: torch.Tensor | None = None,
@@ -709,84 +544,12 @@ class SGRAF(nn.Module):
                             host_lengths: torch.Tensor | None, centres: torch.Tensor | None,
                             directions: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """`_train_similarity_heads` after the global vectors and the words' directions: the
-        per-pair part, which draws no random numbers and advances no BatchNorm but SAF's (whose
-        running statistics it applies once, in caption order)."""
-        sim = self.sim_enc
-        heads = self.heads
-        recompute = self.train_checkpoint and torch.is_grad_enabled()
-
-        def head_scores(nodes, node_mask, chunk_offset):
-            scores, saf_stats = sim.train_head_scores(nodes, node_mask, heads, chunk_offset)
-            return [scores[head] for head in heads], saf_stats
-
-        def place_offset(places, chunk_directions):
-            return None if places is None else sim.place_term.term(places, chunk_directions)
-
-        def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_centres, chunk_directions, gram):
-            nodes, node_mask, places = sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo,
-                                                       chunk_centres, gram=gram)
-            return head_scores(nodes, node_mask, place_offset(places, chunk_directions))
-
-        # With light nodes (`local_nodes` keeps no word x feature tensor), only the heads can need
-        # recomputing: their intermediates are kept for the first chunks, up to `train_keep_bytes`,
-        # and recomputed in backward for the rest. Otherwise every chunk is recomputed whole, except,
-        # under the GPU plan, the first chunks whose word x feature intermediates fit that budget
-        # too (a recomputed chunk launches its forward kernels twice).
-        light = sim.light_train_nodes(words)
-        kept_bytes, keep_bytes = 0, self.train_keep_bytes(words.device)
-        keep_whole = plan.gpu_plan(words.device)
-
-        columns: dict[str, list[torch.Tensor]] = {head: [] for head in heads}
-        means, variances = [], []
+        per-pair part, in `train_chunks` (`sgraf.kernels.train_chunks.block_scores`), recomputed in
+        backward where `train_checkpoint` allows."""
         host_lengths = lengths.cpu() if host_lengths is None else host_lengths
-        chunks = self.train_chunks(img_embs.size(0), host_lengths)
-        # the regions' Gram matrices (the contexts' norms, `train_nodes`) once for every chunk:
-        # one matmul forward and back instead of one per chunk
-        gram = (img_embs @ img_embs.transpose(1, 2)
-                if sim.use_local and sim.supports_fast() and len(chunks) > 1 else None)
-        order = torch.cat(chunks).to(words.device, non_blocking=True)   # a host tensor: no wait for the device
-        # the captions' tensors with autograd gathered once in chunk order and split: in backward one
-        # concatenation and one scatter, where a gather per chunk scattered each chunk's gradient into
-        # a whole zero tensor and added it to the others' (three passes over the words per chunk)
-        sizes = [len(index) for index in chunks]
-        word_parts, mask_parts = words[order].split(sizes), word_mask[order].split(sizes)
-        glo_parts = None if cap_glo is None else cap_glo[order].split(sizes)
-        direction_parts = None if directions is None else directions[order].split(sizes)
-        for part, index in enumerate(chunks):
-            n_words = int(host_lengths[index].max())
-            chunk_words, chunk_mask = word_parts[part][:, :n_words].contiguous(), mask_parts[part][:, :n_words]
-            chunk_glo = None if glo_parts is None else glo_parts[part]
-            chunk_directions = None if direction_parts is None else direction_parts[part][:, :n_words]
-            args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, centres, chunk_directions, gram)
-            if recompute and light:
-                nodes, node_mask, places = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo,
-                                                           centres, gram=gram)
-                chunk_offset = place_offset(places, chunk_directions)
-                kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE  # nodes: (n_img, n, P, m)
-                if kept_bytes <= keep_bytes:
-                    blocks, saf_stats = head_scores(nodes, node_mask, chunk_offset)
-                else:
-                    blocks, saf_stats = torch.utils.checkpoint.checkpoint(head_scores, nodes, node_mask, chunk_offset,
-                                                                          use_reentrant=False)
-            elif recompute:
-                # (n_img, n, L, d) float32-sized intermediates kept for backward (an estimate)
-                kept_bytes += img_embs.size(0) * chunk_words.numel() * 4 * CHUNK_KEPT_PER_WORD
-                if keep_whole and kept_bytes <= keep_bytes:
-                    blocks, saf_stats = chunk_scores(*args)
-                else:
-                    blocks, saf_stats = torch.utils.checkpoint.checkpoint(chunk_scores, *args, use_reentrant=False)
-            else:
-                blocks, saf_stats = chunk_scores(*args)
-            for head, block in zip(heads, blocks):
-                columns[head].append(block)                                       # (n_img, chunk)
-            if saf_stats is not None:
-                means.append(saf_stats[0])
-                variances.append(saf_stats[1])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        if means:
-            self.sim_enc.SAF_module.update_running_stats(torch.cat(means)[inverse], torch.cat(variances)[inverse])
-        return {head: torch.cat(cols, dim=1)[:, inverse] for head, cols in columns.items()}
+        return train_chunks.block_scores(self.sim_enc, self.heads, self.train_chunks(img_embs.size(0), host_lengths),
+                                         self.train_checkpoint and torch.is_grad_enabled(), img_embs, img_glo,
+                                         words, word_mask, cap_glo, host_lengths, centres, directions)
 
     def similarity(self, img_embs: torch.Tensor, cap_embs: torch.Tensor, lengths: Any,
                    head: str | None = None, img_glo: torch.Tensor | None = None,
@@ -863,48 +626,11 @@ class SGRAF(nn.Module):
                      directions: torch.Tensor | None, host_lengths: torch.Tensor | None, rows: torch.Tensor,
                      cols: torch.Tensor) -> dict[str, torch.Tensor]:
         """Train-mode scores (P,) of the aligned pairs (image rows[p], caption cols[p]), with
-        autograd, from a batch's embeddings (see `train_scores`).
-
-        Off the GPU plan, with the lengths on the CPU, the pairs are scored in `PAIR_GROUPS`
-        groups of similar caption length, each padded to its own longest caption (a batch's
-        longest caption is about three times its mean); under the GPU plan in one group as wide
-        as the batch (the pairs' lengths would be a read from the device).
-
-        Compiled (`sgraf.kernels.compiled.train_enabled`), the pairs are padded with pair (0, 0)
-        to the hardest-negative loss's bound (`max_pairs`, fixed for a batch size; their scores
-        are dropped) and each group's width is rounded up (`bucket_width`): fixed shapes, so a
-        run compiles a handful of graphs."""
-        compile_pairs = compiled.train_enabled()
-        n_pairs = rows.numel()
-        if compile_pairs:
-            # the loss's bound, a multiple of the groups' number (groups of one size: one graph per width)
-            size = -(-max(n_pairs, max_pairs(regions.size(0), words.size(0))) // PAIR_GROUPS) * PAIR_GROUPS
-            rows, cols = compiled.pad_to(rows, size), compiled.pad_to(cols, size)
-        group_scores = compiled.compiled(_pair_group_scores) if compile_pairs else _pair_group_scores
-
-        def group(rows: torch.Tensor, cols: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
-            def cut(tensor: torch.Tensor | None) -> torch.Tensor | None:
-                if tensor is None:
-                    return None
-                if not compile_pairs:
-                    return tensor[:, :width]
-                return compiled.pad_to(tensor[:, :width], compiled.bucket_width(width), 1)
-            return group_scores(self.sim_enc, self.heads, regions, img_glo, cut(words), cut(word_mask), cap_glo,
-                                centres, cut(directions), rows, cols)
-
-        if host_lengths is None or plan.gpu_plan(words.device) or n_pairs < 2:
-            scores = group(rows, cols, words.size(1))
-            return {head: block[:n_pairs] for head, block in scores.items()}
-        sorted_lengths, order = torch.sort(host_lengths[cols.cpu()], stable=True)
-        n_groups = min(PAIR_GROUPS, len(order))
-        parts = []
-        for part, part_lengths in zip(order.tensor_split(n_groups), sorted_lengths.tensor_split(n_groups)):
-            # the group's longest caption (sorted ascending)
-            parts.append(group(rows[part], cols[part], int(part_lengths[-1])))
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order))
-        inverse = inverse[:n_pairs].to(words.device)
-        return {head: torch.cat([part[head] for part in parts])[inverse] for head in self.heads}
+        autograd, from a batch's embeddings (see `train_scores`;
+        `sgraf.kernels.train_chunks.pair_scores`, compiled padded to the loss's `max_pairs`)."""
+        return train_chunks.pair_scores(self.sim_enc, self.heads, regions, img_glo, words, word_mask, cap_glo,
+                                        centres, directions, host_lengths, rows, cols,
+                                        max_pairs(regions.size(0), words.size(0)))
 
     @torch.no_grad()
     def score(self, images: torch.Tensor, captions: torch.Tensor, lengths: Any,
@@ -951,52 +677,6 @@ class TrainScores:
         """{head: (P,) scores} of the pairs (rows[p], cols[p]), with autograd: the same values
         as `values[head][rows, columns][:, cols]` up to float rounding."""
         return self._pairs(rows, cols)
-
-
-def _eval_chunk_scores(sim: SimilarityEncoder, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
-                       low: torch.dtype, glo_nodes: torch.Tensor | None, gram: torch.Tensor | None,
-                       layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                       folded: list[tuple[torch.Tensor, ...]] | None, heads: tuple[str, ...],
-                       centres: torch.Tensor | None = None, directions: torch.Tensor | None = None
-                       ) -> dict[str, torch.Tensor]:
-    """Scores {head: float32 (n_img, n_cap)} of one eval chunk: the nodes (`fast_forward`) and the
-    heads (`fast_head_scores`); for a place model (`centres` and the words' `directions`) with the
-    place term of the places the chunk's attention reads. A function of its arguments only,
-    weights included, so that `sgraf.kernels.compiled` compiles it once per shape for every model
-    and set of weights."""
-    nodes, node_mask, places = sim.fast_forward(regions, words, word_mask, low, glo_nodes, gram, layers, centres)
-    offset = None if places is None else sim.place_term.term(places, directions)
-    return sim.fast_head_scores(nodes, node_mask, heads, low, folded, offset)
-
-
-def _pair_group_scores(sim: SimilarityEncoder, heads: tuple[str, ...], regions: torch.Tensor,
-                       img_glo: torch.Tensor | None, words: torch.Tensor, word_mask: torch.Tensor,
-                       cap_glo: torch.Tensor | None, centres: torch.Tensor | None, directions: torch.Tensor | None,
-                       rows: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Train-mode scores {head: (P,)} of the aligned pairs (image rows[p], caption cols[p]), with
-    autograd, padded to the words' width (`SGRAF._pair_scores`). A function of its arguments only,
-    weights included, so that `sgraf.kernels.compiled` compiles it once per shape for any model
-    and set of weights."""
-    def take(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-        return None if tensor is None else gather_rows(tensor, index)
-
-    nodes, node_mask, places = sim.train_nodes(
-        take(regions, rows), take(words, cols), word_mask[cols], take(img_glo, rows), take(cap_glo, cols),
-        take(centres, rows), aligned=True)
-    offset = None if places is None else sim.place_term.term(places, take(directions, cols))
-    scores, _ = sim.train_head_scores(nodes, node_mask, heads, offset)        # {head: (1, P)}
-    return {head: block.view(-1) for head, block in scores.items()}
-
-
-def gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`tensor[index]` along the first dimension, an index that repeats rows (the pairs' images
-    and captions). On the CPU plan by `index_select`, whose gradient `index_add_` sums the
-    repeated rows in a fixed order: the gradient of `tensor[index]` (`index_put_` accumulating)
-    sums them in whatever order its threads reach them, so two runs of the same step on two
-    threads gave gradients apart by rounding (29 of 30 backward passes of one gather differed
-    from the first). Under the GPU plan as `tensor[index]` (CUDA's `index_put_` sorts its
-    indices; `index_add_` would add them atomically, in no fixed order)."""
-    return tensor[index] if plan.gpu_plan(tensor.device) else tensor.index_select(0, index)
 
 
 def _host_lengths(lengths: Any) -> torch.Tensor | None:
