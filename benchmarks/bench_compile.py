@@ -116,7 +116,8 @@ def bench_score(args: argparse.Namespace, module: str) -> None:
 
 def bench_reasoning(args: argparse.Namespace) -> None:
     from sgraf.kernels import cpu
-    from sgraf.model.reasoning import GraphReasoning, fast_graph_reasoning, fold_steps
+    from sgraf.kernels.graph_steps import fast_graph_reasoning, fold_steps
+    from sgraf.model.reasoning import GraphReasoning
 
     torch.manual_seed(0)
     dim = 16 if args.smoke else 256

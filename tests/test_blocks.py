@@ -21,11 +21,11 @@ LENGTHS = [6, 3, 11, 3, 8, 5, 3, 9, 4, 12, 7]
 
 def _recording(monkeypatch, model):
     """Record the caption width of every `similarity` call and count the per-call constants."""
-    import sgraf.model.sgraf as sgraf_module
+    from sgraf.kernels import graph_steps
 
     widths, folds, globals_ = [], [], []
     similarity = model.similarity
-    fold_steps = sgraf_module.fold_steps
+    fold_steps = graph_steps.fold_steps
     visual = model.sim_enc.v_global_w.forward
 
     def similarity_recording(img_embs, cap_embs, lengths, *args, **kwargs):
@@ -33,7 +33,7 @@ def _recording(monkeypatch, model):
         return similarity(img_embs, cap_embs, lengths, *args, **kwargs)
 
     monkeypatch.setattr(model, "similarity", similarity_recording)
-    monkeypatch.setattr(sgraf_module, "fold_steps", lambda *a: folds.append(1) or fold_steps(*a))
+    monkeypatch.setattr(graph_steps, "fold_steps", lambda *a: folds.append(1) or fold_steps(*a))
     monkeypatch.setattr(model.sim_enc.v_global_w, "forward", lambda *a: globals_.append(1) or visual(*a))
     return {"widths": widths, "folds": folds, "image_globals": globals_}
 

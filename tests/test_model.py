@@ -260,13 +260,13 @@ def test_eval_chunks_and_given_global_vectors_change_no_score(monkeypatch, confi
 def test_frozen_weights_prepare_constants_once_and_only_inside(monkeypatch):
     """Inside `frozen_weights` the folded SGR weights are computed once per precision; outside,
     every call sees the current weights (a change through `.data` included)."""
-    import sgraf.model.sgraf as sgraf_module
+    from sgraf.kernels import graph_steps
 
     model = random_model(6, module="sgr", num_regions=7).eval()
     images, captions, lengths = random_batch(model, 3, LENGTHS, pad_to=13, seed=5)
     folds = []
-    fold_steps = sgraf_module.fold_steps
-    monkeypatch.setattr(sgraf_module, "fold_steps", lambda *args: folds.append(1) or fold_steps(*args))
+    fold_steps = graph_steps.fold_steps
+    monkeypatch.setattr(graph_steps, "fold_steps", lambda *args: folds.append(1) or fold_steps(*args))
     with torch.no_grad():
         img_embs, cap_embs = model.encode_images(images), model.encode_captions(captions, lengths)
         plain = model.similarity(img_embs, cap_embs, lengths)

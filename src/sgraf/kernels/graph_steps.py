@@ -1,10 +1,12 @@
 """SGR's reasoning steps over every graph of an eval scoring block (Eq. 6-8), by the faster of
 two routes on this device.
 
-Each (image, caption) pair is a graph of a dozen nodes of 256 values. The eager route
-(`sgraf.model.reasoning.fast_graph_reasoning`: per step, the folded query matmul, the edge
-step of `sgraf.kernels.edges` and `ReLU(W_r E N + b_r)`) writes each step's queries, logits,
-edges, aggregates and new nodes to memory and reads them back: at a block of 256 images x 1,024
+`fast_graph_reasoning` is the one dispatch the model calls (`SimilarityEncoder.fast_head_scores`,
+with the weights of `fold_steps`); `sgraf.model.reasoning.graph_reasoning` is the math it is
+held to. Each (image, caption) pair is a graph of a dozen nodes of 256 values. The eager route
+(per step, the folded query matmul, the edge step of `sgraf.kernels.edges` and
+`ReLU(W_r E N + b_r)`) writes each step's queries, logits, edges, aggregates and new nodes to
+memory and reads them back: at a block of 256 images x 1,024
 captions of 13 words, about 21 GB per step in bf16 (`benchmarks/launch_counts.py --traffic`),
 where the nodes themselves are 1.9 GB.
 
@@ -34,12 +36,12 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from sgraf.kernels import edges
+from sgraf.kernels import edges, plan
 from sgraf.kernels.cpu import fast_linear
 from sgraf.kernels.fused_routes import FP_FUSION, ROUTES, FusedRoutes, dtype_key, fusable
 
@@ -59,7 +61,7 @@ MEASURED = ROUTE.measured
 
 
 class FoldedSteps(list):
-    """`sgraf.model.reasoning.fold_steps`' per-step weight tuples, and the same weights as the
+    """`fold_steps`' per-step weight tuples, and the same weights as the
     kernel reads them: each kind stacked over the steps (`stacked`, built at its first use and
     kept with the tuples, which never change, so a model's cached weights stack once, not on
     every scoring block)."""
@@ -68,6 +70,66 @@ class FoldedSteps(list):
     def stacked(self) -> tuple[torch.Tensor, ...]:
         """(bilinear_t (S, m, m), key_term (S, m), W_r (S, m, m), b_r (S, m)), contiguous."""
         return tuple(torch.stack([step[kind] for step in self]).contiguous() for kind in range(4))
+
+
+def fold_steps(steps: Iterable[Any], low: torch.dtype) -> FoldedSteps:
+    """Per step of `steps` (the model's `GraphReasoning` modules), the eval-mode weights of
+    `fast_graph_reasoning`, in `low`: the queries folded with the keys
+    (`GraphReasoning.folded_query`), then cast once.
+
+    Returns:
+        [(bilinear_t (m, m), key_term (m,), W_r (m, m), b_r (m,)), ...], one tuple per step (a
+        list that also keeps the weights stacked as the fused steps' kernel reads them).
+    """
+    folded = FoldedSteps()
+    for step in steps:
+        bilinear_t, key_term = step.folded_query()
+        folded.append((bilinear_t.to(low), key_term.to(low), step.sim_graph_w.weight.to(low),
+                       step.sim_graph_w.bias.to(low)))
+    return folded
+
+
+def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Tensor, node_mask: torch.Tensor,
+                         has_global: bool) -> torch.Tensor:
+    """Eval-only `sgraf.model.reasoning.graph_reasoning` (autocast off, no autograd) in the nodes'
+    dtype.
+
+    Per step: the edge logits use the folded `W_q^T W_k` (see `fold_steps`); the edge softmax
+    and the aggregation `E N` go through `sgraf.kernels.edges` (the faster of two routes on this
+    device); Eq. 8's `ReLU(W_r E N + b_r)` is one matmul with the ReLU applied as it writes. The
+    last step updates only the global node (the read-out). On a CUDA device with Triton all the
+    steps may instead run in one kernel (`reason`, by its measured route, `step_route`).
+    The matmuls and the edge softmax run in the nodes' dtype (float32, or bfloat16 for bf16
+    scoring, the softmax accumulating in float32); the result is float32.
+
+    Args:
+        folded: `fold_steps` of the model's reasoning steps, in the nodes' dtype.
+        nodes: (n_img, n_cap, P, m) similarity nodes, float32 or bfloat16.
+        node_mask: (n_cap, P) bool valid nodes.
+        has_global: node 0 is the global alignment (the read-out); else valid nodes are averaged.
+
+    Returns:
+        (n_img, n_cap, m) float32.
+    """
+    n_img, n_cap, n_nodes, dim = nodes.shape
+    low = nodes.dtype
+    # additive key mask (n_cap, P), shared by every image; 0 and -inf are exact in bf16. On the
+    # CPU None when every node is valid (captions of one length, as in a bucket); on a GPU always
+    # built, since asking would wait for the device (adding 0 is exact), and in a compiled graph,
+    # where a question about values would break the graph.
+    blocked = None
+    if plan.gpu_plan(nodes.device) or torch.compiler.is_compiling() or not bool(node_mask.all()):
+        blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device).masked_fill_(~node_mask, float("-inf"))
+    graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m)
+    route = step_route(nodes.device, low, dim, len(folded))
+    if folded and applies(route, n_nodes, has_global, low):                   # all the steps in one kernel
+        return reason(folded, graphs, blocked, n_cap, route).view(n_img, n_cap, dim)
+    graphs = eager_steps(folded, graphs, blocked, n_img, has_global).float()
+    if has_global:
+        return graphs[:, 0].reshape(n_img, n_cap, dim)
+    weights = node_mask.to(graphs.dtype).view(1, n_cap, n_nodes, 1)
+    pooled = (graphs.view(n_img, n_cap, n_nodes, dim) * weights).sum(dim=2) / weights.sum(dim=2)
+    return pooled
 
 
 def step_route(device: torch.device | str, dtype: torch.dtype, dim: int, steps: int) -> str:
@@ -126,7 +188,7 @@ def reason(folded: list[tuple[torch.Tensor, ...]], graphs: torch.Tensor, blocked
     """The fused route: every reasoning step over `graphs`, the global node's last vector.
 
     Args:
-        folded: `sgraf.model.reasoning.fold_steps` (a `FoldedSteps`; a plain list is stacked
+        folded: `fold_steps` (a `FoldedSteps`; a plain list is stacked
             here), in the nodes' dtype.
         graphs: (G, P, m) nodes of G = n_img x n_cap graphs (image-major), contiguous; node 0
             is the global node.

@@ -4,6 +4,11 @@ Each step has its own weights: edges `E = softmax_row(q k^T)` with `q = W_q N`, 
 (Eq. 6), aggregation `E N` (Eq. 7) and `N <- ReLU(W_r E N)` (Eq. 8). The output is the
 reasoned global node (or, without a global node, the mean of the reasoned local nodes, as the
 paper's Table 3 rows 2-3 describe).
+
+`graph_reasoning` is that math, `train_graph_reasoning` the same with the queries folded into the
+keys (one matmul less per step, every parameter's gradient kept). The eval fast path's steps,
+with those folded weights cast once (`fold_steps`) and a fused kernel on a GPU, are
+`sgraf.kernels.graph_steps.fast_graph_reasoning`.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sgraf.kernels import graph_steps, plan
 from sgraf.kernels.cpu import linear, train_linear
 
 
@@ -101,65 +105,6 @@ def graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: torch.
     weights = key_mask.transpose(1, 2).to(graphs.dtype)                # (G, P, 1)
     pooled = (graphs * weights).sum(dim=1) / weights.sum(dim=1)
     return pooled.view(n_img, n_cap, dim)
-
-
-def fold_steps(steps: nn.ModuleList, low: torch.dtype) -> graph_steps.FoldedSteps:
-    """Per step, the eval-mode weights of `fast_graph_reasoning`, in `low`.
-
-    The queries folded with the keys (`GraphReasoning.folded_query`), then cast once.
-
-    Returns:
-        [(bilinear_t (m, m), key_term (m,), W_r (m, m), b_r (m,)), ...], one tuple per step (a
-        list that also keeps the weights stacked as the fused steps' kernel reads them).
-    """
-    folded = graph_steps.FoldedSteps()
-    for step in steps:
-        bilinear_t, key_term = step.folded_query()
-        folded.append((bilinear_t.to(low), key_term.to(low), step.sim_graph_w.weight.to(low),
-                       step.sim_graph_w.bias.to(low)))
-    return folded
-
-
-def fast_graph_reasoning(folded: list[tuple[torch.Tensor, ...]], nodes: torch.Tensor, node_mask: torch.Tensor,
-                         has_global: bool) -> torch.Tensor:
-    """Eval-only `graph_reasoning` (autocast off, no autograd) in the nodes' dtype.
-
-    Per step: the edge logits use the folded `W_q^T W_k` (see `fold_steps`); the edge softmax
-    and the aggregation `E N` go through `sgraf.kernels.edges` (the faster of two routes on this
-    device); Eq. 8's `ReLU(W_r E N + b_r)` is one matmul with the ReLU applied as it writes. The
-    last step updates only the global node (the read-out). On a CUDA device with Triton all the
-    steps may instead run in one kernel (`sgraf.kernels.graph_steps`, by its measured route).
-    The matmuls and the edge softmax run in the nodes' dtype (float32, or bfloat16 for bf16
-    scoring, the softmax accumulating in float32); the result is float32.
-
-    Args:
-        folded: `fold_steps` of the model's reasoning steps, in the nodes' dtype.
-        nodes: (n_img, n_cap, P, m) similarity nodes, float32 or bfloat16.
-        node_mask: (n_cap, P) bool valid nodes.
-        has_global: node 0 is the global alignment (the read-out); else valid nodes are averaged.
-
-    Returns:
-        (n_img, n_cap, m) float32.
-    """
-    n_img, n_cap, n_nodes, dim = nodes.shape
-    low = nodes.dtype
-    # additive key mask (n_cap, P), shared by every image; 0 and -inf are exact in bf16. On the
-    # CPU None when every node is valid (captions of one length, as in a bucket); on a GPU always
-    # built, since asking would wait for the device (adding 0 is exact), and in a compiled graph,
-    # where a question about values would break the graph.
-    blocked = None
-    if plan.gpu_plan(nodes.device) or torch.compiler.is_compiling() or not bool(node_mask.all()):
-        blocked = torch.zeros(node_mask.shape, dtype=low, device=nodes.device).masked_fill_(~node_mask, float("-inf"))
-    graphs = nodes.view(n_img * n_cap, n_nodes, dim)                                # (G, P, m)
-    route = graph_steps.step_route(nodes.device, low, dim, len(folded))
-    if folded and graph_steps.applies(route, n_nodes, has_global, low):               # all the steps in one kernel
-        return graph_steps.reason(folded, graphs, blocked, n_cap, route).view(n_img, n_cap, dim)
-    graphs = graph_steps.eager_steps(folded, graphs, blocked, n_img, has_global).float()
-    if has_global:
-        return graphs[:, 0].reshape(n_img, n_cap, dim)
-    weights = node_mask.to(graphs.dtype).view(1, n_cap, n_nodes, 1)
-    pooled = (graphs.view(n_img, n_cap, n_nodes, dim) * weights).sum(dim=2) / weights.sum(dim=2)
-    return pooled
 
 
 def train_graph_reasoning(steps: nn.ModuleList, nodes: torch.Tensor, node_mask: torch.Tensor,

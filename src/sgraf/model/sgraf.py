@@ -26,8 +26,7 @@ from sgraf.model.encoders import ImageEncoder, TextEncoder
 from sgraf.model.filtration import AttentionFiltration, average_scores
 from sgraf.model.loss import max_pairs
 from sgraf.model.positions import PlaceTerm
-from sgraf.model.reasoning import (GraphReasoning, fast_graph_reasoning, fold_steps, graph_reasoning,
-                                   train_graph_reasoning)
+from sgraf.model.reasoning import GraphReasoning, graph_reasoning, train_graph_reasoning
 from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, region_attention
 from sgraf.precision import current_precision
 
@@ -114,7 +113,7 @@ class SimilarityEncoder(SimilarityRepresentation):
         """Eval-only `head_scores` (autocast off, no autograd): nodes in `low` -> float32 scores.
 
         SGR's node-wise matmuls run in `low`; SAF, AVE, the score FC and the sigmoid in float32.
-        `folded` is `fold_steps(self.SGR_module, low)` when the caller has it (else folded here).
+        `folded` is `graph_steps.fold_steps(self.SGR_module, low)` when the caller has it (else folded here).
         """
         scores = {}
         for head in heads:
@@ -123,8 +122,8 @@ class SimilarityEncoder(SimilarityRepresentation):
                 continue
             if head == "sgr":
                 if folded is None:
-                    folded = fold_steps(self.SGR_module, low)
-                pooled = fast_graph_reasoning(folded, nodes.to(low), node_mask, self.use_global)
+                    folded = graph_steps.fold_steps(self.SGR_module, low)
+                pooled = graph_steps.fast_graph_reasoning(folded, nodes.to(low), node_mask, self.use_global)
                 layer = self.sim_eval_w
             else:
                 saf = self.SAF_module
@@ -342,8 +341,8 @@ class SGRAF(nn.Module):
             return cache[low]
         # weight-only math in float32 whatever autocast the caller is under (then cast to `low`)
         with torch.no_grad(), torch.autocast(next(self.parameters()).device.type, enabled=False):
-            constants = {"layers": self.sim_enc.cast_layers(low),
-                         "folded": fold_steps(self.sim_enc.SGR_module, low) if "sgr" in self.heads else None}
+            folded = graph_steps.fold_steps(self.sim_enc.SGR_module, low) if "sgr" in self.heads else None
+            constants = {"layers": self.sim_enc.cast_layers(low), "folded": folded}
         if cache is not None:
             cache[low] = constants
         return constants
