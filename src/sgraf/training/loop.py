@@ -487,167 +487,47 @@ def _claim_run_dir(out_dir: str | os.PathLike[str], resume: bool,
 
 def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume: bool, preset: str | None,
          info: Any, *, allow_other_data: bool = False, allow_unknown_words: bool = False) -> dict[str, Any]:
-    """`fit` in a run folder this process has claimed."""
-    from sgraf.checkpoint import load_checkpoint, load_state_checked, non_finite_tensor, save_model
-    from sgraf.data.precomp import CheckedLoader, PrecompDataset, PrecompSplit, collate_batch, data_fingerprint
-    from sgraf.data.vocab import Vocabulary
-    from sgraf.model.sgraf import SGRAF
+    """`fit` in a run folder this process has claimed: everything checked and built before the
+    first step (`_open_data`, `_start_model`, `_Batches`), then the epochs, each ended by a
+    validation and `last.pt` (`_RunRecord`), until the last epoch or a stop signal."""
+    from sgraf.data.precomp import CheckedLoader
 
     device, is_main = info.device, info.is_main
     if torch.device(device).type == "cpu":
         keep_freed_memory()   # before the first tensors and worker threads (sgraf.kernels.memory)
-    if not data_dir.is_dir():
-        raise InputError(f"data folder {data_dir} does not exist or is not a folder")
-    if config.batch_size < max(2, info.world_size):
-        raise InputError(f"batch_size={config.batch_size} is too small: it needs at least 2 captions "
-                         f"and one per process ({info.world_size} processes)")
-    train = PrecompSplit(data_dir, "train")   # its features are checked batch by batch
-    # dev is read whole at the first validation: scanned now, not after an epoch of training
-    dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir), full_scan=True)
-    dims = check_data_fits(config, [train, dev])
-    fingerprint = data_fingerprint(data_dir)
-    if resume:
-        _check_same_data(run, data_dir, fingerprint, allow_other_data)
-
-    checkpoint = None
-    if resume:
-        checkpoint = load_checkpoint(run / rd.LAST_CHECKPOINT)
-        if STATE_KEY not in checkpoint["extra"]:
-            raise InputError(f"{run / rd.LAST_CHECKPOINT}: no training state to resume from")
-        vocab = Vocabulary.from_dict(checkpoint["vocab"], source=str(run / rd.LAST_CHECKPOINT))
-    else:
-        vocab = resolve_vocab(config, data_dir, train, dev)
-    check_vocab_coverage(vocab, train, allow_unknown_words)
-    _seed_everything(config.seed)
-    model_config = config.model_config(len(vocab), img_dim=dims[0], num_regions=dims[1])
-    if checkpoint is not None:
-        from sgraf.config import ModelConfig
-        model_config = ModelConfig.from_dict(checkpoint["config"])
-        check_model_fits(model_config, dims, str(run / rd.LAST_CHECKPOINT))
-    model = SGRAF(model_config)   # initialised from `seed`
-    model.vocab = vocab
-    if checkpoint is not None:
-        load_state_checked(model, checkpoint["state_dict"], str(run / rd.LAST_CHECKPOINT))
-    model.to(device)
-    optimizer = build_optimizer(model, config)
-    scaler = make_grad_scaler(config, device)
-    progress = Progress()
-    if checkpoint is not None:
-        progress = restore_train_state(checkpoint["extra"][STATE_KEY], optimizer, scaler)
-        if is_main:
-            rd.truncate_metrics(run, progress.last_val_step)
-        logger.info("resuming %s at epoch %d, step %d (%s)", run, progress.epoch + 1,
-                    progress.global_step, progress.describe_best())   # never "best rsum -inf"
-    elif info.rank > 0:
-        torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
+    train, dev, dims, fingerprint = _open_data(config, data_dir, run, resume, info, allow_other_data)
+    model, optimizer, scaler, progress = _start_model(config, run, resume, train, dev, dims, info,
+                                                      data_dir, allow_unknown_words)
     if is_main:   # on resume too: the config as changed by --set, the data as checked above
         rd.save_run_config(run, config, data_dir, preset, fingerprint)
     distributed.barrier()
-
-    # a model with positions: the regions' boxes travel with each batch; a split without them is
-    # refused here in one line, and dev's before the first step (validation reads them)
-    dataset = PrecompDataset(train, vocab, with_boxes=model.needs_boxes)
-    if model.needs_boxes:
-        dev.read_boxes(required=True)
-    families = None
-    if config.batches == "families":   # the scenes are read and checked before the first step
-        from sgraf.data.families import read_families
-        families = read_families(data_dir, "train", train.n_images, train.caps_per_image)
-
-    def epoch_sampler(epoch: int, start_batch: int = 0) -> PlannedBatches:
-        if families is not None:
-            return FamilyBatchSampler(families.groups, families.captions_per_image, config.batch_size, config.seed,
-                                      epoch, start_batch, info.rank, info.world_size, config.family_share)
-        return EpochBatchSampler(len(dataset), config.batch_size, config.seed, epoch, start_batch,
-                                 info.rank, info.world_size)
-
-    collate = collate_batch if families is None else TruthCollate(families.true_of)
-    n_steps = len(epoch_sampler(0))
-    if n_steps == 0:
-        raise InputError(f"{train.caps_path}: {len(dataset)} training captions make no batch of "
-                         f"at least 2 (batch_size={config.batch_size})")
+    batches = _Batches(config, data_dir, train, dev, model, info)
     tensorboard = _open_tensorboard(run, progress.global_step if resume else None) if is_main else None
-    logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
-                model_config.module, data_dir, len(dataset), n_steps, config.epochs, config.precision,
-                device, f", {info.world_size} processes" if info.world_size > 1 else "")
+    record = _RunRecord(config, run, model, optimizer, scaler, progress, dev, device, is_main, tensorboard,
+                        last_saved_step=progress.global_step if resume else None)
+    _log_start(config, model, data_dir, batches, device, info)
+    n_steps = batches.n_steps
     workers = loader_workers(config.workers)
-    if workers < config.workers:
-        logger.info("data loading: %d worker processes (workers=%d asked; this process may use %d CPUs)",
-                    workers, config.workers, workers)
-    if config.warmup_epochs:
-        logger.info("loss: the hinge summed over all negatives for the first %d epoch(s), then the hardest "
-                    "negatives", config.warmup_epochs)
-    if pairs.applies(model, config.loss_for_epoch(config.epochs - 1)):
-        logger.info("backward: through the pairs the hardest-negative loss reads (at most 3 per caption; "
-                    "pair_backward=false backpropagates through the whole score matrix)")
-
     last_loss = float("nan")
-    last_saved_step = progress.global_step if resume else None   # the step last.pt holds
-
-    def check_weights() -> None:
-        broken = non_finite_tensor(model.state_dict())
-        if broken is not None:
-            raise NonFiniteLossError(f"the weights hold NaN/inf (tensor {broken})", step=progress.global_step)
-
-    def save_last() -> None:
-        nonlocal last_saved_step
-        check_weights()   # last.pt only ever holds a good state
-        last_saved_step = progress.global_step
-        if is_main:
-            extra = {"epoch": progress.epoch, "step": progress.global_step, "best_rsum": progress.best_rsum,
-                     "train_config": config.to_dict(), STATE_KEY: build_train_state(progress, optimizer, scaler)}
-            save_model(model, run / rd.LAST_CHECKPOINT, vocab=vocab, extra=extra)
-
-    def run_validation(end_of_epoch: bool) -> None:
-        check_weights()
-        result = validate(model, dev, vocab, config, device)
-        loss = progress.loss_sum / progress.loss_steps if progress.loss_steps else None
-        record = {"epoch": progress.epoch + (0 if end_of_epoch else 1), "step": progress.global_step,
-                  "end_of_epoch": end_of_epoch, "rsum": result["rsum"], "i2t": result["i2t"],
-                  "t2i": result["t2i"], "train_loss": loss, "lr": optimizer.param_groups[0]["lr"],
-                  "n_images": result["n_images"], "n_captions": result["n_captions"]}
-        is_best = result["rsum"] > progress.best_rsum
-        record["best"] = is_best
-        progress.loss_sum, progress.loss_steps = 0.0, 0
-        progress.last_val_step = progress.global_step
-        if is_best:
-            progress.best_rsum, progress.best_step = float(result["rsum"]), progress.global_step
-        if is_main:
-            logger.info("validation at epoch %d step %d: rsum %.2f (i2t R@1 %.1f, t2i R@1 %.1f)%s",
-                        record["epoch"], record["step"], record["rsum"], result["i2t"]["r1"],
-                        result["t2i"]["r1"], " best" if is_best else "")
-            if is_best:
-                save_model(model, run / rd.BEST_CHECKPOINT, vocab=vocab,
-                           extra={"epoch": record["epoch"], "step": record["step"], "rsum": record["rsum"],
-                                  "metrics": record, "train_config": config.to_dict()})
-            rd.append_metrics(run, record)
-            if tensorboard is not None:
-                tensorboard.add_scalar("val/rsum", record["rsum"], record["step"])
-                for side in ("i2t", "t2i"):
-                    for key in ("r1", "r5", "r10"):
-                        tensorboard.add_scalar(f"val/{side}_{key}", result[side][key], record["step"])
-            _plot(run)
 
     status, signal_name = "finished", None
     with StopSignals() as signals:
         def after_step(result: StepResult) -> bool:
             nonlocal last_loss
             last_loss = result.loss
-            if tensorboard is not None and progress.global_step % config.log_every == 0:
-                tensorboard.add_scalar("train/loss", result.loss, progress.global_step)
-                tensorboard.add_scalar("train/grad_norm", result.grad_norm, progress.global_step)
+            record.step(result)
             if config.val_every and progress.global_step % config.val_every == 0 and progress.epoch_step < n_steps:
-                run_validation(end_of_epoch=False)
+                record.validation(end_of_epoch=False)
             stop = _agree_on_stop(signals.received is not None)
             if stop or (config.checkpoint_every and progress.global_step % config.checkpoint_every == 0):
-                save_last()
+                record.save_last()
             return stop
 
         try:
             while progress.epoch < config.epochs:
                 set_learning_rate(optimizer, learning_rate(config, progress.epoch))
-                sampler = epoch_sampler(progress.epoch, progress.epoch_step)
-                loader = CheckedLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                sampler = batches.sampler(progress.epoch, progress.epoch_step)
+                loader = CheckedLoader(batches.dataset, batch_sampler=sampler, collate_fn=batches.collate,
                                        num_workers=workers,
                                        generator=torch.Generator().manual_seed(config.seed),
                                        pin_memory=device.type == "cuda")   # NaN/inf batches refused
@@ -664,19 +544,18 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                     break
                 progress.epoch += 1
                 progress.epoch_step = 0
-                run_validation(end_of_epoch=True)
+                record.validation(end_of_epoch=True)
                 if progress.epoch >= config.epochs:
                     progress.finished = True
-                save_last()
+                record.save_last()
                 if _agree_on_stop(signals.received is not None):
                     if progress.epoch < config.epochs:
                         status, signal_name = "interrupted", _signal_name(signals.received)
                     break
         except NonFiniteLossError as error:
-            raise NonFiniteLossError(_non_finite_message(error, progress, config, run, last_saved_step),
+            raise NonFiniteLossError(_non_finite_message(error, progress, config, run, record.last_saved_step),
                                      error.inputs_finite, error.step) from None
-    if tensorboard is not None:
-        tensorboard.close()
+    record.close()
     distributed.barrier()
     summary = {"status": status, "signal": signal_name, "epoch": progress.epoch, "global_step": progress.global_step,
                "best_rsum": progress.best_rsum, "best_step": progress.best_step, "last_loss": last_loss,
@@ -685,6 +564,201 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         logger.info("stopped by %s at epoch %d, step %d; continue with: sgraf train --resume %s",
                     signal_name, progress.epoch + 1, progress.global_step, run)
     return summary
+
+
+def _open_data(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume: bool, info: Any,
+               allow_other_data: bool) -> tuple[Any, Any, tuple[int, int], dict[str, str]]:
+    """The train and dev splits, checked against the config (and, resuming, against the run's
+    own data): (train, dev, (img_dim, regions), the data's fingerprint)."""
+    from sgraf.data.precomp import PrecompSplit, data_fingerprint
+
+    if not data_dir.is_dir():
+        raise InputError(f"data folder {data_dir} does not exist or is not a folder")
+    if config.batch_size < max(2, info.world_size):
+        raise InputError(f"batch_size={config.batch_size} is too small: it needs at least 2 captions "
+                         f"and one per process ({info.world_size} processes)")
+    train = PrecompSplit(data_dir, "train")   # its features are checked batch by batch
+    # dev is read whole at the first validation: scanned now, not after an epoch of training
+    dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir), full_scan=True)
+    dims = check_data_fits(config, [train, dev])
+    fingerprint = data_fingerprint(data_dir)
+    if resume:
+        _check_same_data(run, data_dir, fingerprint, allow_other_data)
+    return train, dev, dims, fingerprint
+
+
+def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: Any, dev: Any, dims: tuple[int, int],
+                 info: Any, data_dir: pathlib.Path, allow_unknown_words: bool) -> tuple[nn.Module, Any, Any, Progress]:
+    """The model (with its vocabulary), optimizer, gradient scaler and progress: new, from
+    `seed`, or resumed from `last.pt` (its metrics after the saved step dropped)."""
+    from sgraf.checkpoint import load_checkpoint, load_state_checked
+    from sgraf.config import ModelConfig
+    from sgraf.data.vocab import Vocabulary
+    from sgraf.model.sgraf import SGRAF
+
+    checkpoint = None
+    if resume:
+        checkpoint = load_checkpoint(run / rd.LAST_CHECKPOINT)
+        if STATE_KEY not in checkpoint["extra"]:
+            raise InputError(f"{run / rd.LAST_CHECKPOINT}: no training state to resume from")
+        vocab = Vocabulary.from_dict(checkpoint["vocab"], source=str(run / rd.LAST_CHECKPOINT))
+    else:
+        vocab = resolve_vocab(config, data_dir, train, dev)
+    check_vocab_coverage(vocab, train, allow_unknown_words)
+    _seed_everything(config.seed)
+    model_config = config.model_config(len(vocab), img_dim=dims[0], num_regions=dims[1])
+    if checkpoint is not None:
+        model_config = ModelConfig.from_dict(checkpoint["config"])
+        check_model_fits(model_config, dims, str(run / rd.LAST_CHECKPOINT))
+    model = SGRAF(model_config)   # initialised from `seed`
+    model.vocab = vocab
+    if checkpoint is not None:
+        load_state_checked(model, checkpoint["state_dict"], str(run / rd.LAST_CHECKPOINT))
+    model.to(info.device)
+    optimizer = build_optimizer(model, config)
+    scaler = make_grad_scaler(config, info.device)
+    progress = Progress()
+    if checkpoint is not None:
+        progress = restore_train_state(checkpoint["extra"][STATE_KEY], optimizer, scaler)
+        if info.is_main:
+            rd.truncate_metrics(run, progress.last_val_step)
+        logger.info("resuming %s at epoch %d, step %d (%s)", run, progress.epoch + 1,
+                    progress.global_step, progress.describe_best())   # never "best rsum -inf"
+    elif info.rank > 0:
+        torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
+    return model, optimizer, scaler, progress
+
+
+class _Batches:
+    """A run's training captions and how each epoch draws them: the dataset (with the regions'
+    boxes for a model with positions: a split without them is refused here in one line, and
+    dev's before the first step), the epoch's sampler (by scene families with
+    `batches=families`) and the collate function."""
+
+    def __init__(self, config: TrainConfig, data_dir: pathlib.Path, train: Any, dev: Any, model: nn.Module,
+                 info: Any) -> None:
+        from sgraf.data.precomp import PrecompDataset, collate_batch
+
+        self.config, self.info = config, info
+        self.dataset = PrecompDataset(train, model.vocab, with_boxes=model.needs_boxes)
+        if model.needs_boxes:
+            dev.read_boxes(required=True)
+        self.families = None
+        if config.batches == "families":   # the scenes are read and checked before the first step
+            from sgraf.data.families import read_families
+            self.families = read_families(data_dir, "train", train.n_images, train.caps_per_image)
+        self.collate = collate_batch if self.families is None else TruthCollate(self.families.true_of)
+        self.n_steps = len(self.sampler(0))
+        if self.n_steps == 0:
+            raise InputError(f"{train.caps_path}: {len(self.dataset)} training captions make no batch of "
+                             f"at least 2 (batch_size={config.batch_size})")
+
+    def sampler(self, epoch: int, start_batch: int = 0) -> PlannedBatches:
+        """This process's batches of `epoch` from batch `start_batch` on."""
+        config, info = self.config, self.info
+        if self.families is not None:
+            return FamilyBatchSampler(self.families.groups, self.families.captions_per_image, config.batch_size,
+                                      config.seed, epoch, start_batch, info.rank, info.world_size,
+                                      config.family_share)
+        return EpochBatchSampler(len(self.dataset), config.batch_size, config.seed, epoch, start_batch,
+                                 info.rank, info.world_size)
+
+
+def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, batches: _Batches,
+               device: torch.device, info: Any) -> None:
+    """What the run will do, in the log."""
+    logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
+                model.config.module, data_dir, len(batches.dataset), batches.n_steps, config.epochs,
+                config.precision, device, f", {info.world_size} processes" if info.world_size > 1 else "")
+    workers = loader_workers(config.workers)
+    if workers < config.workers:
+        logger.info("data loading: %d worker processes (workers=%d asked; this process may use %d CPUs)",
+                    workers, config.workers, workers)
+    if config.warmup_epochs:
+        logger.info("loss: the hinge summed over all negatives for the first %d epoch(s), then the hardest "
+                    "negatives", config.warmup_epochs)
+    if pairs.applies(model, config.loss_for_epoch(config.epochs - 1)):
+        logger.info("backward: through the pairs the hardest-negative loss reads (at most 3 per caption; "
+                    "pair_backward=false backpropagates through the whole score matrix)")
+
+
+class _RunRecord:
+    """What a run writes as it trains, on the main process: `last.pt` (only ever a good state:
+    the weights are checked first, on every process), each validation (metrics.jsonl,
+    `best.pt`, TensorBoard, the plots) and the training curves."""
+
+    def __init__(self, config: TrainConfig, run: pathlib.Path, model: nn.Module, optimizer: Any, scaler: Any,
+                 progress: Progress, dev: Any, device: torch.device, is_main: bool, tensorboard: Any | None,
+                 last_saved_step: int | None) -> None:
+        self.config, self.run, self.model, self.optimizer, self.scaler = config, run, model, optimizer, scaler
+        self.progress, self.dev, self.device, self.is_main = progress, dev, device, is_main
+        self.tensorboard = tensorboard
+        self.last_saved_step = last_saved_step   # the step last.pt holds (None: not written by this run)
+
+    def check_weights(self) -> None:
+        from sgraf.checkpoint import non_finite_tensor
+
+        broken = non_finite_tensor(self.model.state_dict())
+        if broken is not None:
+            raise NonFiniteLossError(f"the weights hold NaN/inf (tensor {broken})", step=self.progress.global_step)
+
+    def step(self, result: StepResult) -> None:
+        """A training step's loss and gradient norm to TensorBoard, every `log_every` steps."""
+        step = self.progress.global_step
+        if self.tensorboard is not None and step % self.config.log_every == 0:
+            self.tensorboard.add_scalar("train/loss", result.loss, step)
+            self.tensorboard.add_scalar("train/grad_norm", result.grad_norm, step)
+
+    def save_last(self) -> None:
+        from sgraf.checkpoint import save_model
+
+        self.check_weights()   # last.pt only ever holds a good state
+        progress, config = self.progress, self.config
+        self.last_saved_step = progress.global_step
+        if self.is_main:
+            extra = {"epoch": progress.epoch, "step": progress.global_step, "best_rsum": progress.best_rsum,
+                     "train_config": config.to_dict(),
+                     STATE_KEY: build_train_state(progress, self.optimizer, self.scaler)}
+            save_model(self.model, self.run / rd.LAST_CHECKPOINT, vocab=self.model.vocab, extra=extra)
+
+    def validation(self, end_of_epoch: bool) -> None:
+        """Validate on dev and record it (a new best: `best.pt`)."""
+        from sgraf.checkpoint import save_model
+
+        self.check_weights()
+        progress, config, model = self.progress, self.config, self.model
+        result = validate(model, self.dev, model.vocab, config, self.device)
+        loss = progress.loss_sum / progress.loss_steps if progress.loss_steps else None
+        record = {"epoch": progress.epoch + (0 if end_of_epoch else 1), "step": progress.global_step,
+                  "end_of_epoch": end_of_epoch, "rsum": result["rsum"], "i2t": result["i2t"],
+                  "t2i": result["t2i"], "train_loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
+                  "n_images": result["n_images"], "n_captions": result["n_captions"]}
+        is_best = result["rsum"] > progress.best_rsum
+        record["best"] = is_best
+        progress.loss_sum, progress.loss_steps = 0.0, 0
+        progress.last_val_step = progress.global_step
+        if is_best:
+            progress.best_rsum, progress.best_step = float(result["rsum"]), progress.global_step
+        if not self.is_main:
+            return
+        logger.info("validation at epoch %d step %d: rsum %.2f (i2t R@1 %.1f, t2i R@1 %.1f)%s",
+                    record["epoch"], record["step"], record["rsum"], result["i2t"]["r1"],
+                    result["t2i"]["r1"], " best" if is_best else "")
+        if is_best:
+            save_model(model, self.run / rd.BEST_CHECKPOINT, vocab=model.vocab,
+                       extra={"epoch": record["epoch"], "step": record["step"], "rsum": record["rsum"],
+                              "metrics": record, "train_config": config.to_dict()})
+        rd.append_metrics(self.run, record)
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("val/rsum", record["rsum"], record["step"])
+            for side in ("i2t", "t2i"):
+                for key in ("r1", "r5", "r10"):
+                    self.tensorboard.add_scalar(f"val/{side}_{key}", result[side][key], record["step"])
+        _plot(self.run)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def _non_finite_message(error: NonFiniteLossError, progress: Progress, config: TrainConfig, run: pathlib.Path,
