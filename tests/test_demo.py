@@ -213,7 +213,7 @@ def test_demo_refuses_bad_settings_before_it_writes(tmp_path, capsys, extra, mes
 
 
 def test_mean_sd_of_nested_results():
-    from sgraf.demo import mean_sd
+    from sgraf.demo_report import mean_sd
 
     summary = mean_sd([{"a": 1.0, "b": {"c": 2, "d": None}, "e": "x"}, {"a": 3.0, "b": {"c": 4, "d": None}, "e": "x"}])
     assert summary == {"a": {"mean": 2.0, "sd": pytest.approx(np.sqrt(2))}, "b": {"c": {"mean": 3.0,

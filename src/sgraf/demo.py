@@ -17,7 +17,7 @@
 4. With several training seeds, repeat 2-3 per seed on the same data and report the mean and
    standard deviation of every figure.
 5. Write a run folder: `report.md`, `results.json`, the training curves, the per-kind group
-   scores, retrieval examples (through a gallery index and two-stage search) and attention
+   scores (the tables, the report and these two pictures: `sgraf.demo_report`), retrieval examples (through a gallery index and two-stage search) and attention
    pictures (`sgraf.explain`), the pictures from the first seed's models.
 """
 
@@ -33,7 +33,9 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from sgraf.atomic_write import atomic_path, ensure_folder, write_text
+from sgraf.atomic_write import ensure_folder, write_text
+from sgraf.demo_report import (draw_curves, draw_diagnosis, format_diagnosis, format_table, mean_sd, story,
+                               write_report)
 from sgraf.errors import InputError
 from sgraf.folder_lock import LOCK_FILE, FolderLock
 from sgraf.signals import Stopped
@@ -55,7 +57,6 @@ POSITION_METHODS = (
 # features, one thread each on a 2-core Zen 3: 111, 272, 430, 289, 449 s): the longest start
 # first when several train at once (`sgraf.training.pool`).
 TRAINING_COST = {"global-only": 1.0, "SAF": 2.5, "SGR": 3.9, "SAF+pos": 2.6, "SGR+pos": 4.0}
-LABELS = ("global-only", "SAF", "SGR", "SGRAF", "SAF+pos", "SGR+pos", "SGRAF+pos")
 ENSEMBLES = {"SGRAF": ("SGR", "SAF"), "SGRAF+pos": ("SGR+pos", "SAF+pos")}
 # Training keys the demo sets itself (per model, per seed), so `--set` may not change them.
 FIXED_KEYS = ("module", "alignments", "seed", "positions")
@@ -246,110 +247,18 @@ def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]
     return results, diagnosis, sims
 
 
-def mean_sd(values: list[Any]) -> Any:
-    """The mean and sample standard deviation of numbers at the same place in nested dicts.
-
-    `[{"rsum": 1.0, "i2t": {"r1": 2.0}}, ...]` -> `{"rsum": {"mean", "sd"}, "i2t": {"r1": {...}}}`;
-    `sd` is None for one value; a place that is None in every dict stays None.
-    """
-    first = values[0]
-    if isinstance(first, dict):
-        return {key: mean_sd([value[key] for value in values]) for key in first}
-    if first is None or isinstance(first, (str, bool)):
-        return first
-    numbers = np.asarray(values, dtype=np.float64)
-    return {"mean": float(numbers.mean()), "sd": float(numbers.std(ddof=1)) if len(numbers) > 1 else None}
 
 
-def _cell(value: Any, width: int) -> str:
-    """A number, or `mean±sd` from `mean_sd`, right-aligned in `width` characters."""
-    if value is None:
-        return f"{'-':>{width}}"
-    if isinstance(value, dict):
-        if value["sd"] is None:
-            return f"{value['mean']:>{width}.1f}"
-        return f"{value['mean']:.1f}\u00b1{value['sd']:.1f}".rjust(width)
-    return f"{value:>{width}.1f}"
 
 
-def _name(label: str) -> str:
-    return label if label == "global-only" else f"Ours({label})"
 
 
-def _order(results: dict[str, Any]) -> tuple[list[str], int]:
-    """The labels of `results` in table order, and the width of the tables' first column (as
-    before positions existed unless a longer name needs more)."""
-    order = [label for label in LABELS if label in results]
-    return order, max(14, *(len(_name(label)) + 1 for label in order))
 
 
-def format_table(results: dict[str, dict[str, Any]], title: str) -> str:
-    """The test results in the layout of the paper's Table 1 (R@K in %, plus rsum).
-
-    `results` holds `evaluate_sims` results, or their `mean_sd` summaries (cells `mean±sd`).
-    """
-    order, first = _order(results)
-    spread = any(isinstance(results[m]["rsum"], dict) and results[m]["rsum"]["sd"] is not None for m in order)
-    width = 10 if spread else 7
-    rsum_width = width + 1 if spread else width
-    side = 3 * width - 1
-    rows = []
-    for label in order:
-        result = results[label]
-        i2t, t2i = result["i2t"], result["t2i"]
-        rows.append(f"{_name(label):<{first}}|"
-                    f"{_cell(i2t['r1'], width)}{_cell(i2t['r5'], width)}{_cell(i2t['r10'], width)} |"
-                    f"{_cell(t2i['r1'], width)}{_cell(t2i['r5'], width)}{_cell(t2i['r10'], width)} |"
-                    f"{_cell(result['rsum'], rsum_width)}")
-    return "\n".join([title,
-                      f"{'':<{first}}| {'Sentence Retrieval':^{side}} | {'Image Retrieval':^{side}} |",
-                      f"{'Methods':<{first}}| {'R@1':>{width - 1}}{'R@5':>{width}}{'R@10':>{width}} | "
-                      f"{'R@1':>{width - 1}}{'R@5':>{width}}{'R@10':>{width}} |{'rsum':>{rsum_width}}",
-                      "-" * max(len(row) for row in rows), *rows])
 
 
-def format_diagnosis(diagnosis: dict[str, dict[str, Any]], title: str) -> str:
-    """Winoground group score per kind of hard negative, and truth-aware R@1, per model (in %).
-
-    `diagnosis` holds `diagnose_sims` results, or their `mean_sd` summaries.
-    """
-    from sgraf.data.benchmark import VARIANTS
-
-    def percent(value: Any) -> Any:   # fractions -> percent, keeping the mean_sd shape
-        if isinstance(value, dict):
-            return {"mean": 100 * value["mean"], "sd": None if value["sd"] is None else 100 * value["sd"]}
-        return None if value is None else 100 * value
-
-    order, first = _order(diagnosis)
-    spread = any(isinstance(diagnosis[m]["all"]["group"], dict) and diagnosis[m]["all"]["group"]["sd"] is not None
-                 for m in order)
-    width = 11 if spread else 10
-    kinds = (*VARIANTS, "all")
-    rows = []
-    for label in order:
-        row = diagnosis[label]
-        truth = row["recall"]["truth"]
-        rows.append(f"{_name(label):<{first}}|" + "".join(_cell(percent(row[kind]["group"]), width) for kind in kinds)
-                    + " |" + _cell(truth["i2t"]["r1"], width) + _cell(truth["t2i"]["r1"], width))
-    return "\n".join([title,
-                      f"{'':<{first}}|{'Winoground group score (chance 16.7)':^{width * len(kinds)}} |"
-                      f"{'truth-aware R@1':^{2 * width}}",
-                      f"{'Methods':<{first}}|" + "".join(f"{kind:>{width}}" for kind in kinds) + " |"
-                      + f"{'i2t':>{width}}{'t2i':>{width}}",
-                      "-" * max(len(row) for row in rows), *rows])
 
 
-def story(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Whether the run tells the paper's story, in rsum: SGRAF >= max(SGR, SAF) > global-only.
-
-    `results` holds `evaluate_sims` results or `mean_sd` summaries (then the means are compared).
-    """
-    rsum = {label: results[label]["rsum"] for label in results}
-    rsum = {label: value["mean"] if isinstance(value, dict) else value for label, value in rsum.items()}
-    best_single = max(rsum["SGR"], rsum["SAF"])
-    return {"sgraf_ge_best_single": rsum["SGRAF"] >= best_single,
-            "best_single_gt_global": best_single > rsum["global-only"],
-            "rsum": rsum}
 
 
 def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
@@ -537,8 +446,9 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
                "diagnose": mean_sd([entry["diagnose"] for entry in per_seed])}
     tic, tic_cpu = time.perf_counter(), time.process_time()
     pictures = write_pictures(out, data, test, scenes, first_models, first_sims["SGRAF"])
-    pictures["diagnose"] = _draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
-    pictures["curves"] = _curves(out, out / "curves.png", [label for label, _ in methods(settings.positions)])
+    pictures["diagnose"] = draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
+    pictures["curves"] = draw_curves(out / "curves.png", {label: out / "runs" / run_name(label)
+                                                          for label, _ in methods(settings.positions)})
     timings["pictures"], cpu["pictures"] = time.perf_counter() - tic, time.process_time() - tic_cpu
     timings["total"], cpu["total"] = time.perf_counter() - started, time.process_time() - started_cpu
     if workers > 1:   # the trainings ran in worker processes: their CPU time is theirs
@@ -571,7 +481,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "diagnosis_table": diagnosis_table,
     }
     write_text(out / "results.json", json.dumps(record, indent=1, default=str) + "\n")
-    write_report(out, record)
+    write_report(out, record, recipe_text(settings.positions))
     return record
 
 
@@ -613,194 +523,3 @@ def write_pictures(out: Path, data: Path, test: Any, scenes: list[dict[str, Any]
                                  + ", ".join(f"{k} {v:.4f}" for k, v in explanation.scores.items()))
         pictures[name] = f"{name}.png"
     return {name: str(path) for name, path in pictures.items()}
-
-
-def _spread(n: int, count: int) -> list[int]:
-    return sorted({int(round(i)) for i in np.linspace(0, n - 1, num=min(count, n))})
-
-
-def _curves(out: Path, path: Path, labels: list[str]) -> str:
-    from sgraf.output_folder import folder_files, record_files
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    from sgraf.training.run_dir import read_metrics
-
-    figure, (loss_axis, rsum_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for label in labels:
-        records = read_metrics(out / "runs" / run_name(label))
-        steps = [r["step"] for r in records]
-        losses = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
-        if losses:
-            loss_axis.plot(*zip(*losses), marker="o", label=label)
-        rsum_axis.plot(steps, [r["rsum"] for r in records], marker="o", label=label)
-    loss_axis.set(xlabel="step", ylabel="training loss (mean per validation period)", title="loss")
-    rsum_axis.set(xlabel="step", ylabel="rsum on dev", title="validation rsum")
-    for axis in (loss_axis, rsum_axis):
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    with atomic_path(path) as temporary:
-        figure.savefig(temporary, format="png", dpi=90)
-    plt.close(figure)
-    return path.name
-
-
-def _draw_diagnosis(summary: dict[str, dict[str, Any]], n_seeds: int, path: Path) -> str:
-    """Bars of the Winoground group score per kind of hard negative and model (mean over seeds,
-    with the standard deviation as error bars), the chance level dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    from sgraf.data.benchmark import VARIANTS
-
-    kinds = (*VARIANTS, "all")
-    labels = [label for label in LABELS if label in summary]
-    figure, axis = plt.subplots(figsize=(9, 3.8))
-    width = 0.8 / len(labels)
-    for number, label in enumerate(labels):
-        cells = [summary[label][kind]["group"] for kind in kinds]
-        means = [100 * cell["mean"] if cell else 0.0 for cell in cells]
-        errors = [100 * cell["sd"] if cell and cell["sd"] is not None else 0.0 for cell in cells]
-        positions = np.arange(len(kinds)) + (number - (len(labels) - 1) / 2) * width
-        axis.bar(positions, means, width, yerr=errors if n_seeds > 1 else None, capsize=3, label=label)
-    axis.axhline(100 / 6, color="grey", linestyle="--", linewidth=1, label="chance (16.7)")
-    axis.set_xticks(np.arange(len(kinds)), kinds)
-    axis.set(ylabel="Winoground group score (%)",
-             title="What each model tells apart, per kind of hard negative (test split"
-                   + (f"; mean \u00b1 sd over {n_seeds} seeds)" if n_seeds > 1 else ")"))
-    axis.grid(axis="y", alpha=0.3)
-    axis.legend(fontsize=8, ncol=5, loc="upper left")
-    axis.set_ylim(0, 105)
-    figure.tight_layout()
-    with atomic_path(path) as temporary:
-        figure.savefig(temporary, format="png", dpi=90)
-    plt.close(figure)
-    return path.name
-
-
-# --------------------------------------------------------------------------------- report
-def _parallel_text(plan: dict[str, int]) -> str:
-    if plan["workers"] <= 1:
-        return "The models trained one after the other (`training` is the sum of their times)."
-    threads = f"{plan['threads']} thread" + ("" if plan["threads"] == 1 else "s")
-    return (f"The models trained {plan['workers']} at a time, {threads} each (`sgraf.training.pool`; `--jobs` "
-            "sets how many): each `train` time is that model's own, `training` the whole stage's, and the CPU "
-            "times include the training processes'.")
-
-
-def write_report(out: Path, record: dict[str, Any]) -> Path:
-    """`report.md`: what was run, the table, whether it tells the paper's story, the pictures."""
-    check = record["story"]
-    rsum = check["rsum"]
-    timings = ", ".join(f"{k} {v:.0f} s" for k, v in record["timings_s"].items())
-    cpu = ", ".join(f"{k} {v:.0f} s" for k, v in record["cpu_s"].items())
-    verdict = []
-    verdict.append(f"- SGRAF (rsum {rsum['SGRAF']:.1f}) "
-                   f"{'>=' if check['sgraf_ge_best_single'] else '<'} the better of SGR ({rsum['SGR']:.1f}) "
-                   f"and SAF ({rsum['SAF']:.1f}).")
-    verdict.append(f"- The better single model {'>' if check['best_single_gt_global'] else '<='} "
-                   f"global-only ({rsum['global-only']:.1f}).")
-    if "SGRAF+pos" in rsum:
-        kinds = record["summary"]["diagnose"]
-        relation = {label: kinds[label]["relation"]["group"] for label in ("SGRAF", "SGRAF+pos")}
-        relation = {label: 100 * (value["mean"] if isinstance(value, dict) else value)
-                    for label, value in relation.items() if value is not None}
-        verdict.append(f"- With positions: SGRAF+pos rsum {rsum['SGRAF+pos']:.1f} (SGRAF {rsum['SGRAF']:.1f})"
-                       + (f", relation group score {relation['SGRAF+pos']:.1f} (SGRAF {relation['SGRAF']:.1f}, "
-                          "chance 16.7)." if len(relation) == 2 else "."))
-    settings = record["settings"]
-    training = record["training"]["SGR"]["config"]
-    seeds = record["seeds"]
-    if len(seeds) > 1:
-        seeds_text = (f"Every model was trained with {len(seeds)} seeds ({', '.join(map(str, seeds))}) on the "
-                      "same data; each figure is the mean \u00b1 the sample standard deviation over the seeds "
-                      "(every seed's figures are in `results.json`; the pictures come from the first seed's "
-                      "models).")
-    else:
-        seeds_text = "One training seed: differences of a point or two are within seed noise."
-    diagnosis = [
-        "## What each model tells apart",
-        "",
-        "Every test family holds a base picture and its binding, attribute, relation and count twins. "
-        "For each twin, its captions false for the base and the base's captions false for it are "
-        "paired (`sgraf diagnose`): the **group** score counts a pair correct when each picture "
-        "scores its own caption higher and each caption scores its own picture higher (chance "
-        "16.7 %). Truth-aware R@1 counts a retrieved picture of the caption's family as correct "
-        "unless the caption is false for it.",
-        "",
-        "```",
-        record["diagnosis_table"],
-        "```",
-        "",
-        "![group scores per kind](diagnose.png)",
-        "",
-    ]
-    lines = [
-        "# sgraf demo report",
-        "",
-        f"{'Quick (smoke-test) run' if record['quick'] else 'Full run'} on the embedded benchmark "
-        f"(`{record['benchmark']['features']}` features, {settings['n_train']} / {settings['n_dev']} / "
-        f"{settings['n_test']} train / dev / test images, 5 captions each, data seed {record['seed']}).",
-        "",
-        f"Each model trained independently with the `demo` preset plus `{' '.join(settings['train_overrides'])}` "
-        f"(embed {training['embed_size']}, sim {training['sim_dim']}, {training['epochs']} epochs, "
-        f"batch {training['batch_size']}); the checkpoint with the best dev rsum is evaluated. "
-        "global-only is Table 3 row 1 (FC + sigmoid on the global alignment); SGRAF averages the "
-        "SGR and SAF score matrices."
-        + (f" SAF+pos and SGR+pos are the same two models with region positions "
-           f"(`positions={settings['positions']}`, not in the paper"
-           + (f"; trained {recipe}" if (recipe := recipe_text(settings["positions"])) else "")
-           + "); SGRAF+pos averages them."
-           if settings.get("positions", "none") != "none" else ""),
-        "",
-        "```",
-        record["table"],
-        "```",
-        "",
-        seeds_text,
-        "",
-        "The paper's story (rsum" + (", means" if len(seeds) > 1 else "") + "):",
-        *verdict,
-        "",
-        *diagnosis,
-        f"Wall-clock timings: {timings}. CPU time (all threads): {cpu}; on a machine shared with other work "
-        "the wall clock overstates the cost.",
-        "",
-        _parallel_text(record.get("training_workers", {"workers": 1})),
-        "",
-        "## Training curves",
-        "",
-        "![curves](curves.png)",
-        "",
-        "## Retrieval examples",
-        "",
-        "Through the gallery index of the test split (`index/`), every picture or caption re-ranked by the "
-        "SGR + SAF ensemble (no shortlist: the ranking the table's recall measures). A result is a hit when "
-        "the caption is true of the picture: its own picture, or a twin of its family it is not false for "
-        "(green: solid for its own, dashed for a twin); red, dotted: a miss. The rows are the test queries at "
-        "the 12.5, 37.5, 62.5 and 87.5 % quantiles of the rank of their first hit in the table's score "
-        "matrix, so hits and misses appear about as often as the truth-aware recall counts them.",
-        "",
-        "![text to image](retrieval_t2i.png)",
-        "",
-        "![image to text](retrieval_i2t.png)",
-        "",
-        "## What the models attend to",
-        "",
-        "Test image 0 with one of its captions, then with a caption of its hard negative (the next image "
-        "of its family, one change away). Top: SAF's weight on each alignment, SGR's cosine between the "
-        "reasoned read-out and each raw alignment; below: each token's attention over the image.",
-        "",
-        "![positive](explain_positive.png)",
-        "",
-        "![negative](explain_negative.png)",
-        "",
-    ]
-    path = out / "report.md"
-    write_text(path, "\n".join(lines))
-    return path
