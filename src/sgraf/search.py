@@ -454,6 +454,21 @@ def open_index(path: str | Path, matcher: Matcher | None = None,
     return GalleryIndex(folder, manifest, matcher, verify=verify, first_stage=first_stage)
 
 
+def _first_stage(asked: str) -> str:
+    """The first stage an index runs: 'faiss' when asked, or with 'auto' where FAISS imports;
+    'numpy' otherwise."""
+    if asked in ("auto", "faiss"):
+        try:
+            # FAISS logs its CPU-feature probing at INFO; keep that out of our output
+            logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+            import faiss  # noqa: F401  (optional extra)
+            return "faiss"
+        except ImportError:
+            if asked == "faiss":
+                raise InputError("first_stage='faiss' needs FAISS: pip install 'sgraf[faiss]'") from None
+    return "numpy"
+
+
 class GalleryIndex:
     """An opened index: first-stage keys in memory, embeddings memory-mapped.
 
@@ -487,7 +502,13 @@ class GalleryIndex:
         if len(self.captions) != self.n_captions:
             raise InputError(f"{folder / CAPTIONS}: corrupted index file, {len(self.captions)} captions where the "
                              f"manifest records {self.n_captions}")
-        # What --no-verify leaves unchecked must still not crash a query: shapes, lengths, keys.
+        self._check_arrays(n_models)
+        self._faiss = {"image": None, "caption": None}
+        self.first_stage = _first_stage(first_stage)
+
+    def _check_arrays(self, n_models: int) -> None:
+        """What --no-verify leaves unchecked must still not crash a query: the arrays' shapes, the
+        caption lengths, the boxes and the keys; `InputError` naming the file otherwise."""
         arrays = {"image_keys.npy": (self.image_keys, 2, self.n_images),
                   "caption_keys.npy": (self.caption_keys, 2, self.n_captions),
                   "caption_lengths.npy": (self.caption_lengths, 1, self.n_captions)}
@@ -498,37 +519,25 @@ class GalleryIndex:
             arrays[BOXES] = (self.image_boxes, 3, self.n_images)
         for name, (array, rank, rows) in arrays.items():
             if array.ndim != rank or array.shape[0] != rows:
-                raise InputError(f"{folder / name}: corrupted index file, shape {array.shape} where {rows} rows "
+                raise InputError(f"{self.folder / name}: corrupted index file, shape {array.shape} where {rows} rows "
                                  f"of rank {rank} are expected; rebuild the index")
         width = min(words.shape[1] for words in self.caption_words)
         lengths = self.caption_lengths
         if lengths.dtype.kind not in "iu" or int(lengths.min()) < 1 or int(lengths.max()) > width:
-            raise InputError(f"{folder / 'caption_lengths.npy'}: corrupted index file, lengths {lengths.min()}.."
+            raise InputError(f"{self.folder / 'caption_lengths.npy'}: corrupted index file, lengths {lengths.min()}.."
                              f"{lengths.max()} where 1..{width} (the width of the word embeddings) are expected; "
                              "rebuild the index")
         if self.image_boxes is not None and (self.image_boxes.shape[1:] != self.image_regions[0].shape[1:2] + (4,)
                                              or self.image_boxes.dtype.kind != "f"
                                              or not np.isfinite(self.image_boxes).all()):
-            raise InputError(f"{folder / BOXES}: corrupted index file, {self.image_boxes.dtype} boxes of shape "
+            raise InputError(f"{self.folder / BOXES}: corrupted index file, {self.image_boxes.dtype} boxes of shape "
                              f"{self.image_boxes.shape} where finite float boxes ({self.n_images}, "
                              f"{self.image_regions[0].shape[1]}, 4) are expected; rebuild the index")
         for name in ("image_keys.npy", "caption_keys.npy"):
             keys = arrays[name][0]
             if keys.dtype.kind != "f" or not np.isfinite(keys).all():
-                raise InputError(f"{folder / name}: corrupted index file, {keys.dtype} keys with NaN or infinite "
+                raise InputError(f"{self.folder / name}: corrupted index file, {keys.dtype} keys with NaN or infinite "
                                  "values where finite floats are expected; rebuild the index")
-        self._faiss = {"image": None, "caption": None}
-        self.first_stage = first_stage
-        if first_stage in ("auto", "faiss"):
-            try:
-                # FAISS logs its CPU-feature probing at INFO; keep that out of our output
-                logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-                import faiss  # noqa: F401  (optional extra)
-                self.first_stage = "faiss"
-            except ImportError:
-                if first_stage == "faiss":
-                    raise InputError("first_stage='faiss' needs FAISS: pip install 'sgraf[faiss]'") from None
-                self.first_stage = "numpy"
 
     # ----------------------------------------------------------------------------- stages
     def _coarse(self, gallery: str, query_key: np.ndarray, shortlist: int) -> tuple[np.ndarray, np.ndarray]:
