@@ -17,8 +17,9 @@
 4. With several training seeds, repeat 2-3 per seed on the same data and report the mean and
    standard deviation of every figure.
 5. Write a run folder: `report.md`, `results.json`, the training curves, the per-kind group
-   scores (the tables, the report and these two pictures: `sgraf.demo_report`), retrieval examples (through a gallery index and two-stage search) and attention
-   pictures (`sgraf.explain`), the pictures from the first seed's models.
+   scores (the tables, the report and these two pictures: `sgraf.demo_report`), retrieval
+   examples (through a gallery index and two-stage search) and attention pictures
+   (`sgraf.explain`), the pictures from the first seed's models.
 """
 
 from __future__ import annotations
