@@ -505,9 +505,9 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     tensorboard = _open_tensorboard(run, progress.global_step if resume else None) if is_main else None
     record = _RunRecord(config, run, model, optimizer, scaler, progress, dev, device, is_main, tensorboard,
                         last_saved_step=progress.global_step if resume else None)
-    _log_start(config, model, data_dir, batches, device, info)
-    n_steps = batches.n_steps
     workers = loader_workers(config.workers)
+    _log_start(config, model, data_dir, batches, device, info, workers)
+    n_steps = batches.n_steps
     last_loss = float("nan")
 
     status, signal_name = "finished", None
@@ -665,12 +665,11 @@ class _Batches:
 
 
 def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, batches: _Batches,
-               device: torch.device, info: Any) -> None:
-    """What the run will do, in the log."""
+               device: torch.device, info: Any, workers: int) -> None:
+    """What the run will do, in the log (`workers`: the loader's worker processes)."""
     logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
                 model.config.module, data_dir, len(batches.dataset), batches.n_steps, config.epochs,
                 config.precision, device, f", {info.world_size} processes" if info.world_size > 1 else "")
-    workers = loader_workers(config.workers)
     if workers < config.workers:
         logger.info("data loading: %d worker processes (workers=%d asked; this process may use %d CPUs)",
                     workers, config.workers, workers)
