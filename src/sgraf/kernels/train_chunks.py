@@ -84,8 +84,8 @@ def caption_chunks(lengths: torch.Tensor, n_img: int, embed_size: int, device: t
     """Caption indices of each train-mode chunk: captions sorted by length, so that a chunk is
     padded only to its own longest caption, then cut by `captions_per_chunk` or by the budget
     of `chunk_bytes(device, embed_size)` for `n_img` images."""
-    order = torch.sort(lengths.cpu(), stable=True).indices
-    sorted_lengths = lengths.cpu()[order].tolist()
+    sorted_lengths, order = torch.sort(lengths.cpu(), stable=True)
+    sorted_lengths = sorted_lengths.tolist()
     if captions_per_chunk is not None:
         if not isinstance(captions_per_chunk, int) or captions_per_chunk < 1:
             raise InputError(f"train_chunk must be a positive number of captions, got {captions_per_chunk!r}")
