@@ -106,7 +106,7 @@ def make_step(model, batch, module: str, impl: str, precision: str, chunk: int |
     from sgraf.model.oracle import authors_forward
     from sgraf.precision import autocast
     from sgraf.training.config import preset
-    from sgraf.training.loop import batch_loss, build_optimizer, train_step
+    from sgraf.training.step import batch_loss, build_optimizer, train_step
 
     model = copy.deepcopy(model)
     model.train_chunk, model.train_checkpoint = chunk, checkpoint

@@ -41,7 +41,7 @@ from sgraf.kernels import edges, words
 from sgraf.kernels.launches import LaunchCounter
 from sgraf.model import blocks
 from sgraf.training.config import preset
-from sgraf.training.loop import build_optimizer, train_step
+from sgraf.training.step import build_optimizer, train_step
 
 
 # length buckets a scoring block's captions are drawn from (its bucket is the middle one)

@@ -34,7 +34,7 @@ from sgraf.kernels.launches import H100, LaunchCounter, Traffic
 from sgraf.model import blocks
 from sgraf.model.sgraf import SGRAF
 from sgraf.training.config import preset
-from sgraf.training.loop import build_optimizer, train_step
+from sgraf.training.step import build_optimizer, train_step
 
 PAPER = dict(img_dim=2048, word_dim=300, embed_size=1024, sim_dim=256, num_regions=36)
 SCALE = 16

@@ -92,7 +92,7 @@ def step_gradients(model: SGRAF, batch, config):
     every parameter's gradient."""
     import copy
 
-    from sgraf.training.loop import train_step
+    from sgraf.training.step import train_step
 
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

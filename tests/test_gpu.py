@@ -330,7 +330,7 @@ def test_a_training_step_never_waits_for_the_device(precision, hardest):
     device): no synchronisation from the batch's copy to the optimiser's update. The CPU suite
     counts the same reads with `sgraf.kernels.launches` (tests/test_launches.py)."""
     from sgraf.training.config import preset
-    from sgraf.training.loop import build_optimizer, train_step
+    from sgraf.training.step import build_optimizer, train_step
 
     model = random_model(7, module="sgr", num_regions=36, img_dim=64, embed_size=128, sim_dim=64).cuda().train()
     lengths = torch.randint(3, 20, (32,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -356,7 +356,7 @@ def test_the_selected_pairs_backward_gives_the_whole_matrix_gradients_on_the_dev
     import copy
 
     from sgraf.training.config import preset
-    from sgraf.training.loop import train_step
+    from sgraf.training.step import train_step
 
     model = random_model(11, module="sgr", num_regions=36, img_dim=64, embed_size=128, sim_dim=64).cuda().train()
     lengths = torch.randint(3, 20, (32,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -379,7 +379,7 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_raises_when_read():
     """Fused Adam on CUDA skips the update of a step whose loss is not finite (`found_inf`) without
     the host asking; the error comes when the result is read, naming the bad image."""
     from sgraf.training.config import preset
-    from sgraf.training.loop import NonFiniteLossError, build_optimizer, train_step
+    from sgraf.training.step import NonFiniteLossError, build_optimizer, train_step
 
     model = random_model(3, module="sgr").cuda().train()
     images, captions, lengths = random_batch(model, 4, [3, 4, 2, 5])

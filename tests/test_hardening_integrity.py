@@ -27,6 +27,7 @@ from sgraf.errors import InputError
 from sgraf.model.sgraf import SGRAF
 from sgraf.search import build_index
 from sgraf.training import loop
+from sgraf.training import step as training_step
 from sgraf.training.config import preset
 from train_helpers import make_toy_precomp
 
@@ -142,9 +143,10 @@ def test_train_step_on_non_finite_inputs_says_so():
     captions = torch.tensor([[1, 5, 2], [1, 6, 2], [1, 7, 2]])
     batch = Batch(images, captions, torch.tensor([3, 3, 3]), torch.arange(3), torch.tensor([4, 9, 11]))
     config = preset("tiny")
-    optimizer = loop.build_optimizer(model, config)
-    with pytest.raises(loop.NonFiniteLossError, match=r"on non-finite inputs: the features of images \[9\] hold"):
-        loop.train_step(model, optimizer, batch, config)
+    optimizer = training_step.build_optimizer(model, config)
+    with pytest.raises(training_step.NonFiniteLossError,
+                       match=r"on non-finite inputs: the features of images \[9\] hold"):
+        training_step.train_step(model, optimizer, batch, config)
 
 
 # ------------------------------------------------------------------ checkpoints holding NaN/inf
@@ -176,14 +178,14 @@ def toy(tmp_path_factory):
 
 
 def test_nan_loss_before_any_checkpoint_names_none(toy, tmp_path, monkeypatch, capsys):
-    real_loss = loop.batch_loss
+    real_loss = training_step.batch_loss
     calls = {"n": 0}
 
     def loss_going_bad(*args, **kwargs):
         calls["n"] += 1
         return real_loss(*args, **kwargs) * (float("nan") if calls["n"] == 3 else 1.0)
 
-    monkeypatch.setattr(loop, "batch_loss", loss_going_bad)
+    monkeypatch.setattr(training_step, "batch_loss", loss_going_bad)
     run = tmp_path / "run"
     assert _train(toy, run, "--set", "checkpoint_every=5", "precision=bf16") == 1
     err = _one_line_error(capsys)

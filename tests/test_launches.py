@@ -27,7 +27,7 @@ from sgraf.kernels import plan
 from sgraf.kernels import launches
 from sgraf.kernels.launches import LaunchCounter
 from sgraf.training.config import preset
-from sgraf.training.loop import NonFiniteLossError, build_optimizer, train_step
+from sgraf.training.step import NonFiniteLossError, build_optimizer, train_step
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import launch_counts  # noqa: E402

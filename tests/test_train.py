@@ -15,8 +15,10 @@ from sgraf.cli import main
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.training import loop
+from sgraf.training import step as training_step
 from sgraf.training.config import PRESETS, preset, resolve_config, valid_keys
-from sgraf.training.loop import EpochBatchSampler, batch_loss, learning_rate, same_image_mask
+from sgraf.training.loop import EpochBatchSampler
+from sgraf.training.step import batch_loss, learning_rate, same_image_mask
 from sgraf.training.state import STATE_KEY
 from train_helpers import make_toy_precomp
 
@@ -325,7 +327,7 @@ def test_missing_dev_split(tmp_path, capsys):
 # ------------------------------------------------------------------ NaN / inf
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(toy_data, tmp_path, monkeypatch, capsys):
-    real_loss = loop.batch_loss
+    real_loss = training_step.batch_loss
     calls = {"n": 0}
 
     def loss_going_bad(*args, **kwargs):
@@ -333,7 +335,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(toy_data, tmp_path, m
         value = real_loss(*args, **kwargs)
         return value * float("nan") if calls["n"] == 7 else value
 
-    monkeypatch.setattr(loop, "batch_loss", loss_going_bad)
+    monkeypatch.setattr(training_step, "batch_loss", loss_going_bad)
     run = tmp_path / "run"
     assert _train(toy_data, run, "--set", "checkpoint_every=5") == 1
     err = capsys.readouterr().err

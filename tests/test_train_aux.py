@@ -14,7 +14,7 @@ from sgraf.errors import InputError
 from sgraf.model.loss import ranking_loss
 from sgraf.model.sgraf import SGRAF
 from sgraf.training.config import preset
-from sgraf.training.loop import batch_loss, build_optimizer, train_step
+from sgraf.training.step import batch_loss, build_optimizer, train_step
 
 pytestmark = pytest.mark.numeric
 

@@ -19,7 +19,7 @@ import torch
 
 from numerics import GRADIENT, REORDERED, STEP, adam_noise, approx, assert_close, largest
 from sgraf.training.config import preset
-from sgraf.training.loop import batch_loss, build_optimizer, same_image_mask, train_step
+from sgraf.training.step import batch_loss, build_optimizer, same_image_mask, train_step
 
 pytestmark = pytest.mark.numeric
 
@@ -57,9 +57,9 @@ WORKER = PROBLEM + textwrap.dedent('''
     from sgraf import distributed
     from sgraf.training.config import preset
     from sgraf.training.global_batch import average_gradients, global_batch_scores
-    from sgraf.training.loop import batch_loss, build_optimizer, same_image_mask, train_step
+    from sgraf.training.step import batch_loss, build_optimizer, same_image_mask, train_step
 
-    import sgraf.training.loop as loop
+    import sgraf.training.step as training_step
 
     torch.set_num_threads(1)
     info = distributed.init_from_env(device="cpu")
@@ -67,8 +67,8 @@ WORKER = PROBLEM + textwrap.dedent('''
     results = {}
     # the steps that backpropagate through the selected pairs (sgraf.training.pairs)
     by_pairs = []
-    assemble = loop.global_batch_train_scores
-    loop.global_batch_train_scores = lambda *args: by_pairs.append(1) or assemble(*args)
+    assemble = training_step.global_batch_train_scores
+    training_step.global_batch_train_scores = lambda *args: by_pairs.append(1) or assemble(*args)
     for module in ("sgr", "saf", "joint"):
         for same_image in (False, True):
             config = preset("tiny").replace(module=module, same_image_positive=same_image, lr=2e-4,

@@ -21,7 +21,7 @@ from sgraf.config import ModelConfig
 from sgraf.kernels import plan
 from sgraf.model.sgraf import SGRAF
 from sgraf.training.config import preset
-from sgraf.training.loop import build_optimizer, train_step
+from sgraf.training.step import build_optimizer, train_step
 
 pytestmark = pytest.mark.numeric
 

@@ -11,7 +11,7 @@ from sgraf.errors import InputError
 from sgraf.model.loss import max_pairs, ranking_loss
 from sgraf.training import pairs
 from sgraf.training.config import preset
-from sgraf.training.loop import NonFiniteLossError, train_step
+from sgraf.training.step import NonFiniteLossError, train_step
 
 LENGTHS = [3, 7, 5, 2, 7, 4, 6, 3, 5, 8]
 # hardest negatives, and a recipe's batch that takes the pairs' backward (the steps here take 10 pairs)

@@ -52,7 +52,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
     from sgraf.training.config import parse_overrides, resolve_config
-    from sgraf.training.loop import NonFiniteLossError, fit
+    from sgraf.training.loop import fit
+    from sgraf.training.step import NonFiniteLossError
     from sgraf.training.run_dir import load_run_config
 
     args.overrides = args.overrides or []   # no --set (None, so that --help shows no default)
