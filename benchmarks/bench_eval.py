@@ -9,9 +9,11 @@ the same run:
   wall time (the whole command, imports and loading included), peak resident memory and the
   command's own breakdown of its time (`--timings`: startup, checkpoint, tokenise, encode,
   score, metrics, save);
-- the authors' algorithm as they run it (see `authors`: five copies of each image encoded, then
+- the authors' algorithm as they run it (see `Authors`: five copies of each image encoded, then
   shards of 100 images x 100 captions, each shard's captions scored one at a time against its
-  images) on a random slice of captions, extrapolated to the split;
+  images) on a random slice of captions, extrapolated to the split; its image shards timed in
+  parts, one before sgraf's first timed run and one after each, and each run's speed-up taken
+  against the parts around it (interleaved, so that a change of the machine's load hits both);
 - the agreement of bf16 with fp32 (recalls, largest score difference) and of the authors'
   slice with the fp32 matrix.
 
@@ -182,8 +184,17 @@ def print_choices(path: Path) -> None:
         print(f"measured {key}: {entry.get('choice')!r} ({seconds})", flush=True)
 
 
-def authors(out: Path, n_slice: int, seed: int, device: str = "cpu") -> dict:
-    """The authors' evaluation as they run it, timed on a slice of captions and extrapolated.
+def shard_groups(n_img: int, parts: int) -> list[slice]:
+    """The image rows of `parts` groups of whole image shards of `AUTHORS_SHARD` (as even as the
+    shards allow; fewer groups when there are fewer shards), in order, covering every image."""
+    shards = list(range(0, n_img, AUTHORS_SHARD))
+    groups = np.array_split(np.arange(len(shards)), max(1, min(parts, len(shards))))
+    return [slice(shards[g[0]], min(shards[g[-1]] + AUTHORS_SHARD, n_img)) for g in groups]
+
+
+class Authors:
+    """The authors' evaluation as they run it, timed on a slice of captions and extrapolated, in
+    parts between sgraf's runs.
 
     Their `encode_data` runs the image encoder on every (image, caption) pair of the loader, five
     copies of each image (timed here on one copy, x5), and the text encoder on batches of 128
@@ -194,52 +205,93 @@ def authors(out: Path, n_slice: int, seed: int, device: str = "cpu") -> dict:
     every image shard; the per-caption time is extrapolated to the split. (Scoring the slice one
     caption per call instead recomputed the image shards' global vectors for every caption: 3.5x
     the authors' time per caption, see benchmarks/results/calibration-*.)
-    """
-    from sgraf import scoring
-    from sgraf.checkpoint import load_model
-    from sgraf.data.precomp import PrecompSplit
-    from sgraf.model.oracle import authors_shard_scores
 
-    model = load_model(out / "model.pt").to(device)
-    split = PrecompSplit(out / "data", "test")
-    start = time.perf_counter()
-    with torch.no_grad():
-        img_embs = scoring.encode_images(model, split.images, batch_size=128)
-    synchronize(device)
-    encode_s = (time.perf_counter() - start) * CAPS_PER_IMAGE
-    start = time.perf_counter()
-    with torch.no_grad():
-        token_ids = scoring.tokenize_captions(split.captions, model.vocab)
-        buckets = scoring.encode_captions(model, token_ids, batch_size=128)
-    synchronize(device)
-    encode_s += time.perf_counter() - start
-    chosen = np.sort(np.random.default_rng(seed).choice(split.n_captions, size=min(n_slice, split.n_captions),
-                                                        replace=False))
-    lookup = {int(k): (b, row) for b in buckets for row, k in enumerate(b.index.tolist())}
-    # the slice as the authors' caption shards: one padded (captions, words, d) block per shard
-    # of AUTHORS_SHARD captions, scored against every image shard (their image global vectors are
-    # computed once per pair of shards, so a shard of fewer captions pays that more per caption)
-    width = max(int(lookup[int(k)][0].lengths[lookup[int(k)][1]]) for k in chosen)
-    words = img_embs.new_zeros(len(chosen), width, img_embs.size(2))
-    lengths = torch.zeros(len(chosen), dtype=torch.long)
-    for column, k in enumerate(chosen):
-        bucket, row = lookup[int(k)]
-        lengths[column] = bucket.lengths[row]
-        words[column, : int(lengths[column])] = bucket.embs[row, : int(lengths[column])]
-    columns, seconds = [], 0.0
-    with torch.no_grad():
-        for start in range(0, len(chosen), AUTHORS_SHARD):
-            stop = min(start + AUTHORS_SHARD, len(chosen))
-            tic = time.perf_counter()
-            scores = authors_shard_scores(model, img_embs, words[start:stop], lengths[start:stop],
-                                          shard=AUTHORS_SHARD)   # (n_img, shard)
-            synchronize(device)
-            seconds += time.perf_counter() - tic
-            columns.append(scores.cpu().numpy())
-    per_caption = seconds / len(chosen)
-    return {"encode_s": encode_s, "per_caption_s": per_caption, "captions_timed": len(chosen),
-            "extrapolated_s": encode_s + per_caption * split.n_captions, "chosen": chosen,
-            "columns": np.concatenate(columns, axis=1)}
+    The image shards are scored in `parts` groups (`time_part`), one before sgraf's first timed
+    run and one after each, so that a change of the machine's load between the runs hits both:
+    each group's time, scaled to all the images, is an estimate of the slice's time at that
+    moment. All the groups together are the whole slice once, the authors' work of a single
+    timing.
+    """
+
+    def __init__(self, out: Path, n_slice: int, seed: int, device: str = "cpu", parts: int = 1) -> None:
+        from sgraf import scoring
+        from sgraf.checkpoint import load_model
+        from sgraf.data.precomp import PrecompSplit
+
+        self.device = device
+        self.model = load_model(out / "model.pt").to(device)
+        split = PrecompSplit(out / "data", "test")
+        self.n_captions = split.n_captions
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.img_embs = scoring.encode_images(self.model, split.images, batch_size=128)
+        synchronize(device)
+        self.encode_s = (time.perf_counter() - start) * CAPS_PER_IMAGE
+        start = time.perf_counter()
+        with torch.no_grad():
+            token_ids = scoring.tokenize_captions(split.captions, self.model.vocab)
+            buckets = scoring.encode_captions(self.model, token_ids, batch_size=128)
+        synchronize(device)
+        self.encode_s += time.perf_counter() - start
+        self.chosen = np.sort(np.random.default_rng(seed).choice(split.n_captions,
+                                                                 size=min(n_slice, split.n_captions), replace=False))
+        lookup = {int(k): (b, row) for b in buckets for row, k in enumerate(b.index.tolist())}
+        # the slice as the authors' caption shards: one padded (captions, words, d) block per shard
+        # of AUTHORS_SHARD captions, scored against every image shard (their image global vectors are
+        # computed once per pair of shards, so a shard of fewer captions pays that more per caption)
+        width = max(int(lookup[int(k)][0].lengths[lookup[int(k)][1]]) for k in self.chosen)
+        self.words = self.img_embs.new_zeros(len(self.chosen), width, self.img_embs.size(2))
+        self.lengths = torch.zeros(len(self.chosen), dtype=torch.long)
+        for column, k in enumerate(self.chosen):
+            bucket, row = lookup[int(k)]
+            self.lengths[column] = bucket.lengths[row]
+            self.words[column, : int(self.lengths[column])] = bucket.embs[row, : int(self.lengths[column])]
+        n_img = self.img_embs.size(0)
+        self.rows = shard_groups(n_img, parts)
+        self.columns = np.zeros((n_img, len(self.chosen)), dtype=np.float32)
+        self.part_s: list[float] = []   # seconds of each group timed so far
+        self.estimates: list[float] = []   # each group's per-caption time, scaled to all the images
+
+    @property
+    def parts(self) -> int:
+        return len(self.rows)
+
+    def time_part(self) -> None:
+        """Score the slice against the next group of image shards, if any is left, and time it."""
+        from sgraf.model.oracle import authors_shard_scores
+
+        if len(self.part_s) == self.parts:
+            return
+        rows = self.rows[len(self.part_s)]
+        seconds = 0.0
+        with torch.no_grad():
+            for start in range(0, len(self.chosen), AUTHORS_SHARD):
+                stop = min(start + AUTHORS_SHARD, len(self.chosen))
+                tic = time.perf_counter()
+                scores = authors_shard_scores(self.model, self.img_embs[rows], self.words[start:stop],
+                                              self.lengths[start:stop], shard=AUTHORS_SHARD)   # (images, shard)
+                synchronize(self.device)
+                seconds += time.perf_counter() - tic
+                self.columns[rows, start:stop] = scores.float().cpu().numpy()
+        self.part_s.append(seconds)
+        images = rows.stop - rows.start
+        self.estimates.append(seconds * self.img_embs.size(0) / images / len(self.chosen))
+
+    def per_caption_s(self) -> float:
+        """Seconds per caption of the whole slice (every group timed once)."""
+        return sum(self.part_s) / len(self.chosen)
+
+    def extrapolated_s(self, per_caption: float | None = None) -> float:
+        """The authors' time for the split: their encoding and `per_caption` (default: the whole
+        slice's) for every caption."""
+        return self.encode_s + (self.per_caption_s() if per_caption is None else per_caption) * self.n_captions
+
+    def around(self, run: int) -> float:
+        """The estimate of the per-caption time while sgraf's `run`-th timed run (0-based) ran: the
+        mean of the groups timed just before and just after it (the nearest ones if fewer)."""
+        before = min(run, len(self.estimates) - 1)
+        after = min(run + 1, len(self.estimates) - 1)
+        return (self.estimates[before] + self.estimates[after]) / 2
 
 
 def synchronize(device: str) -> None:
@@ -315,8 +367,12 @@ def main() -> int:
               f"{torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else cpu_model()}, "
               f"torch threads "
               f"{torch.get_num_threads()}, cpus {os.cpu_count()}", flush=True)
-        runs = {}
+        runs, order = {}, []    # order: (precision, wall seconds) of the timed runs, as they ran
         states = ["cold", "warm"] if args.token_cache == "both" else [args.token_cache]
+        reference = None
+        if not args.no_authors:   # its encoding now, its slice in parts around sgraf's timed runs
+            reference = Authors(out, args.authors_captions, args.seed, args.device,
+                                parts=len(args.precisions) * args.repeats + 1)
         for precision in args.precisions:
             measured, baseline, warm = [], [], []
             if args.probed:
@@ -324,8 +380,13 @@ def main() -> int:
                 print(f"{precision}: an untimed first run ({first['wall_s']:.1f} s) stored the measured choices",
                       flush=True)
             for _ in range(args.repeats):     # interleaved, so that a change of load hits both
+                if reference is not None and not order:
+                    reference.time_part()
                 measured.append(run_command(out, precision, args.batch_size, device=args.device,
                                             token_cache=states[0]))
+                order.append((precision, measured[-1]["wall_s"]))
+                if reference is not None:
+                    reference.time_part()
                 if args.baseline:
                     baseline.append(run_command(out, precision, args.batch_size, args.baseline, args.device,
                                                 token_cache=states[0]))
@@ -353,17 +414,24 @@ def main() -> int:
                       flush=True)
                 print_stages(f"{precision} baseline, token cache {states[0]},", base)
         print_choices(cache_dir(out) / "tuning.json")
-        if args.no_authors:
+        if reference is None:
             return 0
-        reference = authors(out, args.authors_captions, args.seed, args.device)
+        while len(reference.part_s) < reference.parts:   # a group left (no timed run to follow)
+            reference.time_part()
         print(f"authors' algorithm (shards of 100 images x {min(args.authors_captions, AUTHORS_SHARD)} captions, "
-              f"one caption at a time): {reference['per_caption_s']:.3f} s "
-              f"per caption over {reference['captions_timed']} captions + encoding {reference['encode_s']:.1f} s "
-              f"-> extrapolated {reference['extrapolated_s']:.0f} s for the split", flush=True)
-        for precision, run in runs.items():
-            print(f"speed-up vs the authors' algorithm ({precision}): {reference['extrapolated_s'] / run['wall_s']:.1f}x")
+              f"one caption at a time): {reference.per_caption_s():.3f} s "
+              f"per caption over {len(reference.chosen)} captions + encoding {reference.encode_s:.1f} s "
+              f"-> extrapolated {reference.extrapolated_s():.0f} s for the split; timed in {reference.parts} "
+              f"part(s) around sgraf's runs, each scaled to the split: "
+              f"{', '.join(f'{reference.extrapolated_s(e):.0f}' for e in reference.estimates)} s", flush=True)
+        for precision in runs:
+            ratios = [reference.extrapolated_s(reference.around(k)) / wall
+                      for k, (timed, wall) in enumerate(order) if timed == precision]
+            print(f"speed-up vs the authors' algorithm ({precision}): {statistics.median(ratios):.1f}x "
+                  f"(each run against the authors' parts just before and after it: "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)})")
         first = runs[args.precisions[0]]
-        error = np.abs(first["sims"][:, reference["chosen"]] - reference["columns"]).max()
+        error = np.abs(first["sims"][:, reference.chosen] - reference.columns).max()
         print(f"authors' slice vs {args.precisions[0]} matrix: max |diff| {error:.2e}")
         for low in ("bf16", "tf32"):
             if "fp32" not in runs or low not in runs:

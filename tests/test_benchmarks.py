@@ -344,3 +344,21 @@ def test_calibrate_authors_steps_a_checkout_beside_the_stand_in(tmp_path):
     missing = subprocess.run([*command[:2], str(empty)], capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and missing.stderr.strip() == (
         f"{empty} has no model.py: give a checkout of Paranioar/SGRAF (branch python3.6)")
+
+
+def test_bench_eval_times_the_authors_slice_in_parts_around_each_run(monkeypatch):
+    """bench_eval.py scores the authors' slice against groups of whole image shards, one group
+    before sgraf's first timed run and one after each; a run's estimate is the mean of the groups
+    around it (the nearest ones when the shards are fewer than the runs plus one)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_eval
+
+    assert bench_eval.shard_groups(250, 3) == [slice(0, 100), slice(100, 200), slice(200, 250)]
+    assert bench_eval.shard_groups(1000, 3) == [slice(0, 400), slice(400, 700), slice(700, 1000)]
+    assert bench_eval.shard_groups(50, 3) == [slice(0, 50)]
+    assert bench_eval.shard_groups(5000, 4)[-1] == slice(3800, 5000)
+    reference = bench_eval.Authors.__new__(bench_eval.Authors)
+    reference.estimates = [1.0, 3.0, 5.0]
+    assert [reference.around(run) for run in range(3)] == [2.0, 4.0, 5.0]
+    reference.estimates = [2.0]
+    assert [reference.around(run) for run in range(2)] == [2.0, 2.0]
