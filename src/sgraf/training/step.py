@@ -214,26 +214,35 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
         (scaler.scale(objective) if scaler is not None else objective).backward()
     average_gradients(params)
     merge_per_caption_norms(norms, norms_before)
+    grad_norm, skipped = _update(optimizer, params, config, scaler, loss if on_device else None)
+    if on_device:
+        return StepResult(loss.detach(), grad_norm.detach(), check=check_loss)
+    return StepResult(loss=float(loss.item()), grad_norm=float(grad_norm), skipped=skipped)
+
+
+def _update(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], config: TrainConfig, scaler: Any | None,
+            loss_on_device: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """Clip the gradients (or only measure their norm) and take the optimizer's step: through the
+    fp16 scaler, or with `loss_on_device` given, a fused optimizer that skips the update itself
+    when that loss is not finite (nothing read back). Returns (gradient norm before clipping,
+    whether the scaler skipped the update)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     if config.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
     else:
         grad_norm = torch_compat.total_norm([p.grad for p in params if p.grad is not None])
-    skipped = False
     if scaler is not None:
         scale = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
-        skipped = scaler.get_scale() < scale
-    elif on_device:
-        optimizer.found_inf = torch.isfinite(loss).logical_not().float()   # read by the fused kernel
+        return grad_norm, scaler.get_scale() < scale
+    if loss_on_device is not None:
+        optimizer.found_inf = torch.isfinite(loss_on_device).logical_not().float()   # read by the fused kernel
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf
     else:
         optimizer.step()
-    if on_device:
-        return StepResult(loss.detach(), grad_norm.detach(), check=check_loss)
-    return StepResult(loss=float(loss.item()), grad_norm=float(grad_norm), skipped=skipped)
+    return grad_norm, False
