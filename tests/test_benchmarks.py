@@ -362,3 +362,29 @@ def test_bench_eval_times_the_authors_slice_in_parts_around_each_run(monkeypatch
     assert [reference.around(run) for run in range(3)] == [2.0, 4.0, 5.0]
     reference.estimates = [2.0]
     assert [reference.around(run) for run in range(2)] == [2.0, 2.0]
+
+
+def test_probe_eval_choices_reads_bench_evals_measured_lines_and_forces_the_fastest(monkeypatch, tmp_path):
+    """benchmarks/probe_eval_choices.py rebuilds the tuning store from bench_eval.py's printed
+    choices and forces the probe's fastest fp32 thread mode and chunk budget, nothing else."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import probe_eval_choices
+
+    printed = tmp_path / "eval.txt"
+    printed.write_text(
+        "fp32: runs 1.0 s\n"
+        "measured CPU|2 threads|cpu scoring threads|fp32|sgr|d=8: 'ops' (blocks 117.71 ms, ops 132.99 ms)\n"
+        "measured CPU|2 threads|eval chunk bytes|torch.float32|sgr|d=8: 8388608 (16777216 129.86 ms, "
+        "8388608 131.35 ms)\n"
+        "measured CPU|2 threads|cpu scoring threads|bf16|sgr|d=8: 'blocks' (blocks 40.40 ms, ops 48.12 ms)\n"
+        "measured CPU|2 threads|sgr edge route|torch.float32|m=8: 'layout' (layout 34.19 ms, sdpa 29.42 ms)\n")
+    store = probe_eval_choices.stored_choices(printed)
+    assert len(store) == 4
+    threads = store["CPU|2 threads|cpu scoring threads|fp32|sgr|d=8"]
+    assert threads["choice"] == "ops" and threads["seconds"] == {'"blocks"': 0.11771, '"ops"': 0.13299}
+    forced = probe_eval_choices.forced(store, "both")
+    assert forced["CPU|2 threads|cpu scoring threads|fp32|sgr|d=8"]["choice"] == "blocks"
+    assert forced["CPU|2 threads|eval chunk bytes|torch.float32|sgr|d=8"]["choice"] == 16777216
+    assert forced["CPU|2 threads|sgr edge route|torch.float32|m=8"]["choice"] == "layout"   # not forced
+    assert probe_eval_choices.forced(store, "chunk")["CPU|2 threads|cpu scoring threads|fp32|sgr|d=8"]["choice"] \
+        == "ops"
