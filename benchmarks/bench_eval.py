@@ -250,7 +250,7 @@ class Authors:
         self.rows = shard_groups(n_img, parts)
         self.columns = np.zeros((n_img, len(self.chosen)), dtype=np.float32)
         self.part_s: list[float] = []   # seconds of each group timed so far
-        self.estimates: list[float] = []   # each group's per-caption time, scaled to all the images
+        release(device)
 
     @property
     def parts(self) -> int:
@@ -274,8 +274,13 @@ class Authors:
                 seconds += time.perf_counter() - tic
                 self.columns[rows, start:stop] = scores.float().cpu().numpy()
         self.part_s.append(seconds)
-        images = rows.stop - rows.start
-        self.estimates.append(seconds * self.img_embs.size(0) / images / len(self.chosen))
+        release(self.device)
+
+    @property
+    def estimates(self) -> list[float]:
+        """Each timed group's per-caption time, scaled to all the images."""
+        return [seconds * self.img_embs.size(0) / (rows.stop - rows.start) / len(self.chosen)
+                for seconds, rows in zip(self.part_s, self.rows)]
 
     def per_caption_s(self) -> float:
         """Seconds per caption of the whole slice (every group timed once)."""
@@ -292,6 +297,14 @@ class Authors:
         before = min(run, len(self.estimates) - 1)
         after = min(run + 1, len(self.estimates) - 1)
         return (self.estimates[before] + self.estimates[after]) / 2
+
+
+def release(device: str) -> None:
+    """Hand this process's cached, unused CUDA memory back to the device, so that the `sgraf
+    evaluate` processes timed between the authors' parts size their blocks from the same free
+    memory as without them (the authors' encoded images stay: about 0.15 GB per 1,000 images)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def synchronize(device: str) -> None:

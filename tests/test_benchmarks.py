@@ -8,7 +8,9 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -358,9 +360,12 @@ def test_bench_eval_times_the_authors_slice_in_parts_around_each_run(monkeypatch
     assert bench_eval.shard_groups(50, 3) == [slice(0, 50)]
     assert bench_eval.shard_groups(5000, 4)[-1] == slice(3800, 5000)
     reference = bench_eval.Authors.__new__(bench_eval.Authors)
-    reference.estimates = [1.0, 3.0, 5.0]
+    reference.img_embs, reference.chosen = torch.zeros(100, 1, 1), np.arange(2)
+    reference.rows, reference.part_s = [slice(0, 100)] * 3, [2.0, 6.0, 10.0]   # seconds for 2 captions
+    assert reference.estimates == [1.0, 3.0, 5.0]
     assert [reference.around(run) for run in range(3)] == [2.0, 4.0, 5.0]
-    reference.estimates = [2.0]
+    reference.rows, reference.part_s = [slice(0, 50)], [2.0]    # half the images: scaled to all of them
+    assert reference.estimates == [2.0]
     assert [reference.around(run) for run in range(2)] == [2.0, 2.0]
 
 
