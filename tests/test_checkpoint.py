@@ -121,6 +121,18 @@ def test_other_files_are_refused_clearly(tmp_path):
         load_model(tmp_path / "absent.pt")
 
 
+def test_a_checkpoint_cut_short_is_named_as_such(tmp_path):
+    whole = tmp_path / "whole.pt"
+    save_model(random_model(1, sim_dim=12), whole)
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=rf"cut\.pt: not a readable PyTorch checkpoint \(a torch\.save archive cut "
+                                         rf"short: its {len(data) // 2:,} bytes end before the archive's directory"):
+        load_model(cut)
+    load_model(whole)   # the whole file still loads
+
+
 def test_shape_mismatch_names_key_and_shapes(tmp_path):
     model = random_model(1, sim_dim=12)
     save_model(model, tmp_path / "m.pt")

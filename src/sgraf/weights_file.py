@@ -97,6 +97,10 @@ def torch_file_problem(path: str | os.PathLike[str], error: BaseException) -> st
         return "empty file"
     if not is_torch_file(path):
         return "neither a torch.save archive nor a pickle"
+    if _head(Path(path), len(_ZIP_MAGIC)) == _ZIP_MAGIC and not zipfile.is_zipfile(path):
+        # a zip archive's directory is its last bytes: a copy or download cut short loses it first
+        return (f"a torch.save archive cut short: its {os.path.getsize(path):,} bytes end before the "
+                f"archive's directory; expected the whole file, copied or downloaded again")
     detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(error))
     if detail:
         return detail.group(1).strip()
