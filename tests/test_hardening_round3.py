@@ -208,6 +208,49 @@ def test_the_same_file_under_every_name(tmp_path, monkeypatch):
         check_outputs([], [("--a", "y"), ("--b", "./y")])
 
 
+def test_a_file_named_twice_in_a_repeated_option_is_refused_under_every_name(tmp_path, monkeypatch):
+    from sgraf.io_paths import check_distinct
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b", "c"):
+        Path(name).write_text(name)
+    os.symlink("c", "link")
+    for second in ("c", "./c", "sub/../c", str(tmp_path / "c"), "link"):
+        Path("sub").mkdir(exist_ok=True)
+        with pytest.raises(InputError, match=rf"^--m {re.escape(second)} is given twice \(1st and 4th, the same "
+                                             r"file\); they are averaged: name each once$"):
+            check_distinct("--m", ["c", "a", "b", second], "they are averaged")
+    check_distinct("--m", ["a", "b", "c"], "they are averaged")        # distinct files: fine
+    check_distinct("--m", None, "they are averaged")                    # none given: fine
+    check_distinct("--m", ["absent", "./other-absent"], "x")            # not there yet: compared by name only
+    with pytest.raises(InputError, match=r"^--m ./absent is given twice \(1st and 2nd"):
+        check_distinct("--m", ["absent", "./absent"], "x")
+
+
+def test_every_ensemble_command_refuses_a_model_named_twice(world, capsys):
+    """One checkpoint (or matrix) twice would be scored as an ensemble of one model with itself,
+    and reported as an ensemble: each command that averages models refuses it in one line."""
+    ck, data = str(world["ck"]), str(world["data"])
+    again = os.path.join(os.path.dirname(ck), ".", os.path.basename(ck))
+    runs = {
+        "evaluate": ["evaluate", "--checkpoint", ck, "--checkpoint", again, "--data", data, "--split", "test"],
+        "diagnose": ["diagnose", "--checkpoint", ck, "--checkpoint", again, "--data", data, "--split", "test"],
+        "index": ["index", "--checkpoint", ck, "--checkpoint", again, "--data", data, "--split", "test",
+                  "--out", str(world["root"] / "never-index")],
+        "explain": ["explain", "--checkpoint", ck, "--checkpoint", again, "--data", data, "--split", "test",
+                    "--image-id", "0", "--text", "a red square", "--out", str(world["root"] / "never.png")],
+    }
+    for command, argv in runs.items():
+        err = _one_line_error(capsys, main(argv))
+        assert err == (f"sgraf {command}: error: --checkpoint {again} is given twice (1st and 2nd, the same file); "
+                       "an ensemble averages the scores of different models: name each once"), err
+    sims = str(world["sims"])
+    err = _one_line_error(capsys, main(["evaluate", "--sims", sims, sims, "--data", data, "--split", "test"]))
+    assert err == (f"sgraf evaluate: error: --sims {sims} is given twice (1st and 2nd, the same file); the "
+                   "matrices are averaged: name each once")
+    assert not (world["root"] / "never-index").exists() and not (world["root"] / "never.png").exists()
+
+
 def test_a_symlinked_output_is_written_through_to_its_target(world, tmp_path, capsys):
     target = tmp_path / "real.npy"
     target.write_bytes(b"old")

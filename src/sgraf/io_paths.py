@@ -98,6 +98,32 @@ def _message(out_label: str, out: str, relation: str, in_label: str, source: str
             "(it would be written over): choose another path")
 
 
+def check_distinct(label: str, paths: Optional[Sequence[PathArg]], what: str) -> None:
+    """Refuses, in one line, a file named twice in a repeatable option (`--checkpoint a.pt
+    --checkpoint ./a.pt`: one model averaged with itself, most likely a slip for another file).
+
+    Args:
+        label: the option, as the user typed it; paths: its values (None: none given).
+        what: what the values make together, for the message ("an ensemble averages ...").
+
+    Raises:
+        InputError: "LABEL P is given twice (1st and 3rd, the same file); WHAT: name each once".
+    """
+    seen: list[tuple[int, set[object]]] = []
+    for number, (_, path) in enumerate(_given(labelled(label, paths)), start=1):
+        identity = _identity(path)
+        for first, other in seen:
+            if identity & other:
+                raise InputError(f"{label} {path} is given twice ({_ordinal(first)} and {_ordinal(number)}, "
+                                 f"the same file); {what}: name each once")
+        seen.append((number, identity))
+
+
+def _ordinal(number: int) -> str:
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
+
+
 def labelled(label: str, paths: Optional[Sequence[PathArg]]) -> list[Labelled]:
     """`[(label, p) for p in paths]` for an option that may repeat (None: none given)."""
     return [(label, path) for path in (paths or [])]

@@ -92,6 +92,10 @@ def utf8_text(value: str) -> str:
     return value
 
 
+# why a model named twice is refused (`check_distinct`)
+ENSEMBLE_OF_MODELS = "an ensemble averages the scores of different models"
+
+
 def add_score_source(parser: argparse.ArgumentParser, sims_help: str) -> None:
     """Exactly one of `--checkpoint PATH` (repeatable: an ensemble) or `--sims FILE.npy ...`
     (saved score matrices), for the commands that score a split (`evaluate`, `diagnose`)."""
@@ -102,11 +106,15 @@ def add_score_source(parser: argparse.ArgumentParser, sims_help: str) -> None:
 
 
 def check_score_source(args: argparse.Namespace) -> None:
-    """InputError for options that apply to `--checkpoint` only but came with `--sims`."""
+    """InputError for options that apply to `--checkpoint` only but came with `--sims`, and for
+    a checkpoint or matrix named twice (`sgraf.io_paths.check_distinct`)."""
     from sgraf.errors import InputError
+    from sgraf.io_paths import check_distinct
 
     if args.sims and args.vocab:
         raise InputError("--vocab applies to --checkpoint, not to --sims")
+    check_distinct("--checkpoint", args.checkpoint, ENSEMBLE_OF_MODELS)
+    check_distinct("--sims", args.sims, "the matrices are averaged")
 
 
 def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False) -> None:

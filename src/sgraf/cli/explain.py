@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from sgraf.cli.arguments import data_inputs, device, non_negative_int, utf8_text
+from sgraf.cli.arguments import ENSEMBLE_OF_MODELS, data_inputs, device, non_negative_int, utf8_text
 
 if TYPE_CHECKING:
     from sgraf.explain import Explanation
@@ -35,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.data.precomp import PrecompSplit
     from sgraf.errors import InputError
     from sgraf.explain import explain_pair, region_layout, render_explanation
-    from sgraf.io_paths import check_outputs, labelled
+    from sgraf.io_paths import check_distinct, check_outputs, labelled
 
+    check_distinct("--checkpoint", args.checkpoint, ENSEMBLE_OF_MODELS)
     if not args.out.lower().endswith(".png"):
         raise InputError(f"--out must name a .png file, got {args.out!r}")
     check_outputs([*labelled("--checkpoint", args.checkpoint), ("--vocab", args.vocab),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import data_inputs, device, positive_int
+from sgraf.cli.arguments import ENSEMBLE_OF_MODELS, data_inputs, device, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,9 +33,10 @@ def run(args: argparse.Namespace) -> int:
 
     from sgraf.api import Matcher
     from sgraf.data.precomp import PrecompSplit
-    from sgraf.io_paths import check_outputs, labelled
+    from sgraf.io_paths import check_distinct, check_outputs, labelled
     from sgraf.search import build_index
 
+    check_distinct("--checkpoint", args.checkpoint, ENSEMBLE_OF_MODELS)
     check_outputs([*labelled("--checkpoint", args.checkpoint), ("--vocab", args.vocab),
                    *data_inputs(args.data, [args.split])], folders=[("--out", args.out)])
     matcher = Matcher.load(args.checkpoint, vocab=args.vocab, batch_size=args.batch_size, device=args.device)
