@@ -233,7 +233,8 @@ def test_explain_with_boxes_scores_as_the_model_and_draws_the_boxes(gallery, tmp
     regions, centres = place.split_places(place.encode_images(torch.from_numpy(gallery["features"][4:5]),
                                                               torch.from_numpy(gallery["boxes"][4:5]).float()))
     words = place.encode_captions(ids, lengths)
-    term = place.sim_enc.place_offset(regions, centres, words, torch.ones(1, ids.shape[1], dtype=torch.bool))
+    with torch.no_grad():
+        term = place.sim_enc.place_offset(regions, centres, words, torch.ones(1, ids.shape[1], dtype=torch.bool))
     assert explanation.place_model in explanation.scores and explanation.place_model != "ensemble"
     assert explanation.place.shape == (ids.shape[1],) and abs(float(term) - explanation.place.sum()) < 1e-4
     assert abs(float(term)) > 1e-3
