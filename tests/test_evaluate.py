@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from numerics import AUTHORS, BFLOAT16, assert_close
+from numerics import AUTHORS, BFLOAT16, REORDERED, assert_close
 from sgraf import metrics
 from sgraf.cli import main
 
@@ -244,7 +244,9 @@ def test_the_gpu_plan_emulated_on_the_cpu_gives_the_cpus_metrics_and_matrix(tmp_
     blocks_ = blocks.GPU_IMAGE_BLOCK
     assert bands == copies == [slice(0, blocks_), slice(blocks_, n_img)]
     assert isinstance(plan_sims, np.ndarray) and plan_sims.shape == (n_img, 5 * n_img)
-    assert np.abs(plan_sims - cpu_sims).max() <= 1e-6
+    # other block and chunk sizes: the matmuls' sums taken in another order (MKL's SSE2 code, a
+    # kernel of another processor, gave 1.01e-6 where a bare 1e-6 had been asked)
+    assert_close(plan_sims, cpu_sims, REORDERED, what="GPU plan emulated against the CPU's")
     assert on_plan == metrics.evaluate_sims(plan_sims)
     assert on_plan["rsum"] == pytest.approx(on_cpu["rsum"], abs=1.0)   # a near-tie may flip one rank
     # without --save-sims nothing is copied to the host; with it, the bands are what is saved

@@ -252,6 +252,8 @@ def test_each_route_is_measured_once_and_stored(tuning_cache, monkeypatch, kind)
 
 def test_the_weight_gradient_route_defaults_to_mkl_and_is_forced_with_the_rest(monkeypatch):
     monkeypatch.setenv("SGRAF_TUNE", "off")
+    # the defaults, whatever route the environment forces (scripts/numerics-matrix sets it)
+    monkeypatch.delenv("SGRAF_CPU_MATMUL", raising=False)
     assert cpu.weight_gradient_route() == "aten" and cpu.float32_route() == ("onednn" if cpu.ONEDNN else "aten")
     monkeypatch.setenv("SGRAF_CPU_MATMUL", "onednn")
     assert cpu.weight_gradient_route() == cpu.float32_route() == ("onednn" if cpu.ONEDNN else "aten")
