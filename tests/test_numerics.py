@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model_helpers import DATA, flat_state, golden_model
-from numerics import AUTHORS, EPS, GRADIENT, STEP, assert_close, excess, largest, mismatch
+from numerics import AUTHORS, EPS, GRADIENT, STEP, assert_close, conditioned_scale, excess, largest, mismatch
 from sgraf.model.filtration import AttentionFiltration
 from sgraf.model.loss import ranking_loss
 
@@ -119,6 +119,20 @@ def test_the_budget_is_ulps_of_the_reference_scale():
     # an explicit scale (a sum that cancels keeps the error of its large terms)
     assert mismatch(np.array([1e-9]), np.array([0.0]), 64, scale=1.0) is None
     assert mismatch(np.array([1e-9]), np.array([0.0]), 64) is not None
+
+
+def test_the_conditioned_scale_is_raised_only_as_far_as_float32_misses_float64():
+    exact = {"a": torch.tensor([1.0, -3.0], dtype=torch.float64), "b": torch.tensor([0.25], dtype=torch.float64)}
+    close = {name: value.float() for name, value in exact.items()}     # one rounding: the scale stands
+    assert conditioned_scale(close, exact, 3.0) == 3.0
+    off = {"a": close["a"] + torch.tensor([0.0, 1e-3]), "b": close["b"]}   # float32 1e-3 off float64
+    scale = conditioned_scale(off, exact, 3.0)
+    assert scale == pytest.approx(1e-3 / (128 * EPS), rel=1e-3) and scale > 3.0
+    assert conditioned_scale(off, exact, 3.0, ulps=256) == pytest.approx(scale / 2)
+    assert conditioned_scale(off["a"], exact["a"], 3.0) == pytest.approx(scale)       # tensors alike
+    # two float32 orders as far apart as float32 is from float64 pass at that scale; a wrong value does not
+    assert mismatch(off["a"] + 2e-3, off["a"], GRADIENT, scale=scale) is None
+    assert mismatch(off["a"] + 0.5, off["a"], GRADIENT, scale=scale) is not None
 
 
 def test_nan_shape_and_infinity_are_mismatches_unless_shared():
