@@ -63,14 +63,16 @@ AUTHORS = Budget(16, "AUTHORS")               # our forward pass against the aut
                                               # kernels; well-conditioned models at or near the
                                               # authors' initialisation): scores, embeddings, losses:
                                               # seen 2.4
-GRADIENT = Budget(1024, "GRADIENT")           # gradients (scale: the model's largest gradient) after
+GRADIENT = Budget(2048, "GRADIENT")           # gradients (scale: the model's largest gradient) after
                                               # a backward through every layer and the GRU's time
                                               # steps: seen 322 (tiny random model against the
                                               # per-caption oracle), 227 against the authors' (MKL's
-                                              # SSE2 code), 38 on Intel; 987 on an Intel Xeon's MKL
-                                              # SSE2 code for a joint model whose float32 gradients
-                                              # were 2,186 ulps off float64's: such tests take
-                                              # `conditioned_scale`
+                                              # SSE2 code), 38 on Intel; on an Intel Xeon (session
+                                              # 32) 387 against the oracle (MKL's SSE2 code: each of
+                                              # the two float32 computations up to 330 ulps off
+                                              # float64), and 987 chunked against whole for a joint
+                                              # model whose float32 gradients were 2,186 ulps off
+                                              # float64's: that test takes `conditioned_scale`
 STEP = Budget(128, "STEP")                    # parameters and BatchNorm statistics after Adam steps
                                               # (scale: the largest of them): seen 33 (MKL's SSE2 code)
 DEEP_NETWORK = Budget(128, "DEEP_NETWORK")    # a 50-layer CNN (EfficientNet-Lite0) on one image
@@ -105,7 +107,7 @@ def largest(values: Any) -> float:
     return float(finite.max()) if finite.size else 0.0
 
 
-def conditioned_scale(float32_values: Any, float64_values: Any, scale: float, ulps: float = 128) -> float:
+def conditioned_scale(float32_values: Any, float64_values: Any, scale: float, ulps: float = 64) -> float:
     """The scale at which to compare two float32 computations of an ill-conditioned quantity:
     `scale`, raised so that one of them, `float32_values`, lies within `ulps` of that scale of the
     same computation in float64 (`float64_values`; tensors, or dicts of them with the same keys).

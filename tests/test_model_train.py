@@ -143,6 +143,19 @@ def test_train_mode_matches_per_caption_oracle_including_running_stats(config):
     scale = largest(oracle_grads)
     for name, grad in oracle_grads.items():
         assert_close(grads[name], grad, GRADIENT, scale=scale, what=name)
+    # the same in float64, where float32's rounding (amplified in this tiny model's GRU gradients:
+    # each float32 computation up to some 330 ulps off float64) cannot hide a difference of the math
+    grads64 = []
+    for forward in (lambda m, *batch: m(*batch), oracle_forward):
+        twin = random_model(4, num_regions=6, **config).double().train()
+        for _ in range(2):
+            out = forward(twin, images.double(), captions, lengths)
+        out = out if isinstance(out, dict) else {twin.config.module: out}
+        sum(ranking_loss(s[:, :5]) for s in out.values()).backward()
+        grads64.append({name: p.grad for name, p in twin.named_parameters() if p.grad is not None})
+    for name, grad in grads64[1].items():
+        worst = float((grads64[0][name] - grad).abs().max())
+        assert worst <= 1e-12 * largest(grads64[1]), (name, worst)      # float64: 2^-52 = 2.2e-16
 
 
 def test_saf_running_stats_with_cumulative_momentum_match_sequential_updates():
