@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -116,9 +117,10 @@ def test_evaluate_timings_of_a_checkpoint(capsys, tmp_path):
 
 
 def test_evaluate_timings_of_saved_matrices(capsys, tmp_path):
-    sims = tmp_path / "sims.npy"
+    sims, other = tmp_path / "sims.npy", tmp_path / "other.npy"
     evaluate(capsys, "--checkpoint", CKPT, "--data", DATA, "--vocab", VOCAB, "--save-sims", sims)
-    result = json.loads(evaluate(capsys, "--sims", sims, sims, "--json", "--timings",
+    shutil.copyfile(sims, other)          # two matrices to average (one file twice is refused)
+    result = json.loads(evaluate(capsys, "--sims", sims, other, "--json", "--timings",
                                  "--save-sims", tmp_path / "mean.npy").out)
     assert [name for name in result["timings"] if name != "startup"] == ["imports", "load", "metrics", "save",
                                                                          "other", "total"]
