@@ -126,6 +126,15 @@ def conditioned_scale(float32_values: Any, float64_values: Any, scale: float, ul
     return max(scale, error / (ulps * EPS))
 
 
+def assert_same_math(actual: dict, expected: dict, what: str = "") -> None:
+    """Assert two float64 computations (dicts of tensors, e.g. gradients) agree within 1e-12 of the
+    expected's largest |value|: float64 rounding (2^-52 = 2.2e-16) leaves room only for the same math."""
+    scale = largest(expected)
+    for name, value in expected.items():
+        worst = float((actual[name] - value).abs().max())
+        assert worst <= 1e-12 * scale, (what, name, worst)
+
+
 def tolerance(reference: Any, ulps: float, scale: float | None = None) -> float:
     """`ulps * EPS * scale`, the scale defaulting to the reference's largest |value|."""
     if scale is None:

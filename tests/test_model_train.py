@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from model_helpers import DATA, flat_state, golden_model, random_batch, random_model
-from numerics import (AUTHORS, GRADIENT, REORDERED, STEP, adam_noise, approx, assert_close, conditioned_scale,
-                      largest)
+from numerics import (AUTHORS, GRADIENT, REORDERED, STEP, adam_noise, approx, assert_close, assert_same_math,
+                      conditioned_scale, largest)
 from sgraf.config import ModelConfig
 from sgraf.kernels import plan
 from sgraf.model.loss import ranking_loss
@@ -153,9 +153,7 @@ def test_train_mode_matches_per_caption_oracle_including_running_stats(config):
         out = out if isinstance(out, dict) else {twin.config.module: out}
         sum(ranking_loss(s[:, :5]) for s in out.values()).backward()
         grads64.append({name: p.grad for name, p in twin.named_parameters() if p.grad is not None})
-    for name, grad in grads64[1].items():
-        worst = float((grads64[0][name] - grad).abs().max())
-        assert worst <= 1e-12 * largest(grads64[1]), (name, worst)      # float64: 2^-52 = 2.2e-16
+    assert_same_math(grads64[0], grads64[1], "float64 gradients against the oracle's")
 
 
 def test_saf_running_stats_with_cumulative_momentum_match_sequential_updates():
@@ -213,9 +211,7 @@ def test_chunked_checkpointed_training_equals_one_block(monkeypatch, config, kee
             assert_close(got_grads[name], grad, GRADIENT, scale=scale, what=f"chunk {chunk}: {name}")
         _, got64, _ = _train_pass(random_model(4, num_regions=6, dropout=0.3, **config).double().train(), batch64,
                                   chunk=chunk, checkpoint=True)
-        for name, grad in grads64.items():
-            worst = float((got64[name] - grad).abs().max())
-            assert worst <= 1e-12 * largest(grads64), (chunk, name, worst)   # float64: 2^-52 = 2.2e-16
+        assert_same_math(got64, grads64, f"chunk {chunk}, float64")
         for key, value in buffers.items():
             if "num_b" in key:
                 assert int(got_buffers[key]) == int(value), key

@@ -109,14 +109,14 @@ def check_distinct(label: str, paths: Optional[Sequence[PathArg]], what: str) ->
     Raises:
         InputError: "LABEL P is given twice (1st and 3rd, the same file); WHAT: name each once".
     """
-    seen: list[tuple[int, set[object]]] = []
+    first: dict[object, int] = {}   # each name of a file (as `check_outputs` keys its outputs): its position
     for number, (_, path) in enumerate(_given(labelled(label, paths)), start=1):
         identity = _identity(path)
-        for first, other in seen:
-            if identity & other:
-                raise InputError(f"{label} {path} is given twice ({_ordinal(first)} and {_ordinal(number)}, "
-                                 f"the same file); {what}: name each once")
-        seen.append((number, identity))
+        earlier = [first[key] for key in identity if key in first]
+        if earlier:
+            raise InputError(f"{label} {path} is given twice ({_ordinal(earlier[0])} and {_ordinal(number)}, "
+                             f"the same file); {what}: name each once")
+        first.update(dict.fromkeys(identity, number))
 
 
 def _ordinal(number: int) -> str:
