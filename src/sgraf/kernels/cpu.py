@@ -3,8 +3,9 @@
 PyTorch sends float32 matmuls on the CPU to MKL; oneDNN, which PyTorch also ships, can be
 called directly (`torch.ops.mkldnn._linear_pointwise`). Which one is faster depends on the
 processor: on AMD EPYC (Zen 5) oneDNN runs these shapes at about 2.2x MKL's speed (450 against
-200 GFLOP/s on 2 cores), while on Intel Xeon MKL has its own tuned kernels. `float32_route()`
-times both once per machine (`sgraf.kernels.tuning`) and the functions here follow it;
+200 GFLOP/s on 2 cores), on AMD EPYC Zen 3 (AVX2) at about 0.8x, and on Intel Xeon (Sapphire
+Rapids) within 5 %. `float32_route()` times both once per machine (`sgraf.kernels.tuning`, with
+`ROUTE_KEEP` and `ROUTE_ROUNDS`) and the functions here follow it;
 `weight_gradient_route()` is measured apart, for the weight gradients of training. bfloat16
 goes through oneDNN where it runs (PyTorch's own bf16 matmul on the CPU calls it too; on a
 processor without bf16 support in oneDNN, such as an AVX2-only one, PyTorch's fallback). The
@@ -50,6 +51,13 @@ def onednn_usable(version: str, available: bool, has_linear: bool) -> bool:
 
 ONEDNN = onednn_usable(torch.__version__, torch.backends.mkldnn.is_available(),
                        hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+# The routes' probes: the default route stays unless the other is more than 10 % faster (not
+# `tuning.KEEP_DEFAULT`'s 20 %), the two timed in three alternating rounds. On a 2-core AMD EPYC
+# Zen 3 the probe gave MKL 1.21-1.52x oneDNN's speed in five fresh processes, and MKL made a
+# whole training step 1.08-1.09x (SGR, SAF) and SGR's scoring 1.10x faster; but one probe
+# measured while other processes were starting beside it gave 1.17x and kept oneDNN.
+ROUTE_KEEP = 0.1
+ROUTE_ROUNDS = 3
 # The probe's shape: a block of word nodes through W_loc (2,048 rows, 1,024 -> 256), the most
 # frequent float32 matmul of scoring and training at the paper's size.
 PROBE_SHAPE = (2048, 1024, 256)
@@ -95,9 +103,11 @@ def _choose_route(kind: str, forced: str) -> str:
     if not ONEDNN:
         return "aten"
     if kind == "matmul":
-        return tuning.choose("cpu float32 matmul route", ROUTES, _time_route)
+        return tuning.choose("cpu float32 matmul route", ROUTES, _time_route, keep=ROUTE_KEEP,
+                             rounds=ROUTE_ROUNDS)
     # aten first, the default: MKL reads the transposed operands in place, oneDNN copies one
-    return tuning.choose("cpu float32 weight gradient route", ROUTES[::-1], _time_weight_gradient)
+    return tuning.choose("cpu float32 weight gradient route", ROUTES[::-1], _time_weight_gradient,
+                         keep=ROUTE_KEEP, rounds=ROUTE_ROUNDS)
 
 
 def _time_route(route: str) -> float:

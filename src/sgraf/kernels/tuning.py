@@ -11,7 +11,8 @@ small calls that should not pay for a probe).
 The file: `$SGRAF_CACHE_DIR/tuning.json`, else `$XDG_CACHE_HOME/sgraf/tuning.json`, else
 `~/.cache/sgraf/tuning.json`; delete it to measure again. `SGRAF_TUNE=off` turns every probe
 off (every choice its default). A choice that cannot be stored (read-only home) is still made
-once per process.
+once per process. A choice made by other rules than a caller's now (`keep`, `near`, `rounds` of
+`choose`) is measured again.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 # probe was 4 % slower over a whole split), while the routes and sizes worth switching to differ
 # by far more (oneDNN against MKL: 2.2x).
 KEEP_DEFAULT = 0.2
+# the earliest candidate within this fraction of the fastest wins when the default is beaten
+NEAR_DEFAULT = 0.03
 
 _lock = threading.RLock()
 _chosen: dict[str, Any] = {}
@@ -110,30 +113,37 @@ def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu
 
 def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float],
            device: torch.device | str = "cpu", default: Any = None, keep: float = KEEP_DEFAULT,
-           near: float = 0.03) -> Any:
+           near: float = NEAR_DEFAULT, rounds: int = 1) -> Any:
     """The default (`default`, or `candidates[0]`) unless another candidate is clearly faster.
 
     `measure(candidate)` gives seconds (smaller is better). The default stays unless the fastest
     candidate beats it by more than `keep` (a fraction: a short probe's smaller differences did
     not survive into whole runs); then the earliest candidate in `candidates` within `near` of
-    the fastest wins (list them in order of preference, e.g. the most frugal first). Measured
-    once per machine (see the module docstring); the default when tuning is off. Candidates
-    must be JSON values (strings, numbers).
+    the fastest wins (list them in order of preference, e.g. the most frugal first). With
+    `rounds` > 1 the candidates are measured in turns, every other round in reverse order, and
+    each keeps its best time, so that a change of the machine's load while probing (other
+    processes starting beside this one) reaches all of them. Measured once per machine (see the
+    module docstring); the default when tuning is off. A choice stored under another `keep`,
+    `near` or `rounds` is measured again. Candidates must be JSON values (strings, numbers).
     """
     key = f"{machine_key(device)}|{name}"
+    rule = _rule(keep, near, rounds)
     with _lock:
         if key in _chosen:
             return _chosen[key]
         if not enabled():
             _chosen[key] = candidates[0] if default is None else default
             return _chosen[key]
-        stored = _stored(key, candidates)
+        stored = _stored(key, candidates, rule)
         if stored is not None:
             _chosen[key] = stored
             return stored
     # measured without the lock: a measurement may itself need another choice, from other threads
     start = time.perf_counter()
     seconds = {candidate: float(measure(candidate)) for candidate in candidates}
+    for turn in range(1, rounds):
+        for candidate in (reversed(candidates) if turn % 2 else candidates):
+            seconds[candidate] = min(seconds[candidate], float(measure(candidate)))
     fastest = min(seconds.values())
     fallback = candidates[0] if default is None else default
     if fallback in seconds and seconds[fallback] <= fastest * (1 + keep):
@@ -147,9 +157,20 @@ def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float]
                     ", ".join(f"{c!r} {s * 1e3:.2f} ms" for c, s in seconds.items()), best)
         # another process (a worker beside this one) may have stored its choice meanwhile: the first
         # stored wins, so that every process on this machine computes the same floats
-        _chosen[key] = _store_first(key, candidates, {"choice": best, "seconds": {
-            json.dumps(c): s for c, s in seconds.items()}, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        entry = {"choice": best, "seconds": {json.dumps(c): s for c, s in seconds.items()},
+                 "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if rule != DEFAULT_RULE:
+            entry["rule"] = rule
+        _chosen[key] = _store_first(key, candidates, entry)
     return _chosen[key]
+
+
+def _rule(keep: float, near: float, rounds: int) -> str:
+    """How a choice was made, stored with it (choices made by the default rule store none)."""
+    return f"keep {keep:g}, near {near:g}, {rounds} rounds"
+
+
+DEFAULT_RULE = _rule(KEEP_DEFAULT, NEAR_DEFAULT, 1)
 
 
 def forced_route(variable: str, routes: Sequence[str]) -> str:
@@ -190,11 +211,14 @@ def generation() -> int:
     return _generation
 
 
-def _stored(key: str, candidates: Sequence[Any]) -> Any:
+def _stored(key: str, candidates: Sequence[Any], rule: str | None = None) -> Any:
+    """The stored choice for `key` if it is one of `candidates` and, with `rule`, was made by it."""
     entry = _read().get(key)
-    if isinstance(entry, dict) and entry.get("choice") in list(candidates):
-        return entry["choice"]
-    return None
+    if not isinstance(entry, dict) or entry.get("choice") not in list(candidates):
+        return None
+    if rule is not None and entry.get("rule", DEFAULT_RULE) != rule:
+        return None
+    return entry["choice"]
 
 
 def _read() -> dict[str, Any]:
@@ -206,7 +230,8 @@ def _read() -> dict[str, Any]:
 
 
 def _store_first(key: str, candidates: Sequence[Any], entry: dict[str, Any]) -> Any:
-    """Stores `entry` unless a valid choice for `key` is stored already; returns the stored choice.
+    """Stores `entry` unless a valid choice for `key` (made by its rule) is stored already;
+    returns the stored choice.
 
     The check and the write hold an exclusive lock on `tuning.json.lock` beside the file, so two
     processes that measured at once agree on the first one's choice."""
@@ -220,7 +245,7 @@ def _store_first(key: str, candidates: Sequence[Any], entry: dict[str, Any]) -> 
     with lock:
         if fcntl is not None:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        stored = _stored(key, candidates)
+        stored = _stored(key, candidates, entry.get("rule", DEFAULT_RULE))
         if stored is not None:
             return stored
         _store(key, entry)
