@@ -54,8 +54,9 @@ ONEDNN = onednn_usable(torch.__version__, torch.backends.mkldnn.is_available(),
 # The routes' probes: the default route stays unless the other is more than 10 % faster (not
 # `tuning.KEEP_DEFAULT`'s 20 %), the two timed in three alternating rounds. On a 2-core AMD EPYC
 # Zen 3 the probe gave MKL 1.21-1.52x oneDNN's speed in five fresh processes, and MKL made a
-# whole training step 1.08-1.09x (SGR, SAF) and SGR's scoring 1.10x faster; but one probe
-# measured while other processes were starting beside it gave 1.17x and kept oneDNN.
+# whole training step 1.05x (SAF) to 1.10x (SGR) faster and scoring 1.12-1.13x
+# (`benchmarks/ab_cpu_route.py`); but one probe measured while other processes were starting
+# beside it gave 1.17x and kept oneDNN.
 ROUTE_KEEP = 0.1
 ROUTE_ROUNDS = 3
 # The probe's shape: a block of word nodes through W_loc (2,048 rows, 1,024 -> 256), the most
