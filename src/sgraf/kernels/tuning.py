@@ -11,8 +11,8 @@ small calls that should not pay for a probe).
 The file: `$SGRAF_CACHE_DIR/tuning.json`, else `$XDG_CACHE_HOME/sgraf/tuning.json`, else
 `~/.cache/sgraf/tuning.json`; delete it to measure again. `SGRAF_TUNE=off` turns every probe
 off (every choice its default). A choice that cannot be stored (read-only home) is still made
-once per process. A choice made by other rules than a caller's now (`keep`, `near`, `rounds` of
-`choose`) is measured again.
+once per process. A stored choice made by another rule than the caller's (`keep`, `near`,
+`rounds` of `choose`) is measured again.
 """
 
 from __future__ import annotations
