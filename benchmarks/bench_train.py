@@ -243,6 +243,24 @@ def memory(module: str, impl: str, precision: str, batch_size: int, threads: int
     return {"module": module, "impl": impl, "precision": precision, "peak_gib": peak}
 
 
+def float32_routes(threads: int) -> str:
+    """The float32 matmul routes sgraf's steps took (`sgraf.kernels.cpu`: forced, or the choices
+    the stepping processes measured and stored for `threads` threads): they move a step by 5-10 %."""
+    import torch
+
+    from sgraf.kernels import cpu, tuning
+
+    forced = os.environ.get("SGRAF_CPU_MATMUL", "").strip().lower()
+    if forced:
+        return f"{forced if cpu.ONEDNN else 'aten'} (SGRAF_CPU_MATMUL={forced})"
+    if not cpu.ONEDNN:
+        return "aten (no oneDNN route under this PyTorch)"
+    torch.set_num_threads(threads)
+    tuning.forget()
+    return (f"matmuls {tuning.peek('cpu float32 matmul route', cpu.ROUTES)}, weight gradients "
+            f"{tuning.peek('cpu float32 weight gradient route', cpu.ROUTES[::-1])} (aten: PyTorch's, MKL)")
+
+
 def speed_against(slow: dict, fast: dict) -> tuple[float, list[float]]:
     """How much faster `fast` ran than `slow`: the ratio of their medians, and of each round's times
     (the configurations step in turn, so a round holds one step of each)."""
@@ -352,6 +370,8 @@ def main() -> None:
                   f"(rounds {', '.join(f'{t:.3g}' for t in r['times'])}), peak {r['peak_gib']:.2f} GiB, "
                   f"first loss {r['first_loss']:.4f}; warm-up step {r['warmup_seconds']:.3g} s", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.device == "cpu":
+        print(f"sgraf's CPU float32 routes in these steps: {float32_routes(args.threads)}")
     for module in args.modules:
         ref = next((r for r in results if r["module"] == module and r["impl"] == "authors"), None)
         if ref is None:
