@@ -37,20 +37,15 @@ def scoring(module: str, images: int, captions: int, threads: int):
     """{route: `SGRAF.score` of `images` x `captions`} with one paper-size eval-mode model."""
     import torch
 
-    from launch_counts import caption_lengths, scaled_model
+    from launch_counts import batch_of, scaled_model
 
     torch.set_num_threads(threads)
     model = scaled_model(module, 1).eval()
-    lengths = caption_lengths(captions, seed=2)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(4, model.config.vocab_size, (captions, int(lengths.max())), generator=generator)
-    for row, n in enumerate(lengths.tolist()):
-        tokens[row, n:] = 0
-    regions = torch.randn(images, model.config.num_regions, model.config.img_dim, generator=generator)
+    data = batch_of(model, max(images, captions), seed=2)   # Flickr30K-like caption lengths
 
     def score() -> float:
         with torch.inference_mode():
-            return float(model.score(regions, tokens, lengths).sum())
+            return float(model.score(data.images[:images], data.captions[:captions], data.lengths[:captions]).sum())
     return {route: score for route in ROUTES}
 
 

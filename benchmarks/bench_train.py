@@ -250,11 +250,9 @@ def float32_routes(threads: int) -> str:
 
     from sgraf.kernels import cpu, tuning
 
-    forced = os.environ.get("SGRAF_CPU_MATMUL", "").strip().lower()
-    if forced:
-        return f"{forced if cpu.ONEDNN else 'aten'} (SGRAF_CPU_MATMUL={forced})"
-    if not cpu.ONEDNN:
-        return "aten (no oneDNN route under this PyTorch)"
+    forced = os.environ.get("SGRAF_CPU_MATMUL", "").strip()
+    if forced or not cpu.ONEDNN:   # no probe then: the route is the one forced, or the only one
+        return f"{cpu.float32_route()} ({f'SGRAF_CPU_MATMUL={forced}' if forced else 'no oneDNN route here'})"
     torch.set_num_threads(threads)
     tuning.forget()
     return (f"matmuls {tuning.peek('cpu float32 matmul route', cpu.ROUTES)}, weight gradients "
