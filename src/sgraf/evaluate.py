@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from sgraf import distributed, metrics, scoring
+from sgraf import distributed, metrics, score_record, scoring
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import first_non_finite, open_npy
 from sgraf.data.vocab import warn_unknown_share
@@ -286,8 +286,13 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
                                       matrix=matrix or save_sims is not None, save_to=temporary)
         with stage(stopwatch, "save"):
             write.close()           # synced and moved into place
+            if saving:              # then what it scored, beside it
+                score_record.write_record(save_sims, sims, score_record.split_identity(precomp),
+                                          checkpoints=[str(Path(path).resolve()) for path in checkpoints],
+                                          precision=precision)
     if saving:
-        logger.info("wrote the %s score matrix to %s", sims.shape, save_sims)
+        logger.info("wrote the %s score matrix to %s (and what it scored to %s)", sims.shape, save_sims,
+                    score_record.record_path(save_sims).name)
     return result, sims
 
 
@@ -297,7 +302,10 @@ def evaluate_sims_files(paths: Sequence[str | os.PathLike], folds: int = 1,
                         stopwatch: Stopwatch | None = None) -> dict[str, Any]:
     """Evaluate saved score matrices, averaging several (float64 mean, rounded once to float32).
 
-    With `data_dir` the matrices must have the split's (n_images, n_captions) shape.
+    With `data_dir` the matrices must have the split's (n_images, n_captions) shape. A matrix saved
+    by sgraf has a record of the split it scored beside it (`sgraf.score_record`): one that names
+    other captions than the split's, or than another matrix's, is refused (InputError). `save_sims`
+    writes the matrix with such a record.
     `evaluate_sims_files_with_sims` takes the same arguments and also returns the matrix.
     `stopwatch` times the stages 'load', 'metrics' and 'save'.
     """
@@ -312,24 +320,29 @@ def evaluate_sims_files_with_sims(paths: Sequence[str | os.PathLike], folds: int
     if not paths:
         raise InputError("no score matrix given")
     with stage(stopwatch, "load"):
-        sims = _load_matrices(paths, data_dir, split)
+        sims, scored = _load_matrices(paths, data_dir, split)
     with stage(stopwatch, "metrics"):
         result = metrics.evaluate_sims(sims, folds=folds)
     if save_sims is not None:
         with stage(stopwatch, "save"):
             save_matrix(sims, save_sims)
+            score_record.write_record(save_sims, sims, scored, averaged=[str(Path(path).resolve()) for path in paths])
     return result, sims
 
 
 def _load_matrices(paths: Sequence[str | os.PathLike], data_dir: str | os.PathLike | None,
-                   split: str | None) -> np.ndarray:
-    """The saved matrix, or the average of several; each checked for the split's shape (with
-    `data_dir`; else the first's) and read through once for NaN/inf."""
+                   split: str | None) -> tuple[np.ndarray, dict[str, Any] | None]:
+    """The saved matrix, or the average of several, and the split they score (`score_record`;
+    None where neither `data_dir` nor a record says): each checked for the split's shape (with
+    `data_dir`; else the first's) and captions (by its record, if it has one), and read through
+    once for NaN/inf."""
     matrices = [load_matrix(path) for path in paths]
+    given = None
     if data_dir is not None:
         precomp = open_split(data_dir, split or "test")
         expected = (precomp.n_images, precomp.n_captions)
         where = f"split {precomp.split!r} of {data_dir}"
+        given = score_record.split_identity(precomp)
     else:
         expected = matrices[0].shape
         where = str(paths[0])
@@ -337,5 +350,8 @@ def _load_matrices(paths: Sequence[str | os.PathLike], data_dir: str | os.PathLi
         if sims.shape != expected:
             raise InputError(f"{path}: score matrix of shape {sims.shape}, expected {expected} "
                              f"(n_images, n_captions) as {where}")
+    records = [score_record.read_record(path, sims) for path, sims in zip(paths, matrices)]
+    scored = score_record.common_split(paths, records, given)
+    for path, sims in zip(paths, matrices):
         _check_finite_matrix(sims, path)
-    return matrices[0] if len(matrices) == 1 else scoring.average_matrices(matrices)
+    return (matrices[0] if len(matrices) == 1 else scoring.average_matrices(matrices)), scored

@@ -121,7 +121,9 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False)
     """The options of a command that scores a split with checkpoints as `sgraf evaluate` does
     (`evaluate`, `diagnose`): vocabulary, saved matrix, JSON, precision, batch size, device, quiet."""
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
-    parser.add_argument("--save-sims", metavar="FILE.npy", help="write the float32 score matrix (caption-file order)")
+    parser.add_argument("--save-sims", metavar="FILE.npy",
+                        help="write the float32 score matrix (caption-file order), and beside it FILE.npy.json, "
+                             "the split it scored (checked when it is read with --sims)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="encoder and scorer precision (bf16: autocast, scores stay float32)")
@@ -148,9 +150,11 @@ def data_inputs(data: str | None, splits: list[str] | tuple[str, ...], label: st
 
 def check_score_outputs(args: argparse.Namespace) -> None:
     """`--save-sims` of `evaluate` / `diagnose`: a .npy name that is none of the command's inputs."""
+    from sgraf import score_record
     from sgraf.io_paths import check_outputs, labelled, require_suffix
 
     require_suffix("--save-sims", args.save_sims, ".npy", "a NumPy score matrix")
     inputs = [*labelled("--checkpoint", args.checkpoint), *labelled("--sims", args.sims), ("--vocab", args.vocab),
               *data_inputs(args.data, [args.split])]
-    check_outputs(inputs, [("--save-sims", args.save_sims)])
+    record = None if args.save_sims is None else str(score_record.record_path(args.save_sims))
+    check_outputs(inputs, [("--save-sims", args.save_sims), ("--save-sims's record", record)])

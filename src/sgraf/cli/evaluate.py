@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_score_source(parser, "saved (n_images, n_captions) score matrices to evaluate or average")
     parser.add_argument("--data", metavar="DIR", help="directory with {SPLIT}_ims.npy and {SPLIT}_caps.txt "
-                        "(required with --checkpoint; with --sims, checks the matrices' shape)")
+                        "(required with --checkpoint; with --sims, checks the matrices' shape, and their captions "
+                        "by the records --save-sims writes)")
     parser.add_argument("--split", default="test", help="split name (MSCOCO: testall)")
     parser.add_argument("--folds", type=positive_int, default=1, metavar="K",
                         help="average over K consecutive equal folds (MSCOCO 1K: --split testall --folds 5)")

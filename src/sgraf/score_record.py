@@ -1,0 +1,133 @@
+"""What a saved score matrix scored: the record written beside it, and the checks that read it.
+
+A score matrix (`sgraf evaluate --save-sims FILE.npy`) is a plain `.npy`, as the authors' ensemble
+script reads them, and says nothing of the split it scored. Flickr30K's dev and test splits have
+the same shape (1,000 x 5,000), so a matrix of one evaluated, or averaged with another, as the
+other would pass every shape check and give wrong numbers. `FILE.npy.json` records the split
+(its captions' sha256, the folder and split name, the sizes), the checkpoints or matrices that
+made it, and a fingerprint of the matrix it describes; `--sims` refuses a matrix whose record
+names other captions than the split's (`--data`) or than another matrix's.
+
+The fingerprint is the sha256 of the matrix's shape and of up to `FINGERPRINT_ROWS` rows spread
+over it: a record left beside a matrix written by other means (or by a run stopped between the two
+files) no longer matches and is ignored with a warning, without reading 500 MB of an MSCOCO 5K
+matrix. A matrix without a record (the authors', or one written by other tools) is checked by its
+shape only, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from sgraf.atomic_write import write_text
+from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "sgraf score matrix record"
+VERSION = 1
+FINGERPRINT_ROWS = 64
+
+
+def record_path(matrix_path: str | os.PathLike) -> Path:
+    """`FILE.npy` -> `FILE.npy.json`."""
+    return Path(f"{os.fspath(matrix_path)}.json")
+
+
+def fingerprint(sims: np.ndarray) -> str:
+    """sha256 of the matrix's shape and float32 values of up to `FINGERPRINT_ROWS` evenly spaced
+    rows (a memory-mapped matrix reads only those rows)."""
+    digest = hashlib.sha256(json.dumps(list(sims.shape)).encode())
+    if sims.shape[0]:
+        for row in np.unique(np.linspace(0, sims.shape[0] - 1, FINGERPRINT_ROWS).round().astype(np.int64)):
+            digest.update(np.ascontiguousarray(sims[row], dtype=np.float32).tobytes())
+    return digest.hexdigest()
+
+
+def split_identity(split: Any) -> dict[str, Any]:
+    """The split a matrix scores (a `PrecompSplit`): its captions file's sha256, which tells the
+    splits apart, and the folder, name and sizes, which say it to a reader."""
+    captions = Path(split.caps_path)
+    return {"data": str(captions.resolve().parent), "split": split.split, "captions": captions.name,
+            "captions_sha256": hashlib.sha256(captions.read_bytes()).hexdigest(),
+            "n_images": int(split.n_images), "n_captions": int(split.n_captions)}
+
+
+def write_record(matrix_path: str | os.PathLike, sims: np.ndarray, split: dict[str, Any] | None,
+                 **made_by: Any) -> None:
+    """Write `FILE.npy.json` for the matrix just saved at `matrix_path` (atomically).
+
+    Args:
+        sims: the matrix as saved (its fingerprint goes into the record).
+        split: `split_identity` of the split it scores, or None where that is not known (averaged
+            matrices without records).
+        made_by: what made it, e.g. ``checkpoints=[...]``, ``precision="bf16"`` or
+            ``averaged=[...]`` (plain JSON values).
+    """
+    record = {"format": FORMAT, "version": VERSION, "shape": list(sims.shape),
+              "matrix_fingerprint": fingerprint(sims), "split": split, **made_by}
+    write_text(record_path(matrix_path), json.dumps(record, indent=1) + "\n")
+
+
+def read_record(matrix_path: str | os.PathLike, sims: np.ndarray) -> dict[str, Any] | None:
+    """The record of the matrix at `matrix_path` (loaded as `sims`), or None: none there, or one
+    that is unreadable or describes another matrix (a warning says which)."""
+    path = record_path(matrix_path)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        logger.warning("%s: not a readable score matrix record (%s); %s is checked by its shape only",
+                       path, error, matrix_path)
+        return None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        logger.warning("%s: not a score matrix record (no \"format\": %r); %s is checked by its shape only",
+                       path, FORMAT, matrix_path)
+        return None
+    if record.get("matrix_fingerprint") != fingerprint(sims):
+        logger.warning("%s describes another matrix than %s (written since by other means?); ignored: the "
+                       "matrix is checked by its shape only", path, matrix_path)
+        return None
+    split = record.get("split")
+    if split is not None and not (isinstance(split, dict) and isinstance(split.get("captions_sha256"), str)):
+        logger.warning("%s: field 'split' is %r, expected an object with 'captions_sha256'; ignored", path, split)
+        record["split"] = None
+    return record
+
+
+def _captions(split: dict[str, Any]) -> str:
+    return str(Path(str(split.get("data"))) / str(split.get("captions")))
+
+
+def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str, Any] | None],
+                 split: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The split the matrices at `paths` score, by their records: InputError if a record names
+    other captions than `split` (the split the command was given) or than another matrix's
+    record. Returns `split`, else the split the records agree on, else None (no record names one).
+    """
+    reference, source = split, None
+    for path, record in zip(paths, records):
+        scored = record.get("split") if record else None
+        if scored is None:
+            continue
+        if reference is None:
+            reference, source = scored, path
+        elif scored["captions_sha256"] != reference["captions_sha256"]:
+            mine, theirs, record_name = _captions(scored), _captions(reference), record_path(path).name
+            if source is None and mine == theirs:
+                raise InputError(f"{path} scored {mine} before that file changed (its record {record_name}): "
+                                 "these are not the captions it ranks; score the split again")
+            if source is None:
+                raise InputError(f"{path} scored the captions of {mine} (its record {record_name}), not those of "
+                                 f"--data's split, {theirs}: a matrix is evaluated on the split it scored")
+            raise InputError(f"{path} scored the captions of {mine} (its record {record_name}), {source} those of "
+                             f"{theirs}: the matrices averaged must score one split")
+    return reference
