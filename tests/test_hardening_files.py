@@ -406,6 +406,34 @@ def test_a_new_run_never_appends_to_the_records_of_an_earlier_one(tmp_path, caps
     assert (run / "metrics.jsonl").read_text() == '{"step": 10, "rsum": 50.0}\n'
 
 
+def test_a_new_run_never_writes_over_files_no_run_wrote(tmp_path, capsys):
+    from sgraf.data.benchmark import generate_benchmark
+
+    data = tmp_path / "data"
+    generate_benchmark(data, n_train=20, n_dev=4, n_test=4, save_images=False)
+    report = tmp_path / "report"                 # e.g. a demo's folder: its own curves.png
+    report.mkdir()
+    (report / "curves.png").write_bytes(b"the demo's picture")
+    argv = ["train", "--data", str(data), "--preset", "tiny", "--set", "epochs=1", "progress=false"]
+    assert main([*argv, "--out", str(report)]) == 2
+    assert _one_line_error(capsys) == (f"sgraf train: error: output folder {report} holds curves.png, which no sgraf "
+                                       "run wrote there and a new run would write over; choose another --out or "
+                                       "move it away")
+    assert (report / "curves.png").read_bytes() == b"the demo's picture"
+    (report / "curves.png").unlink()
+    (report / "config.yaml").write_text("epochs: 3\n")     # someone's config, not passed with --config
+    assert main([*argv, "--out", str(report)]) == 2
+    assert "holds config.yaml, which no sgraf run wrote there" in _one_line_error(capsys)
+    assert (report / "config.yaml").read_text() == "epochs: 3\n"
+    # a run that stopped before its first validation left its own config.yaml: the same command starts again
+    run = tmp_path / "run"
+    assert main([*argv, "--out", str(run)]) == 0
+    for name in ("last.pt", "best.pt", "metrics.jsonl", "curves.png"):
+        (run / name).unlink()
+    assert main([*argv, "--out", str(run)]) == 0
+    assert (run / "last.pt").is_file()
+
+
 def test_written_files_and_index_folders_keep_the_umask_permissions(tmp_path):
     import stat
 

@@ -80,6 +80,14 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
             if earlier:
                 raise InputError(f"output folder {run} holds {' and '.join(earlier)} of an earlier run, which has "
                                  f"no {LAST_CHECKPOINT} to resume from; choose another --out or move them away")
+            # a run writes these over; a run's own config.yaml (a start that failed before its first
+            # validation) is written over by the same command run again, anything else is another's
+            foreign = [name for name in (CONFIG_FILE, CURVES_FILE) if (run / name).exists()
+                       and not (name == CONFIG_FILE and _written_by_a_run(run / name))]
+            if foreign:
+                raise InputError(f"output folder {run} holds {' and '.join(foreign)}, which no sgraf run wrote there "
+                                 "and a new run would write over; choose another --out or move "
+                                 f"{'it' if len(foreign) == 1 else 'them'} away")
         try:
             with tempfile.NamedTemporaryFile(dir=run, prefix=".write-test-"):
                 pass
@@ -90,6 +98,18 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
             run_lock.release()
         raise
     return run, run_lock
+
+
+def _written_by_a_run(path: pathlib.Path) -> bool:
+    """Whether `path` is a config.yaml `save_run_config` wrote (a mapping with its 'data' and
+    'sgraf_version' entries)."""
+    import yaml
+
+    try:
+        content = yaml.safe_load(text_files.read_text(path, "a run's config.yaml"))
+    except (OSError, InputError, yaml.YAMLError):
+        return False
+    return isinstance(content, dict) and "data" in content and "sgraf_version" in content
 
 
 def save_run_config(run: pathlib.Path, config: TrainConfig, data_dir: str | os.PathLike[str],
