@@ -393,3 +393,23 @@ def test_probe_eval_choices_reads_bench_evals_measured_lines_and_forces_the_fast
     assert forced["CPU|2 threads|sgr edge route|torch.float32|m=8"]["choice"] == "layout"   # not forced
     assert probe_eval_choices.forced(store, "chunk")["CPU|2 threads|cpu scoring threads|fp32|sgr|d=8"]["choice"] \
         == "ops"
+
+
+def test_train_step_flops_counts_each_matmul_group_once(monkeypatch, capsys):
+    """The groups add up to the total, and a tiny step's `d <-> m` maps are three equal passes
+    (forward, input gradient, weight gradient) of the chunks' nodes."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import train_step_flops
+
+    monkeypatch.setattr(sys, "argv", ["train_step_flops.py", "--modules", "saf", "--batch", "4", "--scale", "64",
+                                      "--threads", "1", "--top", "9"])
+    train_step_flops.main()
+    out = capsys.readouterr().out
+    number = r"([\d.]+(?:e-?\d+)?)"
+    total = float(re.search(number + r" GFLOP of matmuls", out).group(1))
+    lines = re.findall(r"^  (\S.*?)\s+" + number + r" GFLOP \(", out, flags=re.M)
+    groups = {name: float(value) for name, value in lines}
+    assert set(groups) == {"d <-> m", "batched", "3d gates", "the rest"} and total > 0
+    assert sum(groups.values()) == pytest.approx(total, rel=1e-3)
+    maps = out.split("d <-> m", 1)[1].splitlines()[1:4]           # its three largest shapes
+    assert len({line.split()[0] for line in maps}) == 1, maps      # forward, input and weight gradients
