@@ -149,3 +149,13 @@ def test_diagnose_refuses_a_matrix_of_another_split_too(capsys, tmp_path):
     assert main(["diagnose", "--sims", str(tmp_path / "sims.npy"), "--data", str(tmp_path / "seed0")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "sims.npy scored the captions of" in err and "seed1" in err, err
+
+
+def test_a_record_that_cannot_be_written_stops_the_command_before_it_scores(capsys, tmp_path, monkeypatch):
+    (tmp_path / "sims.npy.json").mkdir()
+    scored = []
+    monkeypatch.setattr("sgraf.evaluate.evaluate_split", lambda *args, **kwargs: scored.append(1))
+    err = refused(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--save-sims",
+                  tmp_path / "sims.npy")
+    assert f"cannot write {tmp_path / 'sims.npy.json'}" in err and not scored
+    assert not (tmp_path / "sims.npy").exists()

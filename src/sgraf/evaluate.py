@@ -279,17 +279,19 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
                 precomp.caps_path, precomp.n_images, precomp.n_captions)
     saving = save_sims is not None and distributed.is_main_process()
     with contextlib.ExitStack() as write:
-        # opened first, so that a path that cannot be written fails before the work
+        # opened first, so that a path that cannot be written fails before the work; closed in
+        # reverse order: the matrix moved into place, then its record beside it
+        record = write.enter_context(atomic_path(score_record.record_path(save_sims))) if saving else None
         temporary = write.enter_context(atomic_path(save_sims)) if saving else None
         result, sims = evaluate_split(models, precomp, vocabulary, folds, precision, batch_size, progress,
                                       token_ids=token_ids, stopwatch=stopwatch,
                                       matrix=matrix or save_sims is not None, save_to=temporary)
         with stage(stopwatch, "save"):
+            if record is not None:
+                record.write_text(score_record.record_text(
+                    sims, score_record.split_identity(precomp), precision=precision,
+                    checkpoints=[str(Path(path).resolve()) for path in checkpoints]), encoding="utf-8")
             write.close()           # synced and moved into place
-            if saving:              # then what it scored, beside it
-                score_record.write_record(save_sims, sims, score_record.split_identity(precomp),
-                                          checkpoints=[str(Path(path).resolve()) for path in checkpoints],
-                                          precision=precision)
     if saving:
         logger.info("wrote the %s score matrix to %s (and what it scored to %s)", sims.shape, save_sims,
                     score_record.record_path(save_sims).name)

@@ -60,6 +60,13 @@ def split_identity(split: Any) -> dict[str, Any]:
             "n_images": int(split.n_images), "n_captions": int(split.n_captions)}
 
 
+def record_text(sims: np.ndarray, split: dict[str, Any] | None, **made_by: Any) -> str:
+    """The JSON of a record (`write_record`'s arguments, without the path)."""
+    record = {"format": FORMAT, "version": VERSION, "shape": list(sims.shape),
+              "matrix_fingerprint": fingerprint(sims), "split": split, **made_by}
+    return json.dumps(record, indent=1) + "\n"
+
+
 def write_record(matrix_path: str | os.PathLike, sims: np.ndarray, split: dict[str, Any] | None,
                  **made_by: Any) -> None:
     """Write `FILE.npy.json` for the matrix just saved at `matrix_path` (atomically).
@@ -71,9 +78,7 @@ def write_record(matrix_path: str | os.PathLike, sims: np.ndarray, split: dict[s
         made_by: what made it, e.g. ``checkpoints=[...]``, ``precision="bf16"`` or
             ``averaged=[...]`` (plain JSON values).
     """
-    record = {"format": FORMAT, "version": VERSION, "shape": list(sims.shape),
-              "matrix_fingerprint": fingerprint(sims), "split": split, **made_by}
-    write_text(record_path(matrix_path), json.dumps(record, indent=1) + "\n")
+    write_text(record_path(matrix_path), record_text(sims, split, **made_by))
 
 
 def read_record(matrix_path: str | os.PathLike, sims: np.ndarray) -> dict[str, Any] | None:
