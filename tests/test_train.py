@@ -209,6 +209,18 @@ def test_joint_loss_is_the_sum_of_both_heads():
 
 # ------------------------------------------------------------------ runs
 
+def test_a_batch_larger_than_the_training_set_is_one_step_and_says_so(toy_data, tmp_path, monkeypatch, caplog):
+    sizes = []
+    real_step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda model, optimizer, batch, *args, **kwargs:
+                        sizes.append(len(batch.lengths)) or real_step(model, optimizer, batch, *args, **kwargs))
+    caplog.set_level("INFO", logger="sgraf.training.loop")
+    assert _train(toy_data, tmp_path / "run", "--set", "epochs=2", "batch_size=1000") == 0
+    captions = len((toy_data / "train_caps.txt").read_text().splitlines())
+    assert sizes == [captions, captions]           # all of them, once per epoch
+    assert f"batch_size=1000 is more than the {captions} training captions: every step takes all" in caplog.text
+
+
 def _train(data, out, *extra):
     return main(["train", "--data", str(data), "--out", str(out), "--preset", "tiny", *extra])
 

@@ -453,6 +453,9 @@ def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, ba
     logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
                 model.config.module, data_dir, len(batches.dataset), batches.n_steps, config.epochs,
                 config.precision, device, f", {info.world_size} processes" if info.world_size > 1 else "")
+    if config.batch_size > len(batches.dataset):
+        logger.warning("batch_size=%d is more than the %d training captions: every step takes all of them "
+                       "(one step per epoch)", config.batch_size, len(batches.dataset))
     if workers < config.workers:
         logger.info("data loading: %d worker processes (workers=%d asked; this process may use %d CPUs)",
                     workers, config.workers, workers)
