@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sgraf import score_record
+from sgraf.data.precomp import data_fingerprint
 from sgraf.cli import main
 
 E2E = pathlib.Path(__file__).parent / "data" / "e2e"
@@ -56,9 +57,10 @@ def test_a_saved_matrix_records_its_split_and_makers(capsys, tmp_path):
     assert record["format"] == score_record.FORMAT and record["shape"] == [6, 30]
     assert record["matrix_fingerprint"] == score_record.fingerprint(sims)
     assert record["split"] == {
-        "data": str(DATA.resolve()), "split": "test", "captions": "test_caps.txt",
-        "captions_sha256": hashlib.sha256((DATA / "test_caps.txt").read_bytes()).hexdigest(),
-        "n_images": 6, "n_captions": 30}
+        "data": str(DATA.resolve()), "split": "test", "captions": "test_caps.txt", "features": "test_ims.npy",
+        "n_images": 6, "n_captions": 30, "fingerprint": data_fingerprint(DATA, ["test"])}
+    assert record["split"]["fingerprint"]["test_caps.txt"] == hashlib.sha256(
+        (DATA / "test_caps.txt").read_bytes()).hexdigest()
     assert record["checkpoints"] == [str(CKPT["sgr"].resolve())] and record["precision"] == "fp32"
     assert score_record.read_record(out, np.load(out, mmap_mode="r")) == record
 
@@ -79,8 +81,7 @@ def test_a_matrix_of_another_split_of_the_same_shape_is_refused(capsys, tmp_path
     save(capsys, "saf", DATA, tmp_path / "saf.npy")
     run(capsys, "--sims", ours, tmp_path / "saf.npy", "--save-sims", tmp_path / "avg.npy")
     average = json.loads((tmp_path / "avg.npy.json").read_text())
-    assert average["split"]["captions_sha256"] == json.loads((tmp_path / "sgr.npy.json").read_text())[
-        "split"]["captions_sha256"]
+    assert average["split"] == json.loads((tmp_path / "sgr.npy.json").read_text())["split"]
     assert average["averaged"] == [str(ours.resolve()), str((tmp_path / "saf.npy").resolve())]
     assert "avg.npy scored the captions of" in refused(capsys, "--sims", tmp_path / "avg.npy", "--data", twin)
 
@@ -159,3 +160,19 @@ def test_a_record_that_cannot_be_written_stops_the_command_before_it_scores(caps
                   tmp_path / "sims.npy")
     assert f"cannot write {tmp_path / 'sims.npy.json'}" in err and not scored
     assert not (tmp_path / "sims.npy").exists()
+
+
+def test_other_features_of_the_same_captions_are_evaluated_with_a_warning(capsys, caplog, tmp_path):
+    data = tmp_path / "toy_precomp"
+    shutil.copytree(DATA, data)
+    np.save(data / "test_ims.npy", np.load(DATA / "test_ims.npy") * 1.5)      # say, features extracted again
+    save(capsys, "sgr", DATA, tmp_path / "sgr.npy")
+    save(capsys, "saf", data, tmp_path / "saf.npy")
+    with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):
+        run(capsys, "--sims", tmp_path / "sgr.npy", tmp_path / "saf.npy")
+    assert (f"saf.npy scored other features ({data.resolve() / 'test_ims.npy'}, by its record) than "
+            f"{tmp_path / 'sgr.npy'} ({DATA.resolve() / 'test_ims.npy'}); the captions are the same") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):
+        run(capsys, "--sims", tmp_path / "saf.npy", "--data", DATA)
+    assert "than --data's split" in caplog.text

@@ -3,10 +3,12 @@
 A score matrix (`sgraf evaluate --save-sims FILE.npy`) is a plain `.npy`, as the authors' ensemble
 script reads them, and says nothing of the split it scored. Flickr30K's dev and test splits have
 the same shape (1,000 x 5,000), so a matrix of one evaluated, or averaged with another, as the
-other would pass every shape check and give wrong numbers. `FILE.npy.json` records the split
-(its captions' sha256, the folder and split name, the sizes), the checkpoints or matrices that
-made it, and a fingerprint of the matrix it describes; `--sims` refuses a matrix whose record
-names other captions than the split's (`--data`) or than another matrix's.
+other would pass every shape check and give wrong numbers. `FILE.npy.json` records the split (the
+folder, split name, file names and sizes, and `sgraf.data.precomp.data_fingerprint` of its files,
+as a training run and a gallery index record their data), the checkpoints or matrices that made
+it, and a fingerprint of the matrix it describes. `--sims` refuses a matrix whose record names
+other captions than the split's (`--data`) or than another matrix's, and warns of other features
+with the same captions.
 
 The fingerprint is the sha256 of the matrix's shape and of up to `FINGERPRINT_ROWS` rows spread
 over it: a record left beside a matrix written by other means (or by a run stopped between the two
@@ -52,12 +54,20 @@ def fingerprint(sims: np.ndarray) -> str:
 
 
 def split_identity(split: Any) -> dict[str, Any]:
-    """The split a matrix scores (a `PrecompSplit`): its captions file's sha256, which tells the
-    splits apart, and the folder, name and sizes, which say it to a reader."""
-    captions = Path(split.caps_path)
+    """The split a matrix scores (a `PrecompSplit`): `sgraf.data.precomp.data_fingerprint` of its
+    files (the captions hashed whole, which tells the splits apart; the features by their size and
+    ends), and the folder, name, file names and sizes, which say it to a reader."""
+    from sgraf.data.precomp import data_fingerprint
+
+    captions, features = Path(split.caps_path), Path(split.ims_path)
     return {"data": str(captions.resolve().parent), "split": split.split, "captions": captions.name,
-            "captions_sha256": hashlib.sha256(captions.read_bytes()).hexdigest(),
-            "n_images": int(split.n_images), "n_captions": int(split.n_captions)}
+            "features": features.name, "n_images": int(split.n_images), "n_captions": int(split.n_captions),
+            "fingerprint": data_fingerprint(captions.parent, [split.split])}
+
+
+def _digest(split: dict[str, Any], kind: str) -> Any:
+    """The fingerprint's digest of the split's captions or features file (`kind`)."""
+    return split["fingerprint"].get(split.get(kind))
 
 
 def record_text(sims: np.ndarray, split: dict[str, Any] | None, **made_by: Any) -> str:
@@ -102,14 +112,16 @@ def read_record(matrix_path: str | os.PathLike, sims: np.ndarray) -> dict[str, A
                        "matrix is checked by its shape only", path, matrix_path)
         return None
     split = record.get("split")
-    if split is not None and not (isinstance(split, dict) and isinstance(split.get("captions_sha256"), str)):
-        logger.warning("%s: field 'split' is %r, expected an object with 'captions_sha256'; ignored", path, split)
+    if split is not None and not (isinstance(split, dict) and isinstance(split.get("fingerprint"), dict)
+                                  and isinstance(_digest(split, "captions"), str)):
+        logger.warning("%s: field 'split' is %r, expected an object with a 'fingerprint' of its 'captions'; "
+                       "ignored", path, split)
         record["split"] = None
     return record
 
 
-def _captions(split: dict[str, Any]) -> str:
-    return str(Path(str(split.get("data"))) / str(split.get("captions")))
+def _named(split: dict[str, Any], kind: str = "captions") -> str:
+    return str(Path(str(split.get("data"))) / str(split.get(kind)))
 
 
 def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str, Any] | None],
@@ -125,8 +137,13 @@ def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str,
             continue
         if reference is None:
             reference, source = scored, path
-        elif scored["captions_sha256"] != reference["captions_sha256"]:
-            mine, theirs, record_name = _captions(scored), _captions(reference), record_path(path).name
+        elif _digest(scored, "captions") == _digest(reference, "captions"):
+            if _digest(scored, "features") != _digest(reference, "features"):
+                logger.warning("%s scored other features (%s, by its record) than %s (%s); the captions are the "
+                               "same, so it is evaluated as usual", path, _named(scored, "features"),
+                               "--data's split" if source is None else source, _named(reference, "features"))
+        else:
+            mine, theirs, record_name = _named(scored), _named(reference), record_path(path).name
             if source is None and mine == theirs:
                 raise InputError(f"{path} scored {mine} before that file changed (its record {record_name}): "
                                  "these are not the captions it ranks; score the split again")
