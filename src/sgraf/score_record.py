@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sgraf import text_files
 from sgraf.atomic_write import write_text
 from sgraf.errors import InputError
 
@@ -67,7 +68,8 @@ def split_identity(split: Any) -> dict[str, Any]:
 
 def _digest(split: dict[str, Any], kind: str) -> Any:
     """The fingerprint's digest of the split's captions or features file (`kind`)."""
-    return split["fingerprint"].get(split.get(kind))
+    name = split.get(kind)
+    return split["fingerprint"].get(name) if isinstance(name, str) else None
 
 
 def record_text(sims: np.ndarray, split: dict[str, Any] | None, **made_by: Any) -> str:
@@ -98,8 +100,8 @@ def read_record(matrix_path: str | os.PathLike, sims: np.ndarray) -> dict[str, A
     if not path.is_file():
         return None
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+        record = json.loads(text_files.read_text(path, "a score matrix record (JSON)"))
+    except (OSError, ValueError) as error:       # InputError (not UTF-8) is a ValueError
         logger.warning("%s: not a readable score matrix record (%s); %s is checked by its shape only",
                        path, error, matrix_path)
         return None
