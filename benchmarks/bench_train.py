@@ -255,8 +255,8 @@ def float32_routes(threads: int) -> str:
         return f"{cpu.float32_route()} ({f'SGRAF_CPU_MATMUL={forced}' if forced else 'no oneDNN route here'})"
     torch.set_num_threads(threads)
     tuning.forget()
-    return (f"matmuls {tuning.peek('cpu float32 matmul route', cpu.ROUTES)}, weight gradients "
-            f"{tuning.peek('cpu float32 weight gradient route', cpu.ROUTES[::-1])} (aten: PyTorch's, MKL)")
+    return (f"matmuls {cpu.stored_route('matmul')}, weight gradients {cpu.stored_route('weight gradient')} "
+            "(aten: PyTorch's, MKL)")
 
 
 def speed_against(slow: dict, fast: dict) -> tuple[float, list[float]]:

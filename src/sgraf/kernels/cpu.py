@@ -103,12 +103,23 @@ def _choose_route(kind: str, forced: str) -> str:
         return forced if ONEDNN or forced == "aten" else "aten"
     if not ONEDNN:
         return "aten"
+    name, candidates = _probe(kind)
+    measure = _time_route if kind == "matmul" else _time_weight_gradient
+    return tuning.choose(name, candidates, measure, keep=ROUTE_KEEP, rounds=ROUTE_ROUNDS)
+
+
+def _probe(kind: str) -> tuple[str, tuple[str, ...]]:
+    """The tuning name of a route's probe and its candidates, the default first."""
     if kind == "matmul":
-        return tuning.choose("cpu float32 matmul route", ROUTES, _time_route, keep=ROUTE_KEEP,
-                             rounds=ROUTE_ROUNDS)
+        return "cpu float32 matmul route", ROUTES
     # aten first, the default: MKL reads the transposed operands in place, oneDNN copies one
-    return tuning.choose("cpu float32 weight gradient route", ROUTES[::-1], _time_weight_gradient,
-                         keep=ROUTE_KEEP, rounds=ROUTE_ROUNDS)
+    return "cpu float32 weight gradient route", ROUTES[::-1]
+
+
+def stored_route(kind: str) -> str:
+    """The route ('matmul' or 'weight gradient') this machine's store holds for the current thread
+    count, else the default, without probing (`tuning.peek`): what other processes chose."""
+    return tuning.peek(*_probe(kind))
 
 
 def _time_route(route: str) -> float:
