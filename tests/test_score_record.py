@@ -176,3 +176,17 @@ def test_other_features_of_the_same_captions_are_evaluated_with_a_warning(capsys
     with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):
         run(capsys, "--sims", tmp_path / "saf.npy", "--data", DATA)
     assert "than --data's split" in caplog.text
+
+
+def test_naming_the_record_imports_no_numpy_before_evaluate_starts_tokenising():
+    """`sgraf evaluate` checks its outputs (the record's path too) before it starts tokenising the
+    captions in another process and imports PyTorch: nothing heavy may come in before that."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom sgraf.cli import build_parser\nfrom sgraf.cli.arguments import check_score_outputs\n"
+            "args = build_parser().parse_args(['evaluate', '--checkpoint', 'x.pt', '--data', 'd', '--save-sims', "
+            "'s.npy'])\ncheck_score_outputs(args)\nprint(sorted({'numpy', 'torch'} & set(sys.modules)))")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "[]"

@@ -24,13 +24,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Sequence
 
 from sgraf import text_files
 from sgraf.atomic_write import write_text
 from sgraf.errors import InputError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def record_path(matrix_path: str | os.PathLike) -> Path:
 def fingerprint(sims: np.ndarray) -> str:
     """sha256 of the matrix's shape and float32 values of up to `FINGERPRINT_ROWS` evenly spaced
     rows (a memory-mapped matrix reads only those rows)."""
+    import numpy as np    # here, not at import: the CLI names the record path before its imports
+
     digest = hashlib.sha256(json.dumps(list(sims.shape)).encode())
     if sims.shape[0]:
         for row in np.unique(np.linspace(0, sims.shape[0] - 1, FINGERPRINT_ROWS).round().astype(np.int64)):
