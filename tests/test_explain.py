@@ -160,3 +160,28 @@ def test_render_explanation_without_attention_or_heads(vocab, image, tmp_path):
     assert explanation.attention is None and explanation.saf_beta is None and explanation.sgr_alignment is None
     out = render_explanation(explanation, region_layout(None, None, 0, K), tmp_path / "x.png")
     assert out.stat().st_size > 1000
+
+
+def test_the_weight_row_is_a_strip_and_the_notes_keep_the_picture_narrow(vocab, image, monkeypatch):
+    """One model's single weight row is about 0.6 inch tall (it had filled the 4 inches beside the
+    picture), and the attention panels' note, with a place model's and a long folder's words,
+    wraps instead of widening the picture (1,181 px before)."""
+    import dataclasses
+    import io
+
+    import matplotlib.pyplot as plt
+
+    explanation = explain_pair(Matcher([_model("sgr", vocab, 3)]), image, "a red square left of the circle")
+    explanation = dataclasses.replace(explanation, place=np.zeros(len(explanation.tokens)), place_model="sgr")
+    layout = dataclasses.replace(region_layout(None, None, 0, K),
+                                 source="region boxes of " + "d" * 60 + "/test_boxes.npy")
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda figure=None: (figures.append(figure), close(figure)))
+    picture = render_explanation(explanation, layout, io.BytesIO())
+    assert Image.open(io.BytesIO(picture.getvalue())).size[0] <= 1000
+    (figure,) = figures
+    (strip,) = [axis for axis in figure.get_axes()
+                if [label.get_text() for label in axis.get_yticklabels()] == ["SGR final·raw"]]
+    height = strip.get_window_extent().height / figure.dpi
+    assert 0.3 < height < 0.8, height

@@ -40,6 +40,7 @@ from sgraf.data.arrays import open_npy
 from sgraf.errors import InputError
 
 TITLE_CHARS_PER_LINE = 110   # the figure's title wraps here (the text can be 500 characters)
+NOTE_CHARS_PER_LINE = 130   # the attention panels' note (smaller type) wraps here
 LABEL_CHARS = 16             # words longer than this are cut in the picture's labels
 
 logger = logging.getLogger(__name__)
@@ -369,7 +370,7 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
     # constrained layout sizes each part to its content: the weight row's rotated node labels get
     # their own room above the attention panels, whose rows are as tall as their square pictures
     panel_height = width / columns + 0.35
-    top_height = 4.0
+    top_height = 3.0
     figure = plt.figure(figsize=(width, top_height + 0.6 + panel_height * panel_rows + (0.4 if n_panels else 0)),
                         layout="constrained")
     if n_panels:
@@ -383,8 +384,8 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
     _draw_picture(axis, layout, None)
     axis.set_title(f"image {explanation.image_id}" if explanation.image_id is not None else "image", fontsize=9)
 
-    # SAF beta and SGR final-vs-raw alignment per node
-    axis = upper.add_subplot(top[1])
+    # SAF beta and SGR final-vs-raw alignment per node: rows of a fixed height (about 0.6 inch), so
+    # that one model's single row is a strip beside the picture, not a block as tall as the picture
     rows, labels = [], []
     if explanation.saf_beta is not None:
         rows.append(explanation.saf_beta / explanation.saf_beta.max())
@@ -392,6 +393,8 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
     if explanation.sgr_alignment is not None:
         rows.append(explanation.sgr_alignment)
         labels.append("SGR final·raw")
+    strip = min(top_height - 1.6, 0.6 * max(1, len(rows)))
+    axis = upper.add_subplot(top[1].subgridspec(3, 1, height_ratios=[1.0, strip, top_height - 1.0 - strip])[1])
     if rows:
         values = np.stack(rows)
         axis.imshow(values, cmap="Reds", aspect="auto", vmin=min(0.0, float(values.min())), vmax=1.0)
@@ -423,9 +426,10 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
             axis.set_title(_short(tokens[index]) + place, fontsize=9)
         place_note = "" if explanation.place is None else \
             f"; in brackets each token's share of the place term ({explanation.place_model}, logit)"
-        lower.suptitle(f"attention of each token over the regions ({explanation.attention_model} model; "
-                       f"{layout.source}); brighter = more weight, the most attended region framed{place_note}",
-                       fontsize=9)
+        note = (f"attention of each token over the regions ({explanation.attention_model} model; {layout.source}); "
+                f"brighter = more weight, the most attended region framed{place_note}")
+        # wrapped as the title is (a data folder's name can be long): the picture keeps its width
+        lower.suptitle(textwrap.fill(note, NOTE_CHARS_PER_LINE), fontsize=9)
     scores = ", ".join(f"{name} {value:.4f}" for name, value in explanation.scores.items())
     # wrapped, so that a long text (up to sgraf.api.MAX_TEXT_CHARS) does not widen the picture
     quoted = textwrap.fill(f"\u201c{explanation.text}\u201d", TITLE_CHARS_PER_LINE)
