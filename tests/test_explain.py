@@ -165,14 +165,14 @@ def test_render_explanation_without_attention_or_heads(vocab, image, tmp_path):
 def test_the_weight_row_is_a_strip_and_the_notes_keep_the_picture_narrow(vocab, image, monkeypatch):
     """One model's single weight row is about 0.6 inch tall (it had filled the 4 inches beside the
     picture), and the attention panels' note, with a place model's and a long folder's words,
-    wraps instead of widening the picture (1,181 px before)."""
+    wraps instead of widening the picture (1,181 px before); a share of -0.001 reads +0.00."""
     import dataclasses
     import io
 
     import matplotlib.pyplot as plt
 
     explanation = explain_pair(Matcher([_model("sgr", vocab, 3)]), image, "a red square left of the circle")
-    explanation = dataclasses.replace(explanation, place=np.zeros(len(explanation.tokens)), place_model="sgr")
+    explanation = dataclasses.replace(explanation, place=np.full(len(explanation.tokens), -1e-3), place_model="sgr")
     layout = dataclasses.replace(region_layout(None, None, 0, K),
                                  source="region boxes of " + "d" * 60 + "/test_boxes.npy")
     figures = []
@@ -185,3 +185,5 @@ def test_the_weight_row_is_a_strip_and_the_notes_keep_the_picture_narrow(vocab, 
                 if [label.get_text() for label in axis.get_yticklabels()] == ["SGR final·raw"]]
     height = strip.get_window_extent().height / figure.dpi
     assert 0.3 < height < 0.8, height
+    titles = [axis.get_title() for axis in figure.get_axes() if axis.get_title().endswith(")")]
+    assert len(titles) == len(explanation.tokens) and all(t.endswith(" (+0.00)") for t in titles), titles

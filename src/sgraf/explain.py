@@ -422,7 +422,8 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
                 axis.axis("off")
                 continue
             _draw_picture(axis, layout, explanation.attention[index])
-            place = "" if explanation.place is None else f" ({explanation.place[index]:+.2f})"
+            # rounded first, so that a share of -0.001 reads +0.00 (a penalty model's are 0 or below)
+            place = "" if explanation.place is None else f" ({round(float(explanation.place[index]), 2) + 0.0:+.2f})"
             axis.set_title(_short(tokens[index]) + place, fontsize=9)
         place_note = "" if explanation.place is None else \
             f"; in brackets each token's share of the place term ({explanation.place_model}, logit)"
