@@ -332,6 +332,23 @@ def evaluate_sims_files_with_sims(paths: Sequence[str | os.PathLike], folds: int
     return result, sims
 
 
+def load_compared(paths_a: Sequence[str | os.PathLike], paths_b: Sequence[str | os.PathLike],
+                  data_dir: str | os.PathLike | None = None,
+                  split: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Two models' score matrices of one split, each the average of its paths (`sgraf compare`):
+    checked as `evaluate_sims_files` checks its matrices, and against each other, by their shapes
+    and the captions their records name (InputError, naming both)."""
+    if not paths_a or not paths_b:
+        raise InputError("no score matrix given")
+    sims_a, scored_a = _load_matrices(paths_a, data_dir, split)
+    sims_b, scored_b = _load_matrices(paths_b, data_dir, split)
+    if sims_a.shape != sims_b.shape:
+        raise InputError(f"{paths_b[0]}: score matrix of shape {sims_b.shape}, {paths_a[0]} of shape {sims_a.shape}: "
+                         "two models are compared on one split")
+    score_record.check_same_split(paths_a[0], scored_a, paths_b[0], scored_b)
+    return sims_a, sims_b
+
+
 def _load_matrices(paths: Sequence[str | os.PathLike], data_dir: str | os.PathLike | None,
                    split: str | None) -> tuple[np.ndarray, dict[str, Any] | None]:
     """The saved matrix, or the average of several, and the split they score (`score_record`;

@@ -158,3 +158,13 @@ def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str,
             raise InputError(f"{path} scored the captions of {mine} (its record {record_name}), {source} those of "
                              f"{theirs}: the matrices averaged must score one split")
     return reference
+
+
+def check_same_split(path_a: str | os.PathLike, split_a: dict[str, Any] | None, path_b: str | os.PathLike,
+                     split_b: dict[str, Any] | None) -> None:
+    """InputError when two matrices' records (`common_split`'s results) name other captions:
+    two models are compared on the split both scored. A matrix without a record is not checked."""
+    if split_a is None or split_b is None or _digest(split_a, "captions") == _digest(split_b, "captions"):
+        return
+    raise InputError(f"{path_b} scored the captions of {_named(split_b)}, {path_a} those of {_named(split_a)} "
+                     "(by their records): two models are compared on the split both scored")

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "demo",
     "train",
     "evaluate",
+    "compare",
     "diagnose",
     "index",
     "search",

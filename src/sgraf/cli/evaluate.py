@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="average over K consecutive equal folds (MSCOCO 1K: --split testall --folds 5)")
     parser.add_argument("--tf32", action="store_true",
                         help="on CUDA, fp32 matmuls and cuDNN in TF32 (faster, 10-bit mantissa; default: exact fp32)")
+    parser.add_argument("--bootstrap", type=positive_int, metavar="N",
+                        help="also 95 %% intervals of every recall and rsum, from N bootstrap resamples of the "
+                             "images (an image with its captions; seed 0); sgraf compare tests two models")
     parser.add_argument("--timings", action="store_true",
                         help="seconds per stage (startup, imports, device start, checkpoint, tokenise, encode, "
                              "score, metrics, save) on stderr, and as \"timings\" in --json's object")
@@ -78,10 +81,11 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
     from sgraf.stopwatch import format_timings, stage
 
     device = checked_device(args.device)    # refused before anything is read
+    sims = None
     if args.sims:
-        result = evaluate.evaluate_sims_files(args.sims, folds=args.folds, data_dir=args.data,
-                                              split=args.split if args.data else None, save_sims=args.save_sims,
-                                              stopwatch=watch)
+        result, sims = evaluate.evaluate_sims_files_with_sims(
+            args.sims, folds=args.folds, data_dir=args.data, split=args.split if args.data else None,
+            save_sims=args.save_sims, stopwatch=watch)
     else:
         if not args.data:
             raise InputError("--data DIR is required with --checkpoint")
@@ -91,15 +95,26 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
                 watch.use(info.device)
                 evaluate.start_device(info.device)
         try:
+            # the matrix comes to the host only where it is saved or resampled
+            score = evaluate.evaluate_checkpoints_with_sims if args.bootstrap else evaluate.evaluate_checkpoints
             with tf32(args.tf32):
-                result = evaluate.evaluate_checkpoints(
+                result = score(
                     args.checkpoint, args.data, args.split, vocab=args.vocab, folds=args.folds,
                     precision=args.precision, batch_size=args.batch_size, device=info.device,
                     progress=not args.quiet, save_sims=args.save_sims, stopwatch=watch, token_prefetch=prefetched)
+            if args.bootstrap:
+                result, sims = result
         finally:
             distributed.cleanup()
         if not info.is_main:
             return 0
+    intervals = None
+    if args.bootstrap:
+        from sgraf import significance
+
+        with stage(watch, "metrics"):
+            intervals = significance.recall_intervals(sims, folds=args.folds, resamples=args.bootstrap)
+        result = {**result, "intervals": intervals}
     if watch is not None:
         timings = watch.report()
         print(f"sgraf evaluate: timings: {format_timings(timings)}", file=sys.stderr)
@@ -109,4 +124,8 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
         print(json.dumps(result))
     else:
         print(metrics.format_table(result))
+        if intervals is not None:
+            from sgraf import significance
+
+            print(significance.format_intervals(intervals))
     return 0

@@ -1,0 +1,175 @@
+"""`sgraf.significance`: bootstrap intervals of the recalls and the paired comparison of two models
+(`sgraf evaluate --bootstrap`, `sgraf compare`), held to the recalls `sgraf evaluate` counts, to
+the binomial spread of a recall, and to an exact randomization test enumerated by hand."""
+
+import itertools
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from sgraf import metrics, significance
+from sgraf.cli import main
+from sgraf.errors import InputError
+
+E2E = pathlib.Path(__file__).parent / "data" / "e2e"
+DATA = E2E / "data" / "toy_precomp"
+VOCAB = E2E / "data" / "toy_vocab.json"
+CKPT = {"sgr": E2E / "sgr.pth.tar", "saf": E2E / "saf.pth.tar"}
+
+
+def matrix(n_img: int, seed: int, signal: float = 1.0, cpi: int = 5, base: np.ndarray | None = None,
+           noise: float = 1.0) -> np.ndarray:
+    """Scores of `n_img` images x `cpi` captions each: noise, the true pairs raised by `signal`;
+    with `base`, that matrix plus `noise` times fresh noise (a model like another)."""
+    rng = np.random.default_rng(seed)
+    sims = rng.standard_normal((n_img, n_img * cpi)) * noise
+    if base is not None:
+        return (base + sims).astype(np.float32)
+    sims[np.repeat(np.arange(n_img), cpi), np.arange(n_img * cpi)] += signal
+    return sims.astype(np.float32)
+
+
+@pytest.mark.parametrize("folds", [1, 5])
+def test_the_per_image_table_gives_evaluates_recalls(folds):
+    sims = matrix(100, 0, signal=2.0)
+    table = significance.query_hits(sims, folds=folds)
+    result = metrics.evaluate_sims(sims, folds=folds)
+    means = 100 * table.mean(axis=0)
+    expected = [result[d][k] for d in ("i2t", "t2i") for k in ("r1", "r5", "r10")]
+    np.testing.assert_allclose(means, expected, atol=1e-9)
+    assert table.shape == (100, 6) and set(np.unique(table[:, :3])) <= {0.0, 1.0}
+
+
+def test_an_interval_has_the_binomial_spread_of_a_recall_and_holds_the_figure():
+    """i2t R@1 is a mean of one hit per image: its bootstrap interval is about 2 x 1.96 binomial
+    standard deviations wide (an interval from captions drawn apart from their images, or
+    weights that do not sum to the images, would not be)."""
+    n = 2000
+    sims = matrix(n, 1, signal=3.0)
+    intervals = significance.recall_intervals(sims, resamples=4000, seed=3)
+    figures = metrics.evaluate_sims(sims)
+    p = figures["i2t"]["r1"] / 100
+    low, high = intervals["i2t"]["r1"]
+    assert low < figures["i2t"]["r1"] < high
+    assert (high - low) == pytest.approx(2 * 1.96 * 100 * np.sqrt(p * (1 - p) / n), rel=0.12)
+    assert intervals["rsum"][0] < figures["rsum"] < intervals["rsum"][1]
+    assert intervals == significance.recall_intervals(sims, resamples=4000, seed=3)          # same seed
+    quarter = significance.recall_intervals(matrix(n // 4, 1, signal=3.0), resamples=4000, seed=3)
+    assert np.diff(quarter["i2t"]["r1"])[0] == pytest.approx(2 * (high - low), rel=0.3)     # 1 / sqrt(n)
+
+
+def test_a_model_against_itself_and_against_a_clearly_worse_one():
+    a = matrix(300, 2, signal=2.5)
+    same = significance.compare(a, a.copy(), resamples=500)
+    assert same["difference"]["rsum"] == 0 and same["p"]["rsum"] == 1.0 and same["interval"]["rsum"] == [0, 0]
+    worse = matrix(300, 4, base=a, noise=2.0)
+    result = significance.compare(a, worse, resamples=999)
+    assert result["a"] == {"i2t": {k: metrics.evaluate_sims(a)["i2t"][k] for k in ("r1", "r5", "r10")},
+                           "t2i": {k: metrics.evaluate_sims(a)["t2i"][k] for k in ("r1", "r5", "r10")},
+                           "rsum": metrics.evaluate_sims(a)["rsum"]}
+    assert result["difference"]["rsum"] > 50 and result["interval"]["rsum"][0] > 0
+    assert result["p"]["rsum"] == pytest.approx(1 / 1000)        # no flip reaches it: the smallest p
+    text = significance.format_comparison(result, ("a.npy", "worse.npy"))
+    assert "A: a.npy" in text and "<=0.001" in text
+
+
+def test_pairing_narrows_the_interval_of_a_difference():
+    """Two models that share most of their errors: the difference's interval is far narrower than
+    either model's own (an unpaired resampling would add their spreads)."""
+    a = matrix(500, 5, signal=2.0)
+    b = matrix(500, 6, base=a, noise=0.3)
+    own = significance.recall_intervals(a, resamples=2000)["rsum"]
+    paired = significance.compare(a, b, resamples=2000)["interval"]["rsum"]
+    assert (paired[1] - paired[0]) < 0.5 * (own[1] - own[0])
+
+
+def test_the_randomization_p_value_matches_the_exact_test():
+    """Six images: every one of the 2^6 sign patterns enumerated gives the exact p-value, which the
+    sampled flips must approach."""
+    a = matrix(6, 7, signal=1.5, cpi=2)
+    b = matrix(6, 8, signal=0.5, cpi=2)
+    difference = significance.query_hits(a) - significance.query_hits(b)
+    per_image = 100 * difference.sum(axis=1) / 6
+    observed = abs(per_image.sum())
+    patterns = [abs(np.dot(signs, per_image)) for signs in itertools.product((-1, 1), repeat=6)]
+    exact = np.mean([value >= observed - 1e-9 for value in patterns])
+    p = significance.compare(a, b, resamples=40000, seed=1)["p"]["rsum"]
+    assert 0 < exact < 1 and p == pytest.approx(exact, abs=0.01)
+
+
+def test_p_values_of_exchangeable_models_are_not_small():
+    """Null calibration: A and B drawn alike, 40 times: p < 0.05 about 5 % of the time."""
+    ps = []
+    for seed in range(40):
+        base = matrix(60, 100 + seed, signal=1.5)
+        ps.append(significance.compare(matrix(60, 200 + seed, base=base, noise=0.7),
+                                       matrix(60, 300 + seed, base=base, noise=0.7),
+                                       resamples=400, seed=seed)["p"]["rsum"])
+    assert np.mean(np.array(ps) < 0.05) <= 0.15 and 0.35 < np.mean(ps) < 0.65
+
+
+def test_bad_arguments_are_one_line_errors():
+    a = matrix(10, 0)
+    with pytest.raises(InputError, match=r"shapes \(10, 50\) and \(5, 25\)"):
+        significance.compare(a, matrix(5, 0))
+    with pytest.raises(InputError, match="level must be a number between 0 and 1"):
+        significance.recall_intervals(a, level=95)
+    with pytest.raises(InputError, match="resamples must be a positive integer"):
+        significance.compare(a, a, resamples=0)
+    with pytest.raises(InputError, match="10 images do not split into 3 equal folds"):
+        significance.recall_intervals(a, folds=3)
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def evaluate_json(capsys, *args):
+    assert main(["evaluate", *map(str, args), "--json", "--quiet"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The toy split scored by SGR and SAF (with their records), and SGR on a twin split of the
+    same shape whose captions come in another order."""
+    out = tmp_path_factory.mktemp("sims")
+    twin = out / "twin"
+    shutil.copytree(DATA, twin)
+    captions = (DATA / "test_caps.txt").read_text().splitlines()
+    (twin / "test_caps.txt").write_text("\n".join(captions[5:] + captions[:5]) + "\n")
+    for name, data in (("sgr", DATA), ("saf", DATA), ("twin", twin)):
+        model = "sgr" if name == "twin" else name
+        assert main(["evaluate", "--checkpoint", str(CKPT[model]), "--data", str(data), "--vocab", str(VOCAB),
+                     "--save-sims", str(out / f"{name}.npy"), "--quiet"]) == 0
+    return out
+
+
+def test_evaluate_bootstrap_adds_intervals(saved, capsys):
+    result = evaluate_json(capsys, "--sims", saved / "sgr.npy", "--bootstrap", 200)
+    plain = evaluate_json(capsys, "--sims", saved / "sgr.npy")
+    assert {k: v for k, v in result.items() if k != "intervals"} == plain
+    assert result["intervals"] == significance.recall_intervals(np.load(saved / "sgr.npy"), resamples=200)
+    assert main(["evaluate", "--checkpoint", str(CKPT["saf"]), "--data", str(DATA), "--vocab", str(VOCAB),
+                 "--bootstrap", "100", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "95 % bootstrap intervals (100 resamples of the images, seed 0):" in out and "rsum    [" in out
+
+
+def test_compare_prints_the_paired_table_and_refuses_another_split(saved, capsys):
+    sgr, saf, twin = (str(saved / f"{name}.npy") for name in ("sgr", "saf", "twin"))
+    assert main(["compare", "--sims", sgr, saf, "--against", saf, "--data", str(DATA), "--resamples", "300"]) == 0
+    out = capsys.readouterr().out
+    assert f"A: {sgr} + {saf}" in out and "rsum" in out and "randomization-test p over 300 resamples" in out
+    assert main(["compare", "--sims", sgr, "--against", saf, "--json", "--resamples", "300"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["a"]["rsum"] == evaluate_json(capsys, "--sims", sgr)["rsum"] and result["against"] == [saf]
+    for argv, message in (
+            (["--sims", sgr, "--against", twin], "twin.npy scored the captions of"),
+            (["--sims", sgr, "--against", sgr.replace("/sgr.npy", "/./sgr.npy")],
+             "--sims and --against name the same matrix"),
+            (["--sims", sgr, "--against", saf, "--level", "95"], "argument --level: expected a number between"),
+            (["--sims", sgr, "--against", saf, "--split", "dev"], "--split applies with --data")):
+        assert main(["compare", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
