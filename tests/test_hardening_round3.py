@@ -61,6 +61,7 @@ def _make_world(root: Path) -> dict:
                               num_regions=36, sgr_step=1))
     save_model(model, root / "ck.pt", vocab=vocab)
     np.save(root / "sims.npy", np.random.default_rng(0).standard_normal((8, 40)).astype(np.float32))
+    np.save(root / "sims_b.npy", np.random.default_rng(2).standard_normal((8, 40)).astype(np.float32))
     rng = np.random.default_rng(1)
     corners = [rng.random((2, 4)) * 100 for _ in range(3)]   # x1, y1, width, height: boxes inside 640 x 480
     (root / "a.tsv").write_text("".join(f"{1000 + i}\t640\t480\t2\t{_b64(np.hstack([c[:, :2], c[:, :2] + c[:, 2:]]))}\t"
@@ -171,7 +172,8 @@ def _same_file_cases(w: dict, tmp: Path) -> dict[str, list[tuple[list[str], str,
 
 
 NOT_WRITERS = {"search": "writes no file", "serve": "writes no file", "data check": "writes no file",
-               "demo": "reads no file the user names (its one path is --out, checked below)"}
+               "demo": "reads no file the user names (its one path is --out, checked below)",
+               "compare": "writes no file"}
 
 
 def test_no_command_writes_over_its_inputs(world, tmp_path, capsys, tiny_backbone):
@@ -335,6 +337,8 @@ def _bom_runs(w: dict, out: Path) -> dict[str, tuple[list[str], list[str]]]:
     return {
         "evaluate": (["evaluate", *scoring], []),
         "diagnose": (["diagnose", *scoring], []),
+        "compare": (["compare", "--sims", str(w["root"] / "sims.npy"), "--against", str(w["root"] / "sims_b.npy"),
+                     "--data", d, "--split", "test", "--resamples", "50"], []),
         "index": (["index", "--checkpoint", ck, "--data", d, "--split", "test", "--vocab", vocab, "--quiet",
                    "--out", str(out / "index")], ["index/captions.txt"]),
         "search": (["search", "--index", str(out / "index"), "--vocab", vocab, "--text",
@@ -451,7 +455,7 @@ def test_every_writer_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(worl
     monkeypatch.setenv("SGRAF_TUNE", "off")
     writers = _writers(world, full_disk.path)
     _walks_every_command(writers, {"search": "writes no file", "serve": "writes no file",
-                                   "data check": "writes no file"})
+                                   "data check": "writes no file", "compare": "writes no file"})
     for command, argv in writers.items():
         full_disk.fill()
         err = _one_line_error(capsys, main(argv))
