@@ -43,6 +43,17 @@ def test_the_per_image_table_gives_evaluates_recalls(folds):
     assert table.shape == (100, 6) and set(np.unique(table[:, :3])) <= {0.0, 1.0}
 
 
+@pytest.mark.parametrize("folds", [1, 5])
+def test_compare_reports_evaluates_figures_to_the_bit(folds):
+    a, b = matrix(100, 9, signal=2.0), matrix(100, 10, signal=1.5)
+    result = significance.compare(a, b, folds=folds, resamples=10)
+    for name, sims in (("a", a), ("b", b)):
+        figures = metrics.evaluate_sims(sims, folds=folds)
+        assert result[name] == {"i2t": {k: figures["i2t"][k] for k in ("r1", "r5", "r10")},
+                                "t2i": {k: figures["t2i"][k] for k in ("r1", "r5", "r10")},
+                                "rsum": figures["rsum"]}
+
+
 def test_an_interval_has_the_binomial_spread_of_a_recall_and_holds_the_figure():
     """i2t R@1 is a mean of one hit per image: its bootstrap interval is about 2 x 1.96 binomial
     standard deviations wide (an interval from captions drawn apart from their images, or

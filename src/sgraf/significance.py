@@ -103,10 +103,20 @@ def _summary(values: np.ndarray) -> dict[str, Any]:
             "rsum": values.sum(axis=-1)}
 
 
-def _recalls(result: dict[str, Any]) -> dict[str, Any]:
-    """The recalls and rsum of a `metrics.evaluate_sims` result."""
-    return {"i2t": {k: float(result["i2t"][k]) for k in KEYS}, "t2i": {k: float(result["t2i"][k]) for k in KEYS},
-            "rsum": float(result["rsum"])}
+def _figures(table: np.ndarray, folds: int, cpi: int) -> dict[str, Any]:
+    """The recalls and rsum of a `query_hits` table in `metrics.evaluate_sims`'s arithmetic (the
+    authors': 100 x hits / queries per fold, rsum summed in their order, then the folds' mean),
+    so that A and B read as `sgraf evaluate` prints them, without counting the ranks again."""
+    size = len(table) // folds
+    rows = []
+    for k in range(folds):
+        part = table[k * size:(k + 1) * size]
+        i2t = [100.0 * int(round(part[:, j].sum())) / size for j in range(3)]
+        t2i = [100.0 * int(round(part[:, 3 + j].sum() * cpi)) / (size * cpi) for j in range(3)]
+        rows.append(i2t + t2i + [i2t[0] + i2t[1] + i2t[2] + t2i[0] + t2i[1] + t2i[2]])
+    means = rows[0] if folds == 1 else np.array(rows, dtype=np.float64).mean(axis=0)
+    return {"i2t": {key: float(means[j]) for j, key in enumerate(KEYS)},
+            "t2i": {key: float(means[3 + j]) for j, key in enumerate(KEYS)}, "rsum": float(means[6])}
 
 
 def _interval(samples: np.ndarray, level: float) -> list[float]:
@@ -175,12 +185,11 @@ def compare(sims_a: Any, sims_b: Any, folds: int = 1, resamples: int = 10000, le
     n = len(table_a)
     folds = _folds(folds, n)
     difference = table_a - table_b
+    cpi = metrics.infer_caps_per_image(a.shape[0], a.shape[1], caps_per_image)
+    figures = [_figures(table, folds, cpi) for table in (table_a, table_b)]
     # bootstrap of the difference: the same images drawn for both models
     boot = _summary(_resampled_means(difference, folds, resamples, seed))
     # randomization: each image's row of the difference counted with a random sign
-    # the figures as `metrics.evaluate_sims` gives them (the authors' arithmetic), so that A and B
-    # read as `sgraf evaluate` prints them
-    figures = [_recalls(metrics.evaluate_sims(m, folds=folds, caps_per_image=caps_per_image)) for m in (a, b)]
     rng = np.random.default_rng([seed, 1])
     beyond = np.zeros(7, dtype=np.int64)   # the six recalls and rsum
     reference = np.abs(np.append(100.0 * difference.mean(axis=0), 100.0 * difference.mean(axis=0).sum()))
