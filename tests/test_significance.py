@@ -184,3 +184,50 @@ def test_compare_prints_the_paired_table_and_refuses_another_split(saved, capsys
         assert main(["compare", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------ clusters (sgraf diagnose)
+def test_ratio_intervals_widen_with_the_items_a_cluster_shares():
+    """200 clusters of 5 items: items alike within their cluster make the share's interval about
+    sqrt(5) times as wide as independent items (resampling the items apart would miss it)."""
+    rng = np.random.default_rng(0)
+    alike = np.repeat(rng.random(200) < 0.4, 5).reshape(200, 5).sum(axis=1)
+    apart = (rng.random((200, 5)) < 0.4).sum(axis=1)
+    numerators = np.stack([alike, apart], axis=1)
+    (low_a, high_a), (low_b, high_b) = significance.ratio_intervals(numerators, np.full((200, 2), 5), 4000)
+    assert low_a < alike.sum() / 1000 < high_a and low_b < apart.sum() / 1000 < high_b
+    assert (high_a - low_a) / (high_b - low_b) == pytest.approx(np.sqrt(5), rel=0.25)
+    assert (high_b - low_b) == pytest.approx(2 * 1.96 * np.sqrt(0.4 * 0.6 / 1000), rel=0.15)
+    assert significance.ratio_intervals(np.zeros((3, 1)), np.zeros((3, 1)), 10) == [None]   # no items
+    with pytest.raises(InputError, match=r"of one shape, got \(3, 1\) and \(3, 2\)"):
+        significance.ratio_intervals(np.zeros((3, 1)), np.zeros((3, 2)))
+
+
+def test_diagnose_bootstrap_gives_an_interval_around_every_score(tmp_path, capsys):
+    from sgraf import diagnose
+    from sgraf.data.benchmark import VARIANTS, generate_benchmark, load_scenes
+
+    generate_benchmark(tmp_path, features="synthetic", n_train=4, n_dev=4, n_test=60, synthetic_dim=8,
+                       save_images=False)
+    scenes = load_scenes(tmp_path, "test")
+    sims = matrix(60, 11, signal=1.0)
+    result = diagnose.diagnose_sims(sims, scenes, bootstrap=300)
+    assert result == diagnose.diagnose_sims(sims, scenes, bootstrap=300)                  # seed 0
+    assert {k: v for k, v in result.items() if k != "intervals"} == diagnose.diagnose_sims(sims, scenes)
+    intervals = result["intervals"]
+    assert intervals["unit"] == "family" and intervals["resamples"] == 300
+    for kind in (*VARIANTS, "all"):
+        for score in ("text", "image", "group"):
+            value, bounds = result[kind][score], intervals[kind][score]
+            assert (value is None) == (bounds is None), (kind, score)
+            if value is not None:
+                assert bounds[0] <= value <= bounds[1] and bounds[0] < bounds[1], (kind, score, value, bounds)
+    for direction in ("i2t", "t2i"):
+        for k in ("r1", "r5", "r10"):
+            low, high = intervals["truth"][direction][k]
+            assert low <= result["recall"]["truth"][direction][k] <= high
+    np.save(tmp_path / "sims.npy", sims)
+    assert main(["diagnose", "--sims", str(tmp_path / "sims.npy"), "--data", str(tmp_path), "--bootstrap",
+                 "300"]) == 0
+    out = capsys.readouterr().out
+    assert "95 % intervals (300 resamples of the families, seed 0):" in out and "truth t2i  R@1 [" in out

@@ -112,10 +112,25 @@ def winoground(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, dict
         ``{kind: {"text", "image", "group": fraction in 0..1 or None without pairs, "pairs": n}}``
         for each of `VARIANTS` and ``"all"``.
     """
+    _, correct, pairs = winoground_counts(sims, scenes)
+    correct, pairs = correct.sum(axis=0), pairs.sum(axis=0)
+    return {key: {**{score: (float(correct[k, i]) / pairs[k] if pairs[k] else None)
+                     for i, score in enumerate(SCORES)}, "pairs": int(pairs[k])}
+            for k, key in enumerate((*VARIANTS, "all"))}
+
+
+def winoground_counts(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    """`winoground`'s counts per family: ``(families, correct, pairs)``, `correct` of shape
+    (families, kinds, 3) (text, image, group) and `pairs` (families, kinds), kinds `VARIANTS` then
+    ``"all"``. A family (a base picture and its twins) is the unit its pairs share pictures in,
+    which `diagnose_sims`' intervals resample."""
     sims = np.asarray(sims)
     per = check_scenes(scenes, sims.shape[0], sims.shape[1], "scenes")
-    correct = {kind: np.zeros(len(SCORES), dtype=np.int64) for kind in (*VARIANTS, "all")}
-    pairs = dict.fromkeys((*VARIANTS, "all"), 0)
+    families = list(dict.fromkeys(row["family"] for row in scenes))
+    slot = {family: f for f, family in enumerate(families)}
+    kinds = {kind: k for k, kind in enumerate(VARIANTS)}
+    correct = np.zeros((len(families), len(VARIANTS) + 1, len(SCORES)), dtype=np.int64)
+    pairs = np.zeros((len(families), len(VARIANTS) + 1), dtype=np.int64)
     for kind, b, n, c_b, c_n in twin_pairs(scenes, per):
         c_b, c_n = np.array(c_b, dtype=np.int64), np.array(c_n, dtype=np.int64)
         if not (len(c_b) and len(c_n)):
@@ -125,12 +140,11 @@ def winoground(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, dict
         text = (b_cb > b_cn) & (n_cn > n_cb)
         image = (b_cb > n_cb) & (n_cn > b_cn)
         counts = np.array([text.sum(), image.sum(), (text & image).sum()])
-        for key in (kind, "all"):
-            correct[key] += counts
-            pairs[key] += text.size
-    return {key: {**{score: (float(correct[key][i]) / pairs[key] if pairs[key] else None)
-                     for i, score in enumerate(SCORES)}, "pairs": int(pairs[key])}
-            for key in (*VARIANTS, "all")}
+        f = slot[scenes[b]["family"]]
+        for k in (kinds[kind], len(VARIANTS)):
+            correct[f, k] += counts
+            pairs[f, k] += text.size
+    return families, correct, pairs
 
 
 def truth_matrix(scenes: Sequence[Mapping[str, Any]], per: int) -> np.ndarray:
@@ -151,6 +165,15 @@ def truth_recall(sims: Any, scenes: Sequence[Mapping[str, Any]],
                  ks: Sequence[int] = RECALL_AT) -> dict[str, dict[str, float]]:
     """Truth-aware R@K in percent, ties counted against the model, and the share of queries with
     such a tie: ``{"i2t": {"r1", "r5", "r10", "ties"}, "t2i": {...}}`` (module docstring)."""
+    return {name: {**{f"r{k}": float(100.0 * np.mean(hits[:, j])) for j, k in enumerate(ks)},
+                   "ties": float(100.0 * np.mean(tied))}
+            for name, (hits, tied) in truth_hits(sims, scenes, ks).items()}
+
+
+def truth_hits(sims: Any, scenes: Sequence[Mapping[str, Any]],
+               ks: Sequence[int] = RECALL_AT) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per query, whether truth-aware R@K counts it: ``{"i2t": (hits (n_images, len(ks)) bool,
+    ties (n_images,) bool), "t2i": (hits (n_captions, len(ks)), ties (n_captions,))}``."""
     sims = np.asarray(sims, dtype=np.float32)
     per = check_scenes(scenes, sims.shape[0], sims.shape[1], "scenes")
     truth = truth_matrix(scenes, per)
@@ -159,17 +182,26 @@ def truth_recall(sims: Any, scenes: Sequence[Mapping[str, Any]],
         best = np.expand_dims(np.where(truth, sims, -np.inf).max(axis=axis), axis)   # best correct answer
         ranks = ((sims >= best) & ~truth).sum(axis=axis)      # wrong answers at or above it
         tied = ((sims == best) & ~truth).any(axis=axis)
-        result[name] = {**{f"r{k}": float(100.0 * np.mean(ranks < k)) for k in ks},
-                        "ties": float(100.0 * np.mean(tied))}
+        result[name] = (ranks[:, None] < np.asarray(ks)[None, :], tied)
     return result
 
 
-def diagnose_sims(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def diagnose_sims(sims: Any, scenes: Sequence[Mapping[str, Any]], bootstrap: int | None = None,
+                  seed: int = 0) -> dict[str, Any]:
     """Winoground scores per kind, plus standard and truth-aware recall, of a score matrix.
+
+    Args:
+        sims: (n_images, n_captions) scores.
+        scenes: the split's scenes (`winoground`).
+        bootstrap: resamples of the families for 95 % intervals of every score (None: none).
+        seed: the resampling's seed.
 
     Returns:
         `winoground`'s dict, with ``"recall"``: ``{"standard": {"i2t", "t2i"}, "truth": {"i2t",
-        "t2i"}}`` (R@1/5/10 in percent; standard as `sgraf.metrics.evaluate_sims`).
+        "t2i"}}`` (R@1/5/10 in percent; standard as `sgraf.metrics.evaluate_sims`); with
+        `bootstrap`, ``"intervals"``: ``{kind: {"text", "image", "group": [low, high] or None},
+        "truth": {"i2t": {"r1", "r5", "r10"}, "t2i": {...}}, "resamples", "level", "seed",
+        "unit": "family"}`` (Winoground as fractions, recall in percent, like the figures).
     """
     from sgraf import metrics
 
@@ -180,7 +212,38 @@ def diagnose_sims(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> dict[str, A
         "standard": {d: {f"r{k}": standard[d][f"r{k}"] for k in RECALL_AT} for d in ("i2t", "t2i")},
         "truth": truth_recall(sims, scenes),
     }
+    if bootstrap is not None:
+        result["intervals"] = family_intervals(sims, scenes, bootstrap, seed)
     return result
+
+
+def family_intervals(sims: Any, scenes: Sequence[Mapping[str, Any]], resamples: int = 1000,
+                     seed: int = 0, level: float = 0.95) -> dict[str, Any]:
+    """Bootstrap intervals of the Winoground scores and the truth-aware recall, the families
+    resampled (`sgraf.significance.ratio_intervals`): a family's pictures appear in all of its
+    pairs and queries, so they are drawn together. See `diagnose_sims` for the shape."""
+    from sgraf.significance import ratio_intervals
+
+    families, correct, pairs = winoground_counts(sims, scenes)
+    kinds = (*VARIANTS, "all")
+    # columns: (kind, score) for every kind and score, then truth-aware i2t and t2i R@K
+    numerators = [correct.reshape(len(families), -1)]
+    denominators = [np.repeat(pairs, len(SCORES), axis=1)]
+    per = len(scenes[0]["false_for"])
+    slot = {family: f for f, family in enumerate(families)}
+    image_family = np.array([slot[row["family"]] for row in scenes])
+    owners = {"i2t": image_family, "t2i": np.repeat(image_family, per)}
+    for name, (hits, _) in truth_hits(sims, scenes).items():
+        for j in range(len(RECALL_AT)):
+            numerators.append(np.bincount(owners[name], weights=hits[:, j], minlength=len(families))[:, None])
+            denominators.append(np.bincount(owners[name], minlength=len(families))[:, None])
+    bounds = ratio_intervals(np.hstack(numerators), np.hstack(denominators), resamples, level, seed)
+    out: dict[str, Any] = {kind: {score: bounds[k * len(SCORES) + i] for i, score in enumerate(SCORES)}
+                           for k, kind in enumerate(kinds)}
+    recall = bounds[len(kinds) * len(SCORES):]
+    out["truth"] = {name: {f"r{k}": None if recall[d * 3 + j] is None else [100.0 * v for v in recall[d * 3 + j]]
+                           for j, k in enumerate(RECALL_AT)} for d, name in enumerate(("i2t", "t2i"))}
+    return {**out, "resamples": resamples, "level": level, "seed": seed, "unit": "family"}
 
 
 def format_report(result: Mapping[str, Any]) -> str:
@@ -206,4 +269,20 @@ def format_report(result: Mapping[str, Any]) -> str:
         if any(truth.get(d, {}).get("ties") for d in ("i2t", "t2i")):
             lines.append(f"truth-aware recall counts ties against the model; queries whose best correct answer "
                          f"ties a wrong one: i2t {truth['i2t']['ties']:.1f} %, t2i {truth['t2i']['ties']:.1f} %")
+    if "intervals" in result:
+        lines += ["", _format_intervals(result["intervals"])]
+    return "\n".join(lines)
+
+
+def _format_intervals(intervals: Mapping[str, Any]) -> str:
+    def bounds(value: list[float] | None, scale: float) -> str:
+        return "-" if value is None else f"[{scale * value[0]:.1f}, {scale * value[1]:.1f}]"
+
+    lines = [f"{100 * intervals['level']:g} % intervals ({intervals['resamples']} resamples of the families, seed "
+             f"{intervals['seed']}):", f"{'kind':<10} {'text':>14} {'image':>14} {'group':>14}"]
+    for kind in (*VARIANTS, "all"):
+        lines.append(f"{kind:<10} " + " ".join(f"{bounds(intervals[kind][score], 100):>14}" for score in SCORES))
+    for direction in ("i2t", "t2i"):
+        lines.append(f"truth {direction:<4} " + "  ".join(f"R@{k} {bounds(intervals['truth'][direction][f'r{k}'], 1)}"
+                                                        for k in RECALL_AT))
     return "\n".join(lines)

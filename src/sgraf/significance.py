@@ -77,21 +77,68 @@ def _check(resamples: Any, level: Any) -> None:
         raise InputError(f"level must be a number between 0 and 1 (0.95 for 95 %), got {level!r}")
 
 
+def _draws(rng: np.random.Generator, count: int, n: int, folds: int = 1) -> np.ndarray:
+    """(count, n) bootstrap weights: how often each of `n` units is drawn in each of `count`
+    resamples, each of `folds` equal consecutive folds drawn within itself (`n // folds` draws
+    among its units). Counted by one bincount over (resample, unit) slots: 8x faster than
+    numpy's multinomial."""
+    size = n // folds
+    drawn = rng.integers(0, size, size=(count, folds, size)) + (np.arange(folds) * size)[:, None]
+    slots = drawn.reshape(count, -1) + (np.arange(count) * n)[:, None]
+    return np.bincount(slots.ravel(), minlength=count * n).reshape(count, n)
+
+
 def _resampled_means(table: np.ndarray, folds: int, resamples: int, seed: int) -> np.ndarray:
     """(resamples, columns) means of `table`'s rows over bootstrap resamples of its images,
     drawn within each of `folds` equal consecutive folds."""
     rng = np.random.default_rng(seed)
     n = len(table)
-    size = n // folds
     out = np.empty((resamples, table.shape[1]), dtype=np.float64)
     for start in range(0, resamples, BATCH):
         count = min(BATCH, resamples - start)
-        # each fold's images drawn with replacement (`size` draws among its `size`), counted per
-        # resample by one bincount over (resample, image) slots: 8x faster than numpy's multinomial
-        drawn = rng.integers(0, size, size=(count, folds, size)) + (np.arange(folds) * size)[:, None]
-        slots = drawn.reshape(count, -1) + (np.arange(count) * n)[:, None]
-        weights = np.bincount(slots.ravel(), minlength=count * n).reshape(count, n)
-        out[start:start + count] = weights @ table / n
+        out[start:start + count] = _draws(rng, count, n, folds) @ table / n
+    return out
+
+
+def ratio_intervals(numerators: Any, denominators: Any, resamples: int = 1000, level: float = 0.95,
+                    seed: int = 0) -> list[list[float] | None]:
+    """Percentile bootstrap intervals of ratios of sums over clusters, the clusters resampled.
+
+    For scores that are a share of items grouped in clusters (`sgraf diagnose`: Winoground pairs
+    and truth-aware queries, grouped by the benchmark's families, whose pictures they share):
+    the score of column j is sum(numerators[:, j]) / sum(denominators[:, j]).
+
+    Args:
+        numerators: (clusters, columns) counts (e.g. correct pairs per family and kind).
+        denominators: (clusters, columns) totals (pairs per family and kind).
+        resamples: bootstrap resamples of the clusters.
+        level: the intervals' coverage.
+        seed: the resampling's seed.
+
+    Returns:
+        per column [low, high] (as fractions, like the scores), or None for a column without
+        items; resamples that draw no item of a column are left out of its interval.
+    """
+    _check(resamples, level)
+    numerators = np.asarray(numerators, dtype=np.float64)
+    denominators = np.asarray(denominators, dtype=np.float64)
+    if numerators.ndim != 2 or numerators.shape != denominators.shape:
+        raise InputError(f"numerators and denominators must be (clusters, columns) arrays of one shape, got "
+                         f"{numerators.shape} and {denominators.shape}")
+    rng = np.random.default_rng(seed)
+    n, columns = numerators.shape
+    ratios = np.empty((resamples, columns), dtype=np.float64)
+    for start in range(0, resamples, BATCH):
+        count = min(BATCH, resamples - start)
+        weights = _draws(rng, count, n)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratios[start:start + count] = (weights @ numerators) / (weights @ denominators)
+    tail = 100.0 * (1.0 - level) / 2.0
+    out: list[list[float] | None] = []
+    for j in range(columns):
+        values = ratios[:, j][np.isfinite(ratios[:, j])]
+        out.append(None if not len(values) or not denominators[:, j].any()
+                   else [float(v) for v in np.percentile(values, [tail, 100.0 - tail])])
     return out
 
 

@@ -7,7 +7,7 @@ import json
 import logging
 
 from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
-                                 checked_device)
+                                 checked_device, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", metavar="DIR", required=True,
                         help="a folder written by sgraf generate (with {SPLIT}_scenes.jsonl)")
     parser.add_argument("--split", default="test", help="split name")
+    parser.add_argument("--bootstrap", type=positive_int, metavar="N",
+                        help="also 95 %% intervals of every score, from N bootstrap resamples of the families (a "
+                             "base picture with its twins, drawn together; seed 0)")
     add_scoring_options(parser)
     parser.set_defaults(func=run)
 
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             args.checkpoint, args.data, args.split, vocab=args.vocab, precision=args.precision,
             batch_size=args.batch_size, device=device, progress=not args.quiet, save_sims=args.save_sims)
     diagnose.check_scenes(scenes, *sims.shape, str(scenes_path))
-    result = diagnose.diagnose_sims(sims, scenes)
+    result = diagnose.diagnose_sims(sims, scenes, bootstrap=args.bootstrap)
     if args.json:
         print(json.dumps(result))
     else:
