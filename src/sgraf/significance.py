@@ -7,6 +7,8 @@ questions from score matrices alone (no scoring again):
 - `recall_intervals`: a percentile bootstrap interval of every recall and of rsum.
 - `compare`: two models' matrices of the same split, paired: each metric's difference, a
   bootstrap interval of the difference, and the p-value of a paired randomization test.
+- `ratio_intervals`: the same bootstrap for shares of items grouped in clusters (`sgraf
+  diagnose`'s Winoground pairs, grouped by the benchmark's families).
 
 The unit resampled is an image with its captions: an image is one image-to-text query and its
 captions (five) are text-to-image queries, and they are not independent of each other. Every
@@ -32,7 +34,6 @@ from sgraf import metrics
 from sgraf.errors import InputError
 
 KEYS = ("r1", "r5", "r10")
-COLUMNS = tuple(f"{direction} {key}" for direction in ("i2t", "t2i") for key in KEYS)
 BATCH = 256   # resamples drawn at once: 256 x n_images counts (5,000 images: 10 MB)
 
 
@@ -239,7 +240,8 @@ def compare(sims_a: Any, sims_b: Any, folds: int = 1, resamples: int = 10000, le
     # randomization: each image's row of the difference counted with a random sign
     rng = np.random.default_rng([seed, 1])
     beyond = np.zeros(7, dtype=np.int64)   # the six recalls and rsum
-    reference = np.abs(np.append(100.0 * difference.mean(axis=0), 100.0 * difference.mean(axis=0).sum()))
+    observed = 100.0 * difference.mean(axis=0)
+    reference = np.abs(np.append(observed, observed.sum()))
     for start in range(0, resamples, BATCH):
         count = min(BATCH, resamples - start)
         signs = rng.integers(0, 2, size=(count, n), dtype=np.int8) * 2.0 - 1.0
