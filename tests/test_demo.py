@@ -15,6 +15,7 @@ from sgraf.cli import main
 from sgraf.data.precomp import PrecompSplit
 from sgraf.devices import available_cores
 from sgraf.metrics import evaluate_sims
+from sgraf.significance import compare
 from sgraf.training.pool import plan_workers
 
 pytestmark = pytest.mark.numeric
@@ -91,6 +92,17 @@ def test_quick_demo_numbers_are_the_checkpoints_numbers(demo):
     assert (baseline.alignments, baseline.module) == ("global", "ave")
     rsum = {k: v["rsum"] for k, v in record["results"].items()}
     assert record["story"]["sgraf_ge_best_single"] == (rsum["SGRAF"] >= max(rsum["SGR"], rsum["SAF"]))
+    # the story's claims, paired on the test images as `sgraf compare` makes them, on these matrices
+    best = "SGR" if rsum["SGR"] >= rsum["SAF"] else "SAF"
+    tests = record["story"]["tests"]
+    assert [(t["a"], t["b"]) for t in tests] == [("SGRAF", best), (best, "global-only"), ("SGRAF+pos", "SGRAF")]
+    for test in tests:
+        expected = compare(sims[test["a"]], sims[test["b"]], resamples=10000)
+        assert test["difference"] == pytest.approx(rsum[test["a"]] - rsum[test["b"]], abs=1e-6)
+        assert test["interval"] == pytest.approx(expected["interval"]["rsum"], abs=1e-6)
+        assert test["p"] == pytest.approx(expected["p"]["rsum"], abs=0.02)    # matrices equal to float32 rounding
+        report = (out / "report.md").read_text()
+        assert f"  - {test['a']} - {test['b']}: {test['difference']:+.1f} [" in report
 
 
 def test_quick_demo_index_is_searchable_from_the_command_line(demo, capsys):

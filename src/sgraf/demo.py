@@ -36,7 +36,7 @@ import numpy as np
 
 from sgraf.atomic_write import ensure_folder, write_text
 from sgraf.demo_report import (draw_curves, draw_diagnosis, format_diagnosis, format_table, mean_sd, story,
-                               write_report)
+                               story_tests, write_report)
 from sgraf.errors import InputError
 from sgraf.folder_lock import LOCK_FILE, FolderLock
 from sgraf.signals import Stopped
@@ -474,7 +474,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "diagnose": per_seed[0]["diagnose"],
         "per_seed": per_seed,
         "summary": summary,
-        "story": story(summary["results"]),
+        "story": {**story(summary["results"]), "tests": story_tests(first_sims)},
         "timings_s": timings,
         "cpu_s": cpu,
         "pictures": pictures,

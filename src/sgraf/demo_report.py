@@ -127,6 +127,24 @@ def story(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "rsum": rsum}
 
 
+def story_tests(sims: dict[str, np.ndarray], resamples: int = 10000) -> list[dict[str, Any]]:
+    """The story's comparisons, paired on the test images (`sgraf.significance.compare`, as `sgraf
+    compare` makes them) on one seed's score matrices: SGRAF against the better single model, that
+    model against global-only, and SGRAF+pos against SGRAF when present. Each: ``{"a", "b",
+    "difference", "interval", "p"}`` of rsum."""
+    from sgraf.metrics import evaluate_sims
+    from sgraf.significance import compare
+
+    best = max(("SGR", "SAF"), key=lambda label: evaluate_sims(sims[label])["rsum"])
+    pairs = [("SGRAF", best), (best, "global-only")] + ([("SGRAF+pos", "SGRAF")] if "SGRAF+pos" in sims else [])
+    tests = []
+    for a, b in pairs:
+        result = compare(sims[a], sims[b], resamples=resamples)
+        tests.append({"a": a, "b": b, "difference": result["difference"]["rsum"],
+                      "interval": result["interval"]["rsum"], "p": result["p"]["rsum"]})
+    return tests
+
+
 # --------------------------------------------------------------------------------- pictures
 def draw_curves(path: Path, runs: dict[str, Path]) -> str:
     """Each model's training loss and dev rsum over the steps, from the `metrics.jsonl` of its run
@@ -226,6 +244,15 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
         verdict.append(f"- With positions: SGRAF+pos rsum {rsum['SGRAF+pos']:.1f} (SGRAF {rsum['SGRAF']:.1f})"
                        + (f", relation group score {relation['SGRAF+pos']:.1f} (SGRAF {relation['SGRAF']:.1f}, "
                           "chance 16.7)." if len(relation) == 2 else "."))
+    tests = check.get("tests")
+    if tests:
+        seed_words = f"the first seed's ({record['seeds'][0]}) " if len(record["seeds"]) > 1 else ""
+        verdict.append(f"- Paired on the {record['settings']['n_test']} test images ({seed_words}score matrices, "
+                       "as `sgraf compare` does; 95 % bootstrap interval of the rsum difference, randomization "
+                       "p-value):")
+        verdict += [f"  - {t['a']} - {t['b']}: {t['difference']:+.1f} [{t['interval'][0]:+.1f}, "
+                    f"{t['interval'][1]:+.1f}], p {t['p']:.3f}{'' if t['p'] < 0.05 else ' (within noise)'}"
+                    for t in tests]
     settings = record["settings"]
     training = record["training"]["SGR"]["config"]
     seeds = record["seeds"]

@@ -54,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
     print(record["diagnosis_table"])
     print()
     check = record["story"]
-    print(f"SGRAF >= better of SGR/SAF: {'yes' if check['sgraf_ge_best_single'] else 'no'}; "
-          f"better single > global-only: {'yes' if check['best_single_gt_global'] else 'no'}")
+    # the first two tests are these two claims (`demo_report.story_tests`)
+    p = [f" (paired p {test['p']:.3f})" for test in check.get("tests", [])] + ["", ""]
+    print(f"SGRAF >= better of SGR/SAF: {'yes' if check['sgraf_ge_best_single'] else 'no'}{p[0]}; "
+          f"better single > global-only: {'yes' if check['best_single_gt_global'] else 'no'}{p[1]}")
     print(f"report: {args.out}/report.md ({record['timings_s']['total']:.0f} s)")
     print(f"search it in a browser: sgraf serve --index {shlex.quote(str(Path(args.out) / 'index'))}")
     return 0
