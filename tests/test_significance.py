@@ -231,3 +231,52 @@ def test_diagnose_bootstrap_gives_an_interval_around_every_score(tmp_path, capsy
                  "300"]) == 0
     out = capsys.readouterr().out
     assert "95 % intervals (300 resamples of the families, seed 0):" in out and "truth t2i  R@1 [" in out
+
+
+def test_paired_ratio_p_matches_the_exact_test_and_ratio_intervals_take_differences():
+    rng = np.random.default_rng(4)
+    differences = rng.integers(-3, 6, size=(7, 1)).astype(float)
+    denominators = np.full((7, 1), 8.0)
+    observed = abs(differences.sum())
+    exact = np.mean([abs(np.dot(signs, differences[:, 0])) >= observed - 1e-9
+                     for signs in itertools.product((-1, 1), repeat=7)])
+    (p,) = significance.paired_ratio_p(differences, denominators, resamples=40000, seed=2)
+    assert 0 < exact < 1 and p == pytest.approx(exact, abs=0.01)
+    assert significance.paired_ratio_p(np.zeros((3, 1)), np.zeros((3, 1)), 10) == [None]
+
+
+def test_compare_families_pairs_diagnoses_scores_by_family(tmp_path, capsys):
+    from sgraf import diagnose
+    from sgraf.data.benchmark import VARIANTS, generate_benchmark, load_scenes
+
+    generate_benchmark(tmp_path, features="synthetic", n_train=4, n_dev=4, n_test=60, synthetic_dim=8,
+                       save_images=False)
+    scenes = load_scenes(tmp_path, "test")
+    a, b = matrix(60, 12, signal=1.5), matrix(60, 13, signal=0.5)
+    result = diagnose.compare_families(a, b, scenes, resamples=500)
+    figures = {name: diagnose.diagnose_sims(sims, scenes) for name, sims in (("a", a), ("b", b))}
+    for kind in (*VARIANTS, "all"):
+        for score in ("text", "image", "group"):
+            row = result[kind][score]
+            assert (row is None) == (figures["a"][kind][score] is None)
+            if row is not None:
+                assert row["a"] == pytest.approx(figures["a"][kind][score])
+                assert row["b"] == pytest.approx(figures["b"][kind][score])
+                assert row["interval"][0] <= row["difference"] <= row["interval"][1] and 0 < row["p"] <= 1
+    assert result["truth"]["t2i"]["r5"]["a"] == pytest.approx(figures["a"]["recall"]["truth"]["t2i"]["r5"])
+    same = diagnose.compare_families(a, a.copy(), scenes, resamples=100)
+    assert same["all"]["group"]["difference"] == 0 and same["all"]["group"]["p"] == 1.0
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    argv = ["compare", "--sims", str(tmp_path / "a.npy"), "--against", str(tmp_path / "b.npy"), "--resamples", "200"]
+    assert main([*argv, "--data", str(tmp_path), "--diagnose"]) == 0
+    out = capsys.readouterr().out
+    assert "paired by family (200 resamples, seed 0):" in out and "relation group" in out
+    assert main([*argv, "--data", str(tmp_path), "--diagnose", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["diagnose"]["unit"] == "family"
+    for extra, message in ((["--diagnose"], "--diagnose needs --data"),
+                           (["--data", str(tmp_path), "--diagnose", "--folds", "2"], "leave out --folds"),
+                           (["--data", str(tmp_path), "--split", "dev", "--diagnose"], "score matrix of shape")):
+        assert main([*argv, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

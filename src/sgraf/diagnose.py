@@ -224,9 +224,20 @@ def family_intervals(sims: Any, scenes: Sequence[Mapping[str, Any]], resamples: 
     pairs and queries, so they are drawn together. See `diagnose_sims` for the shape."""
     from sgraf.significance import ratio_intervals
 
-    families, correct, pairs = winoground_counts(sims, scenes)
+    bounds = ratio_intervals(*_family_columns(sims, scenes), resamples, level, seed)
     kinds = (*VARIANTS, "all")
-    # columns: (kind, score) for every kind and score, then truth-aware i2t and t2i R@K
+    out: dict[str, Any] = {kind: {score: bounds[k * len(SCORES) + i] for i, score in enumerate(SCORES)}
+                           for k, kind in enumerate(kinds)}
+    recall = bounds[len(kinds) * len(SCORES):]
+    out["truth"] = {name: {f"r{k}": None if recall[d * 3 + j] is None else [100.0 * v for v in recall[d * 3 + j]]
+                           for j, k in enumerate(RECALL_AT)} for d, name in enumerate(("i2t", "t2i"))}
+    return {**out, "resamples": resamples, "level": level, "seed": seed, "unit": "family"}
+
+
+def _family_columns(sims: Any, scenes: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """(families, columns) numerators and denominators of every score: (kind, score) for each kind
+    and score (correct pairs, pairs), then truth-aware i2t and t2i R@K (hits, queries)."""
+    families, correct, pairs = winoground_counts(sims, scenes)
     numerators = [correct.reshape(len(families), -1)]
     denominators = [np.repeat(pairs, len(SCORES), axis=1)]
     per = len(scenes[0]["false_for"])
@@ -237,13 +248,63 @@ def family_intervals(sims: Any, scenes: Sequence[Mapping[str, Any]], resamples: 
         for j in range(len(RECALL_AT)):
             numerators.append(np.bincount(owners[name], weights=hits[:, j], minlength=len(families))[:, None])
             denominators.append(np.bincount(owners[name], minlength=len(families))[:, None])
-    bounds = ratio_intervals(np.hstack(numerators), np.hstack(denominators), resamples, level, seed)
-    out: dict[str, Any] = {kind: {score: bounds[k * len(SCORES) + i] for i, score in enumerate(SCORES)}
-                           for k, kind in enumerate(kinds)}
-    recall = bounds[len(kinds) * len(SCORES):]
-    out["truth"] = {name: {f"r{k}": None if recall[d * 3 + j] is None else [100.0 * v for v in recall[d * 3 + j]]
-                           for j, k in enumerate(RECALL_AT)} for d, name in enumerate(("i2t", "t2i"))}
+    return np.hstack(numerators), np.hstack(denominators)
+
+
+def compare_families(sims_a: Any, sims_b: Any, scenes: Sequence[Mapping[str, Any]], resamples: int = 10000,
+                     seed: int = 0, level: float = 0.95) -> dict[str, Any]:
+    """Two models' Winoground scores and truth-aware recall on the same split, paired by family
+    (`sgraf compare --diagnose`): for every score, A, B, A - B, a bootstrap interval of A - B
+    (`significance.ratio_intervals` over the families' differences) and a randomization-test p
+    (`significance.paired_ratio_p`, each family's difference counted with a random sign).
+
+    Returns:
+        ``{kind: {score: {"a", "b", "difference", "interval", "p"} or None without pairs}, "truth":
+        {"i2t": {"r1", "r5", "r10"}, "t2i": {...}}, "resamples", "level", "seed", "unit": "family"}``,
+        Winoground as fractions, recall in percent.
+    """
+    from sgraf.significance import paired_ratio_p, ratio_intervals
+
+    columns = [_family_columns(sims, scenes) for sims in (sims_a, sims_b)]
+    (num_a, den), (num_b, _) = columns
+    bounds = ratio_intervals(num_a - num_b, den, resamples, level, seed)
+    ps = paired_ratio_p(num_a - num_b, den, resamples, seed)
+    totals = den.sum(axis=0)
+
+    def entry(j: int, scale: float) -> dict[str, Any] | None:
+        if not totals[j]:
+            return None
+        a, b = scale * num_a[:, j].sum() / totals[j], scale * num_b[:, j].sum() / totals[j]
+        return {"a": float(a), "b": float(b), "difference": float(a - b),
+                "interval": [scale * v for v in bounds[j]], "p": ps[j]}
+
+    out: dict[str, Any] = {kind: {score: entry(k * len(SCORES) + i, 1.0) for i, score in enumerate(SCORES)}
+                           for k, kind in enumerate((*VARIANTS, "all"))}
+    first = (len(VARIANTS) + 1) * len(SCORES)
+    out["truth"] = {name: {f"r{k}": entry(first + d * len(RECALL_AT) + j, 100.0) for j, k in enumerate(RECALL_AT)}
+                    for d, name in enumerate(("i2t", "t2i"))}
     return {**out, "resamples": resamples, "level": level, "seed": seed, "unit": "family"}
+
+
+def format_family_comparison(result: Mapping[str, Any]) -> str:
+    """The main rows of `compare_families` (each kind's group score, all pairs' text and image
+    scores, truth-aware R@1) as a table like `significance.format_comparison`'s; `--json` has all."""
+    from sgraf.significance import p_text
+
+    level = f"{100 * result['level']:g} %"
+    lines = [f"paired by family ({result['resamples']} resamples, seed {result['seed']}):",
+             f"{'':<16}{'A':>8}{'B':>8}{'A - B':>8}  {level + ' interval':<18}{'p':>9}"]
+    rows = [(f"{kind} group", result[kind]["group"], 100.0) for kind in (*VARIANTS, "all")]
+    rows += [(f"all {score}", result["all"][score], 100.0) for score in ("text", "image")]
+    rows += [(f"truth {d} R@1", result["truth"][d]["r1"], 1.0) for d in ("i2t", "t2i")]
+    for label, row, scale in rows:
+        if row is None:
+            lines.append(f"{label:<16}{'-':>8}{'-':>8}{'-':>8}  (no pairs)")
+            continue
+        low, high = (scale * v for v in row["interval"])
+        lines.append(f"{label:<16}{scale * row['a']:>8.1f}{scale * row['b']:>8.1f}{scale * row['difference']:>+8.1f}  "
+                     f"{f'[{low:+.1f}, {high:+.1f}]':<18}{p_text(row['p'], result['resamples']):>9}")
+    return "\n".join(lines)
 
 
 def format_report(result: Mapping[str, Any]) -> str:

@@ -143,6 +143,33 @@ def ratio_intervals(numerators: Any, denominators: Any, resamples: int = 1000, l
     return out
 
 
+def paired_ratio_p(differences: Any, denominators: Any, resamples: int = 10000,
+                   seed: int = 0) -> list[float | None]:
+    """Randomization-test p-values of two models' shares of the same clustered items.
+
+    Column j's difference of the shares is sum(differences[:, j]) / sum(denominators[:, j]), with
+    `differences` the per-cluster counts of model A minus model B on the same items (their
+    bootstrap interval is `ratio_intervals(differences, denominators)`). Each cluster's difference
+    is counted with a random sign, as `compare` flips images; p = (1 + reached) / (1 + flips),
+    None for a column without items.
+    """
+    _check(resamples, 0.5)
+    differences = np.asarray(differences, dtype=np.float64)
+    totals = np.asarray(denominators, dtype=np.float64).sum(axis=0)
+    if differences.ndim != 2 or differences.shape[1] != totals.shape[0]:
+        raise InputError(f"differences and denominators must be (clusters, columns) arrays of one shape, got "
+                         f"{differences.shape} and {np.shape(denominators)}")
+    rng = np.random.default_rng([seed, 1])
+    reference = np.abs(differences.sum(axis=0))
+    beyond = np.zeros(differences.shape[1], dtype=np.int64)
+    for start in range(0, resamples, BATCH):
+        count = min(BATCH, resamples - start)
+        signs = rng.integers(0, 2, size=(count, len(differences)), dtype=np.int8) * 2.0 - 1.0
+        beyond += (np.abs(signs @ differences) >= reference - 1e-9).sum(axis=0)
+    return [None if total == 0 else float((1.0 + reached) / (1.0 + resamples))
+            for reached, total in zip(beyond, totals)]
+
+
 def _summary(values: np.ndarray) -> dict[str, Any]:
     """{"i2t": {r1, r5, r10}, "t2i": {...}, "rsum"} of a (..., 6) array's last axis, x 100."""
     values = 100.0 * np.asarray(values)
@@ -292,13 +319,13 @@ def format_comparison(result: dict[str, Any], names: tuple[str, str] = ("A", "B"
             return result[part][direction] if key is None else result[part][direction][key]
         low, high = pick("interval")
         lines.append(f"{label:<12}{pick('a'):>8.1f}{pick('b'):>8.1f}{pick('difference'):>+8.1f}  "
-                     f"{f'[{low:+.1f}, {high:+.1f}]':<18}{_p_text(pick('p'), result['resamples']):>9}")
+                     f"{f'[{low:+.1f}, {high:+.1f}]':<18}{p_text(pick('p'), result['resamples']):>9}")
     lines.append(f"(paired by image: bootstrap interval of A - B and randomization-test p over "
                  f"{result['resamples']} resamples, seed {result['seed']})")
     return "\n".join(lines)
 
 
-def _p_text(p: float, resamples: int) -> str:
+def p_text(p: float, resamples: int) -> str:
     """A p-value; at its floor 1 / (1 + resamples) (no flip reached the observed difference) '<='."""
     text = f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
     return "<=" + text if p <= 1.0000001 / (1.0 + resamples) else text

@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="bootstrap resamples and randomization flips (the smallest p-value is 1 / (N + 1))")
     parser.add_argument("--level", type=_level, default=0.95, help="the interval's coverage")
     parser.add_argument("--seed", type=seed, default=0, help="the resampling's seed")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also sgraf diagnose's scores (Winoground per kind of hard negative, truth-aware "
+                             "recall), paired by family; needs --data written by sgraf generate")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.set_defaults(func=run)
 
@@ -63,12 +66,52 @@ def run(args: argparse.Namespace) -> int:
     if {os.path.realpath(path) for path in args.sims} == {os.path.realpath(path) for path in args.against}:
         raise InputError(f"--sims and --against name the same {'matrix' if len(args.sims) == 1 else 'matrices'}: "
                          "a model compared with itself")
+    scenes = _scenes(args) if args.diagnose else None       # checked before the matrices are read
     sims_a, sims_b = evaluate.load_compared(args.sims, args.against, args.data, args.split if args.data else None)
     result = significance.compare(sims_a, sims_b, folds=args.folds, resamples=args.resamples, level=args.level,
                                   seed=args.seed)
+    families = None
+    if scenes is not None:
+        from sgraf import diagnose
+
+        diagnose.check_scenes(scenes, *sims_a.shape, f"{args.data}/{args.split}_scenes.jsonl")
+        families = diagnose.compare_families(sims_a, sims_b, scenes, resamples=args.resamples, seed=args.seed,
+                                             level=args.level)
     names = (" + ".join(args.sims), " + ".join(args.against))
     if args.json:
-        print(json.dumps({**result, "sims": list(args.sims), "against": list(args.against)}))
+        extra = {} if families is None else {"diagnose": families}
+        print(json.dumps({**result, **extra, "sims": list(args.sims), "against": list(args.against)}))
     else:
         print(significance.format_comparison(result, names))
+        if families is not None:
+            from sgraf import diagnose
+
+            print()
+            print(diagnose.format_family_comparison(families))
     return 0
+
+
+def _scenes(args: argparse.Namespace) -> list:
+    """The split's scenes, checked as `sgraf diagnose` checks them (InputError, one line)."""
+    from pathlib import Path
+
+    from sgraf import diagnose
+    from sgraf.data.benchmark import load_scenes
+    from sgraf.data.layout import split_files
+    from sgraf.data.precomp import read_captions
+    from sgraf.errors import InputError
+
+    if not args.data:
+        raise InputError("--diagnose needs --data, a folder written by sgraf generate")
+    if args.folds != 1:
+        raise InputError("--diagnose compares the whole split: leave out --folds")
+    scenes_path = Path(args.data) / f"{args.split}_scenes.jsonl"
+    if not scenes_path.is_file():
+        raise InputError(f"--data {args.data}: no {scenes_path.name}; --diagnose needs a data set written by "
+                         "sgraf generate")
+    scenes = load_scenes(args.data, args.split)
+    diagnose.check_false_for(scenes, str(scenes_path))
+    captions_path = split_files(args.data, args.split)[1]
+    if captions_path.is_file():
+        diagnose.check_captions(scenes, read_captions(captions_path), str(scenes_path), str(captions_path))
+    return scenes
