@@ -338,7 +338,7 @@ def _bom_runs(w: dict, out: Path) -> dict[str, tuple[list[str], list[str]]]:
         "evaluate": (["evaluate", *scoring], []),
         "diagnose": (["diagnose", *scoring], []),
         "compare": (["compare", "--sims", str(w["root"] / "sims.npy"), "--against", str(w["root"] / "sims_b.npy"),
-                     "--data", d, "--split", "test", "--resamples", "50"], []),
+                     "--data", d, "--split", "test", "--resamples", "50", "--diagnose"], []),
         "index": (["index", "--checkpoint", ck, "--data", d, "--split", "test", "--vocab", vocab, "--quiet",
                    "--out", str(out / "index")], ["index/captions.txt"]),
         "search": (["search", "--index", str(out / "index"), "--vocab", vocab, "--text",
