@@ -26,6 +26,8 @@ picture i and caption c:
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -63,6 +65,31 @@ def check_captions(scenes: Sequence[Mapping[str, Any]], captions: Sequence[str],
         raise InputError(f"{scenes_path} does not describe {captions_path}: the scenes hold {len(described)} "
                          f"captions, the caption file {len(captions)} lines; both files must come from the same "
                          "sgraf generate run")
+
+
+def open_scenes(data_dir: str | os.PathLike, split: str, needed_by: str = "diagnose") -> tuple[list[dict], Path]:
+    """The split's scenes and their path, checked before any scoring (which takes the time): the
+    file is there, its captions carry `false_for`, and they describe the split's caption file
+    when it is there (else the scoring names the missing file). `needed_by` names the command or
+    option in the message of a folder without scenes.
+
+    Raises:
+        InputError: one line naming the file, as `check_false_for` and `check_captions`.
+    """
+    from sgraf.data.benchmark import load_scenes
+    from sgraf.data.layout import split_files
+    from sgraf.data.precomp import read_captions
+
+    scenes_path = Path(data_dir) / f"{split}_scenes.jsonl"
+    if not scenes_path.is_file():
+        raise InputError(f"--data {data_dir}: no {scenes_path.name}; {needed_by} needs a data set written by "
+                         "sgraf generate")
+    scenes = load_scenes(data_dir, split)
+    check_false_for(scenes, str(scenes_path))
+    captions_path = split_files(data_dir, split)[1]
+    if captions_path.is_file():
+        check_captions(scenes, read_captions(captions_path), str(scenes_path), str(captions_path))
+    return scenes, scenes_path
 
 
 def check_scenes(scenes: Sequence[Mapping[str, Any]], n_images: int, n_captions: int, where: str) -> int:

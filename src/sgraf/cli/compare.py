@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sgraf import evaluate, significance
+    from sgraf import diagnose, evaluate, significance
     from sgraf.errors import InputError
     from sgraf.io_paths import check_distinct
 
@@ -72,10 +72,8 @@ def run(args: argparse.Namespace) -> int:
                                   seed=args.seed)
     families = None
     if scenes is not None:
-        from sgraf import diagnose
-
-        diagnose.check_scenes(scenes, *sims_a.shape, f"{args.data}/{args.split}_scenes.jsonl")
-        families = diagnose.compare_families(sims_a, sims_b, scenes, resamples=args.resamples, seed=args.seed,
+        diagnose.check_scenes(scenes[0], *sims_a.shape, scenes[1])
+        families = diagnose.compare_families(sims_a, sims_b, scenes[0], resamples=args.resamples, seed=args.seed,
                                              level=args.level)
     names = (" + ".join(args.sims), " + ".join(args.against))
     if args.json:
@@ -84,34 +82,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(significance.format_comparison(result, names))
         if families is not None:
-            from sgraf import diagnose
-
             print()
             print(diagnose.format_family_comparison(families))
     return 0
 
 
-def _scenes(args: argparse.Namespace) -> list:
-    """The split's scenes, checked as `sgraf diagnose` checks them (InputError, one line)."""
-    from pathlib import Path
-
+def _scenes(args: argparse.Namespace) -> tuple[list, str]:
+    """The split's scenes and their path, checked as `sgraf diagnose` checks them (InputError)."""
     from sgraf import diagnose
-    from sgraf.data.benchmark import load_scenes
-    from sgraf.data.layout import split_files
-    from sgraf.data.precomp import read_captions
     from sgraf.errors import InputError
 
     if not args.data:
         raise InputError("--diagnose needs --data, a folder written by sgraf generate")
     if args.folds != 1:
         raise InputError("--diagnose compares the whole split: leave out --folds")
-    scenes_path = Path(args.data) / f"{args.split}_scenes.jsonl"
-    if not scenes_path.is_file():
-        raise InputError(f"--data {args.data}: no {scenes_path.name}; --diagnose needs a data set written by "
-                         "sgraf generate")
-    scenes = load_scenes(args.data, args.split)
-    diagnose.check_false_for(scenes, str(scenes_path))
-    captions_path = split_files(args.data, args.split)[1]
-    if captions_path.is_file():
-        diagnose.check_captions(scenes, read_captions(captions_path), str(scenes_path), str(captions_path))
-    return scenes
+    scenes, scenes_path = diagnose.open_scenes(args.data, args.split, "--diagnose")
+    return scenes, str(scenes_path)

@@ -34,26 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from sgraf import diagnose, evaluate
-    from sgraf.data.benchmark import load_scenes
-    from sgraf.data.layout import split_files
-    from sgraf.data.precomp import read_captions
-    from sgraf.errors import InputError
 
     check_score_source(args)
     check_score_outputs(args)
     device = checked_device(args.device)
-    scenes_path = Path(args.data) / f"{args.split}_scenes.jsonl"
-    if not scenes_path.is_file():
-        raise InputError(f"--data {args.data}: no {scenes_path.name}; diagnose needs a data set written by "
-                         "sgraf generate")
-    scenes = load_scenes(args.data, args.split)
-    diagnose.check_false_for(scenes, str(scenes_path))   # before scoring, which takes the time
-    captions_path = split_files(args.data, args.split)[1]
-    if captions_path.is_file():   # else the scoring names the missing file
-        diagnose.check_captions(scenes, read_captions(captions_path), str(scenes_path), str(captions_path))
+    scenes, scenes_path = diagnose.open_scenes(args.data, args.split, "diagnose")   # before scoring
     if args.sims:
         _, sims = evaluate.evaluate_sims_files_with_sims(args.sims, data_dir=args.data, split=args.split,
                                                          save_sims=args.save_sims)
