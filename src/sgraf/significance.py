@@ -71,7 +71,8 @@ def _folds(folds: Any, n_img: int) -> int:
     return int(folds)
 
 
-def _check(resamples: Any, level: Any) -> None:
+def _check(resamples: Any, level: Any = 0.5) -> None:
+    """InputError for a resample count that is not a positive integer or a level not in (0, 1)."""
     if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or resamples < 1:
         raise InputError(f"resamples must be a positive integer, got {resamples!r}")
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
@@ -153,7 +154,7 @@ def paired_ratio_p(differences: Any, denominators: Any, resamples: int = 10000,
     is counted with a random sign, as `compare` flips images; p = (1 + reached) / (1 + flips),
     None for a column without items.
     """
-    _check(resamples, 0.5)
+    _check(resamples)
     differences = np.asarray(differences, dtype=np.float64)
     totals = np.asarray(denominators, dtype=np.float64).sum(axis=0)
     if differences.ndim != 2 or differences.shape[1] != totals.shape[0]:
@@ -165,6 +166,7 @@ def paired_ratio_p(differences: Any, denominators: Any, resamples: int = 10000,
     for start in range(0, resamples, BATCH):
         count = min(BATCH, resamples - start)
         signs = rng.integers(0, 2, size=(count, len(differences)), dtype=np.int8) * 2.0 - 1.0
+        # a tolerance, so that a flip equal to the observed value up to rounding counts as reaching it
         beyond += (np.abs(signs @ differences) >= reference - 1e-9).sum(axis=0)
     return [None if total == 0 else float((1.0 + reached) / (1.0 + resamples))
             for reached, total in zip(beyond, totals)]
@@ -264,19 +266,9 @@ def compare(sims_a: Any, sims_b: Any, folds: int = 1, resamples: int = 10000, le
     figures = [_figures(table, folds, cpi) for table in (table_a, table_b)]
     # bootstrap of the difference: the same images drawn for both models
     boot = _summary(_resampled_means(difference, folds, resamples, seed))
-    # randomization: each image's row of the difference counted with a random sign
-    rng = np.random.default_rng([seed, 1])
-    beyond = np.zeros(7, dtype=np.int64)   # the six recalls and rsum
-    observed = 100.0 * difference.mean(axis=0)
-    reference = np.abs(np.append(observed, observed.sum()))
-    for start in range(0, resamples, BATCH):
-        count = min(BATCH, resamples - start)
-        signs = rng.integers(0, 2, size=(count, n), dtype=np.int8) * 2.0 - 1.0
-        flipped = 100.0 * (signs @ difference) / n
-        flipped = np.concatenate([flipped, flipped.sum(axis=1, keepdims=True)], axis=1)
-        # a tolerance, so that a flip equal to the observed value up to rounding counts as reaching it
-        beyond += (np.abs(flipped) >= reference - 1e-9).sum(axis=0)
-    p = (1.0 + beyond) / (1.0 + resamples)
+    # randomization: each image's row of the difference (the six recalls and rsum) counted with a
+    # random sign; every image is one item of each column
+    p = paired_ratio_p(np.column_stack([difference, difference.sum(axis=1)]), np.ones((n, 7)), resamples, seed)
     p_summary = {"i2t": {key: float(p[j]) for j, key in enumerate(KEYS)},
                  "t2i": {key: float(p[3 + j]) for j, key in enumerate(KEYS)}, "rsum": float(p[6])}
     return {
