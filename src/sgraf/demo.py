@@ -474,7 +474,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "diagnose": per_seed[0]["diagnose"],
         "per_seed": per_seed,
         "summary": summary,
-        "story": {**story(summary["results"]), "tests": story_tests(first_sims)},
+        "story": {**story(summary["results"]), "tests": story_tests(first_sims, per_seed[0]["results"])},
         "timings_s": timings,
         "cpu_s": cpu,
         "pictures": pictures,

@@ -127,15 +127,15 @@ def story(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "rsum": rsum}
 
 
-def story_tests(sims: dict[str, np.ndarray], resamples: int = 10000) -> list[dict[str, Any]]:
+def story_tests(sims: dict[str, np.ndarray], results: dict[str, dict[str, Any]],
+                resamples: int = 10000) -> list[dict[str, Any]]:
     """The story's comparisons, paired on the test images (`sgraf.significance.compare`, as `sgraf
-    compare` makes them) on one seed's score matrices: SGRAF against the better single model, that
-    model against global-only, and SGRAF+pos against SGRAF when present. Each: ``{"a", "b",
-    "difference", "interval", "p"}`` of rsum."""
-    from sgraf.metrics import evaluate_sims
+    compare` makes them) on one seed's score matrices and their `evaluate_sims` results: SGRAF
+    against the better single model, that model against global-only, and SGRAF+pos against SGRAF
+    when present. Each: ``{"a", "b", "difference", "interval", "p"}`` of rsum."""
     from sgraf.significance import compare
 
-    best = max(("SGR", "SAF"), key=lambda label: evaluate_sims(sims[label])["rsum"])
+    best = max(("SGR", "SAF"), key=lambda label: results[label]["rsum"])
     pairs = [("SGRAF", best), (best, "global-only")] + ([("SGRAF+pos", "SGRAF")] if "SGRAF+pos" in sims else [])
     tests = []
     for a, b in pairs:
