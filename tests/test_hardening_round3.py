@@ -237,6 +237,8 @@ def test_every_ensemble_command_refuses_a_model_named_twice(world, capsys):
     runs = {
         "evaluate": ["evaluate", "--checkpoint", ck, "--checkpoint", again, "--data", data, "--split", "test"],
         "diagnose": ["diagnose", "--checkpoint", ck, "--checkpoint", again, "--data", data, "--split", "test"],
+        "compare": ["compare", "--checkpoint", ck, "--checkpoint", again, "--against", str(world["sims"]),
+                    "--data", data],
         "index": ["index", "--checkpoint", ck, "--checkpoint", again, "--data", data, "--split", "test",
                   "--out", str(world["root"] / "never-index")],
         "explain": ["explain", "--checkpoint", ck, "--checkpoint", again, "--data", data, "--split", "test",

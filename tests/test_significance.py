@@ -186,6 +186,40 @@ def test_compare_prints_the_paired_table_and_refuses_another_split(saved, capsys
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+
+def test_compare_scores_checkpoints_as_evaluate_saves_them(saved, capsys):
+    sgr, saf = (str(saved / f"{name}.npy") for name in ("sgr", "saf"))
+    common = ["--data", str(DATA), "--resamples", "300", "--json"]
+    from_matrices = compare_json(capsys, "--sims", sgr, saf, "--against", saf, *common)
+    scored = ["--vocab", str(VOCAB), "--quiet"]
+    from_checkpoints = compare_json(capsys, "--checkpoint", CKPT["sgr"], "--checkpoint", CKPT["saf"],
+                                    "--against", CKPT["saf"], *common, *scored)
+    mixed = compare_json(capsys, "--sims", sgr, saf, "--against", CKPT["saf"], *common, *scored)
+    for result in (from_checkpoints, mixed):
+        assert {k: result[k] for k in ("a", "b", "difference", "p")} == \
+            {k: from_matrices[k] for k in ("a", "b", "difference", "p")}
+    assert from_checkpoints["checkpoint"] == [str(CKPT["sgr"]), str(CKPT["saf"])] and "sims" not in from_checkpoints
+    for argv, message in (
+            (["--checkpoint", CKPT["sgr"], "--against", CKPT["saf"]], "--checkpoint names checkpoints: --data DIR"),
+            (["--sims", sgr, "--against", saf, CKPT["sgr"], "--data", DATA],
+             f"--against: {saf} is a score matrix (.npy) and {CKPT['sgr']} is not"),
+            (["--sims", sgr, "--against", saf, "--vocab", VOCAB], "--vocab applies to checkpoints"),
+            (["--checkpoint", CKPT["sgr"], "--against", CKPT["sgr"], "--data", DATA],
+             "--checkpoint and --against name the same model"),
+            (["--sims", sgr, "--against", CKPT["saf"], CKPT["saf"], "--data", DATA],
+             "saf.pth.tar is given twice"),
+            (["--checkpoint", CKPT["sgr"], "--against", saved / "absent.npy", "--data", DATA, "--vocab", VOCAB],
+             "absent.npy")):
+        assert main(["compare", *map(str, argv)]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def compare_json(capsys, *argv) -> dict:
+    assert main(["compare", *map(str, argv)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 # ------------------------------------------------------------------------ clusters (sgraf diagnose)
 def test_ratio_intervals_widen_with_the_items_a_cluster_shares():
     """200 clusters of 5 items: items alike within their cluster make the share's interval about

@@ -322,7 +322,7 @@ def evaluate_sims_files_with_sims(paths: Sequence[str | os.PathLike], folds: int
     if not paths:
         raise InputError("no score matrix given")
     with stage(stopwatch, "load"):
-        sims, scored = _load_matrices(paths, data_dir, split)
+        sims, scored = load_matrices(paths, data_dir, split)
     with stage(stopwatch, "metrics"):
         result = metrics.evaluate_sims(sims, folds=folds)
     if save_sims is not None:
@@ -340,8 +340,8 @@ def load_compared(paths_a: Sequence[str | os.PathLike], paths_b: Sequence[str | 
     and the captions their records name (InputError, naming both)."""
     if not paths_a or not paths_b:
         raise InputError("no score matrix given")
-    sims_a, scored_a = _load_matrices(paths_a, data_dir, split)
-    sims_b, scored_b = _load_matrices(paths_b, data_dir, split)
+    sims_a, scored_a = load_matrices(paths_a, data_dir, split)
+    sims_b, scored_b = load_matrices(paths_b, data_dir, split)
     if sims_a.shape != sims_b.shape:
         raise InputError(f"{paths_b[0]}: score matrix of shape {sims_b.shape}, {paths_a[0]} of shape {sims_a.shape}: "
                          "two models are compared on one split")
@@ -349,12 +349,12 @@ def load_compared(paths_a: Sequence[str | os.PathLike], paths_b: Sequence[str | 
     return sims_a, sims_b
 
 
-def _load_matrices(paths: Sequence[str | os.PathLike], data_dir: str | os.PathLike | None,
+def load_matrices(paths: Sequence[str | os.PathLike], data_dir: str | os.PathLike | None,
                    split: str | None) -> tuple[np.ndarray, dict[str, Any] | None]:
     """The saved matrix, or the average of several, and the split they score (`score_record`;
     None where neither `data_dir` nor a record says): each checked for the split's shape (with
     `data_dir`; else the first's) and captions (by its record, if it has one), and read through
-    once for NaN/inf."""
+    once for NaN/inf (InputError naming the file)."""
     matrices = [load_matrix(path) for path in paths]
     given = None
     if data_dir is not None:

@@ -117,13 +117,15 @@ def check_score_source(args: argparse.Namespace) -> None:
     check_distinct("--sims", args.sims, "the matrices are averaged")
 
 
-def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False) -> None:
+def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False, save_sims: bool = True) -> None:
     """The options of a command that scores a split with checkpoints as `sgraf evaluate` does
-    (`evaluate`, `diagnose`): vocabulary, saved matrix, JSON, precision, batch size, device, quiet."""
+    (`evaluate`, `diagnose`, `compare`): vocabulary, saved matrix (unless not `save_sims`), JSON,
+    precision, batch size, device, quiet."""
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
-    parser.add_argument("--save-sims", metavar="FILE.npy",
-                        help="write the float32 score matrix (caption-file order), and beside it FILE.npy.json, "
-                             "the split it scored (checked when it is read with --sims)")
+    if save_sims:
+        parser.add_argument("--save-sims", metavar="FILE.npy",
+                            help="write the float32 score matrix (caption-file order), and beside it "
+                                 "FILE.npy.json, the split it scored (checked when it is read with --sims)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="encoder and scorer precision (bf16: autocast, scores stay float32)")
