@@ -72,6 +72,10 @@ def _make_world(root: Path) -> dict:
     render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(pictures / "im.png")
     (root / "pictures.tsv").write_text("im.png\ta red square\n")
     (root / "config.yaml").write_text("lr: 0.001\nepochs: 1\n")
+    (root / "run").mkdir()       # what sgraf runs reads of a run folder
+    (root / "run" / "config.yaml").write_text(f"data: {data}\npreset: tiny\nsgraf_version: 0.1.0\nlr: 0.001\nepochs: 2\n")
+    (root / "run" / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 120.5, '
+                                                '"best": true}\n')
     return {"root": root, "data": data, "ck": root / "ck.pt", "sims": root / "sims.npy", "vocab": data / "vocab.json"}
 
 
@@ -173,7 +177,7 @@ def _same_file_cases(w: dict, tmp: Path) -> dict[str, list[tuple[list[str], str,
 
 NOT_WRITERS = {"search": "writes no file", "serve": "writes no file", "data check": "writes no file",
                "demo": "reads no file the user names (its one path is --out, checked below)",
-               "compare": "writes no file"}
+               "compare": "writes no file", "runs": "writes no file"}
 
 
 def test_no_command_writes_over_its_inputs(world, tmp_path, capsys, tiny_backbone):
@@ -317,7 +321,7 @@ def test_a_demo_folder_from_before_the_record_loses_only_the_demos_files(tmp_pat
 
 # ------------------------------------------------------------------ 2. a byte-order mark, every text reader
 TEXT_FILES = ("data/*_caps.txt", "data/*_scenes.jsonl", "data/vocab.json", "a.tsv", "tsv_caps.txt", "pictures.tsv",
-              "config.yaml")
+              "config.yaml", "run/config.yaml", "run/metrics.jsonl")
 
 
 def _with_bom(world: dict, root: Path) -> dict:
@@ -357,6 +361,7 @@ def _bom_runs(w: dict, out: Path) -> dict[str, tuple[list[str], list[str]]]:
                      "tiny-test"], ["x/test_caps.txt", "x/test_image_names.txt"]),
         "convert-checkpoint": (["convert-checkpoint", ck, str(out / "ck.pt"), "--vocab", vocab], []),
         "train": (["train", "--config", str(w["root"] / "config.yaml"), "--list-keys"], []),
+        "runs": (["runs", str(w["root"] / "run"), "--json"], []),
     }
 
 
@@ -457,7 +462,8 @@ def test_every_writer_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(worl
     monkeypatch.setenv("SGRAF_TUNE", "off")
     writers = _writers(world, full_disk.path)
     _walks_every_command(writers, {"search": "writes no file", "serve": "writes no file",
-                                   "data check": "writes no file", "compare": "writes no file"})
+                                   "data check": "writes no file", "compare": "writes no file",
+                                   "runs": "writes no file"})
     for command, argv in writers.items():
         full_disk.fill()
         err = _one_line_error(capsys, main(argv))

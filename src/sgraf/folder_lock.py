@@ -72,7 +72,8 @@ def describe_holder(record: dict[str, Any] | None) -> str:
             f"command: {record.get('command')}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (perhaps owned by another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -175,7 +176,7 @@ class FolderLock:
         if not record:
             return True
         if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
-            return not _pid_alive(record["pid"])
+            return not pid_alive(record["pid"])
         self._advice = f" (this file system has no locks: delete {self.path} if that run is gone)"
         return False
 

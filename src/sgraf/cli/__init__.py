@@ -25,6 +25,7 @@ from typing import Any, NoReturn, Sequence
 COMMAND_MODULES = (
     "demo",
     "train",
+    "runs",
     "evaluate",
     "compare",
     "diagnose",

@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"stopped by {summary['signal']} at epoch {summary['epoch'] + 1}, step {summary['global_step']}; "
               f"last.pt saved. Continue with: sgraf train --resume {out}")
         return 128 + int(signal.Signals[summary["signal"]])
-    print(f"finished {summary['epoch']} epochs ({summary['global_step']} steps): best dev rsum "
+    epochs = summary["epoch"]
+    print(f"finished {epochs} epoch{'' if epochs == 1 else 's'} ({summary['global_step']} steps): best dev rsum "
           f"{summary['best_rsum']:.2f} at step {summary['best_step']}; run folder {out}")
     return 0
 

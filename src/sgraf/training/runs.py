@@ -1,0 +1,235 @@
+"""What a set of run folders holds, side by side (`sgraf runs`): for an ablation, which run
+reached what dev rsum, how far each got, which can be resumed, and which settings set them apart.
+
+Everything is read from the folders (`sgraf.training.run_dir`): `config.yaml`, `metrics.jsonl`,
+`last.pt`'s presence and the lock's record; no checkpoint is loaded and no lock is taken (a
+listing never gets in the way of a run starting).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from sgraf.errors import InputError
+from sgraf.folder_lock import LOCK_FILE, describe_holder, pid_alive
+from sgraf.training import run_dir as rd
+from sgraf.training.config import load_config_file
+
+# the files that make a folder a run folder (a failed start leaves config.yaml alone)
+_MARKS = (rd.CONFIG_FILE, rd.METRICS_FILE, rd.LAST_CHECKPOINT)
+# config.yaml's bookkeeping, not a setting of the run
+_NOT_SETTINGS = ("sgraf_version", "data_fingerprint", "data")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run folder as `summarise` reads it.
+
+    Attributes:
+        path: the folder, as found.
+        state: ``finished`` (its last epoch validated), ``stopped`` (a `last.pt` to resume from),
+            ``running`` (a live process holds its lock), ``not started`` (no `last.pt` yet) or
+            ``unreadable`` (`problem` says why).
+        settings: config.yaml's fields and preset; empty when unreadable.
+        data: the data folder it trains on, with the fingerprint config.yaml records (None
+            before fingerprints were recorded).
+        epochs: epochs finished (validated at their end) and the config's total.
+        step: the last validation's step (0 before the first).
+        best: the record of the best dev rsum (`metrics.jsonl`), or None.
+        last: the last validation's record, or None.
+        holder: the lock's record while running (pid, host, start, command).
+        problem: why an unreadable folder could not be read.
+    """
+
+    path: str
+    state: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    data: tuple[str, Any] | None = None
+    epochs: tuple[int, int | None] = (0, None)
+    step: int = 0
+    best: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    holder: dict[str, Any] | None = None
+    problem: str | None = None
+
+
+def find_runs(paths: Sequence[str | os.PathLike[str]]) -> list[pathlib.Path]:
+    """The run folders named by `paths`: each a run folder itself, or a folder searched (at any
+    depth, not inside a run folder) for run folders, in name order.
+
+    Raises:
+        InputError: a path that is not there, is a file, or holds no run folder.
+    """
+    found: list[pathlib.Path] = []
+    for given in paths:
+        path = pathlib.Path(given)
+        if not path.exists():
+            raise InputError(f"{path}: no such folder")
+        if not path.is_dir():
+            raise InputError(f"{path} is a file, expected a run folder or a folder of run folders")
+        runs = [path] if _is_run(path) else sorted(_runs_below(path))
+        if not runs:
+            raise InputError(f"{path} holds no sgraf run folder (one with {', '.join(_MARKS)})")
+        found.extend(run for run in runs if run not in found)
+    return found
+
+
+def _is_run(folder: pathlib.Path) -> bool:
+    return any((folder / name).is_file() for name in _MARKS)
+
+
+def _runs_below(folder: pathlib.Path) -> Iterable[pathlib.Path]:
+    for root, folders, _ in os.walk(folder):
+        here = pathlib.Path(root)
+        if here != folder and _is_run(here):
+            folders.clear()     # a run's own folders (tensorboard/) hold no runs
+            yield here
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
+
+
+def read_run(folder: str | os.PathLike[str]) -> Run:
+    """One run folder's state, settings and validations (an unreadable config.yaml gives a
+    `Run` whose state is ``unreadable``, so a listing goes on past it)."""
+    path = pathlib.Path(folder)
+    try:
+        values, extras = load_config_file(path / rd.CONFIG_FILE)
+    except FileNotFoundError:
+        return Run(str(path), "unreadable", problem=f"no {rd.CONFIG_FILE}")
+    except InputError as error:
+        return Run(str(path), "unreadable", problem=str(error))
+    settings = {"preset": extras.get("preset"), **values}
+    data = (str(extras["data"]), extras.get("data_fingerprint")) if extras.get("data") else None
+    records = rd.read_metrics(path)
+    total = values.get("epochs")
+    done = max((int(r.get("epoch", 0)) for r in records if r.get("end_of_epoch")), default=0)
+    flagged = [r for r in records if r.get("best")]
+    best = flagged[-1] if flagged else max(records, key=lambda r: r.get("rsum", float("-inf")), default=None)
+    holder = _live_holder(path)
+    if holder is not None:
+        state = "running"
+    elif isinstance(total, int) and done >= total:
+        state = "finished"
+    elif (path / rd.LAST_CHECKPOINT).is_file():
+        state = "stopped"
+    else:
+        state = "not started"
+    return Run(str(path), state, settings, data, (done, total if isinstance(total, int) else None),
+               int(records[-1].get("step", 0)) if records else 0, best, records[-1] if records else None, holder)
+
+
+def _live_holder(folder: pathlib.Path) -> dict[str, Any] | None:
+    """The lock's record where it names a live process on this host, or another host (whose
+    processes cannot be seen from here); None for no lock or a lock left by a killed run. The
+    record is read, not locked."""
+    try:
+        record = json.loads((folder / LOCK_FILE).read_text(encoding="utf-8", errors="replace") or "null")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    if record.get("host") != socket.gethostname():
+        return record
+    return record if isinstance(record.get("pid"), int) and pid_alive(record["pid"]) else None
+
+
+def differences(runs: Sequence[Run]) -> list[str]:
+    """The settings whose values are not the same in every readable run (in config order),
+    with ``data`` first where the runs train on different data (folders or files)."""
+    readable = [run for run in runs if run.state != "unreadable"]
+    keys: list[str] = []
+    for run in readable:
+        keys.extend(key for key in run.settings if key not in keys and key not in _NOT_SETTINGS)
+    differ = [key for key in keys if len({json.dumps(run.settings.get(key), sort_keys=True)
+                                          for run in readable}) > 1]
+    return (["data"] if len({_data_key(run) for run in readable}) > 1 else []) + differ
+
+
+def _data_key(run: Run) -> str:
+    """The run's data by its files' fingerprint where recorded, else by its folder."""
+    if run.data is None:
+        return ""
+    folder, fingerprint = run.data
+    return json.dumps(fingerprint, sort_keys=True) if isinstance(fingerprint, dict) else folder
+
+
+def summarise(paths: Sequence[str | os.PathLike[str]], sort: str = "name") -> dict[str, Any]:
+    """`find_runs` read by `read_run`: ``{"runs": [...], "differ": [...]}``, each run a plain
+    dict (`as_dict`) and `differ` the settings that set them apart (`differences`).
+
+    Args:
+        sort: ``name`` (the folders' order) or ``rsum`` (best dev rsum first; none last).
+    """
+    if sort not in ("name", "rsum"):
+        raise InputError(f"sort must be 'name' or 'rsum', got {sort!r}")
+    runs = [read_run(path) for path in find_runs(paths)]
+    if sort == "rsum":
+        runs.sort(key=lambda run: -run.best["rsum"] if run.best and "rsum" in run.best else float("inf"))
+    differ = differences(runs)
+    return {"runs": [as_dict(run, differ) for run in runs], "differ": differ}
+
+
+def as_dict(run: Run, differ: Sequence[str] = ()) -> dict[str, Any]:
+    """A run as JSON-ready values: path, state, epochs done / total, step, the best validation
+    (rsum, epoch, step) and the last one's rsum, the settings named in `differ`, the resume
+    command where it has one, the lock's holder while running, the problem if unreadable."""
+    out: dict[str, Any] = {"path": run.path, "state": run.state}
+    if run.state == "unreadable":
+        return {**out, "problem": run.problem}
+    out.update({"module": run.settings.get("module"), "preset": run.settings.get("preset"),
+                "epochs_done": run.epochs[0], "epochs": run.epochs[1], "step": run.step,
+                "best": None if run.best is None else {key: run.best.get(key) for key in ("rsum", "epoch", "step")},
+                "last_rsum": None if run.last is None else run.last.get("rsum"),
+                "settings": {key: (run.data[0] if run.data else None) if key == "data" else run.settings.get(key)
+                             for key in differ}})
+    if run.state == "stopped":
+        out["resume"] = f"sgraf train --resume {run.path}"
+    if run.holder is not None:
+        out["holder"] = describe_holder(run.holder)
+    return out
+
+
+def format_runs(summary: dict[str, Any]) -> str:
+    """`summarise`'s result as a table: one line per run, then what sets the runs apart."""
+    header = ("run", "module", "epochs", "best dev rsum", "at epoch", "last rsum", "state")
+    rows = []
+    for run in summary["runs"]:
+        if run["state"] == "unreadable":
+            rows.append((run["path"], "", "", "", "", "", f"unreadable: {run['problem']}"))
+            continue
+        best = run["best"]
+        state = {"stopped": f"stopped ({run.get('resume')})",
+                 "running": f"running ({run.get('holder')})"}.get(run["state"], run["state"])
+        rows.append((run["path"], str(run["module"]),
+                     f"{run['epochs_done']}/{run['epochs'] if run['epochs'] is not None else '?'}",
+                     "" if best is None else f"{best['rsum']:.2f}", "" if best is None else str(best["epoch"]),
+                     "" if run["last_rsum"] is None else f"{run['last_rsum']:.2f}", state))
+    lines = _table([header, *rows], left=2)
+    differ, readable = summary["differ"], [run for run in summary["runs"] if run["state"] != "unreadable"]
+    if len(readable) > 1:
+        lines.append("")
+        if not differ:
+            lines.append("settings that differ: none (the same config and data)")
+        else:
+            lines.append("settings that differ:")
+            lines.extend(_table([("run", *differ)] + [(run["path"], *(_text(run["settings"][key]) for key in differ))
+                                                      for run in readable], left=len(differ) + 1))
+        if "data" in differ:
+            lines.append("(the runs train on different data: their dev rsums are on different dev splits and do "
+                         "not compare)")
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]], left: int) -> list[str]:
+    """Aligned columns: the first `left` and the last left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) if i < left or i == len(row) - 1 else cell.rjust(width)
+                      for i, (cell, width) in enumerate(zip(row, widths))).rstrip() for row in rows]
+
+
+def _text(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

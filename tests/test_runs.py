@@ -1,0 +1,130 @@
+"""`sgraf runs` (`sgraf.training.runs`): run folders side by side, each run's state read from its
+files (finished, stopped with the command that resumes it, running, never started, unreadable),
+and the settings and data that set the runs apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgraf.cli import main
+from sgraf.training import runs
+from train_helpers import make_toy_precomp
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two finished tiny runs on one split (`a`: 2 epochs; `b`: 1 epoch at another lr) and one
+    on a copy of the split with one dev caption changed (`other/d`)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("runs")
+    data = make_toy_precomp(root / "data", n_train=32, n_dev=8)
+    other = root / "data-other"
+    shutil.copytree(data, other)
+    captions = (other / "dev_caps.txt").read_text().splitlines()
+    (other / "dev_caps.txt").write_text("\n".join(["a red dog in the park", *captions[1:]]) + "\n")
+    for name, folder, extra in (("a", data, ["epochs=2"]), ("b", data, ["epochs=1", "lr=0.001"]),
+                                ("other/d", other, ["epochs=1"])):
+        assert main(["train", "--data", str(folder), "--out", str(root / "runs" / name), "--preset", "tiny",
+                     "--set", *extra]) == 0
+    return root
+
+
+def listing(capsys, *argv) -> dict:
+    assert main(["runs", *map(str, argv), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_finished_runs_with_their_best_and_what_sets_them_apart(trained, capsys):
+    summary = listing(capsys, trained / "runs" / "a", trained / "runs" / "b")
+    a, b = summary["runs"]
+    assert [a["state"], b["state"]] == ["finished", "finished"]
+    assert (a["epochs_done"], a["epochs"], b["epochs_done"], b["epochs"]) == (2, 2, 1, 1)
+    best = max(records(trained / "runs" / "a"), key=lambda record: record["rsum"])
+    assert a["best"] == {key: best[key] for key in ("rsum", "epoch", "step")}
+    assert a["last_rsum"] == records(trained / "runs" / "a")[-1]["rsum"]
+    assert summary["differ"] == ["epochs", "lr"]          # the data is the same; nothing else differs
+    assert a["settings"] == {"epochs": 2, "lr": 0.01} and b["settings"] == {"epochs": 1, "lr": 0.001}
+    assert main(["runs", str(trained / "runs" / "a"), str(trained / "runs" / "b")]) == 0
+    text = capsys.readouterr().out
+    assert "settings that differ:" in text and "finished" in text and f"{best['rsum']:.2f}" in text
+
+
+def test_a_folder_of_runs_is_searched_and_other_data_is_named(trained, capsys):
+    summary = listing(capsys, trained / "runs", "--sort", "rsum")
+    paths = [Path(run["path"]).relative_to(trained / "runs").as_posix() for run in summary["runs"]]
+    assert sorted(paths) == ["a", "b", "other/d"]
+    rsums = [run["best"]["rsum"] for run in summary["runs"]]
+    assert rsums == sorted(rsums, reverse=True)
+    assert summary["differ"][0] == "data"
+    by_path = {Path(run["path"]).name: run for run in summary["runs"]}
+    assert by_path["d"]["settings"]["data"] == str((trained / "data-other").resolve())
+    assert main(["runs", str(trained / "runs")]) == 0
+    assert "train on different data: their dev rsums are on different dev splits" in capsys.readouterr().out
+
+
+def test_a_stopped_run_says_how_to_resume_and_that_command_finishes_it(trained, tmp_path, capsys):
+    run = tmp_path / "c"
+    shutil.copytree(trained / "runs" / "a", run)
+    config = run / "config.yaml"     # a run of 3 epochs with 2 done: what a kill after epoch 2 leaves
+    config.write_text(config.read_text().replace("\nepochs: 2\n", "\nepochs: 3\n"))
+    (stopped,) = listing(capsys, run)["runs"]
+    assert (stopped["state"], stopped["epochs_done"], stopped["epochs"]) == ("stopped", 2, 3)
+    assert stopped["resume"] == f"sgraf train --resume {run}"
+    torch.set_num_threads(1)
+    assert main(shlex.split(stopped["resume"])[1:]) == 0
+    assert capsys.readouterr().out.startswith("finished 3 epochs")
+    (resumed,) = listing(capsys, run)["runs"]
+    assert (resumed["state"], resumed["epochs_done"], resumed["step"]) == ("finished", 3, records(run)[-1]["step"])
+
+
+def test_running_never_started_and_unreadable_runs(trained, tmp_path, capsys):
+    running = tmp_path / "running"
+    shutil.copytree(trained / "runs" / "b", running)
+    config = running / "config.yaml"
+    config.write_text(config.read_text().replace("\nepochs: 1\n", "\nepochs: 5\n"))
+    lock = running / ".sgraf-lock"
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "2026-12-02 20:00:00 UTC",
+                                "command": "sgraf train --resume running"}))
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    shutil.copy(trained / "runs" / "b" / "config.yaml", failed / "config.yaml")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.yaml").write_text("epochs: [2\n")
+    (broken / "metrics.jsonl").write_text("")
+    summary = listing(capsys, tmp_path)
+    states = {Path(run["path"]).name: run for run in summary["runs"]}
+    assert states["running"]["state"] == "running" and f"pid {os.getpid()}" in states["running"]["holder"]
+    assert states["failed"]["state"] == "not started" and states["failed"]["best"] is None
+    assert states["broken"]["state"] == "unreadable" and "config.yaml" in states["broken"]["problem"]
+    assert "epochs" in summary["differ"]       # the unreadable one is left out of the comparison
+    lock.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname()}))   # a killed run's lock
+    assert runs.read_run(running).state == "stopped"
+    assert main(["runs", str(tmp_path)]) == 0
+    assert "unreadable: " in capsys.readouterr().out
+
+
+def test_bad_folders_are_one_line_errors(trained, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    for argv, message in (([tmp_path / "absent"], "absent: no such folder"),
+                          ([tmp_path / "file.txt"], "file.txt is a file, expected a run folder"),
+                          ([tmp_path / "empty"], "empty holds no sgraf run folder"),
+                          ([trained / "runs" / "a", "--sort", "loss"], "argument --sort: invalid choice")):
+        assert main(["runs", *map(str, argv)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    summary = listing(capsys, trained / "runs" / "a", trained / "runs" / "a" / ".")
+    assert len(summary["runs"]) == 1 and summary["differ"] == []
