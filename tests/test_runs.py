@@ -128,3 +128,16 @@ def test_bad_folders_are_one_line_errors(trained, tmp_path, capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
     summary = listing(capsys, trained / "runs" / "a", trained / "runs" / "a" / ".")
     assert len(summary["runs"]) == 1 and summary["differ"] == []
+
+
+def test_listing_runs_does_not_import_pytorch(trained):
+    """A listing is a glance at the folders: PyTorch's second of import is not part of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sgraf.cli import main; assert main(['runs', sys.argv[1]]) == 0; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", code, str(trained / "runs")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "finished" in done.stdout

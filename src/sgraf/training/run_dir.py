@@ -21,7 +21,6 @@ from typing import Any
 
 from sgraf import text_files
 from sgraf.atomic_write import write_error, write_text
-from sgraf.data.precomp import fingerprint_differences
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.training.config import TrainConfig, load_config_file
@@ -144,6 +143,8 @@ def other_data(run: pathlib.Path, data_dir: str | os.PathLike[str],
     recorded fingerprint, or a folder elsewhere with that fingerprint (the data moved). Runs
     recorded before fingerprints existed compare the paths only.
     """
+    from sgraf.data.precomp import fingerprint_differences   # PyTorch: not for `sgraf runs`
+
     _, extras = load_config_file(run / CONFIG_FILE)
     recorded, recorded_fingerprint = extras.get("data"), extras.get("data_fingerprint")
     given = pathlib.Path(data_dir).resolve()
