@@ -140,14 +140,16 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False,
 
 
 def data_inputs(data: str | None, splits: list[str] | tuple[str, ...], label: str = "--data") -> list[tuple[str, str]]:
-    """The data folder `data` and the files of `splits` in it (features, captions, boxes, scenes,
-    pictures), labelled for `sgraf.io_paths.check_outputs`: what a command reading those splits
-    must not write over."""
-    from sgraf.data.layout import split_paths
+    """The data folder `data`, the files of `splits` in it (features, captions, boxes, scenes,
+    pictures) and every other file of the data set there (other splits, the vocabulary, their
+    pictures: `layout.data_set_files`), labelled for `sgraf.io_paths.check_outputs`: what a
+    command reading those splits must not write over."""
+    from sgraf.data.layout import data_set_files, split_paths
 
     if not data:
         return []
-    return [(label, data)] + [(label, path) for split in splits for path in split_paths(data, split)]
+    return ([(label, data)] + [(label, path) for split in splits for path in split_paths(data, split)]
+            + [(label, path) for path in data_set_files(data)])
 
 
 def check_score_outputs(args: argparse.Namespace) -> None:

@@ -40,6 +40,22 @@ def data_set_family(name: str) -> bool:
             or name.startswith(IMAGES + "/"))
 
 
+def data_set_files(data_dir: str | os.PathLike[str]) -> list[str]:
+    """The files of the precomp layout that are in `data_dir` now (`data_set_family`: every
+    split's files, the vocabulary, the benchmark's record, the pictures): what no command may
+    write over while it reads the folder, whichever of its splits it reads."""
+    top = Path(data_dir)
+    try:
+        names = [entry.name for entry in os.scandir(top) if entry.is_file()]
+    except OSError:     # not there (yet): the command says so when it reads it
+        return []
+    found = [f"{os.fspath(data_dir)}/{name}" for name in sorted(names) if data_set_family(name)]
+    for root, folders, files in os.walk(top / IMAGES):
+        folders.sort()
+        found.extend(os.path.join(root, name) for name in sorted(files))
+    return found
+
+
 def split_paths(data_dir: str, split: str) -> list[str]:
     """The paths of `split`'s files in `data_dir` (whether they exist or not), and its pictures
     folder: what a command reading the split must never write over."""
