@@ -127,8 +127,15 @@ def test_demo_ends_by_printing_the_serve_command(demo, capsys, monkeypatch):
     monkeypatch.setattr("sgraf.demo.run_demo", lambda *args, **kwargs: record)   # the run above, reported again
     capsys.readouterr()
     assert main(["demo", "--quick", "--out", str(out)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    lines = capsys.readouterr().out.strip().splitlines()
+    last = lines[-1]
     assert last.endswith(f"sgraf serve --index {out / 'index'}")
+    # the verdict line says each claim's p as the report does, "within noise" where p >= 0.05
+    verdict = next(line for line in lines if line.startswith("SGRAF >= better of SGR/SAF: "))
+    report = (out / "report.md").read_text()
+    for test in record["story"]["tests"][:2]:
+        words = f"p {test['p']:.3f}" + ("" if test["p"] < 0.05 else ", within noise")
+        assert f"(paired {words})" in verdict and f"], {words}\n" in report, (verdict, words)
     from sgraf.cli import build_parser
 
     args = build_parser().parse_args(last.split("search it in a browser: ")[1].split()[1:])

@@ -145,6 +145,12 @@ def story_tests(sims: dict[str, np.ndarray], results: dict[str, dict[str, Any]],
     return tests
 
 
+def p_verdict(test: dict[str, Any]) -> str:
+    """One `story_tests` test's p-value as the report and the closing line say it: ``p 0.031``,
+    or ``p 0.091, within noise`` at p >= 0.05."""
+    return f"p {test['p']:.3f}" + ("" if test["p"] < 0.05 else ", within noise")
+
+
 # --------------------------------------------------------------------------------- pictures
 def draw_curves(path: Path, runs: dict[str, Path]) -> str:
     """Each model's training loss and dev rsum over the steps, from the `metrics.jsonl` of its run
@@ -251,7 +257,7 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
                        "as `sgraf compare` does; 95 % bootstrap interval of the rsum difference, randomization "
                        "p-value):")
         verdict += [f"  - {t['a']} - {t['b']}: {t['difference']:+.1f} [{t['interval'][0]:+.1f}, "
-                    f"{t['interval'][1]:+.1f}], p {t['p']:.3f}{'' if t['p'] < 0.05 else ' (within noise)'}"
+                    f"{t['interval'][1]:+.1f}], {p_verdict(t)}"
                     for t in tests]
     settings = record["settings"]
     training = record["training"]["SGR"]["config"]

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sgraf.demo import run_demo
+    from sgraf.demo_report import p_verdict
 
     record = run_demo(args.out, quick=args.quick, features=args.features, seed=args.seed,
                       progress=not args.quick, seeds=args.seeds, overrides=args.overrides or (),
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     check = record["story"]
     # the first two tests are these two claims (`demo_report.story_tests`)
-    p = [f" (paired p {test['p']:.3f})" for test in check.get("tests", [])] + ["", ""]
+    p = [f" (paired {p_verdict(test)})" for test in check.get("tests", [])] + ["", ""]
     print(f"SGRAF >= better of SGR/SAF: {'yes' if check['sgraf_ge_best_single'] else 'no'}{p[0]}; "
           f"better single > global-only: {'yes' if check['best_single_gt_global'] else 'no'}{p[1]}")
     print(f"report: {args.out}/report.md ({record['timings_s']['total']:.0f} s)")
