@@ -168,4 +168,5 @@ def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys):
     _refused(capsys, ["diagnose", "--sims", str(tmp_path / "sims.npy"), "--data", str(copy)],
              "sgraf generate --overwrite")
     (copy / "test_scenes.jsonl").unlink()
-    _refused(capsys, ["diagnose", "--sims", str(tmp_path / "sims.npy"), "--data", str(copy)], "test_scenes.jsonl")
+    _refused(capsys, ["diagnose", "--sims", str(tmp_path / "sims.npy"), "--data", str(copy)],
+             "no test_scenes.jsonl; diagnose needs a data set written by sgraf generate (splits with scenes there: ")

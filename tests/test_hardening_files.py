@@ -214,6 +214,28 @@ def test_an_interrupted_generation_leaves_the_folder_as_it_was(tmp_path, monkeyp
     assert _files(out) == before
 
 
+
+def test_a_refused_command_leaves_no_folder_it_made(tmp_path, capsys):
+    """'Nothing has been written when the error appears': not even the output folder (and the
+    parents) a command made before it found its input bad; a folder that was there stays."""
+    (tmp_path / "empty-data").mkdir()
+    (tmp_path / "bad.tsv").write_text("1000\tnot enough fields\n")
+    (tmp_path / "kept").mkdir()
+    runs = [["train", "--data", str(tmp_path / "absent"), "--out", str(tmp_path / "runs" / "a"), "--preset", "tiny"],
+            ["train", "--data", str(tmp_path / "empty-data"), "--out", str(tmp_path / "runs" / "b" / "c"),
+             "--preset", "tiny"],
+            ["train", "--data", str(tmp_path / "absent"), "--out", str(tmp_path / "kept"), "--preset", "tiny"],
+            ["convert-tsv", "--tsv", str(tmp_path / "bad.tsv"), "--out", str(tmp_path / "new" / "data"), "--split",
+             "train", "--no-progress"],
+            ["convert-tsv", "--tsv", str(tmp_path / "bad.tsv"), "--out", str(tmp_path / "kept"), "--split", "train",
+             "--no-progress"]]
+    for argv in runs:
+        assert main(argv) == 2, argv
+        _one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "empty-data", "kept"]
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
 def _b64(array: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(array, dtype=np.float32).tobytes()).decode("ascii")
 
@@ -357,7 +379,7 @@ def test_sigterm_during_generate_exits_143_and_leaves_nothing_half_written(tmp_p
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1] == "sgraf generate: stopped by SIGTERM" and "Traceback" not in err
-    assert os.listdir(out) == []                                   # no staging, no lock, no half data set
+    assert not out.exists()        # no staging, no lock, no half data set: not even the folder it made
 
 
 def test_sigterm_during_a_demo_training_exits_143_without_results(tmp_path, monkeypatch, capsys):

@@ -323,6 +323,9 @@ def test_existing_run_is_not_overwritten_and_resume_needs_a_run(toy_data, tmp_pa
     before = (run / "last.pt").read_bytes()
     assert _train(toy_data, run) == 2
     assert "already holds a run" in capsys.readouterr().err and (run / "last.pt").read_bytes() == before
+    assert main(["train", "--resume", str(tmp_path / "absent")]) == 2
+    assert f"cannot resume {tmp_path / 'absent'}: no such folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     assert "no config.yaml" in capsys.readouterr().err
     assert main(["train", "--resume", str(run), "--set", "lr=0.1"]) == 2

@@ -47,6 +47,24 @@ def ensure_folder(folder: str | os.PathLike[str], what: str = "output folder") -
     return folder
 
 
+def missing_folders(folder: str | os.PathLike[str]) -> list[pathlib.Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first: what creating it
+    makes, and `remove_empty_folders` takes back when the command fails before writing there."""
+    folder = pathlib.Path(os.path.abspath(folder))
+    return [path for path in (folder, *folder.parents) if not os.path.lexists(path)]
+
+
+def remove_empty_folders(folders: list[pathlib.Path]) -> None:
+    """Removes `folders` (deepest first, as `missing_folders` lists them) while they are empty,
+    so that a refused or failed command leaves no folder it made behind; stops at the first that
+    holds anything."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:     # not empty (or gone): it and its parents stay
+            return
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
     """A temporary path beside `path`, moved onto `path` when the block ends without error.

@@ -82,8 +82,9 @@ def open_scenes(data_dir: str | os.PathLike, split: str, needed_by: str = "diagn
 
     scenes_path = Path(data_dir) / f"{split}_scenes.jsonl"
     if not scenes_path.is_file():
+        found = sorted(path.name[:-len("_scenes.jsonl")] for path in Path(data_dir).glob("*_scenes.jsonl"))
         raise InputError(f"--data {data_dir}: no {scenes_path.name}; {needed_by} needs a data set written by "
-                         "sgraf generate")
+                         f"sgraf generate (splits with scenes there: {', '.join(found) or 'none'})")
     scenes = load_scenes(data_dir, split)
     check_false_for(scenes, str(scenes_path))
     captions_path = split_files(data_dir, split)[1]

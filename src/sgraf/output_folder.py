@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from typing import Callable, Iterable
 
-from sgraf.atomic_write import ensure_folder, write_error, write_text
+from sgraf.atomic_write import ensure_folder, missing_folders, remove_empty_folders, write_error, write_text
 from sgraf.errors import InputError
 from sgraf.folder_lock import LOCK_FILE, FolderLock
 from sgraf.io_paths import check_outputs
@@ -146,10 +146,16 @@ class NewGeneration:
         self.inputs = list(inputs)
         self.staging: pathlib.Path | None = None
         self._lock = FolderLock(self.folder)
+        self._created: list[pathlib.Path] = []
 
     def __enter__(self) -> "NewGeneration":
+        self._created = missing_folders(self.folder)
         ensure_folder(self.folder)
-        self._lock.acquire()
+        try:
+            self._lock.acquire()
+        except BaseException:
+            remove_empty_folders(self._created)
+            raise
         try:
             for leftover in self.folder.glob(STAGING_PREFIX + "*"):   # of a killed run: we hold the lock
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -157,23 +163,32 @@ class NewGeneration:
             self._check_inputs()
             self.staging = pathlib.Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.folder))
         except OSError as error:
-            self._lock.release()
+            self._release()
             raise write_error(self.folder, error) from None
         except BaseException:
-            self._lock.release()
+            self._release()
             raise
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, *exc: object) -> None:
+        committed = False
         try:
             if exc_type is None:
                 self._commit()
+                committed = True
             else:
                 self._name_the_user_path(error)
         finally:
             if self.staging is not None:
                 shutil.rmtree(self.staging, ignore_errors=True)
-            self._lock.release()
+            self._release(keep_folder=committed)
+
+    def _release(self, keep_folder: bool = False) -> None:
+        """The lock released and, unless the generation was moved in, the folders it made for it
+        removed again where they are empty (a refused or failed command leaves none behind)."""
+        self._lock.release()
+        if not keep_folder:
+            remove_empty_folders(self._created)
 
     def _name_the_user_path(self, error: BaseException | None) -> None:
         """Errors from inside the block name the folder's file, not the staging copy."""

@@ -409,7 +409,8 @@ def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str
     if len(built) != len(current):
         raise InputError(
             f"index {where} was built with {len(built)} model(s) "
-            f"[{'; '.join(describe_identity(i) for i in built)}] but {len(current)} were given "
+            f"[{'; '.join(describe_identity(i) for i in built)}] but {len(current)} "
+            f"{'was' if len(current) == 1 else 'were'} given "
             f"[{'; '.join(describe_identity(i) for i in current)}]")
     for position, (old, new) in enumerate(zip(built, current)):
         if old.get("weights_sha256") != new["weights_sha256"] or old.get("config") != new["config"]:

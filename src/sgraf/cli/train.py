@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         config_path = Path(args.resume) / "config.yaml"
+        if not Path(args.resume).is_dir():
+            raise InputError(f"cannot resume {args.resume}: no such folder")
         if not config_path.is_file():
             raise InputError(f"cannot resume {args.resume}: it has no config.yaml (not a sgraf run folder)")
         config, data, preset = load_run_config(Path(args.resume))

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from sgraf import distributed
+from sgraf.atomic_write import missing_folders, remove_empty_folders
 from sgraf.devices import available_cores
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
@@ -242,6 +243,8 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
             the state before.
     """
     info = distributed.init_from_env(device=config.device, what="training config field 'device'")
+    # the folders a new run makes: taken back if it stops before writing there (bad data, say)
+    created = missing_folders(out_dir) if info.is_main and not resume else []
     run, run_lock = _claim_run_dir(out_dir, resume, info.is_main)
     try:
         with tf32(config.tf32):
@@ -250,6 +253,7 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
     finally:
         if run_lock is not None:
             run_lock.release()
+        remove_empty_folders(created)       # only empty ones: a run that wrote anything keeps its folder
 
 
 def _claim_run_dir(out_dir: str | os.PathLike[str], resume: bool,
@@ -450,9 +454,9 @@ class _Batches:
 def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, batches: _Batches,
                device: torch.device, info: Any, workers: int) -> None:
     """What the run will do, in the log (`workers`: the loader's worker processes)."""
-    logger.info("training %s on %s: %d captions, %d steps per epoch, %d epochs, %s on %s%s",
+    logger.info("training %s on %s: %d captions, %d steps per epoch, %d epoch%s, %s on %s%s",
                 model.config.module, data_dir, len(batches.dataset), batches.n_steps, config.epochs,
-                config.precision, device, f", {info.world_size} processes" if info.world_size > 1 else "")
+                "" if config.epochs == 1 else "s", config.precision, device, f", {info.world_size} processes" if info.world_size > 1 else "")
     if config.batch_size > len(batches.dataset):
         logger.warning("batch_size=%d is more than the %d training captions: every step takes all of them "
                        "(one step per epoch)", config.batch_size, len(batches.dataset))
