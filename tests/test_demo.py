@@ -216,7 +216,10 @@ def test_demo_with_several_seeds_reports_mean_and_sd(tmp_path, capsys):
     (["--set", "module=saf"], "--set module=saf: the demo sets module itself"),
     (["--set", "epochs"], "--set epochs: expected KEY=VALUE"),
     (["--set", "warmup_epochs=1"], "'warmup_epochs' .* needs max_violation=true"),
-    (["--set", "epochz=3"], "unknown"),
+    # the valid keys it lists are those a user may set: not module, alignments, seed or positions
+    (["--set", "epochz=3"], r"unknown training config key 'epochz' \(did you mean 'epochs'\?\); valid keys: "
+                            r"img_dim, num_regions, word_dim, embed_size, sim_dim, num_layers, bi_gru, img_norm, "
+                            r"txt_norm, sgr_step, similarity,"),
     (["--seeds", "0"], "argument --seeds: expected a positive integer, got 0"),
     (["--set", "positions=box"], "--set positions=box: the demo sets positions itself"),
     (["--positions", "grid"], "argument --positions: invalid choice: 'grid'"),

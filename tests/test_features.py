@@ -80,6 +80,8 @@ def test_extract_errors(tmp_path):
     (tmp_path / "caps.tsv").write_text("missing.png\ta caption\n", encoding="utf-8")
     with pytest.raises(InputError, match=r"caps\.tsv: image 'missing\.png' not found"):
         extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "x", tiny_backbone())
+    with pytest.raises(InputError, match=f"^images folder {tmp_path / 'nophotos'} does not exist or is not a folder$"):
+        extract_folder(tmp_path / "nophotos", tmp_path / "caps.tsv", tmp_path / "out", "x", tiny_backbone())
     (tmp_path / "broken.png").write_bytes(b"not a png")
     (tmp_path / "caps.tsv").write_text("broken.png\ta caption\n", encoding="utf-8")
     with pytest.raises(InputError, match=r"broken\.png: not a readable image"):

@@ -264,6 +264,8 @@ def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]
 
 def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
     """The demo's `--set` pairs, refusing keys the demo sets itself and pairs without '='."""
+    from sgraf.training.config import reject_unknown_keys, valid_keys
+
     pairs = tuple(overrides)
     for pair in pairs:
         key, equals, _ = pair.partition("=")
@@ -272,6 +274,9 @@ def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
         if key in FIXED_KEYS:
             raise InputError(f"--set {pair}: the demo sets {key} itself ({', '.join(FIXED_KEYS)} are per model or "
                              "per seed; use --seed and --seeds for the seeds)")
+    # the keys a user may set here: not those the demo sets per model or seed
+    reject_unknown_keys([pair.partition("=")[0] for pair in pairs], "--set",
+                        [key for key in valid_keys() if key not in FIXED_KEYS])
     return pairs
 
 

@@ -19,7 +19,7 @@ import pathlib
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, POSITIONS, PRECISIONS, SIMILARITIES, ModelConfig
 from sgraf import text_files
@@ -334,23 +334,27 @@ _AUTHOR_NAMES = {"learning_rate": "lr", "num_epochs": "epochs", "module_name": "
                  "no_imgnorm": "img_norm", "no_txtnorm": "txt_norm", "workers": "workers", "val_step": "val_every"}
 
 
-def _reject_unknown(values: Mapping[str, Any], source: str) -> None:
-    unknown = sorted(set(values) - set(valid_keys()))
+def reject_unknown_keys(keys: Iterable[str], source: str, allowed: Sequence[str] | None = None) -> None:
+    """InputError naming each of `keys` that is not a config key (with the closest one, or ours
+    for an authors' option name) and listing the valid keys: every field, or `allowed` where the
+    caller sets the others itself (`sgraf demo --set`)."""
+    allowed = list(valid_keys() if allowed is None else allowed)
+    unknown = sorted(set(keys) - set(allowed))
     if unknown:
         hints = []
         import difflib
         for key in unknown:
-            close = [_AUTHOR_NAMES[key]] if key in _AUTHOR_NAMES else difflib.get_close_matches(key, valid_keys(), n=1)
+            close = [_AUTHOR_NAMES[key]] if key in _AUTHOR_NAMES else difflib.get_close_matches(key, allowed, n=1)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise InputError(f"{source}: unknown training config key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(hints)}; valid keys: {', '.join(valid_keys())}")
+                         f"{', '.join(hints)}; valid keys: {', '.join(allowed)}")
 
 
 _FIELD_TYPES = typing.get_type_hints(TrainConfig)
 
 
 def _coerce_all(values: Mapping[str, Any], source: str) -> dict[str, Any]:
-    _reject_unknown(values, source)
+    reject_unknown_keys(values, source)
     return {key: _coerce(key, value, source) for key, value in values.items()}
 
 
