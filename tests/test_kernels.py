@@ -178,6 +178,23 @@ def test_tuning_off_gives_the_default_without_measuring(tuning_cache, monkeypatc
     assert not tuning_cache.exists()
 
 
+def test_a_default_taken_while_tuning_was_off_is_not_kept_once_it_is_on(tuning_cache, monkeypatch):
+    """A test (or a caller) that turns tuning off for a while must not leave its defaults behind:
+    the process would then compute with other routes than another process reading the store
+    (a resumed run's bits differed from the uninterrupted run's that way)."""
+    tuning.choose("probe", ["a", "b"], {"a": 2.0, "b": 1.0}.get)          # stored: b
+    tuning.forget()
+    monkeypatch.setenv("SGRAF_TUNE", "off")
+    assert tuning.choose("probe", ["a", "b"], lambda c: pytest.fail("measured")) == "a"
+    assert tuning.peek("probe", ["a", "b"]) == "a"
+    monkeypatch.setenv("SGRAF_TUNE", "on")
+    assert tuning.choose("probe", ["a", "b"], lambda c: pytest.fail("measured")) == "b"
+    assert tuning.peek("probe", ["a", "b"]) == "b"
+    monkeypatch.setenv("SGRAF_TUNE", "off")       # off again: the defaults, whatever was chosen
+    assert tuning.choose("probe", ["a", "b"], lambda c: pytest.fail("measured")) == "a"
+    assert tuning.peek("probe", ["a", "b"]) == "a"
+
+
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", ""])
 def test_a_damaged_store_is_ignored_and_rewritten(tuning_cache, content):
     tuning_cache.write_text(content)

@@ -99,10 +99,12 @@ def peek(name: str, candidates: Sequence[Any], device: torch.device | str = "cpu
     `candidates[0]`), without measuring. The store is read once per name and process (until
     `forget`): a choice another process stores later is not taken up midway."""
     key = f"{machine_key(device)}|{name}"
+    if not enabled():           # the default, and nothing remembered (see `choose`)
+        return candidates[0] if default is None else default
     with _lock:
         if key in _chosen:
             return _chosen[key]
-        if enabled() and key not in _absent:
+        if key not in _absent:
             stored = _stored(key, candidates)
             if stored is not None:
                 _chosen[key] = stored
@@ -128,11 +130,12 @@ def choose(name: str, candidates: Sequence[Any], measure: Callable[[Any], float]
     """
     key = f"{machine_key(device)}|{name}"
     rule = _rule(keep, near, rounds)
+    if not enabled():
+        # not remembered: a process that turns tuning on again (a test's monkeypatch, a caller's
+        # while-block) computes with the stored choices, as every other process on the machine
+        return candidates[0] if default is None else default
     with _lock:
         if key in _chosen:
-            return _chosen[key]
-        if not enabled():
-            _chosen[key] = candidates[0] if default is None else default
             return _chosen[key]
         stored = _stored(key, candidates, rule)
         if stored is not None:
