@@ -134,6 +134,9 @@ def _same_file_cases(w: dict, tmp: Path) -> dict[str, list[tuple[list[str], str,
     run = tmp / "run"
     run.mkdir()
     (run / "config.yaml").write_text("lr: 0.001\n")
+    listed = tmp / "listed"         # a run folder sgraf runs reads, with the curves its run drew
+    shutil.copytree(root / "run", listed)
+    (listed / "curves.png").write_bytes(b"the run's own curves")
     source = ["--checkpoint", ck, "--data", str(data)]
     return {
         "evaluate": [(["evaluate", "--sims", sims, "--data", str(data), "--save-sims", str(link)],
@@ -173,6 +176,8 @@ def _same_file_cases(w: dict, tmp: Path) -> dict[str, list[tuple[list[str], str,
                    data / "train_caps.txt"),
                   (["train", "--data", str(data), "--config", str(run / "config.yaml"), "--out", str(run)],
                    f"--out {run}/config.yaml is the input --config {run / 'config.yaml'}", run / "config.yaml")],
+        "runs": [(["runs", str(listed), "--plot", f"{listed}/./curves.png"],
+                  f"--plot {listed}/./curves.png is the input run file {listed}/curves.png", listed / "curves.png")],
         "generate": [(["generate", "--out", str(tmp / "gen"), "--features", "synthetic", "--n-train", "2",
                        "--n-dev", "2", "--n-test", "2", "--preview", str(tmp / "gen" / "images/test/00001.png")],
                       "are the same file", None)],
@@ -189,7 +194,7 @@ def _same_file_cases(w: dict, tmp: Path) -> dict[str, list[tuple[list[str], str,
 
 NOT_WRITERS = {"search": "writes no file", "serve": "writes no file", "data check": "writes no file",
                "demo": "reads no file the user names (its one path is --out, checked below)",
-               "compare": "writes no file", "runs": "writes no file"}
+               "compare": "writes no file"}
 
 
 def test_no_command_writes_over_its_inputs(world, tmp_path, capsys, tiny_backbone):
@@ -466,6 +471,7 @@ def _writers(w: dict, full: Path) -> dict[str, list[str]]:
         "convert-tsv": ["convert-tsv", "--tsv", str(w["root"] / "a.tsv"), "--out", str(full / "c"), "--split",
                         "test", "--no-progress"],
         "convert-checkpoint": ["convert-checkpoint", ck, str(full / "c.pt")],
+        "runs": ["runs", str(w["root"] / "run"), "--plot", str(full / "curves.png")],
     }
 
 
@@ -474,8 +480,7 @@ def test_every_writer_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(worl
     monkeypatch.setenv("SGRAF_TUNE", "off")
     writers = _writers(world, full_disk.path)
     _walks_every_command(writers, {"search": "writes no file", "serve": "writes no file",
-                                   "data check": "writes no file", "compare": "writes no file",
-                                   "runs": "writes no file"})
+                                   "data check": "writes no file", "compare": "writes no file"})
     for command, argv in writers.items():
         full_disk.fill()
         err = _one_line_error(capsys, main(argv))

@@ -141,3 +141,41 @@ def test_listing_runs_does_not_import_pytorch(trained):
                           env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "finished" in done.stdout
+
+
+def _colours(png: Path) -> set[tuple[int, int, int]]:
+    from PIL import Image
+
+    with Image.open(png) as picture:
+        return {colour[:3] for _, colour in picture.convert("RGB").getcolors(maxcolors=1 << 20)}
+
+
+def test_plot_draws_each_run_in_its_colour_and_refuses_to_draw_over_a_run(trained, tmp_path, capsys, caplog):
+    """matplotlib's first three line colours (C0, C1, C2) fill the markers of the first three runs."""
+    first, second, third = (31, 119, 180), (255, 127, 14), (44, 160, 44)
+    caplog.set_level("INFO", logger="sgraf.cli.runs")
+    two = tmp_path / "two.png"
+    assert main(["runs", str(trained / "runs" / "a"), str(trained / "runs" / "b"), "--plot", str(two)]) == 0
+    assert "finished" in capsys.readouterr().out
+    assert f"drew the curves of 2 runs into {two}" in caplog.text
+    assert {first, second} <= _colours(two) and third not in _colours(two)
+    three = tmp_path / "three.png"
+    assert main(["runs", str(trained / "runs"), "--plot", str(three)]) == 0
+    assert {first, second, third} <= _colours(three)
+    from sgraf.cli.runs import _legend_names
+
+    assert _legend_names([str(trained / "runs" / "a"), str(trained / "runs" / "other" / "d")]) == ["a", "other/d"]
+    assert _legend_names([str(trained / "runs" / "a") + "/"]) == ["a"]
+
+    never = tmp_path / "never"
+    never.mkdir()
+    shutil.copy(trained / "runs" / "b" / "config.yaml", never / "config.yaml")
+    own = trained / "runs" / "a" / "curves.png"
+    before = own.read_bytes()
+    for argv, message in (([never, "--plot", tmp_path / "n.png"], "none of the runs has a validation yet"),
+                          ([trained / "runs" / "a", "--plot", own], "is the input run file"),
+                          ([trained / "runs" / "a", "--plot", tmp_path / "n.jpg"], "--plot")):
+        assert main(["runs", *map(str, argv)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert own.read_bytes() == before and not (tmp_path / "n.png").exists()

@@ -154,31 +154,11 @@ def p_verdict(test: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------- pictures
 def draw_curves(path: Path, runs: dict[str, Path]) -> str:
     """Each model's training loss and dev rsum over the steps, from the `metrics.jsonl` of its run
-    folder (`runs`: {label: folder}); returns the picture's file name."""
-    import matplotlib
+    folder (`runs`: {label: folder}; `sgraf.training.plots.plot_runs`); returns the picture's
+    file name."""
+    from sgraf.training.plots import plot_runs
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    from sgraf.training.run_dir import read_metrics
-
-    figure, (loss_axis, rsum_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for label, run in runs.items():
-        records = read_metrics(run)
-        steps = [r["step"] for r in records]
-        losses = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
-        if losses:
-            loss_axis.plot(*zip(*losses), marker="o", label=label)
-        rsum_axis.plot(steps, [r["rsum"] for r in records], marker="o", label=label)
-    loss_axis.set(xlabel="step", ylabel="training loss (mean per validation period)", title="loss")
-    rsum_axis.set(xlabel="step", ylabel="rsum on dev", title="validation rsum")
-    for axis in (loss_axis, rsum_axis):
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    with atomic_path(path) as temporary:
-        figure.savefig(temporary, format="png", dpi=90)
-    plt.close(figure)
+    plot_runs(runs, path)
     return path.name
 
 

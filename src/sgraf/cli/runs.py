@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+
+from sgraf.cli.arguments import png_path
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,12 +27,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sort", choices=("name", "rsum"), default="name",
                         help="name: the folders' order; rsum: best dev rsum first")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--plot", type=png_path, metavar="FILE.png",
+                        help="also draw every run's training loss and dev rsum against the step into one picture")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from sgraf.errors import InputError
+    from sgraf.io_paths import check_outputs
     from sgraf.training import runs
+    from sgraf.training.run_dir import RUN_FILES
 
     summary = runs.summarise(args.folders, sort=args.sort)
+    drawn = [run["path"] for run in summary["runs"] if run.get("last_rsum") is not None]
+    if args.plot:
+        # a run's own files (its curves.png above all) are inputs here
+        check_outputs([("run file", f"{run['path']}/{name}") for run in summary["runs"] for name in RUN_FILES],
+                      [("--plot", args.plot)])
+        if not drawn:
+            raise InputError("--plot: none of the runs has a validation yet; nothing to draw")
     print(json.dumps(summary) if args.json else runs.format_runs(summary))
+    if args.plot:
+        from sgraf.training.plots import plot_runs
+
+        plot_runs(dict(zip(_legend_names(drawn), drawn)), args.plot)
+        logger.info("drew the curves of %d run%s into %s", len(drawn), "" if len(drawn) == 1 else "s", args.plot)
     return 0
+
+
+def _legend_names(paths: list[str]) -> list[str]:
+    """The runs' folders below the folder they share (`runs/a`, `runs/b` -> `a`, `b`), for a legend."""
+    import os
+
+    if len(paths) == 1:
+        return [os.path.basename(os.path.normpath(paths[0])) or paths[0]]
+    common = os.path.commonpath([os.path.abspath(path) for path in paths])
+    return [os.path.relpath(os.path.abspath(path), common) for path in paths]

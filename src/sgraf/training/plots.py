@@ -1,9 +1,11 @@
-"""`curves.png`: training loss and validation rsum of a run against the optimisation step."""
+"""`curves.png`: training loss and validation rsum of a run against the optimisation step; and
+several runs' curves in one picture (`plot_runs`: the demo's `curves.png`, `sgraf runs --plot`)."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+from typing import Mapping
 
 from sgraf.atomic_write import atomic_path
 from sgraf.training.run_dir import CURVES_FILE, read_metrics
@@ -18,11 +20,7 @@ def plot_curves(run: str | os.PathLike[str], path: str | os.PathLike[str] | None
     records = read_metrics(run)
     if not records:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     out = pathlib.Path(path) if path is not None else pathlib.Path(run) / CURVES_FILE
     steps = [r["step"] for r in records]
     losses = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
@@ -36,10 +34,54 @@ def plot_curves(run: str | os.PathLike[str], path: str | os.PathLike[str] | None
     ax_rsum.set(xlabel="step", ylabel="rsum (dev)", title=f"validation rsum (best {best['rsum']:.1f})")
     for ax in (ax_loss, ax_rsum):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    return _save(plt, fig, out, dpi=100)
+
+
+def plot_runs(runs: Mapping[str, str | os.PathLike[str]], path: str | os.PathLike[str]) -> pathlib.Path:
+    """Draws the training loss and dev rsum of several runs (`runs`: {label: run folder}, each
+    from its metrics.jsonl; a run without validations draws nothing) into one PNG, one colour
+    per run, labelled in a legend.
+
+    Returns:
+        The PNG path.
+    """
+    plt = _pyplot()
+    out = pathlib.Path(path)
+    figure, (loss_axis, rsum_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for label, run in runs.items():
+        records = read_metrics(run)
+        if not records:
+            continue
+        steps = [r["step"] for r in records]
+        losses = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
+        if losses:
+            loss_axis.plot(*zip(*losses), marker="o", label=label)
+        rsum_axis.plot(steps, [r["rsum"] for r in records], marker="o", label=label)
+    loss_axis.set(xlabel="step", ylabel="training loss (mean per validation period)", title="loss")
+    rsum_axis.set(xlabel="step", ylabel="rsum on dev", title="validation rsum")
+    for axis in (loss_axis, rsum_axis):
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    return _save(plt, figure, out, dpi=90)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display is needed or opened)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, figure, out: pathlib.Path, dpi: int) -> pathlib.Path:
+    """Writes `figure` to `out` as a PNG whole or not at all, and closes it."""
+    figure.tight_layout()
     try:
         with atomic_path(out) as temporary:
-            fig.savefig(temporary, format="png", dpi=100)
+            figure.savefig(temporary, format="png", dpi=dpi)
     finally:
-        plt.close(fig)
+        plt.close(figure)
     return out
