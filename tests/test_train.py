@@ -317,6 +317,47 @@ def test_unwritable_output_folder(toy_data, tmp_path, capsys):
     assert "is a file, expected a folder" in capsys.readouterr().err
 
 
+def test_patience_stops_early_a_resume_keeps_it_and_may_lift_it(toy_data, tmp_path, monkeypatch, capsys):
+    """The dev rsum each epoch ends with is scripted: 10, 12 (best, epoch 2), 11, 12 (not better),
+    9, 13. With patience 2 the run stops after epoch 4; a resume with the same settings trains
+    nothing, patience=3 trains epoch 5 and stops again, patience=0 trains to the end."""
+    from sgraf.training.state import Progress
+
+    script = iter([10.0, 12.0, 11.0, 12.0, 9.0, 13.0])
+    real_validate = loop.validate
+    monkeypatch.setattr(loop, "validate", lambda *args, **kwargs: {**real_validate(*args, **kwargs),
+                                                                   "rsum": next(script)})
+    run = tmp_path / "run"
+
+    def state() -> tuple[str, list[float]]:
+        assert main(["runs", str(run), "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)["runs"][0]
+        return listed["state"], [json.loads(line)["rsum"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert _train(toy_data, run, "--set", "epochs=6", "patience=2") == 0
+    assert ("stopped early after 4 of 6 epochs (60 steps; no better dev rsum in the last 2): best dev rsum 12.00 "
+            "at epoch 2, step 30") in capsys.readouterr().out
+    assert state() == ("stopped early", [10.0, 12.0, 11.0, 12.0])
+    assert main(["train", "--resume", str(run)]) == 0
+    assert "stopped early after 4 of 6 epochs" in capsys.readouterr().out
+    assert state() == ("stopped early", [10.0, 12.0, 11.0, 12.0])      # nothing trained, nothing validated
+    assert main(["train", "--resume", str(run), "--set", "patience=3"]) == 0
+    assert "stopped early after 5 of 6 epochs" in capsys.readouterr().out
+    assert state() == ("stopped early", [10.0, 12.0, 11.0, 12.0, 9.0])
+    assert main(["train", "--resume", str(run), "--set", "patience=0"]) == 0
+    assert "finished 6 epochs (90 steps): best dev rsum 13.00 at step 90" in capsys.readouterr().out
+    assert state() == ("finished", [10.0, 12.0, 11.0, 12.0, 9.0, 13.0])
+    best = torch.load(run / "best.pt", weights_only=True)["extra"]
+    assert (best["rsum"], best["epoch"]) == (13.0, 6)
+    # a last.pt from before best_epoch was recorded counts the patience from where it resumes
+    old = Progress(epoch=7, best_step=30, best_rsum=12.0).to_dict()
+    del old["best_epoch"]
+    assert Progress.from_dict(old).epochs_without_better() == 0
+    assert main(["train", "--data", str(toy_data), "--out", str(tmp_path / "bad"), "--preset", "tiny",
+                 "--set", "patience=-1"]) == 2
+    assert "training config field 'patience' must be an integer >= 0, got -1" in capsys.readouterr().err
+
+
 def test_existing_run_is_not_overwritten_and_resume_needs_a_run(toy_data, tmp_path, capsys):
     run = tmp_path / "run"
     assert _train(toy_data, run, "--set", "epochs=1") == 0

@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 # Keys that may change when a run is resumed; the others define the run and stay as recorded.
-RESUMABLE_OVERRIDES = ("epochs", "val_every", "checkpoint_every", "log_every", "workers", "device",
-                       "progress", "val_batch_size", "tf32")
+RESUMABLE_OVERRIDES = ("epochs", "patience", "val_every", "checkpoint_every", "log_every", "workers",
+                       "device", "progress", "val_batch_size", "tf32")
 
 
 def register(subparsers: Any) -> None:
@@ -115,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
               f"last.pt saved. Continue with: sgraf train --resume {out}")
         return 128 + int(signal.Signals[summary["signal"]])
     epochs = summary["epoch"]
+    if summary["stopped_early"]:
+        print(f"stopped early after {epochs} of {config.epochs} epochs ({summary['global_step']} steps; no better dev "
+              f"rsum in the last {epochs - summary['best_epoch']}): best dev rsum {summary['best_rsum']:.2f} at epoch "
+              f"{summary['best_epoch']}, step {summary['best_step']}; run folder {out}")
+        return 0
     print(f"finished {epochs} epoch{'' if epochs == 1 else 's'} ({summary['global_step']} steps): best dev rsum "
           f"{summary['best_rsum']:.2f} at step {summary['best_step']}; run folder {out}")
     return 0

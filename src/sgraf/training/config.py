@@ -95,6 +95,9 @@ class TrainConfig:
             None validates on the whole dev split.
         val_batch_size: batch size of the validation encoders.
         val_every: also validate every N optimisation steps (0: only after each epoch).
+        patience: stop early once N epochs in a row have ended without a better dev rsum (a
+            better one from any validation of an epoch counts); 0 trains every epoch, as the
+            authors do. A resume may change it (0 goes on past an early stop).
         checkpoint_every: write `last.pt` every N optimisation steps (0: only per epoch).
         log_every: update the progress bar's loss every N steps.
         vocab: vocabulary JSON; None looks beside the data, then builds one from the
@@ -142,6 +145,7 @@ class TrainConfig:
     val_max_captions: int | None = 5000
     val_batch_size: int = 128
     val_every: int = 0
+    patience: int = 0
     checkpoint_every: int = 500
     log_every: int = 10
     vocab: str | None = None
@@ -158,7 +162,7 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "lr_update", "word_dim", "embed_size", "sim_dim",
                      "num_layers", "sgr_step", "val_batch_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("workers", "val_every", "checkpoint_every", "log_every", "warmup_epochs"):
+        for name in ("workers", "val_every", "patience", "checkpoint_every", "log_every", "warmup_epochs"):
             _check_int(name, getattr(self, name), minimum=0)
         _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         for name in ("img_dim", "num_regions", "val_max_captions"):

@@ -231,7 +231,8 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
 
     Returns:
         {'status': 'finished' | 'interrupted', 'signal', 'epoch', 'global_step', 'best_rsum',
-        'best_step', 'last_loss', 'run_dir'}.
+        'best_step', 'best_epoch', 'stopped_early' (finished before its last epoch: `patience`
+        ran out), 'last_loss', 'run_dir'}.
 
     The run folder is locked while the run owns it (`RUN_DIR/.sgraf-lock`, see
     `sgraf.training.run_dir.prepare_run_dir`).
@@ -311,7 +312,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
             return stop
 
         try:
-            while progress.epoch < config.epochs:
+            while progress.epoch < config.epochs and not out_of_patience(config, progress):
                 set_learning_rate(optimizer, learning_rate(config, progress.epoch))
                 sampler = batches.sampler(progress.epoch, progress.epoch_step)
                 loader = CheckedLoader(batches.dataset, batch_sampler=sampler, collate_fn=batches.collate,
@@ -344,9 +345,14 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                                      error.inputs_finite, error.step) from None
     record.close()
     distributed.barrier()
+    stopped_early = status == "finished" and progress.epoch < config.epochs
     summary = {"status": status, "signal": signal_name, "epoch": progress.epoch, "global_step": progress.global_step,
-               "best_rsum": progress.best_rsum, "best_step": progress.best_step, "last_loss": last_loss,
-               "run_dir": str(run)}
+               "best_rsum": progress.best_rsum, "best_step": progress.best_step, "best_epoch": progress.best_epoch,
+               "stopped_early": stopped_early, "last_loss": last_loss, "run_dir": str(run)}
+    if stopped_early:
+        logger.info("stopped early after %d of %d epochs: no better dev rsum in the last %d (best %.2f at epoch %d); "
+                    "to go on: sgraf train --resume %s --set patience=0", progress.epoch, config.epochs,
+                    progress.epochs_without_better(), progress.best_rsum, progress.best_epoch, run)
     if status == "interrupted":
         logger.info("stopped by %s at epoch %d, step %d; continue with: sgraf train --resume %s",
                     signal_name, progress.epoch + 1, progress.global_step, run)
@@ -463,6 +469,9 @@ def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, ba
     if workers < config.workers:
         logger.info("data loading: %d worker processes (workers=%d asked; this process may use %d CPUs)",
                     workers, config.workers, workers)
+    if config.patience:
+        logger.info("early stopping: once %d epoch%s in a row end without a better dev rsum", config.patience,
+                    "" if config.patience == 1 else "s")
     if config.warmup_epochs:
         logger.info("loss: the hinge summed over all negatives for the first %d epoch(s), then the hardest "
                     "negatives", config.warmup_epochs)
@@ -528,6 +537,7 @@ class _RunRecord:
         progress.last_val_step = progress.global_step
         if is_best:
             progress.best_rsum, progress.best_step = float(result["rsum"]), progress.global_step
+            progress.best_epoch = record["epoch"]
         if not self.is_main:
             return
         logger.info("validation at epoch %d step %d: rsum %.2f (i2t R@1 %.1f, t2i R@1 %.1f)%s",
@@ -548,6 +558,11 @@ class _RunRecord:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def out_of_patience(config: TrainConfig, progress: Progress) -> bool:
+    """Whether the run stops early: `patience` epochs ended since the one with the best dev rsum."""
+    return bool(config.patience) and progress.epochs_without_better() >= config.patience
 
 
 def _non_finite_message(error: NonFiniteLossError, progress: Progress, config: TrainConfig, run: pathlib.Path,

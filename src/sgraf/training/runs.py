@@ -32,7 +32,8 @@ class Run:
 
     Attributes:
         path: the folder, as found.
-        state: ``finished`` (its last epoch validated), ``stopped`` (a `last.pt` to resume from),
+        state: ``finished`` (its last epoch validated), ``stopped early`` (its `patience` ran
+            out: that many epochs ended without a better dev rsum), ``stopped`` (a `last.pt` to resume from),
             ``running`` (a live process holds its lock), ``not started`` (no `last.pt` yet) or
             ``unreadable`` (`problem` says why).
         settings: config.yaml's fields and preset; empty when unreadable.
@@ -114,12 +115,21 @@ def read_run(folder: str | os.PathLike[str]) -> Run:
         state = "running"
     elif isinstance(total, int) and done >= total:
         state = "finished"
+    elif _out_of_patience(values.get("patience"), done, best):
+        state = "stopped early"
     elif (path / rd.LAST_CHECKPOINT).is_file():
         state = "stopped"
     else:
         state = "not started"
     return Run(str(path), state, settings, data, (done, total if isinstance(total, int) else None),
                int(records[-1].get("step", 0)) if records else 0, best, records[-1] if records else None, holder)
+
+
+def _out_of_patience(patience: Any, done: int, best: dict[str, Any] | None) -> bool:
+    """The training loop's early stop (`loop.out_of_patience`) read from the records: `patience`
+    epochs ended since the one with the best dev rsum."""
+    return (isinstance(patience, int) and patience > 0 and best is not None
+            and done - int(best.get("epoch", done)) >= patience)
 
 
 def _live_holder(folder: pathlib.Path) -> dict[str, Any] | None:

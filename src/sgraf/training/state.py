@@ -37,6 +37,7 @@ class Progress:
         global_step: optimisation steps taken since the start of the run.
         best_rsum: best validation rsum so far (-inf before the first validation).
         best_step: global step of that validation (-1 before the first one).
+        best_epoch: the epoch (1-based) that validation fell in (0 before the first one).
         loss_sum: sum of the per-step training losses since the last validation.
         loss_steps: number of steps in `loss_sum`.
         last_val_step: global step of the last validation recorded in metrics.jsonl (-1: none).
@@ -48,6 +49,7 @@ class Progress:
     global_step: int = 0
     best_rsum: float = float("-inf")
     best_step: int = -1
+    best_epoch: int = 0
     loss_sum: float = 0.0
     loss_steps: int = 0
     last_val_step: int = -1
@@ -55,7 +57,8 @@ class Progress:
 
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "epoch_step": self.epoch_step, "global_step": self.global_step,
-                "best_rsum": self.best_rsum, "best_step": self.best_step, "loss_sum": self.loss_sum,
+                "best_rsum": self.best_rsum, "best_step": self.best_step, "best_epoch": self.best_epoch,
+                "loss_sum": self.loss_sum,
                 "loss_steps": self.loss_steps, "last_val_step": self.last_val_step,
                 "finished": self.finished}
 
@@ -65,8 +68,14 @@ class Progress:
             return "no validation yet"
         return f"best rsum {self.best_rsum:.2f} at step {self.best_step}"
 
+    def epochs_without_better(self) -> int:
+        """Epochs ended since the one that gave the best dev rsum (0 before any validation)."""
+        return self.epoch - self.best_epoch if self.best_step >= 0 else 0
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "Progress":
+        if "best_epoch" not in values:   # a last.pt from before best_epoch: patience counts from here
+            values = {**values, "best_epoch": values["epoch"]}
         return cls(**{k: values[k] for k in cls().to_dict()})
 
 
