@@ -145,3 +145,23 @@ def test_scoring_with_the_stored_global_vectors_is_scoring_without(vocab, featur
     # they are used: other vectors give other scores
     moved = [torch.roll(v, 1, dims=0) for v in back]
     assert np.abs(matcher.score_embeddings(images, texts, image_globals=moved) - plain).max() > 1e-4
+
+
+def test_a_matcher_refuses_encodings_of_other_models(vocab, features, tmp_path):
+    """An ensemble's encodings scored by one of its models (same sizes, so nothing else would
+    notice) are refused; the same checkpoint loaded twice shares its encodings."""
+    sgr, saf = _model("sgr", vocab, 0), _model("saf", vocab, 1)
+    pair, single = Matcher([saf, sgr]), Matcher([sgr])
+    images, texts = pair.encode_images(features), pair.encode_texts(["a dog", "a red ball"])
+    for argv in ((images, single.encode_texts(["a dog"])), (single.encode_images(features), texts)):
+        with pytest.raises(InputError, match=r"encoded by other models \(2\) than this matcher's \(1\)"):
+            single.score_embeddings(*argv)
+    with pytest.raises(InputError, match=r"one encoding per model of the matcher \(1\), got 2 for the images"):
+        single.score_embeddings(images.regions, (texts.words[:1], texts.lengths))
+    save_model(sgr, tmp_path / "sgr.pt", vocab=vocab)
+    first, second = Matcher.load(str(tmp_path / "sgr.pt")), Matcher.load([tmp_path / "sgr.pt"])
+    assert first.fingerprints == second.fingerprints == single.fingerprints
+    scores = second.score_embeddings(first.encode_images(features), first.encode_texts(["a dog"]))
+    assert_close(scores, single.score(features, ["a dog"]), SAME_PATH)
+    with pytest.raises(InputError, match="checkpoints: expected a path or a list of paths, got an empty list"):
+        Matcher.load([])

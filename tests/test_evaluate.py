@@ -116,6 +116,20 @@ def test_our_checkpoints_carry_their_vocabulary(capsys, tmp_path, expected):
     assert result["rsum"] == expected["sgr_rsum"]
 
 
+def test_python_callers_may_name_one_checkpoint_by_a_string(expected):
+    """One path is one checkpoint (not its characters); an empty list is a one-line error."""
+    from sgraf import evaluate
+    from sgraf.errors import InputError
+
+    for one in (str(CKPT["sgr"]), CKPT["sgr"], [CKPT["sgr"]]):
+        assert evaluate.evaluate_checkpoints(one, DATA, "test", vocab=VOCAB)["rsum"] == expected["sgr_rsum"]
+    models, _ = evaluate.load_ensemble(str(CKPT["saf"]), vocab=str(VOCAB), device="auto")
+    assert len(models) == 1 and models[0].config.module == "saf"
+    for bad, message in (([], "got an empty list"), ([CKPT["sgr"], 3], "expected paths, got int 3")):
+        with pytest.raises(InputError, match=message):
+            evaluate.evaluate_checkpoints(bad, DATA, "test", vocab=VOCAB)
+
+
 def test_readable_table(capsys, expected):
     assert main(["evaluate", "--checkpoint", str(CKPT["saf"]), "--data", str(DATA), "--vocab", str(VOCAB),
                  "--quiet"]) == 0

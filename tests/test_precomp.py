@@ -112,6 +112,11 @@ def test_non_finite_features_are_refused_by_every_reader(tmp_path, bad, capsys):
     with pytest.raises(InputError, match=message):
         dataset.check_batch(collate_batch([dataset[0], dataset[hidden + 1], dataset[hidden]]))
     dataset.check_batch(collate_batch([dataset[0], dataset[hidden + 1]]))
+    dataset.vocab.save(tmp_path / "vocab.json")           # a dataset may be given its vocabulary's path
+    by_path = PrecompDataset(split, str(tmp_path / "vocab.json"))
+    assert by_path.vocab == dataset.vocab and by_path.caption_ids(0) == dataset.caption_ids(0)
+    with pytest.raises(InputError, match="vocab: expected a Vocabulary or its JSON path, got int"):
+        PrecompDataset(split, 3)
     with pytest.raises(InputError, match=message):
         list(make_loader(dataset, batch_size=4, shuffle=True))   # the loader checks as batches arrive
     assert len(list(make_loader(PrecompDataset(PrecompSplit(tmp_path, "train", max_captions=hidden), dataset.vocab),

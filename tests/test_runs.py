@@ -128,6 +128,9 @@ def test_bad_folders_are_one_line_errors(trained, tmp_path, capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
     summary = listing(capsys, trained / "runs" / "a", trained / "runs" / "a" / ".")
     assert len(summary["runs"]) == 1 and summary["differ"] == []
+    # from Python one folder (a str or a path) is a list of one, not its characters
+    assert runs.find_runs(str(trained / "runs")) == runs.find_runs([trained / "runs"])
+    assert len(runs.summarise(trained / "runs" / "a")["runs"]) == 1
 
 
 def test_listing_runs_does_not_import_pytorch(trained):
@@ -179,3 +182,18 @@ def test_plot_draws_each_run_in_its_colour_and_refuses_to_draw_over_a_run(traine
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert own.read_bytes() == before and not (tmp_path / "n.png").exists()
+    # from Python: the same guards (a run's own file, no runs, a folder that is not there)
+    from sgraf.errors import InputError
+    from sgraf.training.plots import plot_curves, plot_runs
+
+    metrics = trained / "runs" / "a" / "metrics.jsonl"
+    kept = metrics.read_bytes()
+    for runs_, path, message in (({"a": trained / "runs" / "a"}, metrics, "is the input run file"),
+                                 ({}, tmp_path / "x.png", "no runs to draw"),
+                                 ({"x": tmp_path / "absent"}, tmp_path / "x.png", "absent: no such run folder")):
+        with pytest.raises(InputError, match=message):
+            plot_runs(runs_, path)
+    assert metrics.read_bytes() == kept and not (tmp_path / "x.png").exists()
+    with pytest.raises(InputError, match="absent: no such run folder"):
+        plot_curves(tmp_path / "absent")
+    assert plot_curves(never) is None                      # a run without a validation draws nothing

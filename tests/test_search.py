@@ -247,6 +247,9 @@ def test_several_texts_at_once_rank_as_one_by_one(gallery):
             alone = index.search_text(query, top_k=4, shortlist=shortlist)
             assert [h.id for h in hits] == [h.id for h in alone]
             assert_close(np.array([h.score for h in hits]), np.array([h.score for h in alone]), REORDERED)
+    assert index.search_texts([]) == []
+    with pytest.raises(InputError, match="search_texts takes a list of texts, got one str"):
+        index.search_texts("a red ball")     # not its characters, each a query
     # the first stage of a batch is each query's own: same shortlist as the numpy reference
     keys = shortlist_keys(index.matcher.encode_texts(queries).global_vectors)
     for q, (ids, _) in enumerate(index._coarse_many("image", keys, 5)):

@@ -95,6 +95,25 @@ def test_bad_values_are_named(override, message):
         resolve_config("tiny", None, [override])
 
 
+def test_python_values_take_their_fields_types_as_yaml_and_set_do():
+    """TrainConfig built in Python coerces strings ("1e-3", "false") as --set does; overrides may
+    be one key=value string or a mapping."""
+    import pathlib
+
+    config = sgraf.training.TrainConfig(lr="1e-3", bi_gru="false", epochs=3.0, vocab=pathlib.Path("v.json"),
+                                        device=torch.device("cpu"))
+    assert (config.lr, config.bi_gru, config.epochs, config.vocab, config.device) == (1e-3, False, 3, "v.json", "cpu")
+    with pytest.raises(InputError, match="training config key 'margin' expects a number, got None"):
+        sgraf.training.TrainConfig(margin=None)
+    with pytest.raises(InputError, match="training config key 'epochs' expects an integer, got 2.5"):
+        sgraf.training.TrainConfig(epochs=2.5)
+    one, _ = resolve_config("tiny", overrides="epochs=1")
+    mapped, _ = resolve_config("tiny", overrides={"epochs": 1, "lr": "0.5"})
+    assert (one.epochs, mapped.epochs, mapped.lr) == (1, 1, 0.5) and one == preset("tiny").replace(epochs=1)
+    with pytest.raises(InputError, match="--set expects key=value strings, got int 1"):
+        resolve_config("tiny", overrides=["epochs=1", 1])
+
+
 def test_bad_yaml_names_the_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("epochs: 3\nlr: [1,\n")
@@ -371,6 +390,12 @@ def test_existing_run_is_not_overwritten_and_resume_needs_a_run(toy_data, tmp_pa
     assert "no config.yaml" in capsys.readouterr().err
     assert main(["train", "--resume", str(run), "--set", "lr=0.1"]) == 2
     assert "cannot change when resuming" in capsys.readouterr().err
+    # fit itself holds a resume to the run's config: another model or lr is refused, naming both values
+    with pytest.raises(InputError, match=r"cannot resume .*run with another config: module='saf' \(the run's: 'sgr'\), "
+                                         r"lr=0\.1 \(the run's: 0\.01\); a resume may change only epochs, "):
+        loop.fit(preset("tiny").replace(epochs=2, lr=0.1, module="saf"), toy_data, run, resume=True)
+    assert (run / "last.pt").read_bytes() == before
+    assert loop.fit(preset("tiny").replace(epochs=2, patience=3), toy_data, run, resume=True)["epoch"] == 2
 
 
 def test_missing_dev_split(tmp_path, capsys):

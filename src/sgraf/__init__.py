@@ -2,9 +2,16 @@
 
 Public API (imported lazily, so `import sgraf` stays light):
 
-- `load_model(path, map_location="cpu")`: a model from our checkpoint or the authors' `.pth.tar`.
-- `load_vocab(path)`: a vocabulary from the authors' JSON format.
+- `load_model(path, map_location="cpu", vocab=None)`: an `SGRAF` model from our checkpoint or the
+  authors' `.pth.tar`; `save_model(model, path)` writes ours.
+- `load_vocab(path)`, `Vocabulary`: a vocabulary (the authors' JSON format).
 - `SGRAF`, `ModelConfig`: the network and its configuration.
+- `Matcher`: one model or an ensemble that encodes, scores and checks its input.
+- `build_index(matcher, features, captions, out)`, `open_index(path)`: a searchable gallery.
+- `InputError`: what every bad input raises (a `ValueError`), with a one-line message.
+
+Training (`sgraf.training`), evaluation (`sgraf.evaluate`), diagnosis (`sgraf.diagnose`) and the
+service (`sgraf.serve`) are modules of their own.
 """
 
 from __future__ import annotations

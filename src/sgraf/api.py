@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,6 +35,7 @@ import torch
 from sgraf.data.arrays import check_finite_features, mapped_file, padded_ids
 from sgraf.devices import resolve_device
 from sgraf.errors import InputError, check_positive_int
+from sgraf.io_paths import path_list
 from sgraf.precision import autocast, check_precision
 
 logger = logging.getLogger(__name__)
@@ -108,10 +109,13 @@ class ImageEncoding:
     Attributes:
         regions: per model, (n_img, K, d_m) float32 l2-normalised region embeddings.
         global_vectors: per model, (n_img, d_m) float32 l2-normalised self-attention vectors.
+        models: the encoding models' fingerprints (`Matcher.fingerprints`; None when built by hand),
+            so that a matcher refuses encodings of other models.
     """
 
     regions: list[torch.Tensor]
     global_vectors: list[torch.Tensor]
+    models: tuple[str, ...] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return int(self.regions[0].shape[0])
@@ -126,12 +130,14 @@ class TextEncoding:
         lengths: (n_txt,) int64 token counts, `<start>` and `<end>` included.
         global_vectors: per model, (n_txt, d_m) float32 l2-normalised self-attention vectors.
         tokens: per text, the tokens between `<start>` and `<end>` (empty when built from ids).
+        models: the encoding models' fingerprints, as `ImageEncoding.models`.
     """
 
     words: list[torch.Tensor]
     lengths: torch.Tensor
     global_vectors: list[torch.Tensor]
     tokens: list[list[str]]
+    models: tuple[str, ...] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -207,6 +213,7 @@ class Matcher:
             raise InputError(f"the vocabulary has {len(self.vocab)} words but the model expects "
                              f"vocab_size={self.models[0].config.vocab_size}")
         self._identities: list[dict[str, Any]] | None = None
+        self.fingerprints = tuple(_quick_fingerprint(model) for model in self.models)
 
     # ----------------------------------------------------------------------------- loading
     @classmethod
@@ -224,9 +231,7 @@ class Matcher:
         from sgraf.data.vocab import load_vocab
 
         device = resolve_device(device)  # before the loading, which can take a while
-        paths = [checkpoints] if isinstance(checkpoints, (str, Path)) else list(checkpoints)
-        if not paths:
-            raise InputError("no checkpoint given")
+        paths = path_list("checkpoints", checkpoints)
         if isinstance(vocab, (str, Path)):
             vocab = load_vocab(vocab)
         models = [load_model(path, map_location="cpu", vocab=vocab) for path in paths]
@@ -334,7 +339,7 @@ class Matcher:
             words.append(torch.cat(model_words))
             globals_.append(torch.cat(model_globals))
         return TextEncoding(words=words, lengths=lengths.cpu(), global_vectors=globals_,
-                            tokens=[[] for _ in range(captions.shape[0])])
+                            tokens=[[] for _ in range(captions.shape[0])], models=self.fingerprints)
 
     # ----------------------------------------------------------------------------- images
     def check_features(self, features: Any, what: str = "image features") -> torch.Tensor:
@@ -444,7 +449,7 @@ class Matcher:
                 model_globals.append(image_global_vectors(model, img_embs).float().cpu())
             regions.append(torch.cat(model_regions))
             globals_.append(torch.cat(model_globals))
-        return ImageEncoding(regions=regions, global_vectors=globals_)
+        return ImageEncoding(regions=regions, global_vectors=globals_, models=self.fingerprints)
 
     # ----------------------------------------------------------------------------- scoring
     @torch.no_grad()
@@ -469,11 +474,19 @@ class Matcher:
         """
         from sgraf.model import blocks
 
+        for what, encoding in (("images", images), ("texts", texts)):
+            made_by = getattr(encoding, "models", None)
+            if made_by is not None and made_by != self.fingerprints:
+                raise InputError(f"the {what} were encoded by other models ({len(made_by)}) than this matcher's "
+                                 f"({len(self.models)}): encode them with the matcher that scores them")
         regions = images.regions if isinstance(images, ImageEncoding) else list(images)
         if isinstance(texts, TextEncoding):
             words, lengths = texts.words, texts.lengths
         else:
             words, lengths = list(texts[0]), torch.as_tensor(texts[1])
+        if len(regions) != len(self.models) or len(words) != len(self.models):
+            raise InputError(f"expected one encoding per model of the matcher ({len(self.models)}), got "
+                             f"{len(regions)} for the images and {len(words)} for the texts")
         encoded = []
         for m, (model, img_embs, cap_embs) in enumerate(zip(self.models, regions, words)):
             img_embs = torch.as_tensor(img_embs).float().to(self.device)
@@ -494,6 +507,16 @@ class Matcher:
         """
         return self.score_embeddings(self.encode_images(features, boxes=boxes),
                                      self.encode_texts(texts, allow_unknown=allow_unknown))
+
+
+def _quick_fingerprint(model: torch.nn.Module) -> str:
+    """A cheap fingerprint of a model's weights: each tensor's name, shape and first values (the
+    full hash, `model_identity`, reads every weight); equal for one checkpoint loaded twice."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------- global vectors

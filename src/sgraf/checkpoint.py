@@ -23,7 +23,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -32,6 +32,9 @@ from sgraf.atomic_write import atomic_path
 from sgraf.config import ModelConfig
 from sgraf.errors import InputError
 from sgraf.weights_file import load_weights_only
+
+if TYPE_CHECKING:
+    from sgraf.model.sgraf import SGRAF
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +246,7 @@ class _NoInitialDraws(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def checked_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str) -> torch.nn.Module:
+def checked_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str) -> SGRAF:
     """`SGRAF(config)` holding `state_dict`, with `load_state_checked`'s checks.
 
     The model is built without drawing its initial weights, which the checkpoint overwrites
@@ -291,7 +294,7 @@ def _model_config(checkpoint: dict[str, Any], path: str | os.PathLike) -> ModelC
         raise InputError(f"{path}: {error}") from None
 
 
-def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = None) -> torch.nn.Module:
+def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = None) -> SGRAF:
     """The model of a checkpoint in either format, in eval mode.
 
     Args:

@@ -23,6 +23,7 @@ from sgraf.data.arrays import first_non_finite, open_npy
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.devices import resolve_device
 from sgraf.errors import InputError
+from sgraf.io_paths import path_list
 from sgraf.kernels import plan
 from sgraf.model.blocks import model_device
 from sgraf.model.host_copy import HostCopy
@@ -31,15 +32,15 @@ from sgraf.stopwatch import Stopwatch, stage
 logger = logging.getLogger(__name__)
 
 
-def load_ensemble(checkpoints: Sequence[str | os.PathLike], vocab: str | os.PathLike | Any = None,
+def load_ensemble(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], vocab: str | os.PathLike | Any = None,
                   device: torch.device | str = "cpu") -> tuple[list[torch.nn.Module], Any]:
     """Load one or several checkpoints that share one vocabulary.
 
     Args:
-        checkpoints: paths of our checkpoints or the authors' ``.pth.tar`` files.
+        checkpoints: a path, or several, of our checkpoints or the authors' ``.pth.tar`` files.
         vocab: a vocabulary (or its JSON path) for every model; needed for the authors'
             checkpoints, which carry none. Default: the one stored in each checkpoint.
-        device: where to put the models.
+        device: where to put the models ('auto': CUDA when available).
 
     Returns:
         ``(models, vocabulary)``, models in eval mode on `device`.
@@ -51,8 +52,8 @@ def load_ensemble(checkpoints: Sequence[str | os.PathLike], vocab: str | os.Path
     from sgraf.checkpoint import load_model
     from sgraf.data.vocab import Vocabulary, load_vocab
 
-    if not checkpoints:
-        raise InputError("no checkpoint given")
+    checkpoints = path_list("checkpoints", checkpoints)   # one path is one checkpoint, not its characters
+    device = resolve_device(device)     # 'auto': CUDA when available
     given = load_vocab(vocab) if isinstance(vocab, (str, os.PathLike)) else vocab
     models, vocabularies = [], []
     for path in checkpoints:
@@ -206,7 +207,7 @@ def _check_finite_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
                          f"expected finite scores")
 
 
-def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,
+def evaluate_checkpoints(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,
                          vocab: str | os.PathLike | Any = None, folds: int = 1, precision: str = "fp32",
                          batch_size: int = 128, device: torch.device | str = "cpu", progress: bool = False,
                          save_sims: str | os.PathLike | None = None, stopwatch: Stopwatch | None = None,
@@ -239,7 +240,8 @@ def evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: str
                                  progress, save_sims, stopwatch, token_prefetch, matrix=save_sims is not None)[0]
 
 
-def evaluate_checkpoints_with_sims(checkpoints: Sequence[str | os.PathLike], data_dir: str | os.PathLike,
+def evaluate_checkpoints_with_sims(checkpoints: str | os.PathLike | Sequence[str | os.PathLike],
+                                   data_dir: str | os.PathLike,
                                    split: str, vocab: str | os.PathLike | Any = None, folds: int = 1,
                                    precision: str = "fp32", batch_size: int = 128,
                                    device: torch.device | str = "cpu", progress: bool = False,
@@ -261,6 +263,7 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
     copied to the host and None is returned in its place."""
     if isinstance(folds, bool) or not isinstance(folds, int) or folds < 1:
         raise InputError(f"--folds must be a positive integer, got {folds!r}")
+    checkpoints = path_list("checkpoints", checkpoints)
     device = resolve_device(device)     # 'auto': CUDA when available
     with stage(stopwatch, "data"):
         precomp = open_split(data_dir, split)

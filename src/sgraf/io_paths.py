@@ -133,3 +133,19 @@ def require_suffix(label: str, path: PathArg, suffix: str, what: str) -> None:
     """An output whose format is taken from its name must end in `suffix` (`--save-sims x.npy`)."""
     if path is not None and not os.fspath(path).lower().endswith(suffix):
         raise InputError(f"{label} must name a {suffix} file ({what}), got {os.fspath(path)!r}")
+
+
+def path_list(label: str, paths: Union[PathArg, Iterable[PathArg]]) -> list[PathArg]:
+    """`paths` as a list: one path (a str or a path object) is a list of one, not its characters;
+    an empty list, or an item that is not a path, is an InputError naming `label`."""
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    try:
+        items = list(items)
+    except TypeError:
+        raise InputError(f"{label}: expected a path or a list of paths, got {type(paths).__name__}") from None
+    if not items:
+        raise InputError(f"{label}: expected a path or a list of paths, got an empty list")
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            raise InputError(f"{label}: expected paths, got {type(item).__name__} {item!r}")
+    return items

@@ -45,6 +45,7 @@ from sgraf.atomic_write import preallocated_memmap, temporary_folder, write_erro
 from sgraf.data.arrays import check_finite_features, mapped_file, open_npy, padded_ids
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError, check_positive_int
+from sgraf.io_paths import path_list
 from sgraf.scoring import tokenize_captions
 from sgraf.signals import signals_deferred
 
@@ -423,7 +424,7 @@ def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str
 
 
 def open_index(path: str | Path, matcher: Matcher | None = None,
-               checkpoints: Sequence[str | Path] | None = None, vocab: Any | None = None,
+               checkpoints: str | Path | Sequence[str | Path] | None = None, vocab: Any | None = None,
                verify: bool = True, first_stage: str = "auto",
                device: str | torch.device = "cpu") -> "GalleryIndex":
     """Open an index folder for search.
@@ -443,7 +444,8 @@ def open_index(path: str | Path, matcher: Matcher | None = None,
     folder = Path(path)
     manifest = _read_manifest(folder)
     if matcher is None:
-        paths = list(checkpoints) if checkpoints else [m.get("source") for m in manifest["models"]]
+        paths = (path_list("checkpoints", checkpoints) if checkpoints is not None
+                 else [m.get("source") for m in manifest["models"]])
         if not paths or any(p is None for p in paths):
             raise InputError(f"index {folder} does not record its checkpoint paths; pass --checkpoint")
         missing = [str(p) for p in paths if not Path(p).is_file()]
@@ -658,7 +660,11 @@ class GalleryIndex:
         whatever it was batched with (tested on this machine's BLAS: a product whose shape
         followed the batch's size rounded differently).
         """
+        if isinstance(queries, str):
+            raise InputError("search_texts takes a list of texts, got one str (search_text takes one text)")
         top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_images)
+        if not len(queries):
+            return []
         texts = [self.matcher.encode_texts([query], allow_unknown=allow_unknown) for query in queries]
         keys = np.concatenate([shortlist_keys(text.global_vectors) for text in texts])
         shortlists = self._coarse_many("image", keys, shortlist)

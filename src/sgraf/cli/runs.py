@@ -34,16 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
-    from sgraf.io_paths import check_outputs
     from sgraf.training import runs
-    from sgraf.training.run_dir import RUN_FILES
 
     summary = runs.summarise(args.folders, sort=args.sort)
     drawn = [run["path"] for run in summary["runs"] if run.get("last_rsum") is not None]
     if args.plot:
-        # a run's own files (its curves.png above all) are inputs here
-        check_outputs([("run file", f"{run['path']}/{name}") for run in summary["runs"] for name in RUN_FILES],
-                      [("--plot", args.plot)])
+        from sgraf.training.plots import check_plot_output
+
+        check_plot_output([run["path"] for run in summary["runs"]], args.plot)   # a run's curves.png is an input
         if not drawn:
             raise InputError("--plot: none of the runs has a validation yet; nothing to draw")
     print(json.dumps(summary) if args.json else runs.format_runs(summary))

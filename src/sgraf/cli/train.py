@@ -16,9 +16,6 @@ import signal
 import sys
 from typing import Any
 
-# Keys that may change when a run is resumed; the others define the run and stay as recorded.
-RESUMABLE_OVERRIDES = ("epochs", "patience", "val_every", "checkpoint_every", "log_every", "workers",
-                       "device", "progress", "val_batch_size", "tf32")
 
 
 def register(subparsers: Any) -> None:
@@ -51,7 +48,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
-    from sgraf.training.config import parse_overrides, resolve_config
+    from sgraf.training.config import RESUMABLE_KEYS, parse_overrides, resolve_config
     from sgraf.training.loop import fit
     from sgraf.training.step import NonFiniteLossError
     from sgraf.training.run_dir import load_run_config
@@ -66,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         if args.preset or args.config or args.out:
             raise InputError("--resume continues a run as it was configured; it takes no --preset, --config "
-                             "or --out (only --data and --set " + ", ".join(RESUMABLE_OVERRIDES) + ")")
+                             "or --out (only --data and --set " + ", ".join(RESUMABLE_KEYS) + ")")
         from pathlib import Path
 
         config_path = Path(args.resume) / "config.yaml"
@@ -76,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"cannot resume {args.resume}: it has no config.yaml (not a sgraf run folder)")
         config, data, preset = load_run_config(Path(args.resume))
         overrides = parse_overrides(args.overrides)
-        fixed = sorted(set(overrides) - set(RESUMABLE_OVERRIDES))
+        fixed = sorted(set(overrides) - set(RESUMABLE_KEYS))
         if fixed:
             raise InputError(f"--set {', '.join(fixed)} cannot change when resuming; keys that can: "
-                             f"{', '.join(RESUMABLE_OVERRIDES)}")
+                             f"{', '.join(RESUMABLE_KEYS)}")
         out, resume = args.resume, True
         data = args.data or data
         config = config.replace(**overrides)   # fit records it in config.yaml once the data is checked

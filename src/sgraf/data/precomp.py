@@ -29,7 +29,7 @@ from sgraf.data.arrays import check_finite_features, open_npy, padded_ids
 from sgraf.data.boxes import read_boxes
 from sgraf.data.captions import read_captions
 from sgraf.data.layout import split_files
-from sgraf.data.vocab import Vocabulary
+from sgraf.data.vocab import Vocabulary, load_vocab
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -306,12 +306,17 @@ class PrecompDataset(Dataset):
 
     Args:
         split: an opened `PrecompSplit`.
-        vocab: the vocabulary that encodes captions.
+        vocab: the vocabulary that encodes captions, or its JSON path.
         with_boxes: items (and batches) carry each image's region boxes, normalised (for a model
             with positions); the split must have them (InputError in one line otherwise).
     """
 
-    def __init__(self, split: PrecompSplit, vocab: Vocabulary, with_boxes: bool = False) -> None:
+    def __init__(self, split: PrecompSplit, vocab: Vocabulary | str | os.PathLike[str],
+                 with_boxes: bool = False) -> None:
+        if isinstance(vocab, (str, os.PathLike)):
+            vocab = load_vocab(vocab)
+        if not hasattr(vocab, "encode"):
+            raise InputError(f"vocab: expected a Vocabulary or its JSON path, got {type(vocab).__name__}")
         self.split = split
         self.vocab = vocab
         self._ids: list[list[int] | None] = [None] * split.n_captions

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 import types
 import typing
@@ -152,6 +153,13 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        # values given in Python as strings ("1e-3", "false") take their field's type, as YAML's and
+        # --set's do; a value of no fitting type (None for a number) is an InputError naming the key
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            coerced = _coerce(field.name, value, "TrainConfig")
+            if coerced is not value:
+                object.__setattr__(self, field.name, coerced)
         choices = {"module": MODULES, "alignments": ALIGNMENTS, "similarity": SIMILARITIES,
                    "attention": ATTENTIONS, "precision": PRECISIONS, "positions": POSITIONS,
                    "batches": BATCHES}
@@ -221,6 +229,22 @@ class TrainConfig:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)
                   if f.name not in ("vocab_size", "img_dim", "num_regions")}
         return ModelConfig(vocab_size=vocab_size, img_dim=img_dim, num_regions=num_regions, **values)
+
+
+# Keys that may change when a run is resumed; the others define the run and stay as recorded.
+RESUMABLE_KEYS = ("epochs", "patience", "val_every", "checkpoint_every", "log_every", "workers", "device",
+                  "progress", "val_batch_size", "tf32")
+
+
+def check_resumable(recorded: TrainConfig, config: TrainConfig, run: str) -> None:
+    """Refuses to resume the run `run`, configured as `recorded`, with a `config` that differs in
+    a key outside `RESUMABLE_KEYS` (InputError naming each such key with both values)."""
+    changed = [f"{f.name}={getattr(config, f.name)!r} (the run's: {getattr(recorded, f.name)!r})"
+               for f in dataclasses.fields(TrainConfig)
+               if f.name not in RESUMABLE_KEYS and getattr(config, f.name) != getattr(recorded, f.name)]
+    if changed:
+        raise InputError(f"cannot resume {run} with another config: {', '.join(changed)}; a resume may change only "
+                         f"{', '.join(RESUMABLE_KEYS)}")
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
@@ -298,10 +322,15 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str
     return _coerce_all(values, str(path)), extras
 
 
-def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
-    """Parses `key=value` strings (values coerced later, against the field's type)."""
+def parse_overrides(pairs: str | Iterable[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Parses `key=value` strings (one string is one pair; a mapping gives the values as they are),
+    each value coerced against its field's type."""
+    if isinstance(pairs, Mapping):
+        return _coerce_all(dict(pairs), "--set")
     overrides: dict[str, Any] = {}
-    for pair in pairs:
+    for pair in [pairs] if isinstance(pairs, str) else pairs:
+        if not isinstance(pair, str):
+            raise InputError(f"--set expects key=value strings, got {type(pair).__name__} {pair!r}")
         key, sep, value = pair.partition("=")
         key = key.strip()
         if not sep or not key:
@@ -311,8 +340,9 @@ def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
 
 
 def resolve_config(preset_name: str | None = None, config_file: str | pathlib.Path | None = None,
-                   overrides: Iterable[str] = ()) -> tuple[TrainConfig, dict[str, Any]]:
-    """Defaults, then a preset, then a YAML file, then `key=value` overrides.
+                   overrides: str | Iterable[str] | Mapping[str, Any] = ()) -> tuple[TrainConfig, dict[str, Any]]:
+    """Defaults, then a preset, then a YAML file, then `key=value` overrides (`--set`'s strings,
+    or a mapping of keys to values).
 
     Returns:
         The config and the YAML file's extra keys (e.g. `data`).
@@ -392,6 +422,10 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                 raise ValueError
             return float(value)
         if base is str:
+            if isinstance(value, os.PathLike):      # vocab=Path(...)
+                return os.fspath(value)
+            if key == "device" and type(value).__name__ == "device":    # a torch.device
+                return str(value)
             if not isinstance(value, (str, int, float)) or isinstance(value, bool):
                 raise ValueError
             return str(value)

@@ -34,7 +34,7 @@ from sgraf.precision import tf32
 from sgraf.training import pairs
 from sgraf.training import run_dir as rd
 from sgraf.training.batches import PlannedBatches
-from sgraf.training.config import TrainConfig
+from sgraf.training.config import TrainConfig, check_resumable
 from sgraf.training.families import FamilyBatchSampler, TruthCollate
 from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_state,
                                   restore_train_state)
@@ -248,6 +248,10 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
     created = missing_folders(out_dir) if info.is_main and not resume else []
     run, run_lock = _claim_run_dir(out_dir, resume, info.is_main)
     try:
+        if resume:   # what the command line allows (sgraf train --resume --set), held here for every caller
+            if not (run / rd.CONFIG_FILE).is_file():
+                raise InputError(f"cannot resume {run}: it has no {rd.CONFIG_FILE} (not a sgraf run folder)")
+            check_resumable(rd.load_run_config(run)[0], config, str(run))
         with tf32(config.tf32):
             return _fit(config, pathlib.Path(data_dir), run, resume, preset, info, allow_other_data=allow_other_data,
                         allow_unknown_words=allow_unknown_words)

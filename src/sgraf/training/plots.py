@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from sgraf.atomic_write import atomic_path
+from sgraf.errors import InputError
 from sgraf.training.run_dir import CURVES_FILE, read_metrics
 
 
@@ -17,6 +18,8 @@ def plot_curves(run: str | os.PathLike[str], path: str | os.PathLike[str] | None
     Returns:
         The PNG path, or None when the run has no validation yet.
     """
+    if not pathlib.Path(run).is_dir():
+        raise InputError(f"{run}: no such run folder")
     records = read_metrics(run)
     if not records:
         return None
@@ -44,7 +47,17 @@ def plot_runs(runs: Mapping[str, str | os.PathLike[str]], path: str | os.PathLik
 
     Returns:
         The PNG path.
+
+    Raises:
+        InputError: no runs, a folder that is not there, or a `path` that is one of a run's
+            files (`check_plot_output`).
     """
+    if not runs:
+        raise InputError("plot_runs: no runs to draw")
+    for folder in runs.values():
+        if not pathlib.Path(folder).is_dir():
+            raise InputError(f"{folder}: no such run folder")
+    check_plot_output(list(runs.values()), path, label="path")
     plt = _pyplot()
     out = pathlib.Path(path)
     figure, (loss_axis, rsum_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -64,6 +77,16 @@ def plot_runs(runs: Mapping[str, str | os.PathLike[str]], path: str | os.PathLik
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
     return _save(plt, figure, out, dpi=90)
+
+
+def check_plot_output(folders: Sequence[str | os.PathLike[str]], path: str | os.PathLike[str],
+                      label: str = "--plot") -> None:
+    """Refuses a picture path that is one of the runs' own files (`curves.png`, `metrics.jsonl`, ...:
+    inputs here), in `sgraf.io_paths.check_outputs`'s one line."""
+    from sgraf.io_paths import check_outputs
+    from sgraf.training.run_dir import RUN_FILES
+
+    check_outputs([("run file", f"{folder}/{name}") for folder in folders for name in RUN_FILES], [(label, path)])
 
 
 def _pyplot():

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 
 from sgraf.errors import InputError
 from sgraf.folder_lock import LOCK_FILE, describe_holder, pid_alive
+from sgraf.io_paths import path_list
 from sgraf.training import run_dir as rd
 from sgraf.training.config import load_config_file
 
@@ -59,7 +60,7 @@ class Run:
     problem: str | None = None
 
 
-def find_runs(paths: Sequence[str | os.PathLike[str]]) -> list[pathlib.Path]:
+def find_runs(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[pathlib.Path]:
     """The run folders named by `paths`: each a run folder itself, or a folder searched (at any
     depth, not inside a run folder) for run folders, in name order.
 
@@ -67,7 +68,7 @@ def find_runs(paths: Sequence[str | os.PathLike[str]]) -> list[pathlib.Path]:
         InputError: a path that is not there, is a file, or holds no run folder.
     """
     found: list[pathlib.Path] = []
-    for given in paths:
+    for given in path_list("paths", paths):    # one folder is a list of one, not its characters
         path = pathlib.Path(given)
         if not path.exists():
             raise InputError(f"{path}: no such folder")
@@ -167,7 +168,7 @@ def _data_key(run: Run) -> str:
     return json.dumps(fingerprint, sort_keys=True) if isinstance(fingerprint, dict) else folder
 
 
-def summarise(paths: Sequence[str | os.PathLike[str]], sort: str = "name") -> dict[str, Any]:
+def summarise(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], sort: str = "name") -> dict[str, Any]:
     """`find_runs` read by `read_run`: ``{"runs": [...], "differ": [...]}``, each run a plain
     dict (`as_dict`) and `differ` the settings that set them apart (`differences`).
 
