@@ -165,3 +165,6 @@ def test_a_matcher_refuses_encodings_of_other_models(vocab, features, tmp_path):
     assert_close(scores, single.score(features, ["a dog"]), SAME_PATH)
     with pytest.raises(InputError, match="checkpoints: expected a path or a list of paths, got an empty list"):
         Matcher.load([])
+    padded, lengths = _ids(vocab, ["a dog"])
+    with pytest.raises(InputError, match="batch_size must be a positive integer, got 0"):
+        sgr.score(torch.from_numpy(features), padded, lengths, batch_size=0)

@@ -234,6 +234,11 @@ def test_index_out_refuses_a_folder_that_is_not_an_index(gallery, tmp_path):
     matcher = Matcher.load(gallery["paths"])
     with pytest.raises(InputError, match="is not an sgraf index"):
         build_index(matcher, gallery["features"], gallery["captions"], tmp_path)
+    for features, captions, message in ((list(gallery["features"]), gallery["captions"], "got list"),
+                                        (gallery["features"], [*gallery["captions"][:-1], 3], "a list of str")):
+        with pytest.raises(InputError, match=message):
+            build_index(matcher, features, captions, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 

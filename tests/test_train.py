@@ -112,6 +112,8 @@ def test_python_values_take_their_fields_types_as_yaml_and_set_do():
     assert (one.epochs, mapped.epochs, mapped.lr) == (1, 1, 0.5) and one == preset("tiny").replace(epochs=1)
     with pytest.raises(InputError, match="--set expects key=value strings, got int 1"):
         resolve_config("tiny", overrides=["epochs=1", 1])
+    with pytest.raises(InputError, match=r"config must be a TrainConfig \(resolve_config returns \(config, extras\)\)"):
+        loop.fit(resolve_config("tiny"), "data", "run")
 
 
 def test_bad_yaml_names_the_line(tmp_path):

@@ -207,8 +207,8 @@ def _check_finite_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
                          f"expected finite scores")
 
 
-def evaluate_checkpoints(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], data_dir: str | os.PathLike, split: str,
-                         vocab: str | os.PathLike | Any = None, folds: int = 1, precision: str = "fp32",
+def evaluate_checkpoints(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], data_dir: str | os.PathLike,
+                         split: str, vocab: str | os.PathLike | Any = None, folds: int = 1, precision: str = "fp32",
                          batch_size: int = 128, device: torch.device | str = "cpu", progress: bool = False,
                          save_sims: str | os.PathLike | None = None, stopwatch: Stopwatch | None = None,
                          token_prefetch: Any = None) -> dict[str, Any]:

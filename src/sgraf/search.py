@@ -140,6 +140,10 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
         raise InputError(f"{out} exists and is not an sgraf index; choose another --out")
     _check_only_index_files(out)
+    if not hasattr(features, "shape"):
+        raise InputError(f"features: expected an (n_img, K, img_dim) array or tensor, got {type(features).__name__}")
+    if isinstance(captions, str) or not all(isinstance(caption, str) for caption in captions):
+        raise InputError("captions: expected a list of str, one per caption")
     n_img, n_cap = int(features.shape[0]), len(captions)
     if n_img == 0 or n_cap == 0:
         raise InputError(f"an index needs images and captions, got {n_img} images and {n_cap} captions")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgraf.config import ModelConfig
-from sgraf.errors import InputError
+from sgraf.errors import InputError, check_positive_int
 from sgraf.kernels import (attention, compiled, edges, eval_chunks, filtration, graph_steps, plan, train_chunks,
                            tuning)
 from sgraf.kernels import words as words_kernels
@@ -642,6 +642,7 @@ class SGRAF(nn.Module):
         buckets of `batch_size` sorted by length (each padded to its own longest caption), the
         weight folds, global vectors and Gram matrices computed once per call.
         """
+        batch_size = check_positive_int(batch_size, "batch_size")
         lengths = self.validate_inputs(images, captions, lengths)
         if self.needs_boxes:
             boxes = self.check_boxes(images, boxes)

@@ -243,6 +243,9 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         NonFiniteLossError: the loss or the weights became NaN/inf; `last.pt`, if written, is
             the state before.
     """
+    if not isinstance(config, TrainConfig):
+        raise InputError(f"fit: config must be a TrainConfig (resolve_config returns (config, extras)), "
+                         f"got {type(config).__name__}")
     info = distributed.init_from_env(device=config.device, what="training config field 'device'")
     # the folders a new run makes: taken back if it stops before writing there (bad data, say)
     created = missing_folders(out_dir) if info.is_main and not resume else []
@@ -466,7 +469,8 @@ def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, ba
     """What the run will do, in the log (`workers`: the loader's worker processes)."""
     logger.info("training %s on %s: %d captions, %d steps per epoch, %d epoch%s, %s on %s%s",
                 model.config.module, data_dir, len(batches.dataset), batches.n_steps, config.epochs,
-                "" if config.epochs == 1 else "s", config.precision, device, f", {info.world_size} processes" if info.world_size > 1 else "")
+                "" if config.epochs == 1 else "s", config.precision, device,
+                f", {info.world_size} processes" if info.world_size > 1 else "")
     if config.batch_size > len(batches.dataset):
         logger.warning("batch_size=%d is more than the %d training captions: every step takes all of them "
                        "(one step per epoch)", config.batch_size, len(batches.dataset))
