@@ -168,3 +168,10 @@ def test_a_matcher_refuses_encodings_of_other_models(vocab, features, tmp_path):
     padded, lengths = _ids(vocab, ["a dog"])
     with pytest.raises(InputError, match="batch_size must be a positive integer, got 0"):
         sgr.score(torch.from_numpy(features), padded, lengths, batch_size=0)
+    # the model's own encoders name what they were given (not an error deep inside PyTorch)
+    for images in (features, torch.from_numpy(features)[..., :8]):
+        with pytest.raises(InputError, match=r"images must be a float tensor \(n_img, K, img_dim=10\), got "):
+            sgr.encode_images(images)
+    for captions, lengths_ in ((padded.numpy(), lengths), (padded, lengths + 5), (padded, torch.tensor([2, 2]))):
+        with pytest.raises(InputError, match=r"captions must be an int tensor \(n_cap, L\) with n_cap lengths"):
+            sgr.encode_captions(captions, lengths_)

@@ -268,7 +268,11 @@ class SGRAF(nn.Module):
 
         `boxes`: (n_img, K, 4) x1, y1, x2, y2 normalised to [0, 1], on the images' device; read
         only by a model with positions (`needs_boxes`), which raises ValueError without them.
+        Only the type and shape are checked here (`validate_inputs` checks a whole batch).
         """
+        if not isinstance(images, torch.Tensor) or images.dim() != 3 or images.size(-1) != self.config.img_dim:
+            raise InputError(f"images must be a float tensor (n_img, K, img_dim={self.config.img_dim}), "
+                             f"got {_describe(images)}")
         if not self.needs_boxes:
             return self.img_enc(images)
         return self.img_enc(images, self.check_boxes(images, boxes))
@@ -289,8 +293,13 @@ class SGRAF(nn.Module):
         """(n_cap, L) ids, lengths in any order -> (n_cap, max(lengths), d), zero beyond each length.
 
         Lengths stay where they are given: on the CPU (where the GRU's packing reads them) they
-        are read without waiting for the device."""
+        are read without waiting for the device. Only the type and the lengths are checked here
+        (`validate_inputs` checks a whole batch, the word ids too)."""
         lengths = _as_lengths(lengths, None)
+        if not isinstance(captions, torch.Tensor) or captions.dim() != 2 or len(lengths) != captions.size(0) \
+                or int(lengths.max()) > captions.size(1):
+            raise InputError(f"captions must be an int tensor (n_cap, L) with n_cap lengths of at most L, got "
+                             f"{_describe(captions)} and lengths {_describe(lengths)}")
         return self.txt_enc(captions[:, : int(lengths.max())], lengths)
 
     # ------------------------------------------------------------------ similarity
