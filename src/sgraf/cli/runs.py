@@ -17,8 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="training runs side by side: best dev rsum, epochs, state (finished, stopped, running) and the "
              "settings that differ",
         description="List run folders written by sgraf train: each run's best dev rsum and its epoch, the last "
-                    "validation's rsum, epochs done, and whether it finished, stopped (with the command that "
-                    "resumes it), is running (who holds it) or never reached a checkpoint; then the settings "
+                    "validation's rsum, epochs done, and whether it finished, stopped early (patience), stopped "
+                    "(with the command that resumes it), is running (who holds it) or never reached a checkpoint; then the settings "
                     "(config.yaml) and data that differ between the runs. Reads the folders only: no "
                     "checkpoint is loaded and no lock taken.",
     )
