@@ -71,3 +71,29 @@ def test_the_command_through_its_entry_points():
     script = subprocess.run([sys.executable, "-c", "import sys; sys.argv[0] = 'sgraf'; from sgraf.cli import entry; "
                              "entry()", "--version"], capture_output=True, text=True, timeout=120)
     assert script.returncode == 0 and script.stdout.startswith("sgraf ")
+
+
+# a signal whose handler runs inside a finaliser (the garbage collector runs them between any two
+# lines: a regex group's __del__ caught a SIGTERM at a run's start, which then trained to its end)
+FINALISED = """
+import signal, sys, time
+from sgraf.signals import Stopped, stop_on_sigterm
+class Finalised:
+    def __del__(self):
+        signal.raise_signal(getattr(signal, sys.argv[1]))    # the handler raises here, in the finaliser
+        time.sleep(0.01)
+try:
+    with stop_on_sigterm():
+        Finalised()
+        for _ in range(50):
+            time.sleep(0.01)
+        print("went on past the signal")
+except (Stopped, KeyboardInterrupt) as stop:
+    print("stopped:", type(stop).__name__, stop)
+"""
+
+
+def test_a_signal_caught_in_a_finaliser_still_stops_the_command():
+    for name, expected in (("SIGTERM", "stopped: Stopped stopped by SIGTERM"), ("SIGINT", "stopped: KeyboardInterrupt")):
+        done = subprocess.run([sys.executable, "-c", FINALISED, name], capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == expected and done.stderr == "", (done.stdout, done.stderr)

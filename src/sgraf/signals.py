@@ -10,8 +10,10 @@ has more stages to run (`sgraf demo`).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import signal
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -44,14 +46,34 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def stop_on_sigterm() -> Iterator[None]:
-    """SIGTERM raises `Stopped` inside the block (main thread only; the previous handler is restored)."""
+    """SIGTERM raises `Stopped` inside the block (main thread only; the previous handler is restored).
+
+    A signal's exception raised while Python runs a finaliser (an object's `__del__`, a weakref
+    callback: the garbage collector runs them between any two lines) cannot leave it: Python
+    prints "Exception ignored in ..." and goes on, and the command would run to its end. Inside
+    the block such a swallowed `Stopped` or `KeyboardInterrupt` is delivered again, as its
+    signal sent again to the main thread, whose handler runs once the finaliser has returned."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    previous_hook = sys.unraisablehook
+
+    def deliver_again(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, (Stopped, KeyboardInterrupt)):
+            signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
+            # sent from a new thread (started without waiting for it): the main thread's handler
+            # then runs at a line outside the finaliser (or again here, and it is sent again)
+            _thread.start_new_thread(signal.pthread_kill, (threading.main_thread().ident, signum))
+        else:
+            previous_hook(unraisable)
+
+    sys.unraisablehook = deliver_again
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         signal.signal(signal.SIGTERM, previous)
 
 
