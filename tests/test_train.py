@@ -398,6 +398,14 @@ def test_existing_run_is_not_overwritten_and_resume_needs_a_run(toy_data, tmp_pa
         loop.fit(preset("tiny").replace(epochs=2, lr=0.1, module="saf"), toy_data, run, resume=True)
     assert (run / "last.pt").read_bytes() == before
     assert loop.fit(preset("tiny").replace(epochs=2, patience=3), toy_data, run, resume=True)["epoch"] == 2
+    config_before = (run / "config.yaml").read_text()
+    assert main(["train", "--resume", str(run), "--set", "epochs=1"]) == 2
+    assert (f"cannot resume {run} with epochs=1: it has trained 2 epochs (--set epochs=N trains on to N; N >= 2)"
+            in capsys.readouterr().err)
+    assert (run / "config.yaml").read_text() == config_before          # not rewritten by a refused resume
+    # keys set to the values the run has are no change: a script may repeat its whole --set line
+    assert main(["train", "--resume", str(run), "--set", "module=sgr", "lr=0.01", "epochs=2"]) == 0
+    assert "finished 2 epochs" in capsys.readouterr().out
 
 
 def test_missing_dev_split(tmp_path, capsys):

@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"cannot resume {args.resume}: it has no config.yaml (not a sgraf run folder)")
         config, data, preset = load_run_config(Path(args.resume))
         overrides = parse_overrides(args.overrides)
-        fixed = sorted(set(overrides) - set(RESUMABLE_KEYS))
+        # a key set to the value the run has is no change (a script may repeat its whole --set line)
+        fixed = sorted(key for key in set(overrides) - set(RESUMABLE_KEYS)
+                       if overrides[key] != getattr(config, key))
         if fixed:
             raise InputError(f"--set {', '.join(fixed)} cannot change when resuming; keys that can: "
                              f"{', '.join(RESUMABLE_KEYS)}")

@@ -420,10 +420,20 @@ def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: An
     progress = Progress()
     if checkpoint is not None:
         progress = restore_train_state(checkpoint["extra"][STATE_KEY], optimizer, scaler)
+        if config.epochs < progress.epoch:
+            raise InputError(f"cannot resume {run} with epochs={config.epochs}: it has trained {progress.epoch} "
+                             f"epochs (--set epochs=N trains on to N; N >= {progress.epoch})")
         if info.is_main:
             rd.truncate_metrics(run, progress.last_val_step)
-        logger.info("resuming %s at epoch %d, step %d (%s)", run, progress.epoch + 1,
-                    progress.global_step, progress.describe_best())   # never "best rsum -inf"
+        if progress.epoch >= config.epochs:
+            logger.info("%s has trained its %d epochs: nothing to train (--set epochs=N trains on to N)", run,
+                        config.epochs)
+        elif out_of_patience(config, progress):
+            logger.info("%s stopped early at epoch %d: nothing to train (--set patience=0, or a larger patience, "
+                        "goes on)", run, progress.epoch)
+        else:
+            logger.info("resuming %s at epoch %d, step %d (%s)", run, progress.epoch + 1,
+                        progress.global_step, progress.describe_best())   # never "best rsum -inf"
     elif info.rank > 0:
         torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
     return model, optimizer, scaler, progress
