@@ -71,7 +71,20 @@ def test_a_folder_of_runs_is_searched_and_other_data_is_named(trained, capsys):
     by_path = {Path(run["path"]).name: run for run in summary["runs"]}
     assert by_path["d"]["settings"]["data"] == str((trained / "data-other").resolve())
     assert main(["runs", str(trained / "runs")]) == 0
-    assert "train on different data: their dev rsums are on different dev splits" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "train on different data: their dev rsums are on different dev splits" in text
+    assert "(files " not in text                  # two folders: their paths tell them apart
+    # one folder whose files changed between two runs: the table names the files too
+    changed = trained / "changed-data-run"
+    shutil.copytree(trained / "runs" / "b", changed)
+    config = changed / "config.yaml"
+    config.write_text(config.read_text().replace("dev_caps.txt: ", "dev_caps.txt: 0", 1))
+    try:
+        assert main(["runs", str(trained / "runs" / "a"), str(changed)]) == 0
+        rows = [line for line in capsys.readouterr().out.splitlines() if "(files " in line]
+        assert len(rows) == 2 and len({line.split("(files ")[1][:8] for line in rows}) == 2, rows
+    finally:
+        shutil.rmtree(changed)
 
 
 def test_a_stopped_run_says_how_to_resume_and_that_command_finishes_it(trained, tmp_path, capsys):
@@ -110,6 +123,31 @@ def test_running_never_started_and_unreadable_runs(trained, tmp_path, capsys):
     assert states["failed"]["state"] == "not started" and states["failed"]["best"] is None
     assert states["broken"]["state"] == "unreadable" and "config.yaml" in states["broken"]["problem"]
     assert "epochs" in summary["differ"]       # the unreadable one is left out of the comparison
+    killed = tmp_path / "killed"               # validated, then killed before its first last.pt
+    killed.mkdir()
+    shutil.copy(trained / "runs" / "b" / "metrics.jsonl", killed / "metrics.jsonl")
+    (killed / "config.yaml").write_text(config.read_text())     # the running one's: 5 epochs
+    from sgraf.training.run_dir import prepare_run_dir
+
+    starting, starting_lock = prepare_run_dir(tmp_path / "starting", resume=False)   # a run's lock, no config yet
+    assert json.loads((starting / ".sgraf-lock").read_text())["purpose"] == "training run"
+    demo = tmp_path / "demo-running"            # the lock of another command's folder (a demo's) is no run
+    demo.mkdir()
+    (demo / ".sgraf-lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    states = {Path(run["path"]).name: run for run in listing(capsys, tmp_path)["runs"]}
+    assert states["killed"]["state"] == "stopped before a checkpoint" and states["killed"]["best"] is not None
+    assert states["starting"]["state"] == "running" and states["starting"]["module"] is None
+    assert "demo-running" not in states
+    assert "epochs" in listing(capsys, tmp_path)["differ"]      # a starting run sets nothing apart
+    assert main(["runs", str(tmp_path)]) == 0
+    assert "stopped before a checkpoint (nothing to resume: train it again with another --out)" in \
+        capsys.readouterr().out
+    assert [run["state"] for run in listing(capsys, starting)["runs"]] == ["running"]
+    starting_lock.release()
+    (starting / ".sgraf-lock").write_text("")
+    (starting / ".sgraf-lock").write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname()}))
+    assert main(["runs", str(starting)]) == 2           # a dead run's lock alone: no run folder
+    assert "holds no sgraf run folder" in capsys.readouterr().err
     lock.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname()}))   # a killed run's lock
     assert runs.read_run(running).state == "stopped"
     assert main(["runs", str(tmp_path)]) == 0
@@ -182,6 +220,11 @@ def test_plot_draws_each_run_in_its_colour_and_refuses_to_draw_over_a_run(traine
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert own.read_bytes() == before and not (tmp_path / "n.png").exists()
+    other = trained / "runs" / "b" / "curves.png"         # a run not listed: its files are not outputs either
+    kept_other = other.read_bytes()
+    assert main(["runs", str(trained / "runs" / "a"), "--plot", str(other)]) == 2
+    assert f"--plot {other} is the curves.png of the run folder {other.parent}" in capsys.readouterr().err
+    assert other.read_bytes() == kept_other
     # from Python: the same guards (a run's own file, no runs, a folder that is not there)
     from sgraf.errors import InputError
     from sgraf.training.plots import plot_curves, plot_runs

@@ -45,11 +45,13 @@ class FolderLockedError(InputError):
     """Another process holds the folder's lock; the message names it."""
 
 
-def holder_record() -> dict[str, Any]:
-    """Who this process is: pid, host, start time (UTC) and command line."""
-    return {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "command": _command_line()}
+def holder_record(purpose: str | None = None) -> dict[str, Any]:
+    """Who this process is: pid, host, start time (UTC) and command line, and what it holds the
+    folder for where given (`FolderLock(purpose=)`)."""
+    record = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+              "command": _command_line()}
+    return {**record, "purpose": purpose} if purpose else record
 
 
 def _command_line() -> str:
@@ -94,8 +96,9 @@ class FolderLock:
         InputError: the lock file cannot be created (the folder is not writable).
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], purpose: str | None = None) -> None:
         self.folder = pathlib.Path(folder)
+        self.purpose = purpose      # recorded for readers of the lock (`sgraf runs`: "training run")
         self.path = self.folder / LOCK_FILE
         self._fd: int | None = None
         self._advice = ""
@@ -137,7 +140,7 @@ class FolderLock:
         try:
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, json.dumps(holder_record()).encode() + b"\n")
+            os.write(fd, json.dumps(holder_record(self.purpose)).encode() + b"\n")
         except OSError as error:   # a full disk: the lock file stays empty, so release it
             self.release()
             raise InputError(f"cannot lock {self.folder}: {error.strerror or error} (writing {self.path.name})") from None

@@ -60,33 +60,53 @@ def plot_runs(runs: Mapping[str, str | os.PathLike[str]], path: str | os.PathLik
     check_plot_output(list(runs.values()), path, label="path")
     plt = _pyplot()
     out = pathlib.Path(path)
-    figure, (loss_axis, rsum_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for label, run in runs.items():
-        records = read_metrics(run)
-        if not records:
-            continue
+    drawn = {label: records for label, records in ((label, read_metrics(run)) for label, run in runs.items())
+             if records}
+    columns = min(4, max(1, len(drawn)))
+    legend_rows = -(-len(drawn) // columns)
+    height = 3.6 + 0.18 * legend_rows          # the legend below both panels, never over a curve
+    figure, (loss_axis, rsum_axis) = plt.subplots(1, 2, figsize=(10, height))
+    for (label, records), style in zip(drawn.items(), _styles(len(drawn))):
         steps = [r["step"] for r in records]
         losses = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
         if losses:
-            loss_axis.plot(*zip(*losses), marker="o", label=label)
-        rsum_axis.plot(steps, [r["rsum"] for r in records], marker="o", label=label)
+            loss_axis.plot(*zip(*losses), label=label, **style)
+        rsum_axis.plot(steps, [r["rsum"] for r in records], label=label, **style)
     loss_axis.set(xlabel="step", ylabel="training loss (mean per validation period)", title="loss")
     rsum_axis.set(xlabel="step", ylabel="rsum on dev", title="validation rsum")
     for axis in (loss_axis, rsum_axis):
         axis.grid(alpha=0.3)
-        if axis.get_legend_handles_labels()[0]:
-            axis.legend(fontsize=8)
-    return _save(plt, figure, out, dpi=90)
+    handles, labels = rsum_axis.get_legend_handles_labels()
+    bottom = (0.18 * legend_rows + 0.12) / height if handles else 0.0
+    if handles:
+        figure.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
+    return _save(plt, figure, out, dpi=90, rect=(0, bottom, 1, 1))
+
+
+def _styles(count: int) -> list[dict[str, object]]:
+    """A colour (and, past 20 runs, a line style and a marker) per run, none repeated: matplotlib's
+    ten colours up to 10 runs, its twenty up to 20, then twenty colours by four styles."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10" if count <= 10 else "tab20"].colors
+    lines, markers = ("-", "--", ":", "-."), ("o", "s", "^", "D")
+    return [{"color": palette[k % len(palette)], "linestyle": lines[k // len(palette) % 4],
+             "marker": markers[k // len(palette) % 4]} for k in range(count)]
 
 
 def check_plot_output(folders: Sequence[str | os.PathLike[str]], path: str | os.PathLike[str],
                       label: str = "--plot") -> None:
     """Refuses a picture path that is one of the runs' own files (`curves.png`, `metrics.jsonl`, ...:
-    inputs here), in `sgraf.io_paths.check_outputs`'s one line."""
-    from sgraf.io_paths import check_outputs
+    inputs here), in `sgraf.io_paths.check_outputs`'s one line, or a run file of another run folder."""
+    from sgraf.io_paths import check_outputs, resolved
     from sgraf.training.run_dir import RUN_FILES
+    from sgraf.training.runs import is_run_folder
 
     check_outputs([("run file", f"{folder}/{name}") for folder in folders for name in RUN_FILES], [(label, path)])
+    target = resolved(path)
+    if target.name in RUN_FILES and is_run_folder(target.parent):     # a run not listed here
+        raise InputError(f"{label} {path} is the {target.name} of the run folder {target.parent}; an output must "
+                         "not write over a run's files: choose another path")
 
 
 def _pyplot():
@@ -99,9 +119,10 @@ def _pyplot():
     return plt
 
 
-def _save(plt, figure, out: pathlib.Path, dpi: int) -> pathlib.Path:
-    """Writes `figure` to `out` as a PNG whole or not at all, and closes it."""
-    figure.tight_layout()
+def _save(plt, figure, out: pathlib.Path, dpi: int,
+          rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> pathlib.Path:
+    """Writes `figure` (its axes laid out within `rect`) to `out` as a PNG whole or not at all, and closes it."""
+    figure.tight_layout(rect=rect)
     try:
         with atomic_path(out) as temporary:
             figure.savefig(temporary, format="png", dpi=dpi)

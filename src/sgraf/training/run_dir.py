@@ -34,6 +34,10 @@ TENSORBOARD_DIR = "tensorboard"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, LAST_CHECKPOINT, BEST_CHECKPOINT, CURVES_FILE, TENSORBOARD_DIR)
 
 
+# what a training run's lock record says it holds its folder for (a run starting, to `sgraf runs`)
+RUN_LOCK_PURPOSE = "training run"
+
+
 def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
                     lock: bool = True) -> tuple[pathlib.Path, FolderLock | None]:
     """Creates (or, when resuming, checks) the run folder, locks it and proves it is writable.
@@ -62,7 +66,7 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
             raise InputError(f"output folder {run} is not writable: {exc.strerror or exc}") from None
     elif not run.is_dir():
         raise InputError(f"cannot resume {run}: no such folder")
-    run_lock = FolderLock(run) if lock else None
+    run_lock = FolderLock(run, purpose=RUN_LOCK_PURPOSE) if lock else None
     if run_lock is not None:
         run_lock.acquire()
     try:

@@ -8,6 +8,7 @@ listing never gets in the way of a run starting).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -35,8 +36,9 @@ class Run:
         path: the folder, as found.
         state: ``finished`` (its last epoch validated), ``stopped early`` (its `patience` ran
             out: that many epochs ended without a better dev rsum), ``stopped`` (a `last.pt` to resume from),
-            ``running`` (a live process holds its lock), ``not started`` (no `last.pt` yet) or
-            ``unreadable`` (`problem` says why).
+            ``running`` (a live process holds its lock; a run starting has no settings yet),
+            ``stopped before a checkpoint`` (validations but no `last.pt`: nothing to resume),
+            ``not started`` (neither) or ``unreadable`` (`problem` says why).
         settings: config.yaml's fields and preset; empty when unreadable.
         data: the data folder it trains on, with the fingerprint config.yaml records (None
             before fingerprints were recorded).
@@ -74,21 +76,28 @@ def find_runs(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
             raise InputError(f"{path}: no such folder")
         if not path.is_dir():
             raise InputError(f"{path} is a file, expected a run folder or a folder of run folders")
-        runs = [path] if _is_run(path) else sorted(_runs_below(path))
+        runs = [path] if is_run_folder(path) else sorted(_runs_below(path))
         if not runs:
-            raise InputError(f"{path} holds no sgraf run folder (one with {', '.join(_MARKS)})")
+            raise InputError(f"{path} holds no sgraf run folder (one with {', '.join(_MARKS[:-1])} or "
+                             f"{_MARKS[-1]}, or the lock of a run starting)")
         found.extend(run for run in runs if run not in found)
     return found
 
 
-def _is_run(folder: pathlib.Path) -> bool:
-    return any((folder / name).is_file() for name in _MARKS)
+def is_run_folder(folder: str | os.PathLike[str]) -> bool:
+    """Whether `folder` is a run folder: one of a run's files, or the lock of a live run that has
+    not written them yet (a run starting)."""
+    folder = pathlib.Path(folder)
+    if any((folder / name).is_file() for name in _MARKS):
+        return True
+    holder = _live_holder(folder) if (folder / LOCK_FILE).is_file() else None
+    return holder is not None and holder.get("purpose") == rd.RUN_LOCK_PURPOSE   # not a demo's, an index's
 
 
 def _runs_below(folder: pathlib.Path) -> Iterable[pathlib.Path]:
     for root, folders, _ in os.walk(folder):
         here = pathlib.Path(root)
-        if here != folder and _is_run(here):
+        if here != folder and is_run_folder(here):
             folders.clear()     # a run's own folders (tensorboard/) hold no runs
             yield here
         folders[:] = sorted(name for name in folders if not name.startswith("."))
@@ -101,6 +110,9 @@ def read_run(folder: str | os.PathLike[str]) -> Run:
     try:
         values, extras = load_config_file(path / rd.CONFIG_FILE)
     except FileNotFoundError:
+        holder = _live_holder(path)
+        if holder is not None:      # a run starting: its lock is taken before config.yaml is written
+            return Run(str(path), "running", holder=holder)
         return Run(str(path), "unreadable", problem=f"no {rd.CONFIG_FILE}")
     except InputError as error:
         return Run(str(path), "unreadable", problem=str(error))
@@ -120,6 +132,8 @@ def read_run(folder: str | os.PathLike[str]) -> Run:
         state = "stopped early"
     elif (path / rd.LAST_CHECKPOINT).is_file():
         state = "stopped"
+    elif records:
+        state = "stopped before a checkpoint"     # killed after a validation, before its first last.pt
     else:
         state = "not started"
     return Run(str(path), state, settings, data, (done, total if isinstance(total, int) else None),
@@ -151,13 +165,21 @@ def _live_holder(folder: pathlib.Path) -> dict[str, Any] | None:
 def differences(runs: Sequence[Run]) -> list[str]:
     """The settings whose values are not the same in every readable run (in config order),
     with ``data`` first where the runs train on different data (folders or files)."""
-    readable = [run for run in runs if run.state != "unreadable"]
+    readable = [run for run in runs if run.settings]     # not unreadable, not a run still starting
     keys: list[str] = []
     for run in readable:
         keys.extend(key for key in run.settings if key not in keys and key not in _NOT_SETTINGS)
     differ = [key for key in keys if len({json.dumps(run.settings.get(key), sort_keys=True)
                                           for run in readable}) > 1]
     return (["data"] if len({_data_key(run) for run in readable}) > 1 else []) + differ
+
+
+def _files_id(run: Run) -> str | None:
+    """A short name of the data's files (their recorded fingerprint), to tell apart two runs on
+    one folder whose files changed between them; None where no fingerprint was recorded."""
+    if run.data is None or not isinstance(run.data[1], dict):
+        return None
+    return hashlib.sha256(json.dumps(run.data[1], sort_keys=True).encode()).hexdigest()[:8]
 
 
 def _data_key(run: Run) -> str:
@@ -196,7 +218,8 @@ def as_dict(run: Run, differ: Sequence[str] = ()) -> dict[str, Any]:
                 "best": None if run.best is None else {key: run.best.get(key) for key in ("rsum", "epoch", "step")},
                 "last_rsum": None if run.last is None else run.last.get("rsum"),
                 "settings": {key: (run.data[0] if run.data else None) if key == "data" else run.settings.get(key)
-                             for key in differ}})
+                             for key in differ},
+                "data_files": _files_id(run)})
     if run.state == "stopped":
         out["resume"] = f"sgraf train --resume {run.path}"
     if run.holder is not None:
@@ -214,20 +237,31 @@ def format_runs(summary: dict[str, Any]) -> str:
             continue
         best = run["best"]
         state = {"stopped": f"stopped ({run.get('resume')})",
-                 "running": f"running ({run.get('holder')})"}.get(run["state"], run["state"])
-        rows.append((run["path"], str(run["module"]),
+                 "running": f"running ({run.get('holder')})",
+                 "stopped before a checkpoint": "stopped before a checkpoint (nothing to resume: train it again "
+                                                "with another --out)"}.get(run["state"], run["state"])
+        rows.append((run["path"], "" if run["module"] is None else str(run["module"]),
                      f"{run['epochs_done']}/{run['epochs'] if run['epochs'] is not None else '?'}",
                      "" if best is None else f"{best['rsum']:.2f}", "" if best is None else str(best["epoch"]),
                      "" if run["last_rsum"] is None else f"{run['last_rsum']:.2f}", state))
     lines = _table([header, *rows], left=2)
-    differ, readable = summary["differ"], [run for run in summary["runs"] if run["state"] != "unreadable"]
+    differ = summary["differ"]
+    readable = [run for run in summary["runs"] if run["state"] != "unreadable" and run["module"] is not None]
+    ids: dict[Any, set[Any]] = {}       # one folder whose files changed between runs: name the files too
+    for run in readable:
+        ids.setdefault(run["settings"].get("data"), set()).add(run["data_files"])
+
+    def cell(run: dict[str, Any], key: str) -> str:
+        value = run["settings"][key]
+        return f"{value} (files {run['data_files']})" if key == "data" and len(ids[value]) > 1 else _text(value)
+
     if len(readable) > 1:
         lines.append("")
         if not differ:
             lines.append("settings that differ: none (the same config and data)")
         else:
             lines.append("settings that differ:")
-            lines.extend(_table([("run", *differ)] + [(run["path"], *(_text(run["settings"][key]) for key in differ))
+            lines.extend(_table([("run", *differ)] + [(run["path"], *(cell(run, key) for key in differ))
                                                       for run in readable], left=len(differ) + 1))
         if "data" in differ:
             lines.append("(the runs train on different data: their dev rsums are on different dev splits and do "
