@@ -94,6 +94,7 @@ except (Stopped, KeyboardInterrupt) as stop:
 
 
 def test_a_signal_caught_in_a_finaliser_still_stops_the_command():
-    for name, expected in (("SIGTERM", "stopped: Stopped stopped by SIGTERM"), ("SIGINT", "stopped: KeyboardInterrupt")):
+    for name, expected in (("SIGTERM", "stopped: Stopped stopped by SIGTERM"),
+                           ("SIGINT", "stopped: KeyboardInterrupt")):
         done = subprocess.run([sys.executable, "-c", FINALISED, name], capture_output=True, text=True, timeout=120)
         assert done.stdout.strip() == expected and done.stderr == "", (done.stdout, done.stderr)

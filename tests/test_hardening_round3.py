@@ -73,7 +73,8 @@ def _make_world(root: Path) -> dict:
     (root / "pictures.tsv").write_text("im.png\ta red square\n")
     (root / "config.yaml").write_text("lr: 0.001\nepochs: 1\n")
     (root / "run").mkdir()       # what sgraf runs reads of a run folder
-    (root / "run" / "config.yaml").write_text(f"data: {data}\npreset: tiny\nsgraf_version: 0.1.0\nlr: 0.001\nepochs: 2\n")
+    (root / "run" / "config.yaml").write_text(f"data: {data}\npreset: tiny\nsgraf_version: 0.1.0\nlr: 0.001\n"
+                                              "epochs: 2\n")
     (root / "run" / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 120.5, '
                                                 '"best": true}\n')
     return {"root": root, "data": data, "ck": root / "ck.pt", "sims": root / "sims.npy", "vocab": data / "vocab.json"}
