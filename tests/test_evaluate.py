@@ -163,6 +163,24 @@ def test_vocabulary_size_must_match_the_embedding(capsys, tmp_path):
     assert "182 words" in err and "181 rows" in err
 
 
+def test_a_vocabulary_other_than_the_checkpoints_own_is_refused(capsys, tmp_path):
+    """Same size, two words' ids swapped: the scores would be wrong with exit 0."""
+    from sgraf.checkpoint import convert_official
+
+    ours = tmp_path / "sgr.pt"
+    convert_official(CKPT["sgr"], ours, vocab=str(VOCAB))
+    content = json.loads(VOCAB.read_text())
+    words = sorted(content["word2idx"], key=content["word2idx"].get)
+    first, second = words[5], words[6]
+    content["word2idx"][first], content["word2idx"][second] = content["word2idx"][second], content["word2idx"][first]
+    content["idx2word"] = {str(i): w for w, i in content["word2idx"].items()}
+    swapped = tmp_path / "swapped.json"
+    swapped.write_text(json.dumps(content))
+    err = error_of(capsys, "--checkpoint", ours, "--data", DATA, "--vocab", swapped)
+    assert f"{ours} carries its own vocabulary, which differs from {swapped}" in err
+    assert evaluate_json(capsys, "--checkpoint", ours, "--data", DATA, "--vocab", VOCAB)["rsum"] > 0   # its own
+
+
 def test_authors_checkpoint_without_vocab_is_refused(capsys):
     err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA)
     assert "--vocab" in err

@@ -302,7 +302,7 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
         map_location: passed to `torch.load`.
         vocab: a Vocabulary (or its dict, or a JSON path) to attach; defaults to the one stored
             in the checkpoint (the authors' files have none). One that differs from the stored
-            one is used, with a WARNING: the word ids would not be the ones the model learned.
+            one is refused (`vocabulary_conflict`): its word ids are not the ones the model learned.
     """
     checkpoint = load_checkpoint(path, map_location)
     config = _model_config(checkpoint, path)
@@ -314,10 +314,17 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
     stored = checkpoint.get("vocab")
     given = _vocab_dict(model.vocab) if vocab is not None else None
     if given is not None and isinstance(stored, dict) and given.get("word2idx") != stored.get("word2idx"):
-        logger.warning("%s carries its own vocabulary, which differs from the one given (%s); using the one given, "
-                       "whose word ids are not the ones the model learned", path,
-                       getattr(model.vocab, "source", "vocab"))
+        raise vocabulary_conflict(path, getattr(model.vocab, "source", None) or vocab)
     return model.eval()
+
+
+def vocabulary_conflict(path: str | os.PathLike, given: Any) -> InputError:
+    """The refusal of a vocabulary given for a checkpoint that stores another one: the word ids
+    would not be the ones the model learned, and every score would be wrong without an error."""
+    name = given if isinstance(given, (str, os.PathLike)) else "the vocabulary given"
+    return InputError(f"{path} carries its own vocabulary, which differs from {name} (other word ids: the scores "
+                      "would be wrong); leave out --vocab, or store that one in a copy of the checkpoint: "
+                      f"sgraf convert-checkpoint {path} NEW.pt --vocab JSON")
 
 
 def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any = None) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def load_ensemble(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], 
         InputError: no vocabulary, a vocabulary whose size is not the checkpoint's embedding
             rows, or checkpoints whose vocabularies differ.
     """
-    from sgraf.checkpoint import load_model
+    from sgraf.checkpoint import load_model, vocabulary_conflict
     from sgraf.data.vocab import Vocabulary, load_vocab
 
     checkpoints = path_list("checkpoints", checkpoints)   # one path is one checkpoint, not its characters
@@ -67,7 +67,7 @@ def load_ensemble(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], 
                 raise InputError(f"--vocab {vocab}: {len(given)} words, but the word embedding of {path} has "
                                  f"{rows} rows (vocab_size={rows}); use the vocabulary the model was trained with")
             if stored is not None and stored != given:
-                logger.warning("%s carries a different vocabulary than %s; using %s", path, vocab, vocab)
+                raise vocabulary_conflict(path, vocab)
             model.vocab = given
         elif stored is None:
             raise InputError(f"{path} carries no vocabulary (the authors' checkpoints do not): pass --vocab JSON")
@@ -75,8 +75,9 @@ def load_ensemble(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], 
         vocabularies.append(model.vocab)
     for path, other in zip(checkpoints[1:], vocabularies[1:]):
         if other != vocabularies[0]:
-            raise InputError(f"{checkpoints[0]} and {path} use different vocabularies "
-                             f"({len(vocabularies[0])} vs {len(other)} words, or different word ids); "
+            sizes = (f"{len(vocabularies[0])} vs {len(other)} words" if len(other) != len(vocabularies[0])
+                     else f"both {len(other)} words, with different word ids")
+            raise InputError(f"{checkpoints[0]} and {path} use different vocabularies ({sizes}); "
                              "an ensemble needs one vocabulary")
     return models, vocabularies[0]
 

@@ -424,7 +424,9 @@ def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str
                 f"model given is {describe_identity(new)}; rebuild the index with this model or "
                 "search with the model it was built with")
     if manifest.get("vocab_sha256") not in (None, _vocab_sha256(matcher.vocab)):
-        raise InputError(f"index {where} was built with another vocabulary than the one given")
+        raise InputError(f"index {where} was built with another vocabulary than the models' "
+                         f"({getattr(matcher.vocab, 'source', None) or 'the one stored in the checkpoints'}): "
+                         "search with --vocab naming the one it was built with")
 
 
 def open_index(path: str | Path, matcher: Matcher | None = None,
