@@ -173,6 +173,24 @@ def test_index_built_with_another_model_is_refused_naming_both(gallery, tmp_path
         open_index(gallery["index"], matcher=Matcher.load([gallery["paths"][0]]))
 
 
+def test_search_into_a_closed_pipe_ends_quietly(gallery, monkeypatch, capsys):
+    """`sgraf search ... | head -1`: the reader went away; no BrokenPipeError traceback, exit 0."""
+    import io
+    import os
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    broken = io.TextIOWrapper(io.FileIO(write_end, "w"), write_through=True)
+    monkeypatch.setattr(sys, "stdout", broken)
+    try:
+        assert main(["search", "--index", str(gallery["index"]), "--text", "a cat in the park", "--top-k", "4"]) == 0
+    finally:
+        monkeypatch.undo()
+        broken.close()      # its descriptor now writes to the null device
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_search_cli_refuses_checkpoint_overwritten_since_indexing(gallery, tmp_path, capsys):
     copy = tmp_path / "index"
     import shutil

@@ -14,6 +14,7 @@ exit code 143 or 130, after its temporary files are removed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import logging
@@ -136,6 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sgraf {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of the output went away (`sgraf search ... | head -1`): what it wanted it has;
+        # the rest goes nowhere, as the other commands' output does when flushed at exit
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as exc:
         if exc.errno not in _DISK_FULL:
             raise
