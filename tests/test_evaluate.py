@@ -181,6 +181,29 @@ def test_a_vocabulary_other_than_the_checkpoints_own_is_refused(capsys, tmp_path
     assert evaluate_json(capsys, "--checkpoint", ours, "--data", DATA, "--vocab", VOCAB)["rsum"] > 0   # its own
 
 
+def test_save_sims_never_lands_among_another_data_sets_or_indexs_files(capsys, tmp_path):
+    """Not an input of this command, but another command's files: a data set's features (its
+    data check would then fail) or a file in an index folder (its manifest would not match)."""
+    import shutil
+
+    other = tmp_path / "other-data"
+    shutil.copytree(DATA, other)
+    index = tmp_path / "index"
+    index.mkdir()
+    (index / "manifest.json").write_text("{}")
+    (index / "image_keys.npy").write_bytes(b"keys")
+    before = {path: path.read_bytes() for path in [*other.iterdir(), *index.iterdir()]}
+    for out, what in ((other / "test_ims.npy", f"is a file name of the precomp data set in {other}"),
+                      (other / "dev_ims.npy", f"is a file name of the precomp data set in {other}"),
+                      (index / "image_keys.npy", f"is in the folder of the sgraf index {index}"),
+                      (index / "sims.npy", f"is in the folder of the sgraf index {index}")):
+        err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--save-sims", out)
+        assert f"--save-sims {out} {what}" in err
+    assert {path: path.read_bytes() for path in [*other.iterdir(), *index.iterdir()]} == before
+    assert evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB,
+                         "--save-sims", tmp_path / "sims.npy")["rsum"] > 0     # beside them is fine
+
+
 def test_authors_checkpoint_without_vocab_is_refused(capsys):
     err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA)
     assert "--vocab" in err

@@ -162,3 +162,38 @@ def check_score_outputs(args: argparse.Namespace) -> None:
               *data_inputs(args.data, [args.split])]
     record = None if args.save_sims is None else str(score_record.record_path(args.save_sims))
     check_outputs(inputs, [("--save-sims", args.save_sims), ("--save-sims's record", record)])
+    refuse_others_files([("--save-sims", args.save_sims)])
+
+
+def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
+    """A side output (a score matrix, a picture) that would land among the files of a folder
+    another sgraf command wrote, not one this command reads (those `check_outputs` refuses): a
+    file of a precomp data set's layout where one is (it would replace that data set's
+    features, captions or vocabulary), any file in a gallery index's folder (its manifest would
+    no longer match), a run folder's own files. InputError naming the folder."""
+    import os
+    from pathlib import Path
+
+    from sgraf.data.layout import IMAGES, data_set_family, data_set_files
+    from sgraf.errors import InputError
+    from sgraf.io_paths import resolved
+    from sgraf.training.run_dir import RUN_FILES
+    from sgraf.training.runs import is_run_folder
+
+    for label, path in outputs:
+        if path is None:
+            continue
+        target = resolved(path)
+        folder = target.parent
+        if (folder / "manifest.json").is_file() and any(folder.glob("*.npy")):
+            what = f"in the folder of the sgraf index {folder}"
+        elif data_set_family(target.name) and data_set_files(folder):
+            what = f"a file name of the precomp data set in {folder}"
+        elif folder.parent.name == IMAGES and data_set_files(folder.parent.parent):
+            what = f"in the pictures of the precomp data set in {folder.parent.parent}"
+        elif target.name in RUN_FILES and is_run_folder(folder):
+            what = f"a file of the run folder {folder}"
+        else:
+            continue
+        raise InputError(f"{label} {os.fspath(path)} is {what}; an output must not write among another command's "
+                         f"files: choose another path (e.g. {Path(os.fspath(path)).name} in another folder)")

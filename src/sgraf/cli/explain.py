@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from sgraf.cli.arguments import ENSEMBLE_OF_MODELS, data_inputs, device, non_negative_int, utf8_text
+from sgraf.cli.arguments import (ENSEMBLE_OF_MODELS, data_inputs, device, non_negative_int, refuse_others_files,
+                                 utf8_text)
 
 if TYPE_CHECKING:
     from sgraf.explain import Explanation
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     check_outputs([*labelled("--checkpoint", args.checkpoint), ("--vocab", args.vocab),
                    *data_inputs(args.data, [args.split]),
                    ("--data", f"{args.data}/images/{args.split}/{args.image_id:05d}.png")], [("--out", args.out)])
+    refuse_others_files([("--out", args.out)])
     matcher = Matcher.load(args.checkpoint, vocab=args.vocab, device=args.device)
     split = PrecompSplit(args.data, args.split)
     if not 0 <= args.image_id < split.n_images:
