@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import png_path
+from sgraf.cli.arguments import png_path, refuse_others_files
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         from sgraf.training.plots import check_plot_output
 
         check_plot_output([run["path"] for run in summary["runs"]], args.plot)   # a run's curves.png is an input
+        refuse_others_files([("--plot", args.plot)])
         if not drawn:
             raise InputError("--plot: none of the runs has a validation yet; nothing to draw")
     print(json.dumps(summary) if args.json else runs.format_runs(summary))
