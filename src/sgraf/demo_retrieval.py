@@ -169,10 +169,13 @@ def draw_image_to_text(rows: Sequence[Row], pictures: Sequence[np.ndarray | None
         axes[r, 0].set_yticks([])
         rank = first_hit_rank([kind for _, _, kind, _ in row.results])
         said = f"first hit #{rank}" if rank != float("inf") else "no hit in the top 5"
-        axes[r, 0].set_title(f"image {row.query}\n{said}; quantile {100 * row.quantile:.1f} %", fontsize=8)
         axes[r, 1].axis("off")
+        # the query's line heads its captions (as a title over the picture it ran into the row above)
+        lines = len(row.results) + 1
+        axes[r, 1].text(0, 1 - 0.5 / lines, f"image {row.query}: {said}; quantile {100 * row.quantile:.1f} %",
+                        fontsize=9, fontweight="bold", va="center", transform=axes[r, 1].transAxes)
         for position, (_, score, kind, text) in enumerate(row.results):
-            axes[r, 1].text(0, 1 - (position + 0.5) / len(row.results),
+            axes[r, 1].text(0, 1 - (position + 1.5) / lines,
                             f"#{position + 1}  {score:.3f}  {marks[kind]:8}  {text}", fontsize=9,
                             color=STYLE[kind][0], va="center", family="monospace",
                             transform=axes[r, 1].transAxes)
