@@ -314,3 +314,15 @@ def test_compare_families_pairs_diagnoses_scores_by_family(tmp_path, capsys):
         assert main([*argv, *extra]) == 2, extra
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_few_resamples_are_named_in_one_warning(caplog):
+    """Rough figures, not refused: the warning says so once per count."""
+    sims = np.random.default_rng(3).standard_normal((20, 100)).astype(np.float32)
+    with caplog.at_level("WARNING", logger="sgraf.significance"):
+        significance.recall_intervals(sims, resamples=37)
+        significance.recall_intervals(sims, resamples=37)
+        significance.recall_intervals(sims, resamples=significance.FEW_RESAMPLES)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["37 resamples: the intervals' ends and the p-values move from one seed to another "
+                        "(p is at least 1/38); 1000 or more is usual"]

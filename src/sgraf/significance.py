@@ -26,12 +26,16 @@ p = (1 + #{flipped |difference| >= observed |difference|}) / (1 + resamples), ne
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import numpy as np
 
 from sgraf import metrics
 from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
 
 KEYS = ("r1", "r5", "r10")
 BATCH = 256   # resamples drawn at once: 256 x n_images counts (5,000 images: 10 MB)
@@ -77,6 +81,20 @@ def _check(resamples: Any, level: Any = 0.5) -> None:
         raise InputError(f"resamples must be a positive integer, got {resamples!r}")
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
         raise InputError(f"level must be a number between 0 and 1 (0.95 for 95 %), got {level!r}")
+    if resamples < FEW_RESAMPLES:
+        _warn_few(int(resamples))
+
+
+FEW_RESAMPLES = 1000    # below: an interval's ends, and a p-value, move with the seed
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_few(resamples: int) -> None:
+    """Once per count: with few resamples the figures are rough (1 gives an interval of one draw,
+    which need not hold the estimate)."""
+    logger.warning("%d resample%s: the intervals' ends and the p-values move from one seed to another "
+                   "(p is at least 1/%d); %d or more is usual", resamples, "" if resamples == 1 else "s",
+                   resamples + 1, FEW_RESAMPLES)
 
 
 def _draws(rng: np.random.Generator, count: int, n: int, folds: int = 1) -> np.ndarray:
