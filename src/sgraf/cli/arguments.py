@@ -100,8 +100,9 @@ def add_score_source(parser: argparse.ArgumentParser, sims_help: str) -> None:
     """Exactly one of `--checkpoint PATH` (repeatable: an ensemble) or `--sims FILE.npy ...`
     (saved score matrices), for the commands that score a split (`evaluate`, `diagnose`)."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", action="append", metavar="PATH",
-                        help="our checkpoint or the authors' .pth.tar; repeat for an ensemble")
+    source.add_argument("--checkpoint", action="extend", nargs="+", metavar="PATH",
+                        help="our checkpoint or the authors' .pth.tar; several (or --checkpoint repeated) for an "
+                             "ensemble")
     source.add_argument("--sims", nargs="+", metavar="FILE.npy", help=sims_help)
 
 

@@ -17,8 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "explain", help="draw SAF weights, SGR alignment and word attention for an image and a caption",
         description="For one image of a split and one caption: SAF's weight on each alignment, SGR's "
                     "final-vs-raw alignment per word and each word's attention over the image.")
-    parser.add_argument("--checkpoint", action="append", required=True, metavar="CKPT",
-                        help="model checkpoint; repeat for an ensemble (e.g. SGR and SAF)")
+    parser.add_argument("--checkpoint", action="extend", nargs="+", required=True, metavar="CKPT",
+                        help="model checkpoint; several (or --checkpoint repeated) for an ensemble (e.g. SGR and SAF)")
     parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
     parser.add_argument("--split", required=True, help="split holding the image")
     parser.add_argument("--image-id", required=True, type=non_negative_int, metavar="N",

@@ -14,8 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "(repeat --checkpoint) and write them, memory-mappable, to an index folder. A model with "
                     "positions reads the split's region boxes (SPLIT_boxes.npy with SPLIT_image_sizes.npy), "
                     "which the index keeps beside the regions.")
-    parser.add_argument("--checkpoint", action="append", required=True, metavar="CKPT",
-                        help="model checkpoint (ours or the authors' .pth.tar); repeat for an ensemble")
+    parser.add_argument("--checkpoint", action="extend", nargs="+", required=True, metavar="CKPT",
+                        help="model checkpoint (ours or the authors' .pth.tar); several (or --checkpoint repeated) "
+                             "for an ensemble")
     parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
     parser.add_argument("--split", required=True, help="split to index (e.g. test)")
     parser.add_argument("--out", required=True, metavar="INDEX", help="index folder to write")

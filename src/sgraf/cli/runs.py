@@ -19,8 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="List run folders written by sgraf train: each run's best dev rsum and its epoch, the last "
                     "validation's rsum, epochs done, and whether it finished, stopped early (patience), stopped "
                     "(with the command that resumes it), is running (who holds it) or never reached a "
-                    "checkpoint; then the settings (config.yaml) and data that differ between the runs. Reads the folders only: no "
-                    "checkpoint is loaded and no lock taken.",
+                    "checkpoint; then the settings (config.yaml) and data that differ between the runs. Reads "
+                    "the folders only: no checkpoint is loaded and no lock taken.",
     )
     parser.add_argument("folders", nargs="+", metavar="FOLDER",
                         help="a run folder, or a folder searched for run folders (e.g. runs/)")

@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shortlist", type=non_negative_int, default=100, metavar="N",
                         help="candidates re-ranked by the full score; 0 scores the whole gallery")
     parser.add_argument("--json", action="store_true", help='print [{"id", "score"}, ...], best first')
-    parser.add_argument("--checkpoint", action="append", metavar="CKPT",
+    parser.add_argument("--checkpoint", action="extend", nargs="+", metavar="CKPT",
                         help="the index's model(s), if their recorded paths moved (must be the same weights)")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--first-stage", choices=("auto", "numpy", "faiss"), default="auto",

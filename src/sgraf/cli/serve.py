@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     parser.add_argument("--port", type=non_negative_int, default=8000, help="port (0: any free one)")
-    parser.add_argument("--checkpoint", action="append", metavar="CKPT",
+    parser.add_argument("--checkpoint", action="extend", nargs="+", metavar="CKPT",
                         help="the index's model(s), if their recorded paths moved (must be the same weights)")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--data", metavar="DIR",
