@@ -11,7 +11,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "search", help="search a gallery index (text -> images, image -> captions)",
         description="Two-stage search: the global vectors shortlist candidates, the full SGRAF "
-                    "score re-ranks them. Ids are image / caption indices in the split's order.")
+                    "score re-ranks them. Ids are image / caption indices in the split's order. Each hit "
+                    "shows its score (the full score, the ensemble's mean) and coarse (the first stage's "
+                    "score: the inner product of the global vectors that shortlisted it).")
     parser.add_argument("--index", required=True, metavar="INDEX", help="index folder (sgraf index)")
     query = parser.add_mutually_exclusive_group(required=True)
     query.add_argument("--text", type=utf8_text,
@@ -55,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([hit.to_dict() for hit in hits]))
         return 0
     query = repr(args.text) if args.text is not None else f"image {args.image_id}"
-    stages = "whole gallery scored" if shortlist is None else f"shortlist {shortlist} by {index.first_stage}"
+    gallery = index.n_images if kind == "image" else index.n_captions
+    stages = ("whole gallery scored" if shortlist is None or shortlist >= gallery
+              else f"shortlist {shortlist} by {index.first_stage}")
     print(f"{query} -> top {len(hits)} {kind}s ({stages}, re-ranked by {len(index.matcher.models)} model(s))")
     for rank, hit in enumerate(hits, 1):
         label = f"{kind} {hit.id}"

@@ -24,6 +24,8 @@ def plot_curves(run: str | os.PathLike[str], path: str | os.PathLike[str] | None
     if not records:
         return None
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     out = pathlib.Path(path) if path is not None else pathlib.Path(run) / CURVES_FILE
     steps = [r["step"] for r in records]
     losses = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
@@ -37,6 +39,7 @@ def plot_curves(run: str | os.PathLike[str], path: str | os.PathLike[str] | None
     ax_rsum.set(xlabel="step", ylabel="rsum (dev)", title=f"validation rsum (best {best['rsum']:.1f})")
     for ax in (ax_loss, ax_rsum):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))    # steps are whole numbers
     return _save(plt, fig, out, dpi=100)
 
 
@@ -59,6 +62,8 @@ def plot_runs(runs: Mapping[str, str | os.PathLike[str]], path: str | os.PathLik
             raise InputError(f"{folder}: no such run folder")
     check_plot_output(list(runs.values()), path, label="path")
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     out = pathlib.Path(path)
     drawn = {label: records for label, records in ((label, read_metrics(run)) for label, run in runs.items())
              if records}
@@ -76,6 +81,7 @@ def plot_runs(runs: Mapping[str, str | os.PathLike[str]], path: str | os.PathLik
     rsum_axis.set(xlabel="step", ylabel="rsum on dev", title="validation rsum")
     for axis in (loss_axis, rsum_axis):
         axis.grid(alpha=0.3)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     handles, labels = rsum_axis.get_legend_handles_labels()
     bottom = (0.18 * legend_rows + 0.12) / height if handles else 0.0
     if handles:
