@@ -386,24 +386,30 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
 
     # SAF beta and SGR final-vs-raw alignment per node: rows of a fixed height (about 0.6 inch), so
     # that one model's single row is a strip beside the picture, not a block as tall as the picture
-    rows, labels = [], []
+    # each row its own colour scale: SAF's beta from 0 to its largest (white: no weight), SGR's
+    # cosines on a diverging scale from -1 to 1 (white: 0, blue below, red above)
+    import matplotlib
+
+    rows, labels, colours = [], [], []
     if explanation.saf_beta is not None:
-        rows.append(explanation.saf_beta / explanation.saf_beta.max())
+        rows.append(explanation.saf_beta)
         labels.append("SAF $\\beta$")
+        colours.append(matplotlib.colormaps["Reds"](explanation.saf_beta / max(float(explanation.saf_beta.max()),
+                                                                                1e-12)))
     if explanation.sgr_alignment is not None:
         rows.append(explanation.sgr_alignment)
         labels.append("SGR final·raw")
+        colours.append(matplotlib.colormaps["RdBu_r"]((np.clip(explanation.sgr_alignment, -1.0, 1.0) + 1.0) / 2.0))
     strip = min(top_height - 1.6, 0.6 * max(1, len(rows)))
     axis = upper.add_subplot(top[1].subgridspec(3, 1, height_ratios=[1.0, strip, top_height - 1.0 - strip])[1])
     if rows:
-        values = np.stack(rows)
-        axis.imshow(values, cmap="Reds", aspect="auto", vmin=min(0.0, float(values.min())), vmax=1.0)
-        raw = [explanation.saf_beta, explanation.sgr_alignment]
-        raw = [r for r in raw if r is not None]
-        for i, row in enumerate(raw):
+        cells = np.stack(colours)                                      # (rows, nodes, RGBA)
+        axis.imshow(cells, aspect="auto")
+        luminance = cells[..., :3] @ np.array([0.299, 0.587, 0.114])
+        for i, row in enumerate(rows):
             for j, value in enumerate(row):
                 axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                          color="white" if values[i, j] > 0.65 else "black")
+                          color="white" if luminance[i, j] < 0.5 else "black")
         axis.set_yticks(range(len(labels)), labels, fontsize=9)
         axis.set_xticks(range(len(explanation.node_labels)), [_short(n) for n in explanation.node_labels], rotation=45,
                         ha="right", fontsize=8)
@@ -411,8 +417,8 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
     else:
         axis.axis("off")
         axis.text(0.5, 0.5, "no SAF or SGR head in these models", ha="center", va="center")
-    axis.set_title("per-alignment weights: SAF $\\beta$ (colour: / max), SGR: cosine of the reasoned "
-                   "read-out with each raw node", fontsize=8)
+    axis.set_title("per-alignment weights: SAF $\\beta$ (colour: white 0 to red at its largest); SGR: cosine of "
+                   "the reasoned read-out with each raw node, blue -1 to white 0 to red 1", fontsize=8)
 
     # each token's attention over the image
     if lower is not None:
