@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from sgraf.api import Matcher
-from sgraf.checkpoint import save_model
+from sgraf.checkpoint import load_model, save_model
 from sgraf.cli import main
 from sgraf.config import ModelConfig
 from sgraf.data.precomp import FINITE_SAMPLE, Batch, PrecompSplit
@@ -321,16 +321,26 @@ def test_vocabulary_share_between_warning_and_limit_warns_only(toy, caplog):
 
 
 def test_evaluate_and_index_warn_about_a_vocabulary_of_other_words(setup, tmp_path, capsys, caplog):
+    """A checkpoint that carries no vocabulary (as the authors' do) with a --vocab of other words:
+    a warning names the share of unknown words. (For one that carries its own, another --vocab
+    is refused: test_checkpoint.)"""
     vocab = _foreign_vocab(tmp_path / "foreign_vocab.json", size=len(setup["vocab"]))
+    bare = tmp_path / "bare.pt"
+    model = load_model(setup["checkpoint"])
+    model.vocab = None
+    save_model(model, bare)
     with caplog.at_level("WARNING"):
-        assert main(["evaluate", "--checkpoint", setup["checkpoint"], "--vocab", str(vocab), "--data",
+        assert main(["evaluate", "--checkpoint", str(bare), "--vocab", str(vocab), "--data",
                      str(setup["data"]), "--split", "dev", "--quiet", "--json"]) == 0
     assert f"{vocab}: 100.0% of the" in caplog.text and "dev_caps.txt are unknown" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        assert main(["index", "--checkpoint", setup["checkpoint"], "--vocab", str(vocab), "--data",
+        assert main(["index", "--checkpoint", str(bare), "--vocab", str(vocab), "--data",
                      str(setup["data"]), "--split", "dev", "--out", str(tmp_path / "index")]) == 0
     assert f"{vocab}: 100.0% of the" in caplog.text and "the dev captions of" in caplog.text
+    assert main(["evaluate", "--checkpoint", setup["checkpoint"], "--vocab", str(vocab), "--data",
+                 str(setup["data"]), "--split", "dev", "--quiet"]) == 2
+    assert "carries its own vocabulary, which differs from" in _one_line_error(capsys)
 
 
 # ------------------------------------------------------------------ garbage .npy files, our words
