@@ -111,8 +111,14 @@ def two_process_results(tmp_path_factory):
     script.write_text(WORKER)
     out = folder / "results.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    for attempt in range(2):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               "2", str(script), str(out)], env=env, capture_output=True, text=True, timeout=300)
+        # once in a fresh CI run on a loaded machine, a rank aborted in PyTorch's gloo teardown (C++
+        # "terminate called without an active exception", SIGABRT) after the barrier of
+        # distributed.cleanup; that abort alone is run again, once
+        if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
 
