@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="model checkpoint (ours or the authors' .pth.tar); several (or --checkpoint repeated) "
                              "for an ensemble")
     parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
-    parser.add_argument("--split", required=True, help="split to index (e.g. test)")
+    parser.add_argument("--split", default="test", help="split to index")
     parser.add_argument("--out", required=True, metavar="INDEX", help="index folder to write")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
