@@ -178,8 +178,7 @@ def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
     from sgraf.data.layout import IMAGES, data_set_family, data_set_files
     from sgraf.errors import InputError
     from sgraf.io_paths import resolved
-    from sgraf.training.run_dir import RUN_FILES
-    from sgraf.training.runs import is_run_folder
+    from sgraf.training.runs import run_folder_of
 
     for label, path in outputs:
         if path is None:
@@ -192,7 +191,7 @@ def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
             what = f"a file name of the precomp data set in {folder}"
         elif folder.parent.name == IMAGES and data_set_files(folder.parent.parent):
             what = f"in the pictures of the precomp data set in {folder.parent.parent}"
-        elif target.name in RUN_FILES and is_run_folder(folder):
+        elif run_folder_of(target) is not None:
             what = f"a file of the run folder {folder}"
         else:
             continue

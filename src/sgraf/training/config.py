@@ -231,6 +231,14 @@ class TrainConfig:
         return ModelConfig(vocab_size=vocab_size, img_dim=img_dim, num_regions=num_regions, **values)
 
 
+def patience_ran_out(patience: Any, epochs_done: int, best_epoch: int | None) -> bool:
+    """The early stop's rule, for the training loop (from its progress) and `sgraf runs` (from a
+    run's records) alike: `patience` (> 0) epochs have ended since `best_epoch`, the epoch of the
+    best dev rsum (None before any validation)."""
+    return (isinstance(patience, int) and not isinstance(patience, bool) and patience > 0
+            and best_epoch is not None and epochs_done - best_epoch >= patience)
+
+
 # Keys that may change when a run is resumed; the others define the run and stay as recorded.
 RESUMABLE_KEYS = ("epochs", "patience", "val_every", "checkpoint_every", "log_every", "workers", "device",
                   "progress", "val_batch_size", "tf32")

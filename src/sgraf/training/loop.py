@@ -34,7 +34,7 @@ from sgraf.precision import tf32
 from sgraf.training import pairs
 from sgraf.training import run_dir as rd
 from sgraf.training.batches import PlannedBatches
-from sgraf.training.config import TrainConfig, check_resumable
+from sgraf.training.config import TrainConfig, check_resumable, patience_ran_out
 from sgraf.training.families import FamilyBatchSampler, TruthCollate
 from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_state,
                                   restore_train_state)
@@ -579,8 +579,9 @@ class _RunRecord:
 
 
 def out_of_patience(config: TrainConfig, progress: Progress) -> bool:
-    """Whether the run stops early: `patience` epochs ended since the one with the best dev rsum."""
-    return bool(config.patience) and progress.epochs_without_better() >= config.patience
+    """Whether the run stops early: `patience` epochs ended since the one with the best dev rsum
+    (`config.patience_ran_out`, the rule `sgraf runs` reads from the records)."""
+    return patience_ran_out(config.patience, progress.epoch, progress.best_epoch if progress.best_step >= 0 else None)
 
 
 def _non_finite_message(error: NonFiniteLossError, progress: Progress, config: TrainConfig, run: pathlib.Path,

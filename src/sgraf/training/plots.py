@@ -106,11 +106,11 @@ def check_plot_output(folders: Sequence[str | os.PathLike[str]], path: str | os.
     inputs here), in `sgraf.io_paths.check_outputs`'s one line, or a run file of another run folder."""
     from sgraf.io_paths import check_outputs, resolved
     from sgraf.training.run_dir import RUN_FILES
-    from sgraf.training.runs import is_run_folder
+    from sgraf.training.runs import run_folder_of
 
     check_outputs([("run file", f"{folder}/{name}") for folder in folders for name in RUN_FILES], [(label, path)])
     target = resolved(path)
-    if target.name in RUN_FILES and is_run_folder(target.parent):     # a run not listed here
+    if run_folder_of(target) is not None:     # a run not listed here
         raise InputError(f"{label} {path} is the {target.name} of the run folder {target.parent}; an output must "
                          "not write over a run's files: choose another path")
 

@@ -20,7 +20,7 @@ from sgraf.errors import InputError
 from sgraf.folder_lock import LOCK_FILE, describe_holder, pid_alive
 from sgraf.io_paths import path_list
 from sgraf.training import run_dir as rd
-from sgraf.training.config import load_config_file
+from sgraf.training.config import load_config_file, patience_ran_out
 
 # the files that make a folder a run folder (a failed start leaves config.yaml alone)
 _MARKS = (rd.CONFIG_FILE, rd.METRICS_FILE, rd.LAST_CHECKPOINT)
@@ -94,6 +94,14 @@ def is_run_folder(folder: str | os.PathLike[str]) -> bool:
     return holder is not None and holder.get("purpose") == rd.RUN_LOCK_PURPOSE   # not a demo's, an index's
 
 
+def run_folder_of(path: str | os.PathLike[str]) -> pathlib.Path | None:
+    """The run folder whose own file `path` is (its name one of `run_dir.RUN_FILES`, its folder a
+    run folder), else None: what an output must never be (`plots.check_plot_output`,
+    `cli.arguments.refuse_others_files`)."""
+    target = pathlib.Path(path)
+    return target.parent if target.name in rd.RUN_FILES and is_run_folder(target.parent) else None
+
+
 def _runs_below(folder: pathlib.Path) -> Iterable[pathlib.Path]:
     for root, folders, _ in os.walk(folder):
         here = pathlib.Path(root)
@@ -128,7 +136,7 @@ def read_run(folder: str | os.PathLike[str]) -> Run:
         state = "running"
     elif isinstance(total, int) and done >= total:
         state = "finished"
-    elif _out_of_patience(values.get("patience"), done, best):
+    elif patience_ran_out(values.get("patience"), done, None if best is None else int(best.get("epoch", done))):
         state = "stopped early"
     elif (path / rd.LAST_CHECKPOINT).is_file():
         state = "stopped"
@@ -138,13 +146,6 @@ def read_run(folder: str | os.PathLike[str]) -> Run:
         state = "not started"
     return Run(str(path), state, settings, data, (done, total if isinstance(total, int) else None),
                int(records[-1].get("step", 0)) if records else 0, best, records[-1] if records else None, holder)
-
-
-def _out_of_patience(patience: Any, done: int, best: dict[str, Any] | None) -> bool:
-    """The training loop's early stop (`loop.out_of_patience`) read from the records: `patience`
-    epochs ended since the one with the best dev rsum."""
-    return (isinstance(patience, int) and patience > 0 and best is not None
-            and done - int(best.get("epoch", done)) >= patience)
 
 
 def _live_holder(folder: pathlib.Path) -> dict[str, Any] | None:
