@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
-    from sgraf.training.config import RESUMABLE_KEYS, parse_overrides, resolve_config
+    from sgraf.training.config import RESUMABLE_KEYS, fixed_keys_changed, parse_overrides, resolve_config
     from sgraf.training.loop import fit
     from sgraf.training.step import NonFiniteLossError
     from sgraf.training.run_dir import load_run_config
@@ -74,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
         config, data, preset = load_run_config(Path(args.resume))
         overrides = parse_overrides(args.overrides)
         # a key set to the value the run has is no change (a script may repeat its whole --set line)
-        fixed = sorted(key for key in set(overrides) - set(RESUMABLE_KEYS)
-                       if overrides[key] != getattr(config, key))
+        fixed = sorted(fixed_keys_changed(config, overrides))
         if fixed:
             raise InputError(f"--set {', '.join(fixed)} cannot change when resuming; keys that can: "
                              f"{', '.join(RESUMABLE_KEYS)}")

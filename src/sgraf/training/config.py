@@ -244,12 +244,18 @@ RESUMABLE_KEYS = ("epochs", "patience", "val_every", "checkpoint_every", "log_ev
                   "progress", "val_batch_size", "tf32")
 
 
+def fixed_keys_changed(recorded: TrainConfig, changes: dict[str, Any]) -> list[str]:
+    """The keys of `changes` (key -> new value) outside `RESUMABLE_KEYS` whose value differs from
+    the run's `recorded` one, in config order (a key set to its recorded value is no change)."""
+    return [f.name for f in dataclasses.fields(TrainConfig)
+            if f.name in changes and f.name not in RESUMABLE_KEYS and changes[f.name] != getattr(recorded, f.name)]
+
+
 def check_resumable(recorded: TrainConfig, config: TrainConfig, run: str) -> None:
     """Refuses to resume the run `run`, configured as `recorded`, with a `config` that differs in
     a key outside `RESUMABLE_KEYS` (InputError naming each such key with both values)."""
-    changed = [f"{f.name}={getattr(config, f.name)!r} (the run's: {getattr(recorded, f.name)!r})"
-               for f in dataclasses.fields(TrainConfig)
-               if f.name not in RESUMABLE_KEYS and getattr(config, f.name) != getattr(recorded, f.name)]
+    keys = fixed_keys_changed(recorded, {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)})
+    changed = [f"{key}={getattr(config, key)!r} (the run's: {getattr(recorded, key)!r})" for key in keys]
     if changed:
         raise InputError(f"cannot resume {run} with another config: {', '.join(changed)}; a resume may change only "
                          f"{', '.join(RESUMABLE_KEYS)}")
