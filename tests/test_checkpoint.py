@@ -87,6 +87,21 @@ def test_convert_command_reports_bad_input_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "x.pt").exists()
 
 
+def test_convert_command_never_writes_over_a_run_folders_checkpoint(tmp_path, capsys):
+    """A converted checkpoint over a run's best.pt would leave `sgraf runs` describing that run
+    with another model's weights."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("module: sgr\n")
+    (run / "best.pt").write_bytes(b"the run's own best")
+    assert main(["convert-checkpoint", str(DATA / "e2e" / "sgr.pth.tar"), str(run / "best.pt"),
+                 "--vocab", str(E2E_VOCAB)]) == 2
+    assert f"DST {run / 'best.pt'} is a file of the run folder" in capsys.readouterr().err
+    assert (run / "best.pt").read_bytes() == b"the run's own best"
+    assert main(["convert-checkpoint", str(DATA / "e2e" / "sgr.pth.tar"), str(run / "converted.pt"),
+                 "--vocab", str(E2E_VOCAB)]) == 0   # another name in the folder is no run file
+
+
 class Payload:
     """Any class other than argparse.Namespace must be refused."""
 

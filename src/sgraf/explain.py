@@ -417,8 +417,14 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
     else:
         axis.axis("off")
         axis.text(0.5, 0.5, "no SAF or SGR head in these models", ha="center", va="center")
-    axis.set_title("per-alignment weights: SAF $\\beta$ (colour: white 0 to red at its largest); SGR: cosine of "
-                   "the reasoned read-out with each raw node, blue -1 to white 0 to red 1", fontsize=8)
+    # a line for each row drawn, so the title is no wider than the strip
+    legend = []
+    if explanation.saf_beta is not None:
+        legend.append("SAF $\\beta$: each alignment's weight, white 0 to red at its largest")
+    if explanation.sgr_alignment is not None:
+        legend.append("SGR final·raw: cosine of the reasoned read-out with each raw node, blue -1, white 0, red 1")
+    if legend:
+        axis.set_title("\n".join(legend), fontsize=8)
 
     # each token's attention over the image
     if lower is not None:

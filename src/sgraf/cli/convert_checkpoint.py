@@ -12,7 +12,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "argparse.Namespace is unpickled) and write an sgraf checkpoint (tensors and plain "
                     "values, loadable with weights_only=True), optionally with its vocabulary.")
     parser.add_argument("src", help="official checkpoint (model_best.pth.tar) or an sgraf checkpoint")
-    parser.add_argument("dst", help="output path")
+    parser.add_argument("dst", help="output path (not a file of a run folder, index or data set)")
     parser.add_argument("--vocab", help="vocabulary JSON of the data set (e.g. f30k_precomp_vocab.json), "
                                         "stored in the checkpoint")
     parser.set_defaults(func=run)
@@ -20,9 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sgraf.checkpoint import convert_official
+    from sgraf.cli.arguments import refuse_others_files
     from sgraf.io_paths import check_outputs
 
     check_outputs([("SRC", args.src), ("--vocab", args.vocab)], [("DST", args.dst)])
+    refuse_others_files([("DST", args.dst)])   # e.g. a run's best.pt, which sgraf runs would then misdescribe
 
     checkpoint = convert_official(args.src, args.dst, vocab=args.vocab)
     config = checkpoint["config"]
