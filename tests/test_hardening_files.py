@@ -291,6 +291,27 @@ def _tiny_backbone() -> GridBackbone:
     return GridBackbone(nn.Conv2d(3, 4, kernel_size=32, stride=32), feature_dim=4, image_size=64, name="tiny")
 
 
+def test_overwrite_never_replaces_a_file_of_the_users_own_of_an_output_name(tmp_path):
+    """--overwrite replaces sgraf's files; boxes or captions the user wrote under the names
+    extract writes stay theirs (extract had replaced them with exit 0)."""
+    out = tmp_path / "data"
+    out.mkdir()
+    np.save(out / "test_boxes.npy", np.full((1, 4, 4), 7, np.float32))
+    (out / "test_caps.txt").write_text("mine\n")
+    before = _files(out)
+    render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(tmp_path / "im.png")
+    (tmp_path / "caps.tsv").write_text("im.png\ta red square\n")
+    with pytest.raises(InputError, match=f"^{out / 'test_boxes.npy'} was not written by sgraf, and sgraf extract "
+                                         r"would replace it \(--overwrite replaces only files sgraf wrote\); move it "
+                                         "away with the 1 other such files"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False, overwrite=True)
+    assert _files(out) == before
+    (out / "test_boxes.npy").unlink()
+    (out / "test_caps.txt").unlink()
+    extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False)
+    extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False, overwrite=True)
+
+
 def test_extract_overwrite_removes_boxes_and_ids_an_earlier_conversion_left(tmp_path):
     out = tmp_path / "data"
     convert_tsv(_tsv(tmp_path / "a.tsv", 3, 0), out, "test", progress=False)

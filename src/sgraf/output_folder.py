@@ -15,9 +15,9 @@ that writes such files (`sgraf generate`, `convert-tsv`, `extract`) does it thro
   the files of the earlier generation are removed first (those of the same names and those the
   new one does not write), then the new ones moved in: at no moment does the folder hold files
   of both. A failure or signal before that point leaves the folder as it was.
-- sgraf only deletes files it wrote: the folder's record `.sgraf-files.json` lists them (name
-  -> command). A file of the same family that sgraf did not write and the new generation
-  would not replace is never deleted; the command refuses and names it instead (unless the
+- sgraf only deletes or replaces files it wrote: the folder's record `.sgraf-files.json` lists
+  them (name -> command). A file of the same family that sgraf did not write is never deleted
+  or replaced, `--overwrite` or not; the command refuses and names it instead (unless the
   caller pairs it with the new files on purpose: captions kept beside converted features).
 """
 
@@ -159,8 +159,8 @@ class NewGeneration:
         try:
             for leftover in self.folder.glob(STAGING_PREFIX + "*"):   # of a killed run: we hold the lock
                 shutil.rmtree(leftover, ignore_errors=True)
+            self._check_inputs()    # first: "an output is an input" says more than "not sgraf's"
             self._check()
-            self._check_inputs()
             self.staging = pathlib.Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.folder))
         except OSError as error:
             self._release()
@@ -220,6 +220,12 @@ class NewGeneration:
         if other and not self.overwrite:
             raise InputError(f"{self.folder} already holds other data ({_describe(other)}); pass --overwrite "
                              f"to replace it with the output of sgraf {self.command}, or choose another folder")
+        replaced = [name for name in existing if name in self.outputs and name not in record]
+        if replaced:    # --overwrite replaces sgraf's files only: the user's own boxes or captions stay theirs
+            raise InputError(f"{self.folder / replaced[0]} was not written by sgraf, and sgraf {self.command} would "
+                             f"replace it (--overwrite replaces only files sgraf wrote); move it away"
+                             + (f" with the {len(replaced) - 1} other such files" if len(replaced) > 1 else "")
+                             + ", or choose another folder")
         foreign = [name for name in existing if name not in self.outputs and name not in record
                    and name not in self.paired]
         if foreign:

@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the split's files the folder already holds; those an earlier sgraf run wrote and "
                              "this one does not (captions, boxes, ...) are removed, so no stale companion stays beside "
-                             "the new features; files sgraf did not write are never deleted")
+                             "the new features; files sgraf did not write are never deleted or replaced (the command refuses and names them)")
     parser.set_defaults(func=run)
 
 

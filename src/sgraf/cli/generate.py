@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="replace the data the folder already holds (features, captions, pictures, vocabulary); "
                              "without it a folder holding precomp files is refused. Files of the earlier data set that "
                              "sgraf wrote are removed, so none is left beside the new one; files sgraf did not write "
-                             "are never deleted")
+                             "are never deleted or replaced (the command refuses and names them)")
     parser.set_defaults(func=run)
 
 
