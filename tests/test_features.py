@@ -91,6 +91,51 @@ def test_extract_errors(tmp_path):
         get_backbone("resnet9000")
 
 
+def test_pictures_are_read_upright_and_in_eight_bits(tmp_path):
+    """A phone photo stored sideways with an EXIF orientation tag gives the features, size and
+    boxes of the upright picture; a 16-bit grey PNG is scaled to 8 bits (Pillow's own conversion
+    turned it white)."""
+    register_backbone("tiny-test", tiny_backbone)
+    upright = scene_images(1)[0].resize((40, 100))
+    upright.save(tmp_path / "upright.png")
+    stored = upright.transpose(Image.Transpose.ROTATE_90)          # 100 x 40, as a phone stores it
+    exif = stored.getexif()
+    exif[0x0112] = 6                                               # "rotate 90 degrees clockwise to view"
+    stored.save(tmp_path / "phone.jpg", exif=exif, quality=100)
+    grey = np.linspace(0, 65535, 64 * 48).reshape(48, 64).astype(np.uint16)
+    Image.fromarray(grey).save(tmp_path / "grey16.png")
+    Image.fromarray(np.rint(grey / 257).astype(np.uint8)).save(tmp_path / "grey8.png")
+    (tmp_path / "caps.tsv").write_text("".join(f"{n}\tcaption\n" for n in ("upright.png", "phone.jpg", "grey16.png",
+                                                                          "grey8.png")), encoding="utf-8")
+    extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "test", tiny_backbone(), progress=False)
+    split = PrecompSplit(tmp_path / "out", "test")
+    assert np.load(tmp_path / "out" / "test_image_sizes.npy").tolist() == [[40, 100], [40, 100], [64, 48], [64, 48]]
+    features = np.asarray(split.images).reshape(4, -1)
+    cosine = features[0] @ features[1] / np.linalg.norm(features[0]) / np.linalg.norm(features[1])
+    assert cosine > 0.99                                           # JPEG's loss only; sideways it was far apart
+    assert_close(features[2], features[3], SAME_PATH)
+
+
+def test_unreadable_and_oversized_pictures_are_named_before_any_is_run(tmp_path, monkeypatch):
+    register_backbone("tiny-test", tiny_backbone)
+    for i, image in enumerate(scene_images(2)):
+        image.save(tmp_path / f"im{i}.png")
+    (tmp_path / "zz_text.jpg").write_text("not a picture")
+    (tmp_path / "caps.tsv").write_text("im0.png\ta\nim1.png\tb\nzz_text.jpg\tc\n", encoding="utf-8")
+    trunk_calls = []
+    backbone = tiny_backbone()
+    backbone.trunk.register_forward_hook(lambda *_: trunk_calls.append(1))
+    with pytest.raises(InputError, match=r"zz_text\.jpg: not a readable image"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "x", backbone, batch_size=1,
+                       progress=False)
+    assert trunk_calls == []                                       # found before the first batch
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)           # a 192 x 192 picture is then a "bomb"
+    (tmp_path / "caps.tsv").write_text("im0.png\ta\nim1.png\tb\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"^\S*im0\.png: a picture larger than Pillow reads safely \(.*\); resize it "
+                                         r"first; and 1 more unreadable pictures$"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "x", backbone, progress=False)
+
+
 class SecondBatchGoesBad(nn.Module):
     """A trunk whose output for the last image of its second batch holds a NaN (dim 5, region 0)."""
 

@@ -262,6 +262,54 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
     return np.load(out_path, mmap_mode="r")
 
 
+def _open_picture(path: Path) -> "Image.Image":
+    """`Image.open(path)` (reads the header only), its failures one InputError naming the file."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(path)
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"{path}: a picture larger than Pillow reads safely ({exc}); resize it first") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a readable image ({exc})") from None
+
+
+def check_pictures(folder: Path, names: list[str]) -> None:
+    """Opens every picture's header (no decoding), so that a file that is no picture, or one too
+    large to read, is named before any is run through a network: all such files in one line."""
+    bad = []
+    for name in names:
+        try:
+            _open_picture(folder / name).close()
+        except InputError as error:
+            bad.append(str(error))
+    if bad:
+        raise InputError(bad[0] + (f"; and {len(bad) - 1} more unreadable pictures" if len(bad) > 1 else ""))
+
+
+def read_picture(path: Path) -> "Image.Image":
+    """The picture at `path` as 8-bit RGB, upright: turned as its EXIF orientation says (a phone's
+    photo is stored sideways with a tag), 16-bit and 32-bit grey scaled to 8 bits (Pillow's own
+    conversion clips them to white). InputError naming the file if it cannot be read."""
+    from PIL import Image, ImageOps
+
+    try:
+        with _open_picture(path) as image:
+            image = ImageOps.exif_transpose(image)
+            if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+                values = np.asarray(image, dtype=np.float64)
+                if not np.isfinite(values).all():
+                    raise InputError(f"{path}: a {image.mode} picture with NaN or inf pixels; expected finite values")
+                top = 65535.0 if image.mode.startswith("I;16") or (image.mode == "I" and values.min() >= 0
+                                                                    and values.max() <= 65535) else None
+                low, high = (0.0, top) if top is not None else (float(values.min()), float(values.max()))
+                scaled = (values - low) / max(high - low, 1e-12) * 255.0
+                image = Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), "L")
+            return image.convert("RGB")
+    except OSError as exc:   # decoding: a truncated file, a broken stream
+        raise InputError(f"{path}: not a readable image ({exc})") from None
+
+
 def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.PathLike[str],
                    out_dir: str | os.PathLike[str], split: str, backbone: GridBackbone,
                    batch_size: int = 32, progress: bool = True, overwrite: bool = False) -> dict[str, int]:
@@ -280,8 +328,6 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     Returns:
         `{"images", "captions", "regions", "feature_dim"}`.
     """
-    from PIL import Image, UnidentifiedImageError
-
     from sgraf.data.convert import read_caption_table
 
     check_positive_int(batch_size, "batch_size")
@@ -302,14 +348,13 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
 
     sizes = np.zeros((len(names), 2), dtype=np.float32)  # width, height of each picture as read
 
+    check_pictures(images_dir, names)   # every file's header before the network's first batch
+
     def load() -> Iterable["Image.Image"]:
         for index, name in enumerate(names):
-            try:
-                with Image.open(images_dir / name) as image:
-                    sizes[index] = image.size
-                    yield image.convert("RGB")
-            except (UnidentifiedImageError, OSError) as exc:
-                raise InputError(f"{images_dir / name}: not a readable image ({exc})") from None
+            picture = read_picture(images_dir / name)
+            sizes[index] = picture.size
+            yield picture
 
     outputs = {key: f"{split}{suffix}" for key, suffix in
                (("ims", "_ims.npy"), ("caps", "_caps.txt"), ("names", "_image_names.txt"),
