@@ -291,6 +291,22 @@ def _tiny_backbone() -> GridBackbone:
     return GridBackbone(nn.Conv2d(3, 4, kernel_size=32, stride=32), feature_dim=4, image_size=64, name="tiny")
 
 
+@pytest.mark.parametrize("split", ["../evil", "sub/test", "", ".hidden"])
+def test_a_split_is_a_plain_name(tmp_path, capsys, split):
+    """`--split ../evil` had written data/evil_*.npy outside the record (so --overwrite no longer
+    knew them) while printing data/x/../evil_ims.npy."""
+    tsv = _tsv(tmp_path / "a.tsv", 2, 0)
+    assert main(["convert-tsv", "--tsv", str(tsv), "--out", str(tmp_path / "x"), "--split", split]) == 2
+    assert "argument --split: expected a split name such as train, dev, test or testall" in _one_line_error(capsys)
+    for argv in (["evaluate", "--sims", str(tsv)], ["data", "check", "--data", str(tmp_path)]):
+        assert main([*argv, "--split", split]) == 2 and "argument --split" in _one_line_error(capsys)
+    with pytest.raises(InputError, match="^split: expected a split name"):
+        convert_tsv(tsv, tmp_path / "x", split, progress=False)
+    with pytest.raises(InputError, match="^split: expected a split name"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "x", split, _tiny_backbone(), progress=False)
+    assert not (tmp_path / "x").exists() and sorted(os.listdir(tmp_path)) == ["a.tsv"]
+
+
 def test_overwrite_never_replaces_a_file_of_the_users_own_of_an_output_name(tmp_path):
     """--overwrite replaces sgraf's files; boxes or captions the user wrote under the names
     extract writes stay theirs (extract had replaced them with exit 0)."""

@@ -33,6 +33,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def split_name(text: str) -> str:
+    """A split name (train, dev, test, testall, ...): a plain name, no path (`layout.split_problem`)."""
+    from sgraf.data.layout import split_problem
+
+    problem = split_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def seed(text: str) -> int:
     """A random seed, 0 .. 2**32 - 1 (what numpy accepts)."""
     from sgraf.training.config import MAX_SEED

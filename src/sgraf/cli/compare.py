@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from sgraf.cli.arguments import (ENSEMBLE_OF_MODELS, add_score_source, add_scoring_options, checked_device,
-                                 positive_int, seed)
+                                 positive_int, seed, split_name)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", metavar="DIR",
                         help="the precomp folder of the split: needed to score checkpoints; checks saved matrices' "
                              "shape, and their captions by the records --save-sims writes")
-    parser.add_argument("--split", default="test", help="split name, with --data (MSCOCO: testall)")
+    parser.add_argument("--split", type=split_name, default="test", help="split name, with --data (MSCOCO: testall)")
     parser.add_argument("--folds", type=positive_int, default=1, metavar="K",
                         help="metrics averaged over K consecutive equal folds, images resampled within each "
                              "(MSCOCO 1K: --split testall --folds 5)")

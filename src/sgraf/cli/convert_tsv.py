@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from sgraf.cli.arguments import split_name
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -14,13 +16,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "(lines 'image_id<TAB>caption') also OUT/SPLIT_caps.txt in the same image order.")
     parser.add_argument("--tsv", required=True, help="input TSV file")
     parser.add_argument("--out", required=True, help="output data directory")
-    parser.add_argument("--split", required=True, help="split name, e.g. train")
+    parser.add_argument("--split", type=split_name, required=True, help="split name, e.g. train")
     parser.add_argument("--captions", help="captions file: 'image_id<TAB>caption' per line")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the split's files the folder already holds; those an earlier sgraf run wrote and "
                              "this one does not (captions, boxes, ...) are removed, so no stale companion stays beside "
-                             "the new features; files sgraf did not write are never deleted or replaced (the command refuses and names them)")
+                             "the new features; files sgraf did not write are never deleted or "
+                             "replaced (the command refuses and names them)")
     parser.set_defaults(func=run)
 
 

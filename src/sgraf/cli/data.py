@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sgraf.cli.arguments import positive_int
+from sgraf.cli.arguments import positive_int, split_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "images, captions, captions per image, regions, feature size and the unknown-word rate. "
                     "Exit code 2 on bad input.")
     check.add_argument("--data", required=True, help="data directory")
-    check.add_argument("--split", required=True, help="split name (train, dev, test, testall, ...)")
+    check.add_argument("--split", type=split_name, required=True, help="split name (train, dev, test, testall, ...)")
     check.add_argument("--vocab", help="vocabulary JSON (default: DIR/vocab.json when present)")
     check.add_argument("--full-scan", action="store_true", help="check every feature for NaN/inf")
     check.add_argument("--max-captions", type=positive_int, help="only the first N captions (the authors' dev: 5000)")

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
-                                 checked_device, positive_int)
+                                 checked_device, positive_int, split_name)
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", metavar="DIR", help="directory with {SPLIT}_ims.npy and {SPLIT}_caps.txt "
                         "(required with --checkpoint; with --sims, checks the matrices' shape, and their captions "
                         "by the records --save-sims writes)")
-    parser.add_argument("--split", default="test", help="split name (MSCOCO: testall)")
+    parser.add_argument("--split", type=split_name, default="test", help="split name (MSCOCO: testall)")
     parser.add_argument("--folds", type=positive_int, default=1, metavar="K",
                         help="average over K consecutive equal folds (MSCOCO 1K: --split testall --folds 5)")
     parser.add_argument("--tf32", action="store_true",

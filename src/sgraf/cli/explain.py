@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from sgraf.cli.arguments import (ENSEMBLE_OF_MODELS, data_inputs, device, non_negative_int, refuse_others_files,
-                                 utf8_text)
+                                 split_name, utf8_text)
 
 if TYPE_CHECKING:
     from sgraf.explain import Explanation
@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint", action="extend", nargs="+", required=True, metavar="CKPT",
                         help="model checkpoint; several (or --checkpoint repeated) for an ensemble (e.g. SGR and SAF)")
     parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
-    parser.add_argument("--split", default="test", help="split holding the image")
+    parser.add_argument("--split", type=split_name, default="test", help="split holding the image")
     parser.add_argument("--image-id", required=True, type=non_negative_int, metavar="N",
                         help="image index in the split")
     parser.add_argument("--text", required=True, type=utf8_text, help="the caption to explain")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import device, positive_int
+from sgraf.cli.arguments import device, positive_int, split_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--images", required=True, help="folder of images")
     parser.add_argument("--captions", required=True, help="captions file: 'file_name<TAB>caption' per line")
     parser.add_argument("--out", required=True, help="output data directory")
-    parser.add_argument("--split", default="train", help="split name")
+    parser.add_argument("--split", type=split_name, default="train", help="split name")
     parser.add_argument("--backbone", default="efficientnet-lite0", help="backbone name")
     parser.add_argument("--weights", help="weights file (default: the one installed with the backbone)")
     parser.add_argument("--image-size", type=positive_int, default=192, help="input side in pixels")
@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the split's files the folder already holds; those an earlier sgraf run wrote and "
                              "this one does not (image ids, pictures, ...) are removed, so no stale companion "
-                             "stays beside the new features; files sgraf did not write are never deleted or replaced (the command refuses and names them)")
+                             "stays beside the new features; files sgraf did not write are never deleted or "
+                             "replaced (the command refuses and names them)")
     parser.set_defaults(func=run)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import ENSEMBLE_OF_MODELS, data_inputs, device, positive_int
+from sgraf.cli.arguments import split_name, ENSEMBLE_OF_MODELS, data_inputs, device, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="model checkpoint (ours or the authors' .pth.tar); several (or --checkpoint repeated) "
                              "for an ensemble")
     parser.add_argument("--data", required=True, metavar="DIR", help="precomp data folder")
-    parser.add_argument("--split", default="test", help="split to index")
+    parser.add_argument("--split", type=split_name, default="test", help="split to index")
     parser.add_argument("--out", required=True, metavar="INDEX", help="index folder to write")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",

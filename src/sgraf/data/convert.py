@@ -29,7 +29,7 @@ import numpy as np
 from sgraf import text_files
 from sgraf.atomic_write import preallocated_memmap
 from sgraf.data.boxes import box_problems, write_boxes
-from sgraf.data.layout import split_family
+from sgraf.data.layout import check_split_name, split_family
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
 
@@ -152,6 +152,7 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     Returns:
         `{"images", "regions", "feature_dim", "captions"}`.
     """
+    check_split_name(split)
     tsv_path, out_dir = Path(tsv_path), Path(out_dir)
     if not tsv_path.is_file():
         raise InputError(f"{tsv_path}: missing TSV file")

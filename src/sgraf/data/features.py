@@ -29,7 +29,7 @@ from torch import nn
 from sgraf.atomic_write import atomic_path, preallocated_memmap, write_text
 from sgraf.data.arrays import check_finite_features
 from sgraf.data.boxes import grid_boxes, write_boxes
-from sgraf.data.layout import split_family
+from sgraf.data.layout import check_split_name, split_family
 from sgraf.errors import InputError, check_positive_int
 from sgraf.output_folder import NewGeneration
 from sgraf.weights_file import load_weights_only
@@ -331,6 +331,7 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     from sgraf.data.convert import read_caption_table
 
     check_positive_int(batch_size, "batch_size")
+    check_split_name(split)
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     if not images_dir.is_dir():
         raise InputError(f"images folder {images_dir} does not exist or is not a folder")

@@ -26,6 +26,26 @@ DATA_SET_FILES = ("vocab.json", "benchmark.json")
 IMAGES = "images"
 
 
+def split_problem(split: object) -> str | None:
+    """Why `split` cannot name a split (its files are `DATA/{split}_ims.npy` and so on: a path
+    separator or a leading dot would put them elsewhere, or hide them), else None."""
+    if not isinstance(split, str) or not split:
+        return f"expected a split name such as train, dev, test or testall, got {split!r}"
+    if "/" in split or "\\" in split or split.startswith(".") or not split.isprintable():
+        return (f"expected a split name such as train, dev, test or testall (no path separator, no leading dot), "
+                f"got {split!r}")
+    return None
+
+
+def check_split_name(split: object) -> None:
+    """InputError when `split` cannot name a split (`split_problem`)."""
+    from sgraf.errors import InputError
+
+    problem = split_problem(split)
+    if problem is not None:
+        raise InputError(f"split: {problem}")
+
+
 def split_family(split: str) -> Callable[[str], bool]:
     """Predicate over relative paths: the files of `split` (features and every companion)."""
     names = {split + suffix for suffix in SPLIT_SUFFIXES}
