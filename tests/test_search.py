@@ -149,7 +149,7 @@ def test_cli_search_json_lists_ids_and_scores_best_first(gallery, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--text", "a zebra runs"], "'zebra' not in the model's vocabulary"),
-    (["--text", "   "], "empty query"),
+    (["--text", "   "], "text is empty: give at least one word"),
     (["--image-id", "99"], "image id 99 is out of range"),
     (["--text", "a dog", "--top-k", "0"], "argument --top-k: expected a positive integer, got 0"),
 ])

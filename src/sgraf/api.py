@@ -273,7 +273,7 @@ class Matcher:
         if self.vocab is None:
             raise InputError("this matcher has no vocabulary; load it with vocab=PATH")
         if not isinstance(text, str) or not text.strip():
-            raise InputError(f"empty query text {text!r}: give at least one word")
+            raise InputError("text is empty: give at least one word")   # as the service says it
         check_text_length(text)                     # before the tokeniser reads a long text
         tokens = self.vocab.tokenize(text)
         if not tokens:

@@ -432,7 +432,7 @@ def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str
 def open_index(path: str | Path, matcher: Matcher | None = None,
                checkpoints: str | Path | Sequence[str | Path] | None = None, vocab: Any | None = None,
                verify: bool = True, first_stage: str = "auto",
-               device: str | torch.device = "cpu") -> "GalleryIndex":
+               device: str | torch.device = "cpu", in_memory: bool = False) -> "GalleryIndex":
     """Open an index folder for search.
 
     Args:
@@ -446,6 +446,9 @@ def open_index(path: str | Path, matcher: Matcher | None = None,
         first_stage: 'numpy' (exact inner products), 'faiss' (FAISS flat inner-product index,
             needs the `faiss` extra) or 'auto' (FAISS when installed).
         device: where the loaded models encode and score (not used with `matcher`).
+        in_memory: read the arrays into memory instead of mapping them (a server: files copied
+            over the index while it runs then change nothing it answers, and cannot crash it
+            with SIGBUS as a mapped file cut short does).
     """
     folder = Path(path)
     manifest = _read_manifest(folder)
@@ -460,7 +463,21 @@ def open_index(path: str | Path, matcher: Matcher | None = None,
                              "longer exist; pass --checkpoint with the same model(s)")
         matcher = Matcher.load(paths, vocab=vocab, device=device)
     check_identity(manifest, matcher, folder)
-    return GalleryIndex(folder, manifest, matcher, verify=verify, first_stage=first_stage)
+    return GalleryIndex(folder, manifest, matcher, verify=verify, first_stage=first_stage, in_memory=in_memory)
+
+
+def file_states(folder: Path, names: Sequence[str]) -> dict[str, tuple[int, ...] | None]:
+    """{name: (device, inode, size, modification time in ns)} of files in `folder` (None: not
+    there): a few stat calls that tell a file replaced (another inode), rewritten in place (size,
+    time) or removed, without reading it."""
+    states: dict[str, tuple[int, ...] | None] = {}
+    for name in names:
+        try:
+            stat = (folder / name).stat()
+            states[name] = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            states[name] = None
+    return states
 
 
 def _first_stage(asked: str) -> str:
@@ -485,7 +502,7 @@ class GalleryIndex:
     """
 
     def __init__(self, folder: Path, manifest: dict[str, Any], matcher: Matcher, verify: bool = True,
-                 first_stage: str = "auto") -> None:
+                 first_stage: str = "auto", in_memory: bool = False) -> None:
         if first_stage not in FIRST_STAGES:
             raise InputError(f"first_stage must be one of {', '.join(FIRST_STAGES)}, got {first_stage!r}")
         self.folder = folder
@@ -495,8 +512,11 @@ class GalleryIndex:
         self.n_images = int(manifest["n_images"])
         self.n_captions = int(manifest["n_captions"])
         self.caps_per_image = manifest.get("caps_per_image")
+        self.files = file_states(folder, [MANIFEST, *manifest["files"]])   # what `changed_files` compares
+
         def load(name: str) -> np.ndarray:
-            return _open_array(folder, name, manifest, verify)
+            array = _open_array(folder, name, manifest, verify)
+            return np.array(array) if in_memory else array
 
         self.image_keys = np.ascontiguousarray(load("image_keys.npy"))      # (n_img, G)
         self.caption_keys = np.ascontiguousarray(load("caption_keys.npy"))  # (n_cap, G)
@@ -514,6 +534,12 @@ class GalleryIndex:
         self._check_arrays(n_models)
         self._faiss = {"image": None, "caption": None}
         self.first_stage = _first_stage(first_stage)
+
+    def changed_files(self) -> list[str]:
+        """The index's files (names in its folder) that are no longer the ones opened: replaced,
+        rewritten or gone (`file_states`); empty while the folder holds what was opened."""
+        now = file_states(self.folder, list(self.files))
+        return [name for name, state in self.files.items() if now[name] != state]
 
     def _check_arrays(self, n_models: int) -> None:
         """What --no-verify leaves unchecked must still not crash a query: the arrays' shapes, the

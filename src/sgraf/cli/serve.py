@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from sgraf.serve.app import create_app
+    from sgraf.serve.app import SECURITY_HEADERS, create_app
+    from sgraf.serve.connections import guarded_protocol, raise_descriptor_limit
     from sgraf.serve.service import SearchService
     from sgraf.signals import Stopped
 
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     service = SearchService.open(args.index, checkpoints=args.checkpoint, vocab=args.vocab, device=args.device,
                                  precision=args.precision, shortlist=args.shortlist, verify=not args.no_verify,
                                  first_stage=args.first_stage, data_dir=args.data)
+    raise_descriptor_limit()
+    service.warm_up()   # the first request's one-time work (tokenizer, first stage, kernels) before announcing
     listening = bind(args.host, args.port)       # a busy port or a bad address: one line, before announcing
     port = listening.getsockname()[1]
     app = create_app(service, max_queue=args.max_queue, max_batch=args.max_batch, workers=args.workers)
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"serving {args.index} ({service.index.n_images} images, {service.index.n_captions} captions) "
           f"at http://{host}:{port}/  (API reference: /docs; Ctrl-C stops)", flush=True)
     server = _server_class(uvicorn)(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5))
+                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
+                                                   http=guarded_protocol(SECURITY_HEADERS), backlog=128))
     try:
         server.run(sockets=[listening])
         return server.exit_code()
@@ -154,10 +158,15 @@ def _server_class(uvicorn: Any) -> type:
     import asyncio
     import signal
 
+    from sgraf.serve.connections import quiet_accept_errors
     from sgraf.signals import Stopped
 
     class Server(uvicorn.Server):
         signum: int | None = None
+
+        async def startup(self, sockets: list | None = None) -> None:
+            quiet_accept_errors(asyncio.get_running_loop())   # no traceback per accept without descriptors
+            await super().startup(sockets)
 
         def handle_exit(self, sig: int, frame: object) -> None:
             self.signum = self.signum or sig

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sgraf import __version__
 from sgraf.serve import markdown
 from sgraf.serve.models import ErrorAnswer, ExplainAnswer, HealthAnswer, SearchAnswer
-from sgraf.serve.service import MAX_TEXT_CHARS, MAX_TEXT_WORDS, MAX_TOP_K, NotFound, SearchService
+from sgraf.serve.service import MAX_TEXT_CHARS, MAX_TEXT_WORDS, MAX_TOP_K, NotFound, SearchService, Stale
 from sgraf.serve.worker import Busy, Worker
 
 logger = logging.getLogger(__name__)
@@ -233,6 +233,10 @@ def _add_error_handlers(app: FastAPI, service: SearchService) -> None:
     @app.exception_handler(Busy)
     async def busy(_: Request, exc: Busy) -> JSONResponse:
         return _error(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(Stale)
+    async def stale(_: Request, exc: Stale) -> JSONResponse:
+        return _error(503, public(str(exc)))
 
     @app.exception_handler(ClientGone)
     async def gone(_: Request, exc: ClientGone) -> Response:

@@ -83,6 +83,7 @@ class ModelInfo(BaseModel):
 
 class HealthAnswer(BaseModel):
     status: str
+    changed: list[str]
     index: str
     gallery: dict[str, Optional[int]]
     models: list[ModelInfo]

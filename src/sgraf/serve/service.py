@@ -33,11 +33,16 @@ logger = logging.getLogger(__name__)
 # an absolute path inside a message (after a space, quote, parenthesis or the start)
 _ABSOLUTE_PATH = re.compile(r"(?:^|(?<=[\s'\"(=]))/[^\s'\"():,]+")
 
-__all__ = ["SearchService", "NotFound", "MAX_TEXT_CHARS", "MAX_TEXT_WORDS", "MAX_TOP_K", "PICTURE_SUFFIXES"]
+__all__ = ["SearchService", "NotFound", "Stale", "MAX_TEXT_CHARS", "MAX_TEXT_WORDS", "MAX_TOP_K", "PICTURE_SUFFIXES"]
 
 MAX_TOP_K = 1000
 PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg")
 PICTURE_ROUTE = "/images/"
+
+
+class Stale(RuntimeError):
+    """The data folder's files changed since the server started (HTTP 503): its pictures and
+    features may no longer be the gallery's; a restart (after `sgraf index`) serves them."""
 
 
 class NotFound(LookupError):
@@ -73,6 +78,7 @@ class SearchService:
         self._public_roots = self._roots()
         self.picture_dir = self._find_picture_dir()
         self.features, self.why_no_explain = self._open_features()
+        self._data_files = self._data_states()
 
     @classmethod
     def open(cls, index: str | os.PathLike[str], checkpoints: Sequence[str | os.PathLike[str]] | None = None,
@@ -88,7 +94,8 @@ class SearchService:
         from sgraf.api import Matcher
         from sgraf.search import check_identity, open_index
 
-        opened = open_index(index, checkpoints=checkpoints, vocab=vocab, verify=verify, first_stage=first_stage)
+        opened = open_index(index, checkpoints=checkpoints, vocab=vocab, verify=verify, first_stage=first_stage,
+                            in_memory=True)   # files copied over the index while serving change no answer
         loaded = opened.matcher
         if str(device) != "cpu" or precision != "fp32":
             opened.matcher = Matcher(loaded.models, vocab=loaded.vocab, sources=loaded.sources, device=device,
@@ -117,6 +124,32 @@ class SearchService:
             return None
         folder = self.data_dir / "images" / self.split
         return folder.resolve() if folder.is_dir() else None
+
+    def _data_states(self) -> dict[str, tuple[int, ...] | None]:
+        """The states (`sgraf.search.file_states`) of the data files the server reads while it
+        runs, or that a new data set in its place replaces: the split's features and captions (a
+        writer of the split replaces both; files added to the picture folder are no change)."""
+        from sgraf.search import file_states
+
+        if self.data_dir is None or self.split is None:
+            return {}
+        return file_states(self.data_dir, [f"{self.split}_ims.npy", f"{self.split}_caps.txt"])
+
+    def data_changed(self) -> list[str]:
+        """The data files (relative to the data folder) that changed since the server started."""
+        from sgraf.search import file_states
+
+        if not self._data_files:
+            return []
+        now = file_states(self.data_dir, list(self._data_files))
+        return [name for name, state in self._data_files.items() if now[name] != state]
+
+    def _check_data_unchanged(self) -> None:
+        changed = self.data_changed()
+        if changed:
+            raise Stale(f"the data folder's {', '.join(changed)} changed since the server started: its pictures and "
+                        "features may no longer be the gallery's; rebuild the index if the data changed, and "
+                        "restart sgraf serve")
 
     def _open_features(self) -> tuple[Any | None, str | None]:
         """The split's region features (memory-mapped) for explanations, or why there are none."""
@@ -162,6 +195,17 @@ class SearchService:
                              f"({differ} differ); rebuild the index with sgraf index")
         raise InputError(f"--data {given} is not the data the index {self.index.folder} was built from "
                          f"({built_from}): {differ} differ; give that data (or a copy of it)")
+
+    def warm_up(self) -> None:
+        """Runs once what a server's first requests would otherwise do while others wait: the
+        tokenizer's first call (which runs on the event loop, in `check_text`), a text search
+        and an image search (the first stage's structures, the kernels' first calls)."""
+        text = next((caption for caption in self.index.captions if caption.strip()), None)
+        if text is not None:
+            self.matcher.tokenize(text, allow_unknown=True)
+            self.index.search_texts([text], top_k=1, shortlist=self.shortlist_for(1), allow_unknown=True)
+        if self.index.n_images:
+            self.index.search_image(image_id=0, top_k=1, shortlist=self.shortlist_for(1))
 
     # ----------------------------------------------------------------------------- checks
     def check_text(self, text: Any, allow_unknown: bool = False) -> str:
@@ -218,6 +262,7 @@ class SearchService:
         """
         if self.picture_dir is None:
             raise NotFound("this gallery has no pictures")
+        self._check_data_unchanged()
         shown = relative if len(relative) <= 80 else relative[:77] + "..."
         candidate = Path(relative)
         if not relative or candidate.is_absolute() or ".." in candidate.parts or "\\" in relative \
@@ -284,6 +329,7 @@ class SearchService:
         text = self.check_text(text, allow_unknown)
         if self.features is None:
             raise NotFound(self.why_no_explain)
+        self._check_data_unchanged()
         boxes = None if self.index.image_boxes is None else np.asarray(self.index.image_boxes[image_id])
         explanation = explain_pair(self.matcher, np.asarray(self.features[image_id]), text,
                                    allow_unknown=allow_unknown, boxes=boxes)   # the boxes the index encoded with
@@ -350,8 +396,11 @@ class SearchService:
         """`GET /api/health`: the gallery, the models and how they run."""
         import torch
 
+        changed = [f"index {name}" for name in self.index.changed_files()]
+        changed += [f"data {name}" for name in self.data_changed()]
         return {
-            "status": "ok",
+            "status": "stale" if changed else "ok",
+            "changed": changed,
             "index": self.index.folder.name if self.index.folder.name else ".",
             "gallery": {"images": self.index.n_images, "captions": self.index.n_captions,
                         "caps_per_image": self.index.caps_per_image},

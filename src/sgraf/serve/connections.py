@@ -1,0 +1,163 @@
+"""How `sgraf serve` holds its connections: uvicorn's HTTP/1.1 protocol with three limits added.
+
+uvicorn waits without end for a request's headers: a client that opens a connection and sends
+half a request, or nothing, holds it (and a file descriptor) for as long as it likes, and about
+a thousand such clients made the server answer nobody and log a traceback per refused accept
+("Too many open files"). `GuardedProtocol` (uvicorn's `http=` class) adds:
+
+- a deadline for each request's headers (`HEADER_TIMEOUT_S`), from the connection's start or
+  from the first byte of a later request on a kept-alive connection; a client that misses it is
+  disconnected (uvicorn's own keep-alive timeout still closes idle connections between requests);
+- a cap on open connections (`connection_cap`: below the process's file descriptor limit), past
+  which a new connection is closed at once, with one warning line per `WARN_EVERY_S`;
+- uvicorn's answer to a malformed request (bad request line, headers too large, bytes that are
+  not HTTP) as JSON with the server's security headers, like every other error.
+
+Beside it, `raise_descriptor_limit` lifts the process's soft descriptor limit towards its hard
+one (as servers do: 1,024 is a common default), and `quiet_accept_errors` turns asyncio's
+traceback per failed accept (it retries up to its backlog in one go) into one line per
+`WARN_EVERY_S`.
+
+Behind a reverse proxy (nginx, Caddy) the proxy buffers whole requests and these limits are
+rarely reached; served straight on a public address, they keep slow clients from taking the
+server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from typing import Any
+
+logger = logging.getLogger("sgraf.serve")
+
+HEADER_TIMEOUT_S = 10.0    # a request's line and headers must arrive within this
+MAX_CONNECTIONS = 4096     # open connections at most (fewer where the descriptor limit is lower)
+DESCRIPTORS_WANTED = 65536 # the soft descriptor limit a server raises itself to, where the hard one allows
+SPARE_DESCRIPTORS = 64     # descriptors kept free for the index, the models, logs and the listener
+WARN_EVERY_S = 10.0        # at most one "refusing connections" line this often
+
+
+def connection_cap(limit: int = MAX_CONNECTIONS) -> int:
+    """The open connections the server keeps at most: `limit`, or fewer so that the process's
+    soft file-descriptor limit (RLIMIT_NOFILE) keeps `SPARE_DESCRIPTORS` free beside the ones it
+    has open now; at least 8."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = 32
+    if soft == resource.RLIM_INFINITY:
+        return limit
+    return max(8, min(limit, soft - open_now - SPARE_DESCRIPTORS))
+
+
+def raise_descriptor_limit(wanted: int = DESCRIPTORS_WANTED) -> int:
+    """Raises the soft RLIMIT_NOFILE to `wanted` or the hard limit, whichever is lower (never
+    lowers it); returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def quiet_accept_errors(loop: Any) -> None:
+    """An exception handler for `loop`: asyncio's "socket.accept() out of system resource"
+    (no descriptor left) becomes one warning line per `WARN_EVERY_S`, without its traceback;
+    everything else goes to the default handler."""
+    state = {"count": 0, "warned": 0.0}
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        if context.get("message") == "socket.accept() out of system resource":
+            state["count"] += 1
+            now = time.monotonic()
+            if now - state["warned"] >= WARN_EVERY_S:
+                logger.warning("cannot accept connections: %s (%d times so far); the open ones are kept",
+                               context.get("exception"), state["count"])
+                state["warned"] = now
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
+                     header_timeout: float = HEADER_TIMEOUT_S) -> type:
+    """uvicorn's h11 protocol class with the limits above (see the module docstring).
+
+    Args:
+        security_headers: sent with the JSON answer to a malformed request.
+        cap: open connections at most (default `connection_cap()`).
+        header_timeout: seconds a request's headers may take to arrive.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    most = connection_cap() if cap is None else cap
+    refused = {"count": 0, "warned": 0.0}
+
+    class GuardedProtocol(H11Protocol):
+        _header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > most:
+                refused["count"] += 1
+                now = time.monotonic()
+                if now - refused["warned"] >= WARN_EVERY_S:
+                    logger.warning("refusing new connections: %d open, the most sgraf serve keeps "
+                                   "(%d refused so far)", most, refused["count"])
+                    refused["warned"] = now
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:   # a request's headers still (partly) to come
+                self._arm()
+            else:
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is None and not self.transport.is_closing():
+                self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing() and (
+                    self.cycle is None or self.cycle.response_complete):
+                self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps({"error": f"{msg.rstrip('.')}: not an HTTP/1.1 request this server can read"}).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode()),
+                       *((name.encode("latin-1"), value.encode("latin-1")) for name, value in security_headers.items())]
+            try:
+                self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
+                                                                 reason=b"Bad Request")))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+            except h11.LocalProtocolError:     # h11 cannot answer in its state: close as uvicorn does
+                pass
+            self.transport.close()
+
+    return GuardedProtocol

@@ -1,0 +1,181 @@
+"""`sgraf serve` against slow or hostile clients and files changed under it: the header deadline,
+the connection cap, malformed requests answered in JSON, an index held in memory, data that
+changed while serving (a serving walk found each of these)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from sgraf.serve.app import SECURITY_HEADERS, create_app  # noqa: E402
+from sgraf.serve.connections import connection_cap, guarded_protocol, raise_descriptor_limit  # noqa: E402
+from sgraf.serve.service import SearchService  # noqa: E402
+from test_serve import _free_port, gallery, service  # noqa: E402,F401  (fixtures)
+
+TIMEOUT_S = 0.6
+CAP = 4
+
+
+@pytest.fixture(scope="module")
+def guarded(service):
+    """A uvicorn server over the app with the guarded protocol: 4 connections, 0.6 s for headers."""
+    import uvicorn
+
+    port = _free_port()
+    config = uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning",
+                            http=guarded_protocol(SECURITY_HEADERS, cap=CAP, header_timeout=TIMEOUT_S))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield port
+    server.should_exit = True
+    thread.join(30)
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Whether the server closes `sock` within `within` seconds (reads until end of stream)."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def _health(port: int) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.request("GET", "/api/health")
+    status = connection.getresponse().status
+    connection.close()
+    return status
+
+
+def test_a_client_that_sends_half_a_request_or_nothing_is_disconnected(guarded):
+    half = socket.create_connection(("127.0.0.1", guarded))
+    half.sendall(b"GET /api/health HTTP/1.1\r\nHost: x\r\n")           # no blank line: headers never end
+    silent = socket.create_connection(("127.0.0.1", guarded))
+    started = time.monotonic()
+    assert _closed_by_server(half, 10) and _closed_by_server(silent, 10)
+    assert TIMEOUT_S * 0.8 <= time.monotonic() - started < 8
+    assert _health(guarded) == 200
+
+
+def test_a_kept_alive_connection_gets_the_deadline_for_its_next_request(guarded):
+    connection = socket.create_connection(("127.0.0.1", guarded))
+    connection.sendall(b"GET /api/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    connection.settimeout(10)
+    assert connection.recv(65536).startswith(b"HTTP/1.1 200")
+    connection.sendall(b"GET /api/health HTTP/1.1\r\n")                  # the next request, stalled
+    assert _closed_by_server(connection, 4)                              # before uvicorn's 5 s keep-alive
+
+
+def test_connections_past_the_cap_are_closed_and_served_again_once_the_stalled_ones_go(guarded):
+    stalled = []
+    for _ in range(CAP):
+        sock = socket.create_connection(("127.0.0.1", guarded))
+        sock.sendall(b"GET /api/health HTTP/1.1\r\n")
+        stalled.append(sock)
+    time.sleep(0.1)
+    extra = socket.create_connection(("127.0.0.1", guarded))
+    extra.sendall(b"GET /api/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    extra.settimeout(TIMEOUT_S * 0.5)
+    try:
+        answer = extra.recv(100)
+    except ConnectionResetError:
+        answer = b""
+    assert answer == b""                                                 # closed, not answered
+    assert all(_closed_by_server(sock, 10) for sock in stalled)
+    assert _health(guarded) == 200
+
+
+def test_a_malformed_request_is_answered_in_json_with_the_security_headers(guarded):
+    sock = socket.create_connection(("127.0.0.1", guarded))
+    sock.sendall(b"GET /api/search?text=a+\xff HTTP/1.1\r\nHost: x\r\n\r\n")
+    raw = b""
+    sock.settimeout(10)
+    while chunk := sock.recv(65536):
+        raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0] == "HTTP/1.1 400 Bad Request"
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    assert headers["content-type"] == "application/json"
+    assert all(headers[name] == value.lower() for name, value in SECURITY_HEADERS.items())
+    assert json.loads(body)["error"].startswith("Invalid HTTP request received")
+
+
+def test_the_cap_stays_below_the_descriptor_limit():
+    import resource
+
+    soft = raise_descriptor_limit()
+    assert soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert 8 <= connection_cap() <= max(8, soft - 64)
+
+
+# --------------------------------------------------------------------------------- files changed
+def test_an_index_copied_over_while_serving_changes_no_answer_and_health_says_stale(gallery, tmp_path):
+    """`cp` over a served index had killed the server (SIGBUS on its memory map) or mixed the
+    new embeddings with the old models; the served index is now held in memory."""
+    index = tmp_path / "index"
+    shutil.copytree(gallery["index"], index)
+    opened = SearchService.open(index, shortlist=6, data_dir=gallery["data"])
+    with TestClient(create_app(opened)) as client:
+        before = client.get("/api/search", params={"text": "a dog runs", "top_k": 5}).json()["results"]
+        assert client.get("/api/health").json()["status"] == "ok"
+        for name in ("image_regions.0.npy", "caption_words.0.npy", "image_keys.npy"):
+            array = np.load(index / name)
+            array[...] = 0                      # rewritten in place, as cp does
+            with open(index / name, "r+b") as handle:
+                handle.seek(-array.nbytes, 2)
+                handle.write(array.tobytes())
+        (index / "caption_lengths.npy").write_bytes(b"cut short")
+        after = client.get("/api/search", params={"text": "a dog runs", "top_k": 5}).json()["results"]
+        assert after == before
+        health = client.get("/api/health").json()
+        assert health["status"] == "stale"
+        assert set(health["changed"]) == {"index image_regions.0.npy", "index caption_words.0.npy",
+                                          "index image_keys.npy", "index caption_lengths.npy"}
+
+
+def test_pictures_and_explanations_stop_when_the_data_changes_under_the_server(gallery, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(gallery["data"], data)
+    opened = SearchService.open(gallery["index"], shortlist=6, data_dir=data)
+    with TestClient(create_app(opened)) as client:
+        assert client.get("/images/00001.png").status_code == 200
+        assert client.get("/api/explain", params={"image_id": 1, "text": "a dog"}).status_code == 200
+        features = np.load(data / "test_ims.npy")
+        np.save(data / "test_ims.npy", features[::-1].copy())             # another data set in its place
+        for answer in (client.get("/images/00001.png"), client.get("/api/explain", params={"image_id": 1,
+                                                                                          "text": "a dog"})):
+            assert answer.status_code == 503
+            assert "the data folder's test_ims.npy changed since the server started" in answer.json()["error"]
+        assert client.get("/api/search", params={"text": "a dog"}).status_code == 200   # the index is unchanged
+        health = client.get("/api/health").json()
+        assert (health["status"], health["changed"]) == ("stale", ["data test_ims.npy"])
+
+
+def test_warm_up_changes_no_answer(gallery):
+    cold = SearchService.open(gallery["index"], shortlist=6)
+    warm = SearchService.open(gallery["index"], shortlist=6)
+    warm.warm_up()
+    for text in ("a dog runs", "the red ball"):
+        assert warm.search_text(text, top_k=5) == cold.search_text(text, top_k=5)
+    assert warm.search_image(3, top_k=5) == cold.search_image(3, top_k=5)
