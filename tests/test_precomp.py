@@ -139,6 +139,43 @@ def test_empty_caption_line_names_line(tmp_path):
         PrecompSplit(tmp_path, "train")
 
 
+def test_a_caption_too_long_for_sgr_is_refused_by_data_check_and_train_before_any_run_file(tmp_path, capsys):
+    """One caption of 5,000 words had a training run killed by the kernel (22 GB) with no
+    message; now data check and train name its line and length."""
+    from sgraf.data.precomp import MAX_CAPTION_TOKENS
+
+    captions = [f"a red thing number {i}" for i in range(8)]
+    captions[5] = " ".join(["red"] * (MAX_CAPTION_TOKENS + 1))
+    write_split(tmp_path, n_img=4, captions=captions)
+    write_split(tmp_path, "dev", n_img=4)
+    build_vocab(captions, min_count=1).save(tmp_path / "vocab.json")
+    message = (f"train_caps.txt:6: a caption of {MAX_CAPTION_TOKENS + 1:,} tokens; sgraf takes at most "
+               f"{MAX_CAPTION_TOKENS:,}")
+    with pytest.raises(InputError, match=message):
+        PrecompSplit(tmp_path, "train").check_caption_lengths()
+    PrecompSplit(tmp_path, "train").check_caption_lengths(limit=MAX_CAPTION_TOKENS + 1)   # at the limit: kept
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "train"]) == 2
+    assert message in capsys.readouterr().err
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(tmp_path), "--out", str(run), "--preset", "tiny", "--set", "epochs=1"]) == 2
+    assert message in capsys.readouterr().err
+    assert not run.exists()                                            # no config.yaml of a run that never started
+
+
+def test_data_check_checks_the_boxes_against_the_features(tmp_path, capsys):
+    write_split(tmp_path, "test", n_img=4, k=3)
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "test"]) == 0
+    assert "region boxes     none (a model with positions needs them)" in capsys.readouterr().out
+    boxes = np.tile(np.array([0, 0, 10, 10], np.float32), (3, 3, 1))             # 3 images' boxes for 4
+    np.save(tmp_path / "test_boxes.npy", boxes)
+    np.save(tmp_path / "test_image_sizes.npy", np.full((4, 2), 20, np.float32))
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "test"]) == 2
+    assert "test_boxes.npy: boxes for 3 images; expected 4" in capsys.readouterr().err
+    np.save(tmp_path / "test_boxes.npy", np.tile(np.array([0, 0, 10, 10], np.float32), (4, 3, 1)))
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "test"]) == 0
+    assert "test_boxes.npy and test_image_sizes.npy: checked" in capsys.readouterr().out
+
+
 def test_bytes_not_utf8_name_line(tmp_path):
     write_split(tmp_path, n_img=2)
     (tmp_path / "train_caps.txt").write_bytes(b"fine\nalso fine\ncaf\xe9 latin-1\nok\n")

@@ -33,6 +33,8 @@ def run_check(args: argparse.Namespace) -> int:
     split = PrecompSplit(args.data, args.split, max_captions=args.max_captions, full_scan=args.full_scan)
     if not args.full_scan:
         split.check_finite(full=False)   # a quick look; every command checks what it reads anyway
+    split.check_caption_lengths()        # what sgraf train refuses
+    boxes = split.read_boxes(required=False)   # checked against the features when the split has them
     vocab_path = Path(args.vocab) if args.vocab else Path(args.data) / "vocab.json"
     vocab = load_vocab(vocab_path) if args.vocab or vocab_path.is_file() else None
     s = split.summary()
@@ -43,6 +45,7 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"regions          {s['regions']}")
     print(f"feature size     {s['feature_dim']} ({s['dtype']}, {s['features_bytes'] / 2**20:.1f} MiB on disk)")
     print(f"NaN/inf check    {'full scan' if args.full_scan else 'sampled'}: none found")
+    print(f"region boxes     {_describe_boxes(split, boxes)}")
     if vocab is None:
         print("unknown words    (no vocabulary: pass --vocab)")
         return 0
@@ -58,3 +61,14 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"caption length   min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)} "
           "ids (with <start>/<end>)")
     return 0
+
+
+def _describe_boxes(split: object, boxes: object) -> str:
+    from sgraf.data.boxes import boxes_files
+
+    boxes_path, sizes_path = boxes_files(split.data_dir, split.split)
+    if boxes is not None:
+        return f"{boxes_path.name} and {sizes_path.name}: checked, one box per region of every image"
+    if boxes_path.is_file():
+        return f"{boxes_path.name} without {sizes_path.name}: a model with positions refuses them"
+    return "none (a model with positions needs them)"

@@ -40,6 +40,10 @@ _SCAN_CHUNK_BYTES = 64 << 20  # full scans read this much at a time
 _FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a features file
 
 
+# the most tokens a caption of a data set may have (Flickr30K's and MSCOCO's longest have under 100)
+MAX_CAPTION_TOKENS = 1000
+
+
 def available_splits(data_dir: str | os.PathLike[str]) -> list[str]:
     """Splits of `data_dir` with both files, standard ones first (train, dev, test, testall)."""
     data_dir = Path(data_dir)
@@ -184,6 +188,23 @@ class PrecompSplit:
         self._boxes = None if boxes is None else boxes[: self.n_images]
         self._boxes_read = True
         return self._boxes
+
+    def check_caption_lengths(self, limit: int | None = None) -> None:
+        """Refuses a caption of more than `limit` tokens (default `MAX_CAPTION_TOKENS`), naming
+        the file, its line and its length: SGR reasons over a graph of a caption's words, whose
+        memory grows with the square of its length (one caption of 5,000 words had a training run
+        killed by the kernel for want of memory, without a word). Only captions with more
+        characters than the limit are tokenised (a token is at least one character)."""
+        from sgraf.data.vocab import tokenize
+
+        limit = MAX_CAPTION_TOKENS if limit is None else limit
+        for k, caption in enumerate(self.captions):
+            if len(caption) > limit:
+                n_tokens = len(tokenize(caption))
+                if n_tokens > limit:
+                    raise InputError(f"{self.caps_path}:{k + 1}: a caption of {n_tokens:,} tokens; sgraf takes at most "
+                                     f"{limit:,} (SGR's graph over a caption's words grows with the square of its "
+                                     "length): shorten or drop it")
 
     def _open_images(self) -> np.ndarray:
         if self._images is None:

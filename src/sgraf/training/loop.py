@@ -293,10 +293,10 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     train, dev, dims, fingerprint = _open_data(config, data_dir, run, resume, info, allow_other_data)
     model, optimizer, scaler, progress = _start_model(config, run, resume, train, dev, dims, info,
                                                       data_dir, allow_unknown_words)
+    batches = _Batches(config, data_dir, train, dev, model, info)   # refusals here leave no config.yaml
     if is_main:   # on resume too: the config as changed by --set, the data as checked above
         rd.save_run_config(run, config, data_dir, preset, fingerprint)
     distributed.barrier()
-    batches = _Batches(config, data_dir, train, dev, model, info)
     tensorboard = _open_tensorboard(run, progress.global_step if resume else None) if is_main else None
     record = _RunRecord(config, run, model, optimizer, scaler, progress, dev, device, is_main, tensorboard,
                         last_saved_step=progress.global_step if resume else None)
@@ -450,6 +450,8 @@ class _Batches:
         from sgraf.data.precomp import PrecompDataset, collate_batch
 
         self.config, self.info = config, info
+        for split in (train, dev):
+            split.check_caption_lengths()
         self.dataset = PrecompDataset(train, model.vocab, with_boxes=model.needs_boxes)
         if model.needs_boxes:
             dev.read_boxes(required=True)
