@@ -68,7 +68,10 @@ def test_cli_convert_tsv(tmp_path, capsys):
      r"feats\.tsv:2: field 'boxes' decodes to 80 bytes \(20 float32\); expected num_boxes=4 x 4 float32 \(64 bytes\)"),
     (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.zeros((4, 7)))]),
      r"feats\.tsv:2: num_boxes x feature size is \(4, 7\); expected \(4, 6\)"),
-    (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.full((4, 6), np.nan))]), r"feats\.tsv:2: field 'features' holds NaN"),
+    (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.full((4, 6), np.nan))]),
+     r"feats\.tsv:2: field 'features' holds NaN or inf \(region 0, dimension 0\); expected finite base64 float32"),
+    (lambda r: "\t".join(r.split("\t")[:5] + [b64(np.where(np.arange(24).reshape(4, 6) == 15, np.inf, 0.0))]),
+     r"holds NaN or inf \(region 2, dimension 3\)"),
     (lambda r: "\t".join(r.split("\t")[:1] + ["0"] + r.split("\t")[2:]),
      r"feats\.tsv:2: field 'image_w' is 0; expected the picture's size in pixels"),
 ])
@@ -130,7 +133,11 @@ def test_caption_table_errors(tmp_path):
     tsv = write(tmp_path / "feats.tsv", rows)
     caps = tmp_path / "caps.tsv"
     caps.write_text("1000\ta\n1000\tb\n1001\tc\n", encoding="utf-8")
-    with pytest.raises(InputError, match=r"caps\.tsv: images have \[1, 2\] captions"):
+    with pytest.raises(InputError, match=r"caps\.tsv: image_id '1001' has 1 caption where 1 of the 2 images have 2; "
+                                         "precomp needs the same number for every image"):
+        convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)
+    caps.write_text("1000\ta\n1001\t   \n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"caps\.tsv:2: empty caption for '1001'"):
         convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)
     caps.write_text("1000\ta\nno tab here\n", encoding="utf-8")
     with pytest.raises(InputError, match=r"caps\.tsv:2: expected 'image_id<TAB>caption'"):
@@ -138,3 +145,19 @@ def test_caption_table_errors(tmp_path):
     caps.write_text("1000\ta\n", encoding="utf-8")
     with pytest.raises(InputError, match=r"no captions for image_id '1001'"):
         convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)
+
+
+def test_an_image_twice_in_the_tsv_is_refused_and_unused_captions_named(tmp_path, caplog):
+    """A duplicate image_id had been written twice, its captions too, with exit 0."""
+    rows, _, _ = make_rows(n=3)
+    rows[2] = rows[0]
+    tsv = write(tmp_path / "feats.tsv", rows)
+    with pytest.raises(InputError, match=r"feats\.tsv:3: image_id '1000' again \(first on line 1\); expected each "
+                                         "image once"):
+        convert_tsv(tsv, tmp_path / "out", "train", progress=False)
+    assert not (tmp_path / "out" / "train_ims.npy").exists()
+    rows, _, _ = make_rows(n=2)
+    caps = tmp_path / "caps.tsv"
+    caps.write_text("1000\ta\n1001\tb\n1007\tc\n", encoding="utf-8")
+    convert_tsv(write(tmp_path / "two.tsv", rows), tmp_path / "out", "train", captions_path=caps, progress=False)
+    assert "the captions of 1 image_id(s) not in" in caplog.text and "'1007' first" in caplog.text

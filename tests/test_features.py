@@ -136,6 +136,18 @@ def test_unreadable_and_oversized_pictures_are_named_before_any_is_run(tmp_path,
         extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "x", backbone, progress=False)
 
 
+def test_caption_counts_name_the_picture_and_paths_are_one_picture(tmp_path):
+    for i, image in enumerate(scene_images(3)):
+        image.save(tmp_path / f"im{i}.png")
+    (tmp_path / "caps.tsv").write_text("im0.png\ta\n./im0.png\tb\nim1.png\tc\nim1.png\td\nim2.png\te\n",
+                                       encoding="utf-8")
+    with pytest.raises(InputError, match=r"caps\.tsv: image 'im2\.png' has 1 caption where 2 of the 3 images have 2"):
+        extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "test", tiny_backbone(), progress=False)
+    (tmp_path / "caps.tsv").write_text("im0.png\ta\n./im0.png\tb\nim1.png\tc\nim1.png\td\n", encoding="utf-8")
+    extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "test", tiny_backbone(), progress=False)
+    assert (tmp_path / "out" / "test_image_names.txt").read_text().split() == ["im0.png", "im1.png"]
+
+
 class SecondBatchGoesBad(nn.Module):
     """A trunk whose output for the last image of its second batch holds a NaN (dim 5, region 0)."""
 

@@ -130,10 +130,26 @@ def read_caption_table(path: Path) -> dict[str, list[str]]:
         except UnicodeDecodeError:
             raise InputError(f"{path}:{number}: bytes are not valid UTF-8") from None
         image_id, tab, caption = text.partition("\t")
-        if not tab or not caption.strip():
+        if not tab:
             raise InputError(f"{path}:{number}: expected 'image_id<TAB>caption'")
+        if not caption.strip():
+            raise InputError(f"{path}:{number}: empty caption for {image_id.strip()!r}")
         table.setdefault(image_id.strip(), []).append(caption.strip())
     return table
+
+
+def check_caption_counts(counts: dict[str, int], path: str | os.PathLike[str], what: str = "image") -> None:
+    """Every image needs the same number of captions (precomp pairs caption k with image k // c):
+    otherwise an InputError naming the first image whose count is not the most common one."""
+    tally: dict[int, int] = {}
+    for count in counts.values():
+        tally[count] = tally.get(count, 0) + 1
+    if len(tally) <= 1:
+        return
+    usual = max(tally, key=lambda count: (tally[count], count))
+    name, count = next((name, count) for name, count in counts.items() if count != usual)
+    raise InputError(f"{path}: {what} {name!r} has {count} caption{'s' if count != 1 else ''} where {tally[usual]} "
+                     f"of the {len(counts)} images have {usual}; precomp needs the same number for every image")
 
 
 def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], split: str,
@@ -188,6 +204,7 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
 
     ims = boxes = None
     ids: list[str] = []
+    first_line: dict[str, int] = {}                   # image_id -> its line: each image once
     sizes = np.zeros((n_rows, 2), dtype=np.float32)  # width, height
     with tqdm(total=n_rows, desc=f"{tsv_path.name}", unit="img", disable=not progress) as bar:
         row_index = 0
@@ -199,6 +216,11 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
             except UnicodeDecodeError:
                 raise InputError(f"{tsv_path}:{number}: bytes are not valid UTF-8") from None
             row = parse_tsv_line(text, tsv_path, number)
+            key = str(row.image_id)
+            if key in first_line:
+                raise InputError(f"{tsv_path}:{number}: image_id {key!r} again (first on line {first_line[key]}); "
+                                 "expected each image once")
+            first_line[key] = number
             if ims is None:
                 k, d = row.features.shape
                 ims = preallocated_memmap(paths["ims"], np.float32, (n_rows, k, d))
@@ -208,7 +230,9 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
                                  f"expected {ims.shape[1:]} like the first row (precomp needs a fixed "
                                  "number of regions)")
             if not np.isfinite(row.features).all():
-                raise InputError(f"{tsv_path}:{number}: field 'features' holds NaN or inf")
+                region, dim = (int(i) for i in np.argwhere(~np.isfinite(row.features))[0])
+                raise InputError(f"{tsv_path}:{number}: field 'features' holds NaN or inf (region {region}, dimension "
+                                 f"{dim}); expected finite base64 float32 values (float64 ones decode to such values)")
             check_row_boxes(row, tsv_path, number)
             ims[row_index] = row.features
             boxes[row_index] = row.boxes
@@ -224,8 +248,12 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
             raise InputError(f"{captions_path}: no captions for image_id {missing[0]!r} "
                              f"({len(missing)} images without captions)")
         if len(per_image) != 1:
-            raise InputError(f"{captions_path}: images have {sorted(per_image)} captions; precomp needs the "
-                             "same number for every image")
+            check_caption_counts({i.split("\t")[0]: len(table[i.split("\t")[0]]) for i in ids}, captions_path,
+                                 "image_id")
+        unused = [key for key in table if key not in first_line]
+        if unused:
+            logger.warning("%s: the captions of %d image_id(s) not in %s are left out (%r first)", captions_path,
+                           len(unused), tsv_path, unused[0])
         lines = [c for i in ids for c in table[i.split("\t")[0]]]
         n_caps = len(lines)
         paths["caps"].write_bytes("".join(c + "\n" for c in lines).encode("utf-8"))

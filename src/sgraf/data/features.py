@@ -328,7 +328,7 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     Returns:
         `{"images", "captions", "regions", "feature_dim"}`.
     """
-    from sgraf.data.convert import read_caption_table
+    from sgraf.data.convert import check_caption_counts, read_caption_table
 
     check_positive_int(batch_size, "batch_size")
     check_split_name(split)
@@ -338,10 +338,11 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     table = read_caption_table(Path(captions_path))
     if not table:
         raise InputError(f"{captions_path}: no captions")
-    counts = {len(c) for c in table.values()}
-    if len(counts) != 1:
-        raise InputError(f"{captions_path}: images have {sorted(counts)} captions; precomp needs the same number "
-                         "for every image")
+    merged: dict[str, list[str]] = {}       # ./a.png and a.png are one picture
+    for name, captions in table.items():
+        merged.setdefault(os.path.normpath(name), []).extend(captions)
+    table = merged
+    check_caption_counts({name: len(captions) for name, captions in table.items()}, captions_path)
     names = list(table)
     for name in names:
         if not (images_dir / name).is_file():
