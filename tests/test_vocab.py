@@ -134,3 +134,19 @@ def test_unknown_share_warns_naming_the_vocabulary_the_captions_and_the_threshol
     assert caplog.text == ""
     built = build_vocab(["a dog", "a dog"], min_count=2)
     assert built.source == "the vocabulary built from the captions (min count 2)"
+
+
+def test_vocab_build_rebuilds_the_data_sets_own_vocabulary_in_place(tmp_path, capsys):
+    """DATA/vocab.json is where train and data check look; vocab build does not read it, so it may
+    write it again (it had been refused as "the input --data")."""
+    (tmp_path / "train_caps.txt").write_text("a red ball\na blue ball\n")
+    assert main(["vocab", "build", "--data", str(tmp_path), "--out", str(tmp_path / "vocab.json"),
+                 "--min-count", "1"]) == 0
+    first = json.loads((tmp_path / "vocab.json").read_text())
+    (tmp_path / "train_caps.txt").write_text("a red ball\na blue ball\na green cube\n")
+    assert main(["vocab", "build", "--data", str(tmp_path), "--out", str(tmp_path / "vocab.json"),
+                 "--min-count", "1"]) == 0
+    second = json.loads((tmp_path / "vocab.json").read_text())
+    assert "cube" in second["word2idx"] and "cube" not in first["word2idx"]
+    assert main(["vocab", "build", "--data", str(tmp_path), "--out", str(tmp_path / "train_caps.txt")]) == 2
+    assert "is the input --data" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from sgraf.cli.arguments import data_inputs, positive_int
 
@@ -16,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Count tokens (lower-cased, Treebank-tokenised as the authors do) in the captions of "
                     "the given splits and keep words seen at least --min-count times.")
     build.add_argument("--data", required=True, help="data directory (precomp layout)")
-    build.add_argument("--out", required=True, help="output JSON path")
+    build.add_argument("--out", required=True, help="output JSON path (DATA/vocab.json: where train, evaluate and "
+                                                    "data check look for it; an earlier one there is replaced)")
     build.add_argument("--min-count", type=positive_int, default=4, help="minimum occurrences (authors: 4)")
     build.add_argument("--splits", nargs="+", default=["train", "dev"],
                        help="caption files to count (the authors count train and dev)")
@@ -30,7 +32,10 @@ def run_build(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
     from sgraf.io_paths import check_outputs
 
-    check_outputs(data_inputs(args.data, args.splits), [("--out", args.out)])
+    # the data set's own vocab.json is no input of this command: --out DATA/vocab.json rebuilds it
+    own = os.path.normpath(os.path.join(args.data, "vocab.json"))
+    check_outputs([(label, path) for label, path in data_inputs(args.data, args.splits)
+                   if os.path.normpath(path) != own], [("--out", args.out)])
     captions: list[str] = []
     used = []
     for split in args.splits:
