@@ -307,3 +307,15 @@ def test_index_write_errors_name_the_index_not_its_staging_folder(gallery, tmp_p
     with pytest.raises(InputError, match=f"^cannot write {tmp_path / 'gallery'}: No space left on device$"):
         build_index(matcher, gallery["features"][:4], gallery["captions"][:20], tmp_path / "gallery")
     assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    (tmp_path / "a_file").write_text("not a folder")      # "File exists" had named neither
+    with pytest.raises(InputError, match=f"^cannot write {tmp_path / 'a_file' / 'gallery'}: {tmp_path / 'a_file'} is a "
+                                         "file, where a folder is needed$"):
+        build_index(matcher, gallery["features"][:4], gallery["captions"][:20], tmp_path / "a_file" / "gallery")
+
+
+def test_features_of_another_shape_name_their_file(gallery, tmp_path):
+    np.save(tmp_path / "wide_ims.npy", np.zeros((4, 3, 7), np.float32))
+    matcher = Matcher.load(gallery["paths"])
+    with pytest.raises(InputError, match=r"wide_ims\.npy: image features must have shape \(n_images, "):
+        matcher.encode_images(np.load(tmp_path / "wide_ims.npy", mmap_mode="r"))

@@ -333,7 +333,8 @@ def test_unwritable_output_folder(toy_data, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     assert _train(toy_data, blocker / "run") == 2
-    assert "is not writable" in capsys.readouterr().err
+    assert f"cannot create output folder {blocker / 'run'}: {blocker} is a file, where a folder is needed" in \
+        capsys.readouterr().err
     assert _train(toy_data, blocker) == 2
     assert "is a file, expected a folder" in capsys.readouterr().err
 

@@ -356,7 +356,8 @@ class Matcher:
         if features.dim() == 2:
             features = features.unsqueeze(0)
         if features.dim() != 3 or features.shape[1:] != (config.num_regions, config.img_dim):
-            raise InputError(f"{what} must have shape (n_images, {config.num_regions}, {config.img_dim}) "
+            where = f"{source}: " if source is not None else ""   # the file of a memory map
+            raise InputError(f"{where}{what} must have shape (n_images, {config.num_regions}, {config.img_dim}) "
                              f"for this model, got {tuple(features.shape)}")
         if features.shape[0] == 0:
             raise InputError(f"{what}: no image to encode")

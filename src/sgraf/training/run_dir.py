@@ -20,7 +20,7 @@ import tempfile
 from typing import Any
 
 from sgraf import text_files
-from sgraf.atomic_write import write_error, write_text
+from sgraf.atomic_write import ensure_folder, write_error, write_text
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.training.config import TrainConfig, load_config_file
@@ -60,10 +60,7 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
     if run.exists() and not run.is_dir():
         raise InputError(f"output folder {run} is a file, expected a folder")
     if not resume:
-        try:
-            run.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise InputError(f"output folder {run} is not writable: {exc.strerror or exc}") from None
+        ensure_folder(run)   # a file among its parents named
     elif not run.is_dir():
         raise InputError(f"cannot resume {run}: no such folder")
     run_lock = FolderLock(run, purpose=RUN_LOCK_PURPOSE) if lock else None
