@@ -4,6 +4,7 @@ read back without it, and never trusted when the file does not hold ids of these
 from __future__ import annotations
 
 import io
+import json
 import os
 import zipfile
 
@@ -84,8 +85,11 @@ def damage(path, how):
             archive.writestr("ids.npy", bytes(raw))
     else:
         with np.load(path) as stored:
-            lengths, ids = stored["lengths"], stored["ids"]
-        if how == "id outside the vocabulary":
+            lengths, ids, digest = stored["lengths"], stored["ids"], stored["sha256"]
+        if how == "another valid id, the digest kept":       # edited: only the digest tells
+            ids = ids.copy()
+            ids[1] = ids[1] + 1 if ids[1] + 1 < ids.max() else 4
+        elif how == "id outside the vocabulary":
             ids = ids.copy()
             ids[1] = 10**6
         elif how == "one caption too few":
@@ -95,12 +99,14 @@ def damage(path, how):
             ids[0] = 5
         elif how == "float ids":
             ids = ids.astype(np.float32)
+        if how != "another valid id, the digest kept":     # each check on its own: a digest of the damage
+            digest = token_cache._ids_digest(lengths, ids)
         with open(path, "wb") as handle:
-            np.savez(handle, lengths=lengths, ids=ids)
+            np.savez(handle, lengths=lengths, ids=ids, sha256=digest)
 
 
 @pytest.mark.parametrize("how", ["truncated", "not npz", "a plain .npy", "garbled header", "id outside the vocabulary",
-                                 "one caption too few", "no <start>", "float ids"])
+                                 "one caption too few", "no <start>", "float ids", "another valid id, the digest kept"])
 def test_a_damaged_file_is_tokenised_again_and_rewritten(cache, toy, how):
     vocab, captions, expected = toy
     tokenize_captions(captions, vocab)
@@ -173,10 +179,16 @@ def test_kept_ids_stop_the_prefetch_and_damaged_tokens_are_rewritten(cache, toy,
     caption_file = data_dir / E2E / "toy_precomp" / "test_caps.txt"
     path = token_cache.words_path(captions)
     path.parent.mkdir(parents=True)
-    # not a list, a token that is not a string, not JSON, one caption too few
-    for damaged, count in (('{"not": "a list"}', 1), ('[["a"], [1]]', 2), ("[", 1), ('[["a"]]', 2)):
+    # not a list, a token that is not a string, not JSON, one caption too few, an earlier format,
+    # a word edited under the digest of the words written
+    digest = token_cache._words_digest([["a"], ["b"]])
+    for damaged, count in (('{"words": {"not": "a list"}}', 1), ('{"words": [["a"], [1]]}', 2), ("[", 1),
+                           ('{"words": [["a"]]}', 2), ('[["a"], ["b"]]', 2),
+                           (json.dumps({"sha256": digest, "words": [["a"], ["horses"]]}), 2)):
         path.write_text(damaged)
         assert token_cache._read_words(path, count) is None
+    path.write_text(json.dumps({"sha256": digest, "words": [["a"], ["b"]]}))
+    assert token_cache._read_words(path, 2) == [["a"], ["b"]]
     prefetched = token_cache.prefetch(caption_file)      # the damaged file is tokenised again, rewritten
     assert prefetched.words(captions) == [vocab.tokenize(c) for c in captions]
     assert tokenize_captions(captions, vocab) == expected           # now kept as ids
@@ -226,7 +238,8 @@ def test_a_large_caption_file_is_tokenised_by_several_processes(cache, toy, tmp_
             "sys.exit(t._keep_words(sys.argv[1]))")
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
     kept = json.loads(token_cache.words_path(many).read_text(encoding="utf-8"))
-    assert kept == [vocab.tokenize(caption) for caption in many]
+    assert kept["words"] == [vocab.tokenize(caption) for caption in many]
+    assert kept["sha256"] == token_cache._words_digest(kept["words"])
 
 
 def test_a_prefetch_that_hangs_is_stopped_and_the_captions_tokenised_here(cache, toy, monkeypatch):

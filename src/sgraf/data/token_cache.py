@@ -5,8 +5,10 @@ SciPy is installed, which nltk imports) and its Treebank rules (about 0.25 ms a 
 3.3 s of a Flickr30K-size `sgraf evaluate` on a 2-core AMD EPYC (5,000 captions), against about
 1.6 s of scoring on an H200. The ids depend only on the captions, the vocabulary and the
 tokenizer, so they are stored under a key that hashes all three:
-`<cache>/tokens/<sha256>.npz` (`sgraf.user_cache`), a few bytes per token. A file that does not
-read back as valid ids for these captions is tokenised again and rewritten; a cache that cannot
+`<cache>/tokens/<sha256>.npz` (`sgraf.user_cache`), a few bytes per token, with a sha256 of its
+contents (as the kept tokens below): a file that does not read back as valid ids for these
+captions, or whose contents no longer match their digest (edited, damaged), is tokenised again
+and rewritten; a cache that cannot
 be written costs nothing but the time. `SGRAF_TOKEN_CACHE=off` turns it off.
 
 The first evaluation of a split still tokenises. `prefetch(captions_file)` does that in another
@@ -115,9 +117,10 @@ def token_ids(captions: Sequence[str], vocab: Vocabulary, prefetched: Prefetch |
     else:
         ids = [[vocab.start_id] + [vocab(word) for word in row] + [vocab.end_id] for row in words]
     try:
+        lengths = np.array([len(row) for row in ids], dtype=np.int32)
+        flat = np.fromiter((i for row in ids for i in row), dtype=np.int32)
         with atomic_path(path) as temporary, open(temporary, "wb") as handle:
-            np.savez(handle, lengths=np.array([len(row) for row in ids], dtype=np.int32),
-                     ids=np.fromiter((i for row in ids for i in row), dtype=np.int32))
+            np.savez(handle, lengths=lengths, ids=flat, sha256=_ids_digest(lengths, flat))
     except (InputError, OSError) as error:      # a read-only or full cache: the ids still hold
         logger.debug("could not keep the token ids in %s: %s", path, error)
     return ids
@@ -131,16 +134,31 @@ def words_path(captions: list[str]) -> Path:
     return cache_dir() / "tokens" / f"words-{digest.hexdigest()}.json"
 
 
+def _words_digest(words: list[list[str]]) -> str:
+    return hashlib.sha256(json.dumps(words, ensure_ascii=False).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _ids_digest(lengths: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    digest = hashlib.sha256(lengths.astype("<i4").tobytes())
+    digest.update(ids.astype("<i4").tobytes())
+    return np.frombuffer(digest.digest(), dtype=np.uint8)
+
+
 def _read_words(path: Path, n_captions: int) -> list[list[str]] | None:
-    """The tokens kept at `path` if they are `n_captions` lists of strings, else None."""
+    """The tokens kept at `path` if they are `n_captions` lists of strings whose digest matches
+    the one kept beside them, else None."""
     try:
-        words = json.loads(path.read_text(encoding="utf-8"))
+        kept = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         logger.debug("no usable tokens in %s: %s", path, error)
         return None
+    words = kept.get("words") if isinstance(kept, dict) else None
     if (not isinstance(words, list) or len(words) != n_captions
             or not all(isinstance(row, list) and all(isinstance(word, str) for word in row) for row in words)):
         logger.debug("ignoring the tokens in %s: not the tokens of %d captions", path, n_captions)
+        return None
+    if kept.get("sha256") != _words_digest(words):
+        logger.debug("ignoring the tokens in %s: they do not match their digest (edited or damaged)", path)
         return None
     return words
 
@@ -154,7 +172,8 @@ def _keep_words(captions_file: str) -> int:
     if _read_words(path, len(captions)) is None:
         words = _tokenize_all(captions, tokenize_workers(len(captions), available_cores()))
         with atomic_path(path) as temporary:
-            Path(temporary).write_text(json.dumps(words, ensure_ascii=False), encoding="utf-8")
+            Path(temporary).write_text(json.dumps({"sha256": _words_digest(words), "words": words},
+                                                  ensure_ascii=False), encoding="utf-8")
     return 0
 
 
@@ -212,7 +231,7 @@ def _read(path: Path, n_captions: int, vocab_size: int, start: int, end: int) ->
         if not isinstance(stored, np.lib.npyio.NpzFile):       # a plain .npy under our name
             raise ValueError("not an .npz archive")
         with stored:
-            lengths, ids = stored["lengths"], stored["ids"]
+            lengths, ids, digest = stored["lengths"], stored["ids"], stored["sha256"]
     except FileNotFoundError:
         return None
     except (*DAMAGED_NPY, KeyError, zipfile.BadZipFile) as error:
@@ -222,6 +241,9 @@ def _read(path: Path, n_captions: int, vocab_size: int, start: int, end: int) ->
             or (lengths < 2).any() or int(lengths.sum()) != ids.size
             or (ids.size and (ids.min() < 0 or ids.max() >= vocab_size))):
         logger.debug("ignoring the token ids in %s: not ids of these %d captions", path, n_captions)
+        return None
+    if not np.array_equal(digest, _ids_digest(lengths, ids)):
+        logger.debug("ignoring the token ids in %s: they do not match their digest (edited or damaged)", path)
         return None
     ends = np.cumsum(lengths)
     starts = ends - lengths
