@@ -128,6 +128,8 @@ def test_float32_and_float64_agree():
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(InputError, match="whole multiple"):
         metrics.evaluate_sims(np.zeros((3, 7)))
+    with pytest.raises(InputError, match=r"shape \(3, 12\): expected 3 x 5 = 15 captions \(caps_per_image=5\)"):
+        metrics.evaluate_sims(np.zeros((3, 12)), caps_per_image=5)
     with pytest.raises(InputError, match="2-d"):
         metrics.evaluate_sims(np.zeros(5))
     with pytest.raises(InputError, match="NaN"):

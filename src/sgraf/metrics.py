@@ -75,13 +75,14 @@ def infer_caps_per_image(n_images: int, n_captions: int, caps_per_image: int | N
     Raises:
         InputError: if ``n_captions != n_images * caps_per_image``.
     """
+    given = caps_per_image is not None
     if caps_per_image is None:
         caps_per_image = n_captions // n_images if n_images else 0
     if caps_per_image < 1 or n_images * caps_per_image != n_captions:
-        raise InputError(
-            f"score matrix of shape ({n_images}, {n_captions}): expected the caption count to be a whole "
-            f"multiple of the image count (caps_per_image={caps_per_image})"
-        )
+        expected = (f"{n_images} x {caps_per_image} = {n_images * caps_per_image} captions (caps_per_image="
+                    f"{caps_per_image})" if given else "a caption count that is a whole multiple of the image count")
+        raise InputError(f"score matrix of shape ({n_images}, {n_captions}): expected {expected}, with each "
+                         "image's captions in consecutive columns")
     return caps_per_image
 
 
