@@ -106,7 +106,7 @@ def test_load_needs_a_vocabulary_and_checks_the_ensemble(vocab, tmp_path):
     bare = _model("sgr", vocab, 0)
     bare.vocab = None
     save_model(bare, tmp_path / "sgr.pt")                                       # no vocabulary inside
-    with pytest.raises(InputError, match="carries no vocabulary"):
+    with pytest.raises(InputError, match=r"carries no vocabulary .*: vocab=PATH \(on the command line, --vocab PATH\)$"):
         Matcher.load(tmp_path / "sgr.pt")
     vocab.save(tmp_path / "vocab.json")
     matcher = Matcher.load(tmp_path / "sgr.pt", vocab=tmp_path / "vocab.json")

@@ -239,8 +239,9 @@ class Matcher:
             vocabs = [getattr(model, "vocab", None) for model in models]
             if any(v is None for v in vocabs):
                 missing = [str(p) for p, v in zip(paths, vocabs) if v is None]
-                raise InputError(f"checkpoint {', '.join(missing)} carries no vocabulary; pass the "
-                                 "vocabulary JSON of its data set (--vocab)")
+                raise InputError(f"checkpoint {', '.join(missing)} carries no vocabulary (the authors' checkpoints "
+                                 "do not); pass the vocabulary JSON of its data set: vocab=PATH (on the command line, "
+                                 "--vocab PATH)")
             first = vocabs[0].word2idx
             for path, other in zip(paths[1:], vocabs[1:]):
                 if other.word2idx != first:
