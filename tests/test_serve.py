@@ -252,6 +252,7 @@ def test_a_full_queue_answers_503_with_retry_after(service):
         for future in waiting:
             future.result(10)
         assert client.get("/api/search", params={"text": "a dog"}).status_code == 200
+        assert client.get("/api/health").json()["queue"]["busy"] == 2        # the 503 and the refused call
 
 
 def test_texts_that_wait_together_are_scored_as_one_batch(service):

@@ -167,11 +167,11 @@ def test_close_refuses_the_queued_jobs_and_lets_the_one_in_hand_finish(service):
     for future in queued:
         with pytest.raises(ShuttingDown, match="shutting down"):
             future.result(1)
-    with pytest.raises(ShuttingDown):
+    with pytest.raises(ShuttingDown, match="this request was not run; retry on the restarted server$"):
         worker.call(lambda: None)
     release.set()
     in_hand.join(10)
-    assert not in_hand.is_alive() and worker.refused == 5
+    assert not in_hand.is_alive() and worker.refused == 6
 
 
 def test_computing_says_a_thread_outlived_stop(service):

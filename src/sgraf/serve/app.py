@@ -173,7 +173,7 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         answer["queue"] = {"waiting": worker.waiting, "max_queue": worker.max_queue,
                            "max_batch": worker.max_batch, "workers": worker.n_threads, "batches": worker.batches,
                            "batched_texts": worker.batched_texts, "dropped": worker.dropped,
-                           "refused": worker.refused}
+                           "refused": worker.refused, "busy": worker.busy}
         return answer
 
     @app.get("/docs", include_in_schema=False)

@@ -99,7 +99,8 @@ class Worker:
         self.batches = 0          # batches of text searches run, and the searches in them
         self.batched_texts = 0
         self.dropped = 0          # jobs cancelled (their client went away) before they ran
-        self.refused = 0          # jobs refused when the server shut down with them queued
+        self.refused = 0          # jobs refused because the server was shutting down (queued or new)
+        self.busy = 0             # jobs refused because `max_queue` jobs were waiting
 
     # ----------------------------------------------------------------------------- life
     def start(self) -> "Worker":
@@ -166,10 +167,13 @@ class Worker:
     def _put(self, job: Any) -> Future:
         with self._changed:
             if self._closed:
-                raise ShuttingDown("the server is shutting down: this request was not run")
+                self.refused += 1
+                raise ShuttingDown("the server is shutting down: this request was not run; retry on the "
+                                   "restarted server")
             if not self._threads:
                 raise RuntimeError("the worker is not running")
             if len(self._light) + len(self._heavy) >= self.max_queue:
+                self.busy += 1
                 raise Busy(f"the server is busy: {self.max_queue} requests are waiting; retry shortly")
             (self._heavy if job.heavy else self._light).append(job)
             self._changed.notify()
