@@ -212,6 +212,16 @@ def test_type_a_caption_find_the_picture_and_open_its_explanation(server, browse
     assert not browser.find_element(By.ID, "explain-panel").is_displayed()
     assert not browser.find_element(By.ID, "captions-panel").is_displayed()
 
+    # a search refused (an unknown word) leaves no earlier search's pictures under its title
+    box.clear()
+    box.send_keys("a zebraxyz")
+    browser.find_element(By.ID, "allow-unknown").click()              # off again: unknown words refused
+    browser.find_element(By.ID, "search-button").click()
+    wait.until(lambda d: "zebraxyz" in d.find_element(By.ID, "status").text)
+    assert "error" in browser.find_element(By.ID, "status").get_attribute("class")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#results .card")
+    assert browser.find_element(By.ID, "results-title").text == ""
+
 
 def _assert_labels_apart(browser) -> None:
     """Every card's rank, picture number and score stand apart: labels on one line keep a gap."""

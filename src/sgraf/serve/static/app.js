@@ -68,6 +68,11 @@ async function searchText(event) {
     showResults(answer);
     setStatus(`${answer.results.length} pictures in ${fmt(answer.ms, 0)} ms`);
   } catch (error) {
+    // the earlier search's pictures under its title would read as this query's answer
+    forgetExplanation();
+    $("captions-panel").hidden = true;
+    $("results").replaceChildren();
+    $("results-title").textContent = "";
     setStatus(error.message, true);
   }
 }
