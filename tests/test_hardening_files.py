@@ -337,7 +337,8 @@ def test_extract_overwrite_removes_boxes_and_ids_an_earlier_conversion_left(tmp_
         extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False)
     extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False, overwrite=True)
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
-        "test_boxes.npy", "test_caps.txt", "test_image_names.txt", "test_image_sizes.npy", "test_ims.npy"]
+        "images", "test_boxes.npy", "test_caps.txt", "test_image_names.txt", "test_image_sizes.npy", "test_ims.npy"]
+    assert [p.name for p in (out / "images" / "test").iterdir()] == ["00000.png"]   # the picture kept
     assert np.load(out / "test_boxes.npy").tolist() == [[[0, 0, 96, 96], [96, 0, 192, 96], [0, 96, 96, 192],
                                                          [96, 96, 192, 192]]]   # the extractor's cells
 

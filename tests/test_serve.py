@@ -135,7 +135,7 @@ def test_top_k_above_the_shortlist_widens_the_shortlist(client, service):
 def test_image_search_returns_the_best_captions(client, service):
     answer = client.get("/api/search", params={"image_id": 3, "top_k": 4}).json()
     expected = service.index.search_image(image_id=3, top_k=4, shortlist=6)
-    assert answer["query"] == {"image_id": 3, "image": "/images/00003.png"}
+    assert answer["query"] == {"image_id": 3, "image": "/images/00003.png", "name": None}   # no names recorded
     assert [(r["id"], r["caption"]) for r in answer["results"]] == [(h.id, h.text) for h in expected]
     assert [r["score"] for r in answer["results"]] == pytest.approx([h.score for h in expected], abs=1e-6)
 

@@ -55,6 +55,7 @@ FORMAT = "sgraf-index"
 VERSION = 1
 MANIFEST = "manifest.json"
 CAPTIONS = "captions.txt"
+IMAGE_NAMES = "image_names.txt"   # the pictures' names (files of `extract`, ids of `convert-tsv`), when known
 BOXES = "image_boxes.npy"
 STORAGE_DTYPES = ("float32", "float16")
 FIRST_STAGES = ("auto", "numpy", "faiss")
@@ -78,15 +79,18 @@ class Hit:
         score: the full SGRAF score (ensemble mean).
         coarse: the first-stage score (mean cosine of the global vectors).
         text: the caption (caption results) or the image's first caption (image results).
+        name: the picture's name (image results of an index that records names: the file name
+            `extract` read, the image id of a converted TSV), else None.
     """
 
     id: int
     score: float
     coarse: float
     text: str | None = None
+    name: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "score": self.score}
+        return {"id": self.id, "score": self.score, **({"name": self.name} if self.name is not None else {})}
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -107,7 +111,7 @@ def _vocab_sha256(vocab: Any) -> str | None:
 def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: str | Path, *,
                 caps_per_image: int | None = None, source: dict[str, Any] | None = None,
                 dtype: str = "float32", batch_size: int = 256, progress: bool = False,
-                boxes: Any = None) -> Path:
+                boxes: Any = None, image_names: Sequence[str] | None = None) -> Path:
     """Encode a gallery and write it as an index folder.
 
     Args:
@@ -127,6 +131,8 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         boxes: (n_img, K, 4) region boxes normalised to [0, 1] (`PrecompSplit.boxes`), required
             when a model of the matcher reads positions (then stored as `image_boxes.npy`),
             ignored otherwise.
+        image_names: each picture's name (`PrecompSplit.image_names()`), stored as
+            `image_names.txt` and given with each image result (`Hit.name`).
 
     Returns:
         The index folder.
@@ -153,6 +159,11 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         if "\n" in caption or not caption.strip():
             raise InputError(f"caption {row} is empty or spans several lines: {caption!r}")
     boxes = matcher.check_boxes(boxes, n_img, what="the gallery's boxes")   # before any work
+    if image_names is not None:
+        image_names = list(image_names)
+        if len(image_names) != n_img or not all(isinstance(name, str) and name.strip() and "\n" not in name
+                                                for name in image_names):
+            raise InputError(f"image_names: expected {n_img} names, one a line, got {len(image_names)}")
 
     source = dict(source or {})
     if {"data_dir", "split"} <= set(source) and "data_fingerprint" not in source:
@@ -167,6 +178,8 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
                           if source and {"split", "data_dir"} <= set(source) else "the gallery captions")
         _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label, progress,
                      boxes)
+        if image_names is not None:
+            (staging / IMAGE_NAMES).write_text("".join(name.strip() + "\n" for name in image_names), encoding="utf-8")
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -386,10 +399,11 @@ def _open_array(folder: Path, name: str, manifest: dict[str, Any], verify: bool)
     return array
 
 
-def _read_captions(folder: Path, manifest: dict[str, Any], verify: bool) -> list[str]:
-    """The gallery's captions from captions.txt, checked against the manifest like the arrays."""
-    path = folder / CAPTIONS
-    entry = _file_entry(folder, CAPTIONS, manifest, ("bytes", "sha256"))
+def _read_captions(folder: Path, manifest: dict[str, Any], verify: bool, name: str = CAPTIONS) -> list[str]:
+    """The gallery's captions from captions.txt (or the lines of another text file of the index,
+    `name`), checked against the manifest like the arrays."""
+    path = folder / name
+    entry = _file_entry(folder, name, manifest, ("bytes", "sha256"))
     if not path.is_file():
         raise InputError(f"{path}: index file is missing; rebuild the index with `sgraf index`")
     data = path.read_bytes()
@@ -531,9 +545,18 @@ class GalleryIndex:
         if len(self.captions) != self.n_captions:
             raise InputError(f"{folder / CAPTIONS}: corrupted index file, {len(self.captions)} captions where the "
                              f"manifest records {self.n_captions}")
+        self.image_names = (_read_captions(folder, manifest, verify, IMAGE_NAMES) if IMAGE_NAMES in manifest["files"]
+                            else None)
+        if self.image_names is not None and len(self.image_names) != self.n_images:
+            raise InputError(f"{folder / IMAGE_NAMES}: corrupted index file, {len(self.image_names)} names where the "
+                             f"manifest records {self.n_images} images")
         self._check_arrays(n_models)
         self._faiss = {"image": None, "caption": None}
         self.first_stage = _first_stage(first_stage)
+
+    def name_of(self, image_id: int) -> str | None:
+        """Image `image_id`'s name, when the index records names."""
+        return self.image_names[image_id] if self.image_names is not None else None
 
     def changed_files(self) -> list[str]:
         """The index's files (names in its folder) that are no longer the ones opened: replaced,
@@ -711,7 +734,7 @@ class GalleryIndex:
                 caption = None
                 if self.caps_per_image:
                     caption = self.captions[image_id * self.caps_per_image]
-                hits.append(Hit(image_id, score, rough, caption))
+                hits.append(Hit(image_id, score, rough, caption, self.name_of(image_id)))
             results.append(hits)
         return results
 

@@ -25,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass")
     parser.add_argument("--device", type=device, default="cpu",
                         help="where to run the backbone: cpu, cuda, cuda:N or mps")
+    parser.add_argument("--no-pictures", action="store_true",
+                        help="do not keep the pictures in OUT/images/SPLIT/ (by default each is kept there, a copy "
+                             "or upright RGB, so that search, serve and explain show it)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the split's files the folder already holds; those an earlier sgraf run wrote and "
                              "this one does not (image ids, pictures, ...) are removed, so no stale companion "
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     backbone = get_backbone(args.backbone, weights_path=args.weights, image_size=args.image_size).to(args.device)
     info = extract_folder(args.images, args.captions, args.out, args.split, backbone, batch_size=args.batch_size,
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, keep_pictures=not args.no_pictures)
     print(f"wrote {args.out}/{args.split}_ims.npy: {info['images']} images x {info['regions']} regions x "
           f"{info['feature_dim']}; {info['captions']} captions")
     return 0

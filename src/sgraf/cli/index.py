@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     source = {"data_dir": str(Path(args.data).resolve()), "split": args.split}
     out = build_index(matcher, split.images, split.captions, args.out, caps_per_image=split.caps_per_image,
                       source=source, dtype=args.dtype, batch_size=args.batch_size, progress=not args.quiet,
-                      boxes=boxes)
+                      boxes=boxes, image_names=split.image_names())
     print(f"indexed {split.n_images} images and {split.n_captions} captions of {args.data} [{args.split}] "
           f"with {len(args.checkpoint)} model(s) into {out}")
     return 0

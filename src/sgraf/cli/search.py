@@ -57,12 +57,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([hit.to_dict() for hit in hits]))
         return 0
     query = repr(args.text) if args.text is not None else f"image {args.image_id}"
+    if args.text is None and index.name_of(args.image_id) is not None:
+        query += f" ({index.name_of(args.image_id)})"
     gallery = index.n_images if kind == "image" else index.n_captions
     stages = ("whole gallery scored" if shortlist is None or shortlist >= gallery
               else f"shortlist {shortlist} by {index.first_stage}")
     print(f"{query} -> top {len(hits)} {kind}s ({stages}, re-ranked by {len(index.matcher.models)} model(s))")
     for rank, hit in enumerate(hits, 1):
-        label = f"{kind} {hit.id}"
+        label = f"{kind} {hit.id}" + (f" {hit.name}" if hit.name is not None else "")
         text = f"  {hit.text}" if hit.text else ""
         if kind == "image" and hit.text:
             text = f"  (first caption: {hit.text})"

@@ -274,17 +274,44 @@ def _open_picture(path: Path) -> "Image.Image":
         raise InputError(f"{path}: not a readable image ({exc})") from None
 
 
-def check_pictures(folder: Path, names: list[str]) -> None:
+def check_pictures(folder: Path, names: list[str]) -> list[str]:
     """Opens every picture's header (no decoding), so that a file that is no picture, or one too
-    large to read, is named before any is run through a network: all such files in one line."""
-    bad = []
+    large to read, is named before any is run through a network: all such files in one line.
+
+    Returns:
+        for each picture the suffix of the copy a gallery keeps (`kept_suffix`).
+    """
+    bad, suffixes = [], []
     for name in names:
         try:
-            _open_picture(folder / name).close()
+            with _open_picture(folder / name) as image:
+                suffixes.append(kept_suffix(image))
         except InputError as error:
             bad.append(str(error))
     if bad:
         raise InputError(bad[0] + (f"; and {len(bad) - 1} more unreadable pictures" if len(bad) > 1 else ""))
+    return suffixes
+
+
+def kept_suffix(image: "Image.Image") -> str:
+    """How the gallery keeps a picture: '.jpg' or '.png' for a JPEG or PNG that a browser and
+    `read_picture` show alike (8-bit RGB or grey, upright: no EXIF turn), which is copied byte for
+    byte; '.upright.png' for any other (turned, 16-bit, CMYK, another format), which is written as
+    `read_picture` reads it, in PNG (its name then ends '.png')."""
+    orientation = image.getexif().get(0x0112, 1)
+    if image.format in ("JPEG", "PNG") and image.mode in ("RGB", "L") and orientation in (0, 1):
+        return ".jpg" if image.format == "JPEG" else ".png"
+    return ".upright.png"
+
+
+def _keep_picture(source: Path, picture: "Image.Image", suffix: str, out: Path) -> None:
+    """Writes the gallery's copy of `source` at `out` (see `kept_suffix`)."""
+    import shutil
+
+    if suffix == ".upright.png":
+        picture.save(out, format="PNG")
+    else:
+        shutil.copyfile(source, out)
 
 
 def read_picture(path: Path) -> "Image.Image":
@@ -312,7 +339,8 @@ def read_picture(path: Path) -> "Image.Image":
 
 def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.PathLike[str],
                    out_dir: str | os.PathLike[str], split: str, backbone: GridBackbone,
-                   batch_size: int = 32, progress: bool = True, overwrite: bool = False) -> dict[str, int]:
+                   batch_size: int = 32, progress: bool = True, overwrite: bool = False,
+                   keep_pictures: bool = True) -> dict[str, int]:
     """A folder of images + a captions file -> a precomp split through `backbone`.
 
     The captions file has lines `file_name<TAB>caption` (file names relative to
@@ -323,7 +351,9 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     (n, 2) float32 (each picture's width, height before resizing), as one generation
     (`sgraf.output_folder.NewGeneration`): a folder that already holds files of the split is
     refused unless `overwrite`, which replaces them and removes the split's files an earlier
-    sgraf run wrote (ids, pictures, ...).
+    sgraf run wrote (ids, pictures, ...). With `keep_pictures` each picture is also kept as
+    `images/{split}/{id:05d}.jpg` or `.png` (`kept_suffix`: a copy, or the upright RGB picture),
+    where search, serve and explain find a gallery's pictures.
 
     Returns:
         `{"images", "captions", "regions", "feature_dim"}`.
@@ -350,20 +380,24 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
 
     sizes = np.zeros((len(names), 2), dtype=np.float32)  # width, height of each picture as read
 
-    check_pictures(images_dir, names)   # every file's header before the network's first batch
+    suffixes = check_pictures(images_dir, names)   # every file's header before the network's first batch
+    kept = {index: f"images/{split}/{index:05d}{'.png' if suffix == '.upright.png' else suffix}"
+            for index, suffix in enumerate(suffixes)} if keep_pictures else {}
 
     def load() -> Iterable["Image.Image"]:
         for index, name in enumerate(names):
             picture = read_picture(images_dir / name)
             sizes[index] = picture.size
+            if keep_pictures:
+                _keep_picture(images_dir / name, picture, suffixes[index], generation.path(kept[index]))
             yield picture
 
     outputs = {key: f"{split}{suffix}" for key, suffix in
                (("ims", "_ims.npy"), ("caps", "_caps.txt"), ("names", "_image_names.txt"),
                 ("boxes", "_boxes.npy"), ("sizes", "_image_sizes.npy"))}
     inputs = [("--captions", captions_path), *(("--images", images_dir / name) for name in names)]
-    with NewGeneration(out_dir, outputs.values(), split_family(split), "extract", overwrite=overwrite,
-                       inputs=inputs) as generation:
+    with NewGeneration(out_dir, [*outputs.values(), *kept.values()], split_family(split), "extract",
+                       overwrite=overwrite, inputs=inputs) as generation:
         features = extract_to_npy(load(), len(names), backbone, generation.path(outputs["ims"]),
                                   batch_size=batch_size, progress=progress)
         shape = features.shape

@@ -189,6 +189,20 @@ class PrecompSplit:
         self._boxes_read = True
         return self._boxes
 
+    def image_names(self) -> list[str] | None:
+        """Each image's name, where the split records one: the file name `extract` read
+        (`{split}_image_names.txt`) or the image id of a converted TSV (`{split}_image_ids.txt`);
+        None where it records none. InputError when the file has another number of lines."""
+        for suffix in ("_image_names.txt", "_image_ids.txt"):
+            path = self.data_dir / f"{self.split}{suffix}"
+            if path.is_file():
+                names = [line.split("\t")[0].strip() for line in read_captions(path)]
+                if len(names) < self.n_images:
+                    raise InputError(f"{path}: {len(names)} names for the {self.n_images} images of {self.ims_path}; "
+                                     "expected one a line")
+                return names[: self.n_images]
+        return None
+
     def check_caption_lengths(self, limit: int | None = None) -> None:
         """Refuses a caption of more than `limit` tokens (default `MAX_CAPTION_TOKENS`), naming
         the file, its line and its length: SGR reasons over a graph of a caption's words, whose

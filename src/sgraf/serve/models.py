@@ -19,6 +19,8 @@ class ImageResult(BaseModel):
     id: int = Field(description="image index in the gallery (the split's order)")
     score: Optional[float] = Field(description="the full SGRAF score (ensemble mean)")
     image: Optional[str] = Field(description="URL path of the picture, or null when the gallery has none")
+    name: Optional[str] = Field(default=None, description="the picture's name (its file name for `sgraf extract` "
+                                                          "data, its image id for converted TSV), or null")
 
 
 class CaptionResult(BaseModel):
@@ -30,6 +32,7 @@ class CaptionResult(BaseModel):
 class ImageQuery(BaseModel):
     image_id: int
     image: Optional[str] = Field(description="URL path of the query's picture, or null")
+    name: Optional[str] = Field(default=None, description="the query picture's name, or null")
 
 
 class SearchAnswer(BaseModel):

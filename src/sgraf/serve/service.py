@@ -315,11 +315,12 @@ class SearchService:
         image_id = self.check_image_id(image_id)
         top_k = self.check_top_k(top_k)
         hits = self.index.search_image(image_id=image_id, top_k=top_k, shortlist=self.shortlist_for(top_k))
-        return {"query": {"image_id": image_id, "image": self.picture_url(image_id)},
+        return {"query": {"image_id": image_id, "image": self.picture_url(image_id),
+                          "name": self.index.name_of(image_id)},
                 "results": [{"id": hit.id, "score": _finite(hit.score), "caption": hit.text} for hit in hits]}
 
     def _image_result(self, hit: Hit) -> dict[str, Any]:
-        return {"id": hit.id, "score": _finite(hit.score), "image": self.picture_url(hit.id)}
+        return {"id": hit.id, "score": _finite(hit.score), "image": self.picture_url(hit.id), "name": hit.name}
 
     # ----------------------------------------------------------------------------- explanations
     def _explanation(self, image_id: int, text: str, allow_unknown: bool) -> Any:

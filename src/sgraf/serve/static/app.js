@@ -84,9 +84,10 @@ function showResults(answer) {
   answer.results.forEach((hit, rank) => {
     const card = el("li", { class: "card", tabindex: "0", "data-id": String(hit.id), "data-rank": String(rank + 1) });
     if (hit.image) {
-      card.appendChild(el("img", { src: hit.image, alt: `picture ${hit.id}`, loading: "lazy" }));
+      card.appendChild(el("img", { src: hit.image, alt: hit.name || `picture ${hit.id}`, title: hit.name,
+                                   loading: "lazy" }));
     } else {
-      card.appendChild(el("div", { class: "no-picture" }, `image ${hit.id}`));
+      card.appendChild(el("div", { class: "no-picture" }, hit.name || `image ${hit.id}`));
     }
     const meta = el("div", { class: "meta" });
     meta.appendChild(el("span", { class: "rank" }, `#${rank + 1}`));
@@ -117,7 +118,8 @@ async function searchImage(imageId) {
     forgetExplanation();   // the explanation belonged to the earlier search
     const list = $("captions");
     list.replaceChildren();
-    $("captions-title").textContent = `Best captions for picture ${answer.query.image_id}`;
+    const named = answer.query.name ? ` (${answer.query.name})` : "";
+    $("captions-title").textContent = `Best captions for picture ${answer.query.image_id}${named}`;
     const picture = $("captions-picture");
     if (answer.query.image) { picture.src = answer.query.image; picture.hidden = false; } else { picture.hidden = true; }
     picture.alt = `picture ${answer.query.image_id}`;
