@@ -137,6 +137,8 @@ def test_empty_caption_line_names_line(tmp_path):
     write_split(tmp_path, n_img=2, captions=captions)
     with pytest.raises(InputError, match=r"train_caps\.txt:3: empty caption line"):
         PrecompSplit(tmp_path, "train")
+    (tmp_path / "train_caps.txt").write_bytes(b"one\ntwo\nthree\nfour\n\n  \r\n")   # blank lines at the end
+    assert PrecompSplit(tmp_path, "train").captions == ["one", "two", "three", "four"]
 
 
 def test_a_caption_too_long_for_sgr_is_refused_by_data_check_and_train_before_any_run_file(tmp_path, capsys):

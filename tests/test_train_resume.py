@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from sgraf.cli import main
@@ -130,6 +131,8 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(data, uninterrupted, tm
     assert "Traceback" not in err and "stopped by SIGTERM" in out and f"--resume {run}" in out
     progress = _progress(run)
     assert not progress["finished"] and progress["global_step"] >= 4  # saved at the step it stopped
+    epochs = yaml.safe_load((run / "config.yaml").read_text())["epochs"]
+    assert f"in epoch {progress['epoch'] + 1} of {epochs} ({progress['epoch']} done, as sgraf runs counts)" in out
     assert main(["train", "--resume", str(run)]) == 0
     _assert_same_run(uninterrupted, run)
 

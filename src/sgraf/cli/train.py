@@ -109,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
     if not main_process:
         return 0 if summary["status"] == "finished" else 128 + int(signal.Signals[summary["signal"]])
     if summary["status"] == "interrupted":
-        print(f"stopped by {summary['signal']} at epoch {summary['epoch'] + 1}, step {summary['global_step']}; "
-              f"last.pt saved. Continue with: sgraf train --resume {out}")
+        print(f"stopped by {summary['signal']} in epoch {summary['epoch'] + 1} of {config.epochs} ({summary['epoch']} "
+              f"done, as sgraf runs counts), step {summary['global_step']}; last.pt saved. Continue with: "
+              f"sgraf train --resume {out}")
         return 128 + int(signal.Signals[summary["signal"]])
     epochs = summary["epoch"]
     if summary["stopped_early"]:

@@ -14,14 +14,15 @@ def read_captions(path: str | os.PathLike[str]) -> list[str]:
     """Read a caption file as the authors do (bytes split on '\\n', ASCII-stripped), strictly.
 
     Raises:
-        InputError: bytes that are not UTF-8 or an empty caption line (with the line number).
+        InputError: bytes that are not UTF-8 or an empty caption line between captions (with the
+            line number); blank lines after the last caption are no captions.
     """
     path = Path(path)
     data = text_files.read_bytes(path)
     decode_utf8(data, path, "UTF-8 text, one caption per line", column=True)
     lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the newline that ends the last line
+    while lines and not lines[-1].strip():
+        lines.pop()  # the newline that ends the last line, and blank lines after the last caption
     captions = []
     for number, raw in enumerate(lines, start=1):
         caption = raw.strip()  # bytes.strip: ASCII whitespace, as the authors' line.strip()

@@ -361,8 +361,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                     "to go on: sgraf train --resume %s --set patience=0", progress.epoch, config.epochs,
                     progress.epochs_without_better(), progress.best_rsum, progress.best_epoch, run)
     if status == "interrupted":
-        logger.info("stopped by %s at epoch %d, step %d; continue with: sgraf train --resume %s",
-                    signal_name, progress.epoch + 1, progress.global_step, run)
+        logger.info("stopped by %s in epoch %d of %d (%d done), step %d; continue with: sgraf train --resume %s",
+                    signal_name, progress.epoch + 1, config.epochs, progress.epoch, progress.global_step, run)
     return summary
 
 
