@@ -314,6 +314,7 @@ def test_the_page_and_its_files_come_from_the_package_without_outside_links(clie
 
 def test_docs_and_openapi_describe_the_api(client):
     schema = client.get("/openapi.json").json()
+    assert "422" not in client.get("/openapi.json").text            # invalid parameters are answered 400
     assert {"/api/search", "/api/explain", "/api/explain.png", "/api/health"} <= set(schema["paths"])
     names = {p["name"] for p in schema["paths"]["/api/search"]["get"]["parameters"]}
     assert names == {"text", "image_id", "top_k", "allow_unknown"}

@@ -200,7 +200,7 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("indexed %d images and %d captions with %d model(s) into %s", n_img, n_cap,
+    logger.debug("indexed %d images and %d captions with %d model(s) into %s", n_img, n_cap,   # sgraf index prints it
                 len(matcher.models), out)
     return out
 

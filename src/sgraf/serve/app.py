@@ -91,6 +91,7 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
     _add_error_handlers(app, service)
     app.add_middleware(SecurityHeaders)
     app.mount("/static", StaticFiles(packages=[("sgraf.serve", "static")]), name="static")
+    _drop_unsent_422(app)
 
     async def wait(request: Request, future: Any) -> Any:
         """The job's result; if the client disconnects first, the job is cancelled (a job not yet
@@ -208,6 +209,26 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+def _drop_unsent_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 "Validation Error" for every route with parameters; this server
+    answers invalid parameters 400 (`_add_error_handlers`), so the schema (and `/docs`) leave it out."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 # --------------------------------------------------------------------------------- errors
