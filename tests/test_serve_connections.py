@@ -8,7 +8,6 @@ import http.client
 import json
 import shutil
 import socket
-import threading
 import time
 
 import numpy as np
@@ -20,7 +19,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from sgraf.serve.app import SECURITY_HEADERS, create_app  # noqa: E402
 from sgraf.serve.connections import connection_cap, guarded_protocol, raise_descriptor_limit  # noqa: E402
 from sgraf.serve.service import SearchService  # noqa: E402
-from test_serve import _free_port, gallery, service  # noqa: E402,F401  (fixtures)
+from test_serve import gallery, service  # noqa: E402,F401  (fixtures)
+from test_serve_limits import _uvicorn_server  # noqa: E402
 
 TIMEOUT_S = 0.6
 CAP = 4
@@ -29,18 +29,8 @@ CAP = 4
 @pytest.fixture(scope="module")
 def guarded(service):
     """A uvicorn server over the app with the guarded protocol: 4 connections, 0.6 s for headers."""
-    import uvicorn
-
-    port = _free_port()
-    config = uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning",
-                            http=guarded_protocol(SECURITY_HEADERS, cap=CAP, header_timeout=TIMEOUT_S))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
+    server, thread, port = _uvicorn_server(create_app(service), http=guarded_protocol(
+        SECURITY_HEADERS, cap=CAP, header_timeout=TIMEOUT_S))
     yield port
     server.should_exit = True
     thread.join(30)

@@ -186,11 +186,12 @@ def test_computing_says_a_thread_outlived_stop(service):
     assert not worker.computing
 
 
-def _uvicorn_server(app):
+def _uvicorn_server(app, **config):
+    """uvicorn serving `app` on a free port in a thread (`config`: more of uvicorn.Config's options)."""
     import uvicorn
 
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
