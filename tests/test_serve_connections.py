@@ -144,6 +144,14 @@ def test_an_index_copied_over_while_serving_changes_no_answer_and_health_says_st
                                           "index image_keys.npy", "index caption_lengths.npy"}
 
 
+def test_memory_map_keeps_the_index_mapped(gallery):
+    held = SearchService.open(gallery["index"], shortlist=6)
+    mapped = SearchService.open(gallery["index"], shortlist=6, memory_map=True)
+    assert not isinstance(held.index.image_regions[0], np.memmap)
+    assert isinstance(mapped.index.image_regions[0], np.memmap)
+    assert mapped.search_text("a dog runs", top_k=5) == held.search_text("a dog runs", top_k=5)
+
+
 def test_pictures_and_explanations_stop_when_the_data_changes_under_the_server(gallery, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(gallery["data"], data)

@@ -40,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=non_negative_int, default=1, metavar="N",
                         help="torch threads inside each operation (1: a query's small operations gain little "
                              "from more, and their threads spin against other work; 0: torch's own number)")
+    parser.add_argument("--memory-map", action="store_true",
+                        help="map the index instead of reading it into memory, for a gallery larger than the "
+                             "memory (files copied over the index while serving then change answers or end the server)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksum of every index file (faster start for large galleries)")
     parser.set_defaults(func=run)
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     service = SearchService.open(args.index, checkpoints=args.checkpoint, vocab=args.vocab, device=args.device,
                                  precision=args.precision, shortlist=args.shortlist, verify=not args.no_verify,
+                                 memory_map=args.memory_map,
                                  first_stage=args.first_stage, data_dir=args.data)
     raise_descriptor_limit()
     service.warm_up()   # the first request's one-time work (tokenizer, first stage, kernels) before announcing

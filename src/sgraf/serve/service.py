@@ -84,18 +84,21 @@ class SearchService:
     def open(cls, index: str | os.PathLike[str], checkpoints: Sequence[str | os.PathLike[str]] | None = None,
              vocab: str | None = None, device: str = "cpu", precision: str = "fp32", shortlist: int = 100,
              verify: bool = True, first_stage: str = "auto",
-             data_dir: str | os.PathLike[str] | None = None) -> "SearchService":
+             data_dir: str | os.PathLike[str] | None = None, memory_map: bool = False) -> "SearchService":
         """Open an index as `sgraf search` does (same checks, same messages), then the service.
 
         Args:
             index: the index folder; checkpoints / vocab / verify / first_stage as `open_index`.
             device, precision: where and how the models compute ('fp32', 'bf16', 'fp16').
+            memory_map: map the index's arrays instead of reading them into memory (a gallery
+                larger than the memory; files copied over the index while serving then change
+                answers, and one cut short ends the server with SIGBUS).
         """
         from sgraf.api import Matcher
         from sgraf.search import check_identity, open_index
 
         opened = open_index(index, checkpoints=checkpoints, vocab=vocab, verify=verify, first_stage=first_stage,
-                            in_memory=True)   # files copied over the index while serving change no answer
+                            in_memory=not memory_map)   # files copied over a held index change no answer
         loaded = opened.matcher
         if str(device) != "cpu" or precision != "fp32":
             opened.matcher = Matcher(loaded.models, vocab=loaded.vocab, sources=loaded.sources, device=device,
