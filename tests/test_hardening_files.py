@@ -317,10 +317,13 @@ def test_overwrite_never_replaces_a_file_of_the_users_own_of_an_output_name(tmp_
     before = _files(out)
     render_scene([SceneObject("red", "square", "large", 0, 0, 32, 32)]).save(tmp_path / "im.png")
     (tmp_path / "caps.tsv").write_text("im.png\ta red square\n")
-    with pytest.raises(InputError, match=f"^{out / 'test_boxes.npy'} was not written by sgraf, and sgraf extract "
-                                         r"would replace it \(--overwrite replaces only files sgraf wrote\); move it "
-                                         "away with the 1 other such files"):
-        extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False, overwrite=True)
+    message = (f"^{out / 'test_boxes.npy'} is not among the files sgraf recorded writing there \\(.sgraf-files.json\\), "
+               r"and sgraf extract would replace it \(--overwrite replaces only those\); move it away with the 1 other "
+               "such files")
+    for overwrite in (True, False):   # without --overwrite too: passing it would not help
+        with pytest.raises(InputError, match=message):
+            extract_folder(tmp_path, tmp_path / "caps.tsv", out, "test", _tiny_backbone(), progress=False,
+                           overwrite=overwrite)
     assert _files(out) == before
     (out / "test_boxes.npy").unlink()
     (out / "test_caps.txt").unlink()

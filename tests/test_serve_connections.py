@@ -76,6 +76,35 @@ def test_a_kept_alive_connection_gets_the_deadline_for_its_next_request(guarded)
     assert _closed_by_server(connection, 4)                              # before uvicorn's 5 s keep-alive
 
 
+def test_a_body_sent_a_byte_at_a_time_does_not_hold_the_connection(guarded):
+    """After whole headers a client that trickles a declared body had kept its connection open
+    for as long as it liked (each byte put off uvicorn's keep-alive timeout)."""
+    sock = socket.create_connection(("127.0.0.1", guarded))
+    sock.sendall(b"GET /api/health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    closed = False
+    while time.monotonic() - started < 10 and not closed:
+        try:
+            sock.sendall(b"x")
+            while chunk := sock.recv(65536):
+                pass
+            closed = True
+        except socket.timeout:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+    assert closed and time.monotonic() - started < 5
+
+
+def test_without_a_descriptor_limit_the_cap_is_the_most(monkeypatch):
+    from sgraf.serve import connections
+
+    monkeypatch.setattr(connections, "resource", None)                 # as on Windows
+    assert connections.connection_cap() == connections.MAX_CONNECTIONS
+    assert connections.raise_descriptor_limit() == 0
+
+
 def test_connections_past_the_cap_are_closed_and_served_again_once_the_stalled_ones_go(guarded):
     stalled = []
     for _ in range(CAP):
@@ -173,7 +202,10 @@ def test_pictures_and_explanations_stop_when_the_data_changes_under_the_server(g
 def test_warm_up_changes_no_answer(gallery):
     cold = SearchService.open(gallery["index"], shortlist=6)
     warm = SearchService.open(gallery["index"], shortlist=6)
-    warm.warm_up()
+    captions = warm.index.captions
+    warm.index.captions = [" ".join(["dog"] * 80), *captions[1:]]     # longer than a query may be
+    warm.warm_up()                                                     # (serve had refused to start)
+    warm.index.captions = captions
     for text in ("a dog runs", "the red ball"):
         assert warm.search_text(text, top_k=5) == cold.search_text(text, top_k=5)
     assert warm.search_image(3, top_k=5) == cold.search_image(3, top_k=5)

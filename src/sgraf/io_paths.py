@@ -61,12 +61,16 @@ def check_outputs(inputs: Iterable[Labelled], outputs: Iterable[Labelled] = (),
         InputError: "OUT_LABEL OUT is the input IN_LABEL IN; ..." or "... holds the input ...".
     """
     sources = [(label, path, _identity(path)) for label, path in _given(inputs)]
+    source_of: dict[object, tuple[str, str]] = {}   # each input's keys, the first input first: one lookup an output
+    for in_label, source, source_identity in reversed(sources):
+        source_of.update({key: (in_label, source) for key in source_identity})
     written: dict[object, tuple[str, str]] = {}
     for out_label, out in _given(outputs):
         identity = _identity(out)
-        for in_label, source, source_identity in sources:
-            if identity & source_identity:
-                raise InputError(_message(out_label, out, "is", in_label, source))
+        clash = [source_of[key] for key in identity if key in source_of]
+        if clash:
+            in_label, source = min(clash, key=lambda found: [s[:2] for s in sources].index(found))
+            raise InputError(_message(out_label, out, "is", in_label, source))
         for key in identity:
             if key in written and written[key] != (out_label, out):
                 other_label, other = written[key]

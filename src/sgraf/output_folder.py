@@ -213,6 +213,13 @@ class NewGeneration:
     def _check(self) -> None:
         record = set(read_record(self.folder)) | self.earlier
         existing = [name for name in folder_files(self.folder) if self.family(name)]
+        replaced = [name for name in existing if name in self.outputs and name not in record]
+        if replaced:    # --overwrite replaces sgraf's files only: the user's own boxes or captions stay theirs
+            raise InputError(f"{self.folder / replaced[0]} is not among the files sgraf recorded writing there "
+                             f"({RECORD}), and sgraf {self.command} would replace it (--overwrite replaces only "
+                             "those); move it away"
+                             + (f" with the {len(replaced) - 1} other such files" if len(replaced) > 1 else "")
+                             + ", or choose another folder")
         if self.exclusive:
             other = existing
         else:
@@ -220,12 +227,6 @@ class NewGeneration:
         if other and not self.overwrite:
             raise InputError(f"{self.folder} already holds other data ({_describe(other)}); pass --overwrite "
                              f"to replace it with the output of sgraf {self.command}, or choose another folder")
-        replaced = [name for name in existing if name in self.outputs and name not in record]
-        if replaced:    # --overwrite replaces sgraf's files only: the user's own boxes or captions stay theirs
-            raise InputError(f"{self.folder / replaced[0]} was not written by sgraf, and sgraf {self.command} would "
-                             f"replace it (--overwrite replaces only files sgraf wrote); move it away"
-                             + (f" with the {len(replaced) - 1} other such files" if len(replaced) > 1 else "")
-                             + ", or choose another folder")
         foreign = [name for name in existing if name not in self.outputs and name not in record
                    and name not in self.paired]
         if foreign:

@@ -5,9 +5,11 @@ half a request, or nothing, holds it (and a file descriptor) for as long as it l
 a thousand such clients made the server answer nobody and log a traceback per refused accept
 ("Too many open files"). `GuardedProtocol` (uvicorn's `http=` class) adds:
 
-- a deadline for each request's headers (`HEADER_TIMEOUT_S`), from the connection's start or
-  from the first byte of a later request on a kept-alive connection; a client that misses it is
-  disconnected (uvicorn's own keep-alive timeout still closes idle connections between requests);
+- a deadline for each request (`HEADER_TIMEOUT_S`: its line, headers and any body), from the
+  connection's start or from the first byte of a later request on a kept-alive connection; a
+  client that misses it is disconnected, once the answer is sent if one is being computed (a
+  body sent a byte at a time had held a connection open; uvicorn's own keep-alive timeout still
+  closes idle connections between requests);
 - a cap on open connections (`connection_cap`: below the process's file descriptor limit), past
   which a new connection is closed at once, with one warning line per `WARN_EVERY_S`;
 - uvicorn's answer to a malformed request (bad request line, headers too large, bytes that are
@@ -28,9 +30,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import time
 from typing import Any
+
+try:
+    import resource        # POSIX: the descriptor limit
+except ImportError:        # Windows: no such limit to read or raise
+    resource = None  # type: ignore[assignment]
 
 logger = logging.getLogger("sgraf.serve")
 
@@ -45,6 +51,8 @@ def connection_cap(limit: int = MAX_CONNECTIONS) -> int:
     """The open connections the server keeps at most: `limit`, or fewer so that the process's
     soft file-descriptor limit (RLIMIT_NOFILE) keeps `SPARE_DESCRIPTORS` free beside the ones it
     has open now; at least 8."""
+    if resource is None:
+        return limit
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         open_now = len(os.listdir("/proc/self/fd"))
@@ -57,7 +65,9 @@ def connection_cap(limit: int = MAX_CONNECTIONS) -> int:
 
 def raise_descriptor_limit(wanted: int = DESCRIPTORS_WANTED) -> int:
     """Raises the soft RLIMIT_NOFILE to `wanted` or the hard limit, whichever is lower (never
-    lowers it); returns the soft limit now."""
+    lowers it); returns the soft limit now (0 where the system has no such limit)."""
+    if resource is None:
+        return 0
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -122,7 +132,7 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is h11.IDLE:   # a request's headers still (partly) to come
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):   # the request (or its body) still to come
                 self._arm()
             else:
                 self._disarm()
@@ -142,9 +152,11 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
 
         def _headers_late(self) -> None:
             self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing() and (
-                    self.cycle is None or self.cycle.response_complete):
-                self.transport.close()
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                if self.cycle is None or self.cycle.response_complete:
+                    self.transport.close()
+                else:                                  # its answer is being computed: close once it is sent
+                    self.cycle.keep_alive = False
 
         def send_400_response(self, msg: str) -> None:
             body = json.dumps({"error": f"{msg.rstrip('.')}: not an HTTP/1.1 request this server can read"}).encode()

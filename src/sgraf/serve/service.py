@@ -203,8 +203,10 @@ class SearchService:
         """Runs once what a server's first requests would otherwise do while others wait: the
         tokenizer's first call (which runs on the event loop, in `check_text`), a text search
         and an image search (the first stage's structures, the kernels' first calls)."""
-        text = next((caption for caption in self.index.captions if caption.strip()), None)
-        if text is not None:
+        # a few words of the vocabulary (a gallery caption may be longer than a query may be)
+        words = [word for word in self.matcher.vocab.word2idx if not word.startswith("<")][:3]
+        if words:
+            text = " ".join(words)
             self.matcher.tokenize(text, allow_unknown=True)
             self.index.search_texts([text], top_k=1, shortlist=self.shortlist_for(1), allow_unknown=True)
         if self.index.n_images:
