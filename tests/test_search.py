@@ -142,6 +142,9 @@ def test_cli_search_json_lists_ids_and_scores_best_first(gallery, capsys):
     index = open_index(gallery["index"])
     expected = index.search_text("a cat in the park", top_k=4, shortlist=None)
     assert [h["id"] for h in hits] == [h.id for h in expected]
+    assert main(["search", "--index", str(gallery["index"]), "--image-id", "2", "--top-k", "3", "--json"]) == 0
+    captions = json.loads(capsys.readouterr().out)                       # captions come with their text
+    assert [h["caption"] for h in captions] == [h.text for h in index.search_image(image_id=2, top_k=3)]
     assert main(["search", "--index", str(gallery["index"]), "--image-id", "2", "--top-k", "3"]) == 0
     out = capsys.readouterr().out
     assert out.count("caption ") == 3 and "image 2 -> top 3 captions" in out

@@ -20,6 +20,8 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
 
+from test_own_gallery import own  # noqa: E402,F401  (a fixture: a gallery of one's own pictures)
+
 N_TEST = 32
 
 
@@ -236,3 +238,44 @@ def _assert_labels_apart(browser) -> None:
                 same_line = a[2] < b[3] and b[2] < a[3]
                 gap = max(b[0] - a[1], a[0] - b[1])
                 assert not same_line or gap >= 4, f"card labels run together: {a[4]!r} and {b[4]!r} ({gap:.1f} px)"
+
+
+def test_own_pictures_keep_their_shape_and_show_their_names(own, browser, tmp_path):
+    """A gallery of one's own pictures (`test_own_gallery`): each card names its file, and the
+    explanation draws a tall phone photo at its own shape (a 400 x 300 photo had been squashed
+    into the square canvas)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ready
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from sgraf.cli import main
+    from sgraf.serve.app import create_app
+    from sgraf.serve.service import SearchService
+    from test_serve_limits import _uvicorn_server
+
+    _chromium()
+    index = tmp_path / "index"
+    assert main(["index", "--checkpoint", str(own["root"] / "sgr.pt"), "--data", str(own["data"]), "--split", "test",
+                 "--out", str(index), "--quiet"]) == 0
+    server, thread, port = _uvicorn_server(create_app(SearchService.open(index, shortlist=4)))
+    try:
+        wait = WebDriverWait(browser, 30)
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait.until(lambda d: "pictures" in d.find_element(By.ID, "gallery-info").text)
+        browser.find_element(By.ID, "query").send_keys("a red ball")
+        browser.find_element(By.ID, "search-button").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results .card")) == 4)
+        names = [card.find_element(By.CSS_SELECTOR, ".name").text
+                 for card in browser.find_elements(By.CSS_SELECTOR, "#results .card")]
+        assert sorted(names) == sorted(own["names"])
+        phone = next(card for card in browser.find_elements(By.CSS_SELECTOR, "#results .card")
+                     if card.find_element(By.CSS_SELECTOR, ".name").text == "phone shot.jpg")
+        phone.click()
+        wait.until(ready.visibility_of_element_located((By.ID, "explain-panel")))
+        canvas = browser.find_element(By.ID, "attention")
+        wait.until(lambda d: canvas.get_attribute("data-picture") == "drawn" and canvas.get_attribute("data-frame"))
+        left, top, width, height = (float(v) for v in canvas.get_attribute("data-frame").split(","))
+        assert abs(width / height - 40 / 120) < 0.01 and top == 0.0 and left > 0   # upright, tall, centred
+    finally:
+        server.should_exit = True
+        thread.join(30)

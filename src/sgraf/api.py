@@ -285,7 +285,9 @@ class Matcher:
             if unknown:
                 listed = ", ".join(repr(t) for t in dict.fromkeys(unknown))
                 raise InputError(f"query {text!r}: word(s) {listed} not in the model's vocabulary "
-                                 f"({len(self.vocab)} words); rephrase with known words")
+                                 f"({len(self.vocab)} words); rephrase with known words, or let unknown words "
+                                 "count as <unk> (allow_unknown: --allow-unknown on the command line, "
+                                 "allow_unknown=true in the HTTP API)")
         return tokens, self.vocab.encode(text)
 
     def encode_texts(self, texts: Sequence[str], allow_unknown: bool = False) -> TextEncoding:

@@ -143,7 +143,7 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike, vocab: Any = Non
         "extra": dict(extra or {}),
     }
     atomic_save(on_disk(checkpoint), path)
-    logger.info("saved model checkpoint to %s", path)
+    logger.debug("saved model checkpoint to %s", path)   # a run saves last.pt often: its log says where
 
 
 def _torch_load(path: Path, map_location: Any) -> Any:

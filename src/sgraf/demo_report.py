@@ -274,7 +274,8 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
         f"{settings['n_test']} train / dev / test images, 5 captions each, data seed {record['seed']}).",
         "",
         f"Each model trained independently with the `demo` preset plus `{' '.join(settings['train_overrides'])}` "
-        f"(embed {training['embed_size']}, sim {training['sim_dim']}, {training['epochs']} epochs, "
+        f"(embed {training['embed_size']}, sim {training['sim_dim']}, {training['epochs']} "
+        f"epoch{'s' if training['epochs'] != 1 else ''}, "
         f"batch {training['batch_size']}); the checkpoint with the best dev rsum is evaluated. "
         "global-only is Table 3 row 1 (FC + sigmoid on the global alignment); SGRAF averages the "
         "SGR and SAF score matrices."

@@ -153,6 +153,7 @@ class Explanation:
     saf_beta: np.ndarray | None
     sgr_alignment: np.ndarray | None
     image_id: int | None = None
+    image_name: str | None = None      # the picture's file name or image id, where the data records one
     extra: dict[str, Any] = field(default_factory=dict)
     place: np.ndarray | None = None
     place_model: str | None = None
@@ -382,7 +383,7 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
     # the image itself
     axis = upper.add_subplot(top[0])
     _draw_picture(axis, layout, None)
-    axis.set_title(f"image {explanation.image_id}" if explanation.image_id is not None else "image", fontsize=9)
+    axis.set_title(image_label(explanation), fontsize=9)
 
     # SAF beta and SGR final-vs-raw alignment per node: rows of a fixed height (about 0.6 inch), so
     # that one model's single row is a strip beside the picture, not a block as tall as the picture
@@ -459,6 +460,14 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
         plt.close(figure)
     logger.info("wrote %s", out)
     return out
+
+
+def image_label(explanation: "Explanation") -> str:
+    """'image 7', 'image 7 (beach.jpg)' where the picture has a name, or 'image'."""
+    if explanation.image_id is None:
+        return "image"
+    name = explanation.image_name
+    return f"image {explanation.image_id}" + (f" ({_short(name, 40)})" if name else "")
 
 
 def _short(label: str, limit: int = LABEL_CHARS) -> str:

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         boxes = split.read_boxes(required=True)[args.image_id]
     explanation = explain_pair(matcher, features, args.text, allow_unknown=args.allow_unknown, boxes=boxes)
     explanation.image_id = args.image_id
+    names = split.image_names()
+    explanation.image_name = names[args.image_id] if names is not None else None
     layout = region_layout(args.data, args.split, args.image_id, split.num_regions)
     out = render_explanation(explanation, layout, args.out)
     print(format_explanation(explanation))
@@ -65,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
 
 def format_explanation(explanation: "Explanation") -> str:
     """A text table of the per-node quantities and the scores."""
-    lines = [f"image {explanation.image_id} / {explanation.text!r}: "
+    from sgraf.explain import image_label
+
+    lines = [f"{image_label(explanation)} / {explanation.text!r}: "
              + ", ".join(f"{k} {v:.4f}" for k, v in explanation.scores.items())]
     header = f"{'node':<14}{'SAF beta':>10}{'SGR final.raw':>15}{'top region':>12}"
     if explanation.place is not None:

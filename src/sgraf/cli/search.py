@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=positive_int, default=10, metavar="K", help="results to return")
     parser.add_argument("--shortlist", type=non_negative_int, default=100, metavar="N",
                         help="candidates re-ranked by the full score; 0 scores the whole gallery")
-    parser.add_argument("--json", action="store_true", help='print [{"id", "score"}, ...], best first')
+    parser.add_argument("--json", action="store_true",
+                        help='print [{"id", "score"}, ...], best first, with "name" (images of an index that records '
+                             'names) or "caption" (captions)')
     parser.add_argument("--checkpoint", action="extend", nargs="+", metavar="CKPT",
                         help="the index's model(s), if their recorded paths moved (must be the same weights)")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         hits = index.search_image(image_id=args.image_id, top_k=args.top_k, shortlist=shortlist)
         kind = "caption"
     if args.json:
-        print(json.dumps([hit.to_dict() for hit in hits]))
+        print(json.dumps([{**hit.to_dict(), **({"caption": hit.text} if kind == "caption" else {})} for hit in hits]))
         return 0
     query = repr(args.text) if args.text is not None else f"image {args.image_id}"
     if args.text is None and index.name_of(args.image_id) is not None:

@@ -340,6 +340,7 @@ class SearchService:
         explanation = explain_pair(self.matcher, np.asarray(self.features[image_id]), text,
                                    allow_unknown=allow_unknown, boxes=boxes)   # the boxes the index encoded with
         explanation.image_id = image_id
+        explanation.image_name = self.index.name_of(image_id)
         return explanation
 
     def _layout(self, image_id: int) -> Any:

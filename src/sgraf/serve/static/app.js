@@ -93,6 +93,7 @@ function showResults(answer) {
     meta.appendChild(el("span", { class: "rank" }, `#${rank + 1}`));
     meta.appendChild(el("span", { class: "id" }, `image ${hit.id}`));
     card.appendChild(meta);
+    if (hit.name) card.appendChild(el("div", { class: "name", title: hit.name }, hit.name));
     card.appendChild(el("div", { class: "score", title: "SGRAF score" }, `score ${fmt(hit.score, 3)}`));
     const captions = el("button", { class: "captions-link", type: "button" }, "its best captions");
     captions.addEventListener("click", (event) => { event.stopPropagation(); searchImage(hit.id); });
@@ -229,7 +230,14 @@ function drawAttention() {
   if (!answer) return;
   const regions = answer.regions;
   const weights = answer.attention && state.word !== null ? answer.attention.weights[state.word] : null;
-  if (state.picture) context.drawImage(state.picture, 0, 0, width, height);
+  // the picture keeps its shape: fitted inside the canvas, centred (a 400 x 300 photo had been squashed)
+  const natural = state.picture ? [state.picture.naturalWidth, state.picture.naturalHeight]
+    : [regions.width || width, regions.height || height];
+  const fit = Math.min(width / natural[0], height / natural[1]);
+  const frameW = natural[0] * fit, frameH = natural[1] * fit;
+  const left = (width - frameW) / 2, topEdge = (height - frameH) / 2;
+  canvas.dataset.frame = [left, topEdge, frameW, frameH].map((v) => v.toFixed(1)).join(",");
+  if (state.picture) context.drawImage(state.picture, left, topEdge, frameW, frameH);
   canvas.dataset.picture = state.picture ? "drawn" : "none";
   if (!weights) {
     $("attention-caption").textContent = "no word attention for these models";
@@ -239,9 +247,9 @@ function drawAttention() {
   const top = Math.max(1e-12, ...weights);
   const best = weights.indexOf(Math.max(...weights));
   if (regions.kind === "grid") {
-    const cellW = width / regions.cols, cellH = height / regions.rows;
+    const cellW = frameW / regions.cols, cellH = frameH / regions.rows;
     weights.forEach((weight, k) => {
-      const x = (k % regions.cols) * cellW, y = Math.floor(k / regions.cols) * cellH;
+      const x = left + (k % regions.cols) * cellW, y = topEdge + Math.floor(k / regions.cols) * cellH;
       const share = weight / top;
       if (state.picture) {
         context.fillStyle = `rgba(0, 0, 0, ${(0.75 * (1 - share)).toFixed(3)})`;   // darken what it ignores
@@ -252,18 +260,19 @@ function drawAttention() {
     });
     context.strokeStyle = "yellow";
     context.lineWidth = 2;
-    context.strokeRect((best % regions.cols) * cellW + 1, Math.floor(best / regions.cols) * cellH + 1, cellW - 2, cellH - 2);
+    context.strokeRect(left + (best % regions.cols) * cellW + 1, topEdge + Math.floor(best / regions.cols) * cellH + 1,
+      cellW - 2, cellH - 2);
   } else {
-    const sx = width / (regions.width || width), sy = height / (regions.height || height);
+    const sx = frameW / (regions.width || natural[0]), sy = frameH / (regions.height || natural[1]);
     weights.forEach((weight, k) => {
       const [x0, y0, x1, y1] = regions.boxes[k];
       context.fillStyle = `rgba(255, 190, 40, ${(0.6 * weight / top).toFixed(3)})`;
-      context.fillRect(x0 * sx, y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy);
+      context.fillRect(left + x0 * sx, topEdge + y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy);
     });
     const [x0, y0, x1, y1] = regions.boxes[best];
     context.strokeStyle = "yellow";
     context.lineWidth = 2;
-    context.strokeRect(x0 * sx, y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy);
+    context.strokeRect(left + x0 * sx, topEdge + y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy);
   }
   const token = answer.attention.tokens[state.word];
   $("attention-caption").textContent =
