@@ -17,8 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Count tokens (lower-cased, Treebank-tokenised as the authors do) in the captions of "
                     "the given splits and keep words seen at least --min-count times.")
     build.add_argument("--data", required=True, help="data directory (precomp layout)")
-    build.add_argument("--out", required=True, help="output JSON path (DATA/vocab.json: where train, evaluate and "
-                                                    "data check look for it; an earlier one there is replaced)")
+    build.add_argument("--out", required=True, help="output JSON path (DATA/vocab.json: where train and data check "
+                                                    "look for it; an earlier one there is replaced)")
     build.add_argument("--min-count", type=positive_int, default=4, help="minimum occurrences (authors: 4)")
     build.add_argument("--splits", nargs="+", default=["train", "dev"],
                        help="caption files to count (the authors count train and dev)")
