@@ -372,11 +372,11 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     for name, captions in table.items():
         merged.setdefault(os.path.normpath(name), []).extend(captions)
     table = merged
-    check_caption_counts({name: len(captions) for name, captions in table.items()}, captions_path)
     names = list(table)
-    for name in names:
+    for name in names:   # a name that is no file (a typo, a header line) before the counts it upsets
         if not (images_dir / name).is_file():
             raise InputError(f"{captions_path}: image {name!r} not found in {images_dir}")
+    check_caption_counts({name: len(captions) for name, captions in table.items()}, captions_path)
 
     sizes = np.zeros((len(names), 2), dtype=np.float32)  # width, height of each picture as read
 
