@@ -120,13 +120,11 @@ def test_faiss_first_stage_matches_numpy(gallery):
         a = numpy_index.search_image(image_id=1, top_k=3, shortlist=shortlist)
         b = faiss_index.search_image(image_id=1, top_k=3, shortlist=shortlist)
         assert [h.id for h in a] == [h.id for h in b]
-    import faiss
-
-    from sgraf.search import KEY_QUERIES
-
-    # our groups of 16 query rows go through BLAS (FAISS's row-by-row scan below its threshold
-    # made a served search 3x slower than NumPy's first stage)
-    assert faiss.cvar.distance_compute_blas_threshold <= KEY_QUERIES
+    texts = ["a cat in the park", "a dog runs", "the red ball"]          # one alone or several: the same bits
+    alone = [faiss_index.search_texts([text], top_k=3, shortlist=7)[0] for text in texts]
+    together = faiss_index.search_texts(texts, top_k=3, shortlist=7)
+    assert [[(h.id, h.score, h.coarse) for h in hits] for hits in together] == \
+        [[(h.id, h.score, h.coarse) for h in hits] for hits in alone]
 
 
 def test_float16_index_ranks_like_float32(gallery, tmp_path):
