@@ -87,7 +87,7 @@ def test_a_body_sent_a_byte_at_a_time_does_not_hold_the_connection(guarded):
     while time.monotonic() - started < 10 and not closed:
         try:
             sock.sendall(b"x")
-            while chunk := sock.recv(65536):
+            while sock.recv(65536):
                 pass
             closed = True
         except socket.timeout:
