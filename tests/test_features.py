@@ -136,6 +136,18 @@ def test_unreadable_and_oversized_pictures_are_named_before_any_is_run(tmp_path,
         extract_folder(tmp_path, tmp_path / "caps.tsv", tmp_path / "out", "x", backbone, progress=False)
 
 
+@pytest.mark.parametrize("name", ["../outside.png", "/etc/hostname"])
+def test_a_picture_outside_the_images_folder_is_refused(tmp_path, name):
+    (tmp_path / "photos").mkdir()
+    scene_images(1)[0].save(tmp_path / "outside.png")
+    (tmp_path / "caps.tsv").write_text(f"{name}\ta caption\n", encoding="utf-8")
+    with pytest.raises(InputError, match=f"caps\\.tsv: picture '{name}' is outside --images .*photos; expected a file "
+                                         "name relative to that folder"):
+        extract_folder(tmp_path / "photos", tmp_path / "caps.tsv", tmp_path / "out", "test", tiny_backbone(),
+                       progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_caption_counts_name_the_picture_and_paths_are_one_picture(tmp_path):
     for i, image in enumerate(scene_images(3)):
         image.save(tmp_path / f"im{i}.png")

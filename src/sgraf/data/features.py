@@ -374,6 +374,9 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     table = merged
     names = list(table)
     for name in names:   # a name that is no file (a typo, a header line) before the counts it upsets
+        if os.path.isabs(name) or name == ".." or name.startswith(".." + os.sep):
+            raise InputError(f"{captions_path}: picture {name!r} is outside --images {images_dir}; expected a file "
+                             "name relative to that folder")
         if not (images_dir / name).is_file():
             raise InputError(f"{captions_path}: image {name!r} not found in {images_dir}")
     check_caption_counts({name: len(captions) for name, captions in table.items()}, captions_path)
