@@ -32,17 +32,17 @@ _ATTEMPTS = 100
 def write_error(path: str | os.PathLike[str], error: OSError) -> InputError:
     """A one-line `InputError` for a failed write of `path` (never the temporary file)."""
     reason = error.strerror or (os.strerror(error.errno) if error.errno else None) or str(error) or type(error).__name__
-    blocking = _file_among_parents(path) if error.errno in (errno.EEXIST, errno.ENOTDIR) else None
-    if blocking is not None:    # "File exists" said nothing of which file
-        reason = f"{blocking} is a file, where a folder is needed"
+    if error.errno in (errno.EEXIST, errno.ENOTDIR):   # "File exists" said nothing of which file
+        reason = _parent_that_is_a_file(path) or reason
     return InputError(f"cannot write {path}: {reason}")
 
 
-def _file_among_parents(path: str | os.PathLike[str]) -> pathlib.Path | None:
-    """The nearest of `path`'s parents that exists and is no folder, if any."""
+def _parent_that_is_a_file(path: str | os.PathLike[str]) -> str | None:
+    """'P is a file, where a folder is needed' for the nearest of `path`'s parents that exists and
+    is no folder, if any."""
     for parent in pathlib.Path(path).parents:
         if os.path.lexists(parent):
-            return None if parent.is_dir() else parent
+            return None if parent.is_dir() else f"{parent} is a file, where a folder is needed"
     return None
 
 
@@ -54,9 +54,8 @@ def ensure_folder(folder: str | os.PathLike[str], what: str = "output folder") -
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        blocking = _file_among_parents(folder)
-        reason = f"{blocking} is a file, where a folder is needed" if blocking is not None else error.strerror or error
-        raise InputError(f"cannot create {what} {folder}: {reason}") from None
+        raise InputError(f"cannot create {what} {folder}: {_parent_that_is_a_file(folder) or error.strerror or error}") \
+            from None
     return folder
 
 

@@ -494,6 +494,12 @@ def file_states(folder: Path, names: Sequence[str]) -> dict[str, tuple[int, ...]
     return states
 
 
+def changed_since(folder: Path, states: dict[str, tuple[int, ...] | None]) -> list[str]:
+    """The names whose `file_states` in `folder` are no longer `states` (taken earlier)."""
+    now = file_states(folder, list(states))
+    return [name for name, state in states.items() if now[name] != state]
+
+
 def _first_stage(asked: str) -> str:
     """The first stage an index runs: 'faiss' when asked, or with 'auto' where FAISS imports;
     'numpy' otherwise."""
@@ -561,8 +567,7 @@ class GalleryIndex:
     def changed_files(self) -> list[str]:
         """The index's files (names in its folder) that are no longer the ones opened: replaced,
         rewritten or gone (`file_states`); empty while the folder holds what was opened."""
-        now = file_states(self.folder, list(self.files))
-        return [name for name, state in self.files.items() if now[name] != state]
+        return changed_since(self.folder, self.files)
 
     def _check_arrays(self, n_models: int) -> None:
         """What --no-verify leaves unchecked must still not crash a query: the arrays' shapes, the

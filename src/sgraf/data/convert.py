@@ -242,19 +242,17 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
             bar.update(1)
     n_caps = 0
     if table is not None:
-        per_image = {len(table.get(i.split('\t')[0], [])) for i in ids}
-        missing = [i.split("\t")[0] for i in ids if i.split("\t")[0] not in table]
+        image_ids = list(first_line)                  # the rows' image_ids, in row order
+        missing = [key for key in image_ids if key not in table]
         if missing:
             raise InputError(f"{captions_path}: no captions for image_id {missing[0]!r} "
                              f"({len(missing)} images without captions)")
-        if len(per_image) != 1:
-            check_caption_counts({i.split("\t")[0]: len(table[i.split("\t")[0]]) for i in ids}, captions_path,
-                                 "image_id")
+        check_caption_counts({key: len(table[key]) for key in image_ids}, captions_path, "image_id")
         unused = [key for key in table if key not in first_line]
         if unused:
             logger.warning("%s: the captions of %d image_id(s) not in %s are left out (%r first)", captions_path,
                            len(unused), tsv_path, unused[0])
-        lines = [c for i in ids for c in table[i.split("\t")[0]]]
+        lines = [c for key in image_ids for c in table[key]]
         n_caps = len(lines)
         paths["caps"].write_bytes("".join(c + "\n" for c in lines).encode("utf-8"))
     paths["ids"].write_text("".join(i + "\n" for i in ids), encoding="utf-8")

@@ -140,12 +140,9 @@ class SearchService:
 
     def data_changed(self) -> list[str]:
         """The data files (relative to the data folder) that changed since the server started."""
-        from sgraf.search import file_states
+        from sgraf.search import changed_since
 
-        if not self._data_files:
-            return []
-        now = file_states(self.data_dir, list(self._data_files))
-        return [name for name, state in self._data_files.items() if now[name] != state]
+        return changed_since(self.data_dir, self._data_files) if self._data_files else []
 
     def _check_data_unchanged(self) -> None:
         changed = self.data_changed()
