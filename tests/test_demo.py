@@ -136,6 +136,16 @@ def test_demo_ends_by_printing_the_serve_command(demo, capsys, monkeypatch):
     for test in record["story"]["tests"][:2]:
         words = f"p {test['p']:.3f}" + ("" if test["p"] < 0.05 else ", within noise")
         assert f"(paired {words})" in verdict and f"], {words}\n" in report, (verdict, words)
+    # the chance level: the report says which models random scores match, the console when all do
+    chance = record["story"]["chance"]
+    low = [label for label, value in record["story"]["rsum"].items() if value <= chance["high"]]
+    assert f"Random scores give rsum {chance['mean']:.1f} on this split" in report
+    assert (len(low) == len(record["story"]["rsum"])) == ("Every model here is within that" in report)
+    assert (len(low) == len(record["story"]["rsum"])) == any("every model is at chance level" in line
+                                                            for line in lines)
+    record["story"]["rsum"] = dict.fromkeys(record["story"]["rsum"], chance["high"] + 1)
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    assert "at chance level" not in capsys.readouterr().out
     from sgraf.cli import build_parser
 
     args = build_parser().parse_args(last.split("search it in a browser: ")[1].split()[1:])

@@ -326,3 +326,30 @@ def test_few_resamples_are_named_in_one_warning(caplog):
     warnings = [r.getMessage() for r in caplog.records]
     assert warnings == ["37 resamples: the intervals' ends and the p-values move from one seed to another "
                         "(p is at least 1/38); 1000 or more is usual"]
+
+
+def test_chance_rsum_is_what_random_score_matrices_give():
+    # two images of five captions, by hand: i2t R@1 5/10, R@5 1 - C(5,5)/C(10,5), R@10 1; t2i 1/2, 1, 1
+    assert significance.chance_rsum(2, 5)["mean"] == pytest.approx(100 * (0.5 + (1 - 1 / 252) + 1 + 0.5 + 1 + 1))
+    assert significance.chance_rsum(1, 1) == {"mean": 600.0, "high": 600.0, "level": 0.95, "draws": 2000}
+    # against whole random matrices ranked by sgraf.metrics: the mean, and the quantiles (the draws
+    # keep the link between the two directions through the true pairs' scores)
+    rng = np.random.default_rng(3)
+    for n_img in (6, 20):
+        full = np.array([metrics.evaluate_sims(rng.random((n_img, 5 * n_img)))["rsum"] for _ in range(1500)])
+        chance = significance.chance_rsum(n_img, draws=20000, level=0.9, seed=1)
+        spread = full.std()
+        assert abs(full.mean() - chance["mean"]) < 0.1 * spread, (n_img, full.mean(), chance)
+        assert abs(np.quantile(full, 0.9) - chance["high"]) < 0.15 * spread, (n_img, np.quantile(full, 0.9), chance)
+    # the same seed, the same figure; a model that learnt is far above
+    assert significance.chance_rsum(32, seed=4) == significance.chance_rsum(32, seed=4)
+    assert metrics.evaluate_sims(matrix(32, 0, signal=3.0))["rsum"] > significance.chance_rsum(32)["high"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_images": 0}, "at least one image"), ({"n_images": 5, "caps_per_image": 0}, "at least one image"),
+    ({"n_images": 5, "draws": 0}, "draws must be a positive integer"),
+    ({"n_images": 5, "level": 1.5}, "level must be a number between 0 and 1")])
+def test_chance_rsum_refuses_odd_arguments(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        significance.chance_rsum(**kwargs)

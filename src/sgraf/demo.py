@@ -35,6 +35,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from sgraf.atomic_write import ensure_folder, write_text
+from sgraf.significance import chance_rsum
 from sgraf.demo_report import (draw_curves, draw_diagnosis, format_diagnosis, format_table, mean_sd, story,
                                story_tests, write_report)
 from sgraf.errors import InputError
@@ -479,7 +480,8 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "diagnose": per_seed[0]["diagnose"],
         "per_seed": per_seed,
         "summary": summary,
-        "story": {**story(summary["results"]), "tests": story_tests(first_sims, per_seed[0]["results"])},
+        "story": {**story(summary["results"]), "tests": story_tests(first_sims, per_seed[0]["results"]),
+                  "chance": chance_rsum(test.n_images, test.caps_per_image)},
         "timings_s": timings,
         "cpu_s": cpu,
         "pictures": pictures,

@@ -145,6 +145,34 @@ def story_tests(sims: dict[str, np.ndarray], results: dict[str, dict[str, Any]],
     return tests
 
 
+def at_chance(check: dict[str, Any]) -> list[str]:
+    """The models of a `story` check (with its ``"chance"``: `sgraf.significance.chance_rsum`) whose
+    rsum is not above what random scores reach by luck (its ``high`` quantile)."""
+    chance = check.get("chance")
+    if not chance:
+        return []
+    return [label for label, value in check["rsum"].items() if value <= chance["high"]]
+
+
+def chance_text(check: dict[str, Any]) -> str:
+    """A line for the report on the chance level, and what it means for the story when some or
+    all models are not above it ('' without one)."""
+    chance = check.get("chance")
+    if not chance:
+        return ""
+    low = at_chance(check)
+    text = (f"Random scores give rsum {chance['mean']:.1f} on this split, and {chance['high']:.1f} or more "
+            f"in {100 * (1 - chance['level']):.0f} % of random draws (`sgraf.significance.chance_rsum`). ")
+    if len(low) == len(check["rsum"]):
+        return text + ("Every model here is within that: they have not learnt enough to be told from chance, "
+                       "so the comparisons below say nothing about the paper's claims (a smoke test; the "
+                       "demo without `--quick` trains them).")
+    if low:
+        return text + f"Not above it: {', '.join(low)}; comparisons with {'it' if len(low) == 1 else 'them'} " \
+                      "say little."
+    return text + "Every model is above it."
+
+
 def p_verdict(test: dict[str, Any]) -> str:
     """One `story_tests` test's p-value as the report and the closing line say it: ``p 0.031``,
     or ``p 0.091, within noise`` at p >= 0.05."""
@@ -291,6 +319,7 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
         "",
         seeds_text,
         "",
+        *([chance_text(check), ""] if check.get("chance") else []),
         "The paper's story (rsum" + (", means" if len(seeds) > 1 else "") + "):",
         *verdict,
         "",

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sgraf.demo import run_demo
-    from sgraf.demo_report import p_verdict
+    from sgraf.demo_report import at_chance, p_verdict
 
     record = run_demo(args.out, quick=args.quick, features=args.features, seed=args.seed,
                       progress=not args.quick, seeds=args.seeds, overrides=args.overrides or (),
@@ -59,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     p = [f" (paired {p_verdict(test)})" for test in check.get("tests", [])] + ["", ""]
     print(f"SGRAF >= better of SGR/SAF: {'yes' if check['sgraf_ge_best_single'] else 'no'}{p[0]}; "
           f"better single > global-only: {'yes' if check['best_single_gt_global'] else 'no'}{p[1]}")
+    if check.get("chance") and len(at_chance(check)) == len(check["rsum"]):
+        print(f"every model is at chance level (random scores reach rsum {check['chance']['high']:.1f} by luck): "
+              "a smoke test, not evidence")
     print(f"report: {args.out}/report.md ({record['timings_s']['total']:.0f} s)")
     print(f"search it in a browser: sgraf serve --index {shlex.quote(str(Path(args.out) / 'index'))}")
     return 0
