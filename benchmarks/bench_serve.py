@@ -11,7 +11,11 @@ float16 index: the gallery of `bench_search.py`), saves the two models as checkp
 
 Queries are random 6-13 word texts over the gallery's vocabulary (each different). It prints
 throughput, p50/p95/p99 latency as the client sees it, errors (non-200 answers, must be 0), the
-server's RSS (and its anonymous part) before and after, and how the server batched. Each
+server's RSS (and its anonymous part) before and after, and how the server batched. The reference,
+measured in the same run once the server has stopped: the same searches in this process through
+the library (`open_index(..., in_memory=True)`, the server's first stage and torch threads), one
+text at a time for phase 1 and in the server's largest batches (`search_texts`) for phase 2; the
+ratio served / in-process is what HTTP, JSON and the queue leave of the library's speed. Each
 --server value is one server run with those extra `sgraf serve` options (e.g. "--max-batch 1"
 turns batching off, "--threads 2" two torch threads per operation, "--workers 2" two compute
 threads).
@@ -230,13 +234,14 @@ def bench(index_dir: Path, args: argparse.Namespace, options: str) -> None:
         started = time.perf_counter() - tic
         rng = np.random.default_rng(7)
         make = lambda n: [" ".join(rng.choice(WORDS, size=int(rng.integers(6, 14)))) for _ in range(n)]  # noqa: E731
-        for text in make(args.warmup):
+        warmup, single_texts, load_texts = make(args.warmup), make(args.single), make(args.requests)
+        for text in warmup:
             client.search(text)
         before = _memory(server.pid)
-        single = [client.search(text) for text in make(args.single)]
+        single = [client.search(text) for text in single_texts]
         single_ok = [s for status, s, _ in single if status == 200]
         client.close()       # idle through the load: the server may have closed it (keep-alive timeout)
-        load = run_load(port, make(args.requests), args.concurrency)
+        load = run_load(port, load_texts, args.concurrency)
         after = _memory(server.pid)
         client = Client(port)
         queue = client.get("/api/health")["queue"]
@@ -244,6 +249,7 @@ def bench(index_dir: Path, args: argparse.Namespace, options: str) -> None:
     finally:
         server.terminate()
         server.wait(30)
+    reference = in_process(index_dir, args, health, queue["max_batch"], warmup, single_texts, load_texts)
     one = _percentiles(single_ok)
     print(f"\n## sgraf serve {options or '(defaults)'}: {health['gallery']['images']:,} images, shortlist "
           f"{args.shortlist}, max batch {queue['max_batch']}, workers {queue['workers']}, torch threads "
@@ -255,10 +261,42 @@ def bench(index_dir: Path, args: argparse.Namespace, options: str) -> None:
           f"{one['p95']:.0f} ms | {one['p99']:.0f} ms | {len(single) - len(single_ok)} |")
     print(f"| {args.concurrency} clients | {args.requests} | {load['throughput']:.1f} q/s | {load['p50']:.0f} ms | "
           f"{load['p95']:.0f} ms | {load['p99']:.0f} ms | {load['errors']} |")
+    served_one = len(single_ok) / max(sum(single_ok), 1e-9)
+    print(f"\nin this process through the library, the same searches after the server stopped: 1 text at a time "
+          f"{reference['one']:.1f} q/s (p50 {reference['p50']:.0f} ms), in batches of up to {queue['max_batch']} "
+          f"{reference['batched']:.1f} q/s; served / in-process: {served_one / reference['one']:.2f}x (1 client), "
+          f"{load['throughput'] / reference['batched']:.2f}x ({args.concurrency} clients)")
     print(f"\nanswers by status: {load['statuses']}; server RSS before the load {before['VmRSS']:.0f} MiB "
           f"(anonymous {before['RssAnon']:.0f}), after {after['VmRSS']:.0f} MiB (anonymous {after['RssAnon']:.0f}); "
           f"batches {queue['batches']} for {queue['batched_texts']} texts "
           f"(mean {queue['batched_texts'] / max(queue['batches'], 1):.1f})")
+
+
+def in_process(index_dir: Path, args: argparse.Namespace, health: dict, max_batch: int, warmup: list[str],
+               single: list[str], load: list[str]) -> dict[str, float]:
+    """The reference: the server's searches through the library in this process (its first stage
+    and torch threads, the index in memory as `sgraf serve` reads it): q/s and p50 one text at a
+    time, and q/s of the load's texts in batches of the server's largest."""
+    from sgraf.search import open_index
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(health["torch_threads"]))
+    try:
+        index = open_index(index_dir, verify=False, first_stage=health["first_stage"], in_memory=True)
+        for text in warmup:
+            index.search_text(text, top_k=10, shortlist=args.shortlist)
+        seconds = []
+        for text in single:
+            tic = time.perf_counter()
+            index.search_text(text, top_k=10, shortlist=args.shortlist)
+            seconds.append(time.perf_counter() - tic)
+        tic = time.perf_counter()
+        for start in range(0, len(load), max_batch):
+            index.search_texts(load[start:start + max_batch], top_k=10, shortlist=args.shortlist)
+        batched = len(load) / (time.perf_counter() - tic)
+    finally:
+        torch.set_num_threads(threads)
+    return {"one": len(seconds) / sum(seconds), "p50": _percentiles(seconds)["p50"], "batched": batched}
 
 
 def _start(index_dir: Path, args: argparse.Namespace, options: list[str]) -> tuple[subprocess.Popen, int, float]:
