@@ -144,7 +144,15 @@ def test_resume_can_extend_a_finished_run(data, uninterrupted, tmp_path, caplog)
     run = tmp_path / "extended"
     shutil.copytree(uninterrupted, run)
     best = _progress(run)
+    # a finished run resumed as it is trains nothing, and its log says only that
+    metrics = (run / "metrics.jsonl").read_text()
+    assert main(["train", "--resume", str(run)]) == 0
+    said = [record.getMessage() for record in caplog.records]
+    assert any("nothing to train" in line for line in said) and not any(line.startswith("training ") for line in said)
+    assert (run / "metrics.jsonl").read_text() == metrics
+    caplog.clear()
     assert main(["train", "--resume", str(run), "--set", "epochs=4"]) == 0
+    assert any(record.getMessage().startswith("training ") for record in caplog.records)
     assert _resume_line(caplog).endswith(f"(best rsum {best['best_rsum']:.2f} at step {best['best_step']})")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["epoch"] == 4 and _progress(run)["finished"]

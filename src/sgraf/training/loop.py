@@ -301,7 +301,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     record = _RunRecord(config, run, model, optimizer, scaler, progress, dev, device, is_main, tensorboard,
                         last_saved_step=progress.global_step if resume else None)
     workers = loader_workers(config.workers)
-    _log_start(config, model, data_dir, batches, device, info, workers)
+    if progress.epoch < config.epochs and not (resume and out_of_patience(config, progress)):
+        _log_start(config, model, data_dir, batches, device, info, workers)   # not when nothing is left
     n_steps = batches.n_steps
     last_loss = float("nan")
 
@@ -426,8 +427,8 @@ def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: An
         if info.is_main:
             rd.truncate_metrics(run, progress.last_val_step)
         if progress.epoch >= config.epochs:
-            logger.info("%s has trained its %d epochs: nothing to train (--set epochs=N trains on to N)", run,
-                        config.epochs)
+            logger.info("%s has trained its %d epoch%s: nothing to train (--set epochs=N trains on to N)", run,
+                        config.epochs, "" if config.epochs == 1 else "s")
         elif out_of_patience(config, progress):
             logger.info("%s stopped early at epoch %d: nothing to train (--set patience=0, or a larger patience, "
                         "goes on)", run, progress.epoch)
