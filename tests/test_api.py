@@ -175,3 +175,91 @@ def test_a_matcher_refuses_encodings_of_other_models(vocab, features, tmp_path):
     for captions, lengths_ in ((padded.numpy(), lengths), (padded, lengths + 5), (padded, torch.tensor([2, 2]))):
         with pytest.raises(InputError, match=r"captions must be an int tensor \(n_cap, L\) with n_cap lengths"):
             sgr.encode_captions(captions, lengths_)
+
+
+def test_a_matcher_of_a_model_in_training_scores_it_in_eval_mode_and_leaves_it_as_it_was(vocab, features):
+    """A training loop puts its model back in train mode; a matcher around it still scores the
+    eval-mode model (no dropout, no update of BatchNorm's statistics), a batch of one included."""
+    from sgraf.explain import explain_pair
+
+    model = _model("saf", vocab, 4)
+    matcher = Matcher(model)                                      # one model, not in a list
+    texts = ["a dog runs on the grass", "a red ball"]
+    reference = matcher.score(features, texts)
+    model.train()
+    buffers = {name: tensor.clone() for name, tensor in model.named_buffers()}
+    for _ in range(2):
+        assert_close(matcher.score(features, texts), reference, SAME_PATH)
+    matcher.score(features[:1], texts[:1])
+    explain_pair(matcher, features[0], texts[1])
+    assert model.training and all(submodule.training for submodule in model.modules())
+    assert all(torch.equal(buffers[name], tensor) for name, tensor in model.named_buffers())
+    # 'fp32' is fp32 inside a caller's autocast too
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_close(matcher.score(features, texts), reference, SAME_PATH)
+
+
+def test_a_matcher_follows_its_models_weights_as_they_change(vocab, features, tmp_path):
+    """Identities and fingerprints are taken again once a weight changed: an index built before
+    is refused, and so are encodings made before."""
+    model = _model("sgr", vocab, 5)
+    matcher = Matcher([model])
+    sgraf.build_index(matcher, features, ["a dog", "a red ball", "the man", "a cat"], tmp_path / "index")
+    images, fingerprints, identity = matcher.encode_images(features), matcher.fingerprints, matcher.identities
+    assert matcher.identities is identity                          # unchanged weights: kept
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01)
+    assert matcher.fingerprints != fingerprints
+    assert matcher.identities[0]["weights_sha256"] != identity[0]["weights_sha256"]
+    with pytest.raises(InputError, match="encoded by other models"):
+        matcher.score_embeddings(images, matcher.encode_texts(["a dog"]))
+    with pytest.raises(InputError, match="weights"):
+        sgraf.open_index(tmp_path / "index", matcher=matcher)
+
+
+def test_a_matcher_refuses_what_it_cannot_score_right(vocab, features, tmp_path):
+    other = Vocabulary.from_words(list(reversed(WORDS)))           # the same words, other ids
+    with pytest.raises(InputError, match="model 1 carries its own vocabulary, which differs from the vocabulary given"):
+        Matcher([_model("sgr", vocab, 0)], vocab=other)
+    with pytest.raises(InputError, match="model 2 carries its own vocabulary, which differs from model 1's"):
+        Matcher([_model("sgr", vocab, 0), _model("saf", other, 1)])
+    vocab.save(tmp_path / "vocab.json")
+    assert Matcher([_model("sgr", vocab, 0)], vocab=str(tmp_path / "vocab.json")).vocab.word2idx == vocab.word2idx
+    with pytest.raises(InputError, match=r"model 1 has float16 weights; .* pass precision='bf16' or 'fp16'"):
+        Matcher([_model("sgr", vocab, 0).half()])
+    with pytest.raises(InputError, match="model 1 is a str, not an SGRAF network"):
+        Matcher(["runs/sgr/best.pt"])
+    with pytest.raises(InputError, match="precision must be one of"):
+        Matcher([_model("sgr", vocab, 0)], precision="fp8")
+    matcher = Matcher([_model("sgr", vocab, 0)])
+    for text, message in ((None, "a text must be a str, got NoneType"), (b"a dog", "a text must be a str, got bytes")):
+        with pytest.raises(InputError, match=message):
+            matcher.score(features, [text])
+    assert matcher.score(features, (t for t in ["a dog", "a cat"])).shape == (4, 2)     # any iterable
+    # captions as data have the data's limit, not a query's
+    long = " ".join(["a dog runs on the grass"] * 16)                                   # 96 words
+    assert matcher.score(features, [long]).shape == (4, 1)
+    with pytest.raises(InputError, match="text is too long: 96 words, the limit is 64"):
+        matcher.tokenize(long)
+    with pytest.raises(InputError, match="build_index takes a Matcher"):
+        sgraf.build_index("runs/sgr/best.pt", features, ["a dog"] * 4, tmp_path / "index")
+    with pytest.raises(FileNotFoundError, match="no such checkpoint file"):
+        sgraf.load_model(tmp_path / "missing.pt")
+    with pytest.raises(IsADirectoryError, match="a folder, where a checkpoint file is needed"):
+        Matcher.load(tmp_path)
+    save_model(_model("sgr", vocab, 0), tmp_path / "sgr.pt", vocab=vocab)
+    with pytest.raises(InputError, match="^the vocabulary given: missing field 'word2idx'"):
+        sgraf.load_model(tmp_path / "sgr.pt", vocab={"a": 1})
+    assert {"Matcher", "load_model", "open_index"} <= set(dir(sgraf))
+
+
+def test_an_explanation_scores_in_the_matchers_precision(vocab, features):
+    from sgraf.explain import explain_pair
+
+    models = [_model("sgr", vocab, 0), _model("saf", vocab, 1)]
+    text = "a dog runs on the grass"
+    for precision in ("fp32", "bf16"):
+        matcher = Matcher(models, precision=precision)
+        explained = explain_pair(matcher, features[2], text).scores["ensemble"]
+        assert explained == approx(float(matcher.score(features[2:3], [text])[0, 0]), REORDERED), precision

@@ -260,7 +260,7 @@ def test_index_out_refuses_a_folder_that_is_not_an_index(gallery, tmp_path):
     matcher = Matcher.load(gallery["paths"])
     with pytest.raises(InputError, match="is not an sgraf index"):
         build_index(matcher, gallery["features"], gallery["captions"], tmp_path)
-    for features, captions, message in ((list(gallery["features"]), gallery["captions"], "got list"),
+    for features, captions, message in (("features.npy", gallery["captions"], "got str"),
                                         (gallery["features"], [*gallery["captions"][:-1], 3], "a list of str")):
         with pytest.raises(InputError, match=message):
             build_index(matcher, features, captions, tmp_path / "new")

@@ -23,11 +23,14 @@ gallery search uses as a cheap first stage (`sgraf.search`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -46,7 +49,9 @@ __all__ = ["Matcher", "ImageEncoding", "TextEncoding", "model_identity", "descri
 # The one limit on a query text, for every entry point that takes one (`Matcher.tokenize`, so
 # `sgraf search --text`, `sgraf explain`, and the service's search and explanations). It bounds
 # a request's cost: encoding and scoring grow with the words, an explanation's picture has a
-# panel per word. The longest Flickr30K / MSCOCO captions are well under 64 words.
+# panel per word. The longest Flickr30K / MSCOCO captions are well under 64 words. Captions
+# scored as data (`Matcher.score`, `encode_texts`) have the data's limit instead
+# (`sgraf.data.precomp.MAX_CAPTION_TOKENS`, as training and `sgraf evaluate` read them).
 MAX_TEXT_CHARS = 500
 MAX_TEXT_WORDS = 64
 
@@ -175,30 +180,74 @@ def split_shortlist_keys(keys: np.ndarray, sizes: Sequence[int]) -> list[torch.T
             for a, b in zip(edges[:-1], edges[1:])]
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _computes(method: _Method) -> _Method:
+    """A `Matcher` method that runs its models: in eval mode and without gradients whatever mode
+    the caller left them in (restored after), and in the matcher's own precision, whatever
+    autocast the caller is in."""
+    @functools.wraps(method)
+    def wrapper(self: "Matcher", *args: Any, **kwargs: Any) -> Any:
+        with self.computing():
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
+
+
+def _weights_key(models: Sequence[torch.nn.Module]) -> tuple[Any, ...] | None:
+    """What changes when a weight does: each parameter's and buffer's object and version counter
+    (an optimizer's step, `load_state_dict` and in-place edits all count); None when a tensor keeps
+    no counter (made under `torch.inference_mode`)."""
+    try:
+        return tuple((id(t), t._version) for model in models for t in (*model.parameters(), *model.buffers()))
+    except RuntimeError:
+        return None
+
+
 class Matcher:
     """One SGRAF model or an ensemble, with its vocabulary, ready to encode, score and search.
 
+    The models may be ones still being trained: every call runs them in eval mode without
+    gradients and restores their mode after, and the identities and fingerprints that an index
+    and encodings are checked against follow their weights as they change.
+
     Args:
-        models: `SGRAF` networks (eval mode is set here). Several models are an ensemble:
-            their score matrices are averaged, as the paper's SGRAF averages SGR and SAF.
-        vocab: the vocabulary used to tokenise text; default: the first model's `vocab`.
+        models: `SGRAF` networks with float32 weights (one model, or a list). Several models are
+            an ensemble: their score matrices are averaged, as the paper's SGRAF averages SGR and
+            SAF.
+        vocab: the vocabulary used to tokenise text (a `Vocabulary`, its dict, or a JSON path);
+            default: the first model's `vocab`. A model that carries another one is refused (its
+            word ids would not be the ones it learned).
         sources: the checkpoint path of each model (kept in the identities), optional.
         device: where to compute ('cpu', 'cuda', 'cuda:N', 'mps'; checked by
             `sgraf.devices.resolve_device`).
-        precision: 'fp32', 'bf16' or 'fp16' autocast for encoding and scoring.
+        precision: 'fp32', 'bf16' or 'fp16' autocast for encoding and scoring ('fp32' also
+            inside a caller's autocast).
         batch_size: images or texts encoded per forward pass.
     """
 
-    def __init__(self, models: Sequence[torch.nn.Module], vocab: Any | None = None,
+    def __init__(self, models: torch.nn.Module | Sequence[torch.nn.Module], vocab: Any | None = None,
                  sources: Sequence[str | None] | None = None, device: str | torch.device = "cpu",
                  precision: str = "fp32", batch_size: int = 128) -> None:
+        if isinstance(models, torch.nn.Module):
+            models = [models]
+        models = list(models)
         if not models:
             raise InputError("a Matcher needs at least one model")
+        for m, model in enumerate(models):
+            if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+                raise InputError(f"model {m + 1} is a {type(model).__name__}, not an SGRAF network (load a "
+                                 "checkpoint with sgraf.load_model, or use Matcher.load(paths))")
+            other = sorted({str(t.dtype).replace("torch.", "") for t in model.parameters()
+                            if t.is_floating_point() and t.dtype != torch.float32})
+            if other:
+                raise InputError(f"model {m + 1} has {', '.join(other)} weights; a Matcher computes from float32 "
+                                 "weights: keep them float32 and pass precision='bf16' or 'fp16'")
         self.device = resolve_device(device)
         self.precision = check_precision(precision)
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.models = [model.to(self.device).eval() for model in models]
-        self.vocab = vocab if vocab is not None else getattr(self.models[0], "vocab", None)
+        self.vocab = _shared_vocab(self.models, vocab)
         self.sources = list(sources) if sources is not None else [None] * len(self.models)
         if len(self.sources) != len(self.models):
             raise InputError(f"got {len(self.sources)} sources for {len(self.models)} models")
@@ -212,8 +261,30 @@ class Matcher:
         if self.vocab is not None and len(self.vocab) != self.models[0].config.vocab_size:
             raise InputError(f"the vocabulary has {len(self.vocab)} words but the model expects "
                              f"vocab_size={self.models[0].config.vocab_size}")
-        self._identities: list[dict[str, Any]] | None = None
-        self.fingerprints = tuple(_quick_fingerprint(model) for model in self.models)
+        self._identities: tuple[Any, list[dict[str, Any]]] | None = None
+        self._fingerprints: tuple[Any, tuple[str, ...]] | None = None
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """The context every model call of the matcher runs in: the models in eval mode without
+        gradients (their train/eval mode restored after), and with 'fp32' no autocast of the
+        caller's."""
+        from sgraf.model.blocks import eval_mode
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(eval_mode(self.models))
+            if self.precision == "fp32" and self.device.type in ("cpu", "cuda"):
+                stack.enter_context(torch.autocast(self.device.type, enabled=False))
+            yield
+
+    @property
+    def fingerprints(self) -> tuple[str, ...]:
+        """A cheap fingerprint of each model's weights (`_quick_fingerprint`), which encodings
+        carry; taken again when a weight has changed since."""
+        key = _weights_key(self.models)
+        if self._fingerprints is None or key is None or self._fingerprints[0] != key:
+            self._fingerprints = (key, tuple(_quick_fingerprint(model) for model in self.models))
+        return self._fingerprints[1]
 
     # ----------------------------------------------------------------------------- loading
     @classmethod
@@ -253,33 +324,49 @@ class Matcher:
 
     @property
     def identities(self) -> list[dict[str, Any]]:
-        """`model_identity` of each model (config + weights hash + source), computed once."""
-        if self._identities is None:
-            self._identities = [model_identity(model, source)
-                                for model, source in zip(self.models, self.sources)]
-        return self._identities
+        """`model_identity` of each model (config + weights hash + source): computed once, and
+        again when a weight has changed since."""
+        key = _weights_key(self.models)
+        if self._identities is None or key is None or self._identities[0] != key:
+            self._identities = (key, [model_identity(model, source)
+                                      for model, source in zip(self.models, self.sources)])
+        return self._identities[1]
 
     # ----------------------------------------------------------------------------- text
-    def tokenize(self, text: str, allow_unknown: bool = False) -> tuple[list[str], list[int]]:
+    def tokenize(self, text: str, allow_unknown: bool = False, query: bool = True) -> tuple[list[str], list[int]]:
         """Tokenise one text with the model's vocabulary.
+
+        Args:
+            text: the text.
+            allow_unknown: map words the vocabulary does not know to `<unk>` instead of refusing.
+            query: hold it to a query's limits (`MAX_TEXT_CHARS`, `MAX_TEXT_WORDS`); False, to a
+                caption's as data (`sgraf.data.precomp.MAX_CAPTION_TOKENS` words).
 
         Returns:
             (tokens, ids): the words, and their ids framed by `<start>` ... `<end>`.
 
         Raises:
-            InputError: empty text, a text over `MAX_TEXT_CHARS` characters or `MAX_TEXT_WORDS`
-                words, no vocabulary, or (unless `allow_unknown`) words that the vocabulary does
-                not know, named in the message.
+            InputError: a text that is not a str or is empty, one over the limits, no vocabulary,
+                or (unless `allow_unknown`) words that the vocabulary does not know, named in the
+                message.
         """
+        from sgraf.data.precomp import MAX_CAPTION_TOKENS
+
         if self.vocab is None:
             raise InputError("this matcher has no vocabulary; load it with vocab=PATH")
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise InputError(f"a text must be a str, got {type(text).__name__}")
+        if not text.strip():
             raise InputError("text is empty: give at least one word")   # as the service says it
-        check_text_length(text)                     # before the tokeniser reads a long text
+        if query:
+            check_text_length(text)                 # before the tokeniser reads a long text
         tokens = self.vocab.tokenize(text)
         if not tokens:
-            raise InputError(f"query text {text!r} has no words after tokenisation")
-        check_text_length(text, len(tokens))
+            raise InputError(f"{'query ' if query else ''}text {text!r} has no words after tokenisation")
+        if query:
+            check_text_length(text, len(tokens))
+        elif len(tokens) > MAX_CAPTION_TOKENS:
+            raise InputError(f"text is too long: {len(tokens)} words, the limit of a caption is {MAX_CAPTION_TOKENS}")
         if not allow_unknown:
             unknown = [t for t in tokens if t not in self.vocab.word2idx]
             if unknown:
@@ -290,25 +377,25 @@ class Matcher:
                                  "allow_unknown=true in the HTTP API)")
         return tokens, self.vocab.encode(text)
 
-    def encode_texts(self, texts: Sequence[str], allow_unknown: bool = False) -> TextEncoding:
+    def encode_texts(self, texts: Sequence[str], allow_unknown: bool = False, query: bool = False) -> TextEncoding:
         """Tokenise and encode texts with every model.
 
         Args:
-            texts: strings; each must have at least one word.
+            texts: strings (any iterable of them); each must have at least one word.
             allow_unknown: map unknown words to `<unk>` instead of refusing them.
+            query: hold each to a query's limits (`tokenize`; a search's texts), not a caption's.
         """
-        if isinstance(texts, str):
-            texts = [texts]
+        texts = [texts] if isinstance(texts, str) else list(texts)
         if len(texts) == 0:
             raise InputError("no text to encode")
-        tokenised = [self.tokenize(text, allow_unknown=allow_unknown) for text in texts]
+        tokenised = [self.tokenize(text, allow_unknown=allow_unknown, query=query) for text in texts]
         ids = [t[1] for t in tokenised]
         lengths = torch.tensor([len(i) for i in ids], dtype=torch.int64)
         encoding = self.encode_token_ids(padded_ids(ids), lengths)
         encoding.tokens = [t[0] for t in tokenised]
         return encoding
 
-    @torch.no_grad()
+    @_computes
     def encode_token_ids(self, captions: torch.Tensor, lengths: torch.Tensor) -> TextEncoding:
         """Encode padded word ids (n_txt, L) int64 with their lengths (n_txt,) with every model."""
         captions = torch.as_tensor(captions, dtype=torch.int64)
@@ -423,7 +510,7 @@ class Matcher:
                                  f"{problem}; expected x1 <= x2, y1 <= y2 normalised to [0, 1] of the picture")
         return boxes
 
-    @torch.no_grad()
+    @_computes
     def encode_images(self, features: Any, boxes: Any = None) -> ImageEncoding:
         """Encode region features (n_img, K, img_dim) (numpy, memmap or tensor) with every model.
 
@@ -456,7 +543,7 @@ class Matcher:
         return ImageEncoding(regions=regions, global_vectors=globals_, models=self.fingerprints)
 
     # ----------------------------------------------------------------------------- scoring
-    @torch.no_grad()
+    @_computes
     def score_embeddings(self, images: ImageEncoding | Sequence[torch.Tensor],
                          texts: TextEncoding | tuple[Sequence[torch.Tensor], torch.Tensor],
                          image_globals: Sequence[torch.Tensor] | None = None) -> np.ndarray:
@@ -507,10 +594,33 @@ class Matcher:
     def score(self, features: Any, texts: Sequence[str], boxes: Any = None, allow_unknown: bool = False) -> np.ndarray:
         """Scores of region features (n_img, K, img_dim) against text strings: (n_img, n_txt).
 
-        `boxes`: (n_img, K, 4) normalised region boxes, as `encode_images` takes them.
+        `boxes`: (n_img, K, 4) normalised region boxes, as `encode_images` takes them. The texts
+        are captions as data (up to `sgraf.data.precomp.MAX_CAPTION_TOKENS` words each).
         """
         return self.score_embeddings(self.encode_images(features, boxes=boxes),
                                      self.encode_texts(texts, allow_unknown=allow_unknown))
+
+
+def _shared_vocab(models: Sequence[torch.nn.Module], vocab: Any) -> Any:
+    """The one vocabulary of `models`: `vocab` (a Vocabulary, its dict or a JSON path) when given,
+    else the first model's; refused when a model carries another (other word ids)."""
+    from sgraf.checkpoint import resolve_vocab
+
+    if vocab is not None:
+        given = resolve_vocab(vocab, source="the vocabulary given")
+        name = str(vocab) if isinstance(vocab, (str, os.PathLike)) else "the vocabulary given"
+    else:
+        given = getattr(models[0], "vocab", None)
+        name = "model 1's"
+    if given is None:
+        return None
+    words = getattr(given, "word2idx", None)
+    for m, model in enumerate(models):
+        own = getattr(getattr(model, "vocab", None), "word2idx", None)
+        if own is not None and words is not None and own != words:
+            raise InputError(f"model {m + 1} carries its own vocabulary, which differs from {name} (other word ids: "
+                             "the scores would be wrong); an ensemble needs one vocabulary")
+    return given
 
 
 def _quick_fingerprint(model: torch.nn.Module) -> str:

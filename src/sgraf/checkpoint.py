@@ -174,6 +174,10 @@ def config_from_official(opt: argparse.Namespace, state_dicts: list[dict[str, to
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
     """Read either checkpoint format and return it as our format's dict."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(2, "no such checkpoint file", str(path))
+    if path.is_dir():
+        raise IsADirectoryError(21, "a folder, where a checkpoint file is needed", str(path))
     raw = _torch_load(path, map_location)
     if isinstance(raw, dict) and raw.get("format") == FORMAT:
         if not isinstance(raw.get("version"), int) or raw["version"] > VERSION:
@@ -263,7 +267,7 @@ def checked_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], sour
     return model
 
 
-def _resolve_vocab(vocab: Any, source: str = "vocabulary") -> Any:
+def resolve_vocab(vocab: Any, source: str = "vocabulary") -> Any:
     """A Vocabulary from a Vocabulary, its dict content or a JSON path (dict kept if the class is absent)."""
     if vocab is None or hasattr(vocab, "word2idx"):
         return vocab
@@ -307,7 +311,8 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
     checkpoint = load_checkpoint(path, map_location)
     config = _model_config(checkpoint, path)
     model = checked_model(config, checkpoint["state_dict"], str(path))
-    model.vocab = _resolve_vocab(vocab if vocab is not None else checkpoint.get("vocab"), source=str(path))
+    model.vocab = resolve_vocab(vocab, source="the vocabulary given") if vocab is not None else \
+        resolve_vocab(checkpoint.get("vocab"), source=str(path))
     if model.vocab is not None and _vocab_size(model.vocab) != config.vocab_size:
         raise InputError(f"{path}: the vocabulary has {_vocab_size(model.vocab)} words but the model's "
                          f"embedding has vocab_size={config.vocab_size}")
@@ -340,7 +345,7 @@ def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any 
     checkpoint = load_checkpoint(src)
     config = _model_config(checkpoint, src)
     checked_model(config, checkpoint["state_dict"], str(src))
-    resolved = _resolve_vocab(vocab) if vocab is not None else checkpoint.get("vocab")
+    resolved = resolve_vocab(vocab) if vocab is not None else checkpoint.get("vocab")
     if resolved is not None and _vocab_size(resolved) != config.vocab_size:
         raise InputError(f"the vocabulary has {_vocab_size(resolved)} words but {src} has "
                          f"vocab_size={config.vocab_size}")

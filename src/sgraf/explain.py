@@ -180,8 +180,16 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
     Returns:
         An `Explanation`. SAF weights come from the first model with a SAF head, SGR's
         alignment from the first with an SGR head, attention from the first model with
-        text-to-image local alignments.
+        text-to-image local alignments. The scores are computed in the matcher's precision (as
+        its searches are); the quantities drawn, in float32.
     """
+    with matcher.computing():
+        return _explain_pair(matcher, features, text, allow_unknown, boxes)
+
+
+def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, boxes: Any) -> Explanation:
+    from sgraf.precision import autocast
+
     image = matcher.check_features(features)
     if image.shape[0] != 1:
         raise InputError(f"explain one image at a time, got features of {image.shape[0]} images")
@@ -195,12 +203,15 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
     node_labels: list[str] = []
     for position, model in enumerate(matcher.models):
         label = _label(model, position, matcher.models)
-        if getattr(model, "needs_boxes", False):
-            regions = model.encode_images(image, boxes=boxes.to(matcher.device))  # (1, K, d)
-        else:
-            regions = model.encode_images(image)                          # (1, K, d)
+        image_boxes = {"boxes": boxes.to(matcher.device)} if getattr(model, "needs_boxes", False) else {}
+        if matcher.precision != "fp32":
+            with autocast(matcher.precision, matcher.device):
+                scores[label] = float(model.similarity(model.encode_images(image, **image_boxes),
+                                                       model.encode_captions(captions, lengths), lengths)[0, 0])
+        regions = model.encode_images(image, **image_boxes)               # (1, K, d)
         words = model.encode_captions(captions, lengths)                  # (1, L, d)
-        scores[label] = float(model.similarity(regions, words, lengths)[0, 0])
+        if matcher.precision == "fp32":
+            scores[label] = float(model.similarity(regions, words, lengths)[0, 0])
         centres = None
         if hasattr(model, "split_places"):
             regions, centres = model.split_places(regions)                # a place model's centres off

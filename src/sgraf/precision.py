@@ -12,6 +12,7 @@ import torch
 
 from sgraf import torch_compat
 from sgraf.config import PRECISIONS
+from sgraf.errors import InputError
 from sgraf.kernels import plan
 
 logger = logging.getLogger(__name__)
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     return precision
 
 

@@ -137,9 +137,14 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     Returns:
         The index folder.
     """
+    if not isinstance(matcher, Matcher):
+        raise InputError(f"build_index takes a Matcher (Matcher.load(checkpoints) or Matcher(models)), got "
+                         f"{type(matcher).__name__}")
     if dtype not in STORAGE_DTYPES:
         raise InputError(f"index dtype must be one of {', '.join(STORAGE_DTYPES)}, got {dtype!r}")
     batch_size = check_positive_int(batch_size, "batch_size")
+    if isinstance(features, (list, tuple)):
+        features = np.asarray(features, dtype=np.float32)
     out = Path(out)
     if out.is_symlink():   # a link to an index folder is written through: the link stays
         out = Path(os.path.realpath(out))
@@ -674,7 +679,8 @@ class GalleryIndex:
         if shortlist is None:
             shortlist = n
         if not isinstance(shortlist, (int, np.integer)) or shortlist < 1:
-            raise InputError(f"shortlist must be a positive integer, got {shortlist!r}")
+            raise InputError(f"shortlist must be a positive integer, or None to re-rank the whole gallery "
+                             f"(--shortlist 0 on the command line), got {shortlist!r}")
         if shortlist < top_k:
             raise InputError(f"shortlist ({shortlist}) must be at least top_k ({top_k}): the re-ranking "
                              "returns results from the shortlist only")
@@ -729,7 +735,7 @@ class GalleryIndex:
         top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_images)
         if not len(queries):
             return []
-        texts = [self.matcher.encode_texts([query], allow_unknown=allow_unknown) for query in queries]
+        texts = [self.matcher.encode_texts([query], allow_unknown=allow_unknown, query=True) for query in queries]
         keys = np.concatenate([shortlist_keys(text.global_vectors) for text in texts])
         shortlists = self._coarse_many("image", keys, shortlist)
         results = []
@@ -765,7 +771,9 @@ class GalleryIndex:
                 raise InputError(f"search one image at a time, got features of {len(image)} images")
             regions, key = image.regions, shortlist_keys(image.global_vectors)[0]
         else:
-            if not isinstance(image_id, (int, np.integer)) or not 0 <= image_id < self.n_images:
+            if isinstance(image_id, bool) or not isinstance(image_id, (int, np.integer)):
+                raise InputError(f"image id must be an integer, got {image_id!r} ({type(image_id).__name__})")
+            if not 0 <= image_id < self.n_images:
                 raise InputError(f"image id {image_id!r} is out of range: the index holds images "
                                  f"0..{self.n_images - 1}")
             regions = self._rows("image_regions", slice(image_id, image_id + 1))

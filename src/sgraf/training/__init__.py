@@ -23,3 +23,7 @@ def __getattr__(name: str) -> Any:
     if name in _ENGINE:
         return getattr(importlib.import_module(_ENGINE[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -12,12 +12,13 @@ one takes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
 import random
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -202,6 +203,22 @@ def _open_tensorboard(run: pathlib.Path, resumed_step: int | None = None) -> Any
     return SummaryWriter(log_dir=str(run / rd.TENSORBOARD_DIR), purge_step=resumed_step)
 
 
+@contextlib.contextmanager
+def _global_generators_kept() -> Iterator[None]:
+    """Python's, NumPy's and torch's global random generators as they were before (a run seeds
+    them from its `seed`): code that calls `fit` draws after it as it would have without it."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -235,7 +252,8 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         ran out), 'last_loss', 'run_dir'}.
 
     The run folder is locked while the run owns it (`RUN_DIR/.sgraf-lock`, see
-    `sgraf.training.run_dir.prepare_run_dir`).
+    `sgraf.training.run_dir.prepare_run_dir`). Python's, NumPy's and torch's global random
+    generators are seeded from `config.seed` for the run, and put back as they were after it.
 
     Raises:
         InputError: bad input (before the first step; NaN/inf training features when reached).
@@ -255,7 +273,7 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
             if not (run / rd.CONFIG_FILE).is_file():
                 raise InputError(f"cannot resume {run}: it has no {rd.CONFIG_FILE} (not a sgraf run folder)")
             check_resumable(rd.load_run_config(run)[0], config, str(run))
-        with tf32(config.tf32):
+        with tf32(config.tf32), _global_generators_kept():
             return _fit(config, pathlib.Path(data_dir), run, resume, preset, info, allow_other_data=allow_other_data,
                         allow_unknown_words=allow_unknown_words)
     finally:
