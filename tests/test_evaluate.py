@@ -321,3 +321,29 @@ def test_the_gpu_plan_emulated_on_the_cpu_gives_the_cpus_metrics_and_matrix(tmp_
         evaluate.evaluate_checkpoints(checkpoints, data, "test", batch_size=128, save_sims=tmp_path / "sims.npy")
     assert sorted(tmp_path.iterdir()) == before
     assert (tmp_path / "sims.npy").read_bytes() == (tmp_path / "expected.npy").read_bytes()
+
+
+def test_scores_at_the_sigmoids_ceiling_are_said_to_tie(tmp_path, caplog):
+    """A model whose scores reach 1.0 exactly (its sigmoid saturated) ranks by the tie-break; the
+    evaluation says so, naming the place term for a place model without its penalty, once per model."""
+    from types import SimpleNamespace
+
+    from sgraf.evaluate import warn_saturated
+
+    class Place(torch.nn.Module):                          # a place model without its penalty, as far as seen
+        config = SimpleNamespace(positions="place", place_penalty=False)
+
+    sims = np.random.default_rng(0).random((4, 20), dtype=np.float32)
+    caplog.set_level("WARNING", logger="sgraf.evaluate")
+    assert warn_saturated(sims) == 0 and not caplog.records
+    sims[:, :5] = 1.0
+    np.save(tmp_path / "sims.npy", sims)
+    assert main(["evaluate", "--sims", str(tmp_path / "sims.npy"), "--quiet"]) == 0
+    assert "20 of the 80 scores (25.0 %) are exactly 1.0: the sigmoid saturated" in caplog.text
+    place = Place()
+    caplog.clear()
+    assert warn_saturated(torch.from_numpy(sims), [place]) == 20
+    assert "place_penalty=true lets it only lower scores" in caplog.text
+    caplog.clear()
+    warn_saturated(sims, [place])                         # said once for this model
+    assert not caplog.records

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -150,6 +151,7 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
                            keep_on_device=True, on_rows=copy.band if copy is not None else None)
         with stage(stopwatch, "metrics"):
             result = metrics.evaluate_sims(sims, folds=folds, caps_per_image=split.caps_per_image)
+            warn_saturated(sims, models)
         if not matrix:
             return result, None
         with stage(stopwatch, "score"):
@@ -158,6 +160,31 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
         with stage(stopwatch, "save"):
             write_matrix(host, save_to)
     return result, host
+
+
+_WARNED_SATURATED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def warn_saturated(sims: np.ndarray | torch.Tensor, models: Sequence[torch.nn.Module] = ()) -> int:
+    """Warn when scores are exactly 1.0, the ceiling of the heads' sigmoid in float32: such scores
+    tie, their order is the tie-break's, and the recalls say little. With `models`, once per model
+    in a process (a training run validates often). Returns how many there are."""
+    saturated = int((sims >= 1.0).sum())
+    if not saturated:
+        return 0
+    if models:
+        fresh = [model for model in models if model not in _WARNED_SATURATED]
+        if not fresh:
+            return saturated
+        _WARNED_SATURATED.update(fresh)
+    place = any(getattr(model.config, "positions", "none") == "place" and not model.config.place_penalty
+                for model in models)
+    total = int(sims.shape[0]) * int(sims.shape[1])
+    logger.warning("%d of the %d scores (%.1f %%) are exactly 1.0: the sigmoid saturated, so they tie and their "
+                   "order is the tie-break's; the recalls are unreliable%s", saturated, total, 100 * saturated / total,
+                   " (the place term can lift every caption of a model with positions='place': place_penalty=true "
+                   "lets it only lower scores)" if place else "")
+    return saturated
 
 
 def open_split(data_dir: str | os.PathLike, split: str) -> Any:
@@ -329,6 +356,7 @@ def evaluate_sims_files_with_sims(paths: Sequence[str | os.PathLike], folds: int
         sims, scored = load_matrices(paths, data_dir, split)
     with stage(stopwatch, "metrics"):
         result = metrics.evaluate_sims(sims, folds=folds)
+        warn_saturated(sims)
     if save_sims is not None:
         with stage(stopwatch, "save"):
             save_matrix(sims, save_sims)
