@@ -234,6 +234,9 @@ def test_demo_with_several_seeds_reports_mean_and_sd(tmp_path, capsys):
     (["--set", "positions=box"], "--set positions=box: the demo sets positions itself"),
     (["--positions", "grid"], "argument --positions: invalid choice: 'grid'"),
     (["--jobs", "0"], "argument --jobs: expected a positive integer, got 0"),
+    (["--positions", "none", "--set", "place_sharpness=3"],
+     r"--set place_sharpness=3: a setting of the place term, and this demo trains no place model \(--positions none\)"),
+    (["--set", "place_sharpness=0.5"], r"place_sharpness.* \(the demo's SAF\+pos model\)"),
 ])
 def test_demo_refuses_bad_settings_before_it_writes(tmp_path, capsys, extra, message):
     import re
@@ -261,3 +264,26 @@ def test_demo_plans_its_workers_for_the_device_the_training_resolves_to():
     assert _on_gpu("auto") is torch.cuda.is_available()
     with pytest.raises(InputError, match="not a device name"):
         _on_gpu("gpu:zero")
+
+
+def test_the_users_set_wins_over_the_position_models_recipes():
+    """`--set` changes every model that takes the key, the position-aware models' recipes included
+    (they had kept their recipe's value while the report said the user's), and the place term's
+    keys reach the place models only; the report's recipe shows what they trained with."""
+    from sgraf.demo import demo_settings, methods, model_overrides, recipe_text
+    from sgraf.training import resolve_config
+
+    user = ("place_penalty=false", "batches=random", "global_loss_weight=0.5", "place_sharpness=3", "epochs=2")
+    settings = demo_settings(True, "place", user)
+    configs = {label: resolve_config("demo", overrides=model_overrides(settings, label, changes))[0]
+               for label, changes in methods("place")}
+    for label, config in configs.items():
+        assert config.batches == "random" and config.global_loss_weight == 0.5 and config.epochs == 2, label
+    assert configs["SGR+pos"].place_penalty is False and configs["SAF+pos"].place_sharpness == 3.0
+    assert configs["SGR"].place_sharpness == 1.0 and configs["SGR"].positions == "none"
+    assert "place_sharpness" not in " ".join(settings.train_overrides)
+    text = recipe_text("place", settings.user_overrides)
+    assert "family_share" not in " ".join(model_overrides(settings, "SAF+pos", dict(methods("place"))["SAF+pos"]))
+    assert "SGR+pos with `batches=random place_sharpness=3 place_penalty=false " \
+           "global_loss_weight=0.5`" in text, text
+    assert demo_settings(True, "place").user_overrides == () and "place_penalty=true" in recipe_text("place")

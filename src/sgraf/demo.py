@@ -84,12 +84,42 @@ def methods(positions: str = "none") -> list[tuple[str, dict[str, str]]]:
                         for label, changes in POSITION_METHODS)]
 
 
-def recipe_text(positions: str) -> str:
+# Keys of the place term (`ModelConfig.place_sharpness`, `place_penalty`): `--set` gives them to
+# the place models only (the paper's models refuse them).
+PLACE_KEYS = ("place_sharpness", "place_penalty")
+
+
+def model_overrides(settings: "DemoSettings", label: str, changes: dict[str, str],
+                    extra: Iterable[str] = ()) -> tuple[str, ...]:
+    """The training overrides of the demo's model `label` (its `methods` `changes`): the demo's
+    settings, `extra` (seed, progress), the model's own changes, then the user's `--set`, which
+    win over a recipe's (the place term's keys only for a place model)."""
+    place = changes.get("positions") == "place"
+    user = [pair for pair in settings.user_overrides if place or pair.partition("=")[0] not in PLACE_KEYS]
+    merged = merge_overrides(settings.train_overrides, extra, (f"{key}={value}" for key, value in changes.items()),
+                             user)
+    given = {pair.partition("=")[0] for pair in user}
+    if "batches=families" not in merged and "family_share" not in given:   # a recipe's share of no families
+        merged = tuple(pair for pair in merged if not pair.startswith("family_share="))
+    return merged
+
+
+def recipe_text(positions: str, user: Iterable[str] = ()) -> str:
     """How the position-aware models of `positions` are trained beyond the demo's settings, in words
-    ('' when as the paper's models): "SAF+pos with `batches=families ...`, SGR+pos with `...`"."""
+    ('' when as the paper's models): "SAF+pos with `batches=families ...`, SGR+pos with `...`";
+    the user's `--set` values in place of the recipe's, and the place term's keys they set."""
     recipes = POSITION_RECIPES.get(positions, {})
-    return ", ".join(f"{label} with `{' '.join(f'{k}={v}' for k, v in recipes[label].items())}`"
-                     for label, _ in POSITION_METHODS if recipes.get(label))
+    given = dict(pair.partition("=")[::2] for pair in user)
+    texts = []
+    for label, _ in POSITION_METHODS:
+        recipe = {**recipes.get(label, {})}
+        recipe.update({key: value for key, value in given.items()
+                       if key in recipe or (positions == "place" and key in PLACE_KEYS)})
+        if recipe.get("batches", "families") != "families" and "family_share" not in given:
+            recipe.pop("family_share", None)
+        if recipe:
+            texts.append(f"{label} with `{' '.join(f'{k}={v}' for k, v in recipe.items())}`")
+    return ", ".join(texts)
 
 
 def run_name(label: str) -> str:
@@ -103,9 +133,13 @@ class DemoSettings:
 
     Attributes:
         n_train, n_dev, n_test: images per split (5 captions each).
-        train_overrides: `key=value` training overrides applied over the `demo` preset.
+        train_overrides: `key=value` training overrides applied over the `demo` preset (the
+            user's `--set` included, but for the place term's keys, which only the place models
+            take).
         positions: 'none', or the `ModelConfig.positions` of the position-aware models trained
             beside the paper's ones.
+        user_overrides: the user's `--set` pairs, applied last to every model that takes them
+            (over the position-aware models' recipes too: `model_overrides`).
     """
 
     n_train: int
@@ -113,6 +147,7 @@ class DemoSettings:
     n_test: int
     train_overrides: tuple[str, ...]
     positions: str = "none"
+    user_overrides: tuple[str, ...] = ()
 
 
 def merge_overrides(*groups: Iterable[str]) -> tuple[str, ...]:
@@ -281,6 +316,30 @@ def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
     return pairs
 
 
+def demo_settings(quick: bool, positions: str, overrides: Iterable[str] = ()) -> DemoSettings:
+    """The demo's sizes and training settings with the user's `--set` pairs, each model's
+    settings checked (a bad key or value is refused before anything runs, naming the model)."""
+    from sgraf.training import resolve_config
+
+    settings = replace(QUICK if quick else FULL, positions=positions)
+    user = check_overrides(overrides)
+    if not user:
+        return settings
+    place_keys = [pair for pair in user if pair.partition("=")[0] in PLACE_KEYS]
+    if place_keys and positions != "place":
+        raise InputError(f"--set {place_keys[0]}: a setting of the place term, and this demo trains no place "
+                         f"model (--positions {positions})")
+    settings = replace(settings, user_overrides=user,
+                       train_overrides=merge_overrides(settings.train_overrides,
+                                                       (pair for pair in user if pair not in place_keys)))
+    for label, changes in methods(positions):
+        try:
+            resolve_config("demo", overrides=model_overrides(settings, label, changes))
+        except InputError as error:
+            raise InputError(f"{error} (the demo's {label} model)") from None
+    return settings
+
+
 def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, features: str = "auto",
              seed: int = 0, progress: bool = True, seeds: int = 1, overrides: Iterable[str] = (),
              positions: str = "place", jobs: int | None = None) -> dict[str, Any]:
@@ -314,7 +373,6 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
         Stopped: SIGTERM or SIGINT stopped a training run (its `last.pt` is saved; no results
             or report are written).
     """
-    from sgraf.training import resolve_config
     from sgraf.training.config import MAX_SEED
 
     from sgraf.config import POSITIONS
@@ -327,11 +385,7 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
         raise InputError(f"jobs must be an integer >= 1, got {jobs!r}")
     if not isinstance(seeds, int) or seeds < 1 or seed + seeds - 1 > MAX_SEED:
         raise InputError(f"seeds must be an integer >= 1 with seed + seeds - 1 <= {MAX_SEED}, got {seeds!r}")
-    settings = replace(QUICK if quick else FULL, positions=positions)
-    user = check_overrides(overrides)
-    if user:
-        settings = replace(settings, train_overrides=merge_overrides(settings.train_overrides, user))
-        resolve_config("demo", overrides=settings.train_overrides)   # a bad key or value: refused before anything runs
+    settings = demo_settings(quick, positions, overrides)
     if quick and features == "auto":
         features = "synthetic"  # a smoke test should not spend its time in the CNN
     out = ensure_folder(out, "--out")
@@ -348,8 +402,7 @@ def _jobs(out: Path, runs: Path, settings: DemoSettings, seed: int, progress: bo
 
     jobs = []
     for label, changes in methods(settings.positions):
-        overrides = list(merge_overrides(settings.train_overrides, (f"seed={seed}", f"progress={progress}"),
-                                         (f"{key}={value}" for key, value in changes.items())))
+        overrides = list(model_overrides(settings, label, changes, (f"seed={seed}", f"progress={progress}")))
         config, _ = resolve_config("demo", overrides=overrides)
         logger.info("training %s (%s)", label, ", ".join(overrides))
         jobs.append(TrainJob(name=label, config=config, data=out / "data", run=runs / run_name(label),
@@ -489,7 +542,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "diagnosis_table": diagnosis_table,
     }
     write_text(out / "results.json", json.dumps(record, indent=1, default=str) + "\n")
-    write_report(out, record, recipe_text(settings.positions))
+    write_report(out, record, recipe_text(settings.positions, settings.user_overrides))
     return record
 
 
