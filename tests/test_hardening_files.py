@@ -497,6 +497,42 @@ def test_a_new_run_never_writes_over_files_no_run_wrote(tmp_path, capsys):
     assert (run / "last.pt").is_file()
 
 
+def test_outputs_never_land_among_a_runs_an_indexs_or_a_demos_files(tmp_path, capsys):
+    """A researcher's slips (a vocabulary written over a run's best.pt, a data set generated into
+    a run folder, a plot over a demo's picture): each refused in one line, the files untouched."""
+    from sgraf.output_folder import DEMO_MARKER
+
+    data = tmp_path / "data"
+    assert main(["generate", "--out", str(data), *TINY, "--no-images"]) == 0
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(data), "--preset", "tiny", "--set", "epochs=1", "progress=false", "batch_size=4"]
+    assert main([*argv, "--out", str(run)]) == 0
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    (demo / DEMO_MARKER).write_text("written by sgraf demo\n")
+    (demo / "retrieval_t2i.png").write_bytes(b"the demo's picture")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / RECORD).write_text('{"files": {"kept.bin": "extract"}}')
+    capsys.readouterr()
+    best = (run / "best.pt").read_bytes()
+    for argv_, message in (
+            (["vocab", "build", "--data", str(data), "--out", str(run / "best.pt")], "is a file of the run folder"),
+            (["vocab", "build", "--data", str(data), "--out", str(run / "config.yaml")], "is a file of the run folder"),
+            (["vocab", "build", "--data", str(data), "--out", str(demo / "retrieval_t2i.png")],
+             "is in the folder of the demo"),
+            (["vocab", "build", "--data", str(data), "--out", str(tmp_path / "other" / "kept.bin")],
+             "is a file sgraf extract wrote in"),
+            (["runs", str(run), "--plot", str(demo / "retrieval_t2i.png")], "is in the folder of the demo"),
+            (["generate", "--out", str(run), *TINY], "is a training run folder; a data set written there"),
+            (["generate", "--out", str(demo), *TINY], "is a demo's folder")):
+        assert main(argv_) == 2, argv_
+        assert message in _one_line_error(capsys), argv_
+    assert (run / "best.pt").read_bytes() == best and (demo / "retrieval_t2i.png").read_bytes() == b"the demo's picture"
+    assert not (run / "train_ims.npy").exists()
+    # the data set's own vocabulary may be rebuilt in place
+    assert main(["vocab", "build", "--data", str(data), "--out", str(data / "vocab.json"), "--min-count", "1"]) == 0
+
+
 def test_written_files_and_index_folders_keep_the_umask_permissions(tmp_path):
     import stat
 

@@ -40,11 +40,12 @@ from sgraf.demo_report import (draw_curves, draw_diagnosis, format_diagnosis, fo
                                story_tests, write_report)
 from sgraf.errors import InputError
 from sgraf.folder_lock import LOCK_FILE, FolderLock
+from sgraf.output_folder import DEMO_MARKER
 from sgraf.signals import Stopped
 
 logger = logging.getLogger(__name__)
 
-MARKER = ".sgraf-demo"
+MARKER = DEMO_MARKER
 METHODS = (  # label, training overrides
     ("global-only", {"module": "ave", "alignments": "global"}),
     ("SAF", {"module": "saf"}),

@@ -37,6 +37,7 @@ from sgraf.io_paths import check_outputs
 from sgraf.signals import signals_deferred
 
 RECORD = ".sgraf-files.json"
+DEMO_MARKER = ".sgraf-demo"      # at the top of a folder `sgraf demo` writes (`sgraf.demo`)
 STAGING_PREFIX = ".sgraf-staging-"
 
 

@@ -176,6 +176,30 @@ def check_score_outputs(args: argparse.Namespace) -> None:
     refuse_others_files([("--save-sims", args.save_sims)])
 
 
+def refuse_others_folder(label: str, folder: str) -> None:
+    """A data folder to write (`generate`, `extract`, `convert-tsv`) that is another command's
+    folder: a training run's, a gallery index's or a demo's (their files would sit among the data
+    set's, and `--overwrite` could not tell them apart). InputError naming it."""
+    from sgraf.errors import InputError
+    from sgraf.io_paths import resolved
+    from sgraf.output_folder import DEMO_MARKER
+    from sgraf.training.runs import is_run_folder
+
+    target = resolved(folder)
+    if not target.is_dir():
+        return
+    if is_run_folder(target):
+        what = "a training run folder"
+    elif (target / "manifest.json").is_file() and any(target.glob("*.npy")):
+        what = "the folder of an sgraf index"
+    elif (target / DEMO_MARKER).is_file():
+        what = "a demo's folder (its data set is DEMO/data)"
+    else:
+        return
+    raise InputError(f"{label} {folder} is {what}; a data set written there would mix with its files: choose "
+                     "another folder")
+
+
 def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
     """A side output (a score matrix, a picture) that would land among the files of a folder
     another sgraf command wrote, not one this command reads (those `check_outputs` refuses): a
@@ -188,6 +212,7 @@ def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
     from sgraf.data.layout import IMAGES, data_set_family, data_set_files
     from sgraf.errors import InputError
     from sgraf.io_paths import resolved
+    from sgraf.output_folder import DEMO_MARKER, read_record
     from sgraf.training.runs import run_folder_of
 
     for label, path in outputs:
@@ -195,6 +220,7 @@ def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
             continue
         target = resolved(path)
         folder = target.parent
+        written_by = read_record(folder).get(target.name)
         if (folder / "manifest.json").is_file() and any(folder.glob("*.npy")):
             what = f"in the folder of the sgraf index {folder}"
         elif data_set_family(target.name) and data_set_files(folder):
@@ -203,6 +229,10 @@ def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
             what = f"in the pictures of the precomp data set in {folder.parent.parent}"
         elif run_folder_of(target) is not None:
             what = f"a file of the run folder {folder}"
+        elif (folder / DEMO_MARKER).is_file():
+            what = f"in the folder of the demo {folder} (its report, pictures and results)"
+        elif written_by is not None:
+            what = f"a file sgraf {written_by} wrote in {folder}"
         else:
             continue
         raise InputError(f"{label} {os.fspath(path)} is {what}; an output must not write among another command's "

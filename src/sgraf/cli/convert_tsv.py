@@ -30,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sgraf.data.convert import convert_tsv
 
+    from sgraf.cli.arguments import refuse_others_folder
+
+    refuse_others_folder("--out", args.out)
     info = convert_tsv(args.tsv, args.out, args.split, captions_path=args.captions, progress=not args.no_progress,
                        overwrite=args.overwrite)
     print(f"wrote {args.out}/{args.split}_ims.npy: {info['images']} images x {info['regions']} regions x "

@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sgraf.data.features import extract_folder, get_backbone
 
+    from sgraf.cli.arguments import refuse_others_folder
+
+    refuse_others_folder("--out", args.out)
     backbone = get_backbone(args.backbone, weights_path=args.weights, image_size=args.image_size).to(args.device)
     info = extract_folder(args.images, args.captions, args.out, args.split, backbone, batch_size=args.batch_size,
                           overwrite=args.overwrite, keep_pictures=not args.no_pictures)

@@ -48,6 +48,9 @@ def resolve_features(choice: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from sgraf.data.benchmark import generate_benchmark, write_preview
 
+    from sgraf.cli.arguments import refuse_others_folder
+
+    refuse_others_folder("--out", args.out)
     if args.preview:   # written after the data set: it must not replace one of its files
         from sgraf.data.benchmark import output_names
         from sgraf.io_paths import check_outputs

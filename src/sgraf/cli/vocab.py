@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sgraf.cli.arguments import data_inputs, positive_int
+from sgraf.cli.arguments import data_inputs, positive_int, refuse_others_files
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +36,8 @@ def run_build(args: argparse.Namespace) -> int:
     own = os.path.normpath(os.path.join(args.data, "vocab.json"))
     check_outputs([(label, path) for label, path in data_inputs(args.data, args.splits)
                    if os.path.normpath(path) != own], [("--out", args.out)])
+    if os.path.normpath(args.out) != own:
+        refuse_others_files([("--out", args.out)])   # a run's best.pt, an index's manifest, a demo's report
     captions: list[str] = []
     used = []
     for split in args.splits:
