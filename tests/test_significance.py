@@ -187,7 +187,7 @@ def test_compare_prints_the_paired_table_and_refuses_another_split(saved, capsys
 
 
 
-def test_compare_scores_checkpoints_as_evaluate_saves_them(saved, capsys):
+def test_compare_scores_checkpoints_as_evaluate_saves_them(saved, capsys, caplog):
     sgr, saf = (str(saved / f"{name}.npy") for name in ("sgr", "saf"))
     common = ["--data", str(DATA), "--resamples", "300", "--json"]
     from_matrices = compare_json(capsys, "--sims", sgr, saf, "--against", saf, *common)
@@ -209,10 +209,15 @@ def test_compare_scores_checkpoints_as_evaluate_saves_them(saved, capsys):
             (["--sims", sgr, "--against", CKPT["saf"], CKPT["saf"], "--data", DATA],
              "saf.pth.tar is given twice"),
             (["--checkpoint", CKPT["sgr"], "--against", saved / "absent.npy", "--data", DATA, "--vocab", VOCAB],
-             "absent.npy")):
+             "absent.npy"),
+            (["--checkpoint", CKPT["sgr"], "--against", saved / "absent.pt", "--data", DATA, "--vocab", VOCAB],
+             "absent.pt: no such checkpoint file")):
+        caplog.clear()
+        caplog.set_level("INFO", logger="sgraf.evaluate")
         assert main(["compare", *map(str, argv)]) == 2, argv
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+        assert "evaluating" not in caplog.text          # refused before side A was scored
 
 
 def compare_json(capsys, *argv) -> dict:

@@ -177,7 +177,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     if not path.exists():
         raise FileNotFoundError(2, "no such checkpoint file", str(path))
     if path.is_dir():
-        raise IsADirectoryError(21, "a folder, where a checkpoint file is needed", str(path))
+        best = " (a run folder: its best checkpoint is best.pt in it)" if (path / "best.pt").is_file() else ""
+        raise IsADirectoryError(21, f"a folder, where a checkpoint file is needed{best}", str(path))
     raw = _torch_load(path, map_location)
     if isinstance(raw, dict) and raw.get("format") == FORMAT:
         if not isinstance(raw.get("version"), int) or raw["version"] > VERSION:

@@ -129,6 +129,14 @@ def _matrices(args: argparse.Namespace, side_a: tuple[list[str], bool], side_b: 
     split = args.split if args.data else None
     if not (side_a[1] or side_b[1]):
         return evaluate.load_compared(side_a[0], side_b[0], args.data, split)
+    # both sides' checkpoints loaded and fitted to the split before either is scored: a typo in
+    # --against must not cost the minutes of scoring A first
+    precomp = evaluate.open_split(args.data, args.split)
+    for paths, checkpoints in (side_a, side_b):
+        if checkpoints:
+            models, _ = evaluate.load_ensemble(paths, args.vocab, "cpu")
+            for model, path in zip(models, paths):
+                evaluate.check_split_fits(model, precomp, str(path))
     saved = {index: evaluate.load_matrices(paths, args.data, split)[0]
              for index, (paths, checkpoints) in enumerate((side_a, side_b)) if not checkpoints}
     scored = {index: evaluate.evaluate_checkpoints_with_sims(
