@@ -67,7 +67,7 @@ def test_the_command_through_its_entry_points():
     assert json.loads(done.stdout)["n_captions"] == 30
     refused = subprocess.run([*base, "--data", str(E2E / "missing")], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == [f"sgraf evaluate: error: --data {E2E / 'missing'}: not a directory"]
+    assert refused.stderr.strip().splitlines() == [f"sgraf evaluate: error: --data {E2E / 'missing'}: no such folder"]
     script = subprocess.run([sys.executable, "-c", "import sys; sys.argv[0] = 'sgraf'; from sgraf.cli import entry; "
                              "entry()", "--version"], capture_output=True, text=True, timeout=120)
     assert script.returncode == 0 and script.stdout.startswith("sgraf ")
@@ -98,3 +98,34 @@ def test_a_signal_caught_in_a_finaliser_still_stops_the_command():
                            ("SIGINT", "stopped: KeyboardInterrupt")):
         done = subprocess.run([sys.executable, "-c", FINALISED, name], capture_output=True, text=True, timeout=120)
         assert done.stdout.strip() == expected and done.stderr == "", (done.stdout, done.stderr)
+
+
+def test_a_torchrun_environment_without_its_other_processes_is_bounded_and_interruptible(tmp_path):
+    """RANK / WORLD_SIZE left set with no other process to join: the wait is said, bounded
+    (SGRAF_JOIN_TIMEOUT), and SIGTERM ends it (PyTorch's rendezvous had waited without end,
+    deferring SIGINT and SIGTERM)."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "SGRAF_JOIN_TIMEOUT": "2"}
+    base = [sys.executable, "-m", "sgraf", "evaluate", "--checkpoint", str(E2E / "sgr.pth.tar"), "--vocab",
+            str(E2E / "data" / "toy_vocab.json"), "--data", str(E2E / "data" / "toy_precomp"), "--quiet"]
+    done = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "joining the 2 processes of the torchrun job" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"sgraf evaluate: error: the torchrun job's process group at 127.0.0.1:{port} did not form within 2 s")
+    child = subprocess.Popen(base, stderr=subprocess.PIPE, text=True, env={**env, "SGRAF_JOIN_TIMEOUT": "600"})
+    for line in child.stderr:
+        if "joining the 2 processes" in line:
+            break
+    time.sleep(0.5)
+    started = time.monotonic()
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 143
+    assert time.monotonic() - started < 10

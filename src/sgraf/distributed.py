@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,11 @@ from sgraf.devices import resolve_device
 from sgraf.errors import InputError
 
 logger = logging.getLogger(__name__)
+
+# How long a process waits for the others of its torchrun job to join the process group
+# (`SGRAF_JOIN_TIMEOUT`, seconds): environment variables left from another job, or a process of
+# this one that died, would otherwise keep it waiting without end.
+JOIN_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -68,10 +75,55 @@ def init_from_env(device: str | torch.device | None = None, backend: str | None 
         torch.cuda.set_device(index)
         target = torch.device("cuda", index)
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"))
+        _join(backend or ("nccl" if use_cuda else "gloo"))
         logger.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(),
                      dist.get_backend())
     return DistInfo(rank=get_rank(), world_size=get_world_size(), local_rank=local_rank, device=target)
+
+
+def join_timeout() -> float:
+    """`SGRAF_JOIN_TIMEOUT` (seconds, > 0), else `JOIN_TIMEOUT_S`."""
+    given = os.environ.get("SGRAF_JOIN_TIMEOUT")
+    if given is None:
+        return JOIN_TIMEOUT_S
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise InputError(f"SGRAF_JOIN_TIMEOUT must be a number of seconds > 0, got {given!r}")
+    return seconds
+
+
+def _join(backend: str) -> None:
+    """`dist.init_process_group` from the torchrun environment, bounded by `join_timeout()` and
+    interruptible: the rendezvous waits in another thread while this one stays where SIGINT and
+    SIGTERM are handled (a wait inside PyTorch's C++ defers them without end)."""
+    rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    seconds = join_timeout()
+    logger.info("joining the %s processes of the torchrun job at %s as rank %s (at most %.0f s; "
+                "SGRAF_JOIN_TIMEOUT sets it)", world, where, rank, seconds)
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            dist.init_process_group(backend=backend)
+        except BaseException as error:  # noqa: BLE001  (raised again in the caller's thread)
+            failure.append(error)
+
+    thread = threading.Thread(target=join, name="sgraf-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + seconds
+    while thread.is_alive():
+        thread.join(0.2)
+        if thread.is_alive() and time.monotonic() > deadline:
+            raise InputError(f"the torchrun job's process group at {where} did not form within {seconds:.0f} s: this "
+                             f"process is rank {rank} of WORLD_SIZE={world} and the others did not join; start every "
+                             "process with torchrun, or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (left "
+                             "from another job?) to run alone")
+    if failure:
+        raise failure[0]
 
 
 def is_distributed() -> bool:

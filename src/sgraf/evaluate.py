@@ -192,8 +192,10 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Any:
     from sgraf.data.precomp import PrecompSplit, available_splits, split_files
 
     ims, caps = split_files(data_dir, split)
+    if not Path(data_dir).exists():
+        raise InputError(f"--data {data_dir}: no such folder")
     if not Path(data_dir).is_dir():
-        raise InputError(f"--data {data_dir}: not a directory")
+        raise InputError(f"--data {data_dir}: a file, where a data folder is needed")
     if not (ims.is_file() and caps.is_file()):
         found = available_splits(data_dir)
         raise InputError(f"split {split!r} does not exist in {data_dir} (needs {ims.name} and {caps.name}); "

@@ -185,6 +185,8 @@ def exit_process(code: int) -> NoReturn:
         sys.exit(code)
     run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:              # started with the stream closed (`>&-`)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):   # a reader that went away, a stream already closed
