@@ -303,22 +303,28 @@ def test_a_model_with_non_finite_weights_is_never_written(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_given_vocabulary_that_differs_from_the_stored_one_is_refused(tmp_path, caplog):
-    """Same size, other word ids: every score would be wrong without an error, so it is refused,
-    naming the way to store another vocabulary in a copy of the checkpoint, which then loads."""
+def test_a_given_vocabulary_that_differs_from_the_stored_one_is_refused(tmp_path, caplog, capsys):
+    """Same size, other word ids: every score would be wrong without an error, so it is refused
+    where it is read and where it would be stored (convert-checkpoint had swapped it in silently,
+    and the refusal had named that command as the way)."""
     words = [f"w{i}" for i in range(26)]
     save_model(random_model(4), tmp_path / "model.pt", vocab=Vocabulary.from_words(words))
     Vocabulary.from_words(reversed(words)).save(tmp_path / "other.json")   # same size, other word ids
+    Vocabulary.from_words(words).save(tmp_path / "same.json")
     with caplog.at_level("WARNING", logger="sgraf.checkpoint"):
         load_model(tmp_path / "model.pt", vocab=Vocabulary.from_words(words))
     assert caplog.text == ""
     with pytest.raises(InputError, match=r"model\.pt carries its own vocabulary, which differs from "
                                          r".*other\.json \(other word ids: the scores would be wrong\); leave out "
-                                         r"--vocab, or .*sgraf convert-checkpoint .*model\.pt NEW\.pt --vocab JSON"):
+                                         r"--vocab: the checkpoint's own is the one its model learned$"):
         load_model(tmp_path / "model.pt", vocab=tmp_path / "other.json")
     assert main(["convert-checkpoint", str(tmp_path / "model.pt"), str(tmp_path / "new.pt"),
-                 "--vocab", str(tmp_path / "other.json")]) == 0
-    assert load_model(tmp_path / "new.pt", vocab=tmp_path / "other.json").vocab.word2idx["w0"] == 29
+                 "--vocab", str(tmp_path / "other.json")]) == 2
+    assert "model.pt carries its own vocabulary, which differs from" in capsys.readouterr().err
+    assert not (tmp_path / "new.pt").exists()
+    assert main(["convert-checkpoint", str(tmp_path / "model.pt"), str(tmp_path / "new.pt"),
+                 "--vocab", str(tmp_path / "same.json")]) == 0
+    assert load_model(tmp_path / "new.pt").vocab.word2idx == Vocabulary.from_words(words).word2idx
 
 
 def test_loading_draws_no_initial_weights_and_holds_exactly_the_saved_ones(tmp_path, monkeypatch):

@@ -329,8 +329,7 @@ def vocabulary_conflict(path: str | os.PathLike, given: Any) -> InputError:
     would not be the ones the model learned, and every score would be wrong without an error."""
     name = given if isinstance(given, (str, os.PathLike)) else "the vocabulary given"
     return InputError(f"{path} carries its own vocabulary, which differs from {name} (other word ids: the scores "
-                      "would be wrong); leave out --vocab, or store that one in a copy of the checkpoint: "
-                      f"sgraf convert-checkpoint {path} NEW.pt --vocab JSON")
+                      "would be wrong); leave out --vocab: the checkpoint's own is the one its model learned")
 
 
 def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any = None) -> dict[str, Any]:
@@ -346,7 +345,10 @@ def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any 
     checkpoint = load_checkpoint(src)
     config = _model_config(checkpoint, src)
     checked_model(config, checkpoint["state_dict"], str(src))
-    resolved = resolve_vocab(vocab) if vocab is not None else checkpoint.get("vocab")
+    resolved = resolve_vocab(vocab, source="the vocabulary given") if vocab is not None else checkpoint.get("vocab")
+    stored = checkpoint.get("vocab")
+    if vocab is not None and isinstance(stored, dict) and _vocab_dict(resolved).get("word2idx") != stored.get("word2idx"):
+        raise vocabulary_conflict(src, vocab)
     if resolved is not None and _vocab_size(resolved) != config.vocab_size:
         raise InputError(f"the vocabulary has {_vocab_size(resolved)} words but {src} has "
                          f"vocab_size={config.vocab_size}")
