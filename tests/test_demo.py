@@ -287,3 +287,21 @@ def test_the_users_set_wins_over_the_position_models_recipes():
     assert "SGR+pos with `batches=random place_sharpness=3 place_penalty=false " \
            "global_loss_weight=0.5`" in text, text
     assert demo_settings(True, "place").user_overrides == () and "place_penalty=true" in recipe_text("place")
+
+
+def test_the_demo_reuses_its_benchmark_only_while_its_files_are_as_generated(tmp_path, caplog):
+    """An edited caption file in DEMO/data had been reused, and the report's Winoground figures
+    came from scenes that no longer described the captions."""
+    from sgraf.demo import QUICK, _data
+
+    caplog.set_level("INFO", logger="sgraf.demo")
+    _data(tmp_path, QUICK, "synthetic", 0)
+    captions = (tmp_path / "data" / "test_caps.txt").read_bytes()
+    caplog.clear()
+    _data(tmp_path, QUICK, "synthetic", 0)
+    assert "reusing the benchmark" in caplog.text
+    (tmp_path / "data" / "test_caps.txt").write_bytes(b"a red square\n" + captions.split(b"\n", 1)[1])
+    caplog.clear()
+    _data(tmp_path, QUICK, "synthetic", 0)
+    assert "changed since it was generated (test_caps.txt): generating it again" in caplog.text
+    assert (tmp_path / "data" / "test_caps.txt").read_bytes() == captions

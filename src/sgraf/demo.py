@@ -254,11 +254,30 @@ def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[s
         if isinstance(meta, dict) and meta.get("images") == wanted_images and meta.get("seed") == seed and meta.get(
                 "generator_version") == GENERATOR_VERSION and (
                 features == "auto" or meta.get("features") == features):
-            logger.info("reusing the benchmark in %s", data)
-            return meta
+            changed = _changed_files(data, meta.get("fingerprint"))
+            if not changed:
+                logger.info("reusing the benchmark in %s", data)
+                return meta
+            logger.warning("the benchmark in %s %s: generating it again", data, "has no record of its files (an "
+                           "earlier sgraf's)" if changed == ["-"] else "changed since it was generated (" + ", ".join(
+                               changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "") + ")")
     kind, backbone = _choose_features(features)
     return generate_benchmark(data, seed=seed, features=kind, n_train=settings.n_train, n_dev=settings.n_dev,
                               n_test=settings.n_test, backbone=backbone, overwrite=True)
+
+
+def _changed_files(data: Path, recorded: Any) -> list[str]:
+    """The files of the benchmark in `data` that differ from its recorded fingerprint
+    (`benchmark_fingerprint`; a file gone counts), or ['-'] when it has no record."""
+    from sgraf.data.benchmark import benchmark_fingerprint
+    from sgraf.data.precomp import fingerprint_differences
+
+    if not isinstance(recorded, dict):
+        return ["-"]
+    try:
+        return fingerprint_differences(benchmark_fingerprint(data), recorded)
+    except OSError as error:
+        return [os.path.basename(error.filename or "") or "a file"]
 
 
 def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]

@@ -45,6 +45,7 @@ sgraf wrote, see `sgraf.output_folder`). Same seed and settings -> byte-identica
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -506,10 +507,24 @@ def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features:
             "family_size": FAMILY_SIZE,
             "vocab_size": len(vocab),
             "images_dir": "images" if save_images else None,
+            "fingerprint": benchmark_fingerprint(Path(generation.path("vocab.json")).parent),
         }
         write_text(generation.path("benchmark.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     logger.info("benchmark written to %s in %.1fs (%s features)", out_dir, time.perf_counter() - started, features)
     return meta
+
+
+def benchmark_fingerprint(folder: str | os.PathLike[str]) -> dict[str, str]:
+    """What a benchmark's files are, to tell later whether they changed (`sgraf demo` reuses one
+    only if not): `sgraf.data.precomp.data_fingerprint` of the three splits, and the sha256 of
+    their scenes and of the vocabulary."""
+    from sgraf.data.precomp import data_fingerprint
+
+    folder = Path(folder)
+    fingerprint = data_fingerprint(folder, SPLITS)
+    for name in [f"{split}_scenes.jsonl" for split in SPLITS] + ["vocab.json"]:
+        fingerprint[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    return fingerprint
 
 
 def load_scenes(data_dir: str | os.PathLike[str], split: str) -> list[dict[str, Any]]:
