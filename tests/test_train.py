@@ -122,6 +122,13 @@ def test_bad_yaml_names_the_line(tmp_path):
     bad.write_text("epochs: 3\nlr: [1,\n")
     with pytest.raises(InputError, match=r"bad.yaml: line \d+"):
         resolve_config(None, bad)
+    # a key given twice: PyYAML kept the last without a word
+    bad.write_text("epochs: 1\nlr: 0.001\nepochs: 3\n")
+    with pytest.raises(InputError, match=r"bad.yaml: line 3: key 'epochs' is given again \(first on line 1\)"):
+        resolve_config(None, bad)
+    with pytest.raises(InputError, match=r"--set epochs is given twice \(2, then 3\): give it once"):
+        resolve_config("tiny", overrides=["epochs=2", "epochs=3"])
+    assert resolve_config("tiny", overrides=["epochs=2", "epochs=2"])[0].epochs == 2   # a repeated line is no change
 
 
 # ------------------------------------------------------------------ schedule, sampler, loss
@@ -443,3 +450,12 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(toy_data, tmp_path, m
     last = torch.load(run / "last.pt", weights_only=True)
     assert last["extra"][STATE_KEY]["progress"]["global_step"] == 5
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())
+
+
+def test_a_config_files_data_or_preset_overridden_on_the_command_line_is_said(tmp_path, caplog):
+    config = tmp_path / "run.yaml"
+    config.write_text("data: elsewhere\npreset: tiny\nepochs: 1\n")
+    caplog.set_level("WARNING", logger="sgraf.cli.train")
+    assert main(["train", "--config", str(config), "--data", str(tmp_path), "--preset", "demo"]) == 2   # no --out
+    assert f"--data {tmp_path} is used; {config}'s data: elsewhere is not" in caplog.text
+    assert f"--preset demo is used; {config}'s preset: tiny is not" in caplog.text

@@ -12,10 +12,12 @@ SIGINT) when a signal stopped the run after saving `last.pt`.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from typing import Any
 
+logger = logging.getLogger("sgraf.cli.train")
 
 
 def register(subparsers: Any) -> None:
@@ -85,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         if args.allow_other_data:
             raise InputError("--allow-other-data applies to --resume RUN_DIR (a new run trains on its --data)")
         config, extras = resolve_config(args.preset, args.config, args.overrides)
+        for flag, given, key in (("--data", args.data, "data"), ("--preset", args.preset, "preset")):
+            if given and extras.get(key) and str(extras[key]) != given:
+                logger.warning("%s %s is used; %s's %s: %s is not", flag, given, args.config, key, extras[key])
         data = args.data or extras.get("data")
         if not data or not args.out:
             raise InputError("sgraf train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")

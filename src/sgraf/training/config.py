@@ -323,7 +323,7 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str
     except FileNotFoundError:
         raise FileNotFoundError(2, "training config file not found", str(path)) from None
     try:
-        values = yaml.safe_load(text)
+        values = yaml.load(text, Loader=_loader_refusing_repeated_keys(str(path)))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -334,6 +334,26 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str
         raise InputError(f"{path}: expected a mapping of config keys to values, got {type(values).__name__}")
     extras = {k: values.pop(k) for k in _FILE_ONLY_KEYS if k in values}
     return _coerce_all(values, str(path)), extras
+
+
+def _loader_refusing_repeated_keys(source: str) -> type:
+    """A `yaml.SafeLoader` that refuses a mapping holding a key twice (PyYAML keeps the last
+    value without a word: `epochs: 1` then `epochs: 3` trained 3 epochs)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise InputError(f"{source}: line {line}: key {key!r} is given again (first on line "
+                                     f"{seen[key]}); give each key once")
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 def parse_overrides(pairs: str | Iterable[str] | Mapping[str, Any]) -> dict[str, Any]:
@@ -349,6 +369,8 @@ def parse_overrides(pairs: str | Iterable[str] | Mapping[str, Any]) -> dict[str,
         key = key.strip()
         if not sep or not key:
             raise InputError(f"--set expects key=value, got {pair!r}")
+        if key in overrides and overrides[key] != value.strip():
+            raise InputError(f"--set {key} is given twice ({overrides[key]}, then {value.strip()}): give it once")
         overrides[key] = value.strip()
     return _coerce_all(overrides, "--set")
 
