@@ -142,6 +142,14 @@ def test_caption_table_errors(tmp_path):
     caps.write_text("1000\ta\nno tab here\n", encoding="utf-8")
     with pytest.raises(InputError, match=r"caps\.tsv:2: expected 'image_id<TAB>caption'"):
         convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)
+    caps.write_text("1000\ta\n1001\t80\t4\tAAAA\n", encoding="utf-8")     # the TSV's own rows given as captions
+    with pytest.raises(InputError, match=r"caps\.tsv:2: 4 tab-separated fields; expected 'image_id<TAB>caption' "
+                                         r"\(a caption holds no tab\)"):
+        convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)
+    from sgraf.data.convert import read_caption_table
+    caps.write_text("a.jpg x\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"caps\.tsv:1: expected 'file_name<TAB>caption'"):
+        read_caption_table(caps, key="file_name")
     caps.write_text("1000\ta\n", encoding="utf-8")
     with pytest.raises(InputError, match=r"no captions for image_id '1001'"):
         convert_tsv(tsv, tmp_path / "out", "train", captions_path=caps, progress=False)

@@ -116,8 +116,10 @@ def check_row_boxes(row: TsvRow, path: Path, line: int) -> None:
                              "expected 0 <= x1 <= x2 <= image_w and 0 <= y1 <= y2 <= image_h (pixels)")
 
 
-def read_caption_table(path: Path) -> dict[str, list[str]]:
-    """`key<TAB>caption` lines -> {key: [captions]} in order of first appearance."""
+def read_caption_table(path: Path, key: str = "image_id") -> dict[str, list[str]]:
+    """`key<TAB>caption` lines -> {key: [captions]} in order of first appearance (`key` names the
+    first field in messages: 'image_id' for convert-tsv, 'file_name' for extract). A line of more
+    than two tab-separated fields is refused: its caption would carry the rest of the line."""
     if not path.is_file():
         raise InputError(f"{path}: missing captions file")
     table: dict[str, list[str]] = {}
@@ -131,7 +133,10 @@ def read_caption_table(path: Path) -> dict[str, list[str]]:
             raise InputError(f"{path}:{number}: bytes are not valid UTF-8") from None
         image_id, tab, caption = text.partition("\t")
         if not tab:
-            raise InputError(f"{path}:{number}: expected 'image_id<TAB>caption'")
+            raise InputError(f"{path}:{number}: expected '{key}<TAB>caption'")
+        if "\t" in caption:
+            raise InputError(f"{path}:{number}: {text.count(chr(9)) + 1} tab-separated fields; expected "
+                             f"'{key}<TAB>caption' (a caption holds no tab)")
         if not caption.strip():
             raise InputError(f"{path}:{number}: empty caption for {image_id.strip()!r}")
         table.setdefault(image_id.strip(), []).append(caption.strip())

@@ -365,7 +365,7 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     if not images_dir.is_dir():
         raise InputError(f"images folder {images_dir} does not exist or is not a folder")
-    table = read_caption_table(Path(captions_path))
+    table = read_caption_table(Path(captions_path), key="file_name")
     if not table:
         raise InputError(f"{captions_path}: no captions")
     merged: dict[str, list[str]] = {}       # ./a.png and a.png are one picture
