@@ -524,7 +524,9 @@ def test_outputs_never_land_among_a_runs_an_indexs_or_a_demos_files(tmp_path, ca
              "is a file sgraf extract wrote in"),
             (["runs", str(run), "--plot", str(demo / "retrieval_t2i.png")], "is in the folder of the demo"),
             (["generate", "--out", str(run), *TINY], "is a training run folder; a data set written there"),
-            (["generate", "--out", str(demo), *TINY], "is a demo's folder")):
+            (["generate", "--out", str(demo), *TINY], "is a demo's folder"),
+            ([*argv, "--out", str(data)], "is a precomp data set's folder; a training run written there"),
+            ([*argv, "--out", str(demo)], "is a demo's folder")):
         assert main(argv_) == 2, argv_
         assert message in _one_line_error(capsys), argv_
     assert (run / "best.pt").read_bytes() == best and (demo / "retrieval_t2i.png").read_bytes() == b"the demo's picture"

@@ -176,10 +176,12 @@ def check_score_outputs(args: argparse.Namespace) -> None:
     refuse_others_files([("--save-sims", args.save_sims)])
 
 
-def refuse_others_folder(label: str, folder: str) -> None:
-    """A data folder to write (`generate`, `extract`, `convert-tsv`) that is another command's
-    folder: a training run's, a gallery index's or a demo's (their files would sit among the data
-    set's, and `--overwrite` could not tell them apart). InputError naming it."""
+def refuse_others_folder(label: str, folder: str, writes: str = "a data set") -> None:
+    """A folder to write that is another command's: for a data set (`generate`, `extract`,
+    `convert-tsv`) a training run's, a gallery index's or a demo's folder (their files would sit
+    among the data set's, and `--overwrite` could not tell them apart); for a training run
+    (`writes="a training run"`) a data set's, an index's or a demo's. InputError naming it."""
+    from sgraf.data.layout import data_set_files
     from sgraf.errors import InputError
     from sgraf.io_paths import resolved
     from sgraf.output_folder import DEMO_MARKER
@@ -188,15 +190,18 @@ def refuse_others_folder(label: str, folder: str) -> None:
     target = resolved(folder)
     if not target.is_dir():
         return
-    if is_run_folder(target):
+    run = writes == "a training run"
+    if not run and is_run_folder(target):
         what = "a training run folder"
+    elif run and data_set_files(target):
+        what = "a precomp data set's folder"
     elif (target / "manifest.json").is_file() and any(target.glob("*.npy")):
         what = "the folder of an sgraf index"
     elif (target / DEMO_MARKER).is_file():
         what = "a demo's folder (its data set is DEMO/data)"
     else:
         return
-    raise InputError(f"{label} {folder} is {what}; a data set written there would mix with its files: choose "
+    raise InputError(f"{label} {folder} is {what}; {writes} written there would mix with its files: choose "
                      "another folder")
 
 

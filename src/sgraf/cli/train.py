@@ -100,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.training.run_dir import RUN_FILES
 
     out_label = "--resume" if resume else "--out"
+    if not resume:
+        from sgraf.cli.arguments import refuse_others_folder
+
+        refuse_others_folder("--out", out, writes="a training run")
     check_outputs([*data_inputs(data, ["train", "dev"]), ("--config", args.config)],
                   [(out_label, out), *((out_label, f"{out}/{name}") for name in RUN_FILES)])
     try:
