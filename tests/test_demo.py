@@ -15,7 +15,7 @@ from sgraf.cli import main
 from sgraf.data.precomp import PrecompSplit
 from sgraf.devices import available_cores
 from sgraf.metrics import evaluate_sims
-from sgraf.significance import compare
+from sgraf.significance import compare, p_text
 from sgraf.training.pool import plan_workers
 
 pytestmark = pytest.mark.numeric
@@ -134,7 +134,7 @@ def test_demo_ends_by_printing_the_serve_command(demo, capsys, monkeypatch):
     verdict = next(line for line in lines if line.startswith("SGRAF >= better of SGR/SAF: "))
     report = (out / "report.md").read_text()
     for test in record["story"]["tests"][:2]:
-        words = f"p {test['p']:.3f}" + ("" if test["p"] < 0.05 else ", within noise")
+        words = f"p {p_text(test['p'], 10000)}" + ("" if test["p"] < 0.05 else ", within noise")
         assert f"(paired {words})" in verdict and f"], {words}\n" in report, (verdict, words)
     # the chance level: the report says which models random scores match, the console when all do
     chance = record["story"]["chance"]
@@ -305,3 +305,11 @@ def test_the_demo_reuses_its_benchmark_only_while_its_files_are_as_generated(tmp
     _data(tmp_path, QUICK, "synthetic", 0)
     assert "changed since it was generated (test_caps.txt): generating it again" in caplog.text
     assert (tmp_path / "data" / "test_caps.txt").read_bytes() == captions
+
+
+def test_the_story_says_a_p_at_its_floor_as_compare_does():
+    from sgraf.demo_report import p_verdict
+
+    assert p_verdict({"p": 1 / 10001, "resamples": 10000}) == "p <=1.0e-04"
+    assert p_verdict({"p": 0.0312}) == "p 0.031"
+    assert p_verdict({"p": 0.2}) == "p 0.200, within noise"

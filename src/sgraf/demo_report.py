@@ -141,7 +141,7 @@ def story_tests(sims: dict[str, np.ndarray], results: dict[str, dict[str, Any]],
     for a, b in pairs:
         result = compare(sims[a], sims[b], resamples=resamples)
         tests.append({"a": a, "b": b, "difference": result["difference"]["rsum"],
-                      "interval": result["interval"]["rsum"], "p": result["p"]["rsum"]})
+                      "interval": result["interval"]["rsum"], "p": result["p"]["rsum"], "resamples": resamples})
     return tests
 
 
@@ -174,9 +174,12 @@ def chance_text(check: dict[str, Any]) -> str:
 
 
 def p_verdict(test: dict[str, Any]) -> str:
-    """One `story_tests` test's p-value as the report and the closing line say it: ``p 0.031``,
-    or ``p 0.091, within noise`` at p >= 0.05."""
-    return f"p {test['p']:.3f}" + ("" if test["p"] < 0.05 else ", within noise")
+    """One `story_tests` test's p-value as the report and the closing line say it, as `sgraf
+    compare` prints it (`significance.p_text`): ``p 0.031``, ``p <=1.0e-04`` at its floor, or
+    ``p 0.091, within noise`` at p >= 0.05."""
+    from sgraf.significance import p_text
+
+    return f"p {p_text(test['p'], test.get('resamples', 10000))}" + ("" if test["p"] < 0.05 else ", within noise")
 
 
 # --------------------------------------------------------------------------------- pictures
