@@ -347,3 +347,17 @@ def test_scores_at_the_sigmoids_ceiling_are_said_to_tie(tmp_path, caplog):
     caplog.clear()
     warn_saturated(sims, [place])                         # said once for this model
     assert not caplog.records
+
+
+def test_a_checkpoint_validated_in_another_precision_says_how_to_match_its_dev_rsum(tmp_path, capsys, caplog):
+    from sgraf.checkpoint import load_model, save_model
+
+    model = load_model(CKPT["saf"], vocab=VOCAB)
+    save_model(model, tmp_path / "best.pt", vocab=model.vocab, extra={"train_config": {"precision": "bf16"}})
+    caplog.set_level("INFO", logger="sgraf.evaluate")
+    evaluate_json(capsys, "--checkpoint", tmp_path / "best.pt", "--data", DATA)
+    assert "best.pt was validated in bf16 while it trained: --precision bf16 scores as its validation did" in caplog.text
+    caplog.clear()
+    evaluate_json(capsys, "--checkpoint", tmp_path / "best.pt", "--data", DATA, "--precision", "bf16")
+    assert "validated in" not in caplog.text
+    assert load_model(CKPT["saf"], vocab=VOCAB).train_config is None

@@ -317,6 +317,8 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
     if model.vocab is not None and _vocab_size(model.vocab) != config.vocab_size:
         raise InputError(f"{path}: the vocabulary has {_vocab_size(model.vocab)} words but the model's "
                          f"embedding has vocab_size={config.vocab_size}")
+    train_config = checkpoint.get("extra", {}).get("train_config")
+    model.train_config = train_config if isinstance(train_config, dict) else None   # a run's best.pt records it
     stored = checkpoint.get("vocab")
     given = _vocab_dict(model.vocab) if vocab is not None else None
     if given is not None and isinstance(stored, dict) and given.get("word2idx") != stored.get("word2idx"):

@@ -304,6 +304,10 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
         models, vocabulary = load_ensemble(checkpoints, vocab, device)
     for model, path in zip(models, checkpoints):
         check_split_fits(model, precomp, str(path))
+        trained = (getattr(model, "train_config", None) or {}).get("precision")
+        if trained and trained != precision:
+            logger.info("%s was validated in %s while it trained: --precision %s scores as its validation did (the "
+                        "run's dev rsum); this evaluation is %s", path, trained, trained, precision)
     with stage(stopwatch, "tokenise"):
         # once: the check and every model
         token_ids = scoring.tokenize_captions(precomp.captions, vocabulary, token_prefetch)
