@@ -140,6 +140,24 @@ def test_a_malformed_request_is_answered_in_json_with_the_security_headers(guard
     assert json.loads(body)["error"].startswith("Invalid HTTP request received")
 
 
+def test_a_malformed_body_of_a_request_the_app_answers_logs_no_traceback(guarded, caplog):
+    """The headers read, the app answering, then a chunk that is not hex: the 400 goes out, and the
+    app's own answer is dropped (sending it had raised in h11: two tracebacks per request)."""
+    caplog.set_level("WARNING")
+    sock = socket.create_connection(("127.0.0.1", guarded))
+    sock.sendall(b"GET /api/health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                 b"zz\r\n")
+    raw = b""
+    sock.settimeout(10)
+    while chunk := sock.recv(65536):
+        raw += chunk
+    assert raw.startswith(b"HTTP/1.1 400 Bad Request")
+    time.sleep(0.5)                                      # the app's task ends after the answer
+    assert "Traceback" not in caplog.text and "request failed" not in caplog.text, caplog.text
+    assert not [record for record in caplog.records if record.exc_info]
+    assert _health(guarded) == 200
+
+
 def test_the_cap_stays_below_the_descriptor_limit():
     import resource
 

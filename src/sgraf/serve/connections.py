@@ -170,6 +170,10 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
                 self.transport.write(self.conn.send(h11.EndOfMessage()))
             except h11.LocalProtocolError:     # h11 cannot answer in its state: close as uvicorn does
                 pass
+            if self.cycle is not None and not self.cycle.response_complete:
+                # a request whose body turned out malformed is being answered by the app: its answer
+                # has nowhere to go now (sending it raised in h11 and logged two tracebacks a request)
+                self.cycle.disconnected = True
             self.transport.close()
 
     return GuardedProtocol
