@@ -129,3 +129,11 @@ def test_a_torchrun_environment_without_its_other_processes_is_bounded_and_inter
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=30) == 143
     assert time.monotonic() - started < 10
+
+
+def test_a_refusal_echoes_a_huge_value_cut_to_its_start_and_length(capsys):
+    from sgraf.cli import main
+
+    assert main(["train", "--data", "d", "--out", "o", "--set", "module=" + "x" * 100_000]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err) < 600 and err.endswith("... (100,002 characters)"), err[:300]

@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
         message = str(exc) if not isinstance(exc, OSError) or not exc.filename else (
             f"{exc.filename}: {exc.strerror}")
-        print(f"sgraf {args.command}: error: {message}", file=sys.stderr)
+        print(f"sgraf {args.command}: error: {bounded(message)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"sgraf {args.command}: interrupted", file=sys.stderr)
@@ -153,6 +153,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+LONG_WORD = 400     # characters of one word of an error message shown at most (a long path fits)
+
+
+def bounded(message: str) -> str:
+    """`message` with every word longer than `LONG_WORD` characters cut to its start and its length
+    (a refusal echoes the value given: `--set module=` 100 KB of text was printed whole)."""
+    import re
+
+    return re.sub(r"\S{%d,}" % (LONG_WORD + 1),
+                  lambda found: f"{found.group()[:60]}... ({len(found.group()):,} characters)", message)
 
 
 def entry() -> NoReturn:
