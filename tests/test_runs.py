@@ -152,6 +152,17 @@ def test_running_never_started_and_unreadable_runs(trained, tmp_path, capsys):
     assert runs.read_run(running).state == "stopped"
     assert main(["runs", str(tmp_path)]) == 0
     assert "unreadable: " in capsys.readouterr().out
+    # an empty config.yaml, and a damaged metrics.jsonl (not a line cut short at its end), are said
+    (broken / "config.yaml").write_text("")
+    assert runs.read_run(broken).problem == "config.yaml holds no settings"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained / "runs" / "b", damaged)
+    records = (damaged / "metrics.jsonl").read_bytes()
+    (damaged / "metrics.jsonl").write_bytes(b"\x00\xff garbage\n" + records)
+    assert runs.read_run(damaged).state == "unreadable"
+    assert "metrics.jsonl: line 1 is not a JSON record" in runs.read_run(damaged).problem
+    (damaged / "metrics.jsonl").write_bytes(records + b'{"step": 9')          # a torn last line: skipped
+    assert runs.read_run(damaged).state == "finished"
 
 
 def test_bad_folders_are_one_line_errors(trained, tmp_path, capsys):

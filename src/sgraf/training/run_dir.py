@@ -170,19 +170,26 @@ def append_metrics(run: pathlib.Path, record: dict[str, Any]) -> None:
         raise write_error(run / METRICS_FILE, error) from None
 
 
-def read_metrics(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The validation records of a run, oldest first (a torn last line is skipped)."""
+def read_metrics(run: str | os.PathLike[str], strict: bool = False) -> list[dict[str, Any]]:
+    """The validation records of a run, oldest first (a torn last line is skipped).
+
+    With `strict`, a line before the last that is not a JSON record is an InputError naming it
+    (the file was damaged, not cut short by a crash); otherwise it is skipped too."""
     path = pathlib.Path(run) / METRICS_FILE
     if not path.exists():
         return []
     records = []
-    for line in text_files.read_bytes(path).splitlines():
+    lines = text_files.read_bytes(path).splitlines()
+    last = max((number for number, line in enumerate(lines) if line.strip()), default=-1)
+    for number, line in enumerate(lines):
         line = line.strip()
         if not line:
             continue
         try:
             record = json.loads(line)  # json decodes the UTF-8 bytes itself
         except (json.JSONDecodeError, UnicodeDecodeError):
+            if strict and number != last:
+                raise InputError(f"{path}: line {number + 1} is not a JSON record (the file is damaged)") from None
             continue  # a line cut short by a crash
         if isinstance(record, dict):
             records.append(record)

@@ -124,9 +124,14 @@ def read_run(folder: str | os.PathLike[str]) -> Run:
         return Run(str(path), "unreadable", problem=f"no {rd.CONFIG_FILE}")
     except InputError as error:
         return Run(str(path), "unreadable", problem=str(error))
+    if not values:
+        return Run(str(path), "unreadable", problem=f"{rd.CONFIG_FILE} holds no settings")
     settings = {"preset": extras.get("preset"), **values}
     data = (str(extras["data"]), extras.get("data_fingerprint")) if extras.get("data") else None
-    records = rd.read_metrics(path)
+    try:
+        records = rd.read_metrics(path, strict=True)
+    except InputError as error:
+        return Run(str(path), "unreadable", problem=str(error))
     total = values.get("epochs")
     done = max((int(r.get("epoch", 0)) for r in records if r.get("end_of_epoch")), default=0)
     flagged = [r for r in records if r.get("best")]
