@@ -137,3 +137,11 @@ def test_a_refusal_echoes_a_huge_value_cut_to_its_start_and_length(capsys):
     assert main(["train", "--data", "d", "--out", "o", "--set", "module=" + "x" * 100_000]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err) < 600 and err.endswith("... (100,002 characters)"), err[:300]
+
+
+def test_an_unknown_option_is_refused_in_the_commands_name(capsys):
+    from sgraf.cli import main
+
+    assert main(["evaluate", "--checkpoint", "x.pt", "--data", "d", "--level", "0.9"]) == 2
+    assert capsys.readouterr().err.strip() == ("sgraf evaluate: error: unrecognized arguments: --level 0.9 "
+                                               "(see sgraf evaluate --help)")

@@ -329,8 +329,8 @@ def test_few_resamples_are_named_in_one_warning(caplog):
         significance.recall_intervals(sims, resamples=37)
         significance.recall_intervals(sims, resamples=significance.FEW_RESAMPLES)
     warnings = [r.getMessage() for r in caplog.records]
-    assert warnings == ["37 resamples: the intervals' ends and the p-values move from one seed to another "
-                        "(p is at least 1/38); 1000 or more is usual"]
+    assert warnings == ["37 resamples: the intervals' ends (and a comparison's p-value, at least 1/38) move from "
+                        "one seed to another; 1000 or more is usual"]
 
 
 def test_chance_rsum_is_what_random_score_matrices_give():

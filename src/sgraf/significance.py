@@ -94,8 +94,8 @@ FEW_RESAMPLES = 1000    # below: an interval's ends, and a p-value, move with th
 def _warn_few(resamples: int) -> None:
     """Once per count: with few resamples the figures are rough (1 gives an interval of one draw,
     which need not hold the estimate)."""
-    logger.warning("%d resample%s: the intervals' ends and the p-values move from one seed to another "
-                   "(p is at least 1/%d); %d or more is usual", resamples, "" if resamples == 1 else "s",
+    logger.warning("%d resample%s: the intervals' ends (and a comparison's p-value, at least 1/%d) move from one "
+                   "seed to another; %d or more is usual", resamples, "" if resamples == 1 else "s",
                    resamples + 1, FEW_RESAMPLES)
 
 

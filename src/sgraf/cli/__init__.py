@@ -99,13 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # command not built yet
             raise
         module.register(subparsers)
+    parser.set_defaults(commands=subparsers.choices)   # main refuses a command's unknown options in its name
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:   # said by the command's parser: "sgraf evaluate: error: ... (see sgraf evaluate --help)"
+            args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as stop:  # --help, --version (0) or a refused argument (2)
         return int(stop.code or 0)
     if callable(getattr(sys.stdout, "reconfigure", None)):

@@ -511,9 +511,12 @@ def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, ba
     if config.patience:
         logger.info("early stopping: once %d epoch%s in a row end without a better dev rsum", config.patience,
                     "" if config.patience == 1 else "s")
-    if config.warmup_epochs:
-        logger.info("loss: the hinge summed over all negatives for the first %d epoch(s), then the hardest "
-                    "negatives", config.warmup_epochs)
+    if config.warmup_epochs >= config.epochs:
+        logger.info("loss: the hinge summed over all negatives (warmup_epochs=%d covers all %d epoch%s: the hardest "
+                    "negatives would come after)", config.warmup_epochs, config.epochs, "" if config.epochs == 1 else "s")
+    elif config.warmup_epochs:
+        logger.info("loss: the hinge summed over all negatives for the first %d epoch%s, then the hardest "
+                    "negatives", config.warmup_epochs, "" if config.warmup_epochs == 1 else "s")
     if pairs.applies(model, config.loss_for_epoch(config.epochs - 1)):
         logger.info("backward: through the pairs the hardest-negative loss reads (at most 3 per caption; "
                     "pair_backward=false backpropagates through the whole score matrix)")
