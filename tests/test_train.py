@@ -179,7 +179,7 @@ def test_training_with_a_warm_up_switches_the_loss_at_the_epoch(toy_data, tmp_pa
     caplog.set_level("INFO", logger="sgraf.training.loop")
     assert _train(toy_data, tmp_path / "run", "--set", "epochs=3", "max_violation=true", "warmup_epochs=1") == 0
     assert hardest == [False] * 15 + [True] * 30      # 15 steps per epoch
-    assert "summed over all negatives for the first 1 epoch(s), then the hardest negatives" in caplog.text
+    assert "summed over all negatives for the first 1 epoch, then the hardest negatives" in caplog.text
 
 
 def test_a_run_with_hardest_negatives_says_and_takes_the_selected_pairs_backward(toy_data, tmp_path, monkeypatch,
