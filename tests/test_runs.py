@@ -85,6 +85,16 @@ def test_a_folder_of_runs_is_searched_and_other_data_is_named(trained, capsys):
         assert len(rows) == 2 and len({line.split("(files ")[1][:8] for line in rows}) == 2, rows
     finally:
         shutil.rmtree(changed)
+    # one data set, validated on different shares of its dev split: said too
+    shorter = trained / "shorter-validation"
+    shutil.copytree(trained / "runs" / "b", shorter)
+    config = shorter / "config.yaml"
+    config.write_text(config.read_text().replace("val_max_captions: null", "val_max_captions: 20"))
+    try:
+        assert main(["runs", str(trained / "runs" / "b"), str(shorter)]) == 0
+        assert "validate on different shares of the dev split, val_max_captions" in capsys.readouterr().out
+    finally:
+        shutil.rmtree(shorter)
 
 
 def test_a_stopped_run_says_how_to_resume_and_that_command_finishes_it(trained, tmp_path, capsys):

@@ -272,6 +272,9 @@ def format_runs(summary: dict[str, Any]) -> str:
         if "data" in differ:
             lines.append("(the runs train on different data: their dev rsums are on different dev splits and do "
                          "not compare)")
+        elif "val_max_captions" in differ:
+            lines.append("(the runs validate on different shares of the dev split, val_max_captions: their dev "
+                         "rsums do not compare; sgraf evaluate --split dev scores each on the whole split)")
     return "\n".join(lines)
 
 
