@@ -423,7 +423,8 @@ def test_sigterm_during_generate_exits_143_and_leaves_nothing_half_written(tmp_p
     assert not out.exists()        # no staging, no lock, no half data set: not even the folder it made
 
 
-def test_sigterm_during_a_demo_training_exits_143_without_results(tmp_path, monkeypatch, capsys):
+def test_sigterm_during_a_demo_training_exits_143_without_results_and_the_same_command_resumes(
+        tmp_path, monkeypatch, capsys, caplog):
     import sgraf.training.loop as loop
 
     real_step = loop.train_step
@@ -439,10 +440,22 @@ def test_sigterm_during_a_demo_training_exits_143_without_results(tmp_path, monk
     assert main(["demo", "--quick", "--out", str(out), "--jobs", "1"]) == 143   # trains here: the patch holds
     err = _one_line_error(capsys)
     assert err == (f"sgraf demo: stopped by SIGTERM while training global-only: its last.pt is saved in "
-                   f"{out / 'runs' / 'global-only'}; no results or report written")
+                   f"{out / 'runs' / 'global-only'}; no results or report written (the same sgraf demo command "
+                   "resumes the trainings)")
     assert (out / "runs" / "global-only" / "last.pt").is_file()
     assert not (out / "results.json").exists() and not (out / "report.md").exists()
     assert not (out / LOCK_FILE).exists() and signal.getsignal(signal.SIGTERM) == handler
+    # the same command again: the stopped run goes on from its last.pt, the others train anew
+    monkeypatch.undo()
+    caplog.set_level("INFO", logger="sgraf.demo")
+    assert not (out / "runs" / "global-only" / "metrics.jsonl").exists()     # stopped after its first step
+    assert main(["demo", "--quick", "--out", str(out), "--jobs", "1"]) == 0
+    assert "resuming global-only from" in caplog.text and "resuming SGR" not in caplog.text
+    record = json.loads((out / "results.json").read_text())
+    assert record["resumed"] == ["global-only"]
+    assert "Resumed from an earlier demo stopped into this folder" in (out / "report.md").read_text()
+    summary = record["training"]["global-only"]["summary"]
+    assert summary["status"] == "finished" and summary["global_step"] == record["training"]["SAF"]["summary"]["global_step"]
 
 
 def test_sigterm_and_sigint_in_any_command_exit_143_and_130(tmp_path, monkeypatch, capsys, python_sigint):

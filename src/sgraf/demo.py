@@ -209,14 +209,16 @@ def _prepare_out(out: Path) -> None:
     if content and not (out / MARKER).exists():
         raise InputError(f"--out {out} is not empty and holds no earlier demo; choose another folder")
     recorded = set(read_record(out)) or _written_before_the_record(out)
-    earlier = [name for name in folder_files(out) if name.split("/")[0] in OUTPUTS and name in recorded]
+    # the runs stay until the demo knows which it resumes (`_resume_or_remove`)
+    earlier = [name for name in folder_files(out)
+               if name.split("/")[0] in OUTPUTS and name.split("/")[0] != "runs" and name in recorded]
     foreign = [name for name in folder_files(out) if name.startswith("index/") and name not in recorded]
     if foreign:
         raise InputError(f"{out / foreign[0]} was not written by sgraf demo and would be deleted with the earlier "
                          "demo's index (sgraf deletes only files it wrote); move it away")
     write_text(out / MARKER, "written by sgraf demo; the folder is rewritten by the next demo run\n")
     remove_recorded(out, earlier)
-    record_files(out, _TOP_FILES, "demo")
+    record_files(out, [*_TOP_FILES, *(name for name in recorded if name.startswith("runs/"))], "demo")
 
 
 def _written_before_the_record(out: Path) -> set[str]:
@@ -460,7 +462,8 @@ def _train(out: Path, jobs_by_seed: dict[int, list[Any]], workers: int, threads:
     try:
         results = fit_all(everything, workers=workers, threads=threads if workers > 1 else None, on_done=done)
     except Stopped as stop:
-        raise Stopped(stop.signum, f"{stop.detail}; no results or report written") from None
+        raise Stopped(stop.signum, f"{stop.detail}; no results or report written (the same sgraf demo command "
+                                   "resumes the trainings)") from None
     finally:   # event files are named as they are written
         for job in everything:
             relative = job.run.relative_to(out).as_posix()
@@ -473,6 +476,37 @@ def _train(out: Path, jobs_by_seed: dict[int, list[Any]], workers: int, threads:
         timings[f"train {name}"], cpu[f"train {name}"] = result.wall_s, result.cpu_s
         trained[training_seed][job.name] = {"summary": result.summary, "config": job.config.to_dict()}
     return trained
+
+
+def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[dict[int, list[Any]], list[str]]:
+    """The jobs whose run an earlier demo into `out` left with a last.pt, the same settings and the
+    same data are resumed (a stopped demo goes on where it stopped; a finished run trains nothing);
+    the earlier demo's other run files are removed. Returns the jobs and the resumed jobs' names."""
+    from sgraf.data.precomp import data_fingerprint
+    from sgraf.output_folder import read_record, remove_recorded
+    from sgraf.training import run_dir as rd
+
+    kept, resumed = {}, []
+    for training_seed, jobs in jobs_by_seed.items():
+        kept[training_seed] = []
+        for job in jobs:
+            resume = False
+            if (job.run / rd.LAST_CHECKPOINT).is_file() and (job.run / rd.CONFIG_FILE).is_file():
+                try:
+                    recorded = rd.load_run_config(job.run)[0]
+                    resume = replace(recorded, progress=job.config.progress) == job.config and rd.other_data(
+                        job.run, job.data, data_fingerprint(job.data)) is None
+                except (InputError, OSError):
+                    resume = False
+            if resume:
+                resumed.append(job.name)
+                logger.info("resuming %s from %s (left by an earlier demo with these settings)", job.name,
+                            job.run / rd.LAST_CHECKPOINT)
+            kept[training_seed].append(replace(job, resume=resume))
+    keep = [job.run.relative_to(out).as_posix() + "/" for jobs in kept.values() for job in jobs if job.resume]
+    remove_recorded(out, [name for name in read_record(out)
+                          if name.startswith("runs/") and not any(name.startswith(prefix) for prefix in keep)])
+    return kept, resumed
 
 
 def _on_gpu(device: str) -> bool:
@@ -501,6 +535,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
                for training_seed in seeds}
     jobs_by_seed = {training_seed: _jobs(out, runs_of[training_seed], settings, training_seed, progress)
                     for training_seed in seeds}
+    jobs_by_seed, resumed = _resume_or_remove(out, jobs_by_seed)
     first = jobs_by_seed[seeds[0]][0].config
     n_jobs = sum(len(seed_jobs) for seed_jobs in jobs_by_seed.values())
     workers, threads = plan_workers(n_jobs, jobs, on_gpu=_on_gpu(first.device))
@@ -547,6 +582,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "seed": seed,
         "seeds": seeds,
         "training_workers": {"workers": workers, "threads": threads if workers > 1 else None},
+        "resumed": resumed,
         "benchmark": meta,
         "training": per_seed[0]["training"],
         "results": per_seed[0]["results"],

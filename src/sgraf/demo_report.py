@@ -330,7 +330,10 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
         f"Wall-clock timings: {timings}. CPU time (all threads): {cpu}; on a machine shared with other work "
         "the wall clock overstates the cost.",
         "",
-        _parallel_text(record.get("training_workers", {"workers": 1})),
+        _parallel_text(record.get("training_workers", {"workers": 1}))
+        + (f" Resumed from an earlier demo stopped into this folder (the same settings and data): "
+           f"{', '.join(record['resumed'])}; their `train` times are this run's part only."
+           if record.get("resumed") else ""),
         "",
         "## Training curves",
         "",

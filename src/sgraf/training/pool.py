@@ -47,6 +47,8 @@ class TrainJob:
         run: its run folder.
         preset: the preset name recorded in its config.yaml.
         cost: its expected time relative to the others' (only the order depends on it: longest first).
+        resume: continue the run in `run` from its last.pt (`fit(resume=True)`: a finished run
+            trains nothing).
     """
 
     name: str
@@ -55,6 +57,7 @@ class TrainJob:
     run: Path
     preset: str | None = None
     cost: float = 1.0
+    resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,7 @@ def _run_job(job: TrainJob) -> JobResult:
     _JobName.name_now = job.name
     wall, cpu = time.perf_counter(), time.process_time()
     try:
-        summary = fit(job.config, job.data, job.run, preset=job.preset)
+        summary = fit(job.config, job.data, job.run, preset=job.preset, resume=job.resume)
     finally:
         _JobName.name_now = ""
     return JobResult(summary=summary, wall_s=time.perf_counter() - wall, cpu_s=time.process_time() - cpu)
