@@ -176,6 +176,10 @@ def test_explain_png_is_the_explain_picture(client):
     ("/api/search", {"image_id": N_IMG}, f"image_id {N_IMG} is out of range: the gallery holds images 0..{N_IMG - 1}"),
     ("/api/search", {"image_id": -1}, "image_id -1 is out of range"),
     ("/api/search", {"image_id": "first"}, "image_id must be an integer, got 'first'"),
+    ("/api/search", {"image_id": "1_0"}, "image_id must be an integer, got '1_0'"),      # had read 10
+    ("/api/search", {"image_id": "1.0"}, "image_id must be an integer, got '1.0'"),      # had read 1
+    ("/api/search", {"text": "a dog", "top_k": "1_0"}, "top_k must be an integer, got '1_0'"),
+    ("/api/search", {"text": "a dog", "top_k": ["2", "3"]}, "query parameter 'top_k' is given twice"),
     ("/api/search", {"text": "a dog", "image_id": 1}, "give either text or image_id, not both"),
     ("/api/search", {}, "give either text=... (text -> images) or image_id=N"),
     ("/api/explain", {"image_id": 1}, "text is missing"),

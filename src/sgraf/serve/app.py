@@ -208,7 +208,32 @@ class SecurityHeaders:
                 message = {**message, "headers": headers}
             await send(message)
 
+        if api:
+            problem = query_problem(scope.get("query_string", b""))
+            if problem is not None:
+                await _error(400, problem)(scope, receive, send_with_headers)
+                return
         await self.app(scope, receive, send_with_headers)
+
+
+INTEGER_PARAMETERS = ("image_id", "top_k")
+
+
+def query_problem(query: bytes) -> str | None:
+    """What is wrong with an API request's query string, or None: a parameter given twice (only
+    one value would count), or an integer parameter in another spelling than plain digits (the
+    parameters' parser had read `1_0` as 10 and `1.0` as 1)."""
+    from urllib.parse import parse_qsl
+
+    seen: set[str] = set()
+    for name, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+        if name in seen:
+            return f"query parameter {name!r} is given twice; give it once"
+        seen.add(name)
+        if name in INTEGER_PARAMETERS and not (value.isascii() and value.lstrip("-").isdigit()
+                                               and value.count("-") <= 1 and len(value) <= 12):
+            return f"{name} must be an integer, got {value[:40]!r}"
+    return None
 
 
 def _drop_unsent_422(app: FastAPI) -> None:
