@@ -187,6 +187,8 @@ def _dummy(command: str, tmp_path: Path) -> list[str]:
     ("data", "--max-captions", "0", "expected a positive integer, got 0"),
     ("vocab", "--min-count", "0", "expected a positive integer, got 0"),
     ("index", "--batch-size", "ten", "expected a positive integer, got 'ten'"),
+    ("search", "--top-k", "1_0", "expected a positive integer, got '1_0'"),      # int() had read 10
+    ("explain", "--image-id", "1.0", "expected an integer >= 0, got '1.0'"),
 ])
 def test_numbers_out_of_range_are_refused_naming_the_flag(capsys, tmp_path, command, flag, value, expected):
     code = main([*_dummy(command, tmp_path), f"{flag}={value}"])

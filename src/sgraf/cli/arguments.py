@@ -11,10 +11,11 @@ import argparse
 
 
 def _integer(text: str, expected: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    """Plain digits (with a sign): Python's int() also reads '1_0' as 10 and ' 7 ' as 7."""
+    digits = text[1:] if text[:1] in "+-" else text
+    if not (digits.isascii() and digits.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return int(text)
 
 
 def positive_int(text: str) -> int:
