@@ -305,6 +305,8 @@ def test_a_demo_rerun_deletes_only_what_a_demo_recorded_writing(tmp_path, monkey
     (out / "runs" / "notes.txt").write_text("mine")
     (out / "runs" / "sgr" / "my-eval.npy").write_text("mine")
     demo.run_demo(out, quick=True)
+    assert (out / "runs" / "sgr" / "best.pt").exists()    # kept until the demo knows which runs it resumes
+    demo._resume_or_remove(out, {0: []})                   # none here (no last.pt): the demo's run files go
     assert (out / "runs" / "notes.txt").read_text() == "mine"
     assert (out / "runs" / "sgr" / "my-eval.npy").read_text() == "mine"
     assert not (out / "runs" / "sgr" / "best.pt").exists() and not (out / "index").exists()
@@ -331,6 +333,7 @@ def test_a_demo_folder_from_before_the_record_loses_only_the_demos_files(tmp_pat
     (out / "index" / "manifest.json").write_text(json.dumps({"files": {"captions.txt": {}}}))
     (out / "runs" / "sgr" / "analysis.ipynb").write_text("mine")
     demo.run_demo(out, quick=True)
+    demo._resume_or_remove(out, {0: []})
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()
                   and not p.name.startswith(".")) == ["runs/sgr/analysis.ipynb"]
 

@@ -354,6 +354,7 @@ def demo_settings(quick: bool, positions: str, overrides: Iterable[str] = ()) ->
     settings = replace(settings, user_overrides=user,
                        train_overrides=merge_overrides(settings.train_overrides,
                                                        (pair for pair in user if pair not in place_keys)))
+    resolve_config("demo", overrides=settings.train_overrides)   # what every model takes: said without a model
     for label, changes in methods(positions):
         try:
             resolve_config("demo", overrides=model_overrides(settings, label, changes))

@@ -100,12 +100,12 @@ def run(args: argparse.Namespace) -> int:
     from sgraf.training.run_dir import RUN_FILES
 
     out_label = "--resume" if resume else "--out"
-    if not resume:
+    check_outputs([*data_inputs(data, ["train", "dev"]), ("--config", args.config)],
+                  [(out_label, out), *((out_label, f"{out}/{name}") for name in RUN_FILES)])
+    if not resume:    # after: "--out is the input --data" says more
         from sgraf.cli.arguments import refuse_others_folder
 
         refuse_others_folder("--out", out, writes="a training run")
-    check_outputs([*data_inputs(data, ["train", "dev"]), ("--config", args.config)],
-                  [(out_label, out), *((out_label, f"{out}/{name}") for name in RUN_FILES)])
     try:
         summary = fit(config, data, out, resume=resume, preset=preset, allow_other_data=args.allow_other_data,
                       allow_unknown_words=args.allow_unknown_words)
