@@ -517,6 +517,8 @@ def test_outputs_never_land_among_a_runs_an_indexs_or_a_demos_files(tmp_path, ca
 
     data = tmp_path / "data"
     assert main(["generate", "--out", str(data), *TINY, "--no-images"]) == 0
+    data2 = tmp_path / "data2"
+    assert main(["generate", "--out", str(data2), *TINY, "--no-images"]) == 0
     run = tmp_path / "run"
     argv = ["train", "--data", str(data), "--preset", "tiny", "--set", "epochs=1", "progress=false", "batch_size=4"]
     assert main([*argv, "--out", str(run)]) == 0
@@ -524,6 +526,7 @@ def test_outputs_never_land_among_a_runs_an_indexs_or_a_demos_files(tmp_path, ca
     demo.mkdir()
     (demo / DEMO_MARKER).write_text("written by sgraf demo\n")
     (demo / "retrieval_t2i.png").write_bytes(b"the demo's picture")
+    (demo / RECORD).write_text('{"files": {"retrieval_t2i.png": "demo"}}')
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / RECORD).write_text('{"files": {"kept.bin": "extract"}}')
     capsys.readouterr()
@@ -532,18 +535,24 @@ def test_outputs_never_land_among_a_runs_an_indexs_or_a_demos_files(tmp_path, ca
             (["vocab", "build", "--data", str(data), "--out", str(run / "best.pt")], "is a file of the run folder"),
             (["vocab", "build", "--data", str(data), "--out", str(run / "config.yaml")], "is a file of the run folder"),
             (["vocab", "build", "--data", str(data), "--out", str(demo / "retrieval_t2i.png")],
-             "is in the folder of the demo"),
+             "is a file sgraf demo wrote in"),
             (["vocab", "build", "--data", str(data), "--out", str(tmp_path / "other" / "kept.bin")],
              "is a file sgraf extract wrote in"),
-            (["runs", str(run), "--plot", str(demo / "retrieval_t2i.png")], "is in the folder of the demo"),
+            (["runs", str(run), "--plot", str(demo / "retrieval_t2i.png")], "is a file sgraf demo wrote in"),
             (["generate", "--out", str(run), *TINY], "is a training run folder; a data set written there"),
             (["generate", "--out", str(demo), *TINY], "is a demo's folder"),
-            ([*argv, "--out", str(data)], "is a precomp data set's folder; a training run written there"),
+            ([*argv, "--out", str(data2)], "is a precomp data set's folder; a training run written there"),
             ([*argv, "--out", str(demo)], "is a demo's folder")):
         assert main(argv_) == 2, argv_
         assert message in _one_line_error(capsys), argv_
     assert (run / "best.pt").read_bytes() == best and (demo / "retrieval_t2i.png").read_bytes() == b"the demo's picture"
     assert not (run / "train_ims.npy").exists()
+    # a new file beside a demo's report (diagnose.md's --save-sims example), and a folder holding only a
+    # config.yaml of one's own, are no other command's
+    assert main(["vocab", "build", "--data", str(data), "--out", str(demo / "my-vocab.json")]) == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.yaml").write_text("epochs: 3\n")
+    assert main(["generate", "--out", str(tmp_path / "mine"), *TINY, "--no-images"]) == 0
     # the data set's own vocabulary may be rebuilt in place
     assert main(["vocab", "build", "--data", str(data), "--out", str(data / "vocab.json"), "--min-count", "1"]) == 0
 

@@ -192,7 +192,8 @@ def refuse_others_folder(label: str, folder: str, writes: str = "a data set") ->
     if not target.is_dir():
         return
     run = writes == "a training run"
-    if not run and is_run_folder(target):
+    ran = any((target / name).is_file() for name in ("last.pt", "best.pt", "metrics.jsonl"))
+    if not run and is_run_folder(target) and ran:     # not a folder that merely holds a config.yaml
         what = "a training run folder"
     elif run and data_set_files(target):
         what = "a precomp data set's folder"
@@ -218,7 +219,7 @@ def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
     from sgraf.data.layout import IMAGES, data_set_family, data_set_files
     from sgraf.errors import InputError
     from sgraf.io_paths import resolved
-    from sgraf.output_folder import DEMO_MARKER, read_record
+    from sgraf.output_folder import read_record
     from sgraf.training.runs import run_folder_of
 
     for label, path in outputs:
@@ -235,9 +236,7 @@ def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
             what = f"in the pictures of the precomp data set in {folder.parent.parent}"
         elif run_folder_of(target) is not None:
             what = f"a file of the run folder {folder}"
-        elif (folder / DEMO_MARKER).is_file():
-            what = f"in the folder of the demo {folder} (its report, pictures and results)"
-        elif written_by is not None:
+        elif written_by is not None:    # a demo's report and pictures among them
             what = f"a file sgraf {written_by} wrote in {folder}"
         else:
             continue
