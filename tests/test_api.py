@@ -183,16 +183,20 @@ def test_a_matcher_of_a_model_in_training_scores_it_in_eval_mode_and_leaves_it_a
     from sgraf.explain import explain_pair
 
     model = _model("saf", vocab, 4)
-    matcher = Matcher(model)                                      # one model, not in a list
     texts = ["a dog runs on the grass", "a red ball"]
-    reference = matcher.score(features, texts)
+    reference = Matcher(model).score(features, texts)
     model.train()
+    frozen = next(module for module in model.modules() if isinstance(module, torch.nn.BatchNorm1d))
+    frozen.eval()                                                  # a BatchNorm its user froze
+    matcher = Matcher(model)                                       # one model, not in a list; left in training
+    assert model.training
     buffers = {name: tensor.clone() for name, tensor in model.named_buffers()}
     for _ in range(2):
         assert_close(matcher.score(features, texts), reference, SAME_PATH)
     matcher.score(features[:1], texts[:1])
     explain_pair(matcher, features[0], texts[1])
-    assert model.training and all(submodule.training for submodule in model.modules())
+    assert model.training and all(submodule.training for submodule in model.modules() if submodule is not frozen)
+    assert not frozen.training
     assert all(torch.equal(buffers[name], tensor) for name, tensor in model.named_buffers())
     # 'fp32' is fp32 inside a caller's autocast too
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -246,7 +246,7 @@ class Matcher:
         self.device = resolve_device(device)
         self.precision = check_precision(precision)
         self.batch_size = check_positive_int(batch_size, "batch_size")
-        self.models = [model.to(self.device).eval() for model in models]
+        self.models = [model.to(self.device) for model in models]   # their modes stay theirs (`computing`)
         self.vocab = _shared_vocab(self.models, vocab)
         self.sources = list(sources) if sources is not None else [None] * len(self.models)
         if len(self.sources) != len(self.models):
