@@ -361,3 +361,8 @@ def test_a_checkpoint_validated_in_another_precision_says_how_to_match_its_dev_r
     evaluate_json(capsys, "--checkpoint", tmp_path / "best.pt", "--data", DATA, "--precision", "bf16")
     assert "validated in" not in caplog.text
     assert load_model(CKPT["saf"], vocab=VOCAB).train_config is None
+    # an fp16 run validated in fp32: an fp32 evaluation is its validation's
+    save_model(model, tmp_path / "fp16.pt", vocab=model.vocab, extra={"train_config": {"precision": "fp16"}})
+    caplog.clear()
+    evaluate_json(capsys, "--checkpoint", tmp_path / "fp16.pt", "--data", DATA)
+    assert "validated in" not in caplog.text

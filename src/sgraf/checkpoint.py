@@ -317,7 +317,8 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
     if model.vocab is not None and _vocab_size(model.vocab) != config.vocab_size:
         raise InputError(f"{path}: the vocabulary has {_vocab_size(model.vocab)} words but the model's "
                          f"embedding has vocab_size={config.vocab_size}")
-    train_config = checkpoint.get("extra", {}).get("train_config")
+    extra = checkpoint.get("extra")
+    train_config = extra.get("train_config") if isinstance(extra, dict) else None
     model.train_config = train_config if isinstance(train_config, dict) else None   # a run's best.pt records it
     stored = checkpoint.get("vocab")
     given = _vocab_dict(model.vocab) if vocab is not None else None

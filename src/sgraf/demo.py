@@ -291,6 +291,7 @@ def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]
         {label: (n_images, n_captions) scores}).
     """
     from sgraf.diagnose import diagnose_sims
+    from sgraf.evaluate import warn_saturated
     from sgraf.metrics import evaluate_sims
     from sgraf.scoring import encode_split, score_matrix
 
@@ -298,26 +299,13 @@ def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]
     for label, model in models.items():
         encoded = encode_split(model, split, model.vocab, batch_size=128)
         sims[label] = score_matrix([model], [encoded])
+        warn_saturated(sims[label], [model])
     for ensemble, (first, second) in ENSEMBLES.items():
         if first in sims:
             sims[ensemble] = (sims[first] + sims[second]) / 2
     results = {label: evaluate_sims(matrix) for label, matrix in sims.items()}
     diagnosis = {label: diagnose_sims(matrix, scenes) for label, matrix in sims.items()}
     return results, diagnosis, sims
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:

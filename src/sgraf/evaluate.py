@@ -28,6 +28,7 @@ from sgraf.io_paths import path_list
 from sgraf.kernels import plan
 from sgraf.model.blocks import model_device
 from sgraf.model.host_copy import HostCopy
+from sgraf.precision import validation_precision
 from sgraf.stopwatch import Stopwatch, stage
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ def warn_saturated(sims: np.ndarray | torch.Tensor, models: Sequence[torch.nn.Mo
     """Warn when scores are exactly 1.0, the ceiling of the heads' sigmoid in float32: such scores
     tie, their order is the tie-break's, and the recalls say little. With `models`, once per model
     in a process (a training run validates often). Returns how many there are."""
-    saturated = int((sims >= 1.0).sum())
+    saturated = sum(int((sims[start:start + 1024] >= 1.0).sum()) for start in range(0, sims.shape[0], 1024))
     if not saturated:
         return 0
     if models:
@@ -305,9 +306,10 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
     for model, path in zip(models, checkpoints):
         check_split_fits(model, precomp, str(path))
         trained = (getattr(model, "train_config", None) or {}).get("precision")
-        if trained and trained != precision:
+        validated = validation_precision(trained) if isinstance(trained, str) else None
+        if validated and validated != precision:
             logger.info("%s was validated in %s while it trained: --precision %s scores as its validation did (the "
-                        "run's dev rsum); this evaluation is %s", path, trained, trained, precision)
+                        "run's dev rsum); this evaluation is %s", path, validated, validated, precision)
     with stage(stopwatch, "tokenise"):
         # once: the check and every model
         token_ids = scoring.tokenize_captions(precomp.captions, vocabulary, token_prefetch)

@@ -24,6 +24,12 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+def validation_precision(training: str) -> str:
+    """The precision a training run in `training` precision validates in: bf16 in bf16, fp16 and
+    fp32 in fp32 (`sgraf.training.loop.validate`; `sgraf evaluate` names it for a run's checkpoint)."""
+    return "bf16" if training == "bf16" else "fp32"
+
+
 def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
     """Autocast context for `precision` ('fp32' gives a null context) on `device`."""
     check_precision(precision)

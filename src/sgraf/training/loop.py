@@ -31,7 +31,7 @@ from sgraf.devices import available_cores
 from sgraf.errors import InputError
 from sgraf.folder_lock import FolderLock
 from sgraf.kernels.memory import keep_freed_memory
-from sgraf.precision import tf32
+from sgraf.precision import tf32, validation_precision
 from sgraf.training import pairs
 from sgraf.training import run_dir as rd
 from sgraf.training.batches import PlannedBatches
@@ -128,13 +128,15 @@ def validate(model: nn.Module, split: Any, vocab: Any, config: TrainConfig,
              device: torch.device | str = "cpu") -> dict[str, Any]:
     """Recalls and rsum of `model` on a split with the fast scorer (`sgraf.scoring`); on a GPU
     the matrix stays there and only the ranks come to the host (`sgraf.metrics`)."""
+    from sgraf.evaluate import warn_saturated
     from sgraf.metrics import evaluate_sims
     from sgraf.scoring import encode_split, score_matrix
 
-    precision = "bf16" if config.precision == "bf16" else "fp32"
+    precision = validation_precision(config.precision)
     encoded = encode_split(model, split, vocab, batch_size=config.val_batch_size, precision=precision,
                            device=device)
     sims = score_matrix([model], [encoded], precision=precision, keep_on_device=True)
+    warn_saturated(sims, [model])
     return evaluate_sims(sims, caps_per_image=split.caps_per_image)
 
 
