@@ -143,9 +143,16 @@ def test_demo_ends_by_printing_the_serve_command(demo, capsys, monkeypatch):
     assert (len(low) == len(record["story"]["rsum"])) == ("Every model here is within that" in report)
     assert (len(low) == len(record["story"]["rsum"])) == any("every model is at chance level" in line
                                                             for line in lines)
-    record["story"]["rsum"] = dict.fromkeys(record["story"]["rsum"], chance["high"] + 1)
+    # models above chance: neither says so
+    from sgraf.demo_report import at_chance, chance_text
+
+    above = {**record["story"], "rsum": dict.fromkeys(record["story"]["rsum"], chance["high"] + 1)}
+    assert at_chance(above) == [] and chance_text(above).endswith("Every model is above it.")
+    monkeypatch.setattr("sgraf.demo.run_demo", lambda *args, **kwargs: {**record, "story": above})
     assert main(["demo", "--quick", "--out", str(out)]) == 0
     assert "at chance level" not in capsys.readouterr().out
+    some = {**above, "rsum": {**above["rsum"], "SGR": chance["high"] - 1}}
+    assert at_chance(some) == ["SGR"] and "Not above it: SGR; comparisons with it say little." in chance_text(some)
     from sgraf.cli import build_parser
 
     args = build_parser().parse_args(last.split("search it in a browser: ")[1].split()[1:])
@@ -305,6 +312,12 @@ def test_the_demo_reuses_its_benchmark_only_while_its_files_are_as_generated(tmp
     _data(tmp_path, QUICK, "synthetic", 0)
     assert "changed since it was generated (test_caps.txt): generating it again" in caplog.text
     assert (tmp_path / "data" / "test_caps.txt").read_bytes() == captions
+    boxes = np.load(tmp_path / "data" / "test_boxes.npy")
+    boxes[0, 0, 2] -= 1
+    np.save(tmp_path / "data" / "test_boxes.npy", boxes)                  # the place models read them
+    caplog.clear()
+    _data(tmp_path, QUICK, "synthetic", 0)
+    assert "changed since it was generated (test_boxes.npy)" in caplog.text
 
 
 def test_the_story_says_a_p_at_its_floor_as_compare_does():

@@ -453,7 +453,7 @@ def test_sigterm_during_a_demo_training_exits_143_without_results_and_the_same_c
     assert "resuming global-only from" in caplog.text and "resuming SGR" not in caplog.text
     record = json.loads((out / "results.json").read_text())
     assert record["resumed"] == ["global-only"]
-    assert "Resumed from an earlier demo stopped into this folder" in (out / "report.md").read_text()
+    assert "Continued from an earlier demo's runs in this folder" in (out / "report.md").read_text()
     summary = record["training"]["global-only"]["summary"]
     assert summary["status"] == "finished" and summary["global_step"] == record["training"]["SAF"]["summary"]["global_step"]
 

@@ -488,7 +488,7 @@ def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[di
                 except (InputError, OSError):
                     resume = False
             if resume:
-                resumed.append(job.name)
+                resumed.append(job.name + (f" seed {training_seed}" if len(jobs_by_seed) > 1 else ""))
                 logger.info("resuming %s from %s (left by an earlier demo with these settings)", job.name,
                             job.run / rd.LAST_CHECKPOINT)
             kept[training_seed].append(replace(job, resume=resume))

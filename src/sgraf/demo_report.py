@@ -331,9 +331,9 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
         "the wall clock overstates the cost.",
         "",
         _parallel_text(record.get("training_workers", {"workers": 1}))
-        + (f" Resumed from an earlier demo stopped into this folder (the same settings and data): "
-           f"{', '.join(record['resumed'])}; their `train` times are this run's part only."
-           if record.get("resumed") else ""),
+        + (f" Continued from an earlier demo's runs in this folder (stopped or finished, with the same settings "
+           f"and data): {', '.join(record['resumed'])}; their `train` times are this run's part only, so the "
+           "timings above do not measure the demo." if record.get("resumed") else ""),
         "",
         "## Training curves",
         "",

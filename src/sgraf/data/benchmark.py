@@ -517,12 +517,13 @@ def generate_benchmark(out_dir: str | os.PathLike[str], seed: int = 0, features:
 def benchmark_fingerprint(folder: str | os.PathLike[str]) -> dict[str, str]:
     """What a benchmark's files are, to tell later whether they changed (`sgraf demo` reuses one
     only if not): `sgraf.data.precomp.data_fingerprint` of the three splits, and the sha256 of
-    their scenes and of the vocabulary."""
+    their scenes, boxes and picture sizes and of the vocabulary."""
     from sgraf.data.precomp import data_fingerprint
 
     folder = Path(folder)
     fingerprint = data_fingerprint(folder, SPLITS)
-    for name in [f"{split}_scenes.jsonl" for split in SPLITS] + ["vocab.json"]:
+    for name in [f"{split}_{kind}" for split in SPLITS for kind in ("scenes.jsonl", "boxes.npy", "image_sizes.npy")
+                 ] + ["vocab.json"]:
         fingerprint[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
     return fingerprint
 
