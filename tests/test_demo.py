@@ -244,6 +244,7 @@ def test_demo_with_several_seeds_reports_mean_and_sd(tmp_path, capsys):
     (["--positions", "none", "--set", "place_sharpness=3"],
      r"--set place_sharpness=3: a setting of the place term, and this demo trains no place model \(--positions none\)"),
     (["--set", "place_sharpness=0.5"], r"place_sharpness.* \(the demo's SAF\+pos model\)"),
+    (["--set", "epochs=2", "epochs=3"], r"--set epochs is given twice \(2, then 3\): give it once"),
 ])
 def test_demo_refuses_bad_settings_before_it_writes(tmp_path, capsys, extra, message):
     import re

@@ -129,6 +129,11 @@ def test_bad_yaml_names_the_line(tmp_path):
     with pytest.raises(InputError, match=r"--set epochs is given twice \(2, then 3\): give it once"):
         resolve_config("tiny", overrides=["epochs=2", "epochs=3"])
     assert resolve_config("tiny", overrides=["epochs=2", "epochs=2"])[0].epochs == 2   # a repeated line is no change
+    bad.write_text("epochs: 1\n[a, b]: 2\n")                                  # an unhashable key: one line
+    with pytest.raises(InputError, match=r"bad.yaml: line \d+"):
+        resolve_config(None, bad)
+    with pytest.raises(InputError, match="epochs"):
+        resolve_config("tiny", overrides=["epochs=1_0"])                          # int() had read 10
 
 
 # ------------------------------------------------------------------ schedule, sampler, loss

@@ -313,10 +313,14 @@ def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:
     from sgraf.training.config import reject_unknown_keys, valid_keys
 
     pairs = tuple(overrides)
+    given: dict[str, str] = {}
     for pair in pairs:
-        key, equals, _ = pair.partition("=")
+        key, equals, value = pair.partition("=")
         if not equals:
             raise InputError(f"--set {pair}: expected KEY=VALUE")
+        if given.get(key, value) != value:
+            raise InputError(f"--set {key} is given twice ({given[key]}, then {value}): give it once")
+        given[key] = value
         if key in FIXED_KEYS:
             raise InputError(f"--set {pair}: the demo sets {key} itself ({', '.join(FIXED_KEYS)} are per model or "
                              "per seed; use --seed and --seeds for the seeds)")

@@ -347,6 +347,10 @@ def _loader_refusing_repeated_keys(source: str) -> type:
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
+                try:
+                    hash(key)
+                except TypeError:                   # a list as a key: SafeLoader names it below
+                    continue
                 if key in seen:
                     raise InputError(f"{source}: line {line}: key {key!r} is given again (first on line "
                                      f"{seen[key]}); give each key once")
@@ -452,7 +456,10 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                 if not value.is_integer():
                     raise ValueError
                 return int(value)
-            return int(str(value).strip())
+            text = str(value).strip()
+            if "_" in text:                         # int() reads '1_0' as 10
+                raise ValueError
+            return int(text)
         if base is float:
             if isinstance(value, bool):
                 raise ValueError
