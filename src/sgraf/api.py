@@ -194,14 +194,20 @@ def _computes(method: _Method) -> _Method:
     return wrapper  # type: ignore[return-value]
 
 
-def _weights_key(models: Sequence[torch.nn.Module]) -> tuple[Any, ...] | None:
+def _weights_key(models: Sequence[torch.nn.Module]) -> tuple[Any, ...]:
     """What changes when a weight does: each parameter's and buffer's object and version counter
-    (an optimizer's step, `load_state_dict` and in-place edits all count); None when a tensor keeps
-    no counter (made under `torch.inference_mode`)."""
-    try:
-        return tuple((id(t), t._version) for model in models for t in (*model.parameters(), *model.buffers()))
-    except RuntimeError:
-        return None
+    (an optimizer's step, `load_state_dict` and in-place edits through the tensor count; an edit
+    through `.data` does not bump the counter and goes unseen). A tensor made under
+    `torch.inference_mode` keeps no counter, and cannot be edited in place outside it: its object
+    alone counts."""
+    key = []
+    for model in models:
+        for tensor in (*model.parameters(), *model.buffers()):
+            try:
+                key.append((id(tensor), tensor._version))
+            except RuntimeError:
+                key.append((id(tensor), None))
+    return tuple(key)
 
 
 class Matcher:
@@ -282,7 +288,7 @@ class Matcher:
         """A cheap fingerprint of each model's weights (`_quick_fingerprint`), which encodings
         carry; taken again when a weight has changed since."""
         key = _weights_key(self.models)
-        if self._fingerprints is None or key is None or self._fingerprints[0] != key:
+        if self._fingerprints is None or self._fingerprints[0] != key:
             self._fingerprints = (key, tuple(_quick_fingerprint(model) for model in self.models))
         return self._fingerprints[1]
 
@@ -327,7 +333,7 @@ class Matcher:
         """`model_identity` of each model (config + weights hash + source): computed once, and
         again when a weight has changed since."""
         key = _weights_key(self.models)
-        if self._identities is None or key is None or self._identities[0] != key:
+        if self._identities is None or self._identities[0] != key:
             self._identities = (key, [model_identity(model, source)
                                       for model, source in zip(self.models, self.sources)])
         return self._identities[1]
