@@ -145,3 +145,7 @@ def test_an_unknown_option_is_refused_in_the_commands_name(capsys):
     assert main(["evaluate", "--checkpoint", "x.pt", "--data", "d", "--level", "0.9"]) == 2
     assert capsys.readouterr().err.strip() == ("sgraf evaluate: error: unrecognized arguments: --level 0.9 "
                                                "(see sgraf evaluate --help)")
+    assert main(["vocab", "build", "--data", "d", "--out", "v.json", "--bogus"]) == 2
+    assert capsys.readouterr().err.startswith("sgraf vocab build: error: unrecognized arguments: --bogus")
+    assert main(["--bogus", "evaluate", "--checkpoint", "x.pt", "--data", "d"]) == 2
+    assert capsys.readouterr().err.startswith("sgraf: error: unrecognized arguments: --bogus (see sgraf --help)")

@@ -99,8 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # command not built yet
             raise
         module.register(subparsers)
-    parser.set_defaults(commands=subparsers.choices)   # main refuses a command's unknown options in its name
     return parser
+
+
+def _parser_of(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
+               unknown: list[str]) -> argparse.ArgumentParser:
+    """The parser whose options `unknown` stood among: the innermost (sub-)command named before the
+    first of them (`sgraf vocab build --bogus`: `vocab build`), else the top one (`sgraf --bogus evaluate`)."""
+    first = argv.index(unknown[0]) if unknown[0] in argv else len(argv)
+    current, position = parser, 0
+    while True:
+        actions = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, actions[0].dest, None) if actions and actions[0].dest != argparse.SUPPRESS else None
+        if chosen is None or chosen not in argv[position:first]:
+            return current
+        position = argv.index(chosen, position) + 1
+        current = actions[0].choices[chosen]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:   # said by the command's parser: "sgraf evaluate: error: ... (see sgraf evaluate --help)"
-            args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+            _parser_of(parser, args, sys.argv[1:] if argv is None else list(argv), unknown).error(
+                f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as stop:  # --help, --version (0) or a refused argument (2)
         return int(stop.code or 0)
     if callable(getattr(sys.stdout, "reconfigure", None)):
