@@ -137,6 +137,7 @@ def _matrices(args: argparse.Namespace, side_a: tuple[list[str], bool], side_b: 
             models, _ = evaluate.load_ensemble(paths, args.vocab, "cpu")
             for model, path in zip(models, paths):
                 evaluate.check_split_fits(model, precomp, str(path))
+            del models      # loaded again to be scored: not held twice meanwhile
     saved = {index: evaluate.load_matrices(paths, args.data, split)[0]
              for index, (paths, checkpoints) in enumerate((side_a, side_b)) if not checkpoints}
     scored = {index: evaluate.evaluate_checkpoints_with_sims(

@@ -87,8 +87,11 @@ def run(args: argparse.Namespace) -> int:
         if args.allow_other_data:
             raise InputError("--allow-other-data applies to --resume RUN_DIR (a new run trains on its --data)")
         config, extras = resolve_config(args.preset, args.config, args.overrides)
+        import os
+
         for flag, given, key in (("--data", args.data, "data"), ("--preset", args.preset, "preset")):
-            if given and extras.get(key) and str(extras[key]) != given:
+            same = (lambda a, b: os.path.realpath(a) == os.path.realpath(b)) if key == "data" else str.__eq__
+            if given and extras.get(key) and not same(str(extras[key]), given):
                 logger.warning("%s %s is used; %s's %s: %s is not", flag, given, args.config, key, extras[key])
         data = args.data or extras.get("data")
         if not data or not args.out:

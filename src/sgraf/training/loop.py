@@ -208,7 +208,8 @@ def _open_tensorboard(run: pathlib.Path, resumed_step: int | None = None) -> Any
 @contextlib.contextmanager
 def _global_generators_kept() -> Iterator[None]:
     """Python's, NumPy's and torch's global random generators as they were before (a run seeds
-    them from its `seed`): code that calls `fit` draws after it as it would have without it."""
+    them from its `seed`): code that calls `fit` draws after it as it would have without it. CUDA's
+    are put back when CUDA was in use before `fit`."""
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
@@ -255,7 +256,8 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
 
     The run folder is locked while the run owns it (`RUN_DIR/.sgraf-lock`, see
     `sgraf.training.run_dir.prepare_run_dir`). Python's, NumPy's and torch's global random
-    generators are seeded from `config.seed` for the run, and put back as they were after it.
+    generators are seeded from `config.seed` for the run, and put back as they were after it
+    (CUDA's when CUDA was in use before the call).
 
     Raises:
         InputError: bad input (before the first step; NaN/inf training features when reached).
