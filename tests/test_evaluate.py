@@ -356,7 +356,8 @@ def test_a_checkpoint_validated_in_another_precision_says_how_to_match_its_dev_r
     save_model(model, tmp_path / "best.pt", vocab=model.vocab, extra={"train_config": {"precision": "bf16"}})
     caplog.set_level("INFO", logger="sgraf.evaluate")
     evaluate_json(capsys, "--checkpoint", tmp_path / "best.pt", "--data", DATA)
-    assert "best.pt was validated in bf16 while it trained: --precision bf16 scores as its validation did" in caplog.text
+    assert ("best.pt was validated in bf16 while it trained: --precision bf16 scores as its validation did"
+            in caplog.text)
     caplog.clear()
     evaluate_json(capsys, "--checkpoint", tmp_path / "best.pt", "--data", DATA, "--precision", "bf16")
     assert "validated in" not in caplog.text

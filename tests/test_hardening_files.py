@@ -455,7 +455,8 @@ def test_sigterm_during_a_demo_training_exits_143_without_results_and_the_same_c
     assert record["resumed"] == ["global-only"]
     assert "Continued from an earlier demo's runs in this folder" in (out / "report.md").read_text()
     summary = record["training"]["global-only"]["summary"]
-    assert summary["status"] == "finished" and summary["global_step"] == record["training"]["SAF"]["summary"]["global_step"]
+    assert summary["status"] == "finished"
+    assert summary["global_step"] == record["training"]["SAF"]["summary"]["global_step"]
 
 
 def test_sigterm_and_sigint_in_any_command_exit_143_and_130(tmp_path, monkeypatch, capsys, python_sigint):

@@ -268,7 +268,8 @@ def test_run_folder_contents(toy_data, tmp_path):
     torch.manual_seed(123), np.random.seed(123), random.seed(123)
     assert _train(toy_data, run, "--set", "epochs=2", "val_every=10", "seed=1") == 0
     # the run seeds the global generators from its seed, and leaves them as they were
-    assert torch.equal(torch.rand(3), draws[0]) and (np.random.rand(3) == draws[1]).all() and random.random() == draws[2]
+    assert torch.equal(torch.rand(3), draws[0]) and (np.random.rand(3) == draws[1]).all()
+    assert random.random() == draws[2]
     assert {"config.yaml", "metrics.jsonl", "last.pt", "best.pt", "curves.png"} <= {p.name for p in run.iterdir()}
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

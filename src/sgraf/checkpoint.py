@@ -350,7 +350,8 @@ def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any 
     checked_model(config, checkpoint["state_dict"], str(src))
     resolved = resolve_vocab(vocab, source="the vocabulary given") if vocab is not None else checkpoint.get("vocab")
     stored = checkpoint.get("vocab")
-    if vocab is not None and isinstance(stored, dict) and _vocab_dict(resolved).get("word2idx") != stored.get("word2idx"):
+    given_ids = _vocab_dict(resolved).get("word2idx") if vocab is not None else None
+    if given_ids is not None and isinstance(stored, dict) and given_ids != stored.get("word2idx"):
         raise vocabulary_conflict(src, vocab)
     if resolved is not None and _vocab_size(resolved) != config.vocab_size:
         raise InputError(f"the vocabulary has {_vocab_size(resolved)} words but {src} has "

@@ -517,7 +517,8 @@ def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, ba
                     "" if config.patience == 1 else "s")
     if config.warmup_epochs >= config.epochs:
         logger.info("loss: the hinge summed over all negatives (warmup_epochs=%d covers all %d epoch%s: the hardest "
-                    "negatives would come after)", config.warmup_epochs, config.epochs, "" if config.epochs == 1 else "s")
+                    "negatives would come after)", config.warmup_epochs, config.epochs,
+                    "" if config.epochs == 1 else "s")
     elif config.warmup_epochs:
         logger.info("loss: the hinge summed over all negatives for the first %d epoch%s, then the hardest "
                     "negatives", config.warmup_epochs, "" if config.warmup_epochs == 1 else "s")
