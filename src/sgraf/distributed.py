@@ -75,7 +75,7 @@ def init_from_env(device: str | torch.device | None = None, backend: str | None 
         torch.cuda.set_device(index)
         target = torch.device("cuda", index)
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
-        _join(backend or ("nccl" if use_cuda else "gloo"))
+        _join(backend or ("nccl" if use_cuda else "gloo"), target)
         logger.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(),
                      dist.get_backend())
     return DistInfo(rank=get_rank(), world_size=get_world_size(), local_rank=local_rank, device=target)
@@ -95,7 +95,7 @@ def join_timeout() -> float:
     return seconds
 
 
-def _join(backend: str) -> None:
+def _join(backend: str, device: torch.device) -> None:
     """`dist.init_process_group` from the torchrun environment, bounded by `join_timeout()` and
     interruptible: the rendezvous waits in another thread while this one stays where SIGINT and
     SIGTERM are handled (a wait inside PyTorch's C++ defers them without end)."""
@@ -108,6 +108,8 @@ def _join(backend: str) -> None:
 
     def join() -> None:
         try:
+            if device.type == "cuda":     # the current CUDA device is per thread: this one's too
+                torch.cuda.set_device(device)
             dist.init_process_group(backend=backend)
         except BaseException as error:  # noqa: BLE001  (raised again in the caller's thread)
             failure.append(error)
