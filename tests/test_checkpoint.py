@@ -79,6 +79,14 @@ def test_convert_command_writes_a_weights_only_checkpoint_with_vocab(tmp_path, c
     assert isinstance(converted.vocab, Vocabulary) and len(converted.vocab) == 181
     for key, tensor in official.state_dict().items():
         assert torch.equal(converted.state_dict()[key], tensor), key
+    # converting again replaces its own output; the authors' file named as DST by a slip is refused
+    assert main(["convert-checkpoint", str(DATA / "e2e" / "sgr.pth.tar"), str(dst), "--vocab", str(E2E_VOCAB)]) == 0
+    authors = tmp_path / "model_best.pth.tar"
+    authors.write_bytes((DATA / "e2e" / "saf.pth.tar").read_bytes())
+    capsys.readouterr()
+    assert main(["convert-checkpoint", str(dst), str(authors)]) == 2
+    assert "exists and is not an sgraf checkpoint" in capsys.readouterr().err
+    assert authors.read_bytes() == (DATA / "e2e" / "saf.pth.tar").read_bytes()
 
 
 def test_convert_command_reports_bad_input_in_one_line(tmp_path, capsys):

@@ -264,6 +264,11 @@ def test_cli_data_check_summary(tmp_path, capsys, data_dir):
     assert "regions          36" in out and "feature size     40" in out
     # 4 tokens of 30 captions map to <unk> ('ball' x3, 'savanna'): README.txt of the e2e data
     n_tokens = sum(len(t) for t in torch.load(data_dir / "e2e" / "expected.pt", weights_only=True)["tokens"])
-    assert f"unknown words    {100 * 4 / n_tokens:.2f}% of {n_tokens} tokens" in out
+    assert f"unknown words    {100 * 4 / n_tokens:.2f}% of {n_tokens} tokens" in out and "is it the" not in out
+    from sgraf.data.vocab import Vocabulary
+    Vocabulary.from_words([f"w{i}" for i in range(20)]).save(tmp_path / "other.json")   # another data set's
+    assert main(["data", "check", "--data", str(root / "toy_precomp"), "--split", "test",
+                 "--vocab", str(tmp_path / "other.json")]) == 0
+    assert ": above 10%, is it the vocabulary of this data?" in capsys.readouterr().out
     assert main(["data", "check", "--data", str(tmp_path), "--split", "test"]) == 2
     assert "test_ims.npy: missing file" in capsys.readouterr().err

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_outputs([("SRC", args.src), ("--vocab", args.vocab)], [("DST", args.dst)])
     refuse_others_files([("DST", args.dst)])   # e.g. a run's best.pt, which sgraf runs would then misdescribe
+    _refuse_replacing_other_files(args.dst)
 
     checkpoint = convert_official(args.src, args.dst, vocab=args.vocab)
     config = checkpoint["config"]
@@ -34,3 +35,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.dst}: module {config['module']}, {n_params:,} parameters, vocab_size "
           f"{config['vocab_size']}, " + (f"vocabulary of {len(vocab['word2idx'])} words" if vocab else "no vocabulary"))
     return 0
+
+
+def _refuse_replacing_other_files(dst: str) -> None:
+    """DST may replace an sgraf checkpoint (converting again), never another file: the authors'
+    `.pth.tar` named by a slip of the arguments' order, a score matrix, anything else."""
+    import os
+
+    from sgraf.checkpoint import FORMAT
+    from sgraf.errors import InputError
+    from sgraf.weights_file import load_weights_only
+
+    if not os.path.lexists(dst):
+        return
+    try:
+        ours = load_weights_only(dst, allowed=[argparse.Namespace]).get("format") == FORMAT
+    except Exception:  # noqa: BLE001  (unreadable, not a checkpoint, a folder: not ours either way)
+        ours = False
+    if not ours:
+        raise InputError(f"DST {dst} exists and is not an sgraf checkpoint (the authors' file? a matrix?); "
+                         "convert-checkpoint replaces only its own output: choose another path")

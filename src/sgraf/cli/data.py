@@ -57,7 +57,11 @@ def run_check(args: argparse.Namespace) -> int:
         total += len(ids)
         lengths.append(len(ids) + 2)
     rate = 100.0 * unknown / max(total, 1)
-    print(f"unknown words    {rate:.2f}% of {total} tokens ({vocab_path}, {len(vocab)} entries)")
+    from sgraf.data.vocab import UNKNOWN_WARN_SHARE
+
+    above = rate > 100 * UNKNOWN_WARN_SHARE      # evaluate and index warn there too
+    print(f"unknown words    {rate:.2f}% of {total} tokens ({vocab_path}, {len(vocab)} entries)"
+          + (f": above {100 * UNKNOWN_WARN_SHARE:.0f}%, is it the vocabulary of this data?" if above else ""))
     print(f"caption length   min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)} "
           "ids (with <start>/<end>)")
     return 0
