@@ -21,6 +21,13 @@ def check_positive_int(value: object, name: str) -> int:
     return int(value)
 
 
+def plain_integer(text: str) -> bool:
+    """Whether `text` is an integer in plain ASCII digits, with a sign or none: `int()` also reads
+    '1_0' as 10 and other scripts' digits, which a command line or a config should not."""
+    digits = text[1:] if text[:1] in ("+", "-") else text
+    return digits.isascii() and digits.isdigit()
+
+
 def decode_utf8(data: bytes, path: object, expected: str, column: bool = False) -> str:
     """`data` (the bytes of the file `path`) as text, else `InputError` naming the line, the
     first bad byte (and its column if `column`) and `expected`."""

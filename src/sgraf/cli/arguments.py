@@ -11,9 +11,10 @@ import argparse
 
 
 def _integer(text: str, expected: str) -> int:
-    """Plain digits (with a sign): Python's int() also reads '1_0' as 10 and ' 7 ' as 7."""
-    digits = text[1:] if text[:1] in "+-" else text
-    if not (digits.isascii() and digits.isdigit()):
+    """Plain digits with a sign or none (`sgraf.errors.plain_integer`; int() alone also reads ' 7 ')."""
+    from sgraf.errors import plain_integer
+
+    if not plain_integer(text):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return int(text)
 
@@ -177,6 +178,11 @@ def check_score_outputs(args: argparse.Namespace) -> None:
     refuse_others_files([("--save-sims", args.save_sims)])
 
 
+def _index_folder(folder: object) -> bool:
+    """Whether `folder` (a Path) holds a gallery index: its manifest beside its arrays."""
+    return (folder / "manifest.json").is_file() and any(folder.glob("*.npy"))
+
+
 def refuse_others_folder(label: str, folder: str, writes: str = "a data set") -> None:
     """A folder to write that is another command's: for a data set (`generate`, `extract`,
     `convert-tsv`) a training run's, a gallery index's or a demo's folder (their files would sit
@@ -197,7 +203,7 @@ def refuse_others_folder(label: str, folder: str, writes: str = "a data set") ->
         what = "a training run folder"
     elif run and data_set_files(target):
         what = "a precomp data set's folder"
-    elif (target / "manifest.json").is_file() and any(target.glob("*.npy")):
+    elif _index_folder(target):
         what = "the folder of an sgraf index"
     elif (target / DEMO_MARKER).is_file():
         what = "a demo's folder (its data set is DEMO/data)"
@@ -228,7 +234,7 @@ def refuse_others_files(outputs: list[tuple[str, str | None]]) -> None:
         target = resolved(path)
         folder = target.parent
         written_by = read_record(folder).get(target.name)
-        if (folder / "manifest.json").is_file() and any(folder.glob("*.npy")):
+        if _index_folder(folder):
             what = f"in the folder of the sgraf index {folder}"
         elif data_set_family(target.name) and data_set_files(folder):
             what = f"a file name of the precomp data set in {folder}"

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, POSITIONS, PRECISIONS, SIMILARITIES, ModelConfig
 from sgraf import text_files
-from sgraf.errors import InputError
+from sgraf.errors import InputError, plain_integer
 
 MAX_SEED = 2**32 - 1
 BATCHES = ("random", "families")  # numpy's legacy seeding takes 0 .. 2**32 - 1
@@ -457,7 +457,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                     raise ValueError
                 return int(value)
             text = str(value).strip()
-            if "_" in text:                         # int() reads '1_0' as 10
+            if not plain_integer(text):             # int() also reads '1_0' as 10
                 raise ValueError
             return int(text)
         if base is float:
