@@ -320,11 +320,17 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
     extra = checkpoint.get("extra")
     train_config = extra.get("train_config") if isinstance(extra, dict) else None
     model.train_config = train_config if isinstance(train_config, dict) else None   # a run's best.pt records it
-    stored = checkpoint.get("vocab")
-    given = _vocab_dict(model.vocab) if vocab is not None else None
-    if given is not None and isinstance(stored, dict) and given.get("word2idx") != stored.get("word2idx"):
-        raise vocabulary_conflict(path, getattr(model.vocab, "source", None) or vocab)
+    if vocab is not None:
+        name = getattr(model.vocab, "source", None) or vocab
+        _refuse_other_word_ids(path, checkpoint.get("vocab"), model.vocab, name)
     return model.eval()
+
+
+def _refuse_other_word_ids(path: str | os.PathLike, stored: Any, given: Any, name: Any) -> None:
+    """`vocabulary_conflict` when the vocabulary `given` for the checkpoint at `path` has other
+    word ids than the one it stores (`stored`, its dict; none stored: nothing to hold it to)."""
+    if isinstance(stored, dict) and _vocab_dict(given).get("word2idx") != stored.get("word2idx"):
+        raise vocabulary_conflict(path, name)
 
 
 def vocabulary_conflict(path: str | os.PathLike, given: Any) -> InputError:
@@ -349,10 +355,8 @@ def convert_official(src: str | os.PathLike, dst: str | os.PathLike, vocab: Any 
     config = _model_config(checkpoint, src)
     checked_model(config, checkpoint["state_dict"], str(src))
     resolved = resolve_vocab(vocab, source="the vocabulary given") if vocab is not None else checkpoint.get("vocab")
-    stored = checkpoint.get("vocab")
-    given_ids = _vocab_dict(resolved).get("word2idx") if vocab is not None else None
-    if given_ids is not None and isinstance(stored, dict) and given_ids != stored.get("word2idx"):
-        raise vocabulary_conflict(src, vocab)
+    if vocab is not None:
+        _refuse_other_word_ids(src, checkpoint.get("vocab"), resolved, vocab)
     if resolved is not None and _vocab_size(resolved) != config.vocab_size:
         raise InputError(f"the vocabulary has {_vocab_size(resolved)} words but {src} has "
                          f"vocab_size={config.vocab_size}")
