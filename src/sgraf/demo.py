@@ -97,12 +97,18 @@ def model_overrides(settings: "DemoSettings", label: str, changes: dict[str, str
     win over a recipe's (the place term's keys only for a place model)."""
     place = changes.get("positions") == "place"
     user = [pair for pair in settings.user_overrides if place or pair.partition("=")[0] not in PLACE_KEYS]
-    merged = merge_overrides(settings.train_overrides, extra, (f"{key}={value}" for key, value in changes.items()),
-                             user)
-    given = {pair.partition("=")[0] for pair in user}
-    if "batches=families" not in merged and "family_share" not in given:   # a recipe's share of no families
-        merged = tuple(pair for pair in merged if not pair.startswith("family_share="))
-    return merged
+    merged = dict(pair.partition("=")[::2] for pair in merge_overrides(
+        settings.train_overrides, extra, (f"{key}={value}" for key, value in changes.items()), user))
+    _drop_unused_share(merged, {pair.partition("=")[0] for pair in user})
+    return tuple(f"{key}={value}" for key, value in merged.items())
+
+
+def _drop_unused_share(values: dict[str, str], given: set[str]) -> None:
+    """A recipe's `family_share` left out where the batches are not by families (`--set
+    batches=random` over a place recipe): it is a share of families drawn whole, refused without
+    them. One the user gave stays, to be refused in its name."""
+    if values.get("batches") != "families" and "family_share" not in given:
+        values.pop("family_share", None)
 
 
 def recipe_text(positions: str, user: Iterable[str] = ()) -> str:
@@ -116,8 +122,8 @@ def recipe_text(positions: str, user: Iterable[str] = ()) -> str:
         recipe = {**recipes.get(label, {})}
         recipe.update({key: value for key, value in given.items()
                        if key in recipe or (positions == "place" and key in PLACE_KEYS)})
-        if recipe.get("batches", "families") != "families" and "family_share" not in given:
-            recipe.pop("family_share", None)
+        if "batches" in recipe:
+            _drop_unused_share(recipe, set(given))
         if recipe:
             texts.append(f"{label} with `{' '.join(f'{k}={v}' for k, v in recipe.items())}`")
     return ", ".join(texts)
@@ -257,25 +263,26 @@ def _data(out: Path, settings: DemoSettings, features: str, seed: int) -> dict[s
                 "generator_version") == GENERATOR_VERSION and (
                 features == "auto" or meta.get("features") == features):
             changed = _changed_files(data, meta.get("fingerprint"))
-            if not changed:
+            if changed == []:
                 logger.info("reusing the benchmark in %s", data)
                 return meta
-            logger.warning("the benchmark in %s %s: generating it again", data, "has no record of its files (an "
-                           "earlier sgraf's)" if changed == ["-"] else "changed since it was generated (" + ", ".join(
-                               changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "") + ")")
+            why = "has no record of its files (an earlier sgraf's)" if changed is None else (
+                f"changed since it was generated ({', '.join(changed[:3])}"
+                + (f" and {len(changed) - 3} more)" if len(changed) > 3 else ")"))
+            logger.warning("the benchmark in %s %s: generating it again", data, why)
     kind, backbone = _choose_features(features)
     return generate_benchmark(data, seed=seed, features=kind, n_train=settings.n_train, n_dev=settings.n_dev,
                               n_test=settings.n_test, backbone=backbone, overwrite=True)
 
 
-def _changed_files(data: Path, recorded: Any) -> list[str]:
+def _changed_files(data: Path, recorded: Any) -> list[str] | None:
     """The files of the benchmark in `data` that differ from its recorded fingerprint
-    (`benchmark_fingerprint`; a file gone counts), or ['-'] when it has no record."""
+    (`benchmark_fingerprint`; a file gone counts), or None when it has no record."""
     from sgraf.data.benchmark import benchmark_fingerprint
     from sgraf.data.precomp import fingerprint_differences
 
     if not isinstance(recorded, dict):
-        return ["-"]
+        return None
     try:
         return fingerprint_differences(benchmark_fingerprint(data), recorded)
     except OSError as error:
@@ -480,6 +487,7 @@ def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[di
     from sgraf.training import run_dir as rd
 
     kept, resumed = {}, []
+    fingerprints: dict[Path, dict[str, str]] = {}       # every job of a demo reads one data folder
     for training_seed, jobs in jobs_by_seed.items():
         kept[training_seed] = []
         for job in jobs:
@@ -487,8 +495,10 @@ def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[di
             if (job.run / rd.LAST_CHECKPOINT).is_file() and (job.run / rd.CONFIG_FILE).is_file():
                 try:
                     recorded = rd.load_run_config(job.run)[0]
-                    resume = replace(recorded, progress=job.config.progress) == job.config and rd.other_data(
-                        job.run, job.data, data_fingerprint(job.data)) is None
+                    if replace(recorded, progress=job.config.progress) == job.config:
+                        if job.data not in fingerprints:
+                            fingerprints[job.data] = data_fingerprint(job.data)
+                        resume = rd.other_data(job.run, job.data, fingerprints[job.data]) is None
                 except (InputError, OSError):
                     resume = False
             if resume:
