@@ -220,6 +220,14 @@ def test_ensemble_with_different_vocabularies_is_refused(capsys, tmp_path):
     convert_official(CKPT["saf"], tmp_path / "b.pt", vocab=Vocabulary(swapped))
     err = error_of(capsys, "--checkpoint", tmp_path / "a.pt", "--checkpoint", tmp_path / "b.pt", "--data", DATA)
     assert "different vocabularies" in err
+    # an authors' checkpoint (no vocabulary) beside b.pt: --vocab is needed for the one and refused by the
+    # other, so the error says the two cannot share one (it had said to leave out --vocab)
+    err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--checkpoint", tmp_path / "b.pt", "--data", DATA,
+                   "--vocab", VOCAB)
+    assert f"differs from --vocab {VOCAB} that {CKPT['sgr']} (no vocabulary of its own)" in err
+    assert "an ensemble needs one vocabulary" in err and "leave out --vocab" not in err
+    assert evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--checkpoint", tmp_path / "a.pt", "--data", DATA,
+                         "--vocab", VOCAB)["rsum"] > 0      # the same word ids: one vocabulary for both
 
 
 def test_saved_matrix_of_the_wrong_shape_is_refused(capsys, tmp_path):

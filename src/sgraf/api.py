@@ -304,27 +304,11 @@ class Matcher:
             vocab: a `Vocabulary`, or a path to the authors' vocabulary JSON; needed when the
                 checkpoints do not carry one (the authors' `.pth.tar` never do).
         """
-        from sgraf.checkpoint import load_model
-        from sgraf.data.vocab import load_vocab
+        from sgraf.evaluate import load_ensemble
 
         device = resolve_device(device)  # before the loading, which can take a while
         paths = path_list("checkpoints", checkpoints)
-        if isinstance(vocab, (str, Path)):
-            vocab = load_vocab(vocab)
-        models = [load_model(path, map_location="cpu", vocab=vocab) for path in paths]
-        if vocab is None:
-            vocabs = [getattr(model, "vocab", None) for model in models]
-            if any(v is None for v in vocabs):
-                missing = [str(p) for p, v in zip(paths, vocabs) if v is None]
-                raise InputError(f"checkpoint {', '.join(missing)} carries no vocabulary (the authors' checkpoints "
-                                 "do not); pass the vocabulary JSON of its data set: vocab=PATH (on the command line, "
-                                 "--vocab PATH)")
-            first = vocabs[0].word2idx
-            for path, other in zip(paths[1:], vocabs[1:]):
-                if other.word2idx != first:
-                    raise InputError(f"checkpoints {paths[0]} and {path} were trained with different "
-                                     "vocabularies; an ensemble needs one vocabulary")
-            vocab = vocabs[0]
+        models, vocab = load_ensemble(paths, vocab=vocab, device="cpu")
         return cls(models, vocab=vocab, sources=[str(Path(p).resolve()) for p in paths], device=device,
                    precision=precision, batch_size=batch_size)
 

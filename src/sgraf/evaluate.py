@@ -58,8 +58,9 @@ def load_ensemble(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], 
     device = resolve_device(device)     # 'auto': CUDA when available
     given = load_vocab(vocab) if isinstance(vocab, (str, os.PathLike)) else vocab
     models, vocabularies = [], []
-    for path in checkpoints:
-        model = load_model(path, map_location="cpu")
+    loaded = [load_model(path, map_location="cpu") for path in checkpoints]
+    bare = [path for path, model in zip(checkpoints, loaded) if model.vocab is None]
+    for path, model in zip(checkpoints, loaded):
         stored = model.vocab
         if isinstance(stored, dict):
             stored = Vocabulary.from_dict(stored, source=str(path))
@@ -69,10 +70,15 @@ def load_ensemble(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], 
                 raise InputError(f"--vocab {vocab}: {len(given)} words, but the word embedding of {path} has "
                                  f"{rows} rows (vocab_size={rows}); use the vocabulary the model was trained with")
             if stored is not None and stored != given:
+                if bare:    # leaving out --vocab would leave those without one: the models cannot share one
+                    raise InputError(f"{path} carries its own vocabulary, which differs from --vocab {vocab} that "
+                                     f"{bare[0]} (no vocabulary of its own) is given: these models learned other "
+                                     "word ids, and an ensemble needs one vocabulary")
                 raise vocabulary_conflict(path, vocab)
             model.vocab = given
         elif stored is None:
-            raise InputError(f"{path} carries no vocabulary (the authors' checkpoints do not): pass --vocab JSON")
+            raise InputError(f"checkpoint {path} carries no vocabulary (the authors' checkpoints do not); pass the "
+                             "vocabulary JSON of its data set: vocab=PATH (on the command line, --vocab PATH)")
         models.append(model.to(device).eval())
         vocabularies.append(model.vocab)
     for path, other in zip(checkpoints[1:], vocabularies[1:]):
