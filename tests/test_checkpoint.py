@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -127,8 +128,18 @@ def test_pickles_other_than_namespace_are_refused(tmp_path, monkeypatch, restric
         load_checkpoint(path)
     opt_only = tmp_path / "official_like.pth.tar"
     torch.save({"model": [{}, {}, {}], "opt": argparse.Namespace(module_name="SGR")}, opt_only)
-    with pytest.raises(ValueError, match="lack the field 'vocab_size'"):
+    with pytest.raises(ValueError, match=f"^{re.escape(str(opt_only))}: official checkpoint options lack the field "
+                                         "'vocab_size'$"):
         load_checkpoint(opt_only)         # Namespace itself is accepted
+    options = dict(module_name="SGR", vocab_size=20, img_dim=8, word_dim=6, embed_size=8, sim_dim=4, num_layers=1,
+                   bi_gru=True, no_imgnorm=False, no_txtnorm=False)
+    for change, expected in ((dict(vocab_size="20"), "option vocab_size must be a whole number, got '20'"),
+                             (dict(bi_gru="yes"), "option bi_gru must be true or false, got 'yes'"),
+                             (dict(embed_size=0), "model config field 'embed_size' must be a positive integer"),
+                             (dict(module_name="VSE"), "option module_name must be 'SGR' or 'SAF', got 'VSE'")):
+        torch.save({"model": [{}, {}, {}], "opt": argparse.Namespace(**{**options, **change})}, opt_only)
+        with pytest.raises(ValueError, match=f"^{re.escape(str(opt_only))}: .*{re.escape(expected)}"):
+            load_checkpoint(opt_only)
 
 
 def test_other_files_are_refused_clearly(tmp_path):

@@ -151,24 +151,44 @@ def _torch_load(path: Path, map_location: Any) -> Any:
     return load_weights_only(path, map_location, allowed=[argparse.Namespace])
 
 
-def config_from_official(opt: argparse.Namespace, state_dicts: list[dict[str, torch.Tensor]]) -> ModelConfig:
-    """ModelConfig of an official checkpoint from its options (regions from the BatchNorm size)."""
+def config_from_official(opt: argparse.Namespace, state_dicts: list[dict[str, torch.Tensor]],
+                         source: str | os.PathLike = "official checkpoint") -> ModelConfig:
+    """ModelConfig of an official checkpoint from its options (regions from the BatchNorm size);
+    an option missing or of the wrong kind is an InputError that names `source` (the file)."""
     options = vars(opt)
     module = str(options.get("module_name", "")).lower()
     if module not in ("sgr", "saf"):
-        raise InputError(f"official checkpoint option module_name must be 'SGR' or 'SAF', got "
+        raise InputError(f"{source}: official checkpoint option module_name must be 'SGR' or 'SAF', got "
                          f"{options.get('module_name')!r}")
     regions = state_dicts[2].get("v_global_w.embedding_local.1.weight")
+
+    def number(key: str, default: Any = None) -> int:
+        value = options.get(key, default)
+        if value is None:
+            raise InputError(f"{source}: official checkpoint options lack the field {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise InputError(f"{source}: official checkpoint option {key} must be a whole number, got {value!r}")
+        return int(value)
+
+    def flag(key: str) -> bool:
+        if key not in options:
+            raise InputError(f"{source}: official checkpoint options lack the field {key!r}")
+        if not isinstance(options[key], (bool, int)):
+            raise InputError(f"{source}: official checkpoint option {key} must be true or false, "
+                             f"got {options[key]!r}")
+        return bool(options[key])
+
     try:
         return ModelConfig(
-            vocab_size=int(options["vocab_size"]), img_dim=int(options["img_dim"]),
-            word_dim=int(options["word_dim"]), embed_size=int(options["embed_size"]),
-            sim_dim=int(options["sim_dim"]), num_layers=int(options["num_layers"]),
+            vocab_size=number("vocab_size"), img_dim=number("img_dim"), word_dim=number("word_dim"),
+            embed_size=number("embed_size"), sim_dim=number("sim_dim"), num_layers=number("num_layers"),
             num_regions=int(regions.shape[0]) if regions is not None else 36,
-            bi_gru=bool(options["bi_gru"]), img_norm=not options["no_imgnorm"],
-            txt_norm=not options["no_txtnorm"], module=module, sgr_step=int(options.get("sgr_step", 3)))
-    except KeyError as error:
-        raise InputError(f"official checkpoint options lack the field {error.args[0]!r}") from None
+            bi_gru=flag("bi_gru"), img_norm=not flag("no_imgnorm"), txt_norm=not flag("no_txtnorm"),
+            module=module, sgr_step=number("sgr_step", 3))
+    except InputError as error:
+        if str(error).startswith(f"{source}:"):
+            raise
+        raise InputError(f"{source}: {error}") from None
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
@@ -195,7 +215,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         if not isinstance(parts, (list, tuple)) or len(parts) != 3 or not all(isinstance(p, dict) for p in parts):
             raise InputError(f"{path}: official checkpoint field 'model' must be a list of three state dicts "
                              "(image encoder, text encoder, similarity encoder)")
-        config = config_from_official(raw["opt"], list(parts))
+        config = config_from_official(raw["opt"], list(parts), source=path)
         state_dict = {f"{prefix}.{name}": tensor for prefix, part in zip(OFFICIAL_PREFIXES, parts)
                       for name, tensor in part.items()}
         extra = {"official": {"epoch": raw.get("epoch"), "best_rsum": _plain(raw.get("best_rsum")),
