@@ -35,6 +35,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgraf import __version__
+from sgraf.errors import plain_integer
 from sgraf.serve import markdown
 from sgraf.serve.models import ErrorAnswer, ExplainAnswer, HealthAnswer, SearchAnswer
 from sgraf.serve.service import MAX_TEXT_CHARS, MAX_TEXT_WORDS, MAX_TOP_K, NotFound, SearchService, Stale
@@ -230,8 +231,7 @@ def query_problem(query: bytes) -> str | None:
         if name in seen:
             return f"query parameter {name!r} is given twice; give it once"
         seen.add(name)
-        if name in INTEGER_PARAMETERS and not (value.isascii() and value.lstrip("-").isdigit()
-                                               and value.count("-") <= 1 and len(value) <= 12):
+        if name in INTEGER_PARAMETERS and not (plain_integer(value) and len(value) <= 12):
             return f"{name} must be an integer, got {value[:40]!r}"
     return None
 
