@@ -168,9 +168,9 @@ def structured_embeddings(model: SGRAF, n_img: int, n_cap: int, seed: int):
 
 def spread_model(model: SGRAF, scale: float) -> SGRAF:
     """A copy whose score FC is scaled by `scale`: scores spread like a trained model's."""
-    import copy
+    from sgraf.model.blocks import copied
 
-    spread = copy.deepcopy(model)
+    spread = copied(model)
     with torch.no_grad():
         spread.sim_enc.sim_eval_w.weight.mul_(scale)
     return spread

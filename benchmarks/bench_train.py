@@ -94,8 +94,6 @@ def make_step(model, batch, module: str, impl: str, precision: str, chunk: int |
     """A function running one optimisation step of `impl` ('authors', 'ours', or 'theirs': the
     authors' own code from the checkout `theirs`) on its own copy of the model and its own Adam;
     returns the loss."""
-    import copy
-
     import torch
 
     if impl == "theirs":
@@ -103,12 +101,13 @@ def make_step(model, batch, module: str, impl: str, precision: str, chunk: int |
 
         return authors_step(authors_module(Path(theirs)), model, batch, module)
 
+    from sgraf.model.blocks import copied
     from sgraf.model.oracle import authors_forward
     from sgraf.precision import autocast
     from sgraf.training.config import preset
     from sgraf.training.step import batch_loss, build_optimizer, train_step
 
-    model = copy.deepcopy(model)
+    model = copied(model)
     model.train_chunk, model.train_checkpoint = chunk, checkpoint
     config = preset(f"f30k-{module}").replace(precision=precision, pair_backward=impl != "matrix")
     optimizer = build_optimizer(model, config)

@@ -211,3 +211,14 @@ def test_under_the_gpu_plan_captions_are_encoded_in_buckets_of_a_scoring_blocks_
     for joined, bucket in zip(small, large):
         assert torch.equal(joined.index, bucket.index) and torch.equal(joined.lengths, bucket.lengths)
         assert_close(bucket.embs, joined.embs, SAME_PATH)
+
+
+def test_a_copied_model_has_the_same_weights_in_memory_of_its_own():
+    from sgraf.model.blocks import copied
+
+    model = random_model(3, module="sgr")
+    twin = copied(model)
+    for (name, ours), theirs in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(ours, theirs) and ours.data_ptr() != theirs.data_ptr(), name
+    next(twin.parameters()).data.add_(1.0)
+    assert not torch.equal(next(model.parameters()), next(twin.parameters()))

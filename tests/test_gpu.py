@@ -350,11 +350,32 @@ def test_a_training_step_never_waits_for_the_device(precision, hardest):
     assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)
 
 
+def test_the_caption_grus_backward_follows_the_float32_matmuls_precision_as_its_forward():
+    """cuDNN reads its TF32 flag again when the GRU's backward builds its descriptor: a step called
+    outside `sgraf train` (whose `tf32` context sets it for the whole run) had a TF32 backward."""
+    from sgraf.training.config import preset
+    from sgraf.training.step import build_optimizer, train_step
+
+    model = random_model(7, module="sgr", num_regions=36, img_dim=64, embed_size=128, sim_dim=64).cuda().train()
+    images, captions, lengths = random_batch(model, 16, [5] * 16, seed=5)
+    batch = SimpleNamespace(images=images, captions=captions, lengths=lengths, image_ids=torch.arange(16))
+    config = preset("tiny").replace(module="sgr", batch_size=16)
+    seen = []
+    rnn = next(module for module in model.modules() if isinstance(module, torch.nn.GRU))
+    rnn.weight_hh_l0.register_hook(lambda grad: seen.append(torch.backends.cudnn.allow_tf32))  # in its backward
+    cudnn, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False   # PyTorch's defaults
+        train_step(model, build_optimizer(model, config), batch, config, device="cuda")
+        assert seen == [False] and torch.backends.cudnn.allow_tf32      # exact inside, put back after
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
+
+
 def test_the_selected_pairs_backward_gives_the_whole_matrix_gradients_on_the_device():
     """`sgraf.training.pairs` on CUDA (the pairs listed by topk, no read): the loss and the
     gradients of the backward through the whole matrix, within float32 noise."""
-    import copy
-
+    from sgraf.model.blocks import copied
     from sgraf.training.config import preset
     from sgraf.training.step import train_step
 
@@ -364,7 +385,7 @@ def test_the_selected_pairs_backward_gives_the_whole_matrix_gradients_on_the_dev
     batch = SimpleNamespace(images=images.cuda(), captions=captions.cuda(), lengths=lengths, image_ids=torch.arange(32))
     results = {}
     for by_pairs in (False, True):
-        copy_ = copy.deepcopy(model)
+        copy_ = copied(model)
         config = preset("tiny").replace(module="sgr", max_violation=True, pair_backward=by_pairs, grad_clip=0.0,
                                         batch_size=32)
         loss = train_step(copy_, torch.optim.SGD(copy_.parameters(), lr=0.0), batch, config, device="cuda").loss

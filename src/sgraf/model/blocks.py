@@ -161,6 +161,19 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
+def copied(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose recurrent layers' weights are one block of memory again:
+    `copy.deepcopy` leaves a CUDA GRU's weights apart, and cuDNN would then compact them (and
+    warn) at every call."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()
+    return twin
+
+
 @contextlib.contextmanager
 def eval_mode(models: Sequence[nn.Module]) -> Iterator[None]:
     """Put `models` in eval mode and without gradients; restore their train/eval state after.

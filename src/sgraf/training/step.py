@@ -17,7 +17,7 @@ from sgraf import distributed, torch_compat
 from sgraf.kernels import plan
 from sgraf.kernels.memory import keep_freed_memory
 from sgraf.model.loss import max_pairs
-from sgraf.precision import autocast, low_precision_weights
+from sgraf.precision import autocast, low_precision_weights, rnn_like_matmul
 from sgraf.training import pairs
 from sgraf.training.config import TrainConfig
 from sgraf.training.families import truth_mask
@@ -211,7 +211,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, c
             objective = pairs.surrogate(pair_scores, weights, train_scores.copies)
             if auxiliary is not None:
                 objective = objective + auxiliary
-        (scaler.scale(objective) if scaler is not None else objective).backward()
+        # cuDNN reads its TF32 flag again for the GRU's backward: the same as the forward's (`rnn_like_matmul`)
+        with rnn_like_matmul(device):
+            (scaler.scale(objective) if scaler is not None else objective).backward()
     average_gradients(params)
     merge_per_caption_norms(norms, norms_before)
     grad_norm, skipped = _update(optimizer, params, config, scaler, loss if on_device else None)
