@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import pathlib
 import statistics
@@ -275,14 +276,24 @@ def block_routes(module: str, edge_routes: list[str], word_routes: list[str]) ->
     return edge + fused
 
 
-def _block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> str:
+@functools.lru_cache(maxsize=1)
+def encoded_split(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> tuple:
+    """The model and its encoded images and captions, as `sgraf evaluate` cuts a split: captions
+    sorted by length into buckets of `n_cap`. Kept for the next row (the routes change the
+    scoring, not the encoders); only `n_img` images are drawn."""
     model = scaled_model(module, scale).to(device).eval()
-    # as `sgraf evaluate` cuts a split: captions sorted by length into buckets of n_cap; the middle one
     n_all = BUCKETS * n_cap
-    batch = batch_of(model, max(n_img, n_all))
+    batch = batch_of(model, n_all, images=n_img)
     with torch.no_grad():
-        encoded = blocks.encode(model, batch.images[:n_img], batch.captions[:n_all],
-                                batch.lengths[:n_all], batch_size=n_cap, precision=precision)
+        encoded = blocks.encode(model, batch.images, batch.captions, batch.lengths, batch_size=n_cap,
+                                precision=precision)
+    return model, encoded
+
+
+def _block_figures(module: str, precision: str, n_img: int, n_cap: int, device: torch.device, scale: int) -> str:
+    model, encoded = encoded_split(module, precision, n_img, n_cap, device, scale)
+    with torch.no_grad():
+        # the middle bucket of the split
         bucket_id = len(encoded.buckets) // 2
         bucket = encoded.buckets[bucket_id]
         grams = model.region_grams(encoded.img_embs)

@@ -59,15 +59,17 @@ def emulated_memory(scale: int) -> int:
     return plan.EMULATED_FREE_BYTES // scale
 
 
-def batch_of(model: SGRAF, size: int, seed: int = 1, width: int | None = None) -> Any:
-    """`size` images and captions (Flickr30K-like lengths, or every caption `width` tokens)."""
+def batch_of(model: SGRAF, size: int, seed: int = 1, width: int | None = None, images: int | None = None) -> Any:
+    """`size` captions (Flickr30K-like lengths, or every caption `width` tokens) and as many images,
+    or `images` of them (the first `images` of the same draw)."""
     torch.manual_seed(seed)
     lengths = caption_lengths(size, seed) if width is None else torch.full((size,), width)
     generator = torch.Generator().manual_seed(seed)
     captions = torch.randint(4, model.config.vocab_size, (size, int(lengths.max())), generator=generator)
     captions[torch.arange(captions.size(1)) >= lengths.unsqueeze(1)] = 0
-    images = torch.randn(size, model.config.num_regions, model.config.img_dim, generator=generator)
-    return SimpleNamespace(images=images, captions=captions, lengths=lengths, image_ids=torch.arange(size))
+    n_images = size if images is None else images
+    features = torch.randn(n_images, model.config.num_regions, model.config.img_dim, generator=generator)
+    return SimpleNamespace(images=features, captions=captions, lengths=lengths, image_ids=torch.arange(n_images))
 
 
 def train_step_launches(module: str, precision: str = "fp32", batch_size: int = 128, scale: int = SCALE,

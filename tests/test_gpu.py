@@ -244,7 +244,7 @@ def test_each_fused_route_is_measured_on_the_device_and_stored(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("tf32", [False, True])
-def test_the_word_nodes_float32_probe_with_and_without_tf32(tmp_path, monkeypatch, tf32):
+def test_the_fused_word_nodes_float32_probe_with_and_without_tf32(tmp_path, monkeypatch, tf32):
     """The word nodes' kernel in float32 (its products exact, or in TF32 under `--tf32`, the one
     float32 product no CPU test runs): every tile builds and agrees with the eager route within
     `fused_routes.agreement`, and the choice is stored under its own name."""
@@ -348,6 +348,42 @@ def test_a_training_step_never_waits_for_the_device(precision, hardest):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+
+
+def test_an_nccl_process_group_forms_and_sgrafs_collectives_run_over_it_on_the_device(monkeypatch):
+    """The join as under torchrun (`distributed._join`: the rendezvous in another thread, which
+    sets the CUDA device there too) over NCCL, then the collectives that evaluation and training
+    call, with the device placement NCCL needs. One GPU takes one NCCL rank, so the group has one
+    process and the collectives are forced on (they are skipped for one process)."""
+    import socket
+
+    import torch.distributed as dist
+    from sgraf import distributed
+    from sgraf.training import loop
+
+    if not dist.is_nccl_available():
+        pytest.skip("this PyTorch has no NCCL")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    distributed._join("nccl", torch.device("cuda", 0))
+    try:
+        assert dist.get_backend() == "nccl" and dist.get_world_size() == 1
+        monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+        rows = torch.randn(5, 3, device="cuda")
+        (gathered,) = distributed.all_gather_variable(rows)
+        assert gathered.device == rows.device and torch.equal(gathered, rows)
+        on_host = distributed.all_gather_cat(rows.cpu())     # a host tensor goes through the GPU and back
+        assert on_host.device.type == "cpu" and torch.equal(on_host, rows.cpu())
+        assert distributed.all_reduce_mean(2.5) == 2.5
+        assert loop._agree_on_stop(True) and not loop._agree_on_stop(False)
+        distributed.barrier()
+    finally:
+        distributed.cleanup()
+    assert not dist.is_initialized()
 
 
 def test_the_caption_grus_backward_follows_the_float32_matmuls_precision_as_its_forward():
