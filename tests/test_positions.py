@@ -181,6 +181,27 @@ def test_training_evaluate_and_the_refusals_of_data_without_boxes(toy_with_boxes
                  "--json", "--quiet"]) == 0
     assert '"rsum"' in capsys.readouterr().out
 
+    # the run's data fingerprint holds the boxes and sizes a position model reads: boxes changed in place
+    # since are refused on resume (they had been taken silently), and a plain model's run does not hold them
+    import shutil
+
+    import numpy as np
+    import yaml
+
+    fingerprint = yaml.safe_load((run / "config.yaml").read_text())["data_fingerprint"]
+    assert {"train_boxes.npy", "dev_boxes.npy", "train_image_sizes.npy", "dev_image_sizes.npy"} <= set(fingerprint)
+    moved = tmp_path / "moved"
+    shutil.copytree(toy_with_boxes, moved)
+    assert main(["train", "--resume", str(run), "--data", str(moved), "--set", "epochs=2"]) == 0   # same files
+    boxes = np.load(moved / "train_boxes.npy")
+    np.save(moved / "train_boxes.npy", boxes[:, ::-1].copy())     # the regions' boxes in reverse order
+    assert main(["train", "--resume", str(run), "--set", "epochs=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"the files of {moved.resolve()} changed since the run recorded them (train_boxes.npy differ)" in err
+    plain = tmp_path / "plain"
+    assert main(["train", "--data", str(moved), "--out", str(plain), "--preset", "tiny", "--set", "epochs=1"]) == 0
+    assert not any("boxes" in name for name in yaml.safe_load((plain / "config.yaml").read_text())["data_fingerprint"])
+
     # the same data without boxes: training and evaluation refuse it in one line
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -178,6 +178,27 @@ def test_other_features_of_the_same_captions_are_evaluated_with_a_warning(capsys
     assert "than --data's split" in caplog.text
 
 
+def test_other_region_boxes_of_the_same_captions_are_evaluated_with_a_warning(capsys, caplog, tmp_path):
+    """A position model's scores read the boxes: a matrix of a split whose boxes changed since is
+    named as the features are (records hold the boxes' digests from session 39 on)."""
+    from sgraf.data.boxes import grid_boxes, write_boxes
+
+    n_images = np.load(DATA / "test_ims.npy", mmap_mode="r").shape[0]
+    folders = {}
+    for name, width in (("a", 60), ("b", 90)):
+        folders[name] = tmp_path / name
+        shutil.copytree(DATA, folders[name])
+        write_boxes(folders[name], "test", *grid_boxes(n_images, 2, 3, width, 40))
+    save(capsys, "sgr", folders["a"], tmp_path / "a.npy")
+    with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):
+        run(capsys, "--sims", tmp_path / "a.npy", "--data", folders["a"])
+    assert "scored other" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):
+        run(capsys, "--sims", tmp_path / "a.npy", "--data", folders["b"])
+    assert (f"a.npy scored other region boxes and picture sizes ({folders['a'].resolve() / 'test_boxes.npy'}, "
+            f"{folders['a'].resolve() / 'test_image_sizes.npy'}, by its record) than --data's split") in caplog.text
+
+
 def test_naming_the_record_imports_no_numpy_before_evaluate_starts_tokenising():
     """`sgraf evaluate` checks its outputs (the record's path too) before it starts tokenising the
     captions in another process and imports PyTorch: nothing heavy may come in before that."""

@@ -61,12 +61,12 @@ def split_identity(split: Any) -> dict[str, Any]:
     """The split a matrix scores (a `PrecompSplit`): `sgraf.data.precomp.data_fingerprint` of its
     files (the captions hashed whole, which tells the splits apart; the features by their size and
     ends), and the folder, name, file names and sizes, which say it to a reader."""
-    from sgraf.data.precomp import data_fingerprint
+    from sgraf.data.precomp import BOX_FILES, data_fingerprint
 
     captions, features = Path(split.caps_path), Path(split.ims_path)
     return {"data": str(captions.resolve().parent), "split": split.split, "captions": captions.name,
             "features": features.name, "n_images": int(split.n_images), "n_captions": int(split.n_captions),
-            "fingerprint": data_fingerprint(captions.parent, [split.split])}
+            "fingerprint": data_fingerprint(captions.parent, [split.split], extras=BOX_FILES)}
 
 
 def _digest(split: dict[str, Any], kind: str) -> Any:
@@ -126,7 +126,9 @@ def read_record(matrix_path: str | os.PathLike, sims: np.ndarray) -> dict[str, A
 
 
 def _named(split: dict[str, Any], kind: str = "captions") -> str:
-    return str(Path(str(split.get("data"))) / str(split.get(kind)))
+    """The path of the split's captions or features file (`kind`), or of the file named `kind`."""
+    name = split.get(kind) if kind in ("captions", "features") else kind
+    return str(Path(str(split.get("data"))) / str(name))
 
 
 def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str, Any] | None],
@@ -143,10 +145,13 @@ def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str,
         if reference is None:
             reference, source = scored, path
         elif _digest(scored, "captions") == _digest(reference, "captions"):
-            if _digest(scored, "features") != _digest(reference, "features"):
-                logger.warning("%s scored other features (%s, by its record) than %s (%s); the captions are the "
-                               "same, so it is evaluated as usual", path, _named(scored, "features"),
-                               "--data's split" if source is None else source, _named(reference, "features"))
+            other = _other_image_files(scored, reference)
+            if other:
+                logger.warning("%s scored other %s (%s, by its record) than %s (%s); the captions are the same, so "
+                               "it is evaluated as usual", path, " and ".join(other),
+                               ", ".join(_named(scored, name) for name in other.values()),
+                               "--data's split" if source is None else source,
+                               ", ".join(_named(reference, name) for name in other.values()))
         else:
             mine, theirs, record_name = _named(scored), _named(reference), record_path(path).name
             if source is None and mine == theirs:
@@ -158,6 +163,21 @@ def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str,
             raise InputError(f"{path} scored the captions of {mine} (its record {record_name}), {source} those of "
                              f"{theirs}: the matrices averaged must score one split")
     return reference
+
+
+def _other_image_files(scored: dict[str, Any], reference: dict[str, Any]) -> dict[str, str]:
+    """The image files whose digests differ between two records' splits: {what: `_named`'s kind}, of the
+    features and of the region boxes and picture sizes both fingerprints hold (a position model's
+    scores read them; records before session 39 hold none)."""
+    other = {}
+    if _digest(scored, "features") != _digest(reference, "features"):
+        other["features"] = "features"
+    ours, theirs = scored["fingerprint"], reference["fingerprint"]
+    for what, suffix in (("region boxes", "_boxes.npy"), ("picture sizes", "_image_sizes.npy")):
+        names = [name for name in set(ours) & set(theirs) if name.endswith(suffix) and ours[name] != theirs[name]]
+        if names:
+            other[what] = names[0]
+    return other
 
 
 def check_same_split(path_a: str | os.PathLike, split_a: dict[str, Any] | None, path_b: str | os.PathLike,

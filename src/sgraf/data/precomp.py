@@ -54,13 +54,16 @@ def available_splits(data_dir: str | os.PathLike[str]) -> list[str]:
     return [s for s in STANDARD_SPLITS if s in names] + sorted(names - set(STANDARD_SPLITS))
 
 
-def data_fingerprint(data_dir: str | os.PathLike[str], splits: Sequence[str] = ("train", "dev")) -> dict[str, str]:
+def data_fingerprint(data_dir: str | os.PathLike[str], splits: Sequence[str] = ("train", "dev"),
+                     extras: Sequence[str] = ()) -> dict[str, str]:
     """A cheap identity of the splits' files: `{file name: sha256 hex digest}`.
 
     Caption files are hashed whole (tens of MB at most); a features file by its size and its
     first and last MiB, since hashing a 33 GB MSCOCO file would take minutes. Equal
     fingerprints mean the same captions and, short of an edit inside a features file that
-    keeps its size, the same features.
+    keeps its size, the same features. `extras` are the suffixes of each split's other files the
+    reader uses (`EXTRA_FILES`: the region boxes and picture sizes a position model reads, the
+    scenes of `batches=families`), hashed whole where they exist.
     """
     fingerprint = {}
     for split in splits:
@@ -74,7 +77,24 @@ def data_fingerprint(data_dir: str | os.PathLike[str], splits: Sequence[str] = (
                 handle.seek(max(_FINGERPRINT_EDGE, size - _FINGERPRINT_EDGE))
                 digest.update(handle.read())
         fingerprint[ims_path.name] = digest.hexdigest()
+        for suffix in extras:
+            path = Path(data_dir) / f"{split}{suffix}"
+            if path.is_file():
+                fingerprint[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
     return fingerprint
+
+
+# the suffixes of a split's files beside its features and captions that `data_fingerprint` can hash
+BOX_FILES = ("_boxes.npy", "_image_sizes.npy")
+SCENE_FILES = ("_scenes.jsonl",)
+EXTRA_FILES = BOX_FILES + SCENE_FILES
+
+
+def comparable_fingerprint(found: dict[str, str], recorded: dict[str, str]) -> dict[str, str]:
+    """`found` without the `EXTRA_FILES` that `recorded` lacks: a record written before sgraf
+    hashed them (session 39) is compared by the features and captions alone."""
+    return {name: digest for name, digest in found.items()
+            if name in recorded or not name.endswith(EXTRA_FILES)}
 
 
 def fingerprint_differences(found: dict[str, str], recorded: dict[str, str]) -> list[str]:

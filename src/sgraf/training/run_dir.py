@@ -144,7 +144,7 @@ def other_data(run: pathlib.Path, data_dir: str | os.PathLike[str],
     recorded fingerprint, or a folder elsewhere with that fingerprint (the data moved). Runs
     recorded before fingerprints existed compare the paths only.
     """
-    from sgraf.data.precomp import fingerprint_differences   # PyTorch: not for `sgraf runs`
+    from sgraf.data.precomp import comparable_fingerprint, fingerprint_differences   # PyTorch: not for `sgraf runs`
 
     _, extras = load_config_file(run / CONFIG_FILE)
     recorded, recorded_fingerprint = extras.get("data"), extras.get("data_fingerprint")
@@ -152,6 +152,7 @@ def other_data(run: pathlib.Path, data_dir: str | os.PathLike[str],
     same_folder = recorded is not None and pathlib.Path(str(recorded)).resolve() == given
     if not isinstance(recorded_fingerprint, dict):
         return None if same_folder else f"{given} is another folder than {recorded}"
+    fingerprint = comparable_fingerprint(fingerprint, recorded_fingerprint)
     if fingerprint == recorded_fingerprint:
         return None
     differ = fingerprint_differences(fingerprint, recorded_fingerprint)
