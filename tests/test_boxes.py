@@ -71,6 +71,10 @@ def test_absent_boxes_are_none_unless_required(tmp_path):
      r"picture .*test_image_sizes.npy\), within 1 pixel"),
     (lambda b, s: s.__setitem__((0, 1), 0.0),
      r"test_image_sizes.npy: image 0 has size \[20.0, 0.0\]; expected a positive, finite width and height"),
+    (lambda b, s: b.__setitem__(Ellipsis, b / 20.0),      # divided by the sizes already: every box in pixel 0
+     r"test_boxes.npy: every box lies within the first pixel of its picture \(all coordinates <= 1, the "
+     r"smallest picture 20 x 30 pixels\): boxes already divided by the picture sizes\? expected x1, y1, x2, y2 "
+     r"in pixels"),
 ])
 def test_bad_boxes_are_refused_naming_file_image_and_region(tmp_path, change, message):
     boxes = np.tile(np.array([0, 0, 10, 10], dtype=np.float32), (2, 2, 1))

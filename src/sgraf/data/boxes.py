@@ -62,7 +62,8 @@ def check_boxes(boxes: np.ndarray, sizes: np.ndarray, boxes_source: Any, sizes_s
 
     Checks the shapes ((n_images, K, 4) and (n_images, 2), matching `n_images` / `n_regions`
     when given), finite values, positive sizes, x2 >= x1 and y2 >= y1, and boxes inside their
-    picture within `OUTSIDE_TOLERANCE_PX`; the message names the file, image and region.
+    picture within `OUTSIDE_TOLERANCE_PX`, and not every box within the first pixel (boxes given
+    already divided by the sizes); the message names the file, image and region.
     """
     if boxes.ndim != 3 or boxes.shape[2] != 4:
         raise InputError(f"{boxes_source}: boxes of shape {boxes.shape}; expected (n_images, regions, 4): "
@@ -103,6 +104,11 @@ def check_boxes(boxes: np.ndarray, sizes: np.ndarray, boxes_source: Any, sizes_s
                             f"{OUTSIDE_TOLERANCE_PX:g} pixel")
             raise InputError(f"{boxes_source}: the box of image {image}, region {region} is "
                              f"{boxes[image, region].tolist()}; {expected}")
+    if boxes.size and float(boxes.max()) <= 1.0 and float(sizes.min()) > 2.0:
+        smallest = f"{sizes[:, 0].min():g} x {sizes[:, 1].min():g}"
+        raise InputError(f"{boxes_source}: every box lies within the first pixel of its picture (all coordinates "
+                         f"<= 1, the smallest picture {smallest} pixels): boxes already divided by the picture "
+                         f"sizes? expected x1, y1, x2, y2 in pixels (sgraf divides by {sizes_source})")
 
 
 def normalise_boxes(boxes: np.ndarray, sizes: np.ndarray) -> np.ndarray:
