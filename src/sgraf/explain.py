@@ -45,8 +45,8 @@ LABEL_CHARS = 16             # words longer than this are cut in the picture's l
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Explanation", "RegionLayout", "explain_pair", "place_shares", "region_layout", "render_explanation",
-           "word_region_attention", "saf_node_weights", "sgr_final_vs_raw"]
+__all__ = ["Explanation", "RegionLayout", "explain_pair", "penalty_note", "place_shares", "region_layout",
+           "render_explanation", "word_region_attention", "saf_node_weights", "sgr_final_vs_raw"]
 
 
 # --------------------------------------------------------------------------------- quantities
@@ -67,7 +67,7 @@ def word_region_attention(regions: torch.Tensor, words: torch.Tensor, smooth: fl
 
 
 def place_shares(term: torch.nn.Module, attention: torch.Tensor, centres: torch.Tensor,
-                 words: torch.Tensor) -> torch.Tensor:
+                 words: torch.Tensor, signed: bool = False) -> torch.Tensor:
     """Each word's share of a place term (`sgraf.model.positions.PlaceTerm`) on one pair.
 
     Args:
@@ -76,12 +76,14 @@ def place_shares(term: torch.nn.Module, attention: torch.Tensor, centres: torch.
 
     Returns:
         (L,) e_u . (p_u - 1/2) per word, in logit units: they sum to the term (a penalty's, zero
-        where the signed term is above 0: `PlaceTerm.value_shares`).
+        where the signed term is above 0: `PlaceTerm.value_shares`; with `signed`, the signed
+        term's whatever its sign).
     """
     places = term.places(attention.float()[None, None], centres.float().unsqueeze(0))   # (1, 1, L, 2)
     words = words.float().unsqueeze(0)
     directions = term.word_directions(words, torch.ones(words.shape[:2], dtype=torch.bool, device=words.device))
-    return term.value_shares(term.word_shares(places, directions)[0, 0])
+    shares = term.word_shares(places, directions)[0, 0]
+    return shares if signed else term.value_shares(shares)
 
 
 def saf_node_weights(saf: torch.nn.Module, nodes: torch.Tensor) -> torch.Tensor:
@@ -142,6 +144,8 @@ class Explanation:
             e_u . (p_u - 1/2), in logit units; they sum to the term) from `place_model`, or
             None without such a model.
         place_model: label of the model whose place term is shown.
+        place_signed: (L,) the signed term's shares where that model's term is a penalty
+            (`place_penalty`: `place` is zero where they sum to more than 0), else None.
     """
 
     text: str
@@ -157,6 +161,7 @@ class Explanation:
     extra: dict[str, Any] = field(default_factory=dict)
     place: np.ndarray | None = None
     place_model: str | None = None
+    place_signed: np.ndarray | None = None
 
 
 def _label(model: torch.nn.Module, position: int, models: Sequence[torch.nn.Module]) -> str:
@@ -199,7 +204,7 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
     lengths = torch.tensor([len(ids)], dtype=torch.int64, device=matcher.device)
     image = image.to(matcher.device)
     scores: dict[str, float] = {}
-    attention = attention_model = saf_beta = sgr_alignment = place = place_model = None
+    attention = attention_model = saf_beta = sgr_alignment = place = place_model = place_signed = None
     node_labels: list[str] = []
     for position, model in enumerate(matcher.models):
         label = _label(model, position, matcher.models)
@@ -235,6 +240,8 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
                 word_region_attention(regions[0], words[0], encoder.place_smooth)
             place = place_shares(encoder.place_term, read, centres[0], words[0]).cpu().numpy()
             place_model = label
+            if encoder.place_term.penalty:
+                place_signed = place_shares(encoder.place_term, read, centres[0], words[0], signed=True).cpu().numpy()
         if saf_beta is None and hasattr(encoder, "SAF_module"):
             saf_beta = saf_node_weights(encoder.SAF_module, nodes).cpu().numpy()
         if sgr_alignment is None and hasattr(encoder, "SGR_module"):
@@ -244,7 +251,7 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
         scores["ensemble"] = float(np.mean(list(scores.values())))
     return Explanation(text=text, tokens=["<start>", *tokens, "<end>"], node_labels=node_labels, scores=scores,
                        attention=attention, attention_model=attention_model, saf_beta=saf_beta,
-                       sgr_alignment=sgr_alignment, place=place, place_model=place_model)
+                       sgr_alignment=sgr_alignment, place=place, place_model=place_model, place_signed=place_signed)
 
 
 # --------------------------------------------------------------------------------- regions
@@ -450,7 +457,8 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
             place = "" if explanation.place is None else f" ({round(float(explanation.place[index]), 2) + 0.0:+.2f})"
             axis.set_title(_short(tokens[index]) + place, fontsize=9)
         place_note = "" if explanation.place is None else \
-            f"; in brackets each token's share of the place term ({explanation.place_model}, logit)"
+            (f"; in brackets each token's share of the place term ({explanation.place_model}, logit"
+             f"{penalty_note(explanation)})")
         note = (f"attention of each token over the regions ({explanation.attention_model} model; {layout.source}); "
                 f"brighter = more weight, the most attended region framed{place_note}")
         # wrapped as the title is (a data folder's name can be long): the picture keeps its width
@@ -520,3 +528,11 @@ def _rectangle(x: float, y: float, w: float, h: float, colour: str = "yellow", w
     from matplotlib.patches import Rectangle
 
     return Rectangle((x - 0.5, y - 0.5), w, h, fill=False, edgecolor=colour, linewidth=width)
+
+
+def penalty_note(explanation: Explanation) -> str:
+    """', a penalty: the signed term +X.XXX adds nothing' where a penalty's term zeroed a signed
+    term above 0 (`Explanation.place_signed`), else ''."""
+    if explanation.place_signed is None or float(explanation.place_signed.sum()) <= 0:
+        return ""
+    return f", a penalty: the signed term {float(explanation.place_signed.sum()):+.3f} adds nothing"

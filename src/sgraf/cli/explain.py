@@ -67,14 +67,16 @@ def run(args: argparse.Namespace) -> int:
 
 def format_explanation(explanation: "Explanation") -> str:
     """A text table of the per-node quantities and the scores."""
-    from sgraf.explain import image_label
+    from sgraf.explain import penalty_note, image_label
 
     lines = [f"{image_label(explanation)} / {explanation.text!r}: "
              + ", ".join(f"{k} {v:.4f}" for k, v in explanation.scores.items())]
     header = f"{'node':<14}{'SAF beta':>10}{'SGR final.raw':>15}{'top region':>12}"
+    signed = explanation.place_signed
     if explanation.place is not None:
-        header += f"{'place':>8}"
-        lines[0] += f" (place term {float(explanation.place.sum()):+.3f}, {explanation.place_model})"
+        header += f"{'place':>8}" + (f"{'signed':>8}" if signed is not None else "")
+        lines[0] += (f" (place term {float(explanation.place.sum()):+.3f}, {explanation.place_model}"
+                     f"{penalty_note(explanation)})")
     lines.append(header)
     offset = 1 if explanation.node_labels and explanation.node_labels[0] == "[global]" else 0
     for p, label in enumerate(explanation.node_labels):
@@ -86,6 +88,9 @@ def format_explanation(explanation: "Explanation") -> str:
             region = f"{int(weights.argmax())} ({weights.max():.2f})"
         line = f"{label:<14}{beta:>10}{sgr:>15}{region:>12}"
         if explanation.place is not None:
-            line += f"{explanation.place[p - offset]:>+8.3f}" if 0 <= p - offset < len(explanation.place) else f"{'-':>8}"
+            word = p - offset
+            line += f"{explanation.place[word]:>+8.3f}" if 0 <= word < len(explanation.place) else f"{'-':>8}"
+            if signed is not None:
+                line += f"{signed[word]:>+8.3f}" if 0 <= word < len(signed) else f"{'-':>8}"
         lines.append(line)
     return "\n".join(lines)

@@ -18,6 +18,7 @@ import os
 import pathlib
 import random
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -137,7 +138,49 @@ def validate(model: nn.Module, split: Any, vocab: Any, config: TrainConfig,
                            device=device)
     sims = score_matrix([model], [encoded], precision=precision, keep_on_device=True)
     warn_saturated(sims, [model])
-    return evaluate_sims(sims, caps_per_image=split.caps_per_image)
+    result = evaluate_sims(sims, caps_per_image=split.caps_per_image)
+    if getattr(model.config, "positions", "none") == "place":
+        result["place_term"] = place_term_spread(model, split, vocab, device)
+    return result
+
+
+PLACE_TERM_SAMPLE = 32       # images (with one caption each) whose every pair `place_term_spread` reads
+PLACE_TERM_WARN_SD = 0.5     # a place term of a larger sd (logit units) outweighs what the heads learnt
+
+
+def place_term_spread(model: nn.Module, split: Any, vocab: Any, device: torch.device | str = "cpu") -> dict[str, float]:
+    """The sd and largest |value| of the place term a place model adds to its heads' logits, over
+    every pair of the split's first `PLACE_TERM_SAMPLE` images and one caption of each, as it scores
+    (eval mode, the places read at `place_sharpness`). A warning when the sd passes
+    `PLACE_TERM_WARN_SD`: on the demo's benchmark a place model that learnt relations had a term of
+    sd 0.1-0.2 beside heads' logits of sd 1.4 (`benchmarks/probe_place_term.py`); on 300 training
+    pictures one grew to sd 2.1 (largest 36) and its dev rsum fell from 198 to 129."""
+    from sgraf.data.precomp import PrecompDataset, collate_batch
+    from sgraf.model.blocks import eval_mode
+
+    n = min(PLACE_TERM_SAMPLE, split.n_images)
+    dataset = PrecompDataset(split, vocab, with_boxes=True)
+    batch = collate_batch([dataset[image * split.caps_per_image] for image in range(n)])
+    device = torch.device(device)
+    with eval_mode([model]), torch.no_grad():
+        img_embs = model.encode_images(batch.images.to(device), batch.boxes.to(device))
+        lengths = torch.as_tensor(batch.lengths)
+        cap_embs = model.encode_captions(batch.captions.to(device), lengths)
+        regions, centres = model.split_places(img_embs)
+        mask = torch.arange(cap_embs.size(1), device=device).unsqueeze(0) < lengths.to(device).unsqueeze(1)
+        term = model.sim_enc.place_offset(regions, centres, cap_embs, mask).double()
+    spread = {"sd": float(term.std()) if term.numel() > 1 else 0.0, "largest": float(term.abs().max())}
+    if spread["sd"] > PLACE_TERM_WARN_SD and model not in _WARNED_PLACE_TERM:
+        _WARNED_PLACE_TERM.add(model)
+        logger.warning("the place term has grown to sd %.2f on dev (largest |term| %.1f, logit units; above %.1f it "
+                       "outweighs what the heads learnt): the place recipe was measured on the demo's benchmark "
+                       "(sd 0.1-0.2 there), and on less data it can outgrow the heads and dev rsum fall; best.pt "
+                       "keeps the best validation (docs/positions.md)", spread["sd"], spread["largest"],
+                       PLACE_TERM_WARN_SD)
+    return spread
+
+
+_WARNED_PLACE_TERM: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 # ---------------------------------------------------------------------------------- fit
@@ -580,6 +623,8 @@ class _RunRecord:
                   "end_of_epoch": end_of_epoch, "rsum": result["rsum"], "i2t": result["i2t"],
                   "t2i": result["t2i"], "train_loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
                   "n_images": result["n_images"], "n_captions": result["n_captions"]}
+        if "place_term" in result:     # a place model's term on dev (`place_term_spread`)
+            record["place_term"] = result["place_term"]
         is_best = result["rsum"] > progress.best_rsum
         record["best"] = is_best
         progress.loss_sum, progress.loss_steps = 0.0, 0
@@ -662,7 +707,8 @@ def check_vocab_coverage(vocab: Any, train: Any, allow: bool = False) -> float:
                                     if step > 1 else "")
     share = warn_unknown_share(vocab, [vocab.encode(c) for c in sample], where)
     if share > UNKNOWN_REFUSE_SHARE and not allow:
-        raise InputError(f"{getattr(vocab, 'source', 'the vocabulary')}: {100 * share:.1f}% of the tokens of {where} are unknown to this "
+        name = getattr(vocab, 'source', 'the vocabulary')
+        raise InputError(f"{name}: {100 * share:.1f}% of the tokens of {where} are unknown to this "
                          f"vocabulary (<unk>), above the {100 * UNKNOWN_REFUSE_SHARE:.0f}% limit: the model would "
                          "learn from almost no words. Use this data's vocabulary (sgraf vocab build), or pass "
                          "--allow-unknown-words to train anyway")
