@@ -29,7 +29,9 @@ def register(subparsers: Any) -> None:
                     "then --preset, then --config, then --set. The run folder gets config.yaml, "
                     "metrics.jsonl, last.pt, best.pt and curves.png; while the run owns it, it is locked "
                     "(RUN_DIR/.sgraf-lock): a second run there is refused, naming the first.",
-        epilog="presets: " + ", ".join(PRESETS) + ". Valid --set keys: see --list-keys.")
+        epilog="presets: " + ", ".join(PRESETS) + ". Valid --set keys: see --list-keys. Region positions (not in "
+               "the paper; the data needs boxes): --set positions=place batches=families family_share=0.5 "
+               "place_sharpness=2 place_penalty=true (docs/positions.md).")
     parser.add_argument("--data", metavar="DIR", help="precomp folder with train_* and dev_* files")
     parser.add_argument("--out", metavar="RUN_DIR", help="run folder to create")
     parser.add_argument("--preset", metavar="NAME", help=f"named recipe: {', '.join(PRESETS)}")
