@@ -112,3 +112,67 @@ def test_one_worker_trains_here_in_the_order_given(toy_data, tmp_path, monkeypat
     with pytest.raises(ValueError, match="unique"):
         fit_all([jobs[0], jobs[0]], workers=1)
     assert without_progress(_job("p", toy_data, tmp_path / "p", progress=True)).config.progress is False
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (Linux's /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the processes from Linux's /proc")
+def test_workers_whose_parent_was_killed_save_their_last_pt_and_exit(toy_data, tmp_path):
+    """SIGKILL (or the out-of-memory killer) leaves the parent no time to stop its workers: each
+    notices, stops its job as on SIGTERM (last.pt saved) and exits. They had trained on, holding
+    their runs' locks, then waited for work without end (a killed `sgraf demo`)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    runs = [tmp_path / name for name in ("a", "b")]
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from sgraf.training.config import preset
+        from sgraf.training.pool import TrainJob, fit_all
+        jobs = [TrainJob(name=name, config=preset("tiny").replace(epochs=500, checkpoint_every=0, progress=False),
+                         data=Path({str(toy_data)!r}), run=Path({str(tmp_path)!r}) / name, preset="tiny")
+                for name in ("a", "b")]
+        fit_all(jobs, workers=2, threads=1)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not all((run / "config.yaml").exists() for run in runs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        workers = [pid for pid in _children(parent.pid) if "spawn" in open(f"/proc/{pid}/cmdline").read()]
+        assert len([pid for pid in workers if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]) >= 2
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in workers if _alive(pid)]
+    finally:
+        for pid in _children(parent.pid) + [pid for pid in locals().get("workers", []) if _alive(pid)]:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their parent"
+    assert all((run / "last.pt").is_file() for run in runs)

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 # How often the parent repeats a stop to its workers while it waits for them: a worker that was
 # between two jobs when the signal came ignores it, and meets the next repeat inside `fit`.
 _REPEAT_S = 0.5
+_PARENT_POLL_S = 1.0      # how often a worker looks whether the process that started it is still there
+_ORPHAN_GRACE_S = 120.0   # how long an orphaned worker's job has to save its last.pt and stop
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,26 @@ def _worker_start(threads: int | None, level: int, stop: Any, started: Any = Non
         handler.addFilter(_JobName())
     if started is not None:
         started.put(os.getpid())
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), name="sgraf-parent-watch", daemon=True).start()
+
+
+def _end_with_parent(parent: int, poll_s: float | None = None, grace_s: float | None = None) -> None:
+    """A worker's end once the process that started it is gone (killed by SIGKILL or the kernel's
+    out-of-memory killer, which leave it no time to stop its workers): a job running stops as on
+    SIGTERM (`fit` saves its last.pt after the step), then the worker exits. An orphaned worker had
+    trained on, holding its run's lock, and then waited for work without end."""
+    poll_s = _PARENT_POLL_S if poll_s is None else poll_s
+    grace_s = _ORPHAN_GRACE_S if grace_s is None else grace_s
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    if _STOP is not None:
+        _STOP.set()               # no further job in this worker
+    if _JobName.name_now:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _JobName.name_now and time.monotonic() < deadline:
+            time.sleep(poll_s)
+    os._exit(1)
 
 
 def _run_job(job: TrainJob) -> JobResult:
