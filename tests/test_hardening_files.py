@@ -445,8 +445,20 @@ def test_sigterm_during_a_demo_training_exits_143_without_results_and_the_same_c
     assert (out / "runs" / "global-only" / "last.pt").is_file()
     assert not (out / "results.json").exists() and not (out / "report.md").exists()
     assert not (out / LOCK_FILE).exists() and signal.getsignal(signal.SIGTERM) == handler
-    # the same command again: the stopped run goes on from its last.pt, the others train anew
+    # a run folder another process holds (a killed demo's worker training on): refused before anything is removed
+    from sgraf.folder_lock import FolderLock
+
     monkeypatch.undo()
+    last = out / "runs" / "global-only" / "last.pt"
+    saved = last.read_bytes()
+    last.unlink()                          # as a run just started: its config.yaml, no last.pt yet
+    before = sorted(path.relative_to(out) for path in out.rglob("*"))
+    with FolderLock(out / "runs" / "global-only"):
+        assert main(["demo", "--quick", "--out", str(out), "--jobs", "1"]) == 2
+    assert f"{out / 'runs' / 'global-only'} is in use by another sgraf process" in _one_line_error(capsys)
+    assert sorted(path.relative_to(out) for path in out.rglob("*")) == before      # its config.yaml had gone
+    last.write_bytes(saved)
+    # the same command again: the stopped run goes on from its last.pt, the others train anew
     caplog.set_level("INFO", logger="sgraf.demo")
     assert not (out / "runs" / "global-only" / "metrics.jsonl").exists()     # stopped after its first step
     assert main(["demo", "--quick", "--out", str(out), "--jobs", "1"]) == 0

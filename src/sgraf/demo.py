@@ -486,6 +486,13 @@ def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[di
     from sgraf.output_folder import read_record, remove_recorded
     from sgraf.training import run_dir as rd
 
+    from sgraf.folder_lock import FolderLock
+
+    for jobs in jobs_by_seed.values():    # a run another process trains (a killed demo's worker): nothing removed
+        for job in jobs:
+            if job.run.is_dir():
+                with FolderLock(job.run):
+                    pass
     kept, resumed = {}, []
     fingerprints: dict[Path, dict[str, str]] = {}       # every job of a demo reads one data folder
     for training_seed, jobs in jobs_by_seed.items():
