@@ -11,6 +11,7 @@ import base64
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -164,6 +165,40 @@ def test_generate_refuses_existing_data_and_overwrite_leaves_no_earlier_picture(
     assert main(["generate", "--out", str(out), *TINY, "--no-images", "--overwrite"]) == 0
     assert not (out / "images").exists()                           # pictures of no generation left
     assert not [p for p in out.iterdir() if p.name.startswith((STAGING_PREFIX, LOCK_FILE))]
+
+
+def test_generate_overwrite_finishes_a_generation_killed_while_it_moved_in(tmp_path, capsys, monkeypatch):
+    """A kill in the middle of the swap (SIGKILL: no signal can be deferred) leaves some of each
+    generation: the record names both while they swap, so --overwrite again replaces what is there
+    (it had named the new one only, and the earlier pictures then counted as files sgraf never wrote)."""
+    from sgraf.output_folder import folder_files
+
+    class Killed(BaseException):
+        pass
+
+    out = tmp_path / "bench"
+    for dies_in in ("unlink", "replace"):       # the earlier generation going out, the new one coming in
+        shutil.rmtree(out, ignore_errors=True)
+        assert main(["generate", "--out", str(out), *TINY]) == 0
+        real, calls = getattr(Path, "unlink") if dies_in == "unlink" else os.replace, []
+
+        def die_on_the_third(*args, real=real, calls=calls, **kwargs):
+            target = str(args[0] if dies_in == "unlink" else args[1])
+            if "images" in target and STAGING_PREFIX not in target:
+                calls.append(target)
+                if len(calls) == 3:
+                    raise Killed                     # the process dies here
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(Path if dies_in == "unlink" else os, dies_in, die_on_the_third)
+        with pytest.raises(Killed):
+            main(["generate", "--out", str(out), *tiny(4), "--seed", "3", "--overwrite"])
+        monkeypatch.undo()
+        recorded = json.loads((out / RECORD).read_text())["files"]
+        assert folder_files(out) and all(name in recorded for name in folder_files(out)), dies_in
+        assert main(["generate", "--out", str(out), *tiny(4), "--seed", "3", "--overwrite"]) == 0
+        assert sorted(p.name for p in (out / "images" / "test").iterdir()) == [f"{i:05d}.png" for i in range(4)]
+        assert sorted(json.loads((out / RECORD).read_text())["files"]) == sorted(folder_files(out))
 
 
 def test_generate_overwrite_never_deletes_files_sgraf_did_not_write(tmp_path, capsys):

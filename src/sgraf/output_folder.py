@@ -246,16 +246,23 @@ class NewGeneration:
     def _commit(self) -> None:
         assert self.staging is not None
         written = folder_files(self.staging)
-        record = read_record(self.folder)
+        on_disk = set(folder_files(self.folder))
+        # a generation killed mid-swap recorded files it had already removed: those names go
+        record = {name: by for name, by in read_record(self.folder).items() if name in on_disk or not self.family(name)}
         earlier = [name for name in folder_files(self.folder) if self.family(name)
                    and (name in written or name in record or name in self.earlier)]
+        during = {**record, **{name: record.get(name, self.command) for name in earlier},
+                  **{name: self.command for name in written}}
         for name in earlier:
             record.pop(name, None)
         record.update({name: self.command for name in written})
         current = self.folder / RECORD          # the user's path named if a step fails
         try:
-            with signals_deferred():                # a signal waits for the swap to end
-                _write_record(self.folder, record)  # first: a crash below leaves only files sgraf may delete
+            with signals_deferred():                # a signal waits for the swap to end (SIGKILL does not):
+                # the record names both generations while they swap, so that what a kill leaves there is
+                # all sgraf's, and --overwrite again replaces it (naming only the new one had left the
+                # earlier one's files there as files sgraf never wrote)
+                _write_record(self.folder, during)
                 for name in earlier:                # the earlier generation out, then the new one in
                     current = self.folder / name
                     current.unlink(missing_ok=True)
@@ -265,6 +272,8 @@ class NewGeneration:
                     current = self.folder / name
                     current.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(self.staging / name, current)
+                current = self.folder / RECORD
+                _write_record(self.folder, record)
         except OSError as error:
             raise write_error(current, error) from None
 
