@@ -302,6 +302,33 @@ def test_index_out_replaces_an_index_whole_but_never_a_file_it_does_not_list(gal
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index"]     # no staging or earlier index left
 
 
+def test_an_index_being_built_is_refused_to_a_second_build_and_a_killed_builds_leftovers_go(gallery, tmp_path,
+                                                                                             caplog):
+    """Two builds into one --out had both said they wrote it (the last won); a build killed by SIGKILL
+    left a staging folder as large as the index beside it, and one killed mid-swap the earlier index
+    moved aside with no index at --out."""
+    import shutil
+
+    from sgraf.folder_lock import LOCK_FILE, FolderLock, FolderLockedError
+
+    index = tmp_path / "index"
+    matcher = Matcher.load(gallery["paths"])
+    with FolderLock(index, path=tmp_path / f".index{LOCK_FILE}"):     # as another build holds it
+        with pytest.raises(FolderLockedError, match=f"^{index} is in use by another sgraf process"):
+            build_index(matcher, gallery["features"][:4], gallery["captions"][:20], index)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # what killed builds leave: a staging folder, and the earlier index moved aside before the new one came in
+    (tmp_path / ".index.1a2b3c4d").mkdir()
+    (tmp_path / ".index.1a2b3c4d" / "image_regions.0.npy").write_bytes(b"half written")
+    shutil.copytree(gallery["index"], tmp_path / ".index.old.5e6f7a8b" / "index")
+    (tmp_path / ".other.1a2b3c4d").mkdir()                                # another index's: not ours
+    with caplog.at_level("WARNING", logger="sgraf.search"):
+        build_index(matcher, gallery["features"][:4], gallery["captions"][:20], index)
+    assert "put back the index a stopped build had moved aside" in caplog.text
+    assert open_index(index).n_images == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.1a2b3c4d", "index"]
+
+
 def test_index_write_errors_name_the_index_not_its_staging_folder(gallery, tmp_path, monkeypatch):
     import errno
     import os

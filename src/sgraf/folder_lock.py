@@ -89,17 +89,21 @@ class FolderLock:
     """An exclusive lock on `folder` for one process; a context manager.
 
     Args:
-        folder: an existing folder.
+        folder: an existing folder (named in messages).
+        purpose: what the holder does, recorded in the lock for readers.
+        path: the lock file, when not `folder`'s own `LOCK_FILE` (its parent must exist).
 
     Raises (on enter / `acquire`):
         FolderLockedError: another live process holds the folder.
         InputError: the lock file cannot be created (the folder is not writable).
     """
 
-    def __init__(self, folder: str | os.PathLike[str], purpose: str | None = None) -> None:
+    def __init__(self, folder: str | os.PathLike[str], purpose: str | None = None,
+                 path: str | os.PathLike[str] | None = None) -> None:
         self.folder = pathlib.Path(folder)
         self.purpose = purpose      # recorded for readers of the lock (`sgraf runs`: "training run")
-        self.path = self.folder / LOCK_FILE
+        # the lock file: in the folder, or `path` beside it for a folder that is replaced whole (an index)
+        self.path = pathlib.Path(path) if path is not None else self.folder / LOCK_FILE
         self._fd: int | None = None
         self._advice = ""
 

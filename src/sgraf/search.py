@@ -26,6 +26,8 @@ the shortlist. With N >= the gallery size the result is the exhaustive ranking.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -35,7 +37,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -175,6 +177,41 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         source["data_fingerprint"] = _split_fingerprint(source["data_dir"], source["split"])
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise write_error(out, error) from None
+    with _index_lock(out):
+        return _build(matcher, features, captions, out, dtype, batch_size, progress, boxes, image_names, source,
+                      caps_per_image, n_img, n_cap)
+
+
+def _index_lock(out: Path) -> Any:
+    """The lock of the index at `out`, a file beside it (the folder is replaced whole): a second
+    build into `out` is refused while one runs (both had said they wrote it; the last won). Held,
+    it puts back an index a kill left aside mid-swap and removes the folders killed builds left."""
+    from sgraf.folder_lock import LOCK_FILE, FolderLock
+
+    lock = FolderLock(out, purpose="index build", path=out.parent / f".{out.name}{LOCK_FILE}")
+
+    @contextlib.contextmanager
+    def held() -> Iterator[None]:
+        with lock:
+            aside = sorted(out.parent.glob(f".{glob.escape(out.name)}.old.*/{glob.escape(out.name)}"))
+            if aside and not out.exists():
+                os.replace(aside[-1], out)
+                logger.warning("%s: put back the index a stopped build had moved aside (%s)", out, aside[-1].parent)
+            for leftover in out.parent.glob(f".{glob.escape(out.name)}.*"):
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+            yield
+
+    return held()
+
+
+def _build(matcher: Any, features: Any, captions: Sequence[str], out: Path, dtype: str, batch_size: int,
+           progress: bool, boxes: Any, image_names: Any, source: dict[str, Any], caps_per_image: int | None,
+           n_img: int, n_cap: int) -> Path:
+    """`build_index`'s work, its arguments checked and the index's lock held."""
+    try:
         staging = temporary_folder(out.parent, f".{out.name}.")
     except OSError as error:
         raise write_error(out, error) from None
