@@ -220,8 +220,9 @@ def test_training_evaluate_and_the_refusals_of_data_without_boxes(toy_with_boxes
 def test_a_place_models_validation_records_its_terms_spread_and_warns_when_it_outgrows_the_heads(
         toy_with_boxes, tmp_path, caplog):
     """Each validation of a place model records the sd and largest |value| of its place term on dev
-    (`loop.place_term_spread`); past `PLACE_TERM_WARN_SD` a warning says it outweighs the heads (a
-    place model trained on 300 pictures had grown to sd 3.8 while its dev rsum fell)."""
+    and the sd of its heads' logits (`loop.place_term_spread`); past `PLACE_TERM_WARN_RATIO` times
+    those a warning says the term outweighs the heads (a place model trained on 300 pictures had
+    grown to 2.6 times while its dev rsum fell)."""
     import json
     import logging
 
@@ -236,7 +237,8 @@ def test_a_place_models_validation_records_its_terms_spread_and_warns_when_it_ou
                  "--set", "positions=place", "epochs=1"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     spread = records[-1]["place_term"]
-    assert set(spread) == {"sd", "largest"} and 0 <= spread["sd"] <= spread["largest"] + 1e-9
+    assert set(spread) == {"sd", "largest", "logit_sd"} and 0 <= spread["sd"] <= spread["largest"] + 1e-9
+    assert spread["logit_sd"] > 0
     model = load_model(run / "last.pt")
     dev = PrecompSplit(toy_with_boxes, "dev")
     assert loop.place_term_spread(model, dev, model.vocab) == pytest.approx(spread)   # as it validated
@@ -246,7 +248,10 @@ def test_a_place_models_validation_records_its_terms_spread_and_warns_when_it_ou
     with caplog.at_level(logging.WARNING, logger="sgraf.training.loop"):
         grown = loop.place_term_spread(model, dev, model.vocab)
         loop.place_term_spread(model, dev, model.vocab)
-    assert grown["sd"] > loop.PLACE_TERM_WARN_SD
+    assert grown["sd"] > loop.PLACE_TERM_WARN_RATIO * grown["logit_sd"]
+    assert grown["logit_sd"] == pytest.approx(spread["logit_sd"])      # the heads' logits, without the term
+    assert torch.equal(model.sim_enc.place_term.relation.weight, load_model(run / "last.pt").sim_enc.place_term
+                       .relation.weight * 1e4)                          # the weights put back
     assert caplog.text.count(f"the place term has grown to sd {grown['sd']:.2f} on dev") == 1   # once per model
     plain = tmp_path / "plain"
     assert main(["train", "--data", str(toy_with_boxes), "--out", str(plain), "--preset", "tiny",
