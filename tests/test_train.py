@@ -412,6 +412,11 @@ def test_existing_run_is_not_overwritten_and_resume_needs_a_run(toy_data, tmp_pa
     (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     assert "no config.yaml" in capsys.readouterr().err
+    (tmp_path / "empty" / "config.yaml").write_text((run / "config.yaml").read_text())
+    (tmp_path / "empty" / "last.pt").mkdir()          # a folder where the checkpoint belongs
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    assert f"cannot resume {tmp_path / 'empty'}: its last.pt is a folder, where the run's file belongs" in \
+        capsys.readouterr().err
     assert main(["train", "--resume", str(run), "--set", "lr=0.1"]) == 2
     assert "cannot change when resuming" in capsys.readouterr().err
     # fit itself holds a resume to the run's config: another model or lr is refused, naming both values

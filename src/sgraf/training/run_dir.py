@@ -69,6 +69,8 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
     try:
         if resume:
             for name in (CONFIG_FILE, LAST_CHECKPOINT):
+                if (run / name).is_dir():
+                    raise InputError(f"cannot resume {run}: its {name} is a folder, where the run's file belongs")
                 if not (run / name).is_file():
                     raise InputError(f"cannot resume {run}: it has no {name} (not a sgraf run folder, "
                                      "or the run never reached its first checkpoint)")
