@@ -321,6 +321,27 @@ def test_the_demo_reuses_its_benchmark_only_while_its_files_are_as_generated(tmp
     assert "changed since it was generated (test_boxes.npy)" in caplog.text
 
 
+def test_a_demo_run_again_resumes_every_run_it_left_the_position_models_too(demo, tmp_path):
+    """The demo compares each run's data as `fit` recorded it: a position model's run records its
+    boxes, picture sizes and scenes (`loop.run_fingerprint`), and the demo had compared the features
+    and captions alone, so its SAF + pos and SGR + pos never resumed: they were removed and trained anew."""
+    import shutil
+
+    from sgraf.demo import _resume_or_remove
+    from sgraf.training import run_dir as rd
+    from sgraf.training.pool import TrainJob
+
+    out = tmp_path / "demo"
+    shutil.copytree(demo[0], out)
+    runs = sorted(path for path in (out / "runs").iterdir() if (path / "last.pt").is_file())
+    jobs = [TrainJob(name=run.name, config=rd.load_run_config(run)[0], data=out / "data", run=run, preset="demo")
+            for run in runs]
+    assert any(job.config.positions == "place" and job.config.batches == "families" for job in jobs)
+    kept, resumed = _resume_or_remove(out, {0: jobs})
+    assert sorted(resumed) == sorted(run.name for run in runs) and all(job.resume for job in kept[0])
+    assert all((run / "last.pt").is_file() for run in runs)
+
+
 def test_the_story_says_a_p_at_its_floor_as_compare_does():
     from sgraf.demo_report import p_verdict
 

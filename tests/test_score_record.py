@@ -189,7 +189,15 @@ def test_other_region_boxes_of_the_same_captions_are_evaluated_with_a_warning(ca
         folders[name] = tmp_path / name
         shutil.copytree(DATA, folders[name])
         write_boxes(folders[name], "test", *grid_boxes(n_images, 2, 3, width, 40))
-    save(capsys, "sgr", folders["a"], tmp_path / "a.npy")
+    save(capsys, "sgr", folders["b"], tmp_path / "plain.npy")     # a model without positions reads no boxes
+    assert not any("boxes" in name for name in json.loads((tmp_path / "plain.npy.json").read_text())["split"]
+                   ["fingerprint"])
+    from sgraf.data.precomp import PrecompSplit
+    from sgraf.score_record import split_identity, write_record
+
+    sims = np.load(tmp_path / "plain.npy")
+    np.save(tmp_path / "a.npy", sims)                          # as a position model's matrix of folder a
+    write_record(tmp_path / "a.npy", sims, split_identity(PrecompSplit(folders["a"], "test")))
     with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):
         run(capsys, "--sims", tmp_path / "a.npy", "--data", folders["a"])
     assert "scored other" not in caplog.text

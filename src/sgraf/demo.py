@@ -482,9 +482,9 @@ def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[di
     """The jobs whose run an earlier demo into `out` left with a last.pt, the same settings and the
     same data are resumed (a stopped demo goes on where it stopped; a finished run trains nothing);
     the earlier demo's other run files are removed. Returns the jobs and the resumed jobs' names."""
-    from sgraf.data.precomp import data_fingerprint
     from sgraf.output_folder import read_record, remove_recorded
     from sgraf.training import run_dir as rd
+    from sgraf.training.loop import run_fingerprint
 
     from sgraf.folder_lock import FolderLock
 
@@ -494,7 +494,7 @@ def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[di
                 with FolderLock(job.run):
                     pass
     kept, resumed = {}, []
-    fingerprints: dict[Path, dict[str, str]] = {}       # every job of a demo reads one data folder
+    fingerprints: dict[tuple[Path, str, str], dict[str, str]] = {}   # one data folder, a few kinds of run
     for training_seed, jobs in jobs_by_seed.items():
         kept[training_seed] = []
         for job in jobs:
@@ -503,9 +503,10 @@ def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[di
                 try:
                     recorded = rd.load_run_config(job.run)[0]
                     if replace(recorded, progress=job.config.progress) == job.config:
-                        if job.data not in fingerprints:
-                            fingerprints[job.data] = data_fingerprint(job.data)
-                        resume = rd.other_data(job.run, job.data, fingerprints[job.data]) is None
+                        key = (job.data, job.config.positions, job.config.batches)
+                        if key not in fingerprints:     # the files the run reads, as `fit` records them
+                            fingerprints[key] = run_fingerprint(job.config, job.data)
+                        resume = rd.other_data(job.run, job.data, fingerprints[key]) is None
                 except (InputError, OSError):
                     resume = False
             if resume:

@@ -334,7 +334,8 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
         with stage(stopwatch, "save"):
             if record is not None:
                 record.write_text(score_record.record_text(
-                    sims, score_record.split_identity(precomp), precision=precision,
+                    sims, score_record.split_identity(precomp, boxes=any(getattr(model, "needs_boxes", False)
+                                                                         for model in models)), precision=precision,
                     checkpoints=[str(Path(path).resolve()) for path in checkpoints]), encoding="utf-8")
             write.close()           # synced and moved into place
     if saving:

@@ -57,16 +57,17 @@ def fingerprint(sims: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def split_identity(split: Any) -> dict[str, Any]:
+def split_identity(split: Any, boxes: bool = True) -> dict[str, Any]:
     """The split a matrix scores (a `PrecompSplit`): `sgraf.data.precomp.data_fingerprint` of its
     files (the captions hashed whole, which tells the splits apart; the features by their size and
-    ends), and the folder, name, file names and sizes, which say it to a reader."""
+    ends; with `boxes`, the region boxes and picture sizes where the split has them: a position
+    model's scores read them), and the folder, name, file names and sizes, which say it to a reader."""
     from sgraf.data.precomp import BOX_FILES, data_fingerprint
 
     captions, features = Path(split.caps_path), Path(split.ims_path)
     return {"data": str(captions.resolve().parent), "split": split.split, "captions": captions.name,
             "features": features.name, "n_images": int(split.n_images), "n_captions": int(split.n_captions),
-            "fingerprint": data_fingerprint(captions.parent, [split.split], extras=BOX_FILES)}
+            "fingerprint": data_fingerprint(captions.parent, [split.split], extras=BOX_FILES if boxes else ())}
 
 
 def _digest(split: dict[str, Any], kind: str) -> Any:

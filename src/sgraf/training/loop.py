@@ -448,7 +448,7 @@ def _open_data(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, r
                allow_other_data: bool) -> tuple[Any, Any, tuple[int, int], dict[str, str]]:
     """The train and dev splits, checked against the config (and, resuming, against the run's
     own data): (train, dev, (img_dim, regions), the data's fingerprint)."""
-    from sgraf.data.precomp import BOX_FILES, SCENE_FILES, PrecompSplit, data_fingerprint
+    from sgraf.data.precomp import PrecompSplit
 
     if not data_dir.is_dir():
         raise InputError(f"data folder {data_dir} does not exist or is not a folder")
@@ -459,12 +459,20 @@ def _open_data(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, r
     # dev is read whole at the first validation: scanned now, not after an epoch of training
     dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir), full_scan=True)
     dims = check_data_fits(config, [train, dev])
-    # the boxes and picture sizes a position model reads, the scenes that batches=families draws from
-    extras = (BOX_FILES if config.positions != "none" else ()) + (SCENE_FILES if config.batches == "families" else ())
-    fingerprint = data_fingerprint(data_dir, extras=extras)
+    fingerprint = run_fingerprint(config, data_dir)
     if resume:
         _check_same_data(run, data_dir, fingerprint, allow_other_data)
     return train, dev, dims, fingerprint
+
+
+def run_fingerprint(config: TrainConfig, data_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """`data_fingerprint` of the train and dev files a run with `config` reads: with the boxes and
+    picture sizes a position model reads, and the scenes that `batches=families` draws from. What
+    its config.yaml records, and what a resume (of `sgraf train` or `sgraf demo`) compares."""
+    from sgraf.data.precomp import BOX_FILES, SCENE_FILES, data_fingerprint
+
+    extras = (BOX_FILES if config.positions != "none" else ()) + (SCENE_FILES if config.batches == "families" else ())
+    return data_fingerprint(data_dir, extras=extras)
 
 
 def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: Any, dev: Any, dims: tuple[int, int],
