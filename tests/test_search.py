@@ -318,15 +318,18 @@ def test_an_index_being_built_is_refused_to_a_second_build_and_a_killed_builds_l
             build_index(matcher, gallery["features"][:4], gallery["captions"][:20], index)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     # what killed builds leave: a staging folder, and the earlier index moved aside before the new one came in
-    (tmp_path / ".index.1a2b3c4d").mkdir()
-    (tmp_path / ".index.1a2b3c4d" / "image_regions.0.npy").write_bytes(b"half written")
-    shutil.copytree(gallery["index"], tmp_path / ".index.old.5e6f7a8b" / "index")
-    (tmp_path / ".other.1a2b3c4d").mkdir()                                # another index's: not ours
+    (tmp_path / ".index.sgraf-staging-1a2b3c4d").mkdir()
+    (tmp_path / ".index.sgraf-staging-1a2b3c4d" / "image_regions.0.npy").write_bytes(b"half written")
+    shutil.copytree(gallery["index"], tmp_path / ".index.sgraf-earlier-5e6f7a8b" / "index")
+    others = [".index.v2.sgraf-staging-1a2b3c4d", ".index.v2.sgraf-earlier-5e6f7a8b", ".index.backup",
+              ".index.1a2b3c4d"]                     # another index's (index.v2), a user's: never touched
+    for other in others:
+        (tmp_path / other).mkdir()
     with caplog.at_level("WARNING", logger="sgraf.search"):
         build_index(matcher, gallery["features"][:4], gallery["captions"][:20], index)
     assert "put back the index a stopped build had moved aside" in caplog.text
     assert open_index(index).n_images == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.1a2b3c4d", "index"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*others, "index"])
 
 
 def test_index_write_errors_name_the_index_not_its_staging_folder(gallery, tmp_path, monkeypatch):

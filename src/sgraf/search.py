@@ -27,11 +27,11 @@ the shortlist. With N >= the gallery size the result is the exhaustive ranking.
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -184,6 +184,10 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
                       caps_per_image, n_img, n_cap)
 
 
+STAGING_INFIX = ".sgraf-staging-"   # `.NAME.sgraf-staging-XXXXXXXX`: an index being built beside NAME
+ASIDE_INFIX = ".sgraf-earlier-"     # `.NAME.sgraf-earlier-XXXXXXXX/NAME`: the earlier index, during the swap
+
+
 def _index_lock(out: Path) -> Any:
     """The lock of the index at `out`, a file beside it (the folder is replaced whole): a second
     build into `out` is refused while one runs (both had said they wrote it; the last won). Held,
@@ -195,16 +199,28 @@ def _index_lock(out: Path) -> Any:
     @contextlib.contextmanager
     def held() -> Iterator[None]:
         with lock:
-            aside = sorted(out.parent.glob(f".{glob.escape(out.name)}.old.*/{glob.escape(out.name)}"))
-            if aside and not out.exists():
-                os.replace(aside[-1], out)
-                logger.warning("%s: put back the index a stopped build had moved aside (%s)", out, aside[-1].parent)
-            for leftover in out.parent.glob(f".{glob.escape(out.name)}.*"):
-                if leftover.is_dir():
-                    shutil.rmtree(leftover, ignore_errors=True)
+            staging, aside = _leftovers(out)
+            if aside and not out.exists():     # the newest, if several
+                latest = max(aside, key=lambda folder: folder.stat().st_mtime)
+                os.replace(latest / out.name, out)
+                logger.warning("%s: put back the index a stopped build had moved aside (%s)", out, latest)
+            for leftover in staging + aside:
+                shutil.rmtree(leftover, ignore_errors=True)
             yield
 
     return held()
+
+
+def _leftovers(out: Path) -> tuple[list[Path], list[Path]]:
+    """The folders beside `out` that builds into `out` left: staging folders (`STAGING_INFIX`) and
+    earlier indexes moved aside (`ASIDE_INFIX`, holding `out`'s name). Named exactly: another
+    index's (`out.v2`'s) or a user's `.NAME.backup` never match."""
+    name = re.escape(out.name)
+    staging = re.compile(rf"\.{name}{re.escape(STAGING_INFIX)}[0-9a-f]{{8}}")
+    aside = re.compile(rf"\.{name}{re.escape(ASIDE_INFIX)}[a-z0-9_]{{8}}")
+    folders = [path for path in out.parent.iterdir() if path.is_dir() and not path.is_symlink()]
+    return ([path for path in folders if staging.fullmatch(path.name)],
+            [path for path in folders if aside.fullmatch(path.name) and (path / out.name).is_dir()])
 
 
 def _build(matcher: Any, features: Any, captions: Sequence[str], out: Path, dtype: str, batch_size: int,
@@ -212,7 +228,7 @@ def _build(matcher: Any, features: Any, captions: Sequence[str], out: Path, dtyp
            n_img: int, n_cap: int) -> Path:
     """`build_index`'s work, its arguments checked and the index's lock held."""
     try:
-        staging = temporary_folder(out.parent, f".{out.name}.")
+        staging = temporary_folder(out.parent, f".{out.name}{STAGING_INFIX}")
     except OSError as error:
         raise write_error(out, error) from None
     try:
@@ -279,7 +295,7 @@ def _swap_in(staging: Path, out: Path) -> None:
     try:
         with signals_deferred():
             if out.exists():
-                aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                aside = Path(tempfile.mkdtemp(prefix=f".{out.name}{ASIDE_INFIX}", dir=out.parent))
                 os.replace(out, aside / out.name)
             try:
                 os.replace(staging, out)
