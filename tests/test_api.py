@@ -111,6 +111,9 @@ def test_load_needs_a_vocabulary_and_checks_the_ensemble(vocab, tmp_path):
     vocab.save(tmp_path / "vocab.json")
     matcher = Matcher.load(tmp_path / "sgr.pt", vocab=tmp_path / "vocab.json")
     assert matcher.vocab == vocab and matcher.sources == [str((tmp_path / "sgr.pt").resolve())]
+    assert Matcher.load(tmp_path / "sgr.pt", vocab=vocab.to_dict()).vocab == vocab       # its dict content too
+    with pytest.raises(InputError, match=r"^the vocabulary given: 5 words, but the word embedding of .*sgr\.pt has"):
+        Matcher.load(tmp_path / "sgr.pt", vocab=Vocabulary.from_words(["a"]))
     other = Vocabulary.from_words(list(reversed(WORDS)))
     save_model(_model("saf", vocab, 1), tmp_path / "a.pt", vocab=vocab)
     save_model(_model("saf", other, 1), tmp_path / "b.pt", vocab=other)

@@ -228,6 +228,19 @@ def test_ensemble_with_different_vocabularies_is_refused(capsys, tmp_path):
     assert "an ensemble needs one vocabulary" in err and "leave out --vocab" not in err
     assert evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--checkpoint", tmp_path / "a.pt", "--data", DATA,
                          "--vocab", VOCAB)["rsum"] > 0      # the same word ids: one vocabulary for both
+    # a vocabulary of another size: the same error (the size check had come first and blamed the one or the
+    # other), and without --vocab the error says what the one --vocab must be
+    from model_helpers import random_model
+    from sgraf.checkpoint import save_model
+
+    small = Vocabulary.from_words([f"w{i}" for i in range(30)])
+    save_model(random_model(0, vocab_size=len(small)), tmp_path / "small.pt", vocab=small)
+    err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--checkpoint", tmp_path / "small.pt", "--data", DATA,
+                   "--vocab", VOCAB)
+    assert f"{tmp_path / 'small.pt'} carries its own vocabulary, which differs from --vocab {VOCAB}" in err
+    err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--checkpoint", tmp_path / "small.pt", "--data", DATA)
+    assert (f"checkpoint {CKPT['sgr']} carries no vocabulary (the authors' checkpoints do not) and "
+            f"{tmp_path / 'small.pt'} carries its own: pass the vocabulary {CKPT['sgr']} was trained with") in err
 
 
 def test_saved_matrix_of_the_wrong_shape_is_refused(capsys, tmp_path):

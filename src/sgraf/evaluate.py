@@ -40,8 +40,9 @@ def load_ensemble(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], 
 
     Args:
         checkpoints: a path, or several, of our checkpoints or the authors' ``.pth.tar`` files.
-        vocab: a vocabulary (or its JSON path) for every model; needed for the authors'
-            checkpoints, which carry none. Default: the one stored in each checkpoint.
+        vocab: a vocabulary (its JSON path, a `Vocabulary` or its dict) for every model; needed
+            for the authors' checkpoints, which carry none. Default: the one stored in each
+            checkpoint.
         device: where to put the models ('auto': CUDA when available).
 
     Returns:
@@ -51,32 +52,40 @@ def load_ensemble(checkpoints: str | os.PathLike | Sequence[str | os.PathLike], 
         InputError: no vocabulary, a vocabulary whose size is not the checkpoint's embedding
             rows, or checkpoints whose vocabularies differ.
     """
-    from sgraf.checkpoint import load_model, vocabulary_conflict
-    from sgraf.data.vocab import Vocabulary, load_vocab
+    from sgraf.checkpoint import load_model, resolve_vocab, vocabulary_conflict
+    from sgraf.data.vocab import Vocabulary
 
     checkpoints = path_list("checkpoints", checkpoints)   # one path is one checkpoint, not its characters
     device = resolve_device(device)     # 'auto': CUDA when available
-    given = load_vocab(vocab) if isinstance(vocab, (str, os.PathLike)) else vocab
-    models, vocabularies = [], []
+    given = resolve_vocab(vocab, source="the vocabulary given")     # a path, a Vocabulary or its dict
+    named = f"--vocab {vocab}" if isinstance(vocab, (str, os.PathLike)) else "the vocabulary given"
     loaded = [load_model(path, map_location="cpu") for path in checkpoints]
-    bare = [path for path, model in zip(checkpoints, loaded) if model.vocab is None]
-    for path, model in zip(checkpoints, loaded):
-        stored = model.vocab
-        if isinstance(stored, dict):
-            stored = Vocabulary.from_dict(stored, source=str(path))
+    stored = [Vocabulary.from_dict(model.vocab, source=str(path)) if isinstance(model.vocab, dict) else model.vocab
+              for path, model in zip(checkpoints, loaded)]
+    bare = [path for path, own in zip(checkpoints, stored) if own is None]
+    carrying = [(path, own) for path, own in zip(checkpoints, stored) if own is not None]
+    if bare and carrying:   # an authors' checkpoint beside one with its own: one vocabulary must fit both
+        if given is None:
+            raise InputError(f"checkpoint {bare[0]} carries no vocabulary (the authors' checkpoints do not) and "
+                             f"{carrying[0][0]} carries its own: pass the vocabulary {bare[0]} was trained with "
+                             "(vocab=PATH; on the command line, --vocab PATH), which must be the other's too: an "
+                             "ensemble needs one vocabulary")
+        for path, own in carrying:
+            if own != given:
+                raise InputError(f"{path} carries its own vocabulary, which differs from {named} that {bare[0]} "
+                                 "(no vocabulary of its own) is given: these models learned other word ids, and an "
+                                 "ensemble needs one vocabulary")
+    models, vocabularies = [], []
+    for path, model, own in zip(checkpoints, loaded, stored):
         rows = model.config.vocab_size
         if given is not None:
             if len(given) != rows:
-                raise InputError(f"--vocab {vocab}: {len(given)} words, but the word embedding of {path} has "
+                raise InputError(f"{named}: {len(given)} words, but the word embedding of {path} has "
                                  f"{rows} rows (vocab_size={rows}); use the vocabulary the model was trained with")
-            if stored is not None and stored != given:
-                if bare:    # leaving out --vocab would leave those without one: the models cannot share one
-                    raise InputError(f"{path} carries its own vocabulary, which differs from --vocab {vocab} that "
-                                     f"{bare[0]} (no vocabulary of its own) is given: these models learned other "
-                                     "word ids, and an ensemble needs one vocabulary")
+            if own is not None and own != given:
                 raise vocabulary_conflict(path, vocab)
             model.vocab = given
-        elif stored is None:
+        elif own is None:
             raise InputError(f"checkpoint {path} carries no vocabulary (the authors' checkpoints do not); pass the "
                              "vocabulary JSON of its data set: vocab=PATH (on the command line, --vocab PATH)")
         models.append(model.to(device).eval())
