@@ -25,7 +25,7 @@ fi
   nproc; uname -r
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
-LOGS=/tmp/device-logs; mkdir -p "$LOGS"
+LOGS=/tmp/device-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"   # a warm machine keeps the last call's
 
 # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and the time left, its log appended to
 # $OUT/steps.txt

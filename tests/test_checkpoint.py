@@ -134,6 +134,7 @@ def test_pickles_other_than_namespace_are_refused(tmp_path, monkeypatch, restric
     options = dict(module_name="SGR", vocab_size=20, img_dim=8, word_dim=6, embed_size=8, sim_dim=4, num_layers=1,
                    bi_gru=True, no_imgnorm=False, no_txtnorm=False)
     for change, expected in ((dict(vocab_size="20"), "option vocab_size must be a whole number, got '20'"),
+                             (dict(sim_dim=float("nan")), "option sim_dim must be a whole number, got nan"),
                              (dict(bi_gru="yes"), "option bi_gru must be true or false, got 'yes'"),
                              (dict(embed_size=0), "model config field 'embed_size' must be a positive integer"),
                              (dict(module_name="VSE"), "option module_name must be 'SGR' or 'SAF', got 'VSE'")):

@@ -21,10 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import numbers
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -166,14 +169,16 @@ def config_from_official(opt: argparse.Namespace, state_dicts: list[dict[str, to
         value = options.get(key, default)
         if value is None:
             raise InputError(f"{source}: official checkpoint options lack the field {key!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        whole = isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and math.isfinite(value)
+                                                          and float(value).is_integer())
+        if isinstance(value, (bool, np.bool_)) or not whole:
             raise InputError(f"{source}: official checkpoint option {key} must be a whole number, got {value!r}")
         return int(value)
 
     def flag(key: str) -> bool:
         if key not in options:
             raise InputError(f"{source}: official checkpoint options lack the field {key!r}")
-        if not isinstance(options[key], (bool, int)):
+        if not isinstance(options[key], (bool, np.bool_, numbers.Integral)):
             raise InputError(f"{source}: official checkpoint option {key} must be true or false, "
                              f"got {options[key]!r}")
         return bool(options[key])

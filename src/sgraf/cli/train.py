@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
                     "(RUN_DIR/.sgraf-lock): a second run there is refused, naming the first.",
         epilog="presets: " + ", ".join(PRESETS) + ". Valid --set keys: see --list-keys. Region positions (not in "
                "the paper; the data needs boxes): --set positions=place batches=families family_share=0.5 "
-               "place_sharpness=2 place_penalty=true (docs/positions.md).")
+               "place_sharpness=2 place_penalty=true, for SGR also global_loss_weight=1 (docs/positions.md).")
     parser.add_argument("--data", metavar="DIR", help="precomp folder with train_* and dev_* files")
     parser.add_argument("--out", metavar="RUN_DIR", help="run folder to create")
     parser.add_argument("--preset", metavar="NAME", help=f"named recipe: {', '.join(PRESETS)}")

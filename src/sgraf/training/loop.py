@@ -150,7 +150,8 @@ PLACE_TERM_WARN_RATIO = 1.5  # a place term more spread than this many times the
 
 def place_term_spread(model: nn.Module, split: Any, vocab: Any, device: torch.device | str = "cpu") -> dict[str, float]:
     """The sd and largest |value| of the place term a place model adds to its heads' logits, and
-    the sd of those logits (the scores without the term, before the sigmoid), over every pair of
+    the sd of those logits (the scores without the term, before the sigmoid; for a 'joint' model
+    the logit of its heads' mean score), over every pair of
     the split's first `PLACE_TERM_SAMPLE` images and one caption of each, as it scores (eval mode,
     the places read at `place_sharpness`). A warning once the term's sd passes
     `PLACE_TERM_WARN_RATIO` times the logits': at their best checkpoints the demo's place models
@@ -182,7 +183,8 @@ def place_term_spread(model: nn.Module, split: Any, vocab: Any, device: torch.de
         logits = torch.logit(alone.clamp(1e-12, 1 - 1e-12))
     spread = {"sd": float(term.std()) if term.numel() > 1 else 0.0, "largest": float(term.abs().max()),
               "logit_sd": float(logits.std()) if logits.numel() > 1 else 0.0}
-    if spread["sd"] > PLACE_TERM_WARN_RATIO * spread["logit_sd"] and model not in _WARNED_PLACE_TERM:
+    if (spread["sd"] > PLACE_TERM_WARN_RATIO * spread["logit_sd"] and model not in _WARNED_PLACE_TERM
+            and distributed.is_main_process()):     # said once, not by every process of a torchrun job
         _WARNED_PLACE_TERM.add(model)
         logger.warning("the place term has grown to sd %.2f on dev (largest |term| %.1f) beside heads' logits of sd "
                        "%.2f: it outweighs what the heads learnt, and dev rsum may fall (best.pt keeps the best "

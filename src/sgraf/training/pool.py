@@ -271,11 +271,11 @@ def _end_with_parent(parent: int, poll_s: float | None = None, grace_s: float | 
         time.sleep(poll_s)
     if _STOP is not None:
         _STOP.set()               # no further job in this worker
-    if _JobName.name_now:
+    deadline = time.monotonic() + grace_s
+    while _JobName.name_now and time.monotonic() < deadline:
+        # again each time: a job that has not yet set `fit`'s handlers ignores it (as the parent repeats its stops)
         os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while _JobName.name_now and time.monotonic() < deadline:
-            time.sleep(poll_s)
+        time.sleep(poll_s)
     os._exit(1)
 
 
