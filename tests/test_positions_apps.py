@@ -272,7 +272,7 @@ def test_the_commands_of_the_positions_apps_page_parse():
 
     text = (pathlib.Path(__file__).parents[1] / "docs" / "positions-apps.md").read_text(encoding="utf-8")
     commands = [shlex.split(line)[1:] for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-                for line in block.splitlines() if line.startswith("sgraf ")]
+                for line in block.replace("\\\n", " ").splitlines() if line.startswith("sgraf ")]   # as bash joins
     assert {c[0] for c in commands} == {"convert-tsv", "extract", "generate", "train", "index", "search", "serve",
                                         "explain"}
     parser = build_parser()
