@@ -243,6 +243,31 @@ def test_ensemble_with_different_vocabularies_is_refused(capsys, tmp_path):
             f"{tmp_path / 'small.pt'} carries its own: pass the vocabulary {CKPT['sgr']} was trained with") in err
 
 
+def test_an_ensemble_member_that_scores_every_pair_alike_is_named(capsys, caplog, tmp_path):
+    """Averaged, a model whose scores barely vary adds a near-constant: the ensemble ranks as the
+    others do, silently (a collapsed place model beside an SGR had given the SGR's figures)."""
+    import logging
+
+    from sgraf.checkpoint import load_model, save_model
+
+    model = load_model(CKPT["sgr"], vocab=VOCAB)
+    with torch.no_grad():
+        model.sim_enc.sim_eval_w.weight.zero_()              # one logit for every pair: one score
+    save_model(model, tmp_path / "flat.pt")
+    with caplog.at_level(logging.WARNING, logger="sgraf.evaluate"):
+        alone = evaluate_json(capsys, "--checkpoint", CKPT["saf"], "--data", DATA, "--vocab", VOCAB)
+        both = evaluate_json(capsys, "--checkpoint", CKPT["saf"], "--checkpoint", tmp_path / "flat.pt", "--data",
+                             DATA, "--vocab", VOCAB)
+    assert both["rsum"] == pytest.approx(alone["rsum"])      # what the warning is about
+    assert f"{tmp_path / 'flat.pt'} scores every pair almost alike (sd 0 over 6 x 6 pairs" in caplog.text
+    assert str(CKPT["saf"]) not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sgraf.evaluate"):
+        evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--checkpoint", CKPT["saf"], "--data", DATA, "--vocab",
+                      VOCAB)
+    assert "almost alike" not in caplog.text
+
+
 def test_saved_matrix_of_the_wrong_shape_is_refused(capsys, tmp_path):
     np.save(tmp_path / "good.npy", np.zeros((6, 30), np.float32))
     np.save(tmp_path / "short.npy", np.zeros((6, 25), np.float32))

@@ -203,6 +203,39 @@ def warn_saturated(sims: np.ndarray | torch.Tensor, models: Sequence[torch.nn.Mo
     return saturated
 
 
+FLAT_MEMBER_SAMPLE = 32    # images (one caption each) whose every pair `warn_flat_members` scores
+FLAT_MEMBER_RATIO = 0.01   # a member whose scores spread less than this share of another's adds a near-constant
+
+
+def warn_flat_members(models: Sequence[torch.nn.Module], names: Sequence[str], split: Any, vocab: Any) -> list[str]:
+    """Warn when a model of an ensemble scores (almost) every pair alike: the sd of its scores over
+    every pair of the split's first `FLAT_MEMBER_SAMPLE` images and one caption of each is under
+    `FLAT_MEMBER_RATIO` of another member's. Averaged, such a model adds a near-constant and the
+    ensemble ranks as the others alone do (a place model whose term had outgrown its heads scored
+    1e-36 to 6e-7, and its ensemble with an SGR gave the SGR's figures to the digit). Returns the
+    names of such models."""
+    from sgraf.data.precomp import PrecompDataset, collate_batch
+
+    n = min(FLAT_MEMBER_SAMPLE, split.n_images)
+    boxes_needed = any(getattr(model, "needs_boxes", False) for model in models)
+    dataset = PrecompDataset(split, vocab, with_boxes=boxes_needed)
+    batch = collate_batch([dataset[image * split.caps_per_image] for image in range(n)])
+    spreads = []
+    for model in models:
+        device = model_device(model)
+        boxes = batch.boxes.to(device) if boxes_needed and getattr(model, "needs_boxes", False) else None
+        scores = model.score(batch.images.to(device), batch.captions.to(device), batch.lengths, boxes=boxes)
+        spreads.append(float(scores.double().std()) if scores.numel() > 1 else 0.0)
+    widest = max(spreads)
+    flat = [name for name, spread in zip(names, spreads) if spread < FLAT_MEMBER_RATIO * widest]
+    for name, spread in zip(names, spreads):
+        if name in flat:
+            logger.warning("%s scores every pair almost alike (sd %.2g over %d x %d pairs, the ensemble's widest "
+                           "%.2g): averaged, it adds a near-constant and the ensemble ranks as the other models do; "
+                           "evaluate it alone", name, spread, n, n, widest)
+    return flat
+
+
 def open_split(data_dir: str | os.PathLike, split: str) -> Any:
     """`PrecompSplit`, with an error listing the splits that exist when this one does not."""
     from sgraf.data.precomp import PrecompSplit, available_splits, split_files
@@ -329,6 +362,8 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
         # once: the check and every model
         token_ids = scoring.tokenize_captions(precomp.captions, vocabulary, token_prefetch)
     warn_unknown_share(vocabulary, token_ids, str(precomp.caps_path))
+    if len(models) > 1 and distributed.is_main_process():
+        warn_flat_members(models, [str(path) for path in checkpoints], precomp, vocabulary)
     logger.info("evaluating %s on %s (%d images, %d captions)", ", ".join(map(str, checkpoints)),
                 precomp.caps_path, precomp.n_images, precomp.n_captions)
     saving = save_sims is not None and distributed.is_main_process()
