@@ -176,3 +176,21 @@ def test_workers_whose_parent_was_killed_save_their_last_pt_and_exit(toy_data, t
             os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their parent"
     assert all((run / "last.pt").is_file() for run in runs)
+
+
+def test_a_sigint_ignored_by_whoever_started_the_process_stays_ignored_while_it_trains():
+    """A script's background job starts with SIGINT ignored: the training loop had taken it over at
+    its first step (ignored before, obeyed after); SIGTERM is still the loop's."""
+    from sgraf.training.state import StopSignals
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals() as signals:
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == signals._handle
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with StopSignals() as signals:
+            assert signal.getsignal(signal.SIGINT) == signals._handle     # a terminal's Ctrl-C: the loop's
+    finally:
+        signal.signal(signal.SIGINT, previous)

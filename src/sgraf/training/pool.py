@@ -146,7 +146,8 @@ def _fit_in_workers(jobs: Sequence[TrainJob], workers: int, threads: int | None,
         received.append(signum)
 
     if main:
-        previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM, signal.SIGINT)}
+        previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM, signal.SIGINT)
+                    if not (signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN)}
     context = multiprocessing.get_context("spawn")
     stop = context.Event()   # set: a worker starts no further job (one may already be queued to it)
     started = context.SimpleQueue()   # each worker's pid, put there as it starts

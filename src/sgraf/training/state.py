@@ -147,6 +147,10 @@ class StopSignals:
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
+                # a SIGINT ignored stays so (a script's background job, a pool's worker): it had been
+                # ignored before the first step and obeyed after
+                if signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
+                    continue
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
