@@ -149,3 +149,37 @@ def test_an_unknown_option_is_refused_in_the_commands_name(capsys):
     assert capsys.readouterr().err.startswith("sgraf vocab build: error: unrecognized arguments: --bogus")
     assert main(["--bogus", "evaluate", "--checkpoint", "x.pt", "--data", "d"]) == 2
     assert capsys.readouterr().err.startswith("sgraf: error: unrecognized arguments: --bogus (see sgraf --help)")
+
+
+def test_an_option_of_one_value_given_twice_is_refused_and_options_that_collect_may_repeat(capsys, tmp_path):
+    """argparse keeps the last of `--split test --split dev` silently (it evaluated dev); `--sims`,
+    `--against` and `--splits` kept only their last list (an ensemble of one)."""
+    import numpy as np
+
+    from sgraf.cli import main
+
+    for argv, option, values in (
+            (["evaluate", "--checkpoint", "x.pt", "--data", "d", "--split", "test", "--split", "dev"], "--split",
+             "test, then dev"),
+            (["evaluate", "--checkpoint", "x.pt", "--data=d", "--spl", "dev", "--data", "e"], "--data", "d, then e"),
+            (["data", "check", "--data", "d", "--split", "test", "--split=dev"], "--split", "test, then dev")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        prog = "sgraf data check" if argv[0] == "data" else "sgraf evaluate"
+        assert err == f"{prog}: error: argument {option}: given twice ({values}): give it once (see {prog} --help)\n"
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        np.save(tmp_path / f"{name}.npy", rng.random((4, 20), dtype=np.float32))
+    both = [str(tmp_path / "a.npy"), str(tmp_path / "b.npy")]
+    assert main(["evaluate", "--sims", *both, "--json"]) == 0
+    together = json.loads(capsys.readouterr().out)
+    assert main(["evaluate", "--sims", both[0], "--sims", both[1], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == together          # the average of both, not b alone
+    from sgraf.data.benchmark import generate_benchmark
+
+    generate_benchmark(tmp_path / "data", n_train=8, n_dev=4, n_test=4, save_images=False)
+    assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "v.json"),
+                 "--splits", "train", "--splits", "dev"]) == 0
+    assert "captions (train, dev)" in capsys.readouterr().out
+    assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "v.json")]) == 0
+    assert "captions (train, dev)" in capsys.readouterr().out       # the default

@@ -117,13 +117,38 @@ def _parser_of(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: 
         current = actions[0].choices[chosen]
 
 
+def _refuse_repeated(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """`parser.error` for an option of one value given twice (`--split test --split dev`): argparse
+    keeps the last silently. Options that collect (`--checkpoint`, `--sims`: extend) may repeat."""
+    seen: dict[argparse.Action, tuple[str, str]] = {}
+    for position, token in enumerate(argv):
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name, has_value, value = token.partition("=")
+        action = parser._option_string_actions.get(name)
+        if action is None:      # an abbreviation argparse took (`--spl`)
+            matches = {a for option, a in parser._option_string_actions.items() if option.startswith(name)}
+            action = matches.pop() if len(matches) == 1 else None
+        if not isinstance(action, argparse._StoreAction):
+            continue
+        value = value if has_value else (argv[position + 1] if position + 1 < len(argv) else "")
+        if action in seen:
+            parser.error(f"argument {'/'.join(action.option_strings)}: given twice ({seen[action][1]}, then "
+                         f"{value}): give it once")
+        seen[action] = (name, value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
+        given = sys.argv[1:] if argv is None else list(argv)
         if unknown:   # said by the command's parser: "sgraf evaluate: error: ... (see sgraf evaluate --help)"
-            _parser_of(parser, args, sys.argv[1:] if argv is None else list(argv), unknown).error(
-                f"unrecognized arguments: {' '.join(unknown)}")
+            _parser_of(parser, args, given, unknown).error(f"unrecognized arguments: {' '.join(unknown)}")
+        command = _parser_of(parser, args, given, ["\0"])          # the innermost command named
+        _refuse_repeated(command, given[given.index(args.command) + 1:] if args.command in given else given)
     except SystemExit as stop:  # --help, --version (0) or a refused argument (2)
         return int(stop.code or 0)
     if callable(getattr(sys.stdout, "reconfigure", None)):

@@ -115,7 +115,7 @@ def add_score_source(parser: argparse.ArgumentParser, sims_help: str) -> None:
     source.add_argument("--checkpoint", action="extend", nargs="+", metavar="PATH",
                         help="our checkpoint or the authors' .pth.tar; several (or --checkpoint repeated) for an "
                              "ensemble")
-    source.add_argument("--sims", nargs="+", metavar="FILE.npy", help=sims_help)
+    source.add_argument("--sims", action="extend", nargs="+", metavar="FILE.npy", help=sims_help)
 
 
 def check_score_source(args: argparse.Namespace) -> None:

@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "randomization test (each image's queries counted for A or B at random).",
     )
     add_score_source(parser, "model A's saved (n_images, n_captions) score matrices (several: their average)")
-    parser.add_argument("--against", nargs="+", required=True, metavar="FILE",
+    parser.add_argument("--against", action="extend", nargs="+", required=True, metavar="FILE",
                         help="model B of the same split: score matrices (.npy, averaged) or checkpoints (an "
                              "ensemble)")
     parser.add_argument("--data", metavar="DIR",

@@ -20,8 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--out", required=True, help="output JSON path (DATA/vocab.json: where train and data check "
                                                     "look for it; an earlier one there is replaced)")
     build.add_argument("--min-count", type=positive_int, default=4, help="minimum occurrences (authors: 4)")
-    build.add_argument("--splits", nargs="+", default=["train", "dev"],
-                       help="caption files to count (the authors count train and dev)")
+    build.add_argument("--splits", action="extend", nargs="+", metavar="SPLIT",
+                       help="caption files to count, repeatable; train and dev when not given (as the authors count)")
     build.set_defaults(func=run_build)
 
 
@@ -32,6 +32,8 @@ def run_build(args: argparse.Namespace) -> int:
     from sgraf.errors import InputError
     from sgraf.io_paths import check_outputs
 
+    if args.splits is None:      # extended when given, so the default is filled in here
+        args.splits = ["train", "dev"]
     # the data set's own vocab.json is no input of this command: --out DATA/vocab.json rebuilds it
     own = os.path.normpath(os.path.join(args.data, "vocab.json"))
     check_outputs([(label, path) for label, path in data_inputs(args.data, args.splits)
