@@ -183,3 +183,41 @@ def test_an_option_of_one_value_given_twice_is_refused_and_options_that_collect_
     assert "captions (train, dev)" in capsys.readouterr().out
     assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "v.json")]) == 0
     assert "captions (train, dev)" in capsys.readouterr().out       # the default
+
+
+def test_counts_that_would_exhaust_memory_are_refused_and_running_out_of_memory_is_one_line(capsys, monkeypatch):
+    """--resamples 99999999999 had died allocating 4.37 TiB with numpy's traceback, serve --workers
+    100000 on a thread it could not start, extract --image-size 100000 killed by the kernel."""
+    from sgraf.cli import main
+
+    for argv, option, bounds in ((["compare", "--sims", "a.npy", "--against", "b.npy", "--resamples", "99999999999"],
+                                  "--resamples", "1..1000000"),
+                                 (["evaluate", "--sims", "a.npy", "--bootstrap", "2000000"], "--bootstrap",
+                                  "1..1000000"),
+                                 (["serve", "--index", "x", "--workers", "100000"], "--workers", "1..64"),
+                                 (["extract", "--images", "i", "--out", "o", "--image-size", "100000"], "--image-size",
+                                  "16..4096"),
+                                 (["generate", "--out", "g", "--synthetic-dim", "99999999"], "--synthetic-dim",
+                                  "1..8192")):
+        assert main(argv) == 2
+        assert f"error: argument {option}: expected an integer in {bounds}, got" in capsys.readouterr().err
+
+    def exhausted(args):
+        raise MemoryError("Unable to allocate 4.37 TiB for an array with shape (99999999999, 6) and data type float64")
+
+    import argparse
+
+    from sgraf import cli
+
+    real_build = cli.build_parser
+
+    def build_with_exhausted_runs():        # `sgraf runs` as if its work ran out of memory
+        parser = real_build()
+        commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+        commands.choices["runs"].set_defaults(func=exhausted)
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", build_with_exhausted_runs)
+    assert main(["runs", "."]) == 1
+    assert capsys.readouterr().err == ("sgraf runs: error: out of memory: Unable to allocate 4.37 TiB for an array "
+                                       "with shape (99999999999, 6) and data type float64\n")

@@ -180,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sgraf {args.command}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as exc:    # numpy's names the size it could not allocate
+        print(f"sgraf {args.command}: error: out of memory" + (f": {bounded(str(exc))}" if str(exc) else ""),
+              file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # the reader of the output went away (`sgraf search ... | head -1`): what it wanted it has;
         # the rest goes nowhere, as the other commands' output does when flushed at exit

@@ -8,6 +8,7 @@ before anything is loaded.
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 
 def _integer(text: str, expected: str) -> int:
@@ -25,6 +26,22 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+MAX_RESAMPLES = 1_000_000   # bootstrap / randomization resamples: memory grows with them (10,000 is plenty)
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in low..high (a count whose work or memory grows with it: a
+    huge one had run out of memory with a traceback, or been killed)."""
+    def parse(text: str) -> int:
+        value = _integer(text, f"an integer in {low}..{high}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high}, got {value}")
+        return value
+
+    parse.__name__ = f"integer in {low}..{high}"     # what argparse names in its own messages
+    return parse
 
 
 def non_negative_int(text: str) -> int:

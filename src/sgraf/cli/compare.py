@@ -7,8 +7,8 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from sgraf.cli.arguments import (ENSEMBLE_OF_MODELS, add_score_source, add_scoring_options, checked_device,
-                                 positive_int, seed, split_name)
+from sgraf.cli.arguments import (ENSEMBLE_OF_MODELS, MAX_RESAMPLES, add_score_source, add_scoring_options,
+                                 checked_device, int_in, positive_int, seed, split_name)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--folds", type=positive_int, default=1, metavar="K",
                         help="metrics averaged over K consecutive equal folds, images resampled within each "
                              "(MSCOCO 1K: --split testall --folds 5)")
-    parser.add_argument("--resamples", type=positive_int, default=10000, metavar="N",
+    parser.add_argument("--resamples", type=int_in(1, MAX_RESAMPLES), default=10000, metavar="N",
                         help="bootstrap resamples and randomization flips (the smallest p-value is 1 / (N + 1))")
     parser.add_argument("--level", type=_level, default=0.95, help="the interval's coverage")
     parser.add_argument("--seed", type=seed, default=0, help="the resampling's seed")

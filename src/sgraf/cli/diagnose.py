@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
-                                 checked_device, positive_int, split_name)
+from sgraf.cli.arguments import (MAX_RESAMPLES, add_score_source, add_scoring_options, check_score_outputs,
+                                 check_score_source, checked_device, int_in, split_name)
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", metavar="DIR", required=True,
                         help="a folder written by sgraf generate (with {SPLIT}_scenes.jsonl)")
     parser.add_argument("--split", type=split_name, default="test", help="split name")
-    parser.add_argument("--bootstrap", type=positive_int, metavar="N",
+    parser.add_argument("--bootstrap", type=int_in(1, MAX_RESAMPLES), metavar="N",
                         help="also 95 %% intervals of every score, from N bootstrap resamples of the families (a "
                              "base picture with its twins, drawn together; seed 0)")
     add_scoring_options(parser)

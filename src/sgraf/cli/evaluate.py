@@ -8,8 +8,8 @@ import logging
 import sys
 from typing import Any
 
-from sgraf.cli.arguments import (add_score_source, add_scoring_options, check_score_outputs, check_score_source,
-                                 checked_device, positive_int, split_name)
+from sgraf.cli.arguments import (MAX_RESAMPLES, add_score_source, add_scoring_options, check_score_outputs,
+                                 check_score_source, checked_device, int_in, positive_int, split_name)
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="average over K consecutive equal folds (MSCOCO 1K: --split testall --folds 5)")
     parser.add_argument("--tf32", action="store_true",
                         help="on CUDA, fp32 matmuls and cuDNN in TF32 (faster, 10-bit mantissa; default: exact fp32)")
-    parser.add_argument("--bootstrap", type=positive_int, metavar="N",
+    parser.add_argument("--bootstrap", type=int_in(1, MAX_RESAMPLES), metavar="N",
                         help="also 95 %% intervals of every recall and rsum, from N bootstrap resamples of the "
                              "images (an image with its captions; seed 0); sgraf compare tests two models")
     parser.add_argument("--timings", action="store_true",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import device, positive_int, split_name
+from sgraf.cli.arguments import device, int_in, positive_int, split_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", type=split_name, default="train", help="split name")
     parser.add_argument("--backbone", default="efficientnet-lite0", help="backbone name")
     parser.add_argument("--weights", help="weights file (default: the one installed with the backbone)")
-    parser.add_argument("--image-size", type=positive_int, default=192, help="input side in pixels")
+    parser.add_argument("--image-size", type=int_in(16, 4096), default=192, help="input side in pixels")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass")
     parser.add_argument("--device", type=device, default="cpu",
                         help="where to run the backbone: cpu, cuda, cuda:N or mps")

@@ -6,7 +6,7 @@ import argparse
 import socket
 from typing import Any
 
-from sgraf.cli.arguments import device, non_negative_int, positive_int
+from sgraf.cli.arguments import device, int_in, non_negative_int, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="requests waiting for the models at most; more are answered 503")
     parser.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
                         help="text searches scored together at most (1 turns batching off)")
-    parser.add_argument("--workers", type=positive_int, default=1, metavar="N",
+    parser.add_argument("--workers", type=int_in(1, 64), default=1, metavar="N",
                         help="compute threads taking requests side by side")
     parser.add_argument("--threads", type=non_negative_int, default=1, metavar="N",
                         help="torch threads inside each operation (1: a query's small operations gain little "
