@@ -414,9 +414,9 @@ def test_a_path_below_a_file_is_named_not_a_temporary_file(tmp_path, capsys):
     blocker.write_text("")
     assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(blocker / "v.json")]) == 2
     err = _one_line_error(capsys)
-    assert err.startswith(f"sgraf vocab: error: cannot write {blocker / 'v.json'}: ") and ".tmp" not in err
+    assert err.startswith(f"sgraf vocab build: error: cannot write {blocker / 'v.json'}: ") and ".tmp" not in err
     assert main(["vocab", "build", "--data", str(tmp_path / "data"), "--out", str(tmp_path)]) == 2
-    assert _one_line_error(capsys) == f"sgraf vocab: error: cannot write {tmp_path}: Is a directory"
+    assert _one_line_error(capsys) == f"sgraf vocab build: error: cannot write {tmp_path}: Is a directory"
 
 
 def test_a_failed_generation_names_the_folders_file_not_the_staging_copy(tmp_path, monkeypatch):
@@ -515,7 +515,7 @@ def test_sigterm_and_sigint_in_any_command_exit_143_and_130(tmp_path, monkeypatc
 
         monkeypatch.setattr("sgraf.data.vocab.build_vocab", stopped)
         assert main(["vocab", "build", "--data", str(tmp_path), "--out", str(tmp_path / "v.json")]) == code
-        assert _one_line_error(capsys) in ("sgraf vocab: stopped by SIGTERM", "sgraf vocab: interrupted")
+        assert _one_line_error(capsys) in ("sgraf vocab build: stopped by SIGTERM", "sgraf vocab build: interrupted")
         assert not (tmp_path / "v.json").exists()
 
 

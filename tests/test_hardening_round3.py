@@ -567,7 +567,7 @@ def test_vocab_build_refuses_a_min_count_that_leaves_no_word(world, tmp_path, ca
     out = tmp_path / "v.json"
     err = _one_line_error(capsys, main(["vocab", "build", "--data", str(world["data"]), "--out", str(out),
                                         "--min-count", "100000"]))
-    assert re.fullmatch(r"sgraf vocab: error: min count 100000 leaves no word in the vocabulary: the most frequent "
+    assert re.fullmatch(r"sgraf vocab build: error: min count 100000 leaves no word in the vocabulary: the most frequent "
                         r"of the \d+ distinct words is seen (\d+) times; expected a min count of at most \1", err), err
     assert not out.exists()
 
@@ -616,4 +616,4 @@ def test_the_reliability_page_commands_parse_and_its_messages_are_one_line():
         parser.parse_args(words[1:])            # an unknown flag or a bad value exits here
     for block in re.findall(r"```text\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():        # messages, never commands
-            assert not line.startswith("sgraf ") or re.match(r"sgraf [\w-]+: error: ", line), line
+            assert not line.startswith("sgraf ") or re.match(r"sgraf [\w-]+( [\w-]+)?: error: ", line), line

@@ -148,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:   # said by the command's parser: "sgraf evaluate: error: ... (see sgraf evaluate --help)"
             _parser_of(parser, args, given, unknown).error(f"unrecognized arguments: {' '.join(unknown)}")
         command = _parser_of(parser, args, given, ["\0"])          # the innermost command named
+        prog = command.prog     # "sgraf data check", as argparse's own refusals name it
         _refuse_repeated(command, given[given.index(args.command) + 1:] if args.command in given else given)
     except SystemExit as stop:  # --help, --version (0) or a refused argument (2)
         return int(stop.code or 0)
@@ -170,18 +171,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         with stop_on_sigterm():
             return int(args.func(args) or 0)
     except Stopped as stop:
-        print(f"sgraf {args.command}: {stop}", file=sys.stderr)
+        print(f"{prog}: {stop}", file=sys.stderr)
         return stop.exit_code
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
         message = str(exc) if not isinstance(exc, OSError) or not exc.filename else (
             f"{exc.filename}: {exc.strerror}")
-        print(f"sgraf {args.command}: error: {bounded(message)}", file=sys.stderr)
+        print(f"{prog}: error: {bounded(message)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"sgraf {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except MemoryError as exc:    # numpy's names the size it could not allocate
-        print(f"sgraf {args.command}: error: out of memory" + (f": {bounded(str(exc))}" if str(exc) else ""),
+        print(f"{prog}: error: out of memory" + (f": {bounded(str(exc))}" if str(exc) else ""),
               file=sys.stderr)
         return 1
     except BrokenPipeError:
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.errno not in _DISK_FULL:
             raise
         # a writer that did not name its file (each of sgraf's does): still one line
-        print(f"sgraf {args.command}: error: cannot write {exc.filename or 'its output'}: {exc.strerror}",
+        print(f"{prog}: error: cannot write {exc.filename or 'its output'}: {exc.strerror}",
               file=sys.stderr)
         return 2
 
