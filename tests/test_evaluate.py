@@ -277,6 +277,10 @@ def test_saved_matrix_of_the_wrong_shape_is_refused(capsys, tmp_path):
     assert "short.npy" in err and "(6, 25)" in err
     np.save(tmp_path / "flat.npy", np.zeros(30, np.float32))
     assert "2-d" in error_of(capsys, "--sims", tmp_path / "flat.npy")
+    np.save(tmp_path / "transposed.npy", np.zeros((30, 6), np.float32))      # without --data: the file named
+    assert error_of(capsys, "--sims", tmp_path / "transposed.npy").strip() == (
+        f"sgraf evaluate: error: {tmp_path / 'transposed.npy'}: score matrix of shape (30, 6); expected (n_images, "
+        "n_captions) with a whole number of captions per image (the transpose of one?)")
 
 
 def run_torchrun(nproc, out, timeout=240):

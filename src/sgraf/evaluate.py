@@ -456,6 +456,11 @@ def load_matrices(paths: Sequence[str | os.PathLike], data_dir: str | os.PathLik
     else:
         expected = matrices[0].shape
         where = str(paths[0])
+        rows, columns = expected if len(expected) == 2 else (0, 0)
+        if rows and (columns < rows or columns % rows):
+            transposed = " (the transpose of one?)" if rows > columns and rows % columns == 0 else ""
+            raise InputError(f"{paths[0]}: score matrix of shape {expected}; expected (n_images, n_captions) with a "
+                             f"whole number of captions per image{transposed}")
     for path, sims in zip(paths, matrices):
         if sims.shape != expected:
             raise InputError(f"{path}: score matrix of shape {sims.shape}, expected {expected} "

@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="an image of the index: returns captions")
     parser.add_argument("--top-k", type=positive_int, default=10, metavar="K", help="results to return")
     parser.add_argument("--shortlist", type=non_negative_int, default=100, metavar="N",
-                        help="candidates re-ranked by the full score; 0 scores the whole gallery")
+                        help="candidates re-ranked by the full score (at least --top-k: a smaller one is raised to "
+                             "it); 0 scores the whole gallery")
     parser.add_argument("--json", action="store_true",
                         help='print [{"id", "score"}, ...], best first, with "name" (images of an index that records '
                              'names) or "caption" (captions)')
