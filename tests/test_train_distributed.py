@@ -204,3 +204,69 @@ def test_two_processes_equal_one_with_the_global_vector_loss(two_process_results
                   "sim_enc.t_global_w.embedding_common.0.bias", "sim_enc.SGR_module.0.graph_key_w.bias",
                   "sim_enc.SGR_module.1.graph_key_w.bias"}
     _assert_state(got["state"], state, 2e-4, noise_only)
+
+
+def _torchrun_train(data, run, *settings, timeout=120):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "sgraf", "train", "--data", str(data), "--out", str(run), "--preset", "tiny",
+                           "--set", "progress=false", *settings], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_process_that_fails_alone_ends_the_job_with_its_error(tmp_path):
+    """NaN features in one process's share: that process stops with its one line; it had waited in
+    the barrier of `distributed.cleanup` while the other waited in its next collective, and the job
+    hung without a word until gloo's 30-minute timeout. The other says in one line why it stops."""
+    import numpy as np
+
+    from train_helpers import make_toy_precomp
+
+    data = make_toy_precomp(tmp_path / "data", n_train=24, n_dev=8)
+    features = np.load(data / "train_ims.npy", mmap_mode="r+")
+    features[20, 1, 2] = np.nan          # the second process's share of the first batch
+    features.flush()
+    del features
+    proc = _torchrun_train(data, tmp_path / "run", "epochs=1", "batch_size=24")
+    assert proc.returncode != 0                                     # ended, not timed out
+    assert f"sgraf train: error: {data / 'train_ims.npy'}: feature [image 20, region 1, dim 2] is nan" in proc.stderr
+    # the other process: its collective failed and it says so in one line (no gloo traceback), or torchrun
+    # stopped it first
+    assert "Connection closed by peer" not in proc.stderr and "Connection reset by peer" not in proc.stderr
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the workers in Linux's /proc")
+def test_a_signal_to_one_process_stops_every_process_each_naming_it(tmp_path):
+    """Each process reports the signal the job agreed to stop on: the ones that did not receive it
+    had reported 'stopped by None' and failed reading its number (KeyError)."""
+    import signal
+    import time
+
+    from train_helpers import make_toy_precomp
+
+    data = make_toy_precomp(tmp_path / "data", n_train=24, n_dev=8)
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sgraf",
+               "train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--set", "progress=false",
+               "epochs=500", "checkpoint_every=0", "batch_size=8"]
+    launcher = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()
+                   and _parent_of(int(entry)) == launcher.pid]
+        assert len(workers) == 2, workers
+        os.kill(max(workers), signal.SIGTERM)      # one process, as a scheduler may signal one task
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert "KeyError" not in err and "stopped by None" not in out + err
+    assert "stopped by SIGTERM in epoch" in out and (run / "last.pt").is_file()

@@ -81,6 +81,9 @@ def init_from_env(device: str | torch.device | None = None, backend: str | None 
     return DistInfo(rank=get_rank(), world_size=get_world_size(), local_rank=local_rank, device=target)
 
 
+JOIN_NOTICE_S = 10.0    # after this long waiting to join, a warning says so (on every rank)
+
+
 def join_timeout() -> float:
     """`SGRAF_JOIN_TIMEOUT` (seconds, > 0), else `JOIN_TIMEOUT_S`."""
     given = os.environ.get("SGRAF_JOIN_TIMEOUT")
@@ -117,8 +120,14 @@ def _join(backend: str, device: torch.device) -> None:
     thread = threading.Thread(target=join, name="sgraf-join", daemon=True)
     thread.start()
     deadline = time.monotonic() + seconds
+    said = False
     while thread.is_alive():
         thread.join(0.2)
+        if thread.is_alive() and not said and time.monotonic() > deadline - seconds + JOIN_NOTICE_S:
+            said = True     # a WARNING: the INFO above is not shown on ranks other than 0
+            logger.warning("still waiting for the other %d processes of the torchrun job at %s (rank %s; at most "
+                           "%.0f s, SGRAF_JOIN_TIMEOUT sets it; RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT left "
+                           "from another job?)", int(world) - 1, where, rank, seconds)
         if thread.is_alive() and time.monotonic() > deadline:
             raise InputError(f"the torchrun job's process group at {where} did not form within {seconds:.0f} s: this "
                              f"process is rank {rank} of WORLD_SIZE={world} and the others did not join; start every "
@@ -151,14 +160,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def cleanup() -> None:
+def cleanup(barrier: bool = True) -> None:
     """Leave the process group, if one was joined, once every process has reached this point.
 
     Without the barrier a process that finished first could tear its gloo connections down
-    while another still used them, and gloo then aborted that process now and then.
+    while another still used them, and gloo then aborted that process now and then. A process
+    leaving on an error (`barrier=False`) does not wait there: the others wait in a collective it
+    will never join, so the job would hang without a word (up to the backend's 30-minute timeout);
+    it leaves, and torchrun stops the others.
     """
     if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
+        if barrier and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
 

@@ -117,6 +117,17 @@ def _parser_of(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: 
         current = actions[0].choices[chosen]
 
 
+# the words of a collective failing because another process of the job left: gloo's, NCCL's
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+              "NCCL communicator was aborted")
+
+
+def _peer_gone(error: RuntimeError) -> bool:
+    """Whether `error` is a collective of a torchrun job failing because another process left,
+    rather than a fault of this one."""
+    return "torch.distributed" in sys.modules and any(text in str(error) for text in _PEER_GONE)
+
+
 def _refuse_repeated(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """`parser.error` for an option of one value given twice (`--split test --split dev`): argparse
     keeps the last silently. Options that collect (`--checkpoint`, `--sims`: extend) may repeat."""
@@ -181,6 +192,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as exc:
+        if not _peer_gone(exc):
+            raise
+        # another process of the torchrun job failed (its own line says why) and left: this one stops too
+        print(f"{prog}: error: another process of this torchrun job stopped (its error is above); this one stops "
+              "too", file=sys.stderr)
+        return 1
     except MemoryError as exc:    # numpy's names the size it could not allocate
         print(f"{prog}: error: out of memory" + (f": {bounded(str(exc))}" if str(exc) else ""),
               file=sys.stderr)

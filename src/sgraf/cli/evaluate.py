@@ -94,6 +94,7 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
             if watch is not None:   # the device's context now, not inside the checkpoint's stage
                 watch.use(info.device)
                 evaluate.start_device(info.device)
+        clean = False
         try:
             # the matrix comes to the host only where it is saved or resampled
             score = evaluate.evaluate_checkpoints_with_sims if args.bootstrap else evaluate.evaluate_checkpoints
@@ -104,8 +105,9 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
                     progress=not args.quiet, save_sims=args.save_sims, stopwatch=watch, token_prefetch=prefetched)
             if args.bootstrap:
                 result, sims = result
+            clean = True
         finally:
-            distributed.cleanup()
+            distributed.cleanup(barrier=clean)     # leaving on an error: no wait for the others (torchrun stops them)
         if not info.is_main:
             return 0
     intervals = None

@@ -111,15 +111,17 @@ def run(args: argparse.Namespace) -> int:
         from sgraf.cli.arguments import refuse_others_folder
 
         refuse_others_folder("--out", out, writes="a training run")
+    clean = False
     try:
         summary = fit(config, data, out, resume=resume, preset=preset, allow_other_data=args.allow_other_data,
                       allow_unknown_words=args.allow_unknown_words)
+        clean = True
     except NonFiniteLossError as error:
         print(f"sgraf train: error: {error}", file=sys.stderr)
         return 1
     finally:
         main_process = distributed.is_main_process()
-        distributed.cleanup()
+        distributed.cleanup(barrier=clean)     # leaving on an error: no wait for the others (torchrun stops them)
     if not main_process:
         return 0 if summary["status"] == "finished" else 128 + int(signal.Signals[summary["signal"]])
     if summary["status"] == "interrupted":

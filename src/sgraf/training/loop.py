@@ -386,6 +386,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     last_loss = float("nan")
 
     status, signal_name = "finished", None
+    stopped_by: int | None = None     # the signal every process agreed to stop on (one process may have had it)
     with StopSignals() as signals:
         def after_step(result: StepResult) -> bool:
             nonlocal last_loss
@@ -393,7 +394,9 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
             record.step(result)
             if config.val_every and progress.global_step % config.val_every == 0 and progress.epoch_step < n_steps:
                 record.validation(end_of_epoch=False)
-            stop = _agree_on_stop(signals.received is not None)
+            nonlocal stopped_by
+            stopped_by = _agreed_signal(signals.received)
+            stop = stopped_by is not None
             if stop or (config.checkpoint_every and progress.global_step % config.checkpoint_every == 0):
                 record.save_last()
             return stop
@@ -415,7 +418,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                         bar.close()
                 if stats["stopped"]:
                     status = "interrupted"
-                    signal_name = _signal_name(signals.received)
+                    signal_name = _signal_name(stopped_by)
                     break
                 progress.epoch += 1
                 progress.epoch_step = 0
@@ -423,9 +426,10 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                 if progress.epoch >= config.epochs:
                     progress.finished = True
                 record.save_last()
-                if _agree_on_stop(signals.received is not None):
+                stopped_by = _agreed_signal(signals.received)
+                if stopped_by is not None:
                     if progress.epoch < config.epochs:
-                        status, signal_name = "interrupted", _signal_name(signals.received)
+                        status, signal_name = "interrupted", _signal_name(stopped_by)
                     break
         except NonFiniteLossError as error:
             raise NonFiniteLossError(_non_finite_message(error, progress, config, run, record.last_saved_step),
@@ -524,8 +528,10 @@ def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: An
         else:
             logger.info("resuming %s at epoch %d, step %d (%s)", run, progress.epoch + 1,
                         progress.global_step, progress.describe_best())   # never "best rsum -inf"
-    elif info.rank > 0:
-        torch.manual_seed(config.seed + 7919 * info.rank)   # distinct dropout masks per process
+    if info.rank > 0:
+        # distinct dropout masks per process; last.pt holds the random state of rank 0 alone, so on a
+        # resume the others draw from (seed, rank, step): they had all drawn rank 0's masks
+        torch.manual_seed(config.seed + 7919 * info.rank + progress.global_step)
     return model, optimizer, scaler, progress
 
 
@@ -749,15 +755,23 @@ def _val_captions(config: TrainConfig, data_dir: pathlib.Path) -> int | None:
 
 def _agree_on_stop(local: bool) -> bool:
     """True on every process when any process received a stop signal."""
+    return _agreed_signal(1 if local else None) is not None
+
+
+def _agreed_signal(local: int | None) -> int | None:
+    """The stop signal every process agrees on: the largest any of them received (`local`: this
+    one's, None if none), None if none did. Each process then reports the signal (a process that
+    got none had reported 'stopped by None' and failed reading its number)."""
     if not distributed.is_distributed():
         return local
     import torch.distributed as dist
 
-    flag = torch.tensor([1.0 if local else 0.0])
+    flag = torch.tensor([float(local or 0)])
     if dist.get_backend() == "nccl":  # NCCL reduces only tensors on this process's GPU
         flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    agreed = int(flag.item())
+    return agreed or None
 
 
 def _signal_name(signum: int | None) -> str | None:
