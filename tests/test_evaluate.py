@@ -268,6 +268,19 @@ def test_an_ensemble_member_that_scores_every_pair_alike_is_named(capsys, caplog
     assert "almost alike" not in caplog.text
 
 
+def test_saved_matrices_under_torchrun_are_evaluated_by_the_first_process_alone(capsys, tmp_path, monkeypatch):
+    """Saved matrices have no shares to score: every process had printed the table (and written
+    --save-sims)."""
+    np.save(tmp_path / "a.npy", np.random.default_rng(0).random((6, 30), dtype=np.float32))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["evaluate", "--sims", str(tmp_path / "a.npy"), "--save-sims", str(tmp_path / "b.npy")]) == 0
+    assert capsys.readouterr().out == "" and not (tmp_path / "b.npy").exists()
+    monkeypatch.setenv("RANK", "0")
+    assert main(["evaluate", "--sims", str(tmp_path / "a.npy"), "--save-sims", str(tmp_path / "b.npy")]) == 0
+    assert "rsum" in capsys.readouterr().out and (tmp_path / "b.npy").is_file()
+
+
 def test_saved_matrix_of_the_wrong_shape_is_refused(capsys, tmp_path):
     np.save(tmp_path / "good.npy", np.zeros((6, 30), np.float32))
     np.save(tmp_path / "short.npy", np.zeros((6, 25), np.float32))

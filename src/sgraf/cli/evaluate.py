@@ -83,6 +83,10 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
     device = checked_device(args.device)    # refused before anything is read
     sims = None
     if args.sims:
+        from sgraf.cli import _torchrun_rank
+
+        if _torchrun_rank()[0] > 0:     # saved matrices have no shares: the first process prints (and writes)
+            return 0
         result, sims = evaluate.evaluate_sims_files_with_sims(
             args.sims, folds=args.folds, data_dir=args.data, split=args.split if args.data else None,
             save_sims=args.save_sims, stopwatch=watch)
