@@ -567,8 +567,8 @@ def test_vocab_build_refuses_a_min_count_that_leaves_no_word(world, tmp_path, ca
     out = tmp_path / "v.json"
     err = _one_line_error(capsys, main(["vocab", "build", "--data", str(world["data"]), "--out", str(out),
                                         "--min-count", "100000"]))
-    assert re.fullmatch(r"sgraf vocab build: error: min count 100000 leaves no word in the vocabulary: the most frequent "
-                        r"of the \d+ distinct words is seen (\d+) times; expected a min count of at most \1", err), err
+    assert re.fullmatch(r"sgraf vocab build: error: min count 100000 leaves no word in the vocabulary: the most "
+                        r"frequent of the \d+ distinct words is seen (\d+) times; expected a min count of at most \1", err), err
     assert not out.exists()
 
 

@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--n-train", type=positive_int, default=3000, help="training images")
     parser.add_argument("--n-dev", type=positive_int, default=500, help="validation images")
     parser.add_argument("--n-test", type=positive_int, default=500, help="test images")
-    parser.add_argument("--synthetic-dim", type=int_in(1, 8192), default=128, help="feature size of --features synthetic")
+    parser.add_argument("--synthetic-dim", type=int_in(1, 8192), default=128,
+                        help="feature size of --features synthetic")
     parser.add_argument("--no-images", action="store_true", help="do not keep the rendered PNGs")
     parser.add_argument("--preview", metavar="PNG", type=png_path,
                         help="also draw a grid of test images with captions")
