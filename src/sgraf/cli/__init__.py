@@ -168,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # as those bytes (as ls does) rather than fail after the work is done.
         sys.stdout.reconfigure(errors="surrogateescape")
     rank, world_size = _torchrun_rank()
+    if rank > 0:    # under torchrun every process may say the same: the others' lines say which they are
+        prog = f"{prog} [rank {rank}]"
     logging.basicConfig(
         level=log_level(args.verbose, rank),
         format=("%(levelname)s %(name)s: %(message)s" if world_size <= 1
