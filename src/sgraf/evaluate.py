@@ -214,12 +214,11 @@ def warn_flat_members(models: Sequence[torch.nn.Module], names: Sequence[str], s
     ensemble ranks as the others alone do (a place model whose term had outgrown its heads scored
     1e-36 to 6e-7, and its ensemble with an SGR gave the SGR's figures to the digit). Returns the
     names of such models."""
-    from sgraf.data.precomp import PrecompDataset, collate_batch
+    from sgraf.data.precomp import first_pairs
 
-    n = min(FLAT_MEMBER_SAMPLE, split.n_images)
     boxes_needed = any(getattr(model, "needs_boxes", False) for model in models)
-    dataset = PrecompDataset(split, vocab, with_boxes=boxes_needed)
-    batch = collate_batch([dataset[image * split.caps_per_image] for image in range(n)])
+    batch = first_pairs(split, vocab, FLAT_MEMBER_SAMPLE, with_boxes=boxes_needed)
+    n = len(batch.lengths)
     spreads = []
     for model in models:
         device = model_device(model)
@@ -227,9 +226,10 @@ def warn_flat_members(models: Sequence[torch.nn.Module], names: Sequence[str], s
         scores = model.score(batch.images.to(device), batch.captions.to(device), batch.lengths, boxes=boxes)
         spreads.append(float(scores.double().std()) if scores.numel() > 1 else 0.0)
     widest = max(spreads)
-    flat = [name for name, spread in zip(names, spreads) if spread < FLAT_MEMBER_RATIO * widest]
+    flat = []
     for name, spread in zip(names, spreads):
-        if name in flat:
+        if spread < FLAT_MEMBER_RATIO * widest:
+            flat.append(name)
             logger.warning("%s scores every pair almost alike (sd %.2g over %d x %d pairs, the ensemble's widest "
                            "%.2g): averaged, it adds a near-constant and the ensemble ranks as the other models do; "
                            "evaluate it alone", name, spread, n, n, widest)

@@ -238,10 +238,11 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
         if wants_place:
             read = model_attention if encoder.place_smooth == encoder.smooth else \
                 word_region_attention(regions[0], words[0], encoder.place_smooth)
-            place = place_shares(encoder.place_term, read, centres[0], words[0]).cpu().numpy()
+            signed = place_shares(encoder.place_term, read, centres[0], words[0], signed=True)
+            place = encoder.place_term.value_shares(signed).cpu().numpy()
             place_model = label
             if encoder.place_term.penalty:
-                place_signed = place_shares(encoder.place_term, read, centres[0], words[0], signed=True).cpu().numpy()
+                place_signed = signed.cpu().numpy()
         if saf_beta is None and hasattr(encoder, "SAF_module"):
             saf_beta = saf_node_weights(encoder.SAF_module, nodes).cpu().numpy()
         if sgr_alignment is None and hasattr(encoder, "SGR_module"):
@@ -531,8 +532,9 @@ def _rectangle(x: float, y: float, w: float, h: float, colour: str = "yellow", w
 
 
 def penalty_note(explanation: Explanation) -> str:
-    """', a penalty: the signed term +X.XXX adds nothing' where a penalty's term zeroed a signed
-    term above 0 (`Explanation.place_signed`), else ''."""
-    if explanation.place_signed is None or float(explanation.place_signed.sum()) <= 0:
+    """What a penalty's term left out where it zeroed a signed term above 0
+    (`Explanation.place_signed`), as ', a penalty: the signed term +0.600 adds nothing'; else ''."""
+    signed = None if explanation.place_signed is None else float(explanation.place_signed.sum())
+    if signed is None or signed <= 0:
         return ""
-    return f", a penalty: the signed term {float(explanation.place_signed.sum()):+.3f} adds nothing"
+    return f", a penalty: the signed term {signed:+.3f} adds nothing"

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
 def format_explanation(explanation: "Explanation") -> str:
     """A text table of the per-node quantities and the scores."""
-    from sgraf.explain import penalty_note, image_label
+    from sgraf.explain import image_label, penalty_note
 
     lines = [f"{image_label(explanation)} / {explanation.text!r}: "
              + ", ".join(f"{k} {v:.4f}" for k, v in explanation.scores.items())]

@@ -518,13 +518,11 @@ def benchmark_fingerprint(folder: str | os.PathLike[str]) -> dict[str, str]:
     """What a benchmark's files are, to tell later whether they changed (`sgraf demo` reuses one
     only if not): `sgraf.data.precomp.data_fingerprint` of the three splits, and the sha256 of
     their scenes, boxes and picture sizes and of the vocabulary."""
-    from sgraf.data.precomp import data_fingerprint
+    from sgraf.data.precomp import EXTRA_FILES, data_fingerprint
 
     folder = Path(folder)
-    fingerprint = data_fingerprint(folder, SPLITS)
-    for name in [f"{split}_{kind}" for split in SPLITS for kind in ("scenes.jsonl", "boxes.npy", "image_sizes.npy")
-                 ] + ["vocab.json"]:
-        fingerprint[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    fingerprint = data_fingerprint(folder, SPLITS, extras=EXTRA_FILES)   # a file gone is absent: it differs
+    fingerprint["vocab.json"] = hashlib.sha256((folder / "vocab.json").read_bytes()).hexdigest()
     return fingerprint
 
 

@@ -421,6 +421,14 @@ def collate_batch(items: Sequence[tuple[Any, ...]]) -> Batch:
     )
 
 
+def first_pairs(split: PrecompSplit, vocab: Any, n: int, with_boxes: bool = False) -> Batch:
+    """The split's first `n` images (all when fewer) with the first caption of each, as one
+    `Batch`: a small sample whose every pair a check scores (`training.loop.place_term_spread`,
+    `evaluate.warn_flat_members`)."""
+    dataset = PrecompDataset(split, vocab, with_boxes=with_boxes)
+    return collate_batch([dataset[image * split.caps_per_image] for image in range(min(n, split.n_images))])
+
+
 class EpochShuffleSampler(torch.utils.data.Sampler[int]):
     """A permutation of range(n) that depends only on (seed, epoch).
 

@@ -157,12 +157,10 @@ def place_term_spread(model: nn.Module, split: Any, vocab: Any, device: torch.de
     `PLACE_TERM_WARN_RATIO` times the logits': at their best checkpoints the demo's place models
     had 0.33 (SGR) and 0.92 (SAF) and went on learning; one trained on 300 pictures had 1.1, then
     2.6 while its dev rsum fell from 198 to 129."""
-    from sgraf.data.precomp import PrecompDataset, collate_batch
+    from sgraf.data.precomp import first_pairs
     from sgraf.model.blocks import eval_mode
 
-    n = min(PLACE_TERM_SAMPLE, split.n_images)
-    dataset = PrecompDataset(split, vocab, with_boxes=True)
-    batch = collate_batch([dataset[image * split.caps_per_image] for image in range(n)])
+    batch = first_pairs(split, vocab, PLACE_TERM_SAMPLE, with_boxes=True)
     device = torch.device(device)
     term_module = model.sim_enc.place_term
     with eval_mode([model]), torch.no_grad():
@@ -389,12 +387,11 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     stopped_by: int | None = None     # the signal every process agreed to stop on (one process may have had it)
     with StopSignals() as signals:
         def after_step(result: StepResult) -> bool:
-            nonlocal last_loss
+            nonlocal last_loss, stopped_by
             last_loss = result.loss
             record.step(result)
             if config.val_every and progress.global_step % config.val_every == 0 and progress.epoch_step < n_steps:
                 record.validation(end_of_epoch=False)
-            nonlocal stopped_by
             stopped_by = _agreed_signal(signals.received)
             stop = stopped_by is not None
             if stop or (config.checkpoint_every and progress.global_step % config.checkpoint_every == 0):
