@@ -15,7 +15,7 @@ from sgraf.signals import Stopped
 from sgraf.training import fit
 from sgraf.training.config import preset
 from sgraf.training.pool import JobResult, TrainJob, fit_all, plan_workers, without_progress
-from train_helpers import make_toy_precomp
+from train_helpers import alive, children, make_toy_precomp
 
 
 @pytest.fixture(scope="module")
@@ -114,28 +114,6 @@ def test_one_worker_trains_here_in_the_order_given(toy_data, tmp_path, monkeypat
     assert without_progress(_job("p", toy_data, tmp_path / "p", progress=True)).config.progress is False
 
 
-def _children(pid: int) -> list[int]:
-    """The pids whose parent is `pid` (Linux's /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the processes from Linux's /proc")
 def test_workers_whose_parent_was_killed_save_their_last_pt_and_exit(toy_data, tmp_path):
     """SIGKILL (or the out-of-memory killer) leaves the parent no time to stop its workers: each
@@ -163,16 +141,16 @@ def test_workers_whose_parent_was_killed_save_their_last_pt_and_exit(toy_data, t
         while not all((run / "config.yaml").exists() for run in runs) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1.0)
-        workers = [pid for pid in _children(parent.pid) if "spawn" in open(f"/proc/{pid}/cmdline").read()]
+        workers = [pid for pid in children(parent.pid) if "spawn" in open(f"/proc/{pid}/cmdline").read()]
         assert len([pid for pid in workers if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]) >= 2
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 60
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = [pid for pid in workers if _alive(pid)]
+        left = [pid for pid in workers if alive(pid)]
     finally:
-        for pid in _children(parent.pid) + [pid for pid in locals().get("workers", []) if _alive(pid)]:
+        for pid in children(parent.pid) + [pid for pid in locals().get("workers", []) if alive(pid)]:
             os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their parent"
     assert all((run / "last.pt").is_file() for run in runs)

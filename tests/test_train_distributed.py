@@ -238,13 +238,6 @@ def test_a_process_that_fails_alone_ends_the_job_with_its_error(tmp_path):
     assert "Connection closed by peer" not in proc.stderr and "Connection reset by peer" not in proc.stderr
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the workers in Linux's /proc")
 def test_a_signal_to_one_process_stops_every_process_each_naming_it(tmp_path):
     """Each process reports the signal the job agreed to stop on: the ones that did not receive it
@@ -252,7 +245,7 @@ def test_a_signal_to_one_process_stops_every_process_each_naming_it(tmp_path):
     import signal
     import time
 
-    from train_helpers import make_toy_precomp
+    from train_helpers import children, make_toy_precomp
 
     data = make_toy_precomp(tmp_path / "data", n_train=24, n_dev=8)
     run = tmp_path / "run"
@@ -265,8 +258,7 @@ def test_a_signal_to_one_process_stops_every_process_each_naming_it(tmp_path):
         deadline = time.monotonic() + 120
         while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        workers = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()
-                   and _parent_of(int(entry)) == launcher.pid]
+        workers = children(launcher.pid)
         assert len(workers) == 2, workers
         os.kill(max(workers), signal.SIGTERM)      # one process, as a scheduler may signal one task
         out, err = launcher.communicate(timeout=120)

@@ -7,6 +7,7 @@ different templates, so matching words to regions is learnable.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import numpy as np
@@ -38,3 +39,24 @@ def make_toy_precomp(root: str | pathlib.Path, n_train: int = 80, n_dev: int = 2
         np.save(root / f"{split}_ims.npy", images)
         (root / f"{split}_caps.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (Linux), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (Linux's /proc)."""
+    return [int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and (_proc_stat(int(entry)) or [None, None])[1] == str(pid)]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (not gone, not a zombie), by Linux's /proc."""
+    fields = _proc_stat(pid)
+    return fields is not None and fields[0] != "Z"

@@ -482,11 +482,10 @@ def _resume_or_remove(out: Path, jobs_by_seed: dict[int, list[Any]]) -> tuple[di
     """The jobs whose run an earlier demo into `out` left with a last.pt, the same settings and the
     same data are resumed (a stopped demo goes on where it stopped; a finished run trains nothing);
     the earlier demo's other run files are removed. Returns the jobs and the resumed jobs' names."""
+    from sgraf.folder_lock import FolderLock
     from sgraf.output_folder import read_record, remove_recorded
     from sgraf.training import run_dir as rd
     from sgraf.training.loop import run_fingerprint
-
-    from sgraf.folder_lock import FolderLock
 
     for jobs in jobs_by_seed.values():    # a run another process trains (a killed demo's worker): nothing removed
         for job in jobs:

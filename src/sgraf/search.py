@@ -180,35 +180,65 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     except OSError as error:
         raise write_error(out, error) from None
     with _index_lock(out):
-        return _build(matcher, features, captions, out, dtype, batch_size, progress, boxes, image_names, source,
-                      caps_per_image, n_img, n_cap)
+        try:
+            staging = temporary_folder(out.parent, f".{out.name}{STAGING_INFIX}")
+        except OSError as error:
+            raise write_error(out, error) from None
+        try:
+            captions_label = (f"the {source['split']} captions of {source['data_dir']}"
+                              if source and {"split", "data_dir"} <= set(source) else "the gallery captions")
+            _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label, progress,
+                         boxes)
+            if image_names is not None:
+                (staging / IMAGE_NAMES).write_text("".join(name.strip() + "\n" for name in image_names),
+                                                   encoding="utf-8")
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                "models": matcher.identities,
+                "vocab_sha256": _vocab_sha256(matcher.vocab),
+                "n_images": n_img,
+                "n_captions": n_cap,
+                "caps_per_image": caps_per_image,
+                "dtype": dtype,
+                "source": source,
+                "files": {path.name: _describe_file(path) for path in sorted(staging.iterdir())},
+            }
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            _swap_in(staging, out)
+        except OSError as error:   # name the index the user asked for, not the staging folder
+            shutil.rmtree(staging, ignore_errors=True)
+            raise write_error(out, error) from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        # sgraf index prints it
+        logger.debug("indexed %d images and %d captions with %d model(s) into %s", n_img, n_cap, len(matcher.models),
+                     out)
+        return out
 
 
-STAGING_INFIX = ".sgraf-staging-"   # `.NAME.sgraf-staging-XXXXXXXX`: an index being built beside NAME
-ASIDE_INFIX = ".sgraf-earlier-"     # `.NAME.sgraf-earlier-XXXXXXXX/NAME`: the earlier index, during the swap
+# the folders a build makes beside the index NAME, each name ending in 8 random characters:
+STAGING_INFIX = ".sgraf-staging-"   # `.NAME.sgraf-staging-` + 8: the index being built
+ASIDE_INFIX = ".sgraf-earlier-"     # `.NAME.sgraf-earlier-` + 8, holding NAME: the earlier index during the swap
 
 
-def _index_lock(out: Path) -> Any:
+@contextlib.contextmanager
+def _index_lock(out: Path) -> Iterator[None]:
     """The lock of the index at `out`, a file beside it (the folder is replaced whole): a second
     build into `out` is refused while one runs (both had said they wrote it; the last won). Held,
     it puts back an index a kill left aside mid-swap and removes the folders killed builds left."""
     from sgraf.folder_lock import LOCK_FILE, FolderLock
 
-    lock = FolderLock(out, purpose="index build", path=out.parent / f".{out.name}{LOCK_FILE}")
-
-    @contextlib.contextmanager
-    def held() -> Iterator[None]:
-        with lock:
-            staging, aside = _leftovers(out)
-            if aside and not out.exists():     # the newest, if several
-                latest = max(aside, key=lambda folder: folder.stat().st_mtime)
-                os.replace(latest / out.name, out)
-                logger.warning("%s: put back the index a stopped build had moved aside (%s)", out, latest)
-            for leftover in staging + aside:
-                shutil.rmtree(leftover, ignore_errors=True)
-            yield
-
-    return held()
+    with FolderLock(out, purpose="index build", path=out.parent / f".{out.name}{LOCK_FILE}"):
+        staging, aside = _leftovers(out)
+        if aside and not out.exists():     # the newest, if several
+            latest = max(aside, key=lambda folder: folder.stat().st_mtime)
+            os.replace(latest / out.name, out)
+            logger.warning("%s: put back the index a stopped build had moved aside (%s)", out, latest)
+        for leftover in staging + aside:
+            shutil.rmtree(leftover, ignore_errors=True)
+        yield
 
 
 def _leftovers(out: Path) -> tuple[list[Path], list[Path]]:
@@ -221,46 +251,6 @@ def _leftovers(out: Path) -> tuple[list[Path], list[Path]]:
     folders = [path for path in out.parent.iterdir() if path.is_dir() and not path.is_symlink()]
     return ([path for path in folders if staging.fullmatch(path.name)],
             [path for path in folders if aside.fullmatch(path.name) and (path / out.name).is_dir()])
-
-
-def _build(matcher: Any, features: Any, captions: Sequence[str], out: Path, dtype: str, batch_size: int,
-           progress: bool, boxes: Any, image_names: Any, source: dict[str, Any], caps_per_image: int | None,
-           n_img: int, n_cap: int) -> Path:
-    """`build_index`'s work, its arguments checked and the index's lock held."""
-    try:
-        staging = temporary_folder(out.parent, f".{out.name}{STAGING_INFIX}")
-    except OSError as error:
-        raise write_error(out, error) from None
-    try:
-        captions_label = (f"the {source['split']} captions of {source['data_dir']}"
-                          if source and {"split", "data_dir"} <= set(source) else "the gallery captions")
-        _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label, progress,
-                     boxes)
-        if image_names is not None:
-            (staging / IMAGE_NAMES).write_text("".join(name.strip() + "\n" for name in image_names), encoding="utf-8")
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "models": matcher.identities,
-            "vocab_sha256": _vocab_sha256(matcher.vocab),
-            "n_images": n_img,
-            "n_captions": n_cap,
-            "caps_per_image": caps_per_image,
-            "dtype": dtype,
-            "source": source,
-            "files": {path.name: _describe_file(path) for path in sorted(staging.iterdir())},
-        }
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _swap_in(staging, out)
-    except OSError as error:   # name the index the user asked for, not the staging folder
-        shutil.rmtree(staging, ignore_errors=True)
-        raise write_error(out, error) from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    logger.debug("indexed %d images and %d captions with %d model(s) into %s", n_img, n_cap,   # sgraf index prints it
-                len(matcher.models), out)
-    return out
 
 
 def _split_fingerprint(data_dir: str | os.PathLike[str], split: str) -> dict[str, str] | None:

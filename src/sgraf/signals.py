@@ -40,6 +40,12 @@ class Stopped(BaseException):
         return 128 + self.signum
 
 
+def ours_to_handle(signum: int) -> bool:
+    """Whether sgraf may put its own handler on `signum`: not on a SIGINT ignored by whoever started
+    the process (a script's `cmd &`, a training pool's worker), which stays ignored."""
+    return not (signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN)
+
+
 def _raise_stopped(signum: int, frame: Any) -> None:
     raise Stopped(signum)
 

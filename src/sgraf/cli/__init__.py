@@ -103,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parser_of(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
-               unknown: list[str]) -> argparse.ArgumentParser:
+               unknown: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser whose options `unknown` stood among: the innermost (sub-)command named before the
-    first of them (`sgraf vocab build --bogus`: `vocab build`), else the top one (`sgraf --bogus evaluate`)."""
-    first = argv.index(unknown[0]) if unknown[0] in argv else len(argv)
+    first of them (`sgraf vocab build --bogus`: `vocab build`), else the top one (`sgraf --bogus evaluate`);
+    without `unknown`, the innermost command named."""
+    first = argv.index(unknown[0]) if unknown and unknown[0] in argv else len(argv)
     current, position = parser, 0
     while True:
         actions = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = sys.argv[1:] if argv is None else list(argv)
         if unknown:   # said by the command's parser: "sgraf evaluate: error: ... (see sgraf evaluate --help)"
             _parser_of(parser, args, given, unknown).error(f"unrecognized arguments: {' '.join(unknown)}")
-        command = _parser_of(parser, args, given, ["\0"])          # the innermost command named
+        command = _parser_of(parser, args, given)
         prog = command.prog     # "sgraf data check", as argparse's own refusals name it
         _refuse_repeated(command, given[given.index(args.command) + 1:] if args.command in given else given)
     except SystemExit as stop:  # --help, --version (0) or a refused argument (2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -89,8 +90,6 @@ def run(args: argparse.Namespace) -> int:
         if args.allow_other_data:
             raise InputError("--allow-other-data applies to --resume RUN_DIR (a new run trains on its --data)")
         config, extras = resolve_config(args.preset, args.config, args.overrides)
-        import os
-
         for flag, given, key in (("--data", args.data, "data"), ("--preset", args.preset, "preset")):
             same = (lambda a, b: os.path.realpath(a) == os.path.realpath(b)) if key == "data" else str.__eq__
             if given and extras.get(key) and not same(str(extras[key]), given):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sgraf.devices import available_cores
-from sgraf.signals import Stopped
+from sgraf.signals import Stopped, ours_to_handle
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +146,8 @@ def _fit_in_workers(jobs: Sequence[TrainJob], workers: int, threads: int | None,
         received.append(signum)
 
     if main:
-        previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM, signal.SIGINT)
-                    if not (signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN)}
+        previous = {signum: signal.signal(signum, handle)
+                    for signum in filter(ours_to_handle, (signal.SIGTERM, signal.SIGINT))}
     context = multiprocessing.get_context("spawn")
     stop = context.Event()   # set: a worker starts no further job (one may already be queued to it)
     started = context.SimpleQueue()   # each worker's pid, put there as it starts

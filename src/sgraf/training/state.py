@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sgraf.signals import ours_to_handle
+
 logger = logging.getLogger(__name__)
 
 STATE_KEY = "train_state"
@@ -146,11 +148,7 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                # a SIGINT ignored stays so (a script's background job, a pool's worker): it had been
-                # ignored before the first step and obeyed after
-                if signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
-                    continue
+            for signum in filter(ours_to_handle, self.SIGNALS):   # an ignored SIGINT had been obeyed from step 1
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
