@@ -490,6 +490,41 @@ def test_index_shows_progress_unless_quiet(gallery, tmp_path, capsys):
     assert "encoding" not in capsys.readouterr().err
 
 
+def test_every_command_takes_quiet_and_defaults_its_device_to_auto(no_gpu):
+    from sgraf.cli import _leaf_parsers
+    from sgraf.cli.arguments import device
+
+    assert device("auto") == device(" AUTO ") == "cpu"     # resolved while parsing (extract had moved to "auto")
+
+    leaves = _leaf_parsers(build_parser())
+    assert len(leaves) >= 16 and {"sgraf data check", "sgraf vocab build", "sgraf train"} <= {p.prog for p in leaves}
+    for command in leaves:
+        assert "--quiet" in command._option_string_actions, command.prog
+        device = command._option_string_actions.get("--device")
+        assert device is None or device.default == "auto", command.prog
+
+
+def test_quiet_silences_info_lines_and_bars_everywhere(gallery, tmp_path, capsys):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    base = [sys.executable, "-m", "sgraf"]
+    args = ["evaluate", "--checkpoint", str(gallery["checkpoint"]), "--data", str(gallery["data"]), "--split", "test",
+            "--device", "cpu"]
+    loud = subprocess.run([*base, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert loud.returncode == 0 and "INFO sgraf.evaluate: evaluating" in loud.stderr, loud.stderr
+    for quiet in ([*base, "-q", *args], [*base, *args, "--quiet"]):
+        run = subprocess.run(quiet, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stderr == "" and "rsum" in run.stdout, run.stderr
+    # the bars: silenced by --quiet for that call only (tests call main again in one process)
+    base = ["index", "--checkpoint", str(gallery["checkpoint"]), "--data", str(gallery["data"]), "--split", "test",
+            "--batch-size", "2"]
+    assert main(["-q", *base, "--out", str(tmp_path / "d")]) == 0
+    assert "encoding" not in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "e")]) == 0
+    assert "encoding images" in capsys.readouterr().err
+    _one_line_error(capsys, main(["-v", *base, "--out", str(tmp_path / "f"), "--quiet"]),
+                    "sgraf index: error: --verbose and --quiet ask for opposite things")
+
+
 def test_rank_1_logs_no_info_and_paths_that_are_not_utf8_print_as_given(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -505,6 +540,7 @@ def test_rank_1_logs_no_info_and_paths_that_are_not_utf8_print_as_given(tmp_path
     from sgraf.cli import log_level
 
     assert log_level(verbose=False, rank=0) == 20 and log_level(verbose=False, rank=1) == 30
+    assert log_level(verbose=False, rank=0, quiet=True) == 30
 
 
 def test_demo_logs_each_override_once(tmp_path, monkeypatch, caplog):

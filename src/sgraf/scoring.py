@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -53,10 +52,9 @@ __all__ = ["CaptionBucket", "Encoded", "Scorer", "encode_images", "encode_captio
 
 
 def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
-    from tqdm.auto import tqdm
+    from sgraf.progress import bar
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, dynamic_ncols=True,
-                disable=not enabled, leave=False)
+    return bar(total, desc, unit, enabled, unit_scale=True)
 
 
 def tokenize_captions(captions: Sequence[str], vocab: Any,

@@ -33,7 +33,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,10 +306,9 @@ def _describe_file(path: Path) -> dict[str, Any]:
 
 
 def _progress(total: int, desc: str, unit: str, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
+    from sgraf.progress import bar
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, dynamic_ncols=True,
-                disable=not enabled, leave=False)
+    return bar(total, desc, unit, enabled, unit_scale=True)
 
 
 def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: Path, dtype: str,

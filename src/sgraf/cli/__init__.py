@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Image-text matching with SGRAF (Similarity Graph Reasoning and Attention Filtration).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", dest="quiet_everywhere", action="store_true", help=QUIET_HELP)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                        parser_class=ArgumentParser)
@@ -99,7 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # command not built yet
             raise
         module.register(subparsers)
+    for command in _leaf_parsers(parser):
+        if "--quiet" not in command._option_string_actions:
+            command.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     return parser
+
+
+QUIET_HELP = "no progress bars and no INFO lines; warnings and errors still print"
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of the commands that run (`evaluate`, `data check`), not of those that only
+    name others (`data`)."""
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not actions:
+        return [parser]
+    return [leaf for child in dict.fromkeys(actions[0].choices.values()) for leaf in _leaf_parsers(child)]
 
 
 def _parser_of(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
@@ -162,17 +178,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = _parser_of(parser, args, given)
         prog = command.prog     # "sgraf data check", as argparse's own refusals name it
         _refuse_repeated(command, given[given.index(args.command) + 1:] if args.command in given else given)
+        args.quiet = quiet = args.quiet_everywhere or args.quiet
+        if quiet and args.verbose:
+            command.error("--verbose and --quiet ask for opposite things: give one")
     except SystemExit as stop:  # --help, --version (0) or a refused argument (2)
         return int(stop.code or 0)
     if callable(getattr(sys.stdout, "reconfigure", None)):
         # A path given as bytes that are not UTF-8 reaches Python as lone surrogates; print it back
         # as those bytes (as ls does) rather than fail after the work is done.
         sys.stdout.reconfigure(errors="surrogateescape")
+    from sgraf import progress
+
+    progress.silence(quiet)     # this call's choice, not an earlier call's (tests run `main` in one process)
     rank, world_size = _torchrun_rank()
     if rank > 0:    # under torchrun every process may say the same: the others' lines say which they are
         prog = f"{prog} [rank {rank}]"
     logging.basicConfig(
-        level=log_level(args.verbose, rank),
+        level=log_level(args.verbose, rank, quiet),
         format=("%(levelname)s %(name)s: %(message)s" if world_size <= 1
                 else f"%(levelname)s %(name)s [rank {rank}]: %(message)s"),
         stream=sys.stderr,
@@ -273,11 +295,12 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def log_level(verbose: bool, rank: int) -> int:
-    """DEBUG with --verbose; else INFO, but WARNING on the processes of torchrun other than rank 0."""
+def log_level(verbose: bool, rank: int, quiet: bool = False) -> int:
+    """DEBUG with --verbose; WARNING with --quiet; else INFO, but WARNING on the processes of
+    torchrun other than rank 0."""
     if verbose:
         return logging.DEBUG
-    return logging.INFO if rank == 0 else logging.WARNING
+    return logging.INFO if rank == 0 and not quiet else logging.WARNING
 
 
 def _torchrun_rank() -> tuple[int, int]:

@@ -72,11 +72,12 @@ def seed(text: str) -> int:
     return value
 
 
+DEVICE_HELP = "cpu, cuda, cuda:N or mps; auto: cuda when available, else cpu"
+
+
 def device(text: str) -> str:
-    """A torch device this machine can use ('cpu', 'cuda', 'cuda:N', 'mps'), checked now; 'auto'
-    (CUDA when available) is left for the command to resolve (`sgraf.devices.resolve_device`)."""
-    if text.strip().lower() == "auto":
-        return "auto"
+    """A torch device this machine can use ('cpu', 'cuda', 'cuda:N', 'mps'; 'auto': CUDA when
+    available), checked now (`sgraf.devices.resolve_device`)."""
     from sgraf.devices import resolve_device
     from sgraf.errors import InputError
 
@@ -150,7 +151,7 @@ def check_score_source(args: argparse.Namespace) -> None:
 def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False, save_sims: bool = True) -> None:
     """The options of a command that scores a split with checkpoints as `sgraf evaluate` does
     (`evaluate`, `diagnose`, `compare`): vocabulary, saved matrix (unless not `save_sims`), JSON,
-    precision, batch size, device, quiet."""
+    precision, batch size, device (every command has --quiet: `sgraf.cli.build_parser`)."""
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
     if save_sims:
         parser.add_argument("--save-sims", metavar="FILE.npy",
@@ -164,9 +165,8 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False,
     # checked by the command (`checked_device`), not while parsing: checking needs PyTorch, and
     # `evaluate` starts tokenising its captions in another process before importing it
     parser.add_argument("--device", default="auto",
-                        help="cpu, cuda, cuda:N or mps; auto: cuda when available"
+                        help=DEVICE_HELP
                              + (" (under torchrun each process takes its LOCAL_RANK device)" if torchrun else ""))
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def data_inputs(data: str | None, splits: list[str] | tuple[str, ...], label: str = "--data") -> list[tuple[str, str]]:

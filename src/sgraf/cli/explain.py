@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from sgraf.cli.arguments import (ENSEMBLE_OF_MODELS, data_inputs, device, non_negative_int, refuse_others_files,
-                                 split_name, utf8_text)
+from sgraf.cli.arguments import (DEVICE_HELP, ENSEMBLE_OF_MODELS, data_inputs, device, non_negative_int,
+                                 refuse_others_files, split_name, utf8_text)
 
 if TYPE_CHECKING:
     from sgraf.explain import Explanation
@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, metavar="FILE.png", help="PNG to write")
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--allow-unknown", action="store_true", help="map unknown words to <unk>")
-    parser.add_argument("--device", type=device, default="cpu", help="where to compute: cpu, cuda, cuda:N or mps")
+    parser.add_argument("--device", type=device, default="auto", help=f"where to compute: {DEVICE_HELP}")
     parser.set_defaults(func=run)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import device, int_in, positive_int, split_name
+from sgraf.cli.arguments import DEVICE_HELP, device, int_in, positive_int, split_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,8 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--weights", help="weights file (default: the one installed with the backbone)")
     parser.add_argument("--image-size", type=int_in(16, 4096), default=192, help="input side in pixels")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass")
-    parser.add_argument("--device", type=device, default="cpu",
-                        help="where to run the backbone: cpu, cuda, cuda:N or mps")
+    parser.add_argument("--device", type=device, default="auto", help=f"where to run the backbone: {DEVICE_HELP}")
     parser.add_argument("--no-pictures", action="store_true",
                         help="do not keep the pictures in OUT/images/SPLIT/ (by default each is kept there, a copy "
                              "or upright RGB, so that search, serve and explain show it)")

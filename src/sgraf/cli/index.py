@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import split_name, ENSEMBLE_OF_MODELS, data_inputs, device, positive_int
+from sgraf.cli.arguments import split_name, ENSEMBLE_OF_MODELS, data_inputs, DEVICE_HELP, device, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,8 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                         help="storage of the embeddings: float32 (exact) or float16 (half the disk)")
     parser.add_argument("--batch-size", type=positive_int, default=256, help="images / captions encoded per chunk")
-    parser.add_argument("--device", type=device, default="cpu", help="where to encode: cpu, cuda, cuda:N or mps")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--device", type=device, default="auto", help=f"where to encode: {DEVICE_HELP}")
     parser.set_defaults(func=run)
 
 

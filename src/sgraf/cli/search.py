@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import device, non_negative_int, positive_int, utf8_text
+from sgraf.cli.arguments import DEVICE_HELP, device, non_negative_int, positive_int, utf8_text
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,8 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="map words unknown to the vocabulary to <unk> instead of refusing the query")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksum of every index file (faster for large galleries)")
-    parser.add_argument("--device", type=device, default="cpu",
-                        help="where to encode and score: cpu, cuda, cuda:N or mps")
+    parser.add_argument("--device", type=device, default="auto", help=f"where to encode and score: {DEVICE_HELP}")
     parser.set_defaults(func=run)
 
 

@@ -6,7 +6,7 @@ import argparse
 import socket
 from typing import Any
 
-from sgraf.cli.arguments import device, int_in, non_negative_int, positive_int
+from sgraf.cli.arguments import DEVICE_HELP, device, int_in, non_negative_int, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--data", metavar="DIR",
                         help="the precomp folder the index was built from, if it moved (pictures, explanations)")
-    parser.add_argument("--device", type=device, default="cpu", help="where the models compute (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--device", type=device, default="auto", help=f"where the models compute: {DEVICE_HELP}")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="autocast precision of encoding and scoring")
     parser.add_argument("--shortlist", type=non_negative_int, default=100, metavar="N",

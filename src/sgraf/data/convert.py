@@ -205,13 +205,13 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
         ((images, regions, feature size), captions written, the boxes (n, K, 4) in pixels,
         the pictures' sizes (n, 2)), the boxes checked row by row (`check_row_boxes`).
     """
-    from tqdm import tqdm
+    from sgraf.progress import bar as progress_bar
 
     ims = boxes = None
     ids: list[str] = []
     first_line: dict[str, int] = {}                   # image_id -> its line: each image once
     sizes = np.zeros((n_rows, 2), dtype=np.float32)  # width, height
-    with tqdm(total=n_rows, desc=f"{tsv_path.name}", unit="img", disable=not progress) as bar:
+    with progress_bar(n_rows, tsv_path.name, "img", progress, leave=True) as bar:
         row_index = 0
         for number, raw in text_files.lines(tsv_path):
             if not raw.strip():

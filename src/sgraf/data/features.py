@@ -219,14 +219,14 @@ def extract_to_npy(images: Iterable["Image.Image"], n_images: int, backbone: Gri
     Returns:
         The written array, memory-mapped read-only.
     """
-    from tqdm import tqdm
+    from sgraf.progress import bar as progress_bar
 
     batch_size = check_positive_int(batch_size, "batch_size")
     out_path = Path(out_path)
     out = None  # opened once the first batch tells the number of regions
     done = 0
     batch: list = []
-    bar = tqdm(total=n_images, desc=f"{backbone.name} features", unit="img", disable=not progress)
+    bar = progress_bar(n_images, f"{backbone.name} features", "img", progress, leave=True)
 
     def flush(temporary: Path) -> None:
         nonlocal done, out

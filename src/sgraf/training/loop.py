@@ -780,10 +780,9 @@ def _signal_name(signum: int | None) -> str | None:
 def _progress_bar(config: TrainConfig, is_main: bool, n_steps: int, progress: Progress, signals: Any) -> Any | None:
     if not (config.progress and is_main):
         return None
-    from tqdm import tqdm
+    from sgraf.progress import bar
 
-    return tqdm(total=n_steps, initial=progress.epoch_step, desc=f"epoch {progress.epoch + 1}/{config.epochs}",
-                unit="step", dynamic_ncols=True, leave=False)
+    return bar(n_steps, f"epoch {progress.epoch + 1}/{config.epochs}", "step", initial=progress.epoch_step)
 
 
 def _plot(run: pathlib.Path) -> None:
