@@ -80,12 +80,23 @@ def test_convert_command_writes_a_weights_only_checkpoint_with_vocab(tmp_path, c
     assert isinstance(converted.vocab, Vocabulary) and len(converted.vocab) == 181
     for key, tensor in official.state_dict().items():
         assert torch.equal(converted.state_dict()[key], tensor), key
-    # converting again replaces its own output; the authors' file named as DST by a slip is refused
-    assert main(["convert-checkpoint", str(DATA / "e2e" / "sgr.pth.tar"), str(dst), "--vocab", str(E2E_VOCAB)]) == 0
+    # converting again replaces its own output with --overwrite only; the authors' file named as DST by a slip
+    # is refused either way
+    capsys.readouterr()
+    before = dst.read_bytes()
+    dst.touch()
+    assert main(["convert-checkpoint", str(DATA / "e2e" / "sgr.pth.tar"), str(dst), "--vocab", str(E2E_VOCAB)]) == 2
+    assert f"DST {dst} exists (an sgraf checkpoint): pass --overwrite" in capsys.readouterr().err
+    assert dst.read_bytes() == before
+    assert main(["convert-checkpoint", str(DATA / "e2e" / "sgr.pth.tar"), str(dst), "--vocab", str(E2E_VOCAB),
+                 "--overwrite", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"out": str(dst), "module": "sgr", "parameters": sum(
+        t.numel() for name, t in official.state_dict().items() if "running" not in name and "num_batches" not in name),
+        "vocab_size": 181, "vocabulary_words": 181}
     authors = tmp_path / "model_best.pth.tar"
     authors.write_bytes((DATA / "e2e" / "saf.pth.tar").read_bytes())
     capsys.readouterr()
-    assert main(["convert-checkpoint", str(dst), str(authors)]) == 2
+    assert main(["convert-checkpoint", str(dst), str(authors), "--overwrite"]) == 2
     assert "exists and is not an sgraf checkpoint" in capsys.readouterr().err
     assert authors.read_bytes() == (DATA / "e2e" / "saf.pth.tar").read_bytes()
 

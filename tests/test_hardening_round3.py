@@ -405,6 +405,45 @@ def test_every_text_reader_strips_a_byte_order_mark(world, tmp_path, capsys, tin
     assert torch.load(marked_out / "ck.pt")["vocab"] == torch.load(clean_out / "ck.pt")["vocab"]
 
 
+# ------------------------------------------------------------------ 2b. --json, every command that reports
+JSON_EXEMPT = {"demo": "writes a report folder (report.json)", "serve": "answers JSON over HTTP",
+               "search": "prints a list of hits (its help says so)"}
+
+
+def test_every_command_prints_one_json_object_with_json(world, tmp_path, capsys, tiny_backbone):
+    """Each command's --json: one line of strict JSON on stdout, an object, nothing else there, and
+    the same facts as its text (the split's counts, the files written)."""
+    runs = _bom_runs(world, tmp_path / "o")
+    runs = {command: ([*argv, "--json"] if "--json" not in argv else argv, written)
+            for command, (argv, written) in runs.items() if command not in JSON_EXEMPT}
+    runs["train"] = (["train", "--data", str(world["data"]), "--out", str(tmp_path / "o" / "run"), "--preset", "tiny",
+                      "--set", "epochs=1", "batch_size=4", "--json"], ["run/best.pt"])
+    runs["generate"] = (["generate", "--out", str(tmp_path / "o" / "g"), "--features", "synthetic", "--n-train", "2",
+                         "--n-dev", "2", "--n-test", "2", "--no-images", "--json"], ["g/vocab.json"])
+    _walks_every_command(runs, JSON_EXEMPT)
+    printed = {}
+    for command, (argv, written) in runs.items():
+        assert main(argv) == 0, (command, capsys.readouterr().err)
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1, (command, out)
+        printed[command] = json.loads(out, parse_constant=lambda word: pytest.fail(f"{command}: {word} in JSON"))
+        assert isinstance(printed[command], dict), command
+        for name in written:
+            assert (tmp_path / "o" / name).exists(), (command, name)
+    assert printed["data check"]["images"] == 8 and printed["data check"]["captions"] == 40
+    assert 0 <= printed["data check"]["vocabulary"]["unknown_share"] <= 1
+    assert printed["index"]["images"] == 8 and printed["index"]["captions"] == 40
+    assert printed["vocab build"]["entries"] == len(load_vocab(tmp_path / "o" / "v.json"))
+    assert printed["train"]["status"] == "finished" and printed["train"]["run_dir"] == str(tmp_path / "o" / "run")
+    assert printed["generate"]["images"] == {"train": 2, "dev": 2, "test": 2}
+    assert printed["extract"]["images"] == 1 and printed["convert-tsv"]["images"] == 3
+    assert printed["convert-checkpoint"]["module"] == "sgr"
+    explained = printed["explain"]
+    assert explained["tokens"][0] == "<start>" and len(explained["attention"]) == len(explained["tokens"])
+    assert set(explained["scores"]) == {"sgr"} and explained["out"] == str(tmp_path / "o" / "e.png")
+    assert printed["runs"] and printed["evaluate"]["rsum"] >= 0
+
+
 # ------------------------------------------------------------------ 3. a full disk, every writer
 class FullDisk:
     """A small tmpfs mounted for one test, filled up to `free` bytes (it needs root)."""

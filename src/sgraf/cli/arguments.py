@@ -157,7 +157,7 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False,
         parser.add_argument("--save-sims", metavar="FILE.npy",
                             help="write the float32 score matrix (caption-file order), and beside it "
                                  "FILE.npy.json, the split it scored (checked when it is read with --sims)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_json(parser)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="encoder and scorer precision (bf16: autocast, scores stay float32)")
     parser.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
@@ -167,6 +167,41 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False,
     parser.add_argument("--device", default="auto",
                         help=DEVICE_HELP
                              + (" (under torchrun each process takes its LOCAL_RANK device)" if torchrun else ""))
+
+
+JSON_HELP = "print one JSON object on stdout instead of the text"
+
+
+def add_json(parser: argparse.ArgumentParser) -> None:
+    """`--json`: the command's result as one JSON object on stdout (`print_json`)."""
+    parser.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def print_json(value: object) -> None:
+    """`value` as one line of strict JSON on stdout: numpy scalars and arrays as numbers and
+    lists, paths as text, a NaN or infinity as null (which JSON has no word for)."""
+    import json
+    import math
+    from pathlib import PurePath
+
+    import numpy as np
+
+    def plain(item: object) -> object:
+        if isinstance(item, dict):
+            return {str(key): plain(inner) for key, inner in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [plain(inner) for inner in item]
+        if isinstance(item, np.ndarray):
+            return plain(item.tolist())
+        if isinstance(item, np.generic):
+            return plain(item.item())
+        if isinstance(item, float) and not math.isfinite(item):
+            return None
+        if isinstance(item, PurePath):
+            return str(item)
+        return item
+
+    print(json.dumps(plain(value), allow_nan=False))
 
 
 def data_inputs(data: str | None, splits: list[str] | tuple[str, ...], label: str = "--data") -> list[tuple[str, str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import split_name
+from sgraf.cli.arguments import add_json, print_json, split_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "this one does not (captions, boxes, ...) are removed, so no stale companion stays beside "
                              "the new features; files sgraf did not write are never deleted or "
                              "replaced (the command refuses and names them)")
+    add_json(parser)
     parser.set_defaults(func=run)
 
 
@@ -35,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     refuse_others_folder("--out", args.out)
     info = convert_tsv(args.tsv, args.out, args.split, captions_path=args.captions, progress=not args.no_progress,
                        overwrite=args.overwrite)
+    if args.json:
+        print_json({"out": args.out, "split": args.split, **info})
+        return 0
     print(f"wrote {args.out}/{args.split}_ims.npy: {info['images']} images x {info['regions']} regions x "
           f"{info['feature_dim']}" + (f"; {info['captions']} captions" if args.captions else ""))
     return 0

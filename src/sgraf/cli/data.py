@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sgraf.cli.arguments import positive_int, split_name
+from sgraf.cli.arguments import add_json, positive_int, print_json, split_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,10 +23,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--vocab", help="vocabulary JSON (default: DIR/vocab.json when present)")
     check.add_argument("--full-scan", action="store_true", help="check every feature for NaN/inf")
     check.add_argument("--max-captions", type=positive_int, help="only the first N captions (the authors' dev: 5000)")
+    add_json(check)
     check.set_defaults(func=run_check)
 
 
 def run_check(args: argparse.Namespace) -> int:
+    report = check_report(args)
+    if args.json:
+        print_json(report)
+        return 0
+    s = report
+    print(f"split            {s['split']} ({args.data})")
+    print(f"images           {s['images']}")
+    print(f"captions         {s['captions']}")
+    print(f"captions/image   {s['captions_per_image']}")
+    print(f"regions          {s['regions']}")
+    print(f"feature size     {s['feature_dim']} ({s['dtype']}, {s['features_bytes'] / 2**20:.1f} MiB on disk)")
+    print(f"NaN/inf check    {s['finite_check']}: none found")
+    print(f"region boxes     {s['boxes']['note']}")
+    vocab = s["vocabulary"]
+    if vocab is None:
+        print("unknown words    (no vocabulary: pass --vocab)")
+        return 0
+    from sgraf.data.vocab import UNKNOWN_WARN_SHARE
+
+    above = vocab["unknown_share"] > UNKNOWN_WARN_SHARE      # evaluate and index warn there too
+    print(f"unknown words    {100 * vocab['unknown_share']:.2f}% of {vocab['tokens']} tokens ({vocab['path']}, "
+          f"{vocab['entries']} entries)"
+          + (f": above {100 * UNKNOWN_WARN_SHARE:.0f}%, is it the vocabulary of this data?" if above else ""))
+    ids = s["caption_ids"]
+    print(f"caption length   min {ids['min']}, mean {ids['mean']:.1f}, max {ids['max']} ids (with <start>/<end>)")
+    return 0
+
+
+def check_report(args: argparse.Namespace) -> dict:
+    """What `sgraf data check` found, as `--json` prints it: the split's summary (`PrecompSplit.summary`),
+    the data folder, the NaN/inf check done ("sampled" or "full scan"), the boxes ({"checked", "note"}),
+    and with a vocabulary its path, entries, tokens, unknown tokens and their share (a fraction), and
+    the captions' lengths in ids ({"min", "mean", "max"}); without one, "vocabulary" and
+    "caption_ids" are null."""
     from sgraf.data.precomp import PrecompSplit
     from sgraf.data.vocab import load_vocab
 
@@ -37,18 +72,11 @@ def run_check(args: argparse.Namespace) -> int:
     boxes = split.read_boxes(required=False)   # checked against the features when the split has them
     vocab_path = Path(args.vocab) if args.vocab else Path(args.data) / "vocab.json"
     vocab = load_vocab(vocab_path) if args.vocab or vocab_path.is_file() else None
-    s = split.summary()
-    print(f"split            {s['split']} ({args.data})")
-    print(f"images           {s['images']}")
-    print(f"captions         {s['captions']}")
-    print(f"captions/image   {s['captions_per_image']}")
-    print(f"regions          {s['regions']}")
-    print(f"feature size     {s['feature_dim']} ({s['dtype']}, {s['features_bytes'] / 2**20:.1f} MiB on disk)")
-    print(f"NaN/inf check    {'full scan' if args.full_scan else 'sampled'}: none found")
-    print(f"region boxes     {_describe_boxes(split, boxes)}")
+    report = {**split.summary(), "data": args.data, "finite_check": "full scan" if args.full_scan else "sampled",
+              "boxes": {"checked": boxes is not None, "note": _describe_boxes(split, boxes)},
+              "vocabulary": None, "caption_ids": None}
     if vocab is None:
-        print("unknown words    (no vocabulary: pass --vocab)")
-        return 0
+        return report
     unknown = total = 0
     lengths = []
     for caption in split.captions:
@@ -56,15 +84,10 @@ def run_check(args: argparse.Namespace) -> int:
         unknown += sum(i == vocab.unk_id for i in ids)
         total += len(ids)
         lengths.append(len(ids) + 2)
-    rate = 100.0 * unknown / max(total, 1)
-    from sgraf.data.vocab import UNKNOWN_WARN_SHARE
-
-    above = rate > 100 * UNKNOWN_WARN_SHARE      # evaluate and index warn there too
-    print(f"unknown words    {rate:.2f}% of {total} tokens ({vocab_path}, {len(vocab)} entries)"
-          + (f": above {100 * UNKNOWN_WARN_SHARE:.0f}%, is it the vocabulary of this data?" if above else ""))
-    print(f"caption length   min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)} "
-          "ids (with <start>/<end>)")
-    return 0
+    report["vocabulary"] = {"path": str(vocab_path), "entries": len(vocab), "tokens": total, "unknown": unknown,
+                            "unknown_share": unknown / max(total, 1)}
+    report["caption_ids"] = {"min": min(lengths), "mean": sum(lengths) / len(lengths), "max": max(lengths)}
+    return report
 
 
 def _describe_boxes(split: object, boxes: object) -> str:

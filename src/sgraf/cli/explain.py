@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from sgraf.cli.arguments import (DEVICE_HELP, ENSEMBLE_OF_MODELS, data_inputs, device, non_negative_int,
-                                 refuse_others_files, split_name, utf8_text)
+                                 print_json, refuse_others_files, split_name, utf8_text)
 
 if TYPE_CHECKING:
     from sgraf.explain import Explanation
@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON, for checkpoints that carry none")
     parser.add_argument("--allow-unknown", action="store_true", help="map unknown words to <unk>")
     parser.add_argument("--device", type=device, default="auto", help=f"where to compute: {DEVICE_HELP}")
+    parser.add_argument("--json", action="store_true",
+                        help="print the explanation's numbers as one JSON object on stdout instead of the table "
+                             "(the fields of sgraf.explain.Explanation, arrays as lists, and out: the picture)")
     parser.set_defaults(func=run)
 
 
@@ -60,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     explanation.image_name = names[args.image_id] if names is not None else None
     layout = region_layout(args.data, args.split, args.image_id, split.num_regions)
     out = render_explanation(explanation, layout, args.out)
+    if args.json:
+        import dataclasses
+
+        print_json({**dataclasses.asdict(explanation), "out": str(out), "regions": layout.source})
+        return 0
     print(format_explanation(explanation))
     print(f"wrote {out} (regions: {layout.source})")
     return 0

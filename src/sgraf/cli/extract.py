@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import DEVICE_HELP, device, int_in, positive_int, split_name
+from sgraf.cli.arguments import DEVICE_HELP, add_json, device, int_in, positive_int, print_json, split_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "this one does not (image ids, pictures, ...) are removed, so no stale companion "
                              "stays beside the new features; files sgraf did not write are never deleted or "
                              "replaced (the command refuses and names them)")
+    add_json(parser)
     parser.set_defaults(func=run)
 
 
@@ -44,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     backbone = get_backbone(args.backbone, weights_path=args.weights, image_size=args.image_size).to(args.device)
     info = extract_folder(args.images, args.captions, args.out, args.split, backbone, batch_size=args.batch_size,
                           overwrite=args.overwrite, keep_pictures=not args.no_pictures)
+    if args.json:
+        print_json({"out": args.out, "split": args.split, **info})
+        return 0
     print(f"wrote {args.out}/{args.split}_ims.npy: {info['images']} images x {info['regions']} regions x "
           f"{info['feature_dim']}; {info['captions']} captions")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from sgraf.cli.arguments import int_in, png_path, positive_int, seed
+from sgraf.cli.arguments import add_json, int_in, png_path, positive_int, print_json, seed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "without it a folder holding precomp files is refused. Files of the earlier data set that "
                              "sgraf wrote are removed, so none is left beside the new one; files sgraf did not write "
                              "are never deleted or replaced (the command refuses and names them)")
+    add_json(parser)
     parser.set_defaults(func=run)
 
 
@@ -67,10 +68,15 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     k, d = meta["feature_shape"]
     images = meta["images"]
+    preview = write_preview(args.out, args.preview) if args.preview else None
+    if args.json:
+        print_json({"out": args.out, "images": images, "captions_per_image": 5, "features": features, "regions": k,
+                    "feature_dim": d, "vocab_size": meta["vocab_size"], "seed": args.seed, "preview": preview,
+                    "seconds": elapsed})
+        return 0
     print(f"wrote {args.out}: train {images['train']}, dev {images['dev']}, test {images['test']} images "
           f"x 5 captions; features {features} ({k} regions x {d}); vocabulary {meta['vocab_size']} "
           f"entries; {elapsed:.1f}s")
-    if args.preview:
-        path = write_preview(args.out, args.preview)
-        print(f"preview: {path}")
+    if preview is not None:
+        print(f"preview: {preview}")
     return 0

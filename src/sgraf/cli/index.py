@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import split_name, ENSEMBLE_OF_MODELS, data_inputs, DEVICE_HELP, device, positive_int
+from sgraf.cli.arguments import (DEVICE_HELP, ENSEMBLE_OF_MODELS, add_json, data_inputs, device, positive_int, print_json,
+                                 split_name)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="storage of the embeddings: float32 (exact) or float16 (half the disk)")
     parser.add_argument("--batch-size", type=positive_int, default=256, help="images / captions encoded per chunk")
     parser.add_argument("--device", type=device, default="auto", help=f"where to encode: {DEVICE_HELP}")
+    add_json(parser)
     parser.set_defaults(func=run)
 
 
@@ -46,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
     out = build_index(matcher, split.images, split.captions, args.out, caps_per_image=split.caps_per_image,
                       source=source, dtype=args.dtype, batch_size=args.batch_size, progress=not args.quiet,
                       boxes=boxes, image_names=split.image_names())
+    if args.json:
+        print_json({"out": str(out), "images": split.n_images, "captions": split.n_captions, "data": args.data,
+                    "split": args.split, "models": len(args.checkpoint), "dtype": args.dtype})
+        return 0
     print(f"indexed {split.n_images} images and {split.n_captions} captions of {args.data} [{args.split}] "
           f"with {len(args.checkpoint)} model(s) into {out}")
     return 0

@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
                         help="train even when the vocabulary leaves over half of the training tokens unknown "
                              "(refused otherwise; a warning above 10%%)")
     parser.add_argument("--list-keys", action="store_true", help="print the config keys of a preset and exit")
+    parser.add_argument("--json", action="store_true",
+                        help="print the run's summary as one JSON object on stdout (status, signal, epoch, epochs, "
+                             "global_step, best_rsum, best_step, best_epoch, stopped_early, last_loss, run_dir)")
     parser.set_defaults(func=run)
 
 
@@ -121,8 +124,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         main_process = distributed.is_main_process()
         distributed.cleanup(barrier=clean)     # leaving on an error: no wait for the others (torchrun stops them)
+    code = 0 if summary["status"] == "finished" else 128 + int(signal.Signals[summary["signal"]])
     if not main_process:
-        return 0 if summary["status"] == "finished" else 128 + int(signal.Signals[summary["signal"]])
+        return code
+    if args.json:
+        from sgraf.cli.arguments import print_json
+
+        print_json({**summary, "epochs": config.epochs})
+        return code
     if summary["status"] == "interrupted":
         print(f"stopped by {summary['signal']} in epoch {summary['epoch'] + 1} of {config.epochs} ({summary['epoch']} "
               f"done, as sgraf runs counts), step {summary['global_step']}; last.pt saved. Continue with: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sgraf.cli.arguments import data_inputs, positive_int, refuse_others_files
+from sgraf.cli.arguments import add_json, data_inputs, positive_int, print_json, refuse_others_files
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--min-count", type=positive_int, default=4, help="minimum occurrences (authors: 4)")
     build.add_argument("--splits", action="extend", nargs="+", metavar="SPLIT",
                        help="caption files to count, repeatable; train and dev when not given (as the authors count)")
+    add_json(build)
     build.set_defaults(func=run_build)
 
 
@@ -54,6 +55,10 @@ def run_build(args: argparse.Namespace) -> int:
         raise InputError(f"{args.data}: no captions found for splits {', '.join(args.splits)}")
     vocab = build_vocab(captions, min_count=args.min_count)
     vocab.save(args.out)
+    if args.json:
+        print_json({"out": args.out, "entries": len(vocab), "captions": len(captions), "splits": used,
+                    "min_count": args.min_count})
+        return 0
     print(f"wrote {args.out}: {len(vocab)} entries from {len(captions)} captions ({', '.join(used)}), "
           f"min count {args.min_count}")
     return 0
