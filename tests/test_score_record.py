@@ -101,7 +101,11 @@ def test_a_matrix_without_a_record_or_with_a_stale_one_is_checked_by_its_shape(c
     save(capsys, "saf", twin, tmp_path / "saf_twin.npy")
     bare = tmp_path / "bare.npy"
     np.save(bare, np.load(tmp_path / "saf_twin.npy"))          # the authors' way: no record
-    assert run(capsys, "--sims", tmp_path / "sgr.npy", bare, "--data", DATA)["n_captions"] == 30
+    with caplog.at_level(logging.INFO, logger="sgraf.score_record"):
+        assert run(capsys, "--sims", tmp_path / "sgr.npy", bare, "--data", DATA)["n_captions"] == 30
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{bare} has no record beside it (bare.npy.json): it is checked by its shape only"]
+    caplog.clear()
     # a record left beside a matrix written since by other means describes another matrix
     np.save(tmp_path / "sgr.npy", np.load(bare))
     with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):

@@ -101,7 +101,8 @@ def read_record(matrix_path: str | os.PathLike, sims: np.ndarray) -> dict[str, A
     """The record of the matrix at `matrix_path` (loaded as `sims`), or None: none there, or one
     that is unreadable or describes another matrix (a warning says which)."""
     path = record_path(matrix_path)
-    if not path.is_file():
+    if not path.is_file():    # a matrix written by other code, or copied without its record
+        logger.info("%s has no record beside it (%s): it is checked by its shape only", matrix_path, path.name)
         return None
     try:
         record = json.loads(text_files.read_text(path, "a score matrix record (JSON)"))
