@@ -114,7 +114,7 @@ def test_a_torchrun_environment_without_its_other_processes_is_bounded_and_inter
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "SGRAF_JOIN_TIMEOUT": "2"}
     base = [sys.executable, "-m", "sgraf", "evaluate", "--checkpoint", str(E2E / "sgr.pth.tar"), "--vocab",
-            str(E2E / "data" / "toy_vocab.json"), "--data", str(E2E / "data" / "toy_precomp"), "--quiet"]
+            str(E2E / "data" / "toy_vocab.json"), "--data", str(E2E / "data" / "toy_precomp")]   # INFO: not --quiet
     done = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2, done.stderr
     assert "joining the 2 processes of the torchrun job" in done.stderr
