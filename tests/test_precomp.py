@@ -1,6 +1,7 @@
 """The precomp reader: memory mapping, validation errors, dataset, collate, loader order."""
 
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -67,9 +68,72 @@ def test_missing_file_names_the_file_and_found_splits(tmp_path):
         PrecompSplit(tmp_path, "train")
 
 
+def test_a_missing_file_says_why_it_cannot_be_read(tmp_path):
+    write_split(tmp_path, "train")
+    with pytest.raises(InputError, match=r"nowhere: no such data folder$"):
+        PrecompSplit(tmp_path / "nowhere", "train")
+    with pytest.raises(InputError, match=r"train_ims\.npy: a file, where a data folder is needed$"):
+        PrecompSplit(tmp_path / "train_ims.npy", "train")
+    (tmp_path / "test_ims.npy").symlink_to(tmp_path / "gone.npy")
+    (tmp_path / "test_caps.txt").mkdir()
+    with pytest.raises(InputError, match=r"test_ims\.npy: a broken symbolic link \(to .*gone\.npy, which does not"):
+        PrecompSplit(tmp_path, "test")
+    (tmp_path / "test_ims.npy").unlink()
+    np.save(tmp_path / "test_ims.npy", np.ones((2, 3, 5), np.float32))
+    with pytest.raises(InputError, match=r"test_caps\.txt: a folder, where a file is needed$"):
+        PrecompSplit(tmp_path, "test")
+
+
+def test_one_row_per_caption_is_read_as_the_authors_loader_reads_it(tmp_path, capsys, caplog):
+    """SCAN's "rkiros" files repeat each image once per caption: the authors' loader reads them
+    (im_div) and their evaluation keeps every 5th row; read as the images they repeat."""
+    images, captions = write_split(tmp_path, "test", n_img=4, caps_per_image=5)
+    repeated = tmp_path / "repeated"
+    repeated.mkdir()
+    np.save(repeated / "test_ims.npy", np.repeat(images, 5, axis=0))
+    (repeated / "test_caps.txt").write_bytes((tmp_path / "test_caps.txt").read_bytes())
+    with caplog.at_level("INFO", logger="sgraf.data.precomp"):
+        split = PrecompSplit(repeated, "test")
+    assert "each image repeated 5 times" in caplog.text
+    assert (split.n_images, split.caps_per_image, split.rows_per_image) == (4, 5, 5)
+    assert np.array_equal(split.images, images) and np.array_equal(split.read_images(1, 3), images[1:3])
+    assert np.array_equal(pickle.loads(pickle.dumps(split)).images, images)      # a loader worker's copy
+    assert main(["data", "check", "--data", str(repeated), "--split", "test", "--json"]) == 0
+    assert '"images": 4' in capsys.readouterr().out
+    # one caption per image whose first images happen to be equal: read a row an image, with a warning
+    rows = np.repeat(images, 5, axis=0)
+    rows[7] += 1
+    np.save(repeated / "test_ims.npy", rows)
+    caplog.clear()
+    split = PrecompSplit(repeated, "test")
+    assert (split.n_images, split.caps_per_image, split.rows_per_image) == (20, 1, 1)
+    assert "rows 0..4 are one image repeated, but rows 5..9 are not" in caplog.text
+
+
+def test_fortran_order_float64_overflow_and_blank_or_cr_captions_are_named(tmp_path, caplog):
+    images, _ = write_split(tmp_path, "test", n_img=4, caps_per_image=1)
+    np.save(tmp_path / "test_ims.npy", np.asfortranarray(images))
+    with caplog.at_level("WARNING", logger="sgraf.data.precomp"):
+        assert np.array_equal(PrecompSplit(tmp_path, "test").images, images)
+    assert "stored in Fortran (column-major) order" in caplog.text
+    big = images.astype(np.float64)
+    big[2, 1, 3] = 1e300
+    np.save(tmp_path / "test_ims.npy", big)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)     # numpy's overflow warning, naming its own line
+        with pytest.raises(InputError, match=r"\[image 2, region 1, dim 3\] is inf \(a float64 value beyond "
+                                             r"float32's range.*\(found by the sampled check\)"):
+            PrecompSplit(tmp_path, "test").check_finite()
+    for bad, message in ((b"one\n\xc2\xa0\xe3\x80\x80\nthree\nfour\n", r":2: a caption of whitespace only \(U\+00A0, U\+3000\)"),
+                         (b"one\rtwo\rthree\rfour\r", r":1: a carriage return \(CR\) inside the line")):
+        (tmp_path / "test_caps.txt").write_bytes(bad)
+        with pytest.raises(InputError, match=message):
+            PrecompSplit(tmp_path, "test")
+
+
 def test_caption_count_not_multiple_of_images(tmp_path):
     write_split(tmp_path, n_img=4, captions=[f"caption {i}" for i in range(9)])
-    with pytest.raises(InputError, match=r"train_caps\.txt: 9 captions is not a multiple of the 4 images in .*"
+    with pytest.raises(InputError, match=r"train_caps\.txt: 9 captions, not a multiple of the 4 images in .*"
                                          r"train_ims\.npy"):
         PrecompSplit(tmp_path, "train")
 

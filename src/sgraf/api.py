@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import numpy as np
 import torch
 
-from sgraf.data.arrays import check_finite_features, mapped_file, padded_ids
+from sgraf.data.arrays import as_float32, check_finite_features, mapped_file, padded_ids
 from sgraf.devices import resolve_device
 from sgraf.errors import InputError, check_positive_int
 from sgraf.io_paths import path_list
@@ -431,7 +431,7 @@ class Matcher:
         """
         source, first_row = mapped_file(features)   # a memory map: its file and rows
         if not torch.is_tensor(features):
-            features = torch.from_numpy(np.array(features, dtype=np.float32))  # copy: memmaps are read-only
+            features = torch.from_numpy(as_float32(features, copy=True))  # copy: memmaps are read-only
         config = self.models[0].config
         if features.dim() == 2:
             features = features.unsqueeze(0)

@@ -43,7 +43,7 @@ import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys, split_shortlist_keys
 from sgraf.atomic_write import preallocated_memmap, temporary_folder, write_error
-from sgraf.data.arrays import check_finite_features, mapped_file, open_npy, padded_ids
+from sgraf.data.arrays import as_float32, check_finite_features, mapped_file, open_npy, padded_ids
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError, check_positive_int
 from sgraf.io_paths import path_list
@@ -321,7 +321,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
     keys_out = None
     with _progress(n_img, "encoding images", "img", progress) as bar:
         for start in range(0, n_img, batch_size):
-            chunk = np.asarray(features[start:start + batch_size], dtype=np.float32)
+            chunk = as_float32(features[start:start + batch_size])
             check_finite_features(chunk, source or "image features", first_image=first_row + start)
             encoding = matcher.encode_images(chunk, None if boxes is None else boxes[start:start + batch_size])
             if keys_out is None:
@@ -736,7 +736,7 @@ class GalleryIndex:
         arrays = self.image_regions if kind == "image_regions" else self.caption_words
         rows = []
         for m, array in enumerate(arrays):
-            block = np.array(array[index], dtype=np.float32)
+            block = as_float32(array[index], copy=True)
             if not np.isfinite(block).all():
                 raise InputError(f"{self.folder / f'{kind}.{m}.npy'}: corrupted index file, NaN or infinite "
                                  "embeddings where finite values are expected; rebuild the index")

@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(subparsers)
     for command in _leaf_parsers(parser):
         if "--quiet" not in command._option_string_actions:
-            command.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+            command.add_argument(*(("-q",) if "-q" not in command._option_string_actions else ()), "--quiet",
+                                 action="store_true", help=QUIET_HELP)
     return parser
 
 

@@ -37,6 +37,9 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"images           {s['images']}")
     print(f"captions         {s['captions']}")
     print(f"captions/image   {s['captions_per_image']}")
+    if s["rows_per_image"] > 1:
+        print(f"feature rows     one per caption (each image {s['rows_per_image']} times): one of every "
+              f"{s['rows_per_image']} read")
     print(f"regions          {s['regions']}")
     print(f"feature size     {s['feature_dim']} ({s['dtype']}, {s['features_bytes'] / 2**20:.1f} MiB on disk)")
     print(f"NaN/inf check    {s['finite_check']}: none found")

@@ -113,8 +113,16 @@ def mapped_file(features: Any) -> tuple[str | None, int]:
     return str(filename), offset // row_bytes
 
 
+def as_float32(values: Any, copy: bool = False) -> np.ndarray:
+    """`values` (an array or memory-map slice of any float dtype) as float32, a copy if `copy`; a
+    float64 value beyond float32's range becomes inf quietly (numpy warns, naming its own source
+    line), for `check_finite_features` to refuse, naming the file and the value's place."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.array(values, dtype=np.float32) if copy else np.asarray(values, dtype=np.float32)
+
+
 def check_finite_features(features: Any, source: str | os.PathLike[str] | None = None, first_image: int = 0,
-                          image_ids: Sequence[int] | torch.Tensor | None = None) -> None:
+                          image_ids: Sequence[int] | torch.Tensor | None = None, stored: Any = None) -> None:
     """Raise `InputError` naming the file and the image of the first NaN/inf in region features.
 
     Args:
@@ -124,6 +132,8 @@ def check_finite_features(features: Any, source: str | os.PathLike[str] | None =
             then counted from the file's first image), else "image features".
         first_image: the image index of row 0 (a block read from the middle of a file).
         image_ids: the image index of each row instead (a shuffled training batch).
+        stored: the dtype of the file the features were read from, when it is not float32: an
+            inf there is said to be a value beyond float32's range.
     """
     if isinstance(features, torch.Tensor) and (features.device.type != "cpu" or features.dtype == torch.bfloat16):
         if bool(torch.isfinite(features).all()):
@@ -145,7 +155,10 @@ def check_finite_features(features: Any, source: str | os.PathLike[str] | None =
     images = int(bad.reshape(len(bad), -1).any(axis=1).sum())
     image = int(image_ids[row]) if image_ids is not None else first_image + row
     others = f" ({images - 1} more image{'s' if images > 2 else ''} in this block too)" if images > 1 else ""
-    raise InputError(f"{source}: feature [image {image}, region {region}, dim {dim}] is {values[row, region, dim]}; "
+    value = values[row, region, dim]
+    beyond = (f" (a {np.dtype(stored)} value beyond float32's range, about 3.4e38, read as float32)"
+              if stored is not None and np.dtype(stored) != np.float32 and np.isinf(value) else "")
+    raise InputError(f"{source}: feature [image {image}, region {region}, dim {dim}] is {value}{beyond}; "
                      f"expected finite values{others}")
 
 

@@ -8,6 +8,12 @@ A split `S` of a data directory is two files:
 - `S_caps.txt`: UTF-8, one caption per line ('\\n' endings). With c = n_captions / n_images
   (which must be a whole number), caption k belongs to image k // c.
 
+A features file may also hold one row per caption, each image repeated c times in a row (the
+authors' loader reads such files, "rkiros data has redundancy in images", and their evaluation
+keeps every c-th row): when the file has as many rows as there are captions and its first rows
+repeat, every c-th row is read (`PrecompSplit.rows_per_image`), after a sample of the other
+groups is checked to repeat too.
+
 The authors validate on the first 5,000 `dev` captions only; here that is the explicit
 `max_captions=5000` option (the training config's `val_max_captions`), never a silent cut.
 """
@@ -25,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from sgraf.data.arrays import check_finite_features, open_npy, padded_ids
+from sgraf.data.arrays import as_float32, check_finite_features, open_npy, padded_ids
 from sgraf.data.boxes import read_boxes
 from sgraf.data.captions import read_captions
 from sgraf.data.layout import split_files
@@ -103,6 +109,11 @@ def fingerprint_differences(found: dict[str, str], recorded: dict[str, str]) -> 
     return sorted(name for name in set(found) | set(recorded) if found.get(name) != recorded.get(name))
 
 
+REPEAT_SAMPLE = 16     # groups of rows checked to repeat one image, in a file of one row per caption
+MAX_ROWS_PER_IMAGE = 20
+_said_fortran: set[str] = set()
+
+
 def _open_features(path: Path) -> np.ndarray:
     """Open `path` memory-mapped and check it is a (n, K, D) floating array."""
     images = open_npy(path, "float32 features of shape (n_images, regions, dim)")
@@ -116,7 +127,49 @@ def _open_features(path: Path) -> np.ndarray:
     if 0 in images.shape:
         raise InputError(f"{path}: empty array of shape {images.shape}; expected (n_images, regions, dim) "
                          "with no zero size")
+    if images.flags.f_contiguous and not images.flags.c_contiguous and str(path) not in _said_fortran:
+        _said_fortran.add(str(path))   # once a file: loader workers open it again
+        logger.warning("%s is stored in Fortran (column-major) order: every image read touches the whole file "
+                       "(slow, and the page cache fills with it); write it once in C order, e.g. np.save(NEW, "
+                       "np.ascontiguousarray(np.load(OLD, mmap_mode='r'))), on a machine with the memory", path)
     return images
+
+
+def _missing(data_dir: Path, split: str, path: Path) -> str:
+    """Why the split's file `path` cannot be read, for an `InputError`."""
+    if not data_dir.exists():
+        return f"{data_dir}: no such data folder"
+    if not data_dir.is_dir():
+        return f"{data_dir}: a file, where a data folder is needed"
+    if path.is_symlink() and not path.exists():
+        return f"{path}: a broken symbolic link (to {os.readlink(path)}, which does not exist)"
+    if path.is_dir():
+        return f"{path}: a folder, where a file is needed"
+    ims, caps = split_files(data_dir, split)
+    found = available_splits(data_dir)
+    return (f"{path}: missing file; split {split!r} needs {ims.name} and {caps.name} (splits found in "
+            f"{data_dir}: {', '.join(found) or 'none'})")
+
+
+def _rows_per_image(images: np.ndarray, path: Path) -> int:
+    """c where `images` (one row per caption) repeats each image c times in a row, else 1."""
+    first, repeats = images[0], 1
+    while repeats < min(len(images), MAX_ROWS_PER_IMAGE) and np.array_equal(images[repeats], first):
+        repeats += 1
+    if repeats == 1:
+        return 1
+    groups = len(images) // repeats
+    sample = np.unique(np.linspace(0, groups - 1, num=min(REPEAT_SAMPLE, groups)).astype(int))
+    for group in sample:
+        rows = np.asarray(images[group * repeats:(group + 1) * repeats])
+        if len(images) % repeats or not (rows == rows[0]).all():
+            logger.warning("%s: rows 0..%d are one image repeated, but rows %d..%d are not (or the %d rows are "
+                           "not a multiple of %d): read as one image a row, each with one caption", path,
+                           repeats - 1, group * repeats, (group + 1) * repeats - 1, len(images), repeats)
+            return 1
+    logger.info("%s: one row per caption, each image repeated %d times (as the authors' loader reads them): "
+                "one row of every %d is read", path, repeats, repeats)
+    return repeats
 
 
 class PrecompSplit:
@@ -149,18 +202,18 @@ class PrecompSplit:
         self.ims_path, self.caps_path = split_files(data_dir, split)
         for path in (self.ims_path, self.caps_path):
             if not path.is_file():
-                found = available_splits(self.data_dir)
-                raise InputError(f"{path}: missing file; split {split!r} needs {self.ims_path.name} and "
-                                 f"{self.caps_path.name} (splits found in {self.data_dir}: "
-                                 f"{', '.join(found) or 'none'})")
+                raise InputError(_missing(self.data_dir, split, path))
         images = _open_features(self.ims_path)
         captions = read_captions(self.caps_path)
         n_img, n_cap = images.shape[0], len(captions)
         if n_cap == 0:
             raise InputError(f"{self.caps_path}: no captions")
+        self.rows_per_image = _rows_per_image(images, self.ims_path) if n_img == n_cap > 1 else 1
+        n_img //= self.rows_per_image
         if n_cap % n_img:
-            raise InputError(f"{self.caps_path}: {n_cap} captions is not a multiple of the {n_img} images "
-                             f"in {self.ims_path} (caption k belongs to image k // captions_per_image)")
+            raise InputError(f"{self.caps_path}: {n_cap} caption{'s' if n_cap > 1 else ''}, not a multiple of the "
+                             f"{n_img} images in {self.ims_path} (caption k belongs to image k // "
+                             "captions_per_image)")
         self.caps_per_image = n_cap // n_img
         if max_captions is not None:
             if max_captions <= 0 or max_captions % self.caps_per_image:
@@ -184,9 +237,7 @@ class PrecompSplit:
     @property
     def images(self) -> np.ndarray:
         """(n_images, K, D) read-only memory map (the first `n_images` rows of the file)."""
-        if self._images is None:  # after unpickling in a DataLoader worker
-            self._images = _open_features(self.ims_path)
-        return self._images[: self.n_images]
+        return self._open_images()[: self.n_images]
 
     @property
     def boxes(self) -> np.ndarray | None:
@@ -241,9 +292,11 @@ class PrecompSplit:
                                      "length): shorten or drop it")
 
     def _open_images(self) -> np.ndarray:
+        """Every image of the file (every `rows_per_image`-th row), memory-mapped; opened again
+        after unpickling in a DataLoader worker."""
         if self._images is None:
             self._images = _open_features(self.ims_path)
-        return self._images
+        return self._images[::self.rows_per_image] if self.rows_per_image > 1 else self._images
 
     @property
     def num_regions(self) -> int:
@@ -263,8 +316,8 @@ class PrecompSplit:
         Raises:
             InputError: naming the features file and the image, region and dimension.
         """
-        block = np.array(self.images[start:stop], dtype=np.float32)
-        check_finite_features(block, self.ims_path, first_image=start)
+        block = as_float32(self.images[start:stop], copy=True)
+        check_finite_features(block, self.ims_path, first_image=start, stored=self.images.dtype)
         return block
 
     def check_finite(self, full: bool = False) -> None:
@@ -278,12 +331,12 @@ class PrecompSplit:
         if full:
             step = max(1, _SCAN_CHUNK_BYTES // max(1, images[0].nbytes))
             for start in range(0, self.n_images, step):
-                block = np.asarray(images[start:start + step], dtype=np.float32)  # as readers see it
-                check_finite_features(block, self.ims_path, first_image=start)
+                block = as_float32(images[start:start + step])  # as readers see it
+                check_finite_features(block, self.ims_path, first_image=start, stored=images.dtype)
             return
         index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
         try:
-            check_finite_features(images[index], self.ims_path, image_ids=index)
+            check_finite_features(as_float32(images[index]), self.ims_path, image_ids=index, stored=images.dtype)
         except InputError as error:
             raise InputError(f"{error} (found by the sampled check)") from None
 
@@ -294,6 +347,7 @@ class PrecompSplit:
             "images": self.n_images,
             "captions": self.n_captions,
             "captions_per_image": self.caps_per_image,
+            "rows_per_image": self.rows_per_image,
             "regions": self.num_regions,
             "feature_dim": self.feature_dim,
             "dtype": str(self.images.dtype),
@@ -393,14 +447,15 @@ class PrecompDataset(Dataset):
         the user as a worker traceback. `CheckedLoader` calls this on each batch instead, in
         the process that consumes the batches.
         """
-        check_finite_features(batch.images, self.split.ims_path, image_ids=batch.image_ids)
+        check_finite_features(batch.images, self.split.ims_path, image_ids=batch.image_ids,
+                              stored=self.split.images.dtype)
 
     def __getitem__(self, k: int) -> tuple[Any, ...]:
         """(features (K, D), token ids, k, image id), and the image's boxes (K, 4) `with_boxes`."""
         if not 0 <= k < len(self):
             raise IndexError(f"caption index {k} out of range for {len(self)} captions")
         image_id = self.split.image_index(k)
-        features = np.array(self.split.images[image_id], dtype=np.float32)  # (K, D), a copy
+        features = as_float32(self.split.images[image_id], copy=True)  # (K, D)
         if self.boxes is not None:
             return features, self.caption_ids(k), k, image_id, self.boxes[image_id]
         return features, self.caption_ids(k), k, image_id

@@ -301,7 +301,9 @@ def read_ahead(images: Any, batch_size: int, source: str | os.PathLike[str] | No
 
 def _as_tensor(values: Any) -> torch.Tensor:
     """A float32 tensor of an array slice (a copy off a memory map) or the tensor itself."""
-    return values if isinstance(values, torch.Tensor) else torch.from_numpy(np.array(values, dtype=np.float32))
+    from sgraf.data.arrays import as_float32
+
+    return values if isinstance(values, torch.Tensor) else torch.from_numpy(as_float32(values, copy=True))
 
 
 def encode_token_buckets(model: Scorer, token_ids: Sequence[Sequence[int]] | torch.Tensor,
