@@ -53,8 +53,21 @@ def test_reproduces_the_authors_matrices_and_recalls(capsys, tmp_path, expected,
     assert_close(sims, expected[f"sims_{key}"], AUTHORS)
 
 
-def test_folds_are_the_protocol_on_consecutive_blocks(capsys, expected):
+def test_folds_are_the_protocol_on_consecutive_blocks(capsys, expected, monkeypatch, tmp_path):
+    from sgraf import scoring
+
+    scored, score_matrix = [], scoring.score_matrix
+
+    def counted(models, encoded, *args, **kwargs):
+        scored.append((encoded[0].n_images, encoded[0].n_captions))
+        return score_matrix(models, encoded, *args, **kwargs)
+
+    monkeypatch.setattr(scoring, "score_matrix", counted)
     result = evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--folds", "3")
+    assert scored == [(2, 10)] * 3      # each fold's images against its own captions, not the whole matrix
+    saved = evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--folds", "3",
+                          "--save-sims", tmp_path / "whole.npy")
+    assert scored[3:] == [(6, 30)] and saved == result  # a matrix saved is the whole one; the same figures
     assert list(result) == ["n_images", "n_captions", "i2t", "t2i", "rsum", "folds"]
     assert len(result["folds"]) == 3
     sims = expected["sims_sgr"].numpy()

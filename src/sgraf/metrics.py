@@ -24,7 +24,7 @@ the same comparisons, so the ranks are the same integers; only the ranks come to
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -307,12 +307,20 @@ def evaluate_sims(sims: Any, folds: int = 1, caps_per_image: int | None = None) 
         raise InputError(f"folds: {n_img} images do not split into {folds} equal folds")
     fold_images = n_img // folds
     fold_captions = fold_images * cpi
-    per_fold = [
-        _evaluate_one(
-            sims[k * fold_images:(k + 1) * fold_images, k * fold_captions:(k + 1) * fold_captions], cpi
-        )
-        for k in range(folds)
-    ]
+    return evaluate_fold_blocks(
+        [sims[k * fold_images:(k + 1) * fold_images, k * fold_captions:(k + 1) * fold_captions]
+         for k in range(folds)], cpi)
+
+
+def evaluate_fold_blocks(blocks: Sequence[Any], caps_per_image: int | None = None) -> dict[str, Any]:
+    """`evaluate_sims` with K folds, from the K diagonal blocks of the matrix (fold k's images
+    against fold k's captions, as scored alone: `sgraf.evaluate` scores no more than these)."""
+    blocks = [as_score_matrix(block) for block in blocks]
+    if len({tuple(block.shape) for block in blocks}) != 1:
+        raise InputError(f"folds of different shapes: {sorted({tuple(block.shape) for block in blocks})}")
+    cpi = infer_caps_per_image(*blocks[0].shape, caps_per_image)
+    per_fold = [_evaluate_one(block, cpi) for block in blocks]
+    n_img, n_cap = (len(blocks) * size for size in blocks[0].shape)
     # One row per fold, averaged over axis 0 like the authors' np.array(results).mean(axis=0).
     table = np.array(
         [[fold["i2t"][key] for key in RECALL_KEYS] + [fold["t2i"][key] for key in RECALL_KEYS] + [fold["rsum"]]
