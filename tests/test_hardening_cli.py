@@ -480,7 +480,8 @@ def test_help_shows_every_default_once():
     assert checked >= 25
 
 
-def test_index_shows_progress_unless_quiet(gallery, tmp_path, capsys):
+def test_index_shows_progress_unless_quiet(gallery, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)    # bars are drawn on a terminal only
     args = ["index", "--checkpoint", str(gallery["checkpoint"]), "--data", str(gallery["data"]), "--split",
             "test", "--batch-size", "2"]
     assert main([*args, "--out", str(tmp_path / "a")]) == 0
@@ -504,7 +505,7 @@ def test_every_command_takes_quiet_and_defaults_its_device_to_auto(no_gpu):
         assert device is None or device.default == "auto", command.prog
 
 
-def test_quiet_silences_info_lines_and_bars_everywhere(gallery, tmp_path, capsys):
+def test_quiet_silences_info_lines_and_bars_everywhere(gallery, tmp_path, capsys, monkeypatch):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     base = [sys.executable, "-m", "sgraf"]
     args = ["evaluate", "--checkpoint", str(gallery["checkpoint"]), "--data", str(gallery["data"]), "--split", "test",
@@ -517,11 +518,17 @@ def test_quiet_silences_info_lines_and_bars_everywhere(gallery, tmp_path, capsys
     # the bars: silenced by --quiet for that call only (tests call main again in one process)
     base = ["index", "--checkpoint", str(gallery["checkpoint"]), "--data", str(gallery["data"]), "--split", "test",
             "--batch-size", "2"]
-    assert main(["-q", *base, "--out", str(tmp_path / "d")]) == 0
+    assert main([*base, "--out", str(tmp_path / "d")]) == 0
+    assert "encoding" not in capsys.readouterr().err        # stderr is no terminal here: no bars
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["-q", *base, "--out", str(tmp_path / "e")]) == 0
     assert "encoding" not in capsys.readouterr().err
-    assert main([*base, "--out", str(tmp_path / "e")]) == 0
+    assert main([*base, "--out", str(tmp_path / "f")]) == 0
     assert "encoding images" in capsys.readouterr().err
-    _one_line_error(capsys, main(["-v", *base, "--out", str(tmp_path / "f"), "--quiet"]),
+    monkeypatch.setattr(sys, "stderr", None)                # closed (2>&-): no bar, and the work is done
+    assert main([*base, "--out", str(tmp_path / "g")]) == 0
+    monkeypatch.undo()
+    _one_line_error(capsys, main(["-v", *base, "--out", str(tmp_path / "h"), "--quiet"]),
                     "sgraf index: error: --verbose and --quiet ask for opposite things")
 
 

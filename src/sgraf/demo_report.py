@@ -196,10 +196,9 @@ def draw_curves(path: Path, runs: dict[str, Path]) -> str:
 def draw_diagnosis(summary: dict[str, dict[str, Any]], n_seeds: int, path: Path) -> str:
     """Bars of the Winoground group score per kind of hard negative and model (mean over seeds,
     with the standard deviation as error bars), the chance level dashed."""
-    import matplotlib
+    from sgraf.plotting import pyplot
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from sgraf.data.benchmark import VARIANTS
 

@@ -112,10 +112,9 @@ def draw_text_to_image(rows: Sequence[Row], pictures: Sequence[np.ndarray | None
                        title: str) -> str:
     """Each row: the caption, then its top results framed by caption truth (`pictures[i]`: the
     thumbnail of each result, in row order; None draws a grey square)."""
-    import matplotlib
+    from sgraf.plotting import pyplot
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     top_k = max(len(row.results) for row in rows)
     figure, axes = plt.subplots(len(rows), 1 + top_k, figsize=(13, 2.5 * len(rows) + 1.0), squeeze=False,
@@ -155,10 +154,9 @@ def draw_text_to_image(rows: Sequence[Row], pictures: Sequence[np.ndarray | None
 def draw_image_to_text(rows: Sequence[Row], pictures: Sequence[np.ndarray | None], path: Path,
                        title: str) -> str:
     """Each row: the picture (`pictures[i]`), then its top captions coloured by caption truth."""
-    import matplotlib
+    from sgraf.plotting import pyplot
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(len(rows), 2, figsize=(12, 2.4 * len(rows) + 0.9), squeeze=False,
                                 gridspec_kw={"width_ratios": [1, 4.5]})

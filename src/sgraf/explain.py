@@ -378,10 +378,9 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
         title: the figure title (default: the caption and the scores).
         columns: token panels per row.
     """
-    import matplotlib
+    from sgraf.plotting import pyplot
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tokens = explanation.tokens
     n_panels = len(tokens) if explanation.attention is not None else 0

@@ -1,5 +1,6 @@
 """Progress bars: one way to make them (`bar`), and one switch that silences them all
-(`silence`, which `sgraf --quiet` turns: every command's bars, whatever their caller asked)."""
+(`silence`, which `sgraf --quiet` turns, and the command line where stderr is no terminal: a log
+file would fill with the bars' carriage-return lines). A closed stderr draws none."""
 from __future__ import annotations
 
 import sys
@@ -20,4 +21,12 @@ def bar(total: int, desc: str, unit: str, enabled: bool = True, leave: bool = Fa
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                disable=_silenced or not enabled, leave=leave, **options)
+                disable=_silenced or not enabled or sys.stderr is None, leave=leave, **options)
+
+
+def terminal(stream: Any) -> bool:
+    """Whether `stream` (sys.stderr) is an open terminal."""
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):     # no isatty, or closed
+        return False

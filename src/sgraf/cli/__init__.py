@@ -14,6 +14,7 @@ exit code 143 or 130, after its temporary files are removed.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import errno
 import importlib
@@ -107,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-QUIET_HELP = "no progress bars and no INFO lines; warnings and errors still print"
+QUIET_HELP = ("no progress bars and no INFO lines; warnings and errors still print (bars are drawn only "
+              "where stderr is a terminal)")
 
 
 def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -186,11 +188,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(stop.code or 0)
     if callable(getattr(sys.stdout, "reconfigure", None)):
         # A path given as bytes that are not UTF-8 reaches Python as lone surrogates; print it back
-        # as those bytes (as ls does) rather than fail after the work is done.
-        sys.stdout.reconfigure(errors="surrogateescape")
+        # as those bytes (as ls does) rather than fail after the work is done. Under an ASCII locale
+        # without Python's UTF-8 mode (LC_ALL=C PYTHONUTF8=0), text past ASCII (a query, a caption)
+        # is printed in UTF-8, as it was read (`arguments.utf8_text`), rather than refused.
+        ascii_only = codecs.lookup(sys.stdout.encoding or "ascii").name == "ascii"
+        sys.stdout.reconfigure(errors="surrogateescape", **({"encoding": "utf-8"} if ascii_only else {}))
     from sgraf import progress
 
-    progress.silence(quiet)     # this call's choice, not an earlier call's (tests run `main` in one process)
+    # this call's choice, not an earlier call's (tests run `main` in one process); bars only on a terminal
+    progress.silence(quiet or not progress.terminal(sys.stderr))
     rank, world_size = _torchrun_rank()
     if rank > 0:    # under torchrun every process may say the same: the others' lines say which they are
         prog = f"{prog} [rank {rank}]"
@@ -236,11 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as exc:
-        if exc.errno not in _DISK_FULL:
+        if exc.errno in _DISK_FULL:
+            # a writer that did not name its file (each of sgraf's does): still one line
+            print(f"{prog}: error: cannot write {exc.filename or 'its output'}: {exc.strerror}",
+                  file=sys.stderr)
+            return 2
+        if exc.filename is None:
             raise
-        # a writer that did not name its file (each of sgraf's does): still one line
-        print(f"{prog}: error: cannot write {exc.filename or 'its output'}: {exc.strerror}",
-              file=sys.stderr)
+        # what the system refused about a path: a name too long, a loop of links, a read-only file system
+        print(f"{prog}: error: {bounded(f'{exc.filename}: {exc.strerror}')}", file=sys.stderr)
         return 2
 
 

@@ -110,8 +110,16 @@ def utf8_text(value: str) -> str:
     """Text from the command line that must be valid Unicode.
 
     Bytes that are not UTF-8 in `argv` reach Python as lone surrogates (surrogateescape);
-    they would fail later, inside the tokenizer, with a codec message.
+    they would fail later, inside the tokenizer, with a codec message. Under a locale that is not
+    UTF-8 (`LC_ALL=C` without Python's UTF-8 mode) every byte past ASCII arrives so, valid UTF-8
+    too: the command line's bytes are read as UTF-8 first.
     """
+    import os
+
+    try:
+        return os.fsencode(value).decode("utf-8")
+    except UnicodeError:
+        pass
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as error:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -42,6 +43,22 @@ TOKENIZER_REVISION = 1
 _word_tokenize: Callable[..., list[str]] | None = None
 
 
+def _import_word_tokenize() -> Any:
+    """nltk's `word_tokenize`. Importing nltk looks for a folder to download data into, and fails
+    ("Could not find a default download directory") where the home folder cannot be found (no
+    HOME, and a user id without a passwd entry: a container run as an arbitrary user); sgraf
+    downloads nothing, so the import is given the temporary folder as HOME, for the import only."""
+    homeless = os.path.expanduser("~/") == "~/"
+    if homeless:
+        os.environ["HOME"] = tempfile.gettempdir()
+    try:
+        from nltk.tokenize import word_tokenize
+    finally:
+        if homeless:
+            del os.environ["HOME"]
+    return word_tokenize
+
+
 def tokenize(caption: str | bytes) -> list[str]:
     """Split a caption into tokens as the authors' pipeline does.
 
@@ -53,9 +70,7 @@ def tokenize(caption: str | bytes) -> list[str]:
     """
     global _word_tokenize
     if _word_tokenize is None:  # nltk is slow to import: only when first needed
-        from nltk.tokenize import word_tokenize
-
-        _word_tokenize = word_tokenize
+        _word_tokenize = _import_word_tokenize()
     try:
         raw = caption.encode("utf-8") if isinstance(caption, str) else bytes(caption)
         # bytes.lower() changes only ASCII letters, as the authors' Python 2 byte strings did.

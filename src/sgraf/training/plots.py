@@ -72,6 +72,9 @@ def plot_runs(runs: Mapping[str, str | os.PathLike[str]], path: str | os.PathLik
     height = 3.6 + 0.18 * legend_rows          # the legend below both panels, never over a curve
     figure, (loss_axis, rsum_axis) = plt.subplots(1, 2, figsize=(10, height))
     for (label, records), style in zip(drawn.items(), _styles(len(drawn))):
+        # a folder name of bytes that are not UTF-8 reaches Python as lone surrogates, which the
+        # font cannot draw: drawn with a replacement character where they stand
+        label = label.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         steps = [r["step"] for r in records]
         losses = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
         if losses:
@@ -116,13 +119,10 @@ def check_plot_output(folders: Sequence[str | os.PathLike[str]], path: str | os.
 
 
 def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (no display is needed or opened)."""
-    import matplotlib
+    """matplotlib's pyplot on the file-only Agg backend (`sgraf.plotting.pyplot`)."""
+    from sgraf.plotting import pyplot
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def _save(plt, figure, out: pathlib.Path, dpi: int,
