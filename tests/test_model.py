@@ -334,3 +334,26 @@ def test_l2norms_written_out_gradient_is_autograds():
     low = torch.randn(4, 6, dtype=torch.bfloat16, requires_grad=True)
     l2norm(low).sum().backward()
     assert low.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_all_zero_regions_train_with_finite_gradients(module):
+    """An all-zero region (padding, a file cut short) meets the image encoder's zero initial bias:
+    its embedding is 0, where autograd's gradient of the norm is NaN, and the first step had
+    turned every weight NaN. The gradient there is its limit, g / eps."""
+    from sgraf.model.norms import EPS, l2norm
+
+    zero = torch.zeros(2, 3, requires_grad=True)
+    grad = torch.randn(2, 3)
+    assert torch.equal(torch.autograd.grad(l2norm(zero), zero, grad)[0], grad / EPS)
+    torch.manual_seed(0)
+    model = SGRAF(ModelConfig(vocab_size=30, img_dim=20, word_dim=8, embed_size=16, sim_dim=12, num_regions=5,
+                              module=module))
+    images, captions, lengths = random_batch(model, 3, [5, 4, 6])
+    images[0, 3:] = 0        # two padded regions
+    images[1] = 0            # an image of nothing
+    model.train()
+    sims = model.similarity(model.encode_images(images), model.encode_captions(captions, lengths), lengths)
+    sims.sum().backward()
+    assert torch.isfinite(sims).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None), module

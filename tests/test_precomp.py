@@ -1,5 +1,6 @@
 """The precomp reader: memory mapping, validation errors, dataset, collate, loader order."""
 
+import json
 import pickle
 import warnings
 
@@ -129,6 +130,21 @@ def test_fortran_order_float64_overflow_and_blank_or_cr_captions_are_named(tmp_p
         (tmp_path / "test_caps.txt").write_bytes(bad)
         with pytest.raises(InputError, match=message):
             PrecompSplit(tmp_path, "test")
+
+
+def test_data_check_counts_all_zero_regions(tmp_path, capsys, caplog):
+    images, _ = write_split(tmp_path, "test", n_img=100, caps_per_image=1)
+    images[:, 2] = 0        # padding
+    images[99] = 0          # a file cut short
+    np.save(tmp_path / "test_ims.npy", images)
+    with caplog.at_level("WARNING"):
+        assert main(["data", "check", "--data", str(tmp_path), "--split", "test", "--json", "--full-scan"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["zero_regions"] == {"looked_at": 100, "images": 100, "regions": 100 + 2, "empty_images": 1}
+    assert "100 of the 100 images looked at have some (102 regions; 1 image all zero)" in caplog.text
+    assert main(["data", "check", "--data", str(tmp_path), "--split", "test", "--json"]) == 0
+    sampled = json.loads(capsys.readouterr().out)["zero_regions"]
+    assert sampled["looked_at"] == FINITE_SAMPLE and sampled["empty_images"] == 1   # the last image is looked at
 
 
 def test_caption_count_not_multiple_of_images(tmp_path):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from sgraf.cli.arguments import add_json, positive_int, print_json, split_name
+
+logger = logging.getLogger("sgraf.cli.data")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +46,8 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"regions          {s['regions']}")
     print(f"feature size     {s['feature_dim']} ({s['dtype']}, {s['features_bytes'] / 2**20:.1f} MiB on disk)")
     print(f"NaN/inf check    {s['finite_check']}: none found")
+    zero = s["zero_regions"]
+    print(f"all-zero regions {_describe_zero(zero)}")
     print(f"region boxes     {s['boxes']['note']}")
     vocab = s["vocabulary"]
     if vocab is None:
@@ -75,7 +80,13 @@ def check_report(args: argparse.Namespace) -> dict:
     boxes = split.read_boxes(required=False)   # checked against the features when the split has them
     vocab_path = Path(args.vocab) if args.vocab else Path(args.data) / "vocab.json"
     vocab = load_vocab(vocab_path) if args.vocab or vocab_path.is_file() else None
+    zero = split.zero_regions(full=args.full_scan)
+    if zero["regions"]:
+        logger.warning("%s: %s; a zero region is embedded as the encoder's bias alone, and an image of zero "
+                       "regions scores every caption alike: padding, or a file cut short?", split.ims_path,
+                       _describe_zero(zero))
     report = {**split.summary(), "data": args.data, "finite_check": "full scan" if args.full_scan else "sampled",
+              "zero_regions": zero,
               "boxes": {"checked": boxes is not None, "note": _describe_boxes(split, boxes)},
               "vocabulary": None, "caption_ids": None}
     if vocab is None:
@@ -91,6 +102,15 @@ def check_report(args: argparse.Namespace) -> dict:
                             "unknown_share": unknown / max(total, 1)}
     report["caption_ids"] = {"min": min(lengths), "mean": sum(lengths) / len(lengths), "max": max(lengths)}
     return report
+
+
+def _describe_zero(zero: dict) -> str:
+    looked = f"the {zero['looked_at']} image{'s' if zero['looked_at'] > 1 else ''} looked at"
+    if not zero["regions"]:
+        return f"none in {looked}"
+    empty = zero["empty_images"]
+    return (f"{zero['images']} of {looked} have some ({zero['regions']} regions; {empty} image{'' if empty == 1 else 's'}"
+            " all zero)")
 
 
 def _describe_boxes(split: object, boxes: object) -> str:

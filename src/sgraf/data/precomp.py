@@ -340,6 +340,26 @@ class PrecompSplit:
         except InputError as error:
             raise InputError(f"{error} (found by the sampled check)") from None
 
+    def zero_regions(self, full: bool = False) -> dict[str, int]:
+        """All-zero regions (padding of images with fewer regions, or a file cut short and filled
+        with zeros) among the `FINITE_SAMPLE` images `check_finite` looks at, or every image with
+        `full`: {"looked_at", "images" (with one or more), "regions", "empty_images" (all zero)}."""
+        images = self.images
+        if full:
+            step = max(1, _SCAN_CHUNK_BYTES // max(1, images[0].nbytes))
+            blocks = ((start, images[start:start + step]) for start in range(0, self.n_images, step))
+            looked_at = self.n_images
+        else:
+            index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
+            blocks, looked_at = [(0, images[index])], len(index)
+        counts = {"looked_at": looked_at, "images": 0, "regions": 0, "empty_images": 0}
+        for _, block in blocks:
+            zero = ~np.asarray(block).any(axis=2)                     # (n, K): the regions that are all zero
+            counts["images"] += int(zero.any(axis=1).sum())
+            counts["regions"] += int(zero.sum())
+            counts["empty_images"] += int(zero.all(axis=1).sum())
+        return counts
+
     def summary(self) -> dict[str, Any]:
         """Counts and shapes for `sgraf data check`."""
         return {

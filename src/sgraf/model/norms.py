@@ -25,7 +25,10 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
 
 
 class _L2Norm(torch.autograd.Function):
-    """`l2norm` with the gradient `g / (n + eps) - y (y . g) / n` (n = ||x||, y the output)."""
+    """`l2norm` with the gradient `g / (n + eps) - y (y . g) / n` (n = ||x||, y the output), and
+    at x = 0 its limit, `g / eps` (y is 0 there): autograd's chain through the root gives NaN,
+    which an all-zero region (padding; a features file cut short) had spread through a training
+    step from its start, the encoder's bias being zero then. Elsewhere the same bits."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
@@ -39,7 +42,7 @@ class _L2Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         out, norm, denominator = ctx.saved_tensors
-        along = (out * grad).sum(dim=ctx.dim, keepdim=True) / norm
+        along = (out * grad).sum(dim=ctx.dim, keepdim=True) / norm.clamp_min(torch.finfo(norm.dtype).tiny)
         # in x's dtype (under CUDA's autocast the norm may be float32 beside a bf16 x)
         return (grad / denominator - out * along).to(ctx.dtype), None, None
 
