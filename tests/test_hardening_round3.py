@@ -617,7 +617,8 @@ def test_vocab_build_refuses_a_min_count_that_leaves_no_word(world, tmp_path, ca
     (lambda row: {**row, "false_for": None}, "false_for", "is null; expected a list of 5 lists"),
     (lambda row: {**row, "false_for": "1"}, "false_for", 'is "1"; expected a list of 5 lists'),
     (lambda row: {**row, "false_for": [[1.5]] * 5}, "false_for", "is [[1.5], [1.5], [1.5], [1.5], [1.5]]; expected"),
-    (lambda row: {**row, "false_for": [[8]] * 5}, "false_for", "scene indices in 0..7"),
+    (lambda row: {**row, "false_for": [[8]] * 5}, "false_for", "in 0..7 (an index past the file's 8 scenes: is the "
+                                                                "file cut short?)"),
     (lambda row: {**row, "false_for": [[-1]] * 5}, "false_for", "scene indices in 0..7"),
     (lambda row: {k: v for k, v in row.items() if k != "family"}, "family", "is missing; expected an integer >= 0"),
     (lambda row: {k: v for k, v in row.items() if k != "variant"}, "variant", "is missing; expected one of base, "),

@@ -259,6 +259,21 @@ def _train(data, out, *extra):
     return main(["train", "--data", str(data), "--out", str(out), "--preset", "tiny", *extra])
 
 
+def test_a_dev_split_of_the_training_files_is_said(toy_data, tmp_path, caplog):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train_ims.npy", "train_caps.txt"):
+        (data / name).symlink_to(toy_data / name)
+    (data / "dev_ims.npy").symlink_to(toy_data / "train_ims.npy")
+    (data / "dev_caps.txt").write_bytes((toy_data / "train_caps.txt").read_bytes())    # a copy
+    caplog.set_level("WARNING", logger="sgraf.training.loop")
+    assert _train(data, tmp_path / "run", "--set", "epochs=1") == 0
+    assert "the dev split's captions and features are the training split's (the same files, or copies)" in caplog.text
+    caplog.clear()
+    assert _train(toy_data, tmp_path / "other", "--set", "epochs=1") == 0
+    assert "the training split's" not in caplog.text
+
+
 def test_run_folder_contents(toy_data, tmp_path):
     import random
 

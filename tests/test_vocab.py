@@ -82,6 +82,16 @@ def test_vocab_without_special_tokens_is_rejected(tmp_path):
     assert main(["data", "check", "--data", str(tmp_path), "--split", "x", "--vocab", str(path)]) == 2
 
 
+def test_ids_given_twice_missing_or_out_of_range_are_named():
+    from sgraf.data.vocab import Vocabulary
+
+    special = {"<pad>": 0, "<start>": 1, "<end>": 2, "<unk>": 3}
+    with pytest.raises(InputError, match=r"exactly once; id 4 is given to 'a' and 'b'; id 5 is missing$"):
+        Vocabulary({**special, "a": 4, "b": 4, "c": 6})
+    with pytest.raises(InputError, match=r"0 \.\. 4 exactly once; id 4 is missing; id 9 \('b'\) is out of that range$"):
+        Vocabulary({**special, "b": 9})
+
+
 @pytest.mark.parametrize("content,field", [
     ('{"idx2word": {}}', "'word2idx'"),
     ('{"word2idx": {"<pad>": 0, "<start>": 1, "<end>": 2, "<unk>": 3}, "idx": 7}', "'idx'"),

@@ -580,7 +580,9 @@ def _check_scene(row: Any, where: str, index: int, n_scenes: int) -> None:
         raise refuse("false_for", f"a list of {len(captions)} lists (one per caption) of scene indices")
     for wrong in false_for:
         if not isinstance(wrong, list) or not all(_is_int(i) and 0 <= i < n_scenes for i in wrong):
-            raise refuse("false_for", f"a list of {len(captions)} lists of scene indices in 0..{n_scenes - 1}")
+            past = isinstance(wrong, list) and any(_is_int(i) and i >= n_scenes for i in wrong)
+            raise refuse("false_for", f"a list of {len(captions)} lists of scene indices in 0..{n_scenes - 1}"
+                         + (f" (an index past the file's {n_scenes} scenes: is the file cut short?)" if past else ""))
 
 
 def _generated_before(out_dir: Path) -> list[str]:

@@ -81,6 +81,26 @@ def tokenize(caption: str | bytes) -> list[str]:
     return _word_tokenize(text, preserve_line=True)
 
 
+def _id_faults(word2idx: Mapping[str, int]) -> str:
+    """What is wrong with the ids of `word2idx`: the first id given twice (and its words), the
+    first id missing, the first out of range."""
+    owners: dict[int, list[str]] = {}
+    for word, index in word2idx.items():
+        owners.setdefault(index, []).append(word)
+    faults = []
+    twice = sorted(index for index, words in owners.items() if len(words) > 1)
+    if twice:
+        faults.append(f"id {twice[0]} is given to {' and '.join(map(repr, owners[twice[0]][:2]))}"
+                      + (f" ({len(twice)} ids twice)" if len(twice) > 1 else ""))
+    missing = [index for index in range(len(word2idx)) if index not in owners]
+    if missing:
+        faults.append(f"id {missing[0]} is missing" + (f" ({len(missing)} missing)" if len(missing) > 1 else ""))
+    beyond = sorted(index for index in owners if not 0 <= index < len(word2idx))
+    if beyond:
+        faults.append(f"id {beyond[0]} ({owners[beyond[0]][0]!r}) is out of that range")
+    return "; ".join(faults)
+
+
 class Vocabulary:
     """A word <-> id mapping with the authors' special tokens and JSON format.
 
@@ -101,7 +121,8 @@ class Vocabulary:
                     f"found {'no entry' if found is None else found}")
         ids = sorted(self.word2idx.values())
         if ids != list(range(len(ids))):
-            raise InputError(f"{source}: field 'word2idx' must use each id 0 .. {len(ids) - 1} exactly once")
+            raise InputError(f"{source}: field 'word2idx' must use each id 0 .. {len(ids) - 1} exactly once; "
+                             + _id_faults(self.word2idx))
         self.idx2word: dict[int, str] = {i: w for w, i in self.word2idx.items()}
         self.idx2word = dict(sorted(self.idx2word.items()))
         self.source = source

@@ -463,6 +463,12 @@ def _open_data(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, r
     dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir), full_scan=True)
     dims = check_data_fits(config, [train, dev])
     fingerprint = run_fingerprint(config, data_dir)
+    same = [name for name in ("caps.txt", "ims.npy") if fingerprint[f"train_{name}"] == fingerprint[f"dev_{name}"]]
+    if same and info.is_main:
+        what = " and ".join({"caps.txt": "captions", "ims.npy": "features"}[name] for name in same)
+        logger.warning("%s: the dev split's %s are the training split's (the same files, or copies): its rsum will "
+                       "measure how well the model fits its training data, not how well it matches new pairs",
+                       data_dir, what)
     if resume:
         _check_same_data(run, data_dir, fingerprint, allow_other_data)
     return train, dev, dims, fingerprint
