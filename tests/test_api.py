@@ -157,7 +157,8 @@ def test_a_matcher_refuses_encodings_of_other_models(vocab, features, tmp_path):
     pair, single = Matcher([saf, sgr]), Matcher([sgr])
     images, texts = pair.encode_images(features), pair.encode_texts(["a dog", "a red ball"])
     for argv in ((images, single.encode_texts(["a dog"])), (single.encode_images(features), texts)):
-        with pytest.raises(InputError, match=r"encoded by other models \(2\) than this matcher's \(1\)"):
+        with pytest.raises(InputError, match=r"encoded by other weights than this matcher's 1 model\(s\) have now "
+                                             r"\(2 model\(s\): other models, or these before their weights changed\)"):
             single.score_embeddings(*argv)
     with pytest.raises(InputError, match=r"one encoding per model of the matcher \(1\), got 2 for the images"):
         single.score_embeddings(images.regions, (texts.words[:1], texts.lengths))
@@ -212,17 +213,24 @@ def test_a_matcher_follows_its_models_weights_as_they_change(vocab, features, tm
     model = _model("sgr", vocab, 5)
     matcher = Matcher([model])
     sgraf.build_index(matcher, features, ["a dog", "a red ball", "the man", "a cat"], tmp_path / "index")
+    index = sgraf.open_index(tmp_path / "index", matcher=matcher)
+    assert index.search_text("a dog", top_k=2, shortlist=None)
     images, fingerprints, identity = matcher.encode_images(features), matcher.fingerprints, matcher.identities
     assert matcher.identities is identity                          # unchanged weights: kept
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.01)
+    # one word's embedding, past the first values of its tensor (a hash of those had missed it)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    state["txt_enc.embed.weight"][vocab("dog")] += 3.0
+    model.load_state_dict(state)
     assert matcher.fingerprints != fingerprints
     assert matcher.identities[0]["weights_sha256"] != identity[0]["weights_sha256"]
-    with pytest.raises(InputError, match="encoded by other models"):
+    with pytest.raises(InputError, match="these before their weights changed"):
         matcher.score_embeddings(images, matcher.encode_texts(["a dog"]))
     with pytest.raises(InputError, match="weights"):
         sgraf.open_index(tmp_path / "index", matcher=matcher)
+    with pytest.raises(InputError, match=r"was built with model 1 = .* but the model given is"):
+        index.search_text("a dog", top_k=2, shortlist=None)  # the index opened before: refused too
+    with pytest.raises(InputError, match="was built with model 1"):
+        index.search_image(image_id=0, top_k=2, shortlist=None)
 
 
 def test_a_matcher_refuses_what_it_cannot_score_right(vocab, features, tmp_path):

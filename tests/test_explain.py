@@ -169,15 +169,14 @@ def test_the_weight_row_is_a_strip_and_the_notes_keep_the_picture_narrow(vocab, 
     import dataclasses
     import io
 
-    import matplotlib.pyplot as plt
+    from sgraf import plotting
 
     explanation = explain_pair(Matcher([_model("sgr", vocab, 3)]), image, "a red square left of the circle")
     explanation = dataclasses.replace(explanation, place=np.full(len(explanation.tokens), -1e-3), place_model="sgr")
     layout = dataclasses.replace(region_layout(None, None, 0, K),
                                  source="region boxes of " + "d" * 60 + "/test_boxes.npy")
     figures = []
-    close = plt.close
-    monkeypatch.setattr(plt, "close", lambda figure=None: (figures.append(figure), close(figure)))
+    monkeypatch.setattr(plotting._Figures, "close", lambda self, figure=None: figures.append(figure))
     picture = render_explanation(explanation, layout, io.BytesIO())
     assert Image.open(io.BytesIO(picture.getvalue())).size[0] <= 1000
     (figure,) = figures

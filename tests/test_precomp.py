@@ -109,6 +109,9 @@ def test_one_row_per_caption_is_read_as_the_authors_loader_reads_it(tmp_path, ca
     split = PrecompSplit(repeated, "test")
     assert (split.n_images, split.caps_per_image, split.rows_per_image) == (20, 1, 1)
     assert "rows 0..4 are one image repeated, but rows 5..9 are not" in caplog.text
+    # every row the same image (placeholder features): no row tells where an image ends, a row an image
+    np.save(repeated / "test_ims.npy", np.repeat(images[:1], 20, axis=0))
+    assert PrecompSplit(repeated, "test").rows_per_image == 1
 
 
 def test_fortran_order_float64_overflow_and_blank_or_cr_captions_are_named(tmp_path, caplog):

@@ -261,3 +261,21 @@ def test_plot_draws_each_run_in_its_colour_and_refuses_to_draw_over_a_run(traine
     with pytest.raises(InputError, match="absent: no such run folder"):
         plot_curves(tmp_path / "absent")
     assert plot_curves(never) is None                      # a run without a validation draws nothing
+
+
+def test_drawing_leaves_the_callers_matplotlib_backend_alone(trained, tmp_path):
+    """A notebook's `%matplotlib inline` backend stays its own: sgraf had switched it to Agg for
+    the rest of the session (every later plt.show() showed nothing)."""
+    import matplotlib.pyplot as plt
+
+    from sgraf.training.plots import plot_curves, plot_runs
+
+    before = plt.get_backend()
+    plt.switch_backend("svg")
+    try:
+        figures = plt.get_fignums()
+        assert plot_curves(trained / "runs" / "a", tmp_path / "a.png").stat().st_size > 1000
+        assert plot_runs({"a": trained / "runs" / "a"}, tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
+        assert plt.get_backend() == "svg" and plt.get_fignums() == figures    # no figure left open either
+    finally:
+        plt.switch_backend(before)

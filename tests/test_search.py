@@ -209,7 +209,7 @@ def test_search_cli_refuses_checkpoint_overwritten_since_indexing(gallery, tmp_p
     assert main(["search", "--index", str(copy), "--text", "a dog", "--checkpoint", str(moved),
                  "--checkpoint", gallery["paths"][1]]) == 2
     err = capsys.readouterr().err
-    assert "was built with model 0" in err and str(moved) in err and gallery["paths"][0] in err
+    assert "was built with model 1" in err and str(moved) in err and gallery["paths"][0] in err
 
 
 def _corrupt_copy(gallery: dict, tmp_path: Path) -> Path:

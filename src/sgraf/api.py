@@ -268,7 +268,6 @@ class Matcher:
             raise InputError(f"the vocabulary has {len(self.vocab)} words but the model expects "
                              f"vocab_size={self.models[0].config.vocab_size}")
         self._identities: tuple[Any, list[dict[str, Any]]] | None = None
-        self._fingerprints: tuple[Any, tuple[str, ...]] | None = None
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -285,12 +284,11 @@ class Matcher:
 
     @property
     def fingerprints(self) -> tuple[str, ...]:
-        """A cheap fingerprint of each model's weights (`_quick_fingerprint`), which encodings
-        carry; taken again when a weight has changed since."""
-        key = _weights_key(self.models)
-        if self._fingerprints is None or self._fingerprints[0] != key:
-            self._fingerprints = (key, tuple(_quick_fingerprint(model) for model in self.models))
-        return self._fingerprints[1]
+        """Each model's weights hash (`identities`: every byte, taken again when a weight has
+        changed since), which encodings carry. (A hash of each tensor's first values had let an
+        edit of one word's embedding through; a paper-size model's 60 MB hash in tens of
+        milliseconds, once per change of its weights.)"""
+        return tuple(identity["weights_sha256"] for identity in self.identities)
 
     # ----------------------------------------------------------------------------- loading
     @classmethod
@@ -558,8 +556,9 @@ class Matcher:
         for what, encoding in (("images", images), ("texts", texts)):
             made_by = getattr(encoding, "models", None)
             if made_by is not None and made_by != self.fingerprints:
-                raise InputError(f"the {what} were encoded by other models ({len(made_by)}) than this matcher's "
-                                 f"({len(self.models)}): encode them with the matcher that scores them")
+                raise InputError(f"the {what} were encoded by other weights than this matcher's {len(self.models)} "
+                                 f"model(s) have now ({len(made_by)} model(s): other models, or these before "
+                                 "their weights changed): encode them again with the matcher that scores them")
         regions = images.regions if isinstance(images, ImageEncoding) else list(images)
         if isinstance(texts, TextEncoding):
             words, lengths = texts.words, texts.lengths
@@ -611,16 +610,6 @@ def _shared_vocab(models: Sequence[torch.nn.Module], vocab: Any) -> Any:
             raise InputError(f"model {m + 1} carries its own vocabulary, which differs from {name} (other word ids: "
                              "the scores would be wrong); an ensemble needs one vocabulary")
     return given
-
-
-def _quick_fingerprint(model: torch.nn.Module) -> str:
-    """A cheap fingerprint of a model's weights: each tensor's name, shape and first values (the
-    full hash, `model_identity`, reads every weight); equal for one checkpoint loaded twice."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(f"{name}{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------- global vectors

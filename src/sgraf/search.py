@@ -480,7 +480,7 @@ def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str
     for position, (old, new) in enumerate(zip(built, current)):
         if old.get("weights_sha256") != new["weights_sha256"] or old.get("config") != new["config"]:
             raise InputError(
-                f"index {where} was built with model {position} = {describe_identity(old)}, but the "
+                f"index {where} was built with model {position + 1} = {describe_identity(old)}, but the "
                 f"model given is {describe_identity(new)}; rebuild the index with this model or "
                 "search with the model it was built with")
     if manifest.get("vocab_sha256") not in (None, _vocab_sha256(matcher.vocab)):
@@ -603,8 +603,18 @@ class GalleryIndex:
             raise InputError(f"{folder / IMAGE_NAMES}: corrupted index file, {len(self.image_names)} names where the "
                              f"manifest records {self.n_images} images")
         self._check_arrays(n_models)
+        self._checked = matcher.identities          # `open_index` checked these (`_check_models`)
         self._faiss = {"image": None, "caption": None}
         self.first_stage = _first_stage(first_stage)
+
+    def _check_models(self) -> None:
+        """`check_identity` again when the matcher's weights have changed since the index was
+        opened (a model still training, a `load_state_dict`): the stored embeddings are the old
+        weights'. Cheap when nothing changed: `Matcher.identities` is the same list then."""
+        identities = self.matcher.identities
+        if identities is not self._checked:
+            check_identity(self.manifest, self.matcher, self.folder)
+            self._checked = identities
 
     def name_of(self, image_id: int) -> str | None:
         """Image `image_id`'s name, when the index records names."""
@@ -774,6 +784,7 @@ class GalleryIndex:
         if isinstance(queries, str):
             raise InputError("search_texts takes a list of texts, got one str (search_text takes one text)")
         top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_images)
+        self._check_models()
         if not len(queries):
             return []
         texts = [self.matcher.encode_texts([query], allow_unknown=allow_unknown, query=True) for query in queries]
@@ -804,6 +815,7 @@ class GalleryIndex:
             boxes: its (K, 4) region boxes normalised to [0, 1], when a model reads positions.
         """
         top_k, shortlist = self._check_sizes(top_k, shortlist, self.n_captions)
+        self._check_models()
         if (image_id is None) == (features is None):
             raise InputError("give exactly one of image_id and features")
         if features is not None:

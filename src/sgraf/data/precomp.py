@@ -156,8 +156,8 @@ def _rows_per_image(images: np.ndarray, path: Path) -> int:
     first, repeats = images[0], 1
     while repeats < min(len(images), MAX_ROWS_PER_IMAGE) and np.array_equal(images[repeats], first):
         repeats += 1
-    if repeats == 1:
-        return 1
+    if repeats == 1 or repeats == min(len(images), MAX_ROWS_PER_IMAGE):
+        return 1     # no repeat, or no row after the repeats that differs: the same image throughout?
     groups = len(images) // repeats
     sample = np.unique(np.linspace(0, groups - 1, num=min(REPEAT_SAMPLE, groups)).astype(int))
     for group in sample:
