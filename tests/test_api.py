@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -278,3 +283,36 @@ def test_an_explanation_scores_in_the_matchers_precision(vocab, features):
         matcher = Matcher(models, precision=precision)
         explained = explain_pair(matcher, features[2], text).scores["ensemble"]
         assert explained == approx(float(matcher.score(features[2:3], [text])[0, 0]), REORDERED), precision
+
+
+def test_a_matcher_changed_after_it_was_made_says_what_changed(vocab, features):
+    """Notebook use: a model cast or moved after the matcher was made, a device or precision set
+    on it; each a one-line InputError naming it, not PyTorch's error fourteen frames down."""
+    model = _model("sgr", vocab, 2)
+    matcher = Matcher([model])
+    reference = matcher.score(features, ["a dog"])
+    matcher.device = "cpu"                                       # a device name, moved and resolved
+    assert matcher.device == torch.device("cpu") and np.array_equal(matcher.score(features, ["a dog"]), reference)
+    for attribute, value, message in (("device", "gpu", "device 'gpu' is not a device name"),
+                                      ("precision", "float16", "precision"), ("batch_size", 0, "batch_size")):
+        with pytest.raises(InputError, match=message):
+            setattr(matcher, attribute, value)
+    model.half()
+    with pytest.raises(InputError, match=r"^model 1 has float16 weights; a Matcher computes from float32 weights"):
+        matcher.score(features, ["a dog"])
+    model.float().to("meta")
+    with pytest.raises(InputError, match=r"^model 1 is on meta but the matcher computes on cpu: set matcher.device"):
+        matcher.score(features, ["a dog"])
+
+
+def test_the_packages_modules_are_reached_from_sgraf_and_a_loose_caption_set_is_said(vocab, features, tmp_path,
+                                                                                       caplog):
+    done = subprocess.run([sys.executable, "-c", "import sys, sgraf; assert callable(sgraf.training.fit); "
+                           "assert callable(sgraf.evaluate.evaluate_split); print('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+    with caplog.at_level("WARNING", logger="sgraf.search"):
+        sgraf.build_index(Matcher([_model("sgr", vocab, 0)]), features, ["a dog", "a red ball", "the man"],
+                          tmp_path / "index")
+    assert f"3 captions for {len(features)} images, not a whole number per image" in caplog.text

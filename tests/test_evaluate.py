@@ -443,3 +443,24 @@ def test_a_checkpoint_validated_in_another_precision_says_how_to_match_its_dev_r
     caplog.clear()
     evaluate_json(capsys, "--checkpoint", tmp_path / "fp16.pt", "--data", DATA)
     assert "validated in" not in caplog.text
+
+
+def test_python_callers_get_the_argument_named(tmp_path):
+    """`evaluate_split` from a notebook: a model alone is taken as a list of one, and each other
+    slip is one InputError naming the argument (they had been TypeError / AttributeError)."""
+    from sgraf.data.precomp import PrecompSplit
+    from sgraf.data.vocab import load_vocab
+    from sgraf.errors import InputError
+    from sgraf.evaluate import evaluate_split
+    from sgraf.checkpoint import load_model
+
+    model, split, vocab = load_model(CKPT["sgr"]), PrecompSplit(DATA, "test"), load_vocab(VOCAB)
+    assert evaluate_split(model, split, vocab, matrix=False)[0] == evaluate_split([model], split, vocab)[0]
+    for arguments, message in (((model, "test", vocab), r"^split: a PrecompSplit .*got str"),
+                               ((model, split, None), r"^vocab: a Vocabulary to tokenise the captions"),
+                               (([str(CKPT["sgr"])], split, vocab), r"^models\[0\]: an SGRAF network .*got str"),
+                               ((str(CKPT["sgr"]), split, vocab), r"^models: a list of SGRAF networks")):
+        with pytest.raises(InputError, match=message):
+            evaluate_split(*arguments)
+    with pytest.raises(InputError, match=r"^folds: 6 images do not split into 4 equal folds"):
+        evaluate_split(model, split, vocab, folds=4, matrix=False)

@@ -186,3 +186,10 @@ def test_the_weight_row_is_a_strip_and_the_notes_keep_the_picture_narrow(vocab, 
     assert 0.3 < height < 0.8, height
     titles = [axis.get_title() for axis in figure.get_axes() if axis.get_title().endswith(")")]
     assert len(titles) == len(explanation.tokens) and all(t.endswith(" (+0.00)") for t in titles), titles
+
+
+def test_an_explanation_reads_in_one_line(vocab, image):
+    explanation = explain_pair(Matcher([_model("sgr", vocab, 3)]), image, "a red square left of the circle")
+    text = repr(explanation)
+    assert text.startswith("Explanation(text='a red square left of the circle', image_id=None, scores={sgr: 0.")
+    assert "\n" not in text and f"attention=<array ({len(explanation.tokens)}, {K})>" in text and len(text) < 400

@@ -37,9 +37,16 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
+# modules of their own, imported when first named (`sgraf.training` after `import sgraf`)
+_MODULES = ("training", "evaluate", "diagnose", "serve", "search", "api", "metrics", "significance", "explain",
+            "data", "model", "checkpoint", "scoring", "kernels")
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(f"sgraf.{name}")
     raise AttributeError(f"module 'sgraf' has no attribute {name!r}")
 
 

@@ -210,6 +210,16 @@ def _weights_key(models: Sequence[torch.nn.Module]) -> tuple[Any, ...]:
     return tuple(key)
 
 
+def _check_float32(models: Sequence[torch.nn.Module]) -> None:
+    """Refuse models with weights other than float32, naming the model and the dtypes."""
+    for m, model in enumerate(models):
+        other = sorted({str(t.dtype).replace("torch.", "") for t in model.parameters()
+                        if t.is_floating_point() and t.dtype != torch.float32})
+        if other:
+            raise InputError(f"model {m + 1} has {', '.join(other)} weights; a Matcher computes from float32 "
+                             "weights: keep them float32 and pass precision='bf16' or 'fp16'")
+
+
 class Matcher:
     """One SGRAF model or an ensemble, with its vocabulary, ready to encode, score and search.
 
@@ -244,15 +254,11 @@ class Matcher:
             if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
                 raise InputError(f"model {m + 1} is a {type(model).__name__}, not an SGRAF network (load a "
                                  "checkpoint with sgraf.load_model, or use Matcher.load(paths))")
-            other = sorted({str(t.dtype).replace("torch.", "") for t in model.parameters()
-                            if t.is_floating_point() and t.dtype != torch.float32})
-            if other:
-                raise InputError(f"model {m + 1} has {', '.join(other)} weights; a Matcher computes from float32 "
-                                 "weights: keep them float32 and pass precision='bf16' or 'fp16'")
-        self.device = resolve_device(device)
-        self.precision = check_precision(precision)
-        self.batch_size = check_positive_int(batch_size, "batch_size")
-        self.models = [model.to(self.device) for model in models]   # their modes stay theirs (`computing`)
+        _check_float32(models)
+        self._device = resolve_device(device)
+        self.precision = precision
+        self.batch_size = batch_size
+        self.models = [model.to(self._device) for model in models]   # their modes stay theirs (`computing`)
         self.vocab = _shared_vocab(self.models, vocab)
         self.sources = list(sources) if sources is not None else [None] * len(self.models)
         if len(self.sources) != len(self.models):
@@ -269,13 +275,49 @@ class Matcher:
                              f"vocab_size={self.models[0].config.vocab_size}")
         self._identities: tuple[Any, list[dict[str, Any]]] | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the matcher computes; set it (`matcher.device = "cuda"`) to move its models there."""
+        return self._device
+
+    @device.setter
+    def device(self, device: str | torch.device) -> None:
+        device = resolve_device(device, "device")
+        self.models = [model.to(device) for model in self.models]
+        self._device = device
+
+    @property
+    def precision(self) -> str:
+        """'fp32', 'bf16' or 'fp16' (checked when set)."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: str) -> None:
+        self._precision = check_precision(precision)
+
+    @property
+    def batch_size(self) -> int:
+        """Images or texts encoded per forward pass (a positive integer, checked when set)."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, batch_size: int) -> None:
+        self._batch_size = check_positive_int(batch_size, "batch_size")
+
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
         """The context every model call of the matcher runs in: the models in eval mode without
         gradients (their train/eval mode restored after), and with 'fp32' no autocast of the
-        caller's."""
+        caller's. The models are checked again first: float32 weights on the matcher's device (a
+        model changed since, `model.half()` or `model.cuda()`, had failed deep in PyTorch)."""
         from sgraf.model.blocks import eval_mode
 
+        _check_float32(self.models)
+        for m, model in enumerate(self.models):
+            where = next((t.device for t in model.parameters()), self._device)
+            if where.type != self._device.type or (where.index or 0) != (self._device.index or 0):
+                raise InputError(f"model {m + 1} is on {where} but the matcher computes on {self._device}: set "
+                                 f"matcher.device = {str(where)!r} (it moves every model), or move the model back")
         with contextlib.ExitStack() as stack:
             stack.enter_context(eval_mode(self.models))
             if self.precision == "fp32" and self.device.type in ("cpu", "cuda"):
@@ -361,8 +403,8 @@ class Matcher:
                 listed = ", ".join(repr(t) for t in dict.fromkeys(unknown))
                 raise InputError(f"query {text!r}: word(s) {listed} not in the model's vocabulary "
                                  f"({len(self.vocab)} words); rephrase with known words, or let unknown words "
-                                 "count as <unk> (allow_unknown: --allow-unknown on the command line, "
-                                 "allow_unknown=true in the HTTP API)")
+                                 "count as <unk> (allow_unknown=True in Python, --allow-unknown on the command "
+                                 "line, allow_unknown=true in the HTTP API)")
         return tokens, self.vocab.encode(text)
 
     def encode_texts(self, texts: Sequence[str], allow_unknown: bool = False, query: bool = False) -> TextEncoding:

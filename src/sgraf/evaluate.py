@@ -119,6 +119,25 @@ def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
             raise InputError(f"{name} (positions={config.positions!r}): {error}") from None
 
 
+def _checked_arguments(models: Any, split: Any, vocab: Any, token_ids: Any = None) -> list[torch.nn.Module]:
+    """The models of a Python call of `score_split` / `evaluate_split` as a list (one model is
+    taken as a list of one), or an `InputError` naming the argument that is not what it expects."""
+    if isinstance(models, torch.nn.Module):
+        models = [models]
+    if isinstance(models, (str, os.PathLike)) or not isinstance(models, Sequence) or not models:
+        raise InputError(f"models: a list of SGRAF networks (sgraf.load_model(path)), got {type(models).__name__}")
+    for m, model in enumerate(models):
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"models[{m}]: an SGRAF network (sgraf.load_model(path)), got {type(model).__name__}")
+    if not (hasattr(split, "images") and hasattr(split, "captions")):
+        raise InputError(f"split: a PrecompSplit (sgraf.data.precomp.PrecompSplit(data_dir, 'test')), got "
+                         f"{type(split).__name__}")
+    if token_ids is None and not callable(getattr(vocab, "encode", None)):
+        raise InputError(f"vocab: a Vocabulary to tokenise the captions (sgraf.load_vocab(path), or the model's "
+                         f"own: model.vocab), got {type(vocab).__name__}")
+    return list(models)
+
+
 def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, precision: str = "fp32",
                 batch_size: int = 128, progress: bool = False, head: str | None = None,
                 token_ids: Sequence[Sequence[int]] | None = None, stopwatch: Stopwatch | None = None,
@@ -132,6 +151,7 @@ def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, preci
     process returns the whole matrix. `stopwatch` times the stages 'tokenise', 'encode images',
     'encode captions' and 'score'.
     """
+    models = _checked_arguments(models, split, vocab, token_ids)
     if token_ids is None:
         with stage(stopwatch, "tokenise"):
             token_ids = scoring.tokenize_captions(split.captions, vocab)
@@ -167,6 +187,8 @@ def _evaluate_folds(models: Sequence[torch.nn.Module], split: Any, vocab: Any, f
     """`evaluate_split` over `folds` folds when no matrix is wanted: each fold's images scored
     against its own captions only (the diagonal blocks that `metrics.evaluate_sims` reads; the
     whole matrix is `folds` times the work: MSCOCO 1K from 5K), the numbers the same."""
+    if isinstance(folds, bool) or not isinstance(folds, int) or split.n_images % folds:
+        raise InputError(f"folds: {split.n_images} images do not split into {folds!r} equal folds")
     if token_ids is None:
         with stage(stopwatch, "tokenise"):
             token_ids = scoring.tokenize_captions(split.captions, vocab)
@@ -198,6 +220,7 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
     the float32 matrix is written to as a `.npy` (by the same bands on a GPU; the caller makes
     the write atomic, `sgraf.atomic_write.atomic_path`).
     """
+    models = _checked_arguments(models, split, vocab, token_ids)
     matrix = matrix or save_to is not None
     if folds > 1 and not matrix:
         return _evaluate_folds(models, split, vocab, folds, precision, batch_size, progress, head, token_ids,
@@ -389,7 +412,7 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
     with stage(stopwatch, "data"):
         precomp = open_split(data_dir, split)
     if precomp.n_images % folds:
-        raise InputError(f"--folds {folds}: the {precomp.n_images} images of {precomp.ims_path} do not split "
+        raise InputError(f"folds {folds}: the {precomp.n_images} images of {precomp.ims_path} do not split "
                          f"into {folds} equal folds")
     with stage(stopwatch, "checkpoint"):
         models, vocabulary = load_ensemble(checkpoints, vocab, device)

@@ -163,6 +163,18 @@ class Explanation:
     place_model: str | None = None
     place_signed: np.ndarray | None = None
 
+    def __repr__(self) -> str:
+        """One line: the text, the scores and the shapes of the arrays (a notebook had printed
+        every attention weight)."""
+        def shape(value: Any) -> str:
+            return "None" if value is None else f"<array {tuple(value.shape)}>"
+
+        arrays = ", ".join(f"{name}={shape(getattr(self, name))}"
+                           for name in ("attention", "saf_beta", "sgr_alignment", "place", "place_signed"))
+        scores = ", ".join(f"{label}: {score:.4f}" for label, score in self.scores.items())
+        return (f"Explanation(text={self.text!r}, image_id={self.image_id}, scores={{{scores}}}, "
+                f"tokens={len(self.tokens)}, nodes={len(self.node_labels)}, {arrays})")
+
 
 def _label(model: torch.nn.Module, position: int, models: Sequence[torch.nn.Module]) -> str:
     module = model.config.module

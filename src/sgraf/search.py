@@ -161,6 +161,10 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
         raise InputError(f"an index needs images and captions, got {n_img} images and {n_cap} captions")
     if caps_per_image is None and n_cap % n_img == 0:
         caps_per_image = n_cap // n_img
+    elif caps_per_image is None:
+        logger.warning("%d captions for %d images, not a whole number per image: the index records no image of each "
+                       "caption (give caps_per_image, or one caption file per image set, for image -> caption "
+                       "truth and the caption shown beside each image found)", n_cap, n_img)
     for row, caption in enumerate(captions):
         if "\n" in caption or not caption.strip():
             raise InputError(f"caption {row} is empty or spans several lines: {caption!r}")

@@ -363,8 +363,8 @@ def _loader_refusing_repeated_keys(source: str) -> type:
 def parse_overrides(pairs: str | Iterable[str] | Mapping[str, Any]) -> dict[str, Any]:
     """Parses `key=value` strings (one string is one pair; a mapping gives the values as they are),
     each value coerced against its field's type."""
-    if isinstance(pairs, Mapping):
-        return _coerce_all(dict(pairs), "--set")
+    if isinstance(pairs, Mapping):       # from Python: named as the argument it came in
+        return _coerce_all(dict(pairs), "overrides")
     overrides: dict[str, Any] = {}
     for pair in [pairs] if isinstance(pairs, str) else pairs:
         if not isinstance(pair, str):

@@ -76,7 +76,7 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
                                      "or the run never reached its first checkpoint)")
         elif (run / LAST_CHECKPOINT).exists():
             raise InputError(f"output folder {run} already holds a run ({LAST_CHECKPOINT}); continue it with "
-                             f"--resume {run} or choose another --out")
+                             f"--resume {run} (in Python: resume=True) or choose another --out")
         else:   # a run stopped between its first validation and its first last.pt: its records would mix
             earlier = [name for name in (METRICS_FILE, BEST_CHECKPOINT, TENSORBOARD_DIR) if (run / name).exists()]
             if earlier:
