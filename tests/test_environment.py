@@ -94,3 +94,12 @@ def test_runs_plot_draws_folder_names_that_are_not_utf8(tmp_path, request):
     assert done.returncode == 0 and b"r\xfcn" in done.stdout, done.stderr     # the table prints the name's bytes
     assert (tmp_path / "runs.png").stat().st_size > 1000
     assert np.array(__import__("PIL.Image", fromlist=["Image"]).open(tmp_path / "runs.png")).std() > 0
+
+
+def test_a_closed_stdout_is_said(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-m", "sgraf", "-q", *EVALUATE], stderr=subprocess.PIPE, text=True,
+                          env=env, timeout=120, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0
+    assert done.stderr.strip() == ("WARNING sgraf: stdout is closed: what sgraf evaluate prints (its results, or what "
+                                   "it wrote) is lost")

@@ -206,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else f"%(levelname)s %(name)s [rank {rank}]: %(message)s"),
         stream=sys.stderr,
     )
+    if sys.stdout is None:  # started with stdout closed (>&-): what the command prints goes nowhere
+        logger.warning("stdout is closed: what %s prints (its results, or what it wrote) is lost", prog)
     if not args.verbose:    # PyTorch's INFO lines (a cache's statistics at exit) are not ours to print
         logging.getLogger("torch").setLevel(logging.WARNING)
     from sgraf.signals import Stopped, stop_on_sigterm
