@@ -30,7 +30,7 @@ CONFIGS = [
     dict(module="sgr", sgr_step=1), dict(module="sgr", sgr_step=2), dict(module="sgr", sgr_step=4),
     dict(module="sgr", alignments="global"),
     dict(module="saf", alignments="local"),
-    dict(module="ave", alignments="local", similarity="scalar", attention="i2t"),   # Table 5 row 1
+    dict(module="ave", alignments="local", similarity="scalar", attention="i2t"),   # Table 4 row 1
     dict(module="ave", alignments="local", attention="i2t"),                        # row 2
     dict(module="sgr", alignments="local", attention="i2t"),                        # row 3
     dict(module="saf", alignments="local", attention="i2t"),                        # row 4

@@ -279,3 +279,23 @@ def test_drawing_leaves_the_callers_matplotlib_backend_alone(trained, tmp_path):
         assert plt.get_backend() == "svg" and plt.get_fignums() == figures    # no figure left open either
     finally:
         plt.switch_backend(before)
+
+
+def test_a_setting_without_effect_sets_no_run_apart(tmp_path, capsys):
+    """Two SAF runs that differ only in sgr_step are the same model (their weights were bit
+    identical): no column; beside an SGR run the SAF runs' sgr_step reads '-'."""
+    for name, module, step in (("saf-a", "saf", 1), ("saf-b", "saf", 4), ("sgr", "sgr", 3)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: {module}\nsgr_step: {step}\n"
+                                         "epochs: 1\n")
+        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
+                                           '"best": true}\n')
+    assert main(["runs", str(tmp_path / "saf-a"), str(tmp_path / "saf-b"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["differ"] == []
+    assert main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0].rstrip("/").rsplit("/", 1)[-1]: line.split()[1:] for line in out.splitlines()
+            if line.strip().startswith(str(tmp_path)) and "module" not in line}
+    assert "(-: the setting has no effect in that run, as sgr_step without an SGR head)" in out, out
+    assert [rows["saf-a"][-1], rows["saf-b"][-1], rows["sgr"][-1]] == ["-", "-", "3"], out

@@ -485,3 +485,32 @@ def test_a_config_files_data_or_preset_overridden_on_the_command_line_is_said(tm
     assert main(["train", "--config", str(config), "--data", str(tmp_path), "--preset", "demo"]) == 2   # no --out
     assert f"--data {tmp_path} is used; {config}'s data: elsewhere is not" in caplog.text
     assert f"--preset demo is used; {config}'s preset: tiny is not" in caplog.text
+
+
+def test_settings_without_effect_are_said_and_impossible_ones_refused(caplog):
+    caplog.set_level("WARNING", logger="sgraf.training.config")
+    resolve_config("tiny", overrides=["module=saf"])              # the preset's sgr_step: not the caller's
+    assert caplog.text == ""
+    resolve_config("tiny", overrides=["module=saf", "sgr_step=4"])
+    assert "--set: sgr_step=4 has no effect: module=saf has no SGR head" in caplog.text
+    caplog.clear()
+    resolve_config("tiny", overrides={"alignments": "global", "lambda_softmax": 4})
+    assert "overrides: lambda_softmax=4.0 has no effect: alignments=global" in caplog.text
+    for pair, message in (("log_every=0", "'log_every'"), ("lambda_softmax=-9", "'lambda_softmax'"),
+                          ("lambda_softmax=0", "must be a finite number > 0")):
+        with pytest.raises(InputError, match=message):
+            resolve_config("tiny", overrides=[pair])
+
+
+def test_a_built_vocabulary_reads_every_dev_caption(toy_data, tmp_path):
+    """As the authors' vocab.py: not only the first val_max_captions that validation scores."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train_ims.npy", "train_caps.txt", "dev_ims.npy"):
+        (data / name).symlink_to(toy_data / name)
+    lines = (toy_data / "dev_caps.txt").read_text().splitlines()
+    lines[-5:] = ["a zebra"] * 5                                 # a word only in the last dev image's captions
+    (data / "dev_caps.txt").write_text("\n".join(lines) + "\n")
+    for cut in ("10", "none"):
+        assert _train(data, tmp_path / f"run-{cut}", "--set", "epochs=1", f"val_max_captions={cut}") == 0
+        assert "zebra" in sgraf.load_model(tmp_path / f"run-{cut}" / "best.pt").vocab.word2idx

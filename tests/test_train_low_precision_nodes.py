@@ -109,7 +109,7 @@ def test_a_bf16_step_with_light_nodes_gives_the_same_loss_and_gradients_computin
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("module", ["sgr", "saf"])
 def test_a_model_without_word_nodes_trains_under_autocast_computing_each_chunk_once(module, precision, monkeypatch):
-    """Global alignments only (Table 5's ablation): no local layer to ask for its dtype (a step under
+    """Global alignments only (Table 3's ablation): no local layer to ask for its dtype (a step under
     autocast raised AttributeError on `sim_tranloc_w`), and nothing (word x feature) to keep."""
     model = random_model(module=module, alignments="global")
     model.train_chunk = 3

@@ -1,7 +1,7 @@
 """Frozen configuration dataclasses.
 
 `ModelConfig` describes one SGRAF network. Its defaults are the authors' (official.md); the
-ablation switches of the paper's Tables 3, 5 and 6 are fields, so each table row is one
+ablation switches of the paper's Tables 3, 4 and 5 are fields, so each table row is one
 configuration. Checkpoints store `ModelConfig.to_dict()` and rebuild with `from_dict`.
 """
 
@@ -22,6 +22,27 @@ POSITIONS = ("none", "box", "relation", "place")  # region positions: sgraf.mode
 PRECISIONS = ("fp32", "bf16", "fp16")             # what `sgraf.precision.autocast` runs
 
 
+def unused_settings(settings: Any) -> dict[str, str]:
+    """The model settings that have no effect under the others, each with why: `sgr_step` without
+    an SGR head, the attention's `attention` and `lambda_softmax` with global alignments only,
+    `sim_dim` with scalar (cosine) similarities. `settings`: a `ModelConfig`, or a mapping of its
+    fields (a run's config.yaml; missing fields take the defaults)."""
+    values = settings.to_dict() if isinstance(settings, ModelConfig) else dict(settings)
+    default = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
+
+    def get(name: str) -> Any:
+        return values.get(name, default.get(name))
+
+    unused = {}
+    if get("module") not in ("sgr", "joint"):
+        unused["sgr_step"] = f"module={get('module')} has no SGR head"
+    if get("alignments") == "global":
+        unused["attention"] = unused["lambda_softmax"] = "alignments=global has no local (attended) alignments"
+    if get("similarity") == "scalar":
+        unused["sim_dim"] = "similarity=scalar compares by cosine, with no similarity vectors"
+    return unused
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One SGRAF network.
@@ -38,12 +59,12 @@ class ModelConfig:
         img_norm: l2-normalise region embeddings (the authors' `no_imgnorm=False`).
         txt_norm: l2-normalise word embeddings (the authors' `no_txtnorm=False`).
         module: aggregation head: 'sgr' (Eq. 6-8), 'saf' (Eq. 9), 'ave' (mean of per-alignment
-            scores, Table 5) or 'joint' (one similarity representation feeding both SGR and SAF,
-            Table 6 "Joint").
+            scores, Table 4) or 'joint' (one similarity representation feeding both SGR and SAF,
+            Table 5 "Joint").
         sgr_step: reasoning steps N of SGR (Table 3: 1-4).
         alignments: 'both' (global + local nodes), 'global' only or 'local' only (Table 3).
-        similarity: 'vector' (Eq. 1) or 'scalar' (cosine, Table 5).
-        attention: 't2i' text-to-image (default) or 'i2t' image-to-text attention (Table 5).
+        similarity: 'vector' (Eq. 1) or 'scalar' (cosine, Table 4).
+        attention: 't2i' text-to-image (default) or 'i2t' image-to-text attention (Table 4).
         lambda_softmax: attention temperature (9).
         dropout: dropout after the word embedding (0.4).
         positions: region positions (issue 21, not in the paper): 'none' (the authors' model),
@@ -101,10 +122,13 @@ class ModelConfig:
                 raise InputError(f"model config field {name!r} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
         if self.similarity == "scalar" and self.module != "ave":
-            raise InputError("model config: similarity='scalar' (cosine nodes, Table 5) is defined only with "
+            raise InputError("model config: similarity='scalar' (cosine nodes, Table 4) is defined only with "
                              f"module='ave', got module={self.module!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"model config field 'dropout' must be in [0, 1), got {self.dropout!r}")
+        if not (isinstance(self.lambda_softmax, (int, float)) and 0 < self.lambda_softmax < math.inf):
+            raise InputError(f"model config field 'lambda_softmax' (the attention's inverse temperature, 9 in the "
+                             f"paper) must be a finite number > 0, got {self.lambda_softmax!r}")
         if self.positions == "place" and (self.alignments == "global" or self.attention != "t2i"):
             raise InputError("model config: positions='place' reads the place each word attends to: it needs "
                              "alignments 'both' or 'local' and attention 't2i', got "

@@ -1,4 +1,4 @@
-"""Similarity Attention Filtration (Eq. 9) and the AVE baseline (Table 5 "AA").
+"""Similarity Attention Filtration (Eq. 9) and the AVE baseline (Table 4 "AA").
 
 SAF: `beta = l1norm(sigmoid(BN(W_f N + b_f)))` over the valid nodes, `s_f = l2norm(sum beta N)`.
 In training mode the authors score one caption at a time, so their BatchNorm1d(1) takes its
@@ -116,7 +116,7 @@ def average_scores(nodes: torch.Tensor, node_mask: torch.Tensor, eval_layer: nn.
     """AVE: mean over the valid nodes of per-alignment scores.
 
     With vector nodes each node is scored by FC + sigmoid; with scalar (cosine) nodes the
-    cosines themselves are averaged (Table 5 rows 1 and 5).
+    cosines themselves are averaged (Table 4 rows 1 and 5).
 
     Args:
         nodes: (n_img, n_cap, P, m).

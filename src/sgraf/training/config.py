@@ -14,6 +14,7 @@ checked against the data before the first step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import pathlib
@@ -22,9 +23,12 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from sgraf.config import ALIGNMENTS, ATTENTIONS, MODULES, POSITIONS, PRECISIONS, SIMILARITIES, ModelConfig
+from sgraf.config import (ALIGNMENTS, ATTENTIONS, MODULES, POSITIONS, PRECISIONS, SIMILARITIES, ModelConfig,
+                          unused_settings)
 from sgraf import text_files
 from sgraf.errors import InputError, plain_integer
+
+logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**32 - 1
 BATCHES = ("random", "families")  # numpy's legacy seeding takes 0 .. 2**32 - 1
@@ -38,7 +42,7 @@ class TrainConfig:
 
     Attributes:
         module: 'sgr', 'saf', 'ave' (one head, trained alone) or 'joint' (one similarity
-            representation feeding SGR and SAF, trained with L_r + L_f, Table 6).
+            representation feeding SGR and SAF, trained with L_r + L_f, Table 5).
         img_dim: region feature size; None takes it from the data, a number must match it.
         num_regions: regions per image; None takes it from the data, a number must match it.
         word_dim: the model's `word_dim` (see `sgraf.config.ModelConfig`).
@@ -170,7 +174,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "lr_update", "word_dim", "embed_size", "sim_dim",
                      "num_layers", "sgr_step", "val_batch_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("workers", "val_every", "patience", "checkpoint_every", "log_every", "warmup_epochs"):
+        _check_int("log_every", self.log_every, minimum=1)
+        for name in ("workers", "val_every", "patience", "checkpoint_every", "warmup_epochs"):
             _check_int(name, getattr(self, name), minimum=0)
         _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         for name in ("img_dim", "num_regions", "val_max_captions"):
@@ -397,10 +402,18 @@ def resolve_config(preset_name: str | None = None, config_file: str | pathlib.Pa
         if preset_name not in PRESETS:
             raise InputError(f"unknown preset {preset_name!r}; available: {', '.join(PRESETS)}")
         values.update(PRESETS[preset_name])
+    given: dict[str, str] = {}          # the keys the caller set, by where (not a preset's)
     if config_file is not None:
         values.update(file_values)
-    values.update(parse_overrides(overrides))
-    return TrainConfig.from_dict(values), extras
+        given.update({key: str(config_file) for key in file_values})
+    parsed = parse_overrides(overrides)
+    values.update(parsed)
+    given.update({key: "overrides" if isinstance(overrides, Mapping) else "--set" for key in parsed})
+    config = TrainConfig.from_dict(values)
+    for key, why in unused_settings(config.to_dict()).items():
+        if key in given:
+            logger.warning("%s: %s=%s has no effect: %s", given[key], key, getattr(config, key), why)
+    return config, extras
 
 
 # The authors' option names (official.md) that differ from ours.

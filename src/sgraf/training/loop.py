@@ -211,6 +211,7 @@ def _find_vocab(data_dir: pathlib.Path) -> pathlib.Path | None:
 def resolve_vocab(config: TrainConfig, data_dir: pathlib.Path, train: Any, dev: Any) -> Any:
     """The configured vocabulary, else one found beside the data, else one built from the
     train and dev captions (words seen at least 4 times, as the authors build theirs)."""
+    from sgraf.data.captions import read_captions
     from sgraf.data.vocab import build_vocab, load_vocab
 
     if config.vocab is not None:
@@ -220,7 +221,10 @@ def resolve_vocab(config: TrainConfig, data_dir: pathlib.Path, train: Any, dev: 
         logger.info("vocabulary: %s", found)
         return load_vocab(found)
     logger.info("vocabulary: built from the train and dev captions of %s (min count 4)", data_dir)
-    return build_vocab(list(train.captions) + list(dev.captions), min_count=4)
+    # every dev caption, as the authors' vocab.py reads the file: not only the first
+    # `val_max_captions` that validation scores (the vocabulary had depended on that setting)
+    dev_captions = dev.captions if dev.max_captions is None else read_captions(dev.caps_path)
+    return build_vocab(list(train.captions) + list(dev_captions), min_count=4)
 
 
 def check_data_fits(config: TrainConfig, splits: list[Any]) -> tuple[int, int]:

@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from sgraf.config import unused_settings
 from sgraf.errors import InputError
 from sgraf.folder_lock import LOCK_FILE, describe_holder, pid_alive
 from sgraf.io_paths import path_list
@@ -175,9 +176,16 @@ def differences(runs: Sequence[Run]) -> list[str]:
     keys: list[str] = []
     for run in readable:
         keys.extend(key for key in run.settings if key not in keys and key not in _NOT_SETTINGS)
-    differ = [key for key in keys if len({json.dumps(run.settings.get(key), sort_keys=True)
+    # a setting without effect in a run (`sgr_step` of a SAF run) sets it apart from none
+    differ = [key for key in keys if len({json.dumps(_setting(run, key), sort_keys=True)
                                           for run in readable}) > 1]
     return (["data"] if len({_data_key(run) for run in readable}) > 1 else []) + differ
+
+
+def _setting(run: Run, key: str) -> Any:
+    """The run's value of `key`, or None where it has no effect under its other settings
+    (`sgraf.config.unused_settings`)."""
+    return None if key in unused_settings(run.settings) else run.settings.get(key)
 
 
 def _files_id(run: Run) -> str | None:
@@ -225,6 +233,7 @@ def as_dict(run: Run, differ: Sequence[str] = ()) -> dict[str, Any]:
                 "last_rsum": None if run.last is None else run.last.get("rsum"),
                 "settings": {key: (run.data[0] if run.data else None) if key == "data" else run.settings.get(key)
                              for key in differ},
+                "unused_settings": sorted(set(differ) & set(unused_settings(run.settings))),
                 "data_files": _files_id(run)})
     if run.state == "stopped":
         out["resume"] = f"sgraf train --resume {run.path}"
@@ -258,6 +267,8 @@ def format_runs(summary: dict[str, Any]) -> str:
         ids.setdefault(run["settings"].get("data"), set()).add(run["data_files"])
 
     def cell(run: dict[str, Any], key: str) -> str:
+        if key in run.get("unused_settings", ()):
+            return "-"          # no effect in this run
         value = run["settings"][key]
         return f"{value} (files {run['data_files']})" if key == "data" and len(ids[value]) > 1 else _text(value)
 
@@ -269,6 +280,8 @@ def format_runs(summary: dict[str, Any]) -> str:
             lines.append("settings that differ:")
             lines.extend(_table([("run", *differ)] + [(run["path"], *(cell(run, key) for key in differ))
                                                       for run in readable], left=len(differ) + 1))
+            if any(run.get("unused_settings") for run in readable):
+                lines.append("(-: the setting has no effect in that run, as sgr_step without an SGR head)")
         if "data" in differ:
             lines.append("(the runs train on different data: their dev rsums are on different dev splits and do "
                          "not compare)")
