@@ -497,9 +497,17 @@ def test_settings_without_effect_are_said_and_impossible_ones_refused(caplog):
     resolve_config("tiny", overrides={"alignments": "global", "lambda_softmax": 4})
     assert "overrides: lambda_softmax=4.0 has no effect: alignments=global" in caplog.text
     for pair, message in (("log_every=0", "'log_every'"), ("lambda_softmax=-9", "'lambda_softmax'"),
-                          ("lambda_softmax=0", "must be a finite number > 0")):
+                          ("lambda_softmax=0", "must be a finite number > 0"), ("device=cudax", "'device'"),
+                          ("device=cuda:abc", "'device'"), ("device=mps", "does not run on mps")):
         with pytest.raises(InputError, match=message):
             resolve_config("tiny", overrides=[pair])
+
+
+def test_a_validation_of_part_of_an_image_is_refused_naming_the_key(toy_data, tmp_path, capsys):
+    assert _train(toy_data, tmp_path / "run", "--set", "epochs=1", "val_max_captions=7") == 2
+    assert "training config field 'val_max_captions' is 7: expected a multiple of the 5 captions per image" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "run" / "last.pt").exists()
 
 
 def test_a_built_vocabulary_reads_every_dev_caption(toy_data, tmp_path):

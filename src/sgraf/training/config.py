@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -206,9 +207,9 @@ class TrainConfig:
                              f"max_violation=false the loss is summed throughout), got warmup_epochs={self.warmup_epochs}")
         if not 0.0 <= self.dropout < 1.0:
             raise InputError(f"training config field 'dropout' must be in [0, 1), got {self.dropout!r}")
-        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise InputError(f"training config field 'device' must be auto, cpu, cuda or cuda:N, "
-                             f"got {self.device!r}")
+        if not (isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device.strip())):
+            raise InputError(f"training config field 'device' must be auto, cpu, cuda or cuda:N (training does not "
+                             f"run on mps), got {self.device!r}")
         # the model's own rules across its fields (ModelConfig's messages), before any data is read
         self.model_config(1, self.img_dim or 1, self.num_regions or 1)
 

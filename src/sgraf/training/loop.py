@@ -756,8 +756,12 @@ def _val_captions(config: TrainConfig, data_dir: pathlib.Path) -> int | None:
         return None
     from sgraf.data.precomp import PrecompSplit
 
-    n_dev = PrecompSplit(data_dir, "dev").n_captions
-    return config.val_max_captions if config.val_max_captions < n_dev else None
+    dev = PrecompSplit(data_dir, "dev")
+    if config.val_max_captions < dev.n_captions and config.val_max_captions % dev.caps_per_image:
+        raise InputError(f"training config field 'val_max_captions' is {config.val_max_captions}: expected a multiple "
+                         f"of the {dev.caps_per_image} captions per image of {dev.caps_path} (validation scores whole "
+                         "images), or none for every dev caption")
+    return config.val_max_captions if config.val_max_captions < dev.n_captions else None
 
 
 def _agree_on_stop(local: bool) -> bool:
