@@ -503,6 +503,15 @@ def test_settings_without_effect_are_said_and_impossible_ones_refused(caplog):
             resolve_config("tiny", overrides=[pair])
 
 
+def test_a_preset_named_twice_says_which_is_taken(tmp_path, caplog):
+    (tmp_path / "c.yaml").write_text("preset: f30k-saf\nlr: 0.001\n")
+    caplog.set_level("WARNING", logger="sgraf.training.config")
+    assert resolve_config("tiny", tmp_path / "c.yaml")[0].module == preset("tiny").module
+    assert "c.yaml names preset f30k-saf; the preset given, tiny, is the one taken" in caplog.text
+    caplog.clear()
+    assert resolve_config(None, tmp_path / "c.yaml")[0].module == "saf" and caplog.text == ""
+
+
 def test_a_validation_of_part_of_an_image_is_refused_naming_the_key(toy_data, tmp_path, capsys):
     assert _train(toy_data, tmp_path / "run", "--set", "epochs=1", "val_max_captions=7") == 2
     assert "training config field 'val_max_captions' is 7: expected a multiple of the 5 captions per image" in \

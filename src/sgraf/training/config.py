@@ -399,6 +399,9 @@ def resolve_config(preset_name: str | None = None, config_file: str | pathlib.Pa
         file_values, extras = load_config_file(config_file)
         if preset_name is None and extras.get("preset"):
             preset_name = str(extras["preset"])
+        elif extras.get("preset") and str(extras["preset"]) != preset_name:
+            logger.warning("%s names preset %s; the preset given, %s, is the one taken", config_file,
+                           extras["preset"], preset_name)
     if preset_name is not None:
         if preset_name not in PRESETS:
             raise InputError(f"unknown preset {preset_name!r}; available: {', '.join(PRESETS)}")
