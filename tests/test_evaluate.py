@@ -464,3 +464,33 @@ def test_python_callers_get_the_argument_named(tmp_path):
             evaluate_split(*arguments)
     with pytest.raises(InputError, match=r"^folds: 6 images do not split into 4 equal folds"):
         evaluate_split(model, split, vocab, folds=4, matrix=False)
+
+
+@pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_folds_scored_alone_are_the_whole_matrixs_blocks(tmp_path, module):
+    """The split encoded once, each fold's block scored alone: the whole matrix's blocks within
+    rounding (another product shape sums in another order), the same recalls on data without
+    near-ties; a batch smaller than a fold, so that the encoders' batches cross the folds."""
+    from model_helpers import random_model
+
+    from sgraf.data.precomp import PrecompSplit
+    from sgraf.data.vocab import build_vocab
+    from sgraf.evaluate import evaluate_split, score_split
+    from sgraf.scoring import encode_split, score_matrix
+    from train_helpers import make_toy_precomp
+
+    data = make_toy_precomp(tmp_path / "data", n_train=8, n_dev=24, regions=5, dim=20)
+    words = np.random.default_rng(5).choice([f"w{i}" for i in range(40)], size=(120, 6))
+    (data / "dev_caps.txt").write_text("".join(" ".join(row) + "\n" for row in words))   # no two alike: no ties
+    split = PrecompSplit(data, "dev")
+    vocab = build_vocab(split.captions, min_count=1)
+    model = random_model(3, vocab_size=len(vocab), module=module).eval()
+    whole = score_split([model], split, vocab, batch_size=7)
+    encoded = encode_split(model, split, vocab, batch_size=7)
+    for k in range(4):
+        images, captions = slice(6 * k, 6 * k + 6), slice(30 * k, 30 * k + 30)
+        alone = score_matrix([model], [encoded.fold(images, captions)])
+        assert_close(alone, whole[images, captions], REORDERED)
+    folded = evaluate_split([model], split, vocab, folds=4, batch_size=7, matrix=False)[0]
+    assert folded == metrics.evaluate_sims(whole, folds=4)
+    assert 0 < folded["rsum"] < 600

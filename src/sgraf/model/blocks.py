@@ -131,6 +131,24 @@ class Encoded:
             lengths[bucket.index.cpu()] = bucket.lengths.cpu()
         return lengths
 
+    def fold(self, images: slice, captions: slice) -> "Encoded":
+        """Images `images` and captions `captions` (consecutive, `slice(start, stop)`) of this
+        encoding, the captions' buckets kept in their order and numbered from the fold's first
+        (the diagonal block of a K-fold evaluation, scored without the rest of the matrix)."""
+        buckets = []
+        for bucket in self.buckets:
+            where = bucket.index.cpu()
+            keep = (where >= captions.start) & (where < captions.stop)
+            if not bool(keep.any()):
+                continue
+            lengths = bucket.lengths.cpu()[keep]
+            rows = keep.nonzero().squeeze(1).to(bucket.embs.device)
+            buckets.append(CaptionBucket(index=(where[keep] - captions.start).to(bucket.index.device),
+                                         embs=bucket.embs[rows, : int(lengths.max())], lengths=lengths,
+                                         glo=None if bucket.glo is None else bucket.glo[rows]))
+        return Encoded(img_embs=self.img_embs[images], buckets=buckets, n_captions=captions.stop - captions.start,
+                       img_glo=None if self.img_glo is None else self.img_glo[images])
+
     @property
     def cap_embs(self) -> torch.Tensor:
         """(n_cap, L, d) word features in the callers' order, padded to the longest caption.
