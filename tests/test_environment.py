@@ -70,11 +70,19 @@ def test_command_line_text_is_read_as_utf8_under_any_locale(tmp_path):
                            "--image-id", "0", "--text", "a café", "--allow-unknown", "--out", str(tmp_path / "e.png")],
                           capture_output=True, env=env, timeout=120)
     assert done.returncode == 0 and "café".encode() in done.stdout, done.stderr
+    # a Latin-1 stdout: what it cannot write is escaped, after the work, never a failure
+    latin = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONIOENCODING": "latin-1"}
+    done = subprocess.run([sys.executable, "-m", "sgraf", "explain", *EVALUATE[1:-1], "--split", "test",
+                           "--image-id", "0", "--text", "a 日本 dog", "--allow-unknown",
+                           "--out", str(tmp_path / "j.png")],
+                          capture_output=True, env=latin, timeout=120)
+    assert done.returncode == 0 and b"\\u65e5\\u672c" in done.stdout, done.stderr
 
 
 def test_names_the_system_refuses_are_one_line_errors(tmp_path, capsys):
     long = "x" * 300
-    for argv in ([*EVALUATE[:2], f"{long}.pt", *EVALUATE[2:]], [*EVALUATE, "--save-sims", str(tmp_path / f"{'z' * 250}.npy")],
+    for argv in ([*EVALUATE[:2], f"{long}.pt", *EVALUATE[2:]],
+                 [*EVALUATE, "--save-sims", str(tmp_path / f"{'z' * 250}.npy")],
                  ["train", "--data", str(E2E / "data" / "toy_precomp"), "--out", str(tmp_path / long)]):
         assert main(argv) == 2
         err = capsys.readouterr().err
@@ -103,3 +111,19 @@ def test_a_closed_stdout_is_said(tmp_path):
     assert done.returncode == 0
     assert done.stderr.strip() == ("WARNING sgraf: stdout is closed: what sgraf evaluate prints (its results, or what "
                                    "it wrote) is lost")
+
+
+def test_a_temporary_cache_folder_of_another_user_or_open_to_others_is_not_used(tmp_path, monkeypatch):
+    from sgraf import user_cache
+
+    monkeypatch.setattr(user_cache.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(user_cache.tempfile, "tempdir", str(tmp_path))
+    user_cache._own_temporary_cache.cache_clear()
+    own = tmp_path / f"sgraf-cache-{os.getuid()}"
+    assert user_cache._own_temporary_cache() == own and (own.stat().st_mode & 0o777) == 0o700
+    own.chmod(0o777)                                     # others may write there: planted files
+    user_cache._own_temporary_cache.cache_clear()
+    other = user_cache._own_temporary_cache()
+    assert other != own and other.parent == tmp_path and (other.stat().st_mode & 0o777) == 0o700
+    assert user_cache._own_temporary_cache() == other    # one folder a process
+    user_cache._own_temporary_cache.cache_clear()

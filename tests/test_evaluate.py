@@ -464,6 +464,11 @@ def test_python_callers_get_the_argument_named(tmp_path):
             evaluate_split(*arguments)
     with pytest.raises(InputError, match=r"^folds: 6 images do not split into 4 equal folds"):
         evaluate_split(model, split, vocab, folds=4, matrix=False)
+    saf = load_model(CKPT["saf"])                         # an ensemble as a ModuleList, as before
+    assert evaluate_split(torch.nn.ModuleList([model, saf]), split, vocab)[0] == \
+        evaluate_split([model, saf], split, vocab)[0]
+    with pytest.raises(InputError, match="no folds given"):
+        metrics.evaluate_fold_blocks([])
 
 
 @pytest.mark.parametrize("module", ["sgr", "saf"])

@@ -346,6 +346,12 @@ def test_all_zero_regions_train_with_finite_gradients(module):
     zero = torch.zeros(2, 3, requires_grad=True)
     grad = torch.randn(2, 3)
     assert torch.equal(torch.autograd.grad(l2norm(zero), zero, grad)[0], grad / EPS)
+    from sgraf.model.norms import FLOAT32_TINY
+
+    small = torch.tensor([0.0, 1e-45, 1e-39, 1e-30, 1e-20, 1e-17, 1e-12, 3e-5, 1.0])   # squared norms
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):   # the floor changes no forward bit
+        values = small.to(dtype)
+        assert torch.equal(values.clamp(min=FLOAT32_TINY).sqrt() + EPS, values.clamp(min=0).sqrt() + EPS), dtype
     torch.manual_seed(0)
     model = SGRAF(ModelConfig(vocab_size=30, img_dim=20, word_dim=8, embed_size=16, sim_dim=12, num_regions=5,
                               module=module))

@@ -99,6 +99,8 @@ def test_one_row_per_caption_is_read_as_the_authors_loader_reads_it(tmp_path, ca
     assert (split.n_images, split.caps_per_image, split.rows_per_image) == (4, 5, 5)
     assert np.array_equal(split.images, images) and np.array_equal(split.read_images(1, 3), images[1:3])
     assert np.array_equal(pickle.loads(pickle.dumps(split)).images, images)      # a loader worker's copy
+    (repeated / "test_image_names.txt").write_text("".join(f"im{i // 5}.png\n" for i in range(20)))  # a name a row
+    assert PrecompSplit(repeated, "test").image_names() == [f"im{i}.png" for i in range(4)]
     assert main(["data", "check", "--data", str(repeated), "--split", "test", "--json"]) == 0
     assert '"images": 4' in capsys.readouterr().out
     # one caption per image whose first images happen to be equal: read a row an image, with a warning
@@ -128,7 +130,8 @@ def test_fortran_order_float64_overflow_and_blank_or_cr_captions_are_named(tmp_p
         with pytest.raises(InputError, match=r"\[image 2, region 1, dim 3\] is inf \(a float64 value beyond "
                                              r"float32's range.*\(found by the sampled check\)"):
             PrecompSplit(tmp_path, "test").check_finite()
-    for bad, message in ((b"one\n\xc2\xa0\xe3\x80\x80\nthree\nfour\n", r":2: a caption of whitespace only \(U\+00A0, U\+3000\)"),
+    for bad, message in ((b"one\n\xc2\xa0\xe3\x80\x80\nthree\nfour\n",
+                          r":2: a caption of whitespace only \(U\+00A0, U\+3000\)"),
                          (b"one\rtwo\rthree\rfour\r", r":1: a carriage return \(CR\) inside the line")):
         (tmp_path / "test_caps.txt").write_bytes(bad)
         with pytest.raises(InputError, match=message):

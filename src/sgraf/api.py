@@ -210,6 +210,16 @@ def _weights_key(models: Sequence[torch.nn.Module]) -> tuple[Any, ...]:
     return tuple(key)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index: 'cuda' is the current CUDA device (`torch.cuda.set_device`, a
+    torchrun process's own), 'cpu' and 'mps' the one there is."""
+    if device.index is not None:
+        return device
+    if device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device.type, 0)
+
+
 def _check_float32(models: Sequence[torch.nn.Module]) -> None:
     """Refuse models with weights other than float32, naming the model and the dtypes."""
     for m, model in enumerate(models):
@@ -315,7 +325,7 @@ class Matcher:
         _check_float32(self.models)
         for m, model in enumerate(self.models):
             where = next((t.device for t in model.parameters()), self._device)
-            if where.type != self._device.type or (where.index or 0) != (self._device.index or 0):
+            if _indexed(where) != _indexed(self._device):
                 raise InputError(f"model {m + 1} is on {where} but the matcher computes on {self._device}: set "
                                  f"matcher.device = {str(where)!r} (it moves every model), or move the model back")
         with contextlib.ExitStack() as stack:

@@ -122,8 +122,10 @@ def check_split_fits(model: torch.nn.Module, split: Any, name: str) -> None:
 def _checked_arguments(models: Any, split: Any, vocab: Any, token_ids: Any = None) -> list[torch.nn.Module]:
     """The models of a Python call of `score_split` / `evaluate_split` as a list (one model is
     taken as a list of one), or an `InputError` naming the argument that is not what it expects."""
-    if isinstance(models, torch.nn.Module):
-        models = [models]
+    if isinstance(models, (torch.nn.ModuleList, torch.nn.Sequential)):
+        models = list(models)             # an ensemble as a ModuleList
+    elif isinstance(models, torch.nn.Module):
+        models = [models]                 # one model
     if isinstance(models, (str, os.PathLike)) or not isinstance(models, Sequence) or not models:
         raise InputError(f"models: a list of SGRAF networks (sgraf.load_model(path)), got {type(models).__name__}")
     for m, model in enumerate(models):
@@ -403,7 +405,8 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
     with stage(stopwatch, "data"):
         precomp = open_split(data_dir, split)
     if precomp.n_images % folds:
-        raise InputError(f"folds {folds}: the {precomp.n_images} images of {precomp.ims_path} do not split "
+        raise InputError(f"--folds {folds} (folds={folds}): the {precomp.n_images} images of {precomp.ims_path} "
+                         "do not split "
                          f"into {folds} equal folds")
     with stage(stopwatch, "checkpoint"):
         models, vocabulary = load_ensemble(checkpoints, vocab, device)

@@ -316,6 +316,8 @@ def evaluate_fold_blocks(blocks: Sequence[Any], caps_per_image: int | None = Non
     """`evaluate_sims` with K folds, from the K diagonal blocks of the matrix (fold k's images
     against fold k's captions, as scored alone: `sgraf.evaluate` scores no more than these)."""
     blocks = [as_score_matrix(block) for block in blocks]
+    if not blocks:
+        raise InputError("evaluate_fold_blocks: no folds given; expected the K diagonal blocks of a matrix")
     if len({tuple(block.shape) for block in blocks}) != 1:
         raise InputError(f"folds of different shapes: {sorted({tuple(block.shape) for block in blocks})}")
     cpi = infer_caps_per_image(*blocks[0].shape, caps_per_image)

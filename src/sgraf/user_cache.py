@@ -2,19 +2,20 @@
 `$XDG_CACHE_HOME/sgraf` (an absolute path; a relative one is ignored, as the XDG specification
 says), else `~/.cache/sgraf`, else, where no home folder can be found (no HOME and a user id
 without a passwd entry: a container run as an arbitrary user), `sgraf-cache-UID` in the temporary
-folder (measured choices, `sgraf.kernels.tuning`;
+folder, private to the user (measured choices, `sgraf.kernels.tuning`;
 captions' token ids, `sgraf.data.token_cache`). Deleting it loses nothing but time. Each use
 has its own switch (`switched_on`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import tempfile
 
 
 def cache_dir() -> pathlib.Path:
-    """The cache folder (see the module); not created here."""
+    """The cache folder (see the module); not created here, but for the temporary folder's."""
     if os.environ.get("SGRAF_CACHE_DIR"):
         return pathlib.Path(os.environ["SGRAF_CACHE_DIR"])
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -23,7 +24,25 @@ def cache_dir() -> pathlib.Path:
     try:
         return pathlib.Path.home() / ".cache" / "sgraf"
     except RuntimeError:    # "Could not determine home directory"
-        return pathlib.Path(tempfile.gettempdir()) / f"sgraf-cache-{os.getuid()}"
+        return _own_temporary_cache()
+
+
+@functools.cache      # one folder a process
+def _own_temporary_cache() -> pathlib.Path:
+    """`sgraf-cache-UID` in the temporary folder, made private (0700) if it is not there; one that
+    another user made, or that others may write, is not used (they could plant cached token ids):
+    a private folder of this process's own then, the cache lost at its end."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    folder = pathlib.Path(tempfile.gettempdir()) / f"sgraf-cache-{uid if uid is not None else 'user'}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        state = folder.lstat()
+        if uid is None or (state.st_uid == uid and not state.st_mode & 0o077 and folder.is_dir()
+                           and not folder.is_symlink()):
+            return folder
+    except OSError:
+        pass
+    return pathlib.Path(tempfile.mkdtemp(prefix="sgraf-cache-"))
 
 
 def switched_on(variable: str) -> bool:

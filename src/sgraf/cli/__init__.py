@@ -190,9 +190,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A path given as bytes that are not UTF-8 reaches Python as lone surrogates; print it back
         # as those bytes (as ls does) rather than fail after the work is done. Under an ASCII locale
         # without Python's UTF-8 mode (LC_ALL=C PYTHONUTF8=0), text past ASCII (a query, a caption)
-        # is printed in UTF-8, as it was read (`arguments.utf8_text`), rather than refused.
-        ascii_only = codecs.lookup(sys.stdout.encoding or "ascii").name == "ascii"
-        sys.stdout.reconfigure(errors="surrogateescape", **({"encoding": "utf-8"} if ascii_only else {}))
+        # is printed in UTF-8, as it was read (`arguments.utf8_text`); under another one (Latin-1)
+        # a character it cannot write is written as an escape, never a failure after the work.
+        encoding = codecs.lookup(sys.stdout.encoding or "ascii").name
+        if encoding == "ascii":
+            sys.stdout.reconfigure(encoding="utf-8", errors="surrogateescape")
+        else:
+            sys.stdout.reconfigure(errors="surrogateescape" if encoding == "utf-8" else "backslashreplace")
     from sgraf import progress
 
     # this call's choice, not an earlier call's (tests run `main` in one process); bars only on a terminal
@@ -210,6 +214,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.warning("stdout is closed: what %s prints (its results, or what it wrote) is lost", prog)
     if not args.verbose:    # PyTorch's INFO lines (a cache's statistics at exit) are not ours to print
         logging.getLogger("torch").setLevel(logging.WARNING)
+    try:
+        return _run_command(args, prog)
+    finally:        # the bars of later Python calls in this process are theirs to choose again
+        progress.silence(False)
+
+
+def _run_command(args: argparse.Namespace, prog: str) -> int:
+    """The command's function, its exceptions turned into one line on stderr and an exit code."""
     from sgraf.signals import Stopped, stop_on_sigterm
 
     try:

@@ -109,8 +109,8 @@ def _describe_zero(zero: dict) -> str:
     if not zero["regions"]:
         return f"none in {looked}"
     empty = zero["empty_images"]
-    return (f"{zero['images']} of {looked} have some ({zero['regions']} regions; {empty} image{'' if empty == 1 else 's'}"
-            " all zero)")
+    images = f"{empty} image{'' if empty == 1 else 's'}"
+    return f"{zero['images']} of {looked} have some ({zero['regions']} regions; {images} all zero)"
 
 
 def _describe_boxes(split: object, boxes: object) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from sgraf.cli.arguments import (DEVICE_HELP, ENSEMBLE_OF_MODELS, add_json, data_inputs, device, positive_int, print_json,
-                                 split_name)
+from sgraf.cli.arguments import (DEVICE_HELP, ENSEMBLE_OF_MODELS, add_json, data_inputs, device, positive_int,
+                                 print_json, split_name)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -268,6 +268,8 @@ class PrecompSplit:
             path = self.data_dir / f"{self.split}{suffix}"
             if path.is_file():
                 names = [line.split("\t")[0].strip() for line in read_captions(path)]
+                if self.rows_per_image > 1 and len(names) == len(self._raw_rows()):
+                    names = names[::self.rows_per_image]     # a name a row of the features file
                 if len(names) < self.n_images:
                     raise InputError(f"{path}: {len(names)} names for the {self.n_images} images of {self.ims_path}; "
                                      "expected one a line")
@@ -290,6 +292,11 @@ class PrecompSplit:
                     raise InputError(f"{self.caps_path}:{k + 1}: a caption of {n_tokens:,} tokens; sgraf takes at most "
                                      f"{limit:,} (SGR's graph over a caption's words grows with the square of its "
                                      "length): shorten or drop it")
+
+    def _raw_rows(self) -> np.ndarray:
+        """Every row of the features file (a row per caption where `rows_per_image` > 1)."""
+        self._open_images()
+        return self._images
 
     def _open_images(self) -> np.ndarray:
         """Every image of the file (every `rows_per_image`-th row), memory-mapped; opened again

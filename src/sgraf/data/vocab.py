@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -43,19 +44,23 @@ TOKENIZER_REVISION = 1
 _word_tokenize: Callable[..., list[str]] | None = None
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
 def _import_word_tokenize() -> Any:
     """nltk's `word_tokenize`. Importing nltk looks for a folder to download data into, and fails
     ("Could not find a default download directory") where the home folder cannot be found (no
     HOME, and a user id without a passwd entry: a container run as an arbitrary user); sgraf
     downloads nothing, so the import is given the temporary folder as HOME, for the import only."""
-    homeless = os.path.expanduser("~/") == "~/"
-    if homeless:
-        os.environ["HOME"] = tempfile.gettempdir()
-    try:
-        from nltk.tokenize import word_tokenize
-    finally:
+    with _IMPORT_LOCK:      # one import changes HOME at a time, and puts it back
+        homeless = os.path.expanduser("~/") == "~/"
         if homeless:
-            del os.environ["HOME"]
+            os.environ["HOME"] = tempfile.gettempdir()
+        try:
+            from nltk.tokenize import word_tokenize
+        finally:
+            if homeless:
+                os.environ.pop("HOME", None)
     return word_tokenize
 
 

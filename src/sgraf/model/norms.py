@@ -24,6 +24,11 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
     return x / ((x * x).sum(dim=dim, keepdim=True).sqrt() + eps)
 
 
+# float32's smallest normal number: a floor for a norm that changes no float32 or bfloat16 value
+# a computation can reach above it, and rounds to 0 in a float16 tensor (the old clamp there)
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
 class _L2Norm(torch.autograd.Function):
     """`l2norm` with the gradient `g / (n + eps) - y (y . g) / n` (n = ||x||, y the output), and
     at x = 0 its limit, `g / eps` (y is 0 there): autograd's chain through the root gives NaN,
@@ -42,7 +47,7 @@ class _L2Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         out, norm, denominator = ctx.saved_tensors
-        along = (out * grad).sum(dim=ctx.dim, keepdim=True) / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+        along = (out * grad).sum(dim=ctx.dim, keepdim=True) / norm.clamp_min(FLOAT32_TINY)
         # in x's dtype (under CUDA's autocast the norm may be float32 beside a bf16 x)
         return (grad / denominator - out * along).to(ctx.dtype), None, None
 

@@ -18,7 +18,7 @@ from sgraf.kernels import nodes as nodes_kernels
 from sgraf.kernels import words as words_kernels
 from sgraf.kernels.cpu import fast_linear, train_linear
 from sgraf.model.encoders import TextSelfAttention, VisualSelfAttention
-from sgraf.model.norms import EPS, cosine, l2norm, l2norm_, squared_difference
+from sgraf.model.norms import EPS, FLOAT32_TINY, cosine, l2norm, l2norm_, squared_difference
 from sgraf.model.positions import PlaceTerm
 
 
@@ -271,10 +271,11 @@ class SimilarityRepresentation(nn.Module):
             if gram is None:
                 gram = regions @ regions.transpose(1, 2)                                  # (n_img, K, K)
             sq_norm = ((attn @ gram) * attn).sum(dim=2, keepdim=True)                    # |a_j|^2
-            # the authors' l2norm: a_j / (|a_j| + eps). Clamped at the smallest normal number rather
-            # than 0: the same bits (its root, 1e-19, is far below half an ulp of eps), and where an
-            # image's regions are all zero the gradient is 0, not the root's NaN at 0
-            attn = attn / (sq_norm.clamp(min=torch.finfo(sq_norm.dtype).tiny).sqrt() + EPS)
+            # the authors' l2norm: a_j / (|a_j| + eps). Clamped at float32's smallest normal number
+            # rather than 0: the same bits (its root, 1e-19, is far below half an ulp of eps; in a
+            # float16 tensor it rounds to 0, the old clamp), and where an image's regions are all
+            # zero the gradient is 0, not the root's NaN at 0
+            attn = attn / (sq_norm.clamp(min=FLOAT32_TINY).sqrt() + EPS)
             attn = attn.view(n_img, n_cap, n_words, n_regions)
             nodes.append(local_nodes(attn, regions, words.unsqueeze(1) if aligned else words,
                                      self.sim_tranloc_w.weight, self.sim_tranloc_w.bias))
