@@ -127,3 +127,10 @@ def test_a_temporary_cache_folder_of_another_user_or_open_to_others_is_not_used(
     assert other != own and other.parent == tmp_path and (other.stat().st_mode & 0o777) == 0o700
     assert user_cache._own_temporary_cache() == other    # one folder a process
     user_cache._own_temporary_cache.cache_clear()
+
+
+def test_a_checkpoint_from_a_pipe_is_refused_not_waited_for(tmp_path, capsys):
+    fifo = tmp_path / "best.pt"
+    os.mkfifo(fifo)                        # an empty FIFO: opening it had waited for a writer without end
+    assert main([*EVALUATE[:2], str(fifo), *EVALUATE[2:]]) == 2
+    assert f"{fifo}: not a regular file (a pipe or a device?)" in capsys.readouterr().err

@@ -31,6 +31,11 @@ def load_weights_only(path: str | os.PathLike[str], map_location: Any = "cpu", a
             names it), is a raw Python pickle, or is not a PyTorch file at all.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        # a pipe (`--checkpoint <(cat best.pt)`, a FIFO) or a device: a checkpoint is read by seeking
+        # in it, and an empty FIFO would wait for a writer without end
+        raise InputError(f"{path}: not a regular file (a pipe or a device?); a PyTorch {what} is read by seeking "
+                         "in it: save it to a file first")
     try:
         with warnings.catch_warnings():
             # a raw pickle's protocol draws a warning before the refusal, which says it all
