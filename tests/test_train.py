@@ -503,6 +503,12 @@ def test_settings_without_effect_are_said_and_impossible_ones_refused(caplog):
             resolve_config("tiny", overrides=[pair])
 
 
+def test_the_authors_negated_switch_is_named_with_its_meaning():
+    with pytest.raises(InputError, match=r"did you mean 'img_norm', whose meaning is the opposite: no_imgnorm=true is "
+                                         r"img_norm=false\?"):
+        resolve_config("tiny", overrides=["no_imgnorm=true"])
+
+
 def test_a_preset_named_twice_says_which_is_taken(tmp_path, caplog):
     (tmp_path / "c.yaml").write_text("preset: f30k-saf\nlr: 0.001\n")
     caplog.set_level("WARNING", logger="sgraf.training.config")

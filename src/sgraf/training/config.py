@@ -425,6 +425,9 @@ _AUTHOR_NAMES = {"learning_rate": "lr", "num_epochs": "epochs", "module_name": "
                  "no_imgnorm": "img_norm", "no_txtnorm": "txt_norm", "workers": "workers", "val_step": "val_every"}
 
 
+_INVERTED = ("no_imgnorm", "no_txtnorm")    # the authors' negated switches
+
+
 def reject_unknown_keys(keys: Iterable[str], source: str, allowed: Sequence[str] | None = None) -> None:
     """InputError naming each of `keys` that is not a config key (with the closest one, or ours
     for an authors' option name) and listing the valid keys: every field, or `allowed` where the
@@ -436,7 +439,8 @@ def reject_unknown_keys(keys: Iterable[str], source: str, allowed: Sequence[str]
         import difflib
         for key in unknown:
             close = [_AUTHOR_NAMES[key]] if key in _AUTHOR_NAMES else difflib.get_close_matches(key, allowed, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            inverted = f", whose meaning is the opposite: {key}=true is {close[0]}=false" if key in _INVERTED else ""
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}{inverted}?)" if close else ""))
         raise InputError(f"{source}: unknown training config key{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(hints)}; valid keys: {', '.join(allowed)}")
 
