@@ -138,6 +138,15 @@ def test_fortran_order_float64_overflow_and_blank_or_cr_captions_are_named(tmp_p
             PrecompSplit(tmp_path, "test")
 
 
+def test_bytes_past_the_array_are_said(tmp_path, caplog):
+    images, _ = write_split(tmp_path, "test", n_img=2, caps_per_image=1)
+    with open(tmp_path / "test_ims.npy", "ab") as handle:
+        handle.write(b"\0" * 7)
+    with caplog.at_level("WARNING", logger="sgraf.data.arrays"):
+        assert np.array_equal(PrecompSplit(tmp_path, "test").images, images)
+    assert "test_ims.npy: 7 bytes past the end of its (2, 3, 5) array, which are not read" in caplog.text
+
+
 def test_data_check_counts_all_zero_regions(tmp_path, capsys, caplog):
     images, _ = write_split(tmp_path, "test", n_img=100, caps_per_image=1)
     images[:, 2] = 0        # padding

@@ -20,6 +20,7 @@ region and dimension.
 
 from __future__ import annotations
 
+import logging
 import os
 import tokenize
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 
 from sgraf.errors import InputError
+
+logger = logging.getLogger(__name__)
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -64,6 +67,11 @@ def open_npy(path: str | os.PathLike[str], expected: str, what: str = "") -> np.
                          f"expected {expected}") from None
     if not isinstance(array, np.ndarray):  # np.load's other results (archives) are ruled out above
         raise InputError(f"{path}: {what}not a readable .npy array; expected {expected}")
+    if isinstance(array, np.memmap):       # bytes past the array: two files written into one, or a copy gone wrong
+        extra = path.stat().st_size - array.offset - array.nbytes
+        if extra > 0:
+            logger.warning("%s: %d byte%s past the end of its %s array, which are not read: was something else "
+                           "written into the file?", path, extra, "" if extra == 1 else "s", array.shape)
     return array
 
 
