@@ -503,6 +503,12 @@ def test_settings_without_effect_are_said_and_impossible_ones_refused(caplog):
             resolve_config("tiny", overrides=[pair])
 
 
+def test_several_pairs_in_one_string_are_refused():
+    with pytest.raises(InputError, match=r"holds several pairs in one string \(epochs, then lr\)"):
+        resolve_config("tiny", overrides="epochs=2 lr=0.1")
+    assert resolve_config("tiny", overrides=["vocab=/a folder/with b=c.json"])[0].vocab == "/a folder/with b=c.json"
+
+
 def test_the_authors_negated_switch_is_named_with_its_meaning():
     with pytest.raises(InputError, match=r"did you mean 'img_norm', whose meaning is the opposite: no_imgnorm=true is "
                                          r"img_norm=false\?"):

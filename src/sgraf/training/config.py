@@ -379,6 +379,10 @@ def parse_overrides(pairs: str | Iterable[str] | Mapping[str, Any]) -> dict[str,
         key = key.strip()
         if not sep or not key:
             raise InputError(f"--set expects key=value, got {pair!r}")
+        more = [word.partition("=")[0] for word in value.split()[1:] if "=" in word]
+        if more and more[0] in {field.name for field in dataclasses.fields(TrainConfig)}:
+            raise InputError(f"--set {pair!r} holds several pairs in one string ({key}, then {more[0]}): give each "
+                             "its own (--set a=1 b=2 on the command line, a list or a dict in Python)")
         if key in overrides and overrides[key] != value.strip():
             raise InputError(f"--set {key} is given twice ({overrides[key]}, then {value.strip()}): give it once")
         overrides[key] = value.strip()
