@@ -154,16 +154,22 @@ def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, preci
     'encode captions' and 'score'.
     """
     models = _checked_arguments(models, split, vocab, token_ids)
-    if token_ids is None:
-        with stage(stopwatch, "tokenise"):
-            token_ids = scoring.tokenize_captions(split.captions, vocab)
-    encoded = [scoring.encode_split(model, split, vocab, batch_size=batch_size, precision=precision,
-                                    progress=progress and distributed.is_main_process(), token_ids=token_ids,
-                                    stopwatch=stopwatch)
-               for model in models]
+    encoded = _encode_split(models, split, vocab, precision, batch_size, progress, token_ids, stopwatch)
     with stage(stopwatch, "score"):
         return scoring.score_matrix(list(models), encoded, precision=precision, progress=progress, head=head,
                                     keep_on_device=keep_on_device, on_rows=on_rows)
+
+
+def _encode_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, precision: str, batch_size: int,
+                  progress: bool, token_ids: Sequence[Sequence[int]] | None, stopwatch: Stopwatch | None) -> list[Any]:
+    """The split encoded by each model, its captions tokenised once for all (unless given)."""
+    if token_ids is None:
+        with stage(stopwatch, "tokenise"):
+            token_ids = scoring.tokenize_captions(split.captions, vocab)
+    return [scoring.encode_split(model, split, vocab, batch_size=batch_size, precision=precision,
+                                 progress=progress and distributed.is_main_process(), token_ids=token_ids,
+                                 stopwatch=stopwatch)
+            for model in models]
 
 
 def _evaluate_folds(models: Sequence[torch.nn.Module], split: Any, vocab: Any, folds: int, precision: str,
@@ -177,13 +183,7 @@ def _evaluate_folds(models: Sequence[torch.nn.Module], split: Any, vocab: Any, f
     blocks do from their whole matrix; the same recalls outside near-ties."""
     if isinstance(folds, bool) or not isinstance(folds, int) or split.n_images % folds:
         raise InputError(f"folds: {split.n_images} images do not split into {folds!r} equal folds")
-    if token_ids is None:
-        with stage(stopwatch, "tokenise"):
-            token_ids = scoring.tokenize_captions(split.captions, vocab)
-    encoded = [scoring.encode_split(model, split, vocab, batch_size=batch_size, precision=precision,
-                                    progress=progress and distributed.is_main_process(), token_ids=token_ids,
-                                    stopwatch=stopwatch)
-               for model in models]
+    encoded = _encode_split(models, split, vocab, precision, batch_size, progress, token_ids, stopwatch)
     size, per_image = split.n_images // folds, split.caps_per_image
     blocks = []
     for k in range(folds):
