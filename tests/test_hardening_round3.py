@@ -639,7 +639,7 @@ def test_malformed_scenes_lines_are_named_by_file_line_and_field(world, tmp_path
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_non_finite_training_numbers_are_refused_up_front(tmp_path, capsys, value):
     err = _one_line_error(capsys, main(["demo", "--quick", "--out", str(tmp_path / "demo"), "--set", f"lr={value}"]))
-    assert err == f"sgraf demo: error: training config field 'lr' must be a finite number, got {float(value)!r}"
+    assert err == f"sgraf demo: error: --set: training config field 'lr' must be a finite number, got {float(value)!r}"
     assert not (tmp_path / "demo").exists()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -501,6 +502,16 @@ def test_settings_without_effect_are_said_and_impossible_ones_refused(caplog):
                           ("device=cuda:abc", "'device'"), ("device=mps", "does not run on mps")):
         with pytest.raises(InputError, match=message):
             resolve_config("tiny", overrides=[pair])
+
+
+def test_a_rule_across_the_fields_names_where_the_value_was_given(tmp_path):
+    (tmp_path / "c.yaml").write_text("margin: -1\n")
+    for arguments, where in ((("tiny", None, ["lr=-1"]), "--set: training config field 'lr'"),
+                             (("tiny", None, {"dropout": 2}), "overrides: training config field 'dropout'"),
+                             (("tiny", tmp_path / "c.yaml"),
+                              f"{tmp_path / 'c.yaml'}: training config fields 'grad_clip'")):
+        with pytest.raises(InputError, match="^" + re.escape(where)):
+            resolve_config(*arguments)
 
 
 def test_several_pairs_in_one_string_are_refused():

@@ -417,7 +417,14 @@ def resolve_config(preset_name: str | None = None, config_file: str | pathlib.Pa
     parsed = parse_overrides(overrides)
     values.update(parsed)
     given.update({key: "overrides" if isinstance(overrides, Mapping) else "--set" for key in parsed})
-    config = TrainConfig.from_dict(values)
+    try:
+        config = TrainConfig.from_dict(values)
+    except InputError as error:        # a rule across the fields: say where the caller gave the value
+        fields = re.match(r"training config fields? ('\w+'(?: and '\w+')*)", str(error))
+        named = [key for key in re.findall(r"'(\w+)'", fields.group(1)) if key in given] if fields else []
+        if not named:
+            raise
+        raise InputError(f"{given[named[0]]}: {error}") from None
     for key, why in unused_settings(config.to_dict()).items():
         if key in given:
             logger.warning("%s: %s=%s has no effect: %s", given[key], key, getattr(config, key), why)
