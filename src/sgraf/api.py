@@ -319,7 +319,7 @@ class Matcher:
         """The context every model call of the matcher runs in: the models in eval mode without
         gradients (their train/eval mode restored after), and with 'fp32' no autocast of the
         caller's. The models are checked again first: float32 weights on the matcher's device (a
-        model changed since, `model.half()` or `model.cuda()`, had failed deep in PyTorch)."""
+        model cast or moved since, as `model.half()` or `model.to("cuda")`, had failed deep in PyTorch)."""
         from sgraf.model.blocks import eval_mode
 
         _check_float32(self.models)

@@ -406,8 +406,7 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
         precomp = open_split(data_dir, split)
     if precomp.n_images % folds:
         raise InputError(f"--folds {folds} (folds={folds}): the {precomp.n_images} images of {precomp.ims_path} "
-                         "do not split "
-                         f"into {folds} equal folds")
+                         f"do not split into {folds} equal folds")
     with stage(stopwatch, "checkpoint"):
         models, vocabulary = load_ensemble(checkpoints, vocab, device)
     for model, path in zip(models, checkpoints):

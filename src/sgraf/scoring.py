@@ -38,6 +38,7 @@ from sgraf.model import blocks
 from sgraf.model.blocks import (BLOCK_ELEMENTS, IMAGE_BLOCK, CaptionBucket, Encoded, Scorer, check_ensemble,
                                 encode_token_buckets, eval_mode, image_globals, model_device, score_encoded)
 from sgraf.precision import check_precision
+from sgraf.progress import bar as progress_bar
 from sgraf.stopwatch import Stopwatch, stage
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,6 @@ AVERAGE_CHUNK_ELEMENTS = 1 << 20
 __all__ = ["CaptionBucket", "Encoded", "Scorer", "encode_images", "encode_captions", "encode_split",
            "image_globals", "score_matrix", "average_matrices", "tokenize_captions", "model_device", "eval_mode",
            "IMAGE_BLOCK", "BLOCK_ELEMENTS"]
-
-
-def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
-    from sgraf.progress import bar
-
-    return bar(total, desc, unit, enabled, unit_scale=True)
 
 
 def tokenize_captions(captions: Sequence[str], vocab: Any,
@@ -91,7 +86,7 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
         InputError: a feature is NaN/inf (naming the file, image, region and dimension).
     """
     batch_size = check_positive_int(batch_size, "batch_size")
-    with _progress(len(images), "encoding images", progress, "img") as bar:
+    with progress_bar(len(images), "encoding images", "img", progress, unit_scale=True) as bar:
         return blocks.encode_images(model, images, batch_size, precision, on_batch=bar.update, source=source,
                                     boxes=boxes)
 
@@ -113,7 +108,7 @@ def encode_captions(model: Scorer, token_ids: Sequence[Sequence[int]], batch_siz
         Buckets in decreasing length; ``bucket.index`` maps back to positions in `token_ids`.
     """
     batch_size = check_positive_int(batch_size, "batch_size")
-    with _progress(len(token_ids), "encoding captions", progress, "cap") as bar:
+    with progress_bar(len(token_ids), "encoding captions", "cap", progress, unit_scale=True) as bar:
         return encode_token_buckets(model, token_ids, batch_size=batch_size, precision=precision,
                                     on_batch=bar.update)
 
@@ -198,7 +193,7 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     first_row = min(shares.start * image_block, n_img)
     last_row = min(shares.stop * image_block, n_img)
     show = progress and distributed.is_main_process()
-    with _progress((last_row - first_row) * n_cap, "scoring", show, "pair") as bar:
+    with progress_bar((last_row - first_row) * n_cap, "scoring", "pair", show, unit_scale=True) as bar:
         share = score_encoded(models, encoded, precision, rows=(first_row, last_row), image_block=image_block,
                               block_elements=block_elements, head=head, on_block=bar.update,
                               keep_on_device=keep_on_device,

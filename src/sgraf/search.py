@@ -47,6 +47,7 @@ from sgraf.data.arrays import as_float32, check_finite_features, mapped_file, op
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError, check_positive_int
 from sgraf.io_paths import path_list
+from sgraf.progress import bar as progress_bar
 from sgraf.scoring import tokenize_captions
 from sgraf.signals import signals_deferred
 
@@ -309,12 +310,6 @@ def _describe_file(path: Path) -> dict[str, Any]:
     return entry
 
 
-def _progress(total: int, desc: str, unit: str, enabled: bool) -> Any:
-    from sgraf.progress import bar
-
-    return bar(total, desc, unit, enabled, unit_scale=True)
-
-
 def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: Path, dtype: str,
                  batch_size: int, captions_label: str, progress: bool = False,
                  boxes: torch.Tensor | None = None) -> None:
@@ -323,7 +318,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
     # images, in chunks written straight into memory-mapped files
     regions_out: list[np.memmap] = []
     keys_out = None
-    with _progress(n_img, "encoding images", "img", progress) as bar:
+    with progress_bar(n_img, "encoding images", "img", progress, unit_scale=True) as bar:
         for start in range(0, n_img, batch_size):
             chunk = as_float32(features[start:start + batch_size])
             check_finite_features(chunk, source or "image features", first_image=first_row + start)
@@ -350,7 +345,7 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
                            (n_cap, width, matcher.models[m].config.embed_size), dtype)
                  for m in range(n_models)]
     cap_keys_out = None
-    with _progress(n_cap, "encoding captions", "cap", progress) as bar:
+    with progress_bar(n_cap, "encoding captions", "cap", progress, unit_scale=True) as bar:
         for start in range(0, n_cap, batch_size):
             chunk = ids[start:start + batch_size]
             encoding = matcher.encode_token_ids(padded_ids(chunk), torch.from_numpy(lengths[start:start + len(chunk)]))

@@ -73,14 +73,14 @@ def check_report(args: argparse.Namespace) -> dict:
     from sgraf.data.precomp import PrecompSplit
     from sgraf.data.vocab import load_vocab
 
-    split = PrecompSplit(args.data, args.split, max_captions=args.max_captions, full_scan=args.full_scan)
-    if not args.full_scan:
-        split.check_finite(full=False)   # a quick look; every command checks what it reads anyway
+    split = PrecompSplit(args.data, args.split, max_captions=args.max_captions)
+    # NaN/inf and all-zero regions in one pass: a sample (every command checks what it reads
+    # anyway), or every feature with --full-scan
+    zero = split.check_finite(full=args.full_scan)
     split.check_caption_lengths()        # what sgraf train refuses
     boxes = split.read_boxes(required=False)   # checked against the features when the split has them
     vocab_path = Path(args.vocab) if args.vocab else Path(args.data) / "vocab.json"
     vocab = load_vocab(vocab_path) if args.vocab or vocab_path.is_file() else None
-    zero = split.zero_regions(full=args.full_scan)
     if zero["regions"]:
         logger.warning("%s: %s; a zero region is embedded as the encoder's bias alone, and an image of zero "
                        "regions scores every caption alike: padding, or a file cut short?", split.ims_path,

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"stopped by {summary['signal']} in epoch {summary['epoch'] + 1} of {config.epochs} ({summary['epoch']} "
               f"done, as sgraf runs counts), step {summary['global_step']}; last.pt saved. Continue with: "
               f"sgraf train --resume {out}")
-        return 128 + int(signal.Signals[summary["signal"]])
+        return code
     epochs = summary["epoch"]
     if summary["stopped_early"]:
         print(f"stopped early after {epochs} of {config.epochs} epochs ({summary['global_step']} steps; no better dev "

@@ -135,6 +135,17 @@ def _open_features(path: Path) -> np.ndarray:
     return images
 
 
+def _count_zero_regions(block: np.ndarray, counts: dict[str, int]) -> dict[str, int]:
+    """`counts` ({"looked_at", "images", "regions", "empty_images"}) with the all-zero regions of
+    `block` (n, K, D) added."""
+    zero = ~block.any(axis=2)                                   # (n, K): the regions that are all zero
+    counts["looked_at"] += len(block)
+    counts["images"] += int(zero.any(axis=1).sum())
+    counts["regions"] += int(zero.sum())
+    counts["empty_images"] += int(zero.all(axis=1).sum())
+    return counts
+
+
 def _missing(data_dir: Path, split: str, path: Path) -> str:
     """Why the split's file `path` cannot be read, for an `InputError`."""
     if not data_dir.exists():
@@ -268,7 +279,7 @@ class PrecompSplit:
             path = self.data_dir / f"{self.split}{suffix}"
             if path.is_file():
                 names = [line.split("\t")[0].strip() for line in read_captions(path)]
-                if self.rows_per_image > 1 and len(names) == len(self._raw_rows()):
+                if self.rows_per_image > 1 and len(names) == len(self._open_images()) * self.rows_per_image:
                     names = names[::self.rows_per_image]     # a name a row of the features file
                 if len(names) < self.n_images:
                     raise InputError(f"{path}: {len(names)} names for the {self.n_images} images of {self.ims_path}; "
@@ -292,11 +303,6 @@ class PrecompSplit:
                     raise InputError(f"{self.caps_path}:{k + 1}: a caption of {n_tokens:,} tokens; sgraf takes at most "
                                      f"{limit:,} (SGR's graph over a caption's words grows with the square of its "
                                      "length): shorten or drop it")
-
-    def _raw_rows(self) -> np.ndarray:
-        """Every row of the features file (a row per caption where `rows_per_image` > 1)."""
-        self._open_images()
-        return self._images
 
     def _open_images(self) -> np.ndarray:
         """Every image of the file (every `rows_per_image`-th row), memory-mapped; opened again
@@ -327,45 +333,35 @@ class PrecompSplit:
         check_finite_features(block, self.ims_path, first_image=start, stored=self.images.dtype)
         return block
 
-    def check_finite(self, full: bool = False) -> None:
-        """Raise InputError naming the image and region of the first NaN/inf feature.
+    def check_finite(self, full: bool = False) -> dict[str, int]:
+        """Raise InputError naming the image and region of the first NaN/inf feature, and count
+        the all-zero regions (padding of images with fewer regions, or a file cut short and filled
+        with zeros) of the images read, in the same pass.
 
         `full=True` reads everything, in chunks of ~64 MB; by default only `FINITE_SAMPLE`
         images spread evenly over the file (first and last included) are read, the quick look
         of `sgraf data check` (readers check every block they read in any case).
+
+        Returns:
+            {"looked_at", "images" (with one all-zero region or more), "regions", "empty_images"
+            (every region zero)}.
         """
         images = self.images
+        counts = {"looked_at": 0, "images": 0, "regions": 0, "empty_images": 0}
         if full:
             step = max(1, _SCAN_CHUNK_BYTES // max(1, images[0].nbytes))
             for start in range(0, self.n_images, step):
                 block = as_float32(images[start:start + step])  # as readers see it
                 check_finite_features(block, self.ims_path, first_image=start, stored=images.dtype)
-            return
+                _count_zero_regions(block, counts)
+            return counts
         index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
+        block = as_float32(images[index])
         try:
-            check_finite_features(as_float32(images[index]), self.ims_path, image_ids=index, stored=images.dtype)
+            check_finite_features(block, self.ims_path, image_ids=index, stored=images.dtype)
         except InputError as error:
             raise InputError(f"{error} (found by the sampled check)") from None
-
-    def zero_regions(self, full: bool = False) -> dict[str, int]:
-        """All-zero regions (padding of images with fewer regions, or a file cut short and filled
-        with zeros) among the `FINITE_SAMPLE` images `check_finite` looks at, or every image with
-        `full`: {"looked_at", "images" (with one or more), "regions", "empty_images" (all zero)}."""
-        images = self.images
-        if full:
-            step = max(1, _SCAN_CHUNK_BYTES // max(1, images[0].nbytes))
-            blocks = ((start, images[start:start + step]) for start in range(0, self.n_images, step))
-            looked_at = self.n_images
-        else:
-            index = np.unique(np.linspace(0, self.n_images - 1, num=min(FINITE_SAMPLE, self.n_images)).astype(int))
-            blocks, looked_at = [(0, images[index])], len(index)
-        counts = {"looked_at": looked_at, "images": 0, "regions": 0, "empty_images": 0}
-        for _, block in blocks:
-            zero = ~np.asarray(block).any(axis=2)                     # (n, K): the regions that are all zero
-            counts["images"] += int(zero.any(axis=1).sum())
-            counts["regions"] += int(zero.sum())
-            counts["empty_images"] += int(zero.all(axis=1).sum())
-        return counts
+        return _count_zero_regions(block, counts)
 
     def summary(self) -> dict[str, Any]:
         """Counts and shapes for `sgraf data check`."""
