@@ -451,6 +451,19 @@ def test_existing_run_is_not_overwritten_and_resume_needs_a_run(toy_data, tmp_pa
     assert "finished 2 epochs" in capsys.readouterr().out
 
 
+def test_a_resolved_config_remembers_its_preset_for_the_run_folder(toy_data, tmp_path):
+    import yaml
+
+    config = resolve_config("tiny", overrides=["epochs=1"])[0]
+    assert config.preset == "tiny" and config.replace(lr=1e-3).preset == "tiny" and preset("demo").preset == "demo"
+    assert sgraf.training.TrainConfig().preset is None and "preset" not in config.to_dict()
+    assert config == resolve_config(None, overrides=config.to_dict())[0]       # not a field: equal values, equal
+    loop.fit(config, toy_data, tmp_path / "run")
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["preset"] == "tiny"
+    loop.fit(config.replace(epochs=2), toy_data, tmp_path / "run", resume=True, preset="mine")   # said, taken
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["preset"] == "mine"
+
+
 def test_missing_dev_split(tmp_path, capsys):
     data = make_toy_precomp(tmp_path / "data", n_train=8, n_dev=4)
     (data / "dev_caps.txt").unlink()

@@ -222,7 +222,14 @@ class TrainConfig:
         return cls(**_coerce_all(values, source))
 
     def replace(self, **changes: Any) -> "TrainConfig":
-        return dataclasses.replace(self, **_coerce_all(changes, "override"))
+        return _from_preset(dataclasses.replace(self, **_coerce_all(changes, "override")), self.preset)
+
+    @property
+    def preset(self) -> str | None:
+        """The preset `resolve_config` started this config from (kept by `replace`), which `fit`
+        records in config.yaml when it is given none; None for a config built otherwise. Not a
+        field: two configs of the same values are equal whichever preset they came from."""
+        return self.__dict__.get("_preset")
 
     def loss_for_epoch(self, epoch: int) -> "TrainConfig":
         """The config whose loss fields hold during 0-based `epoch`: summed during a warm-up."""
@@ -303,7 +310,7 @@ def preset(name: str) -> TrainConfig:
     """The named recipe (`f30k-sgr`, `f30k-saf`, `coco-sgr`, `coco-saf`, `demo`, `tiny`)."""
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
-    return TrainConfig.from_dict(PRESETS[name], source=f"preset {name}")
+    return _from_preset(TrainConfig.from_dict(PRESETS[name], source=f"preset {name}"), name)
 
 
 def valid_keys() -> list[str]:
@@ -428,7 +435,14 @@ def resolve_config(preset_name: str | None = None, config_file: str | pathlib.Pa
     for key, why in unused_settings(config.to_dict()).items():
         if key in given:
             logger.warning("%s: %s=%s has no effect: %s", given[key], key, getattr(config, key), why)
-    return config, extras
+    return _from_preset(config, preset_name), extras
+
+
+def _from_preset(config: TrainConfig, name: str | None) -> TrainConfig:
+    """`config`, remembering the preset it started from (`TrainConfig.preset`)."""
+    if name is not None:
+        object.__setattr__(config, "_preset", name)
+    return config
 
 
 # The authors' option names (official.md) that differ from ours.

@@ -302,7 +302,8 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
         data_dir: folder with `train_*` and `dev_*` precomp files.
         out_dir: the run folder.
         resume: continue the run in `out_dir` from its `last.pt`.
-        preset: the preset name the config came from (recorded in config.yaml).
+        preset: the preset name the config came from, recorded in config.yaml; by default the
+            one `resolve_config` started it from (`config.preset`).
         allow_other_data: resume on a data folder other than the run's (another folder, or
             files changed since; see `run_dir.other_data`) instead of refusing it.
         allow_unknown_words: train with a vocabulary that leaves more than
@@ -327,6 +328,7 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
     if not isinstance(config, TrainConfig):
         raise InputError(f"fit: config must be a TrainConfig (resolve_config returns (config, extras)), "
                          f"got {type(config).__name__}")
+    preset = config.preset if preset is None else preset
     info = distributed.init_from_env(device=config.device, what="training config field 'device'")
     # the folders a new run makes: taken back if it stops before writing there (bad data, say)
     created = missing_folders(out_dir) if info.is_main and not resume else []
