@@ -193,3 +193,19 @@ def test_an_explanation_reads_in_one_line(vocab, image):
     text = repr(explanation)
     assert text.startswith("Explanation(text='a red square left of the circle', image_id=None, scores={sgr: 0.")
     assert "\n" not in text and f"attention=<array ({len(explanation.tokens)}, {K})>" in text and len(text) < 400
+
+
+def test_a_notebook_draws_an_explanation(vocab, image, tmp_path):
+    """Jupyter shows an `Explanation` as its picture (`_repr_png_`, over the abstract grid of its
+    regions); `render` draws it to a file, over a layout when given one."""
+    import io
+
+    explanation = explain_pair(Matcher([_model("sgr", vocab, 3)]), image, "a red square left of the circle")
+    assert explanation.regions == K
+    png = explanation._repr_png_()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and Image.open(io.BytesIO(png)).size[0] <= 1000
+    assert explanation.render(tmp_path / "grid.png").read_bytes() == png      # the same picture
+    layout = region_layout(None, None, 0, K)
+    assert explanation.render(tmp_path / "x.png", layout, title="mine").stat().st_size > 1000
+    bare = explain_pair(Matcher([_model("ave", vocab, 7, alignments="global")]), image, "a red square")
+    assert bare.attention is None and bare.regions == K and bare._repr_png_()[:4] == b"\x89PNG"

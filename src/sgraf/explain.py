@@ -162,6 +162,25 @@ class Explanation:
     place: np.ndarray | None = None
     place_model: str | None = None
     place_signed: np.ndarray | None = None
+    regions: int | None = None          # K, the image's regions (the abstract grid drawn without a layout)
+
+    def render(self, out: str | os.PathLike[str] | BinaryIO, layout: "RegionLayout | None" = None,
+               title: str | None = None) -> Path | BinaryIO:
+        """Draws the explanation to a PNG (`render_explanation`): over `layout` (`region_layout`:
+        the picture and its regions' boxes) or, by default, an abstract grid of the regions."""
+        return render_explanation(self, layout or self._grid(), out, title=title)
+
+    def _repr_png_(self) -> bytes:
+        """The picture, for a notebook (Jupyter draws an `Explanation` so), over the abstract grid
+        of the regions: `render(out, region_layout(...))` draws it over the image itself."""
+        import io
+
+        return self.render(io.BytesIO()).getvalue()
+
+    def _grid(self) -> "RegionLayout":
+        count = self.regions or (self.attention.shape[1] if self.attention is not None else 36)
+        grid = _grid_shape(count)
+        return RegionLayout("grid", grid=grid, source=f"no image: {grid[0]} x {grid[1]} region grid")
 
     def __repr__(self) -> str:
         """One line: the text, the scores and the shapes of the arrays (a notebook had printed
@@ -264,7 +283,8 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
         scores["ensemble"] = float(np.mean(list(scores.values())))
     return Explanation(text=text, tokens=["<start>", *tokens, "<end>"], node_labels=node_labels, scores=scores,
                        attention=attention, attention_model=attention_model, saf_beta=saf_beta,
-                       sgr_alignment=sgr_alignment, place=place, place_model=place_model, place_signed=place_signed)
+                       sgr_alignment=sgr_alignment, place=place, place_model=place_model, place_signed=place_signed,
+                       regions=int(image.shape[1]))
 
 
 # --------------------------------------------------------------------------------- regions
