@@ -76,3 +76,19 @@ def test_the_site_builds_offline_with_warnings_as_errors(tmp_path):
         html = page.read_text(encoding="utf-8")
         assert "fonts.googleapis" not in html and "cdn." not in html, page
         assert not re.search(r"<(script|link)[^>]+(src|href)=\"https?://", html), page
+
+
+def test_every_environment_variable_sgraf_reads_is_in_the_reference():
+    """The reference's table lists each `SGRAF_*` variable the package reads, and no other."""
+    read = set()
+    for path in (ROOT / "src" / "sgraf").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        read |= set(re.findall(r"""(?:environ(?:\.get)?[\[(]\s*|switched_on\(|Routes?\()["'](SGRAF_[A-Z_]+)["']""",
+                               text))
+        read |= set(re.findall(r"""forced_route\(["'](SGRAF_[A-Z_]+)["']""", text))
+    table = (ROOT / "docs" / "reference" / "index.md").read_text(encoding="utf-8").split("## Environment variables")[1]
+    listed = set(re.findall(r"`(SGRAF_[A-Z_]+)`", table.split("\n\n::: ")[0]))
+    from sgraf.user_cache import SWITCHES
+
+    assert read >= {"SGRAF_CACHE_DIR", "SGRAF_JOIN_TIMEOUT", "SGRAF_WORD_ROUTE", "SGRAF_COMPILE", *SWITCHES}, read
+    assert read == listed, (read - listed, listed - read)

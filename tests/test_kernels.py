@@ -611,8 +611,39 @@ def test_keeping_freed_memory_can_be_turned_off_and_refuses_other_values(monkeyp
     monkeypatch.setenv("SGRAF_KEEP_FREED_MEMORY", "off")
     assert keep_freed_memory() is False
     monkeypatch.setenv("SGRAF_KEEP_FREED_MEMORY", "sometimes")
-    with pytest.raises(InputError, match="SGRAF_KEEP_FREED_MEMORY must be 'on' or 'off', got 'sometimes'"):
+    with pytest.raises(InputError, match=r"SGRAF_KEEP_FREED_MEMORY must be on or off \(or 1/0, true/false, "
+                                         r"yes/no\), got 'sometimes'"):
         keep_freed_memory()
+
+
+@pytest.mark.parametrize("variable", ["SGRAF_TUNE", "SGRAF_TOKEN_CACHE", "SGRAF_KEEP_FREED_MEMORY",
+                                      "SGRAF_FAST_EXIT"])
+def test_every_switch_reads_alike_and_a_command_refuses_a_typo_first(variable, monkeypatch, capsys):
+    """The on/off variables had three readings: SGRAF_TUNE=of left tuning on, unsaid, while
+    SGRAF_KEEP_FREED_MEMORY=0 was refused. One reading now, checked by every command first."""
+    from sgraf.cli import main
+    from sgraf.user_cache import switched_on
+
+    for value, on in (("", True), ("On", True), ("1", True), ("yes", True), ("off", False), ("0", False),
+                      ("FALSE", False), (" no ", False)):
+        monkeypatch.setenv(variable, value)
+        assert switched_on(variable) is on, value
+    monkeypatch.setenv(variable, "of")
+    assert main(["runs", "."]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"sgraf runs: error: {variable} must be on or off (or 1/0, true/false, yes/no), got 'of'", err
+
+
+def test_a_forced_onednn_route_that_cannot_run_is_said(monkeypatch, caplog):
+    from sgraf.kernels import cpu
+
+    monkeypatch.setattr(cpu, "ONEDNN", False)
+    cpu._say_once.cache_clear()
+    with caplog.at_level("WARNING", logger="sgraf.kernels.cpu"):
+        assert cpu._choose_route("matmul", "onednn") == "aten" and cpu._choose_route("matmul", "onednn") == "aten"
+    assert [r.getMessage() for r in caplog.records if "SGRAF_CPU_MATMUL" in r.getMessage()] == [
+        f"SGRAF_CPU_MATMUL=onednn is not taken under PyTorch {cpu.torch.__version__} (oneDNN's linear there is "
+        "not safe against signals, or oneDNN is missing): the aten route runs"]
 
 
 def test_the_compiled_paths_refuse_a_pytorch_that_cannot_trace_them_in_one_line(monkeypatch):

@@ -45,6 +45,27 @@ def _own_temporary_cache() -> pathlib.Path:
     return pathlib.Path(tempfile.mkdtemp(prefix="sgraf-cache-"))
 
 
+# sgraf's on/off environment variables, each on when unset (the commands check them all first)
+SWITCHES = ("SGRAF_TUNE", "SGRAF_TOKEN_CACHE", "SGRAF_KEEP_FREED_MEMORY", "SGRAF_FAST_EXIT")
+_ON, _OFF = ("", "on", "1", "true", "yes"), ("off", "0", "false", "no")
+
+
 def switched_on(variable: str) -> bool:
-    """False when the environment variable is off/0/false/no (any case); on when unset."""
-    return os.environ.get(variable, "on").strip().lower() not in ("off", "0", "false", "no")
+    """False when the environment variable is off/0/false/no (any case); True when unset, empty
+    or on/1/true/yes.
+
+    Raises:
+        InputError: any other value (a typo such as `of` had left the switch on, unsaid).
+    """
+    value = os.environ.get(variable, "").strip().lower()
+    if value in _OFF or value in _ON:
+        return value not in _OFF
+    from sgraf.errors import InputError
+
+    raise InputError(f"{variable} must be on or off (or 1/0, true/false, yes/no), got {os.environ[variable]!r}")
+
+
+def check_switches() -> None:
+    """Every one of `SWITCHES`, checked (`switched_on`): a command refuses a bad value before it starts."""
+    for variable in SWITCHES:
+        switched_on(variable)

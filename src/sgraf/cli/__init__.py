@@ -225,6 +225,9 @@ def _run_command(args: argparse.Namespace, prog: str) -> int:
     from sgraf.signals import Stopped, stop_on_sigterm
 
     try:
+        from sgraf.user_cache import check_switches
+
+        check_switches()
         with stop_on_sigterm():
             return int(args.func(args) or 0)
     except Stopped as stop:
@@ -301,13 +304,18 @@ def exit_process(code: int) -> NoReturn:
     import atexit
     import threading
 
+    from sgraf.errors import InputError
     from sgraf.user_cache import switched_on
 
+    try:
+        fast = switched_on("SGRAF_FAST_EXIT")
+    except InputError:       # said by the command's own check: the usual way out
+        fast = False
     others = [thread for thread in threading.enumerate()
               if thread is not threading.main_thread() and not thread.daemon]
     children = sys.modules["multiprocessing"].active_children() if "multiprocessing" in sys.modules else []
     run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
-    if others or children or run_exit_handlers is None or not switched_on("SGRAF_FAST_EXIT"):
+    if others or children or run_exit_handlers is None or not fast:
         sys.exit(code)
     run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):

@@ -96,11 +96,22 @@ def _route(kind: str) -> str:
 _routes: dict[tuple[str, str, int, bool, int], str] = {}
 
 
+@functools.cache
+def _say_once(message: str) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning(message)
+
+
 def _choose_route(kind: str, forced: str) -> str:
     if forced:
         if forced not in ROUTES:
             raise InputError(f"SGRAF_CPU_MATMUL must be one of {', '.join(ROUTES)}, got {forced!r}")
-        return forced if ONEDNN or forced == "aten" else "aten"
+        if forced == "onednn" and not ONEDNN:
+            _say_once(f"SGRAF_CPU_MATMUL=onednn is not taken under PyTorch {torch.__version__} (oneDNN's linear "
+                      f"there is not safe against signals, or oneDNN is missing): the aten route runs")
+            return "aten"
+        return forced
     if not ONEDNN:
         return "aten"
     name, candidates = _probe(kind)

@@ -21,10 +21,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 import platform
 
-from sgraf.errors import InputError
+from sgraf.user_cache import switched_on
 
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -42,12 +41,9 @@ def keep_freed_memory() -> bool:
         `SGRAF_KEEP_FREED_MEMORY=off`).
 
     Raises:
-        InputError: `SGRAF_KEEP_FREED_MEMORY` is neither 'on' nor 'off'.
+        InputError: `SGRAF_KEEP_FREED_MEMORY` is neither on nor off (`user_cache.switched_on`).
     """
-    setting = os.environ.get("SGRAF_KEEP_FREED_MEMORY", "on").strip().lower() or "on"
-    if setting not in ("on", "off"):
-        raise InputError(f"SGRAF_KEEP_FREED_MEMORY must be 'on' or 'off', got {setting!r}")
-    return setting == "on" and _apply()
+    return switched_on("SGRAF_KEEP_FREED_MEMORY") and _apply()
 
 
 @functools.cache
