@@ -182,7 +182,9 @@ def shard_range(n_items: int, rank: int | None = None, world_size: int | None = 
     return range(n_items * rank // world_size, n_items * (rank + 1) // world_size)
 
 
-def _communication_device() -> torch.device:
+def communication_device() -> torch.device:
+    """Where the process group's collectives take their tensors: the current CUDA device under
+    NCCL, else the CPU (gloo)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -196,7 +198,7 @@ def all_gather_variable(tensor: torch.Tensor) -> list[torch.Tensor]:
     """
     if not is_distributed():
         return [tensor]
-    comm_device = _communication_device()
+    comm_device = communication_device()
     local = tensor.detach().to(comm_device).contiguous()
     sizes = [torch.zeros(1, dtype=torch.int64, device=comm_device) for _ in range(get_world_size())]
     dist.all_gather(sizes, torch.tensor([local.shape[0]], dtype=torch.int64, device=comm_device))
@@ -219,7 +221,7 @@ def all_reduce_mean(value: float) -> float:
     """Mean of a Python number over processes (the number itself on one process)."""
     if not is_distributed():
         return float(value)
-    comm_device = _communication_device()
+    comm_device = communication_device()
     total = torch.tensor([float(value)], dtype=torch.float64, device=comm_device)
     dist.all_reduce(total)
     return float(total.item()) / get_world_size()

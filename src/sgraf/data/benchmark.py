@@ -322,11 +322,6 @@ _CAPTION_PLAN = (_caption_relation, _caption_list, _caption_relation, _caption_c
                  _caption_position, _caption_relation, _caption_list, _caption_position, _caption_count)
 
 
-def scene_captions(scene: Scene, rng: np.random.Generator) -> list[str]:
-    """Five distinct true captions of a scene."""
-    return [caption for caption, _ in scene_claims(scene, rng)]
-
-
 def scene_claims(scene: Scene, rng: np.random.Generator) -> list[tuple[str, Claim]]:
     """Five distinct true captions of a scene, each with its claim (`sgraf.data.scenes`)."""
     captions: list[tuple[str, Claim]] = []

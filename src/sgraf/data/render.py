@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -96,14 +97,8 @@ def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
 
 
 def _wrap(text: str, width: int) -> list[str]:
-    lines, line = [], ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}".strip()
-    return lines + ([line] if line else [])
+    """Lines of at most `width` characters, words never cut."""
+    return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
 
 
 def preview_grid(images: Sequence[Image.Image], captions: Sequence[Sequence[str]], path: str | os.PathLike[str],

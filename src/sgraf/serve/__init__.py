@@ -2,8 +2,8 @@
 
 - `service.SearchService`: the work, as plain functions over an opened index (search, explain,
   health, the checks of every argument, where pictures may be read from).
-- `worker.Worker`: the one thread that runs the models; text searches that wait together are
-  scored as one batch; a bounded queue refuses work when full.
+- `worker.Worker`: the threads that run the models (one by default, `serve --workers N`);
+  text searches that wait together are scored as one batch; a bounded queue refuses work when full.
 - `app.create_app(service)`: the FastAPI application, thin routes over the two.
 - `models`: the JSON answers' shapes, for the OpenAPI schema.
 - `static/`: the web page (HTML, script, style), shipped with the package: nothing is fetched

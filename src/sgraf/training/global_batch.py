@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from sgraf.distributed import all_gather_cat, communication_device, is_distributed
+
 
 def _sizes(n_local: int, device: torch.device) -> list[int]:
     """The first-dimension size of every process's local tensor."""
@@ -57,10 +59,6 @@ def gather_with_grad(tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.cat([part[:size] for part, size in zip(parts, sizes)], dim=0)
 
 
-def _comm_device(tensor: torch.Tensor) -> torch.device:
-    return tensor.device if dist.get_backend() != "gloo" else torch.device("cpu")
-
-
 def global_batch_scores(model: nn.Module, images: torch.Tensor, captions: torch.Tensor,
                         lengths: torch.Tensor, boxes: torch.Tensor | None = None
                         ) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -76,7 +74,7 @@ def global_batch_scores(model: nn.Module, images: torch.Tensor, captions: torch.
         lengths: (n_local,).
         boxes: (n_local, K, 4) normalised region boxes for a model with positions, else None.
     """
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not is_distributed():
         return model(images, captions, lengths) if boxes is None else model(images, captions, lengths, boxes)
     all_img_embs, cap_embs, sizes = _encode_and_gather(model, images, captions, lengths, boxes)
     if getattr(model.config, "module", None) == "joint":
@@ -94,7 +92,7 @@ def _encode_and_gather(model: nn.Module, images: torch.Tensor, captions: torch.T
     img_embs = (model.encode_images(images) if boxes is None
                 else model.encode_images(images, boxes))                 # (n_local, K, d)
     cap_embs = model.encode_captions(captions, lengths)                  # (n_local, L, d)
-    sizes = _sizes(img_embs.shape[0], _comm_device(img_embs))
+    sizes = _sizes(img_embs.shape[0], communication_device())
     return gather_with_grad(img_embs, sizes), cap_embs, sizes
 
 
@@ -107,7 +105,7 @@ def global_batch_train_scores(model: nn.Module, images: torch.Tensor, captions: 
     """
     from sgraf.model.sgraf import TrainScores
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not is_distributed():
         return model.train_scores(images, captions, lengths, boxes)
     all_img_embs, cap_embs, sizes = _encode_and_gather(model, images, captions, lengths, boxes)
     local = model.train_scores_from(all_img_embs, cap_embs, lengths)   # (B, n_local)
@@ -129,9 +127,9 @@ def global_vector_scores(model: nn.Module) -> torch.Tensor:
     if img_glo is None or cap_glo is None:
         raise RuntimeError("no global vectors: score a batch in train mode with global alignments first")
     block = img_glo @ cap_glo.t()                                        # (B, n_local)
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not is_distributed():
         return block
-    return _gather_columns(block, _sizes(cap_glo.shape[0], _comm_device(cap_glo)))
+    return _gather_columns(block, _sizes(cap_glo.shape[0], communication_device()))
 
 
 def _gather_columns(block: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -140,25 +138,17 @@ def _gather_columns(block: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 
 def gather_ids(ids: torch.Tensor) -> torch.Tensor:
-    """Concatenation over processes of a 1-D id tensor (no gradient)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return ids
-    device = _comm_device(ids)
-    local = ids.to(device)
-    sizes = _sizes(local.shape[0], device)
-    padded = F.pad(local, (0, max(sizes) - local.shape[0]))
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded)
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(ids.device)
+    """Concatenation over processes of a 1-D id tensor (no gradient), on its device."""
+    return all_gather_cat(ids)
 
 
 def average_gradients(parameters: list[torch.Tensor]) -> None:
     """Averages `.grad` over processes in one flat all-reduce (missing gradients count as zero)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not is_distributed():
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    device = _comm_device(flat)
+    device = communication_device()
     reduced = flat.to(device)
     dist.all_reduce(reduced)
     reduced = reduced.to(flat.device) / dist.get_world_size()
@@ -187,7 +177,7 @@ def merge_per_caption_norms(norms: list[nn.BatchNorm1d], before: list[dict[str, 
     `(1 - m)^n_r x0 + D_r`. One process over all captions in rank order ends at
     `(1 - m)^N x0 + sum_r (1 - m)^(captions after rank r) D_r`.
     """
-    if not norms or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not norms or not is_distributed():
         return
     world = dist.get_world_size()
     for bn, start in zip(norms, before):
@@ -200,7 +190,7 @@ def merge_per_caption_norms(norms: list[nn.BatchNorm1d], before: list[dict[str, 
             (bn.running_mean.detach().double().cpu() - decay ** n_local * start["mean"].cpu()),
             (bn.running_var.detach().double().cpu() - decay ** n_local * start["var"].cpu()),
         ])
-        device = _comm_device(bn.running_mean)
+        device = communication_device()
         parts = [torch.empty_like(own, device=device) for _ in range(world)]
         dist.all_gather(parts, own.to(device))
         parts = [p.cpu() for p in parts]
