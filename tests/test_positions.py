@@ -103,8 +103,14 @@ def test_a_model_without_positions_ignores_boxes_and_one_with_them_refuses_none(
         model.score(images, captions, lengths, boxes=_boxes(2, 4))
     bad = _boxes(2, 5)
     bad[1, 3, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"boxes contain NaN or inf \(images \[1\]\)"):
+    with pytest.raises(ValueError, match=r"boxes: the box of image 1, region 3 \[nan, .*\] is not finite"):
         model.score(images, captions, lengths, boxes=bad)
+    # as Matcher refuses them: pixel boxes (scores of 0, unsaid) and swapped corners
+    with pytest.raises(ValueError, match=r"the box of image 0, region 0 \[.*\] lies outside \[0, 1\]; expected"):
+        model.score(images, captions, lengths, boxes=_boxes(2, 5) * 192)
+    swapped = _boxes(2, 5)[..., [2, 1, 0, 3]]
+    with pytest.raises(ValueError, match=r"has x2 < x1 or y2 < y1"):
+        model.score(images, captions, lengths, boxes=swapped)
 
 
 @pytest.mark.parametrize("positions", POSITIONED)
@@ -520,3 +526,13 @@ def test_a_place_model_needs_the_word_attention():
                                          "alignments 'both' or 'local' and attention 't2i', got "
                                          "alignments='global', attention='t2i'"):
         ModelConfig(vocab_size=10, positions="place", alignments="global", module="ave")
+
+
+def test_a_place_model_needs_a_head_that_takes_the_term():
+    """module='ave' adds no term to its score: a place AVE had trained with its term's weights at 0, unsaid."""
+    with pytest.raises(InputError, match="positions='place' adds the place term to the logit of an SGR or SAF head; "
+                                         "module='ave' has none"):
+        ModelConfig(vocab_size=10, positions="place", module="ave")
+    for module in ("sgr", "saf", "joint"):
+        assert ModelConfig(vocab_size=10, positions="place", module=module).positions == "place"
+    assert ModelConfig(vocab_size=10, positions="box", module="ave").positions == "box"

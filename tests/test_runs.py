@@ -85,6 +85,21 @@ def test_a_folder_of_runs_is_searched_and_other_data_is_named(trained, capsys):
         assert len(rows) == 2 and len({line.split("(files ")[1][:8] for line in rows}) == 2, rows
     finally:
         shutil.rmtree(changed)
+    # a run that also recorded the boxes, sizes and scenes files (a model with positions) on the same
+    # files trains on the same data: its dev rsum compares (the demo's runs had been told apart)
+    positioned = trained / "positions-run"
+    shutil.copytree(trained / "runs" / "b", positioned)
+    config = positioned / "config.yaml"
+    assert "\ndata_fingerprint:\n" in config.read_text()
+    config.write_text(config.read_text().replace("data_fingerprint:\n", "data_fingerprint:\n  dev_boxes.npy: 1234\n"
+                                                 "  train_scenes.jsonl: 5678\n", 1))
+    try:
+        summary = listing(capsys, trained / "runs" / "a", positioned)
+        assert "data" not in summary["differ"] and len({run["data_files"] for run in summary["runs"]}) == 1
+        assert main(["runs", str(trained / "runs" / "a"), str(positioned)]) == 0
+        assert "different data" not in capsys.readouterr().out
+    finally:
+        shutil.rmtree(positioned)
     # one data set, validated on different shares of its dev split: said too
     shorter = trained / "shorter-validation"
     shutil.copytree(trained / "runs" / "b", shorter)

@@ -538,16 +538,9 @@ class Matcher:
         if tuple(boxes.shape) != (n_images, k, 4):
             raise InputError(f"{where} must have shape ({n_images}, {k}, 4) (x1, y1, x2, y2 per region of each "
                              f"image), got {tuple(boxes.shape)}")
-        x1, y1, x2, y2 = boxes.unbind(-1)
-        problems = ((~torch.isfinite(boxes).all(dim=-1), "is not finite"),
-                    ((x2 < x1) | (y2 < y1), "has x2 < x1 or y2 < y1"),
-                    ((boxes < 0).any(dim=-1) | (boxes > 1).any(dim=-1), "lies outside [0, 1]"))
-        for bad, problem in problems:
-            if bool(bad.any()):
-                image, region = (int(v) for v in bad.nonzero()[0])
-                box = ", ".join(f"{v:.4g}" for v in boxes[image, region].tolist())
-                raise InputError(f"{where}: the box of image {first_row + image}, region {region} [{box}] "
-                                 f"{problem}; expected x1 <= x2, y1 <= y2 normalised to [0, 1] of the picture")
+        from sgraf.model.positions import check_normalised_boxes
+
+        check_normalised_boxes(boxes, where, first_row)
         return boxes
 
     @_computes

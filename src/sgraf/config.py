@@ -133,6 +133,10 @@ class ModelConfig:
             raise InputError("model config: positions='place' reads the place each word attends to: it needs "
                              "alignments 'both' or 'local' and attention 't2i', got "
                              f"alignments={self.alignments!r}, attention={self.attention!r}")
+        if self.positions == "place" and self.module == "ave":
+            raise InputError("model config: positions='place' adds the place term to the logit of an SGR or SAF head; "
+                             "module='ave' has none (the term would be left out unsaid): use module sgr, saf or "
+                             "joint, or positions 'box' or 'relation'")
         if not 1.0 <= self.place_sharpness < math.inf:
             raise InputError(f"model config field 'place_sharpness' must be a finite number >= 1, "
                              f"got {self.place_sharpness!r}")

@@ -13,7 +13,10 @@ square" score alike. These modules give the image encoder each region's box, nor
   below it, so the relation lives between two regions rather than in absolute places.
 
 Both are permutation-equivariant: permuting regions together with their boxes permutes the
-region embeddings and leaves every score unchanged.
+region embeddings. A score is then unchanged but for the authors' visual self-attention
+(`VisualSelfAttention`), whose BatchNorm keeps running statistics per region slot: a trained
+model, with or without positions, scores a permuted image differently (up to about 0.02 for tiny
+models; the authors' model too: to that BatchNorm their regions are an ordered list).
 """
 
 from __future__ import annotations
@@ -32,6 +35,27 @@ PLACE_GAIN = 30.0        # the place term's directions D are 30 x a linear map: 
 OBJECTNESS_GAIN = 10.0   # and each word's objectness logit 10 x one: it learns which words are objects 10x faster
 _WEIGHT_FLOOR = 1e-6     # no word before (or after) a word: its side weighs nothing
 _SIZE_FLOOR = 1e-3      # a zero-width box (a point) still has a finite log size ratio
+
+
+def check_normalised_boxes(boxes: torch.Tensor, where: str = "boxes", first_row: int = 0) -> None:
+    """InputError naming the image and the region of the first box of (n, K, 4) `boxes` that is
+    not finite, has x2 < x1 or y2 < y1, or lies outside [0, 1] (pixel boxes, not divided by the
+    picture's size); the one rule of `SGRAF.score` and `Matcher`. Reads the device once."""
+    from sgraf.errors import InputError
+
+    x1, y1, x2, y2 = boxes.unbind(-1)
+    problems = ((~torch.isfinite(boxes).all(dim=-1), "is not finite"),
+                ((x2 < x1) | (y2 < y1), "has x2 < x1 or y2 < y1"),
+                ((boxes < 0).any(dim=-1) | (boxes > 1).any(dim=-1), "lies outside [0, 1]"))
+    bad = torch.stack([problem for problem, _ in problems])               # (3, n, K)
+    if not bool(bad.any()):
+        return
+    for problem, (_, what) in zip(bad, problems):
+        if bool(problem.any()):
+            image, region = (int(v) for v in problem.nonzero()[0])
+            box = ", ".join(f"{v:.4g}" for v in boxes[image, region].tolist())
+            raise InputError(f"{where}: the box of image {first_row + image}, region {region} [{box}] {what}; "
+                             "expected x1 <= x2, y1 <= y2 normalised to [0, 1] of the picture")
 
 
 def box_geometry(boxes: torch.Tensor) -> torch.Tensor:

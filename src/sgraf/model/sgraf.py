@@ -25,7 +25,7 @@ from sgraf.model import blocks
 from sgraf.model.encoders import ImageEncoder, TextEncoder
 from sgraf.model.filtration import AttentionFiltration, average_scores
 from sgraf.model.loss import max_pairs
-from sgraf.model.positions import PlaceTerm
+from sgraf.model.positions import PlaceTerm, check_normalised_boxes
 from sgraf.model.reasoning import GraphReasoning, graph_reasoning, train_graph_reasoning
 from sgraf.model.similarity import SimilarityRepresentation, compute_dtype, region_attention
 from sgraf.precision import current_precision
@@ -654,10 +654,7 @@ class SGRAF(nn.Module):
         batch_size = check_positive_int(batch_size, "batch_size")
         lengths = self.validate_inputs(images, captions, lengths)
         if self.needs_boxes:
-            boxes = self.check_boxes(images, boxes)
-            if not bool(torch.isfinite(boxes).all()):
-                bad = (~torch.isfinite(boxes)).flatten(1).any(dim=1).nonzero().flatten()[:5].tolist()
-                raise InputError(f"boxes contain NaN or inf (images {bad})")
+            check_normalised_boxes(self.check_boxes(images, boxes))
         precision = current_precision(images.device)
         encoded = blocks.encode(self, images, captions, lengths, batch_size, precision, boxes=boxes)
         return blocks.score_encoded([self], [encoded], precision).to(images.device)

@@ -14,7 +14,7 @@ import os
 import pathlib
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 from sgraf.config import unused_settings
 from sgraf.errors import InputError
@@ -179,7 +179,8 @@ def differences(runs: Sequence[Run]) -> list[str]:
     # a setting without effect in a run (`sgr_step` of a SAF run) sets it apart from none
     differ = [key for key in keys if len({json.dumps(_setting(run, key), sort_keys=True)
                                           for run in readable}) > 1]
-    return (["data"] if len({_data_key(run) for run in readable}) > 1 else []) + differ
+    other_data = any(not _same_data(a, b) for i, a in enumerate(readable) for b in readable[i + 1:])
+    return (["data"] if other_data else []) + differ
 
 
 def _setting(run: Run, key: str) -> Any:
@@ -188,20 +189,32 @@ def _setting(run: Run, key: str) -> Any:
     return None if key in unused_settings(run.settings) else run.settings.get(key)
 
 
-def _files_id(run: Run) -> str | None:
-    """A short name of the data's files (their recorded fingerprint), to tell apart two runs on
-    one folder whose files changed between them; None where no fingerprint was recorded."""
+def _files_id(run: Run, files: Collection[str] | None = None) -> str | None:
+    """A short name of the data's files (their recorded fingerprint; of those among `files`
+    where given), to tell apart two runs on one folder whose files changed between them; None
+    where no fingerprint was recorded."""
     if run.data is None or not isinstance(run.data[1], dict):
         return None
-    return hashlib.sha256(json.dumps(run.data[1], sort_keys=True).encode()).hexdigest()[:8]
+    fingerprint = {name: value for name, value in run.data[1].items() if files is None or name in files}
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def _data_key(run: Run) -> str:
-    """The run's data by its files' fingerprint where recorded, else by its folder."""
-    if run.data is None:
-        return ""
-    folder, fingerprint = run.data
-    return json.dumps(fingerprint, sort_keys=True) if isinstance(fingerprint, dict) else folder
+def _same_data(a: Run, b: Run) -> bool:
+    """Whether two runs train on the same data: the same hashes of the files both recorded (a
+    model with positions also reads the boxes, sizes and scenes files, which another run of the
+    same folder does not record), else the same folder."""
+    if a.data is None or b.data is None:
+        return a.data == b.data
+    (folder_a, files_a), (folder_b, files_b) = a.data, b.data
+    if isinstance(files_a, dict) and isinstance(files_b, dict) and set(files_a) & set(files_b):
+        return all(files_a[name] == files_b[name] for name in set(files_a) & set(files_b))
+    return folder_a == folder_b
+
+
+def _common_files(runs: Sequence[Run]) -> set[str] | None:
+    """The data files every run with a fingerprint recorded; None where none has one."""
+    recorded = [set(run.data[1]) for run in runs if run.data is not None and isinstance(run.data[1], dict)]
+    return set.intersection(*recorded) if recorded else None
 
 
 def summarise(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], sort: str = "name") -> dict[str, Any]:
@@ -217,13 +230,16 @@ def summarise(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], 
     if sort == "rsum":
         runs.sort(key=lambda run: -run.best["rsum"] if run.best and "rsum" in run.best else float("inf"))
     differ = differences(runs)
-    return {"runs": [as_dict(run, differ) for run in runs], "differ": differ}
+    files = _common_files(runs)
+    return {"runs": [as_dict(run, differ, files) for run in runs], "differ": differ}
 
 
-def as_dict(run: Run, differ: Sequence[str] = ()) -> dict[str, Any]:
+def as_dict(run: Run, differ: Sequence[str] = (), files: Collection[str] | None = None) -> dict[str, Any]:
     """A run as JSON-ready values: path, state, epochs done / total, step, the best validation
     (rsum, epoch, step) and the last one's rsum, the settings named in `differ`, the resume
-    command where it has one, the lock's holder while running, the problem if unreadable."""
+    command where it has one, the lock's holder while running, the problem if unreadable.
+    `data_files` names the fingerprint of its data files (of those among `files`: the ones
+    every run shown recorded)."""
     out: dict[str, Any] = {"path": run.path, "state": run.state}
     if run.state == "unreadable":
         return {**out, "problem": run.problem}
@@ -234,7 +250,7 @@ def as_dict(run: Run, differ: Sequence[str] = ()) -> dict[str, Any]:
                 "settings": {key: (run.data[0] if run.data else None) if key == "data" else run.settings.get(key)
                              for key in differ},
                 "unused_settings": sorted(set(differ) & set(unused_settings(run.settings))),
-                "data_files": _files_id(run)})
+                "data_files": _files_id(run, files)})
     if run.state == "stopped":
         out["resume"] = f"sgraf train --resume {run.path}"
     if run.holder is not None:
