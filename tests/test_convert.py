@@ -169,3 +169,16 @@ def test_an_image_twice_in_the_tsv_is_refused_and_unused_captions_named(tmp_path
     caps.write_text("1000\ta\n1001\tb\n1007\tc\n", encoding="utf-8")
     convert_tsv(write(tmp_path / "two.tsv", rows), tmp_path / "out", "train", captions_path=caps, progress=False)
     assert "the captions of 1 image_id(s) not in" in caplog.text and "'1007' first" in caplog.text
+
+
+def test_boxes_already_divided_by_the_picture_size_name_the_tsv(tmp_path):
+    rows, feats, boxes = make_rows()
+    sizes = np.array([[640 + i, 480 - i] for i in range(len(rows))], np.float32)
+    normalised = boxes / np.concatenate([sizes, sizes], axis=1)[:, None, :]
+    rows = [f"{1000 + i}\t{640 + i}\t{480 - i}\t4\t{b64(normalised[i])}\t{b64(feats[i])}" for i in range(len(rows))]
+    tsv = write(tmp_path / "normed.tsv", rows)
+    with pytest.raises(InputError, match=rf"^{tsv}: every box of its 3 rows lies within the first pixel of its picture "
+                                         r"\(all coordinates <= 1\): field 'boxes' holds boxes already divided by "
+                                         r"image_w and image_h\? expected x1, y1, x2, y2 in pixels"):
+        convert_tsv(tsv, tmp_path / "out", "train", progress=False)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

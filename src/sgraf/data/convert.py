@@ -191,6 +191,10 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
         shape, n_caps, boxes, sizes = _convert_rows(tsv_path, n_rows, table, captions_path,
                                                     {key: generation.path(name) for key, name in names.items()},
                                                     progress)
+        if boxes.size and float(boxes.max()) <= 1.0 and float(sizes.min()) > 2.0:   # as the reader refuses them
+            raise InputError(f"{tsv_path}: every box of its {shape[0]} rows lies within the first pixel of its "
+                             "picture (all coordinates <= 1): field 'boxes' holds boxes already divided by image_w "
+                             "and image_h? expected x1, y1, x2, y2 in pixels (sgraf divides them)")
         write_boxes(generation, split, boxes, sizes)
     logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, out_dir / names["ims"], *shape)
     return {"images": shape[0], "regions": shape[1], "feature_dim": shape[2], "captions": n_caps}
