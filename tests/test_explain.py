@@ -201,11 +201,23 @@ def test_a_notebook_draws_an_explanation(vocab, image, tmp_path):
     import io
 
     explanation = explain_pair(Matcher([_model("sgr", vocab, 3)]), image, "a red square left of the circle")
-    assert explanation.regions == K
+    assert explanation.n_regions == K
     png = explanation._repr_png_()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and Image.open(io.BytesIO(png)).size[0] <= 1000
     assert explanation.render(tmp_path / "grid.png").read_bytes() == png      # the same picture
     layout = region_layout(None, None, 0, K)
     assert explanation.render(tmp_path / "x.png", layout, title="mine").stat().st_size > 1000
     bare = explain_pair(Matcher([_model("ave", vocab, 7, alignments="global")]), image, "a red square")
-    assert bare.attention is None and bare.regions == K and bare._repr_png_()[:4] == b"\x89PNG"
+    assert bare.attention is None and bare.n_regions == K and bare._repr_png_()[:4] == b"\x89PNG"
+
+
+def test_the_printed_table_has_no_negative_zero(vocab, image):
+    import dataclasses
+
+    from sgraf.cli.explain import format_explanation
+
+    explanation = explain_pair(Matcher([_model("sgr", vocab, 3)]), image, "a red square left of the circle")
+    tiny = np.full(len(explanation.tokens), -1e-4)
+    text = format_explanation(dataclasses.replace(explanation, place=tiny, place_model="sgr",
+                                                  sgr_alignment=np.full(len(explanation.node_labels), -2e-4)))
+    assert "-0.000" not in text and "+0.000" in text and "place term -0.001" in text, text

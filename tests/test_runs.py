@@ -314,3 +314,18 @@ def test_a_setting_without_effect_sets_no_run_apart(tmp_path, capsys):
             if line.strip().startswith(str(tmp_path)) and "module" not in line}
     assert "(-: the setting has no effect in that run, as sgr_step without an SGR head)" in out, out
     assert [rows["saf-a"][-1], rows["saf-b"][-1], rows["sgr"][-1]] == ["-", "-", "3"], out
+
+
+def test_the_place_terms_settings_read_dash_in_a_run_without_one(tmp_path, capsys):
+    for name, positions, sharpness in (("box", "box", 1.0), ("place", "place", 2.0)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: sgr\npositions: {positions}\n"
+                                         f"place_sharpness: {sharpness}\nepochs: 1\n")
+        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
+                                           '"best": true}\n')
+    assert main(["runs", str(tmp_path / "box"), str(tmp_path / "place"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["differ"] == ["positions", "place_sharpness"]
+    box, place = summary["runs"]
+    assert box["unused_settings"] == ["place_sharpness"] and place["unused_settings"] == []

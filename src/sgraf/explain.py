@@ -162,7 +162,7 @@ class Explanation:
     place: np.ndarray | None = None
     place_model: str | None = None
     place_signed: np.ndarray | None = None
-    regions: int | None = None          # K, the image's regions (the abstract grid drawn without a layout)
+    n_regions: int | None = None        # K, the image's regions (the abstract grid drawn without a layout)
 
     def render(self, out: str | os.PathLike[str] | BinaryIO, layout: "RegionLayout | None" = None,
                title: str | None = None) -> Path | BinaryIO:
@@ -178,7 +178,7 @@ class Explanation:
         return self.render(io.BytesIO()).getvalue()
 
     def _grid(self) -> "RegionLayout":
-        count = self.regions or (self.attention.shape[1] if self.attention is not None else 36)
+        count = self.n_regions or (self.attention.shape[1] if self.attention is not None else 36)
         grid = _grid_shape(count)
         return RegionLayout("grid", grid=grid, source=f"no image: {grid[0]} x {grid[1]} region grid")
 
@@ -284,7 +284,7 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
     return Explanation(text=text, tokens=["<start>", *tokens, "<end>"], node_labels=node_labels, scores=scores,
                        attention=attention, attention_model=attention_model, saf_beta=saf_beta,
                        sgr_alignment=sgr_alignment, place=place, place_model=place_model, place_signed=place_signed,
-                       regions=int(image.shape[1]))
+                       n_regions=int(image.shape[1]))
 
 
 # --------------------------------------------------------------------------------- regions

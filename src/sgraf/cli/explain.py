@@ -83,13 +83,13 @@ def format_explanation(explanation: "Explanation") -> str:
     signed = explanation.place_signed
     if explanation.place is not None:
         header += f"{'place':>8}" + (f"{'signed':>8}" if signed is not None else "")
-        lines[0] += (f" (place term {float(explanation.place.sum()):+.3f}, {explanation.place_model}"
+        lines[0] += (f" (place term {_signed(explanation.place.sum())}, {explanation.place_model}"
                      f"{penalty_note(explanation)})")
     lines.append(header)
     offset = 1 if explanation.node_labels and explanation.node_labels[0] == "[global]" else 0
     for p, label in enumerate(explanation.node_labels):
         beta = f"{explanation.saf_beta[p]:.3f}" if explanation.saf_beta is not None else "-"
-        sgr = f"{explanation.sgr_alignment[p]:+.3f}" if explanation.sgr_alignment is not None else "-"
+        sgr = _signed(explanation.sgr_alignment[p]) if explanation.sgr_alignment is not None else "-"
         region = "-"
         if explanation.attention is not None and p >= offset and p - offset < len(explanation.attention):
             weights = explanation.attention[p - offset]
@@ -97,8 +97,13 @@ def format_explanation(explanation: "Explanation") -> str:
         line = f"{label:<14}{beta:>10}{sgr:>15}{region:>12}"
         if explanation.place is not None:
             word = p - offset
-            line += f"{explanation.place[word]:>+8.3f}" if 0 <= word < len(explanation.place) else f"{'-':>8}"
+            line += f"{_signed(explanation.place[word]):>8}" if 0 <= word < len(explanation.place) else f"{'-':>8}"
             if signed is not None:
-                line += f"{signed[word]:>+8.3f}" if 0 <= word < len(signed) else f"{'-':>8}"
+                line += f"{_signed(signed[word]):>8}" if 0 <= word < len(signed) else f"{'-':>8}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _signed(value: float) -> str:
+    """`value` to 3 decimals with its sign, a value that rounds to zero as +0.000 (not -0.000)."""
+    return f"{round(float(value), 3) + 0.0:+.3f}"
