@@ -3,6 +3,7 @@ so that a caption is no negative of a family picture it is true of (issue 21).""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -164,3 +165,20 @@ def test_family_batches_refuse_data_without_scenes(bench, tmp_path):
         fit(config, plain, tmp_path / "run")
     with pytest.raises(InputError, match="'batches' must be one of random, families, got 'twins'"):
         TrainConfig(batches="twins")
+
+
+def test_each_epoch_of_family_batches_validates_at_its_own_steps(bench, tmp_path):
+    """Family batches pack each epoch anew (20, then 22 steps here): the first epoch's count had
+    served every epoch, so a validation due at step 20 of the second epoch was skipped (and one due
+    at the last step of a shorter epoch made twice)."""
+    config = TrainConfig(module="sgr", word_dim=8, embed_size=16, sim_dim=8, sgr_step=1, epochs=2, batch_size=8,
+                         lr=1e-3, batches="families", family_share=0.5, checkpoint_every=0, progress=False,
+                         val_every=2, val_max_captions=None, img_dim=None, num_regions=None)
+    families = read_families(bench, "train", 30, CAPS)
+    lengths = [len(FamilyBatchSampler(families.groups, CAPS, 8, seed=0, epoch=e, family_share=0.5)) for e in (0, 1)]
+    assert lengths == [20, 22]
+    fit(config, bench, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in records]
+    assert steps == list(range(2, 43, 2)), steps
+    assert [r["step"] for r in records if r["end_of_epoch"]] == [20, 42]

@@ -408,6 +408,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
             while progress.epoch < config.epochs and not out_of_patience(config, progress):
                 set_learning_rate(optimizer, learning_rate(config, progress.epoch))
                 sampler = batches.sampler(progress.epoch, progress.epoch_step)
+                n_steps = len(sampler.batches)     # family batches pack each epoch's pictures anew
                 loader = CheckedLoader(batches.dataset, batch_sampler=sampler, collate_fn=batches.collate,
                                        num_workers=workers,
                                        generator=torch.Generator().manual_seed(config.seed),
@@ -584,8 +585,9 @@ class _Batches:
 def _log_start(config: TrainConfig, model: nn.Module, data_dir: pathlib.Path, batches: _Batches,
                device: torch.device, info: Any, workers: int) -> None:
     """What the run will do, in the log (`workers`: the loader's worker processes)."""
-    logger.info("training %s on %s: %d captions, %d steps per epoch, %d epoch%s, %s on %s%s",
-                model.config.module, data_dir, len(batches.dataset), batches.n_steps, config.epochs,
+    logger.info("training %s on %s: %d captions, %s%d steps per epoch, %d epoch%s, %s on %s%s",
+                model.config.module, data_dir, len(batches.dataset),
+                "about " if batches.families is not None else "", batches.n_steps, config.epochs,
                 "" if config.epochs == 1 else "s", config.precision, device,
                 f", {info.world_size} processes" if info.world_size > 1 else "")
     if config.batch_size > len(batches.dataset):
