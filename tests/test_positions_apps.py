@@ -7,6 +7,7 @@ the data has none.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -116,7 +117,8 @@ def test_matcher_refuses_images_without_boxes_or_with_bad_ones(gallery):
     matcher = Matcher.load([gallery["paths"]["plain"], gallery["paths"]["box"]])
     with pytest.raises(InputError, match=r"^model 2 \(sgr, positions='box'\) reads region positions and needs "
                                          r"each region's box \(n_images, K, 4\) normalised to \[0, 1\]; got images "
-                                         r"without boxes$"):
+                                         r"without boxes \(a PrecompSplit's boxes are None where a file is "
+                                         r"missing: split.read_boxes\(required=True\) names it\)$"):
         matcher.encode_images(gallery["features"])
     bad = gallery["boxes"].copy()
     bad[3, 2] = [0.5, 0.2, 0.25, 0.9]
@@ -214,9 +216,20 @@ def test_a_damaged_boxes_file_of_an_index_is_named(gallery, tmp_path):
     matcher = Matcher.load(gallery["paths"]["box"])
     build_index(matcher, gallery["features"], gallery["captions"], tmp_path / "index", boxes=gallery["boxes"])
     target = tmp_path / "index" / "image_boxes.npy"
-    target.write_bytes(target.read_bytes()[:-8])
+    intact = target.read_bytes()
+    target.write_bytes(intact[:-8])
     with pytest.raises(InputError, match=rf"^{target}: corrupted index file, \d+ bytes where the manifest"):
         open_index(tmp_path / "index", matcher=matcher)
+    # boxes that cannot be positions (the sizes kept: verify=False reads no checksum) are named with
+    # their image at opening, not at the request that reads them (as image 0)
+    for value, problem in ((float("nan"), "is not finite"), (250.0, r"lies outside \[0, 1\]")):
+        boxes = np.load(io.BytesIO(intact))
+        boxes[4, 3, 2] = value
+        with open(target, "wb") as handle:
+            np.save(handle, boxes)
+        with pytest.raises(InputError, match=rf"^{target}: corrupted index file, the box of image 4, region 3 "
+                                             rf"\[.*\] {problem}; expected .*; rebuild the index$"):
+            open_index(tmp_path / "index", matcher=matcher, verify=False)
 
 
 def test_explain_with_boxes_scores_as_the_model_and_draws_the_boxes(gallery, tmp_path, capsys):

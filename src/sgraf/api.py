@@ -523,7 +523,9 @@ class Matcher:
         if boxes is None:
             if self.needs_boxes:
                 raise InputError(f"{self.boxes_needed_by(and_need=True)} each region's box "
-                                 "(n_images, K, 4) normalised to [0, 1]; got images without boxes")
+                                 "(n_images, K, 4) normalised to [0, 1]; got images without boxes (a "
+                                 "PrecompSplit's boxes are None where a file is missing: "
+                                 "split.read_boxes(required=True) names it)")
             return None
         if not self.needs_boxes:
             return None                           # no model reads them: not worth a check

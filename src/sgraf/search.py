@@ -645,12 +645,19 @@ class GalleryIndex:
             raise InputError(f"{self.folder / 'caption_lengths.npy'}: corrupted index file, lengths {lengths.min()}.."
                              f"{lengths.max()} where 1..{width} (the width of the word embeddings) are expected; "
                              "rebuild the index")
-        if self.image_boxes is not None and (self.image_boxes.shape[1:] != self.image_regions[0].shape[1:2] + (4,)
-                                             or self.image_boxes.dtype.kind != "f"
-                                             or not np.isfinite(self.image_boxes).all()):
-            raise InputError(f"{self.folder / BOXES}: corrupted index file, {self.image_boxes.dtype} boxes of shape "
-                             f"{self.image_boxes.shape} where finite float boxes ({self.n_images}, "
-                             f"{self.image_regions[0].shape[1]}, 4) are expected; rebuild the index")
+        if self.image_boxes is not None:
+            if self.image_boxes.shape[1:] != self.image_regions[0].shape[1:2] + (4,) \
+                    or self.image_boxes.dtype.kind != "f":
+                raise InputError(f"{self.folder / BOXES}: corrupted index file, {self.image_boxes.dtype} boxes of "
+                                 f"shape {self.image_boxes.shape} where float boxes ({self.n_images}, "
+                                 f"{self.image_regions[0].shape[1]}, 4) are expected; rebuild the index")
+            from sgraf.model.positions import check_normalised_boxes
+
+            try:      # every box once here (a few MB): a bad one named by its image, not at a request
+                check_normalised_boxes(torch.from_numpy(np.array(self.image_boxes, dtype=np.float32)))
+            except InputError as error:
+                raise InputError(f"{self.folder / BOXES}: corrupted index file, {str(error).split(': ', 1)[1]}; "
+                                 "rebuild the index") from None
         for name in ("image_keys.npy", "caption_keys.npy"):
             keys = arrays[name][0]
             if keys.dtype.kind != "f" or not np.isfinite(keys).all():
