@@ -114,6 +114,20 @@ def test_public_messages_make_server_paths_relative(service, gallery):
     assert service.public("cannot read '/etc/secret/file.npy' now") == "cannot read 'file.npy' now"
 
 
+def test_an_answer_echoes_the_clients_own_text_as_sent(client, service, gallery):
+    """Paths in a query had been rewritten in the echo (`red /x/y/index` came back as `red index`,
+    and the server's own folders as `.` or `../data`): words the user never typed, and an oracle
+    for the server's paths."""
+    index_root = str(gallery["root"].resolve() / "index")
+    for text in ("a /tmp/guess/Zebra", f"a {index_root}", f"a {gallery['data'].resolve()}"):
+        answer = client.get("/api/search", params={"text": text})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error.startswith(f"query {text!r}") and text.split()[1].lower() in error, error
+    # the server's own paths in its messages stay hidden
+    assert service.public(f"{index_root}/manifest.json: gone", keep=["a dog"]) == "./manifest.json: gone"
+
+
 # --------------------------------------------------------------------------------- headers
 def test_security_and_cache_headers(client):
     for path in ("/", "/docs", "/static/app.js", "/images/00000.png", "/api/health", "/api/nothing",

@@ -268,21 +268,24 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 def _add_error_handlers(app: FastAPI, service: SearchService) -> None:
     public = service.public
 
+    def sent(request: Request) -> list[str]:     # the client's own text, which answers echo as sent
+        return [value for _, value in request.query_params.multi_items()]
+
     @app.exception_handler(ValueError)          # InputError and the library's other argument errors
-    async def bad_input(_: Request, exc: ValueError) -> JSONResponse:
-        return _error(400, public(str(exc)))
+    async def bad_input(request: Request, exc: ValueError) -> JSONResponse:
+        return _error(400, public(str(exc), sent(request)))
 
     @app.exception_handler(NotFound)
-    async def not_found(_: Request, exc: NotFound) -> JSONResponse:
-        return _error(404, public(str(exc)))
+    async def not_found(request: Request, exc: NotFound) -> JSONResponse:
+        return _error(404, public(str(exc), sent(request)))
 
     @app.exception_handler(Busy)
     async def busy(_: Request, exc: Busy) -> JSONResponse:
         return _error(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(Stale)
-    async def stale(_: Request, exc: Stale) -> JSONResponse:
-        return _error(503, public(str(exc)))
+    async def stale(request: Request, exc: Stale) -> JSONResponse:
+        return _error(503, public(str(exc), sent(request)))
 
     @app.exception_handler(ClientGone)
     async def gone(_: Request, exc: ClientGone) -> Response:

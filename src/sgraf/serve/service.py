@@ -280,12 +280,26 @@ class SearchService:
             raise NotFound(f"no picture {shown!r}")
         return path
 
-    def public(self, message: str) -> str:
+    def public(self, message: str, keep: Sequence[str] = ()) -> str:
         """`message` as an answer may show it: the server's absolute paths made relative to the
-        index folder (`../data/test_ims.npy`), any other absolute path cut to its file name."""
+        index folder (`../data/test_ims.npy`), any other absolute path cut to its file name. The
+        client's own words (`keep`: its parameters' values, each word of them and as the
+        vocabulary lower-cases it) stay as sent: a path in a query had been rewritten, naming
+        words the user never typed, and its answer told whether the path was the server's."""
+        pieces = sorted({piece for value in keep for word in [value, *value.split()]
+                         for piece in (word, word.lower()) if len(piece) > 1 and "\x00" not in piece},
+                        key=len, reverse=True)
+        masked = []
+        for piece in pieces:
+            if piece in message:
+                message = message.replace(piece, f"\x00{len(masked)}\x00")
+                masked.append(piece)
         for root, shown in self._public_roots:
             message = message.replace(root, shown)
-        return _ABSOLUTE_PATH.sub(lambda match: Path(match.group(0)).name or "/", message)
+        message = _ABSOLUTE_PATH.sub(lambda match: Path(match.group(0)).name or "/", message)
+        for number, piece in reversed(list(enumerate(masked))):
+            message = message.replace(f"\x00{number}\x00", piece)
+        return message
 
     def public_path(self, path: str | os.PathLike[str] | None) -> str | None:
         """A path as an answer shows it: relative to the index folder."""
