@@ -23,6 +23,7 @@ from test_serve import gallery, service  # noqa: E402,F401  (fixtures)
 from test_serve_limits import _uvicorn_server  # noqa: E402
 
 TIMEOUT_S = 0.6
+WRITE_TIMEOUT_S = 1.0
 CAP = 4
 
 
@@ -30,7 +31,7 @@ CAP = 4
 def guarded(service):
     """A uvicorn server over the app with the guarded protocol: 4 connections, 0.6 s for headers."""
     server, thread, port = _uvicorn_server(create_app(service), http=guarded_protocol(
-        SECURITY_HEADERS, cap=CAP, header_timeout=TIMEOUT_S))
+        SECURITY_HEADERS, cap=CAP, header_timeout=TIMEOUT_S, write_timeout=WRITE_TIMEOUT_S))
     yield port
     server.should_exit = True
     thread.join(30)
@@ -95,6 +96,37 @@ def test_a_body_sent_a_byte_at_a_time_does_not_hold_the_connection(guarded):
         except (BrokenPipeError, ConnectionResetError):
             closed = True
     assert closed and time.monotonic() - started < 5
+
+
+def test_a_client_that_reads_no_answer_is_disconnected(guarded):
+    """Requests sent one after the other whose answers are never read: the answers fill the send
+    buffers and wait; the connection had been held without end (and enough of them held every
+    place). It is dropped once its buffer has not drained for the write deadline."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect(("127.0.0.1", guarded))
+    sock.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+    time.sleep(WRITE_TIMEOUT_S + 3)                # read nothing meanwhile
+    sock.settimeout(10)
+    received, start = 0, time.monotonic()
+    try:
+        while chunk := sock.recv(1 << 16):         # what the kernel held, then the end of the stream
+            received += len(chunk)
+    except ConnectionResetError:
+        pass
+    sock.close()
+    assert time.monotonic() - start < 8, "the connection was not closed"
+    single = len(json.dumps(json.loads(_get(guarded, "/openapi.json"))))
+    assert received < 400 * single / 2, (received, single)      # most answers were never sent
+    assert _health(guarded) == 200
+
+
+def _get(port: int, path: str) -> bytes:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.request("GET", path)
+    body = connection.getresponse().read()
+    connection.close()
+    return body
 
 
 def test_without_a_descriptor_limit_the_cap_is_the_most(monkeypatch):
@@ -163,7 +195,7 @@ def test_the_cap_stays_below_the_descriptor_limit():
 
     soft = raise_descriptor_limit()
     assert soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    assert 8 <= connection_cap() <= max(8, soft - 64)
+    assert 8 <= connection_cap() <= max(8, (soft - 64) // 2)     # two descriptors a connection
 
 
 # --------------------------------------------------------------------------------- files changed
@@ -227,3 +259,32 @@ def test_warm_up_changes_no_answer(gallery):
     for text in ("a dog runs", "the red ball"):
         assert warm.search_text(text, top_k=5) == cold.search_text(text, top_k=5)
     assert warm.search_image(3, top_k=5) == cold.search_image(3, top_k=5)
+
+
+def test_an_unexpected_error_is_answered_500_and_logged_once(service, caplog):
+    """Starlette's outermost handler answered and then re-raised, so uvicorn logged the same
+    traceback a second time ("Exception in ASGI application")."""
+    broken = SearchService.__new__(SearchService)
+    broken.__dict__.update(service.__dict__)
+
+    def health() -> dict:
+        raise RuntimeError("a bug")
+
+    broken.health = health
+    server, thread, port = _uvicorn_server(create_app(broken))
+    try:
+        with caplog.at_level("ERROR"):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            connection.request("GET", "/api/health")
+            answer = connection.getresponse()
+            body = json.loads(answer.read())
+            connection.close()
+            time.sleep(0.2)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert answer.status == 500 and answer.getheader("x-content-type-options") == "nosniff"
+    assert body == {"error": "internal error (RuntimeError); the server's log has the details"}
+    assert caplog.text.count("RuntimeError: a bug") == 1 and "Exception in ASGI application" not in caplog.text, \
+        caplog.text
+    assert "request failed: GET /api/health" in caplog.text

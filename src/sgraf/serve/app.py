@@ -198,8 +198,12 @@ class SecurityHeaders:
             return
         api = scope.get("path", "").startswith("/api/")
 
+        started = False
+
         async def send_with_headers(message: dict[str, Any]) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = [(name, value) for name, value in message.get("headers", [])
                            if name.decode("latin-1").lower() not in SECURITY_HEADERS]
                 headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in SECURITY_HEADERS.items()]
@@ -214,7 +218,14 @@ class SecurityHeaders:
             if problem is not None:
                 await _error(400, problem)(scope, receive, send_with_headers)
                 return
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception as exc:     # answered here, logged once (Starlette's outermost handler re-raised
+            # it after answering, and uvicorn logged the traceback a second time)
+            logger.error("request failed: %s %s", scope.get("method"), scope.get("path"), exc_info=True)
+            if not started:
+                await _error(500, f"internal error ({type(exc).__name__}); the server's log has the "
+                                  "details")(scope, receive, send_with_headers)
 
 
 INTEGER_PARAMETERS = ("image_id", "top_k")
@@ -298,11 +309,6 @@ def _add_error_handlers(app: FastAPI, service: SearchService) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return _error(500, f"internal error ({type(exc).__name__}); the server's log has the details")
 
 
 def _describe_validation(error: dict[str, Any]) -> str:

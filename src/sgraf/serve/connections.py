@@ -10,8 +10,15 @@ a thousand such clients made the server answer nobody and log a traceback per re
   client that misses it is disconnected, once the answer is sent if one is being computed (a
   body sent a byte at a time had held a connection open; uvicorn's own keep-alive timeout still
   closes idle connections between requests);
-- a cap on open connections (`connection_cap`: below the process's file descriptor limit), past
-  which a new connection is closed at once, with one warning line per `WARN_EVERY_S`;
+- a deadline for an answer to leave (`WRITE_TIMEOUT_S`): a client that stops reading while its
+  answer is sent (a full send buffer that does not drain) is disconnected. A client that sent
+  requests one after the other and never read the answers had held its connection, and the
+  kernel memory of its unsent answer, without end; enough of them held every place. When the
+  server stops, such connections are dropped at once (their tasks had outlived the stop and
+  logged a traceback each);
+- a cap on open connections (`connection_cap`: below the process's file descriptor limit, two
+  descriptors a connection: its socket and a file it may be sending), past which a new
+  connection is closed at once, with one warning line per `WARN_EVERY_S`;
 - uvicorn's answer to a malformed request (bad request line, headers too large, bytes that are
   not HTTP) as JSON with the server's security headers, like every other error.
 
@@ -41,6 +48,7 @@ except ImportError:        # Windows: no such limit to read or raise
 logger = logging.getLogger("sgraf.serve")
 
 HEADER_TIMEOUT_S = 10.0    # a request's line and headers must arrive within this
+WRITE_TIMEOUT_S = 15.0     # an answer's full send buffer must start draining within this
 MAX_CONNECTIONS = 4096     # open connections at most (fewer where the descriptor limit is lower)
 DESCRIPTORS_WANTED = 65536 # the soft descriptor limit a server raises itself to, where the hard one allows
 SPARE_DESCRIPTORS = 64     # descriptors kept free for the index, the models, logs and the listener
@@ -50,7 +58,9 @@ WARN_EVERY_S = 10.0        # at most one "refusing connections" line this often
 def connection_cap(limit: int = MAX_CONNECTIONS) -> int:
     """The open connections the server keeps at most: `limit`, or fewer so that the process's
     soft file-descriptor limit (RLIMIT_NOFILE) keeps `SPARE_DESCRIPTORS` free beside the ones it
-    has open now; at least 8."""
+    has open now, counting two a connection (its socket, and the picture or static file it may be
+    sending: at one a connection, clients that stopped reading such files had run the server out
+    of descriptors); at least 8."""
     if resource is None:
         return limit
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -60,7 +70,7 @@ def connection_cap(limit: int = MAX_CONNECTIONS) -> int:
         open_now = 32
     if soft == resource.RLIM_INFINITY:
         return limit
-    return max(8, min(limit, soft - open_now - SPARE_DESCRIPTORS))
+    return max(8, min(limit, (soft - open_now - SPARE_DESCRIPTORS) // 2))
 
 
 def raise_descriptor_limit(wanted: int = DESCRIPTORS_WANTED) -> int:
@@ -100,22 +110,25 @@ def quiet_accept_errors(loop: Any) -> None:
 
 
 def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
-                     header_timeout: float = HEADER_TIMEOUT_S) -> type:
+                     header_timeout: float = HEADER_TIMEOUT_S, write_timeout: float = WRITE_TIMEOUT_S) -> type:
     """uvicorn's h11 protocol class with the limits above (see the module docstring).
 
     Args:
         security_headers: sent with the JSON answer to a malformed request.
         cap: open connections at most (default `connection_cap()`).
         header_timeout: seconds a request's headers may take to arrive.
+        write_timeout: seconds an answer's full send buffer may wait for the client to read.
     """
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     most = connection_cap() if cap is None else cap
     refused = {"count": 0, "warned": 0.0}
+    stalled = {"count": 0, "warned": 0.0}
 
     class GuardedProtocol(H11Protocol):
         _header_timer: Any = None
+        _write_timer: Any = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -139,7 +152,39 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._stop_write_timer()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:       # the transport's buffer is full: the client must read
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._write_late)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._stop_write_timer()
+
+        def _stop_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_late(self) -> None:
+            self._write_timer = None
+            if self.flow is not None and self.flow.write_paused and not self.transport.is_closing():
+                stalled["count"] += 1
+                now = time.monotonic()
+                if now - stalled["warned"] >= WARN_EVERY_S:
+                    logger.warning("dropped a connection whose client read nothing of its answer for %.0f s "
+                                   "(%d so far)", write_timeout, stalled["count"])
+                    stalled["warned"] = now
+                self.transport.abort()              # its unsent answer goes too
+
+        def shutdown(self) -> None:
+            if self.flow is not None and self.flow.write_paused:   # nobody reads it: waiting would outlast the stop
+                self.transport.abort()
+                return
+            super().shutdown()
 
         def _arm(self) -> None:
             if self._header_timer is None and not self.transport.is_closing():
