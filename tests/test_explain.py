@@ -221,3 +221,51 @@ def test_the_printed_table_has_no_negative_zero(vocab, image):
     text = format_explanation(dataclasses.replace(explanation, place=tiny, place_model="sgr",
                                                   sgr_alignment=np.full(len(explanation.node_labels), -2e-4)))
     assert "-0.000" not in text and "+0.000" in text and "place term -0.001" in text, text
+
+
+def test_a_large_picture_is_drawn_from_a_reduced_copy_and_a_huge_or_broken_one_without(vocab, image, tmp_path,
+                                                                                       monkeypatch, caplog):
+    """A 12,000 x 12,000 gallery picture had taken 3 GB and over two minutes to explain: pictures
+    are drawn from a copy of at most DRAW_SIDE pixels a side, over the picture's own pixels (the
+    boxes keep theirs); one past MAX_PICTURE_PIXELS is not decoded."""
+    import struct
+    import zlib
+
+    from sgraf import explain
+
+    images = tmp_path / "images" / "test"
+    images.mkdir(parents=True)
+    Image.new("RGB", (3000, 1500), (10, 200, 10)).save(images / "00000.png")
+    boxes = np.zeros((1, K, 4), np.float32)
+    boxes[0, :, 2:] = 100
+    boxes[0, K - 1] = [2000, 500, 3000, 1500]                  # the picture's last corner
+    np.save(tmp_path / "test_boxes.npy", boxes)
+    layout = region_layout(tmp_path, "test", 0, K)
+    assert layout.image.shape == (512, 1024, 3) and layout.picture_size == (3000, 1500)
+    heat = layout.heatmap(np.eye(K)[K - 1])
+    assert heat.shape == (512, 1024) and heat[-1, -1] == 1 and heat[0, 0] == 0
+    assert abs(heat.sum() - 1024 / 3 * 512 * 2 / 3) < 1024 + 512
+    explanation = explain_pair(Matcher([_model("sgr", vocab, 3)]), image, "a red square left of the circle")
+    assert explanation.render(tmp_path / "big.png", layout).stat().st_size > 1000
+    # past the limit: not decoded, drawn without (a blank canvas of its size under the boxes), said
+    monkeypatch.setattr(explain, "MAX_PICTURE_PIXELS", 1000)
+    with caplog.at_level("WARNING", logger="sgraf.explain"):
+        layout = region_layout(tmp_path, "test", 0, K)
+    assert "a picture of 3000 x 1500 pixels, more than the 1,000 drawn; drawn without it" in caplog.text
+    assert layout.kind == "boxes" and layout.picture_size == (3000, 1500) and int(layout.image.max()) == 235
+    monkeypatch.undo()
+    # a header claiming 20,000 x 20,000 pixels (Pillow's own limit): drawn without, said
+    png = bytearray((images / "00000.png").read_bytes())
+    ihdr = struct.pack(">II", 20000, 20000) + png[24:29]
+    png[16:29] = ihdr
+    png[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + bytes(ihdr)))
+    (images / "00000.png").write_bytes(bytes(png))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sgraf.explain"):
+        assert int(region_layout(tmp_path, "test", 0, K).image.max()) == 235
+    assert "drawn without it" in caplog.text
+    # a broken picture: refused, or (a server's gallery) drawn without it
+    (images / "00000.png").write_bytes(b"not a picture")
+    with pytest.raises(InputError, match=r"00000\.png: not a readable image"):
+        region_layout(tmp_path, "test", 0, K)
+    assert region_layout(tmp_path, "test", 0, K, skip_unreadable=True).kind == "boxes"

@@ -42,6 +42,8 @@ from sgraf.errors import InputError
 TITLE_CHARS_PER_LINE = 110   # the figure's title wraps here (the text can be 500 characters)
 NOTE_CHARS_PER_LINE = 130   # the attention panels' note (smaller type) wraps here
 LABEL_CHARS = 16             # words longer than this are cut in the picture's labels
+DRAW_SIDE = 1024             # a picture is drawn from a copy at most this many pixels a side
+MAX_PICTURE_PIXELS = 64_000_000   # a larger picture is not decoded (a 12,000 x 12,000 PNG took 3 GB)
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +300,8 @@ class RegionLayout:
         grid: (rows, cols) for 'grid'.
         boxes: (K, 4) x0, y0, x1, y1 in image pixels, for 'boxes'.
         source: a short description for the figure ("image file ...", "region boxes", ...).
+        size: (width, height) of the picture in the boxes' pixels, where `image` is a smaller
+            copy of it (`DRAW_SIDE`); None: `image`'s own.
     """
 
     kind: str
@@ -305,6 +309,14 @@ class RegionLayout:
     grid: tuple[int, int] | None = None
     boxes: np.ndarray | None = None
     source: str = ""
+    size: tuple[int, int] | None = None
+
+    @property
+    def picture_size(self) -> tuple[int, int] | None:
+        """(width, height) of the picture in the pixels the boxes are given in; None without one."""
+        if self.size is not None:
+            return self.size
+        return None if self.image is None else (int(self.image.shape[1]), int(self.image.shape[0]))
 
     def heatmap(self, weights: np.ndarray) -> np.ndarray:
         """Spread (K,) region weights over the picture: (H, W) (or (rows, cols) without one)."""
@@ -318,8 +330,9 @@ class RegionLayout:
             col_of = np.minimum(np.arange(width) * cols // width, cols - 1)
             return cells[row_of][:, col_of]
         height, width = self.image.shape[:2]
+        scale_x, scale_y = width / self.picture_size[0], height / self.picture_size[1]   # to the drawn copy
         heat = np.zeros((height, width), dtype=np.float64)
-        for weight, (x0, y0, x1, y1) in zip(weights, self.boxes):
+        for weight, (x0, y0, x1, y1) in zip(weights, self.boxes * [scale_x, scale_y, scale_x, scale_y]):
             x0, x1 = int(max(0, math.floor(x0))), int(min(width, math.ceil(x1)))
             y0, y1 = int(max(0, math.floor(y0))), int(min(height, math.ceil(y1)))
             heat[y0:y1, x0:x1] += weight
@@ -334,29 +347,33 @@ def _grid_shape(k: int) -> tuple[int, int]:
 
 
 def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, image_id: int,
-                  num_regions: int) -> RegionLayout:
+                  num_regions: int, skip_unreadable: bool = False) -> RegionLayout:
     """Find the picture and region geometry of an image of a precomp split.
 
     Looks for, in order: region boxes `{split}_boxes.npy` (n_images, K, 4) written by the TSV
     converter, with the image itself if present; the rendered image `images/{split}/{id:05d}.png`
     (the embedded benchmark's, whose K regions are a square grid over it); otherwise an abstract
-    grid of the K regions.
+    grid of the K regions. A picture is kept as a copy at most `DRAW_SIDE` pixels a side (its
+    size recorded); one of more than `MAX_PICTURE_PIXELS` is not decoded (drawn as absent, said).
+
+    Args:
+        skip_unreadable: draw without a picture that cannot be read (a server's gallery: not the
+            request's fault), with a warning, instead of raising `InputError`.
     """
     grid = _grid_shape(num_regions)
     if data_dir is None or split is None:
         return RegionLayout("grid", grid=grid, source=f"no image: {grid[0]} x {grid[1]} region grid")
     data_dir = Path(data_dir)
-    picture = None
+    picture = size = None
     for suffix in (".png", ".jpg"):
         candidate = data_dir / "images" / split / f"{image_id:05d}{suffix}"
         if candidate.is_file():
-            from PIL import Image, UnidentifiedImageError
-
             try:
-                with Image.open(candidate) as handle:
-                    picture = np.asarray(handle.convert("RGB"))
-            except (UnidentifiedImageError, OSError) as error:
-                raise InputError(f"{candidate}: not a readable image ({error})") from None
+                picture, size = _read_picture(candidate)
+            except InputError as error:
+                if not skip_unreadable:
+                    raise
+                logger.warning("%s; drawn without it", error)
             break
     boxes_path = data_dir / f"{split}_boxes.npy"
     if boxes_path.is_file():
@@ -371,16 +388,57 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
             raise InputError(f"{boxes_path}: the box of image {image_id}, region {region} is {boxes[region].tolist()}; "
                              "expected finite (x1, y1, x2, y2) coordinates")
         if picture is None:  # no picture: a blank canvas of the image's size (or the boxes' extent)
-            width, height = _image_size(data_dir / f"{split}_image_ids.txt", image_id) or (
+            width, height = size or _image_size(data_dir / f"{split}_image_ids.txt", image_id) or (
                 int(np.ceil(boxes[:, 2].max())), int(np.ceil(boxes[:, 3].max())))
-            picture = np.full((max(height, 1), max(width, 1), 3), 235, dtype=np.uint8)
-        return RegionLayout("boxes", image=picture, boxes=boxes, source=f"region boxes of {boxes_path.name}")
+            size = (max(width, 1), max(height, 1))
+            drawn_w, drawn_h = _drawn_size(*size)
+            picture = np.full((drawn_h, drawn_w, 3), 235, dtype=np.uint8)
+        return RegionLayout("boxes", image=picture, boxes=boxes, source=f"region boxes of {boxes_path.name}",
+                            size=size)
     if picture is not None:
         if grid[0] != grid[1]:
             logger.warning("%d regions are not a square grid; drawing a %d x %d grid", num_regions, *grid)
         return RegionLayout("grid", image=picture, grid=grid,
-                            source=f"images/{split}/{image_id:05d}, {grid[0]} x {grid[1]} region grid")
+                            source=f"images/{split}/{image_id:05d}, {grid[0]} x {grid[1]} region grid", size=size)
     return RegionLayout("grid", grid=grid, source=f"no image found: {grid[0]} x {grid[1]} region grid")
+
+
+def _drawn_size(width: int, height: int) -> tuple[int, int]:
+    """The size of the copy a picture of `width` x `height` is drawn from (`DRAW_SIDE`)."""
+    scale = min(1.0, DRAW_SIDE / max(width, height))
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _read_picture(path: Path) -> tuple[np.ndarray | None, tuple[int, int] | None]:
+    """A picture as RGB uint8, reduced to `DRAW_SIDE` pixels a side, and its own (width, height);
+    None for one of more than `MAX_PICTURE_PIXELS` pixels (not decoded: a warning says so).
+
+    Raises:
+        InputError: not a readable image.
+    """
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():          # its size is checked here, before any decoding
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as handle:
+                width, height = handle.size
+                if width * height > MAX_PICTURE_PIXELS:
+                    logger.warning("%s: a picture of %d x %d pixels, more than the %s drawn; drawn without it",
+                                   path, width, height, f"{MAX_PICTURE_PIXELS:,}")
+                    return None, (width, height)
+                handle.draft("RGB", _drawn_size(width, height))   # JPEG: decoded at a fraction of its size
+                picture = handle.convert("RGB")
+                if max(picture.size) > DRAW_SIDE:
+                    picture = picture.resize(_drawn_size(width, height), Image.Resampling.BILINEAR)
+                return np.asarray(picture), (width, height)
+    except Image.DecompressionBombError as error:     # Pillow's own limit, past ours: a header of a huge size
+        logger.warning("%s: %s; drawn without it", path, error)
+        return None, None
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise InputError(f"{path}: not a readable image ({error})") from None
 
 
 def _image_size(path: Path, image_id: int) -> tuple[int, int] | None:
@@ -534,8 +592,10 @@ def _draw_picture(axis: Any, layout: RegionLayout, weights: np.ndarray | None) -
         values = np.zeros((rows, cols)) if weights is None else weights.reshape(rows, cols)
         axis.imshow(values, cmap="magma", vmin=0, vmax=max(float(values.max()), 1e-12), interpolation="nearest")
         return
+    width, height = layout.picture_size
+    extent = (-0.5, width - 0.5, height - 0.5, -0.5)    # the drawn copy over the picture's own pixels
     if weights is None:
-        axis.imshow(layout.image)
+        axis.imshow(layout.image, extent=extent)
         if layout.kind == "boxes":   # every region's box, thin: where the model's positions come from
             for x0, y0, x1, y1 in layout.boxes:
                 axis.add_patch(_rectangle(x0, y0, x1 - x0, y1 - y0, colour="deepskyblue", width=0.6))
@@ -544,10 +604,9 @@ def _draw_picture(axis: Any, layout: RegionLayout, weights: np.ndarray | None) -
     heat = heat / max(float(heat.max()), 1e-12)
     # darken the picture where attention is low: the attended regions stay visible
     shade = 0.25 + 0.75 * heat[..., None]
-    axis.imshow((layout.image.astype(np.float64) * shade).astype(np.uint8))
+    axis.imshow((layout.image.astype(np.float64) * shade).astype(np.uint8), extent=extent)
     if layout.kind == "grid":
         rows, cols = layout.grid
-        height, width = layout.image.shape[:2]
         best = int(np.argmax(weights))
         r, c = divmod(best, cols)
         axis.add_patch(_rectangle(c * width / cols, r * height / rows, width / cols, height / rows))

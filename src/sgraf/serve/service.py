@@ -357,7 +357,8 @@ class SearchService:
     def _layout(self, image_id: int) -> Any:
         from sgraf.explain import region_layout
 
-        return region_layout(self.data_dir, self.split, image_id, self.matcher.models[0].config.num_regions)
+        return region_layout(self.data_dir, self.split, image_id, self.matcher.models[0].config.num_regions,
+                             skip_unreadable=True)      # the gallery's fault, not the request's
 
     def explain(self, image_id: int, text: str, allow_unknown: bool = False) -> dict[str, Any]:
         """`GET /api/explain`: what `sgraf explain` computes, as JSON.
@@ -386,7 +387,7 @@ class SearchService:
                          "weights": [[_finite(w) for w in row] for row in explanation.attention]}
         regions: dict[str, Any] = {"kind": layout.kind, "source": layout.source}
         if layout.image is not None:
-            regions.update(height=int(layout.image.shape[0]), width=int(layout.image.shape[1]))
+            regions.update(width=layout.picture_size[0], height=layout.picture_size[1])
         if layout.kind == "grid":
             rows, cols = layout.grid
             regions.update(rows=rows, cols=cols)
