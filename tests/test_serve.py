@@ -180,6 +180,9 @@ def test_explain_png_is_the_explain_picture(client):
     ("/api/search", {"image_id": "1.0"}, "image_id must be an integer, got '1.0'"),      # had read 1
     ("/api/search", {"text": "a dog", "top_k": "1_0"}, "top_k must be an integer, got '1_0'"),
     ("/api/search", {"text": "a dog", "top_k": ["2", "3"]}, "query parameter 'top_k' is given twice"),
+    ("/api/search", {"text": "a dog", "top_k": "+5"}, "top_k must be an integer, got '+5'"),           # had read 5
+    ("/api/search", {"image_id": "9" * 13}, "image_id must be an integer of at most 12 digits"),
+    ("/api/search", {"image_id": "-" + "9" * 13}, "image_id must be an integer of at most 12 digits"),
     ("/api/search", {"text": "a dog", "image_id": 1}, "give either text or image_id, not both"),
     ("/api/search", {}, "give either text=... (text -> images) or image_id=N"),
     ("/api/explain", {"image_id": 1}, "text is missing"),
@@ -191,6 +194,30 @@ def test_bad_requests_are_400_json_errors_naming_the_problem(client, route, para
     response = client.get(route, params=params)
     assert response.status_code == 400
     assert list(response.json()) == ["error"] and message in response.json()["error"]
+
+
+def test_a_routes_query_check_leaves_other_paths_and_parameters_alone(client):
+    """The query check had run on every /api/ path: an unknown path answered 400 instead of 404,
+    and a parameter a route does not take was refused."""
+    assert client.get("/api/nothing", params=[("x", "1"), ("x", "2")]).status_code == 404
+    assert client.get("/api/health", params={"image_id": "abc"}).status_code == 200
+    assert client.get("/api/explain", params={"image_id": 0, "text": "a dog", "top_k": "abc"}).status_code == 200
+
+
+def test_one_spelling_of_each_picture_and_no_redirect_built_from_the_host(client):
+    assert client.get("/images/00000.png").status_code == 200
+    for path in ("/images/00000.png/", "/images//00000.png"):      # (the test client drops a "./" itself)
+        assert client.get(path).status_code == 404, path
+    with pytest.raises(NotFound):
+        client.app.state.service.picture_file("./00000.png")
+    answer = client.get("/api/search/", headers={"Host": "evil.example"}, follow_redirects=False)
+    assert answer.status_code == 404 and "location" not in answer.headers
+
+
+def test_headers_past_the_limit_are_refused_in_json(client):
+    answer = client.get("/api/health", headers={"X-Big": "a" * 20000})
+    assert answer.status_code == 400 and "request headers of more than 16384 bytes" in answer.json()["error"]
+    assert answer.headers["x-content-type-options"] == "nosniff"
 
 
 def test_unknown_words_map_to_unk_when_asked(client):

@@ -268,6 +268,9 @@ def test_a_busy_port_or_a_bad_host_is_one_line_before_serving(gallery, capsys):
         port = taken.getsockname()[1]
         assert main(["serve", "--index", str(gallery["index"]), "--port", str(port)]) == 2
         out, err = capsys.readouterr()
+        # said before the index and the models load (seconds): not the missing index's error
+        assert main(["serve", "--index", "no-such-index", "--port", str(port)]) == 2
+        assert "the port is already in use" in capsys.readouterr().err
     assert "serving" not in out
     assert err == (f"sgraf serve: error: --port {port}: the port is already in use on 127.0.0.1 (another "
                    "server?); choose another --port\n")

@@ -75,13 +75,23 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    service = SearchService.open(args.index, checkpoints=args.checkpoint, vocab=args.vocab, device=args.device,
-                                 precision=args.precision, shortlist=args.shortlist, verify=not args.no_verify,
-                                 memory_map=args.memory_map,
-                                 first_stage=args.first_stage, data_dir=args.data)
-    raise_descriptor_limit()
-    service.warm_up()   # the first request's one-time work (tokenizer, first stage, kernels) before announcing
-    listening = bind(args.host, args.port)       # a busy port or a bad address: one line, before announcing
+    # a busy port or a bad address: one line before the index and the models load (seconds); the port
+    # is held from here, and listened on once the server can answer
+    listening = bind(args.host, args.port)
+    try:
+        service = SearchService.open(args.index, checkpoints=args.checkpoint, vocab=args.vocab, device=args.device,
+                                     precision=args.precision, shortlist=args.shortlist, verify=not args.no_verify,
+                                     memory_map=args.memory_map, first_stage=args.first_stage, data_dir=args.data)
+        raise_descriptor_limit()
+        service.warm_up()   # the first request's one-time work (tokenizer, first stage, kernels) before announcing
+        try:
+            listening.listen(2048)
+        except OSError as exc:        # another socket bound with SO_REUSEADDR began listening meanwhile
+            raise InputError(f"--port {args.port}: the port is already in use on {args.host} ({exc.strerror}); "
+                             "choose another --port") from None
+    except BaseException:
+        listening.close()
+        raise
     port = listening.getsockname()[1]
     app = create_app(service, max_queue=args.max_queue, max_batch=args.max_batch, workers=args.workers)
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -125,7 +135,8 @@ SHUTDOWN_GRACE_S = 3   # once a signal came, the requests being computed get thi
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on `host`:`port`, or an `InputError` in one line saying why not."""
+    """A TCP socket bound to `host`:`port` (not yet listening), or an `InputError` in one line
+    saying why not."""
     import errno
 
     from sgraf.errors import InputError
@@ -140,7 +151,6 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listening.bind(address)
-        listening.listen(2048)
     except OSError as exc:
         listening.close()
         if exc.errno == errno.EADDRINUSE:

@@ -26,7 +26,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Sequence
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -85,6 +85,7 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
             await asyncio.to_thread(worker.stop, STOP_WAIT_S)
 
     app = FastAPI(title="sgraf serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  redirect_slashes=False,   # its redirect was built from the Host header the client sent
                   description="Gallery search and explanations with SGRAF (AAAI 2021) over an index written by "
                               "`sgraf index`. Errors are `{\"error\": \"...\"}` with a 4xx status.")
     app.state.service = service
@@ -213,8 +214,13 @@ class SecurityHeaders:
                 message = {**message, "headers": headers}
             await send(message)
 
+        if sum(len(name) + len(value) for name, value in scope.get("headers", ())) > MAX_HEADER_BYTES:
+            # uvicorn's own limit holds for headers arriving in pieces; this one for any
+            await _error(400, f"request headers of more than {MAX_HEADER_BYTES} bytes: not an HTTP/1.1 request "
+                              "this server can read")(scope, receive, send_with_headers)
+            return
         if api:
-            problem = query_problem(scope.get("query_string", b""))
+            problem = query_problem(scope.get("query_string", b""), ROUTE_PARAMETERS.get(scope.get("path", "")))
             if problem is not None:
                 await _error(400, problem)(scope, receive, send_with_headers)
                 return
@@ -229,21 +235,36 @@ class SecurityHeaders:
 
 
 INTEGER_PARAMETERS = ("image_id", "top_k")
+MAX_INTEGER_DIGITS = 12
+MAX_HEADER_BYTES = 16 * 1024
+# each API route's query parameters: the ones checked (another route's, or one a route does not take,
+# is left to the route: a 404 for an unknown path, ignored by a route that takes none)
+ROUTE_PARAMETERS = {"/api/search": ("text", "image_id", "top_k", "allow_unknown"),
+                    "/api/explain": ("image_id", "text", "allow_unknown"),
+                    "/api/explain.png": ("image_id", "text", "allow_unknown")}
 
 
-def query_problem(query: bytes) -> str | None:
-    """What is wrong with an API request's query string, or None: a parameter given twice (only
-    one value would count), or an integer parameter in another spelling than plain digits (the
-    parameters' parser had read `1_0` as 10 and `1.0` as 1)."""
+def query_problem(query: bytes, parameters: Sequence[str] | None = None) -> str | None:
+    """What is wrong with an API request's query string, or None: one of `parameters` (None: no
+    check) given twice (only one value would count), or an integer parameter in another spelling
+    than ASCII digits with at most a minus sign (the parameters' parser had read `1_0` as 10, `1.0`
+    as 1 and `+5` as 5)."""
     from urllib.parse import parse_qsl
 
+    if parameters is None:
+        return None
     seen: set[str] = set()
     for name, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+        if name not in parameters:
+            continue
         if name in seen:
             return f"query parameter {name!r} is given twice; give it once"
         seen.add(name)
-        if name in INTEGER_PARAMETERS and not (plain_integer(value) and len(value) <= 12):
-            return f"{name} must be an integer, got {value[:40]!r}"
+        if name in INTEGER_PARAMETERS:
+            if not (plain_integer(value) and not value.startswith("+")):
+                return f"{name} must be an integer, got {value[:40]!r}"
+            if len(value.lstrip("-")) > MAX_INTEGER_DIGITS:
+                return f"{name} must be an integer of at most {MAX_INTEGER_DIGITS} digits, got {value[:40]!r}"
     return None
 
 

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
 import numpy as np
@@ -267,8 +267,9 @@ class SearchService:
         self._check_data_unchanged()
         shown = relative if len(relative) <= 80 else relative[:77] + "..."
         candidate = Path(relative)
+        # one spelling of each picture: `a.png/`, `./a.png` or `a//b.png` are not its name
         if not relative or candidate.is_absolute() or ".." in candidate.parts or "\\" in relative \
-                or "\x00" in relative:
+                or "\x00" in relative or PurePosixPath(relative).as_posix() != relative:
             raise NotFound(f"no picture {shown!r}")
         try:   # a name too long for the file system, a link loop, a folder we may not read: not there
             path = (self.picture_dir / candidate).resolve(strict=True)
