@@ -187,3 +187,32 @@ def test_boxes_are_the_grid_cells_where_the_objects_lie(bench):
             x1, y1, x2, y2 = pixels[index, region]
             box = obj["box"]
             assert x1 < box[2] and box[0] < x2 and y1 < box[3] and box[1] < y2, (index, obj, region)
+
+
+def test_a_preview_among_anothers_files_is_refused_and_a_failed_one_says_the_data_is_written(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """--preview had replaced another data set's picture or a run's curves (exit 0), and a preview
+    that could not be written had left the data set in place with only the preview's error."""
+    args = ["--features", "synthetic", "--n-train", "8", "--n-dev", "4", "--n-test", "12", "--seed", "1"]
+    assert main(["generate", "--out", str(tmp_path / "first"), *args]) == 0
+    picture = tmp_path / "first" / "images" / "test" / "00000.png"
+    before = picture.read_bytes()
+    capsys.readouterr()
+    assert main(["generate", "--out", str(tmp_path / "second"), *args, "--preview", str(picture)]) == 2
+    assert "in the pictures of the precomp data set" in capsys.readouterr().err
+    assert picture.read_bytes() == before and not (tmp_path / "second").exists()
+    (tmp_path / "a-folder.png").mkdir()
+    assert main(["generate", "--out", str(tmp_path / "third"), *args, "--preview", str(tmp_path / "a-folder.png")]) == 2
+    assert "is a folder; give the PNG file to write" in capsys.readouterr().err
+    from sgraf.data import benchmark
+
+    def full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(benchmark, "write_preview", full)
+    assert main(["generate", "--out", str(tmp_path / "fourth"), *args, "--preview", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"sgraf generate: error: the data set in {tmp_path / 'fourth'} is written, but not --preview "
+                   f"{tmp_path / 'p.png'}: No space left on device (write it again with sgraf generate --overwrite, "
+                   "or without --preview)"), err
+    assert (tmp_path / "fourth" / "test_ims.npy").is_file()

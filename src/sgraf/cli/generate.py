@@ -50,16 +50,22 @@ def resolve_features(choice: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from sgraf.data.benchmark import generate_benchmark, write_preview
 
-    from sgraf.cli.arguments import refuse_others_folder
+    from sgraf.cli.arguments import refuse_others_files, refuse_others_folder
+    from sgraf.errors import InputError
 
     refuse_others_folder("--out", args.out)
-    if args.preview:   # written after the data set: it must not replace one of its files
+    if args.preview:   # written after the data set: it must not replace one of its files, nor another's
+        import os
+
         from sgraf.data.benchmark import output_names
         from sgraf.io_paths import check_outputs
 
         names = output_names(args.n_train, args.n_dev, args.n_test, save_images=not args.no_images)
         check_outputs([], [("--preview", args.preview), ("--out", args.out),
                            *(("--out", f"{args.out}/{name}") for name in names)])
+        refuse_others_files([("--preview", args.preview)])
+        if os.path.isdir(args.preview):
+            raise InputError(f"--preview {args.preview} is a folder; give the PNG file to write")
     features = resolve_features(args.features)
     started = time.perf_counter()
     meta = generate_benchmark(args.out, seed=args.seed, features=features, n_train=args.n_train,
@@ -68,7 +74,12 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     k, d = meta["feature_shape"]
     images = meta["images"]
-    preview = write_preview(args.out, args.preview) if args.preview else None
+    try:
+        preview = write_preview(args.out, args.preview) if args.preview else None
+    except (OSError, InputError) as error:      # the data set is in place: say so, not only the preview's fault
+        reason = f"{error.strerror}" if isinstance(error, OSError) and error.strerror else str(error)
+        raise InputError(f"the data set in {args.out} is written, but not --preview {args.preview}: {reason} "
+                         f"(write it again with sgraf generate --overwrite, or without --preview)") from None
     if args.json:
         print_json({"out": args.out, "images": images, "captions_per_image": 5, "features": features, "regions": k,
                     "feature_dim": d, "vocab_size": meta["vocab_size"], "seed": args.seed, "preview": preview,
