@@ -499,3 +499,26 @@ def test_folds_scored_alone_are_the_whole_matrixs_blocks(tmp_path, module):
     folded = evaluate_split([model], split, vocab, folds=4, batch_size=7, matrix=False)[0]
     assert folded == metrics.evaluate_sims(whole, folds=4)
     assert 0 < folded["rsum"] < 600
+
+
+def test_an_averaged_matrix_and_its_record_are_written_both_or_neither(capsys, tmp_path, monkeypatch):
+    """`evaluate --sims A --save-sims F` moved F.npy into place before writing its record: a full
+    disk then left the matrix without a record, which a later evaluation scored as any split of its
+    shape."""
+    import pathlib
+
+    np.save(tmp_path / "a.npy", np.random.default_rng(0).random((6, 30), dtype=np.float32))
+    written = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if ".npy.json" in self.name:
+            raise OSError(28, "No space left on device", str(self))
+        return written(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    assert main(["evaluate", "--sims", str(tmp_path / "a.npy"), "--save-sims", str(tmp_path / "b.npy")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy"]            # nothing half-written, no temporary
+    monkeypatch.undo()
+    assert main(["evaluate", "--sims", str(tmp_path / "a.npy"), "--save-sims", str(tmp_path / "b.npy")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "b.npy.json"]

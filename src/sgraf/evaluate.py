@@ -29,6 +29,7 @@ from sgraf.kernels import plan
 from sgraf.model.blocks import model_device
 from sgraf.model.host_copy import HostCopy
 from sgraf.precision import validation_precision
+from sgraf.signals import signals_deferred
 from sgraf.stopwatch import Stopwatch, stage
 
 logger = logging.getLogger(__name__)
@@ -316,6 +317,20 @@ def save_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
         write_matrix(sims, temporary)
 
 
+def save_matrix_and_record(sims: np.ndarray, path: str | os.PathLike, record: str) -> None:
+    """Write a float32 .npy and its record (`score_record.record_text`) beside it, both or
+    neither: each to a temporary file first, then moved into place together, signals held off
+    between the moves (the matrix had been moved before its record was written: a full disk then
+    left a new matrix without one, which a later evaluation scored as any split of its shape)."""
+    with contextlib.ExitStack() as write:
+        record_file = write.enter_context(atomic_path(score_record.record_path(path)))
+        matrix_file = write.enter_context(atomic_path(path))
+        write_matrix(sims, matrix_file)
+        record_file.write_text(record, encoding="utf-8")
+        with signals_deferred():
+            write.close()
+
+
 def write_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
     """Write a float32 .npy to `path` as it is (`save_matrix` makes the write atomic)."""
     with open(path, "wb") as handle:
@@ -439,7 +454,8 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
                     sims, score_record.split_identity(precomp, boxes=any(getattr(model, "needs_boxes", False)
                                                                          for model in models)), precision=precision,
                     checkpoints=[str(Path(path).resolve()) for path in checkpoints]), encoding="utf-8")
-            write.close()           # synced and moved into place
+            with signals_deferred():      # both moved, or neither: a stop between had left the new matrix
+                write.close()           # beside the old one's record (synced and moved into place)
     if saving:
         logger.info("wrote the %s score matrix to %s (and what it scored to %s)", sims.shape, save_sims,
                     score_record.record_path(save_sims).name)
@@ -476,8 +492,8 @@ def evaluate_sims_files_with_sims(paths: Sequence[str | os.PathLike], folds: int
         warn_saturated(sims)
     if save_sims is not None:
         with stage(stopwatch, "save"):
-            save_matrix(sims, save_sims)
-            score_record.write_record(save_sims, sims, scored, averaged=[str(Path(path).resolve()) for path in paths])
+            save_matrix_and_record(sims, save_sims, score_record.record_text(
+                sims, scored, averaged=[str(Path(path).resolve()) for path in paths]))
     return result, sims
 
 
