@@ -653,3 +653,16 @@ def test_site_commands_parse_and_use_what_earlier_pages_write():
     commands = [words for page in pages for words in _shell_commands(page)]
     assert len(commands) >= 20
     _check_command_sequence(commands, "docs/")
+
+
+def test_ctrl_c_while_the_arguments_are_read_is_one_line(capsys, monkeypatch):
+    """`--device` imports torch while the arguments are parsed (a second): Ctrl-C then had printed
+    a KeyboardInterrupt traceback of 40 to 80 lines."""
+    from sgraf import devices
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(devices, "resolve_device", interrupted)
+    assert main(["search", "--index", "x", "--text", "a dog", "--device", "cpu"]) == 130
+    assert capsys.readouterr().err == "sgraf: interrupted\n"

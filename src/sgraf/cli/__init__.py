@@ -180,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             command.error("--verbose and --quiet ask for opposite things: give one")
     except SystemExit as stop:  # --help, --version (0) or a refused argument (2)
         return int(stop.code or 0)
+    except KeyboardInterrupt:   # Ctrl-C while the arguments are read (`--device` imports torch: a second)
+        print("sgraf: interrupted", file=sys.stderr)
+        return 130
     if callable(getattr(sys.stdout, "reconfigure", None)):
         # A path given as bytes that are not UTF-8 reaches Python as lone surrogates; print it back
         # as those bytes (as ls does) rather than fail after the work is done. Under an ASCII locale
