@@ -325,6 +325,10 @@ def test_an_index_being_built_is_refused_to_a_second_build_and_a_killed_builds_l
               ".index.1a2b3c4d"]                     # another index's (index.v2), a user's: never touched
     for other in others:
         (tmp_path / other).mkdir()
+    aside = tmp_path / ".index.sgraf-earlier-5e6f7a8b" / "index"
+    with pytest.raises(InputError, match=rf"^{index}: no index there, but a stopped `sgraf index` left the earlier "
+                                         rf"one aside in {aside}: move it back \(mv {aside} {index}\)"):
+        open_index(index)                        # searching meanwhile: it says where the index is
     with caplog.at_level("WARNING", logger="sgraf.search"):
         build_index(matcher, gallery["features"][:4], gallery["captions"][:20], index)
     assert "put back the index a stopped build had moved aside" in caplog.text

@@ -371,6 +371,11 @@ def _open_out(path: Path, shape: tuple[int, ...], dtype: str) -> np.memmap:
 def _read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if not folder.is_dir():
+        aside = _leftovers(folder)[1] if folder.parent.is_dir() else []
+        if aside:         # a build killed between its two moves (SIGKILL: the others wait for both)
+            latest = max(aside, key=lambda earlier: earlier.stat().st_mtime) / folder.name
+            raise InputError(f"{folder}: no index there, but a stopped `sgraf index` left the earlier one aside in "
+                             f"{latest}: move it back (mv {latest} {folder}) or build the index again")
         raise FileNotFoundError(2, "no such index folder", str(folder))
     if not path.is_file():
         raise InputError(f"{folder} is not an sgraf index: {MANIFEST} is missing (build one with `sgraf index`)")
