@@ -271,6 +271,32 @@ def test_a_refused_command_leaves_no_folder_it_made(tmp_path, capsys):
     assert list((tmp_path / "kept").iterdir()) == []
 
 
+def test_a_lock_that_cannot_be_written_leaves_no_folder_made(tmp_path, capsys, monkeypatch):
+    """On a full disk the lock file of train, index and demo could not be created, and the folders
+    each had made for its output stayed (generate and convert-tsv took theirs back)."""
+    def no_space(self):
+        raise InputError(f"cannot lock {self.folder}: No space left on device (creating {self.path.name})")
+
+    data = tmp_path / "data"
+    generate_benchmark(data, seed=0, features="synthetic", n_train=20, n_dev=10, n_test=10, save_images=False,
+                       synthetic_dim=8, min_count=1)
+    monkeypatch.setattr(FolderLock, "acquire", no_space)
+    for argv in (["train", "--data", str(data), "--out", str(tmp_path / "a" / "b" / "run"), "--preset", "tiny"],
+                 ["demo", "--quick", "--out", str(tmp_path / "d" / "e")]):
+        assert main(argv) == 2, argv
+        assert "No space left on device" in _one_line_error(capsys)
+    from sgraf import SGRAF, ModelConfig
+    from sgraf.api import Matcher
+    from sgraf.data.vocab import Vocabulary
+    from sgraf.search import build_index
+
+    model = SGRAF(ModelConfig(vocab_size=6, img_dim=8, word_dim=4, embed_size=8, sim_dim=4, num_regions=4)).eval()
+    model.vocab = Vocabulary.from_words(["a", "dog"])
+    with pytest.raises(InputError, match="No space left on device"):
+        build_index(Matcher([model]), np.zeros((2, 4, 8), np.float32), ["a dog"] * 10, tmp_path / "i" / "j")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
 def _b64(array: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(array, dtype=np.float32).tobytes()).decode("ascii")
 

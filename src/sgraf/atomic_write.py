@@ -78,6 +78,18 @@ def remove_empty_folders(folders: list[pathlib.Path]) -> None:
 
 
 @contextlib.contextmanager
+def taken_back_on_failure(folders: list[pathlib.Path]) -> Iterator[None]:
+    """`remove_empty_folders(folders)` when the block raises (`missing_folders` before making
+    them): a command refused or failed after making its output folder leaves none behind (one
+    whose lock could not be written, on a full disk, had)."""
+    try:
+        yield
+    except BaseException:
+        remove_empty_folders(folders)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
     """A temporary path beside `path`, moved onto `path` when the block ends without error.
 

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from sgraf.atomic_write import ensure_folder, write_text
+from sgraf.atomic_write import ensure_folder, missing_folders, taken_back_on_failure, write_text
 from sgraf.significance import chance_rsum
 from sgraf.demo_report import (draw_curves, draw_diagnosis, format_diagnosis, format_table, mean_sd, story,
                                story_tests, write_report)
@@ -410,8 +410,9 @@ def run_demo(out: str | os.PathLike[str] = "sgraf-demo", quick: bool = False, fe
     settings = demo_settings(quick, positions, overrides)
     if quick and features == "auto":
         features = "synthetic"  # a smoke test should not spend its time in the CNN
+    created = missing_folders(out)
     out = ensure_folder(out, "--out")
-    with FolderLock(out):
+    with taken_back_on_failure(created), FolderLock(out):
         _prepare_out(out)
         return _run(out, settings, quick, features, seed, list(range(seed, seed + seeds)), progress, jobs)
 

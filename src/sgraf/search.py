@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from sgraf.api import Matcher, describe_identity, shortlist_keys, split_shortlist_keys
-from sgraf.atomic_write import preallocated_memmap, temporary_folder, write_error
+from sgraf.atomic_write import (missing_folders, preallocated_memmap, taken_back_on_failure, temporary_folder,
+                                write_error)
 from sgraf.data.arrays import as_float32, check_finite_features, mapped_file, open_npy, padded_ids
 from sgraf.data.vocab import warn_unknown_share
 from sgraf.errors import InputError, check_positive_int
@@ -179,11 +180,12 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     source = dict(source or {})
     if {"data_dir", "split"} <= set(source) and "data_fingerprint" not in source:
         source["data_fingerprint"] = _split_fingerprint(source["data_dir"], source["split"])
+    created = missing_folders(out.parent)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise write_error(out, error) from None
-    with _index_lock(out):
+    with taken_back_on_failure(created), _index_lock(out):
         try:
             staging = temporary_folder(out.parent, f".{out.name}{STAGING_INFIX}")
         except OSError as error:

@@ -332,8 +332,9 @@ def fit(config: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os
     info = distributed.init_from_env(device=config.device, what="training config field 'device'")
     # the folders a new run makes: taken back if it stops before writing there (bad data, say)
     created = missing_folders(out_dir) if info.is_main and not resume else []
-    run, run_lock = _claim_run_dir(out_dir, resume, info.is_main)
+    run_lock = None
     try:
+        run, run_lock = _claim_run_dir(out_dir, resume, info.is_main)   # its lock not written: taken back too
         if resume:   # what the command line allows (sgraf train --resume --set), held here for every caller
             if not (run / rd.CONFIG_FILE).is_file():
                 raise InputError(f"cannot resume {run}: it has no {rd.CONFIG_FILE} (not a sgraf run folder)")
