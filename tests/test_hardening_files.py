@@ -672,3 +672,26 @@ def test_a_resumed_run_drops_tensorboard_events_newer_than_its_checkpoint(tmp_pa
     first = fit(config, data, tmp_path / "run")
     fit(config.replace(epochs=2), data, tmp_path / "run", resume=True)
     assert purge_steps == [None, first["global_step"]]   # events after the checkpoint are dropped
+
+
+def test_a_replaced_file_keeps_its_permissions_and_a_read_only_one_is_refused(tmp_path, capsys):
+    """Writes go to a temporary file moved over the old one: a file made 0600 came back 0644, and
+    one made read-only was replaced silently (root or not: the folder was writable)."""
+    from sgraf.atomic_write import write_text
+
+    private = tmp_path / "private.txt"
+    write_text(private, "first")
+    private.chmod(0o600)
+    write_text(private, "second")
+    assert private.read_text() == "second" and (private.stat().st_mode & 0o777) == 0o600
+    kept = tmp_path / "kept.npy"
+    np.save(kept, np.zeros((2, 3), np.float32))
+    kept.chmod(0o444)
+    before = kept.read_bytes()
+    with pytest.raises(InputError, match=rf"^cannot write {kept}: the file is read-only \(make it writable"):
+        write_text(kept, "x")
+    np.save(tmp_path / "a.npy", np.ones((2, 10), np.float32))
+    assert main(["evaluate", "--sims", str(tmp_path / "a.npy"), "--save-sims", str(kept)]) == 2
+    assert "the file is read-only" in _one_line_error(capsys)
+    assert kept.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.npy", "kept.npy", "private.txt"]

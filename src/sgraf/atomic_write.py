@@ -19,6 +19,7 @@ import errno
 import os
 import pathlib
 import secrets
+import stat
 from typing import TYPE_CHECKING, Iterator
 
 from sgraf.errors import InputError
@@ -96,6 +97,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
     The block writes the temporary path by name (a memory map, `savefig`, `Image.save`; give
     those the format explicitly, the temporary name ends in `.tmp`). An `OSError` raised in the
     block or by the move becomes an `InputError` naming `path`; the temporary file is removed.
+    A file replaced keeps its permissions; a read-only one (no write permission for anyone) is
+    refused before the block runs, as writing it in place would be (a rename had replaced it
+    silently, with the umask's permissions).
     """
     given = path = pathlib.Path(path)
     if path.is_symlink():                   # written through: the link keeps pointing at the new file
@@ -106,6 +110,13 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
     if blocker is not None and not blocker.is_dir():
         raise InputError(f"cannot write {given}: {blocker} is a file, not a folder")
     try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        mode = None                          # a new file: the umask's permissions
+    if mode is not None and not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+        raise InputError(f"cannot write {given}: the file is read-only (make it writable, chmod u+w, or "
+                         "choose another path)")
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = _new_temporary_file(path)
     except OSError as error:
@@ -113,6 +124,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
     try:
         yield temporary
         _fsync(temporary)
+        if mode is not None:
+            os.chmod(temporary, mode)        # the replaced file's permissions, not the umask's
         os.replace(temporary, path)
     except OSError as error:
         temporary.unlink(missing_ok=True)
