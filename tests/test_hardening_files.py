@@ -616,7 +616,11 @@ def test_outputs_never_land_among_a_runs_an_indexs_or_a_demos_files(tmp_path, ca
             (["generate", "--out", str(run), *TINY], "is a training run folder; a data set written there"),
             (["generate", "--out", str(demo), *TINY], "is a demo's folder"),
             ([*argv, "--out", str(data2)], "is a precomp data set's folder; a training run written there"),
-            ([*argv, "--out", str(demo)], "is a demo's folder")):
+            ([*argv, "--out", str(demo)], "is a demo's folder"),
+            # inside another's folder: a data set's pictures, a run's own folders (they had been taken)
+            ([*argv, "--out", str(data2 / "images" / "test")], "is inside the pictures of the precomp data set in"),
+            ([*argv, "--out", str(run / "tensorboard")], f"is inside the training run folder {run}"),
+            (["generate", "--out", str(data2 / "images" / "test"), *TINY], "is inside the pictures of the precomp")):
         assert main(argv_) == 2, argv_
         assert message in _one_line_error(capsys), argv_
     assert (run / "best.pt").read_bytes() == best and (demo / "retrieval_t2i.png").read_bytes() == b"the demo's picture"

@@ -255,6 +255,19 @@ def refuse_others_folder(label: str, folder: str, writes: str = "a data set") ->
     from sgraf.training.runs import is_run_folder
 
     target = resolved(folder)
+    from sgraf.data.layout import IMAGES
+
+    for above in target.parents:       # inside another's folder: its pictures, an index, a run's own folders
+        if above.name == IMAGES and data_set_files(above.parent):
+            what = f"inside the pictures of the precomp data set in {above.parent}"
+        elif _index_folder(above):
+            what = f"inside the folder of the sgraf index {above}"
+        elif is_run_folder(above) and any((above / name).is_file() for name in ("last.pt", "best.pt")):
+            what = f"inside the training run folder {above}"
+        else:
+            continue
+        raise InputError(f"{label} {folder} is {what}; {writes} written there would mix with its files: choose "
+                         "another folder")
     if not target.is_dir():
         return
     run = writes == "a training run"
