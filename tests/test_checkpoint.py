@@ -99,6 +99,8 @@ def test_convert_command_writes_a_weights_only_checkpoint_with_vocab(tmp_path, c
     assert main(["convert-checkpoint", str(dst), str(authors), "--overwrite"]) == 2
     assert "exists and is not an sgraf checkpoint" in capsys.readouterr().err
     assert authors.read_bytes() == (DATA / "e2e" / "saf.pth.tar").read_bytes()
+    assert main(["convert-checkpoint", str(authors), str(tmp_path), "--vocab", str(E2E_VOCAB)]) == 2
+    assert f"DST {tmp_path} is a folder; give the checkpoint file to write" in capsys.readouterr().err
 
 
 def test_convert_command_reports_bad_input_in_one_line(tmp_path, capsys):
