@@ -699,3 +699,10 @@ def test_a_replaced_file_keeps_its_permissions_and_a_read_only_one_is_refused(tm
     assert "the file is read-only" in _one_line_error(capsys)
     assert kept.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
         "a.npy", "kept.npy", "private.txt"]
+
+
+def test_numpys_short_write_is_said_as_a_full_disk():
+    from sgraf.atomic_write import write_error
+
+    message = str(write_error("sims.npy", OSError("12500 requested and 8160 written")))
+    assert message == "cannot write sims.npy: No space left on device (12500 requested and 8160 written)"

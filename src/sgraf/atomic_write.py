@@ -35,6 +35,8 @@ def write_error(path: str | os.PathLike[str], error: OSError) -> InputError:
     reason = error.strerror or (os.strerror(error.errno) if error.errno else None) or str(error) or type(error).__name__
     if error.errno in (errno.EEXIST, errno.ENOTDIR):   # "File exists" said nothing of which file
         reason = _parent_that_is_a_file(path) or reason
+    if error.errno is None and " requested and " in str(error):   # numpy's short write (`tofile`): a full disk
+        reason = f"{os.strerror(errno.ENOSPC)} ({error})"
     return InputError(f"cannot write {path}: {reason}")
 
 
