@@ -172,7 +172,7 @@ def test_running_never_started_and_unreadable_runs(trained, tmp_path, capsys):
     (starting / ".sgraf-lock").write_text("")
     (starting / ".sgraf-lock").write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname()}))
     assert main(["runs", str(starting)]) == 2           # a dead run's lock alone: no run folder
-    assert "holds no sgraf run folder" in capsys.readouterr().err
+    assert "holds only the lock of a command that stopped before writing anything" in capsys.readouterr().err
     lock.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname()}))   # a killed run's lock
     assert runs.read_run(running).state == "stopped"
     assert main(["runs", str(tmp_path)]) == 0
@@ -329,3 +329,17 @@ def test_the_place_terms_settings_read_dash_in_a_run_without_one(tmp_path, capsy
     assert summary["differ"] == ["positions", "place_sharpness"]
     box, place = summary["runs"]
     assert box["unused_settings"] == ["place_sharpness"] and place["unused_settings"] == []
+
+
+def test_a_folder_of_only_a_stale_lock_says_the_run_never_began(tmp_path, capsys):
+    """A run killed before its config.yaml leaves only its lock: `runs` and `--resume` had called
+    it no run folder, without saying what to do."""
+    from sgraf.folder_lock import LOCK_FILE
+
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    (dead / LOCK_FILE).write_text('{"pid": 999999999, "host": "elsewhere"}')
+    assert main(["runs", str(dead)]) == 2
+    assert "holds only the lock of a command that stopped before writing anything" in capsys.readouterr().err
+    assert main(["train", "--resume", str(dead)]) == 2
+    assert "(a run stopped before it began: start it again with --out)" in capsys.readouterr().err

@@ -78,7 +78,12 @@ def run(args: argparse.Namespace) -> int:
         if not Path(args.resume).is_dir():
             raise InputError(f"cannot resume {args.resume}: no such folder")
         if not config_path.is_file():
-            raise InputError(f"cannot resume {args.resume}: it has no config.yaml (not a sgraf run folder)")
+            from sgraf.folder_lock import LOCK_FILE
+
+            stopped = [entry.name for entry in Path(args.resume).iterdir()] == [LOCK_FILE]
+            raise InputError(f"cannot resume {args.resume}: it has no config.yaml " + (
+                "(a run stopped before it began: start it again with --out)" if stopped
+                else "(not a sgraf run folder)"))
         config, data, preset = load_run_config(Path(args.resume))
         overrides = parse_overrides(args.overrides)
         # a key set to the value the run has is no change (a script may repeat its whole --set line)

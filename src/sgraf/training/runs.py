@@ -79,6 +79,9 @@ def find_runs(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
             raise InputError(f"{path} is a file, expected a run folder or a folder of run folders")
         runs = [path] if is_run_folder(path) else sorted(_runs_below(path))
         if not runs:
+            if [entry.name for entry in path.iterdir()] == [LOCK_FILE]:
+                raise InputError(f"{path} holds only the lock of a command that stopped before writing anything "
+                                 "(a run killed as it started?): nothing to list or resume; start the run again")
             raise InputError(f"{path} holds no sgraf run folder (one with {', '.join(_MARKS[:-1])} or "
                              f"{_MARKS[-1]}, or the lock of a run starting)")
         found.extend(run for run in runs if run not in found)
