@@ -232,12 +232,19 @@ def test_memory_map_keeps_the_index_mapped(gallery):
 
 
 def test_pictures_and_explanations_stop_when_the_data_changes_under_the_server(gallery, tmp_path):
+    import os
+
     data = tmp_path / "data"
     shutil.copytree(gallery["data"], data)
     opened = SearchService.open(gallery["index"], shortlist=6, data_dir=data)
     with TestClient(create_app(opened)) as client:
         assert client.get("/images/00001.png").status_code == 200
         assert client.get("/api/explain", params={"image_id": 1, "text": "a dog"}).status_code == 200
+        # touched, the same bytes (`touch`, a copy that keeps them): no change (it had answered 503 until a restart)
+        for name in ("test_caps.txt", "test_ims.npy"):
+            os.utime(data / name, ns=(1, 1))
+        assert client.get("/images/00001.png").status_code == 200
+        assert client.get("/api/health").json()["status"] == "ok"
         features = np.load(data / "test_ims.npy")
         np.save(data / "test_ims.npy", features[::-1].copy())             # another data set in its place
         for answer in (client.get("/images/00001.png"), client.get("/api/explain", params={"image_id": 1,

@@ -79,6 +79,7 @@ class SearchService:
         self.picture_dir = self._find_picture_dir()
         self.features, self.why_no_explain = self._open_features()
         self._data_files = self._data_states()
+        self._data_digests = self._digests()
 
     @classmethod
     def open(cls, index: str | os.PathLike[str], checkpoints: Sequence[str | os.PathLike[str]] | None = None,
@@ -138,11 +139,39 @@ class SearchService:
             return {}
         return file_states(self.data_dir, [f"{self.split}_ims.npy", f"{self.split}_caps.txt"])
 
-    def data_changed(self) -> list[str]:
-        """The data files (relative to the data folder) that changed since the server started."""
-        from sgraf.search import changed_since
+    def _digests(self) -> dict[str, str]:
+        """`precomp.data_fingerprint` of the split's features and captions (the captions hashed
+        whole, the features by their size and edges: milliseconds), or {} where not readable."""
+        from sgraf.data.precomp import data_fingerprint
 
-        return changed_since(self.data_dir, self._data_files) if self._data_files else []
+        if not self._data_files or None in self._data_files.values():
+            return {}
+        try:
+            return data_fingerprint(self.data_dir, splits=(self.split,))
+        except (OSError, InputError):
+            return {}
+
+    def data_changed(self) -> list[str]:
+        """The data files (relative to the data folder) that changed since the server started. A
+        file only touched (the same file and size, a new time: `touch`, a copy keeping the bytes)
+        is read again once, and is no change if its bytes are the same (it had stopped pictures
+        and explanations until a restart)."""
+        from sgraf.search import changed_since, file_states
+
+        if not self._data_files:
+            return []
+        changed = changed_since(self.data_dir, self._data_files)
+        if changed and self._data_digests:
+            now = file_states(self.data_dir, changed)
+            touched = [name for name in changed if now[name] is not None and self._data_files[name] is not None
+                       and now[name][:3] == self._data_files[name][:3]]
+            if touched:
+                digests = self._digests()
+                for name in touched:
+                    if digests.get(name) == self._data_digests.get(name):
+                        self._data_files = {**self._data_files, name: now[name]}
+                        changed.remove(name)
+        return changed
 
     def _check_data_unchanged(self) -> None:
         changed = self.data_changed()
