@@ -138,6 +138,17 @@ def test_image_search_returns_the_best_captions(client, service):
     assert answer["query"] == {"image_id": 3, "image": "/images/00003.png", "name": None}   # no names recorded
     assert [(r["id"], r["caption"]) for r in answer["results"]] == [(h.id, h.text) for h in expected]
     assert [r["score"] for r in answer["results"]] == pytest.approx([h.score for h in expected], abs=1e-6)
+    assert all(r["explainable"] for r in answer["results"])
+
+
+def test_a_gallery_caption_past_the_text_limit_is_not_offered_for_explaining(service, monkeypatch):
+    """The page had offered such captions, and the explanation was then refused."""
+    assert service._explainable(0, service.index.captions[0])
+    assert not service._explainable(0, "a " * 300)                       # 600 characters
+    lengths = service.index.caption_lengths.copy()
+    lengths[0] = 64 + 2 + 1                                              # 65 words and <start>, <end>
+    monkeypatch.setattr(service.index, "caption_lengths", lengths)
+    assert not service._explainable(0, service.index.captions[0])
 
 
 def test_explain_is_what_explain_pair_computes(client, service, gallery):

@@ -27,6 +27,8 @@ class CaptionResult(BaseModel):
     id: int = Field(description="caption index in the gallery (the split's order)")
     score: Optional[float] = Field(description="the full SGRAF score (ensemble mean)")
     caption: Optional[str] = Field(description="the caption")
+    explainable: bool = Field(default=True, description="whether the caption is within the text limit of "
+                                                        "`/api/explain` (a gallery caption may be longer)")
 
 
 class ImageQuery(BaseModel):

@@ -363,7 +363,14 @@ class SearchService:
         hits = self.index.search_image(image_id=image_id, top_k=top_k, shortlist=self.shortlist_for(top_k))
         return {"query": {"image_id": image_id, "image": self.picture_url(image_id),
                           "name": self.index.name_of(image_id)},
-                "results": [{"id": hit.id, "score": _finite(hit.score), "caption": hit.text} for hit in hits]}
+                "results": [{"id": hit.id, "score": _finite(hit.score), "caption": hit.text,
+                             "explainable": self._explainable(hit.id, hit.text)} for hit in hits]}
+
+    def _explainable(self, caption_id: int, text: str | None) -> bool:
+        """Whether a gallery caption is within the text limit an explanation takes (its tokens
+        as the index recorded them, `<start>` and `<end>` left out)."""
+        return text is not None and len(text) <= MAX_TEXT_CHARS \
+            and int(self.index.caption_lengths[caption_id]) - 2 <= MAX_TEXT_WORDS
 
     def _image_result(self, hit: Hit) -> dict[str, Any]:
         return {"id": hit.id, "score": _finite(hit.score), "image": self.picture_url(hit.id), "name": hit.name}

@@ -125,10 +125,14 @@ async function searchImage(imageId) {
     if (answer.query.image) { picture.src = answer.query.image; picture.hidden = false; } else { picture.hidden = true; }
     picture.alt = `picture ${answer.query.image_id}`;
     for (const hit of answer.results) {
-      const item = el("li", { "data-id": String(hit.id), tabindex: "0" });
+      // a gallery caption past the text limit cannot be explained: shown, not offered
+      const item = hit.explainable
+        ? el("li", { "data-id": String(hit.id), tabindex: "0" })
+        : el("li", { "data-id": String(hit.id), class: "unexplainable",
+                     title: "too long to explain (the text limit of an explanation)" });
       item.appendChild(el("span", { class: "caption" }, hit.caption));
       item.appendChild(el("span", { class: "score" }, fmt(hit.score, 3)));
-      item.addEventListener("click", () => explain(answer.query.image_id, hit.caption, true));
+      if (hit.explainable) item.addEventListener("click", () => explain(answer.query.image_id, hit.caption, true));
       list.appendChild(item);
     }
     $("captions-panel").hidden = false;
