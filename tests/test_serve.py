@@ -141,6 +141,14 @@ def test_image_search_returns_the_best_captions(client, service):
     assert all(r["explainable"] for r in answer["results"])
 
 
+def test_head_is_answered_where_get_reads_nothing_heavy(client):
+    for path in ("/", "/images/00000.png", "/api/health", "/docs", "/static/app.js", "/openapi.json"):
+        answer = client.head(path)
+        assert answer.status_code == 200 and answer.content == b"", path
+    refused = client.head("/api/search", params={"text": "a dog"})
+    assert refused.status_code == 405 and refused.headers["allow"] == "GET"
+
+
 def test_a_gallery_caption_past_the_text_limit_is_not_offered_for_explaining(service, monkeypatch):
     """The page had offered such captions, and the explanation was then refused."""
     assert service._explainable(0, service.index.captions[0])

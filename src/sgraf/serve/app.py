@@ -114,11 +114,13 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
             raise ClientGone()
         return result.result()
 
-    @app.get("/", include_in_schema=False)
+    # the page, pictures, health and the reference answer HEAD as the static files do (a monitor's check);
+    # the searches and explanations, work a HEAD would throw away, answer it 405
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> HTMLResponse:
         return HTMLResponse(_static_text("index.html"))
 
-    @app.get("/images/{relative:path}", include_in_schema=False)
+    @app.api_route("/images/{relative:path}", methods=["GET", "HEAD"], include_in_schema=False)
     async def picture(relative: str) -> FileResponse:
         return FileResponse(service.picture_file(relative))
 
@@ -179,7 +181,9 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
                            "refused": worker.refused, "busy": worker.busy}
         return answer
 
-    @app.get("/docs", include_in_schema=False)
+    app.add_api_route("/api/health", health, methods=["HEAD"], include_in_schema=False)   # one operation documented
+
+    @app.api_route("/docs", methods=["GET", "HEAD"], include_in_schema=False)
     async def docs() -> HTMLResponse:
         return HTMLResponse(render_docs(app.openapi()))
 
