@@ -124,8 +124,9 @@ def test_an_answer_echoes_the_clients_own_text_as_sent(client, service, gallery)
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
         assert error.startswith(f"query {text!r}") and text.split()[1].lower() in error, error
-    # the server's own paths in its messages stay hidden
+    # the server's own paths in its messages stay hidden, also from a client whose word starts them
     assert service.public(f"{index_root}/manifest.json: gone", keep=["a dog"]) == "./manifest.json: gone"
+    assert service.public(f"{index_root}/manifest.json: gone", keep=[index_root[:5]]) == "./manifest.json: gone"
 
 
 # --------------------------------------------------------------------------------- headers

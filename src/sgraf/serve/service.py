@@ -314,16 +314,22 @@ class SearchService:
         """`message` as an answer may show it: the server's absolute paths made relative to the
         index folder (`../data/test_ims.npy`), any other absolute path cut to its file name. The
         client's own words (`keep`: its parameters' values, each word of them and as the
-        vocabulary lower-cases it) stay as sent: a path in a query had been rewritten, naming
-        words the user never typed, and its answer told whether the path was the server's."""
+        vocabulary lower-cases it) stay as sent where they stand whole (between spaces, quotes or
+        punctuation): a path in a query had been rewritten, naming words the user never typed,
+        and its answer told whether the path was the server's. A word that is only the start of a
+        longer path (a guess `/srv` of the server's `/srv/data/...`) is not kept: that path is
+        still hidden."""
         pieces = sorted({piece for value in keep for word in [value, *value.split()]
                          for piece in (word, word.lower()) if len(piece) > 1 and "\x00" not in piece},
                         key=len, reverse=True)
-        masked = []
+        masked: list[str] = []
+
+        def mask(match: re.Match[str]) -> str:
+            masked.append(match.group(0))
+            return f"\x00{len(masked) - 1}\x00"
+
         for piece in pieces:
-            if piece in message:
-                message = message.replace(piece, f"\x00{len(masked)}\x00")
-                masked.append(piece)
+            message = re.sub(rf"(?<![^\s'\"(=,:]){re.escape(piece)}(?![^\s'\"):,.;])", mask, message)
         for root, shown in self._public_roots:
             message = message.replace(root, shown)
         message = _ABSOLUTE_PATH.sub(lambda match: Path(match.group(0)).name or "/", message)
