@@ -25,8 +25,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")             # what `sgraf.precision.autoca
 def unused_settings(settings: Any) -> dict[str, str]:
     """The model settings that have no effect under the others, each with why: `sgr_step` without
     an SGR head, the attention's `attention` and `lambda_softmax` with global alignments only,
-    `sim_dim` with scalar (cosine) similarities, the place term's settings without one. `settings`: a `ModelConfig`, or a mapping of its
-    fields (a run's config.yaml; missing fields take the defaults)."""
+    `sim_dim` with scalar (cosine) similarities, the place term's settings without one.
+    `settings`: a `ModelConfig`, or a mapping of its fields (a run's config.yaml; missing fields
+    take the defaults)."""
     values = settings.to_dict() if isinstance(settings, ModelConfig) else dict(settings)
     default = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
 

@@ -59,7 +59,8 @@ def _refuse_replacing_other_files(dst: str, overwrite: bool) -> None:
     if not os.path.lexists(dst):
         return
     if os.path.isdir(dst):
-        raise InputError(f"DST {dst} is a folder; give the checkpoint file to write (e.g. {os.path.join(dst, 'sgr.pt')})")
+        raise InputError(f"DST {dst} is a folder; give the checkpoint file to write "
+                         f"(e.g. {os.path.join(dst, 'sgr.pt')})")
     try:
         ours = load_weights_only(dst, allowed=[argparse.Namespace]).get("format") == FORMAT
     except Exception:  # noqa: BLE001  (unreadable, not a checkpoint, a folder: not ours either way)
