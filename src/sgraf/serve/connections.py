@@ -109,6 +109,12 @@ def quiet_accept_errors(loop: Any) -> None:
     loop.set_exception_handler(handler)
 
 
+def _cancelled(timer: Any) -> None:
+    """Cancels an event loop timer, if any; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
+
+
 def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
                      header_timeout: float = HEADER_TIMEOUT_S, write_timeout: float = WRITE_TIMEOUT_S) -> type:
     """uvicorn's h11 protocol class with the limits above (see the module docstring).
@@ -165,9 +171,7 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
             self._stop_write_timer()
 
         def _stop_write_timer(self) -> None:
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-                self._write_timer = None
+            self._write_timer = _cancelled(self._write_timer)
 
         def _write_late(self) -> None:
             self._write_timer = None
@@ -191,9 +195,7 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
                 self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
 
         def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            self._header_timer = _cancelled(self._header_timer)
 
         def _headers_late(self) -> None:
             self._header_timer = None
