@@ -706,3 +706,16 @@ def test_numpys_short_write_is_said_as_a_full_disk():
 
     message = str(write_error("sims.npy", OSError("12500 requested and 8160 written")))
     assert message == "cannot write sims.npy: No space left on device (12500 requested and 8160 written)"
+
+
+def test_on_windows_a_locks_holder_is_looked_up_never_signalled(monkeypatch):
+    """`os.kill(pid, 0)` ends the process on Windows: `sgraf runs` would have killed a training
+    (or whatever took its pid)."""
+    def kill(*_args):
+        raise AssertionError("os.kill called")
+
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setattr(folder_lock.os, "name", "nt")
+    assert folder_lock.pid_alive(os.getpid()) is True        # here: no kernel32, so it counts as alive
+    monkeypatch.setattr(folder_lock, "_windows_pid_alive", lambda pid: pid == 7)
+    assert folder_lock.pid_alive(7) and not folder_lock.pid_alive(8)

@@ -198,6 +198,25 @@ def test_the_cap_stays_below_the_descriptor_limit():
     assert 8 <= connection_cap() <= max(8, (soft - 64) // 2)     # two descriptors a connection
 
 
+def test_a_limit_the_system_caps_below_its_hard_one_is_raised_as_far_as_it_allows(monkeypatch):
+    """macOS refuses a soft limit above OPEN_MAX (10,240) while reporting an unlimited hard one:
+    the server had stayed at 256 descriptors (about 80 connections), unsaid."""
+    import resource
+
+    from sgraf.serve import connections
+
+    limits = {"soft": 256}
+
+    def setrlimit(_which, pair):
+        if pair[0] > connections.MACOS_OPEN_MAX:
+            raise ValueError("current limit exceeds maximum limit")
+        limits["soft"] = pair[0]
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (limits["soft"], resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert raise_descriptor_limit() == connections.MACOS_OPEN_MAX == limits["soft"]
+
+
 # --------------------------------------------------------------------------------- files changed
 def test_an_index_copied_over_while_serving_changes_no_answer_and_health_says_stale(gallery, tmp_path):
     """`cp` over a served index had killed the server (SIGBUS on its memory map) or mixed the

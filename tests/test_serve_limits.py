@@ -112,6 +112,9 @@ def test_public_messages_make_server_paths_relative(service, gallery):
     data = gallery["data"].resolve()
     assert service.public(f"{data}/test_ims.npy: bad") == "../data/test_ims.npy: bad"
     assert service.public("cannot read '/etc/secret/file.npy' now") == "cannot read 'file.npy' now"
+    # Windows' paths (a drive, a share) are cut to their file names too
+    assert service.public("C:\\Users\\me\\secret\\x.npy: bad") == "x.npy: bad"
+    assert service.public("read \\\\server\\share\\y.npy now") == "read y.npy now"
 
 
 def test_an_answer_echoes_the_clients_own_text_as_sent(client, service, gallery):

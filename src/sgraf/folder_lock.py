@@ -75,7 +75,11 @@ def describe_holder(record: dict[str, Any] | None) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists on this host (perhaps owned by another user)."""
+    """Whether a process `pid` exists on this host (perhaps owned by another user). On Windows,
+    where `os.kill(pid, 0)` ends the process instead of asking about it, the process is looked up
+    (`OpenProcess`); where that cannot tell, it counts as alive."""
+    if os.name == "nt":
+        return _windows_pid_alive(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -83,6 +87,25 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:   # exists, owned by someone else
         return True
     return True
+
+
+def _windows_pid_alive(pid: int) -> bool:
+    try:
+        import ctypes
+
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)   # type: ignore[attr-defined]
+        handle = kernel32.OpenProcess(0x1000, False, int(pid))      # PROCESS_QUERY_LIMITED_INFORMATION
+        if not handle:
+            return ctypes.get_last_error() == 5                     # access denied: it exists
+        try:
+            code = ctypes.c_ulong()
+            if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
+                return True
+            return code.value == 259                                 # STILL_ACTIVE
+        finally:
+            kernel32.CloseHandle(handle)
+    except (OSError, AttributeError, ValueError):
+        return True
 
 
 class FolderLock:
@@ -153,11 +176,14 @@ class FolderLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        if fcntl is None:                       # Windows deletes no open file: closed (unlocked) first
+            os.close(fd)
         try:
             self.path.unlink(missing_ok=True)   # while locked: a waiter re-checks the file it locked
         except OSError:
             pass
-        os.close(fd)                            # drops the lock
+        if fcntl is not None:
+            os.close(fd)                        # drops the lock
 
     def _lock(self, fd: int) -> bool:
         """True when this process now holds the lock, False when another one does."""

@@ -196,8 +196,8 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
             _write_index(matcher, features, list(captions), staging, dtype, batch_size, captions_label, progress,
                          boxes)
             if image_names is not None:
-                (staging / IMAGE_NAMES).write_text("".join(name.strip() + "\n" for name in image_names),
-                                                   encoding="utf-8")
+                (staging / IMAGE_NAMES).write_bytes("".join(name.strip() + "\n" for name in image_names)
+                                                    .encode("utf-8"))   # "\n" on Windows too
             manifest = {
                 "format": FORMAT,
                 "version": VERSION,
@@ -362,7 +362,8 @@ def _write_index(matcher: Matcher, features: Any, captions: list[str], folder: P
     for array in [*regions_out, *words_out, keys_out, cap_keys_out]:
         array.flush()
     del regions_out, words_out, keys_out, cap_keys_out
-    (folder / CAPTIONS).write_text("".join(caption.strip() + "\n" for caption in captions), encoding="utf-8")
+    # bytes: a text-mode write ends lines "\r\n" on Windows, and a reader splitting on "\n" kept the "\r"
+    (folder / CAPTIONS).write_bytes("".join(caption.strip() + "\n" for caption in captions).encode("utf-8"))
 
 
 def _open_out(path: Path, shape: tuple[int, ...], dtype: str) -> np.memmap:
@@ -470,7 +471,7 @@ def _read_captions(folder: Path, manifest: dict[str, Any], verify: bool, name: s
         line = data.count(b"\n", 0, exc.start) + 1
         raise InputError(f"{path}:{line}: corrupted index file, bytes that are not valid UTF-8 "
                          f"(byte 0x{data[exc.start]:02x}); rebuild the index") from None
-    return text.split("\n")[:-1]
+    return [line.removesuffix("\r") for line in text.split("\n")[:-1]]   # an index written on Windows before
 
 
 def check_identity(manifest: dict[str, Any], matcher: Matcher, where: Path | str) -> None:

@@ -71,7 +71,10 @@ def stop_on_sigterm() -> Iterator[None]:
             signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
             # sent from a new thread (started without waiting for it): the main thread's handler
             # then runs at a line outside the finaliser (or again here, and it is sent again)
-            _thread.start_new_thread(signal.pthread_kill, (threading.main_thread().ident, signum))
+            if hasattr(signal, "pthread_kill"):
+                _thread.start_new_thread(signal.pthread_kill, (threading.main_thread().ident, signum))
+            else:                  # Windows: the signal simulated in the main thread
+                _thread.start_new_thread(_thread.interrupt_main, (signum,))
         else:
             previous_hook(unraisable)
 

@@ -60,5 +60,8 @@ def _legend_names(paths: list[str]) -> list[str]:
 
     if len(paths) == 1:
         return [os.path.basename(os.path.normpath(paths[0])) or paths[0]]
-    common = os.path.commonpath([os.path.abspath(path) for path in paths])
+    try:
+        common = os.path.commonpath([os.path.abspath(path) for path in paths])
+    except ValueError:        # Windows: runs on several drives share no folder
+        return [os.path.abspath(path) for path in paths]
     return [os.path.relpath(os.path.abspath(path), common) for path in paths]

@@ -149,7 +149,10 @@ def bind(host: str, port: int) -> socket.socket:
         raise InputError(f"--host {host}: not an address or a known host name ({reason})") from None
     listening = socket.socket(family, kind, proto)
     try:
-        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_EXCLUSIVEADDRUSE"):   # Windows: SO_REUSEADDR there lets a second server share the port
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_EXCLUSIVEADDRUSE, 1)
+        else:
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listening.bind(address)
     except OSError as exc:
         listening.close()

@@ -196,8 +196,8 @@ def _tokenize_all(captions: list[str], workers: int) -> list[list[str]]:
     if workers > 1:
         import multiprocessing
 
-        try:
-            context = multiprocessing.get_context("fork")
+        try:      # macOS has fork but not safely after threads are started (Apple's frameworks): Linux only
+            context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
         except ValueError:                       # no fork on this system
             context = None
         if context is not None:

@@ -618,8 +618,8 @@ def score_workers(device: torch.device, precision: str, n_tasks: int, models: Se
     if `measure`). Each block is computed by one thread from start to end, so the result does not
     depend on which thread took it."""
     threads = torch.get_num_threads()
-    if plan.gpu_plan(device) or threads < 2 or n_tasks < 2:
-        return 1
+    if plan.gpu_plan(device) or torch.device(device).type != "cpu" or threads < 2 or n_tasks < 2:
+        return 1          # a device (MPS too: its queue is not for several threads at once) takes one
     return min(threads, n_tasks) if thread_mode(models, precision, device, measure) == "blocks" else 1
 
 

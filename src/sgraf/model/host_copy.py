@@ -35,11 +35,14 @@ from __future__ import annotations
 import errno
 import io
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
+
+_SEEK_WRITE = threading.Lock()   # where os.pwrite is missing, a seek and a write go together
 
 
 class HostCopy:
@@ -69,7 +72,8 @@ class HostCopy:
             header = io.BytesIO()
             np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
                                                           "fortran_order": False, "shape": self.shape})
-            self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)   # Windows: no newline bytes
+            self._fd = os.open(file, flags, 0o666)
             self._write(header.getvalue(), 0)
             self._offset = len(header.getvalue())
         host = torch.empty(self.shape, dtype=torch.float32)
@@ -79,7 +83,12 @@ class HostCopy:
     def _write(self, data: Any, offset: int) -> None:
         view = memoryview(data).cast("B")
         while view:
-            written = os.pwrite(self._fd, view, offset)     # type: ignore[arg-type]
+            if hasattr(os, "pwrite"):
+                written = os.pwrite(self._fd, view, offset)     # type: ignore[arg-type]
+            else:                           # Windows: no pwrite; one writer at a time moves the position
+                with _SEEK_WRITE:
+                    os.lseek(self._fd, offset, os.SEEK_SET)
+                    written = os.write(self._fd, view)
             view, offset = view[written:], offset + written
 
     def _save(self, rows: slice) -> None:
@@ -89,7 +98,7 @@ class HostCopy:
         assert self._host is not None
         self._write(self._host[rows].numpy(), self._offset + rows.start * self.shape[1] * 4)
         try:
-            os.fdatasync(self._fd)
+            getattr(os, "fdatasync", os.fsync)(self._fd)     # macOS and Windows: fsync
         except OSError as error:
             if error.errno not in (errno.EINVAL, errno.ENOTSUP):    # file systems that cannot sync
                 raise

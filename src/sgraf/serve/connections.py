@@ -52,6 +52,7 @@ WRITE_TIMEOUT_S = 15.0     # an answer's full send buffer must start draining wi
 MAX_CONNECTIONS = 4096     # open connections at most (fewer where the descriptor limit is lower)
 DESCRIPTORS_WANTED = 65536 # the soft descriptor limit a server raises itself to, where the hard one allows
 SPARE_DESCRIPTORS = 64     # descriptors kept free for the index, the models, logs and the listener
+MACOS_OPEN_MAX = 10240     # the most a macOS process may ask for (OPEN_MAX), below its RLIM_INFINITY hard limit
 WARN_EVERY_S = 10.0        # at most one "refusing connections" line this often
 
 
@@ -81,11 +82,16 @@ def raise_descriptor_limit(wanted: int = DESCRIPTORS_WANTED) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
+        # macOS refuses more than OPEN_MAX (10,240) whatever the hard limit says: then that
+        for attempt in (target, min(target, MACOS_OPEN_MAX)):
+            if attempt <= soft:
+                break
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (attempt, hard))
+                soft = attempt
+                break
+            except (ValueError, OSError):
+                continue
     return soft
 
 

@@ -30,8 +30,18 @@ from sgraf.search import GalleryIndex, Hit, shortlist_for
 
 logger = logging.getLogger(__name__)
 
-# an absolute path inside a message (after a space, quote, parenthesis or the start)
-_ABSOLUTE_PATH = re.compile(r"(?:^|(?<=[\s'\"(=]))/[^\s'\"():,]+")
+# an absolute path inside a message (after a space, quote, parenthesis or the start): POSIX, or
+# Windows' (a drive, a UNC share)
+_ABSOLUTE_PATH = re.compile(r"(?:^|(?<=[\s'\"(=]))(?:/|[A-Za-z]:[\\/]|\\\\)[^\s'\"():,]*")
+
+
+def _relative(path: Path, start: Path) -> str:
+    """`path` relative to `start`; on Windows, on another drive than it, its file name (no way there)."""
+    try:
+        return os.path.relpath(path, start)
+    except ValueError:
+        return path.name
+
 
 __all__ = ["SearchService", "NotFound", "Stale", "MAX_TEXT_CHARS", "MAX_TEXT_WORDS", "MAX_TOP_K", "PICTURE_SUFFIXES"]
 
@@ -120,7 +130,7 @@ class SearchService:
         for folder in folders:
             absolute = str(folder.absolute())
             if absolute != "/":
-                roots[absolute] = os.path.relpath(folder.resolve(), self._index_root)
+                roots[absolute] = _relative(folder.resolve(), self._index_root)
         return sorted(roots.items(), key=lambda item: -len(item[0]))
 
     def _find_picture_dir(self) -> Path | None:
@@ -332,7 +342,8 @@ class SearchService:
             message = re.sub(rf"(?<![^\s'\"(=,:]){re.escape(piece)}(?![^\s'\"):,.;])", mask, message)
         for root, shown in self._public_roots:
             message = message.replace(root, shown)
-        message = _ABSOLUTE_PATH.sub(lambda match: Path(match.group(0)).name or "/", message)
+        message = _ABSOLUTE_PATH.sub(lambda match: re.split(r"[\\/]", match.group(0).rstrip("\\/"))[-1] or "/",
+                                     message)
         for number, piece in reversed(list(enumerate(masked))):
             message = message.replace(f"\x00{number}\x00", piece)
         return message
@@ -341,7 +352,7 @@ class SearchService:
         """A path as an answer shows it: relative to the index folder."""
         if path is None:
             return None
-        return os.path.relpath(Path(path).resolve(), self._index_root)
+        return _relative(Path(path).resolve(), self._index_root)
 
     # ----------------------------------------------------------------------------- searches
     def search_texts(self, texts: Sequence[str], top_k: int, shortlist: int) -> list[list[dict[str, Any]]]:

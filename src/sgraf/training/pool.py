@@ -190,7 +190,7 @@ def _fit_in_workers(jobs: Sequence[TrainJob], workers: int, threads: int | None,
         executor.shutdown(wait=clean, cancel_futures=True)
         if not clean:   # a second Ctrl-C or an error here: the workers must not train on alone
             stop.set()   # one not yet announced starts no job
-            _stop_workers(_pids(started, workers_here), signal.SIGKILL)
+            _stop_workers(_pids(started, workers_here), getattr(signal, "SIGKILL", signal.SIGTERM))   # Windows
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if failure is not None:
