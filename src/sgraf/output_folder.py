@@ -24,6 +24,7 @@ that writes such files (`sgraf generate`, `convert-tsv`, `extract`) does it thro
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -146,6 +147,7 @@ class NewGeneration:
         self.paired = set(paired)
         self.inputs = list(inputs)
         self.staging: pathlib.Path | None = None
+        self._keep_staging = False
         self._lock = FolderLock(self.folder)
         self._created: list[pathlib.Path] = []
 
@@ -180,7 +182,7 @@ class NewGeneration:
             else:
                 self._name_the_user_path(error)
         finally:
-            if self.staging is not None:
+            if self.staging is not None and not self._keep_staging:
                 shutil.rmtree(self.staging, ignore_errors=True)
             self._release(keep_folder=committed)
 
@@ -247,6 +249,7 @@ class NewGeneration:
         assert self.staging is not None
         written = folder_files(self.staging)
         on_disk = set(folder_files(self.folder))
+        before = read_record(self.folder)
         # a generation killed mid-swap recorded files it had already removed: those names go
         record = {name: by for name, by in read_record(self.folder).items() if name in on_disk or not self.family(name)}
         earlier = [name for name in folder_files(self.folder) if self.family(name)
@@ -257,25 +260,51 @@ class NewGeneration:
             record.pop(name, None)
         record.update({name: self.command for name in written})
         current = self.folder / RECORD          # the user's path named if a step fails
+        aside = self.staging / f"{STAGING_PREFIX}earlier"    # removed with the staging folder
+        moved_aside: list[str] = []
+        moved_in: list[str] = []
         try:
             with signals_deferred():                # a signal waits for the swap to end (SIGKILL does not):
                 # the record names both generations while they swap, so that what a kill leaves there is
                 # all sgraf's, and --overwrite again replaces it (naming only the new one had left the
                 # earlier one's files there as files sgraf never wrote)
                 _write_record(self.folder, during)
-                for name in earlier:                # the earlier generation out, then the new one in
+                for name in earlier:                # the earlier generation aside, then the new one in
                     current = self.folder / name
-                    current.unlink(missing_ok=True)
+                    (aside / name).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(current, aside / name)
+                    moved_aside.append(name)
                 current = self.folder
                 _remove_empty_folders(self.folder, {str(pathlib.PurePosixPath(n).parent) for n in earlier})
                 for name in written:
                     current = self.folder / name
                     current.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(self.staging / name, current)
+                    moved_in.append(name)
                 current = self.folder / RECORD
                 _write_record(self.folder, record)
         except OSError as error:
+            # put the earlier generation back (it had been deleted file by file: a step that failed
+            # midway, a file another program held open on Windows, lost the data set)
+            self._put_back(moved_in, moved_aside, aside, before)
             raise write_error(current, error) from None
+
+    def _put_back(self, moved_in: list[str], moved_aside: list[str], aside: pathlib.Path,
+                  record: dict[str, str]) -> None:
+        assert self.staging is not None
+        try:
+            for name in reversed(moved_in):
+                os.replace(self.folder / name, self.staging / name)
+            for name in reversed(moved_aside):
+                (self.folder / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(aside / name, self.folder / name)
+            _write_record(self.folder, record)
+        except OSError as error:            # what is where now: said, and kept (not removed with the staging)
+            self._keep_staging = True
+            logging.getLogger(__name__).error(
+                "%s: the earlier files could not all be put back (%s); those missing are in %s (move them back "
+                "before the next write into the folder, which removes it)", self.folder, error.strerror or error,
+                aside)
 
 
 def _remove_empty_folders(folder: pathlib.Path, parents: set[str]) -> None:
