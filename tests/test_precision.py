@@ -198,3 +198,19 @@ def test_a_low_precision_without_fast_kernels_on_this_cpu_is_named_once(monkeypa
             assert not caplog.records
     finally:
         precision.slow_on_this_cpu.cache_clear()
+
+
+def test_low_precision_on_mps_needs_a_pytorch_with_autocast_there(monkeypatch):
+    """Before PyTorch 2.5 (fp16) and 2.6 (bf16) MPS has no autocast: the scores would have been
+    fp32, recorded as bf16."""
+    from sgraf import torch_compat
+    from sgraf.errors import InputError
+    from sgraf.precision import autocast
+
+    monkeypatch.setattr(torch_compat, "VERSION", torch.torch_version.TorchVersion("2.5.1"))
+    with pytest.raises(InputError, match=r"^precision bf16 on mps needs PyTorch 2.6 or later .* this is 2.5.1; "
+                                         r"use fp32$"):
+        autocast("bf16", "mps")
+    assert torch_compat.mps_autocast_missing(torch.float16) is None
+    monkeypatch.setattr(torch_compat, "VERSION", torch.torch_version.TorchVersion("2.13.0"))
+    assert torch_compat.mps_autocast_missing(torch.bfloat16) is None

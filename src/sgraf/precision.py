@@ -39,6 +39,10 @@ def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.A
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     if device_type == "cpu" and not plan.gpu_plan(device_type):   # (not the GPU plan emulated on the CPU)
         slow_on_this_cpu(precision)
+    needed = torch_compat.mps_autocast_missing(dtype) if device_type == "mps" else None
+    if needed is not None:      # there autocast would be off, unsaid, while the scores said bf16
+        raise InputError(f"precision {precision} on mps needs PyTorch {needed[0]}.{needed[1]} or later (autocast on "
+                         f"Apple's GPU), this is {torch_compat.VERSION}; use fp32")
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 

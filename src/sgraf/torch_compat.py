@@ -28,6 +28,14 @@ _FUSED_ADAM_ON_CPU = VERSION >= (2, 4)
 # sgraf's compiled paths (`sgraf.kernels.compiled`): PyTorch 2.3's Dynamo cannot trace them
 # (an autograd Function's `needs_input_grad`, the old autocast queries); 2.4 was not tried
 COMPILE_MIN = (2, 5)
+# autocast on Apple's MPS: float16 from PyTorch 2.5, bfloat16 from 2.6 (before, no autocast there)
+MPS_AUTOCAST_MIN = {torch.float16: (2, 5), torch.bfloat16: (2, 6)}
+
+
+def mps_autocast_missing(dtype: torch.dtype) -> tuple[int, int] | None:
+    """The PyTorch version MPS autocast to `dtype` needs, where this one is older; else None."""
+    needed = MPS_AUTOCAST_MIN.get(dtype)
+    return needed if needed is not None and VERSION < needed else None
 
 
 def autocast_enabled(device_type: str) -> bool:
