@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from model_helpers import random_batch, random_model
 from numerics import BFLOAT16, BFLOAT16_GRADIENT, GRADIENT, REORDERED, SAME_PATH, assert_close, largest
 from sgraf.errors import InputError
-from sgraf.kernels import cpu, plan, tuning
+from sgraf.kernels import cpu, edges, plan, tuning
 
 pytestmark = pytest.mark.numeric
 
@@ -295,8 +295,13 @@ def test_the_authors_stand_in_trains_on_pytorchs_own_matmuls(monkeypatch):
 
 def test_a_forced_route_must_be_known(monkeypatch):
     monkeypatch.setenv("SGRAF_CPU_MATMUL", "mkl")
-    with pytest.raises(InputError, match="SGRAF_CPU_MATMUL must be one of onednn, aten, got 'mkl'"):
+    with pytest.raises(InputError, match=r"SGRAF_CPU_MATMUL must be auto \(the measured choice\) or one of onednn, aten, "
+                                         r"got 'mkl'"):
         cpu.float32_route()
+    monkeypatch.setenv("SGRAF_CPU_MATMUL", " AUTO ")
+    assert cpu.float32_route() in cpu.ROUTES
+    monkeypatch.setenv("SGRAF_EDGE_ROUTE", "auto")
+    assert edges._forced() == ""
 
 
 @pytest.mark.parametrize("kind", ["matmul", "weight gradient"])

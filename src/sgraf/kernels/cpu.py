@@ -104,9 +104,12 @@ def _say_once(message: str) -> None:
 
 
 def _choose_route(kind: str, forced: str) -> str:
+    if forced == "auto":
+        forced = ""
     if forced:
         if forced not in ROUTES:
-            raise InputError(f"SGRAF_CPU_MATMUL must be one of {', '.join(ROUTES)}, got {forced!r}")
+            raise InputError(f"SGRAF_CPU_MATMUL must be auto (the measured choice) or one of {', '.join(ROUTES)}, "
+                             f"got {forced!r}")
         if forced == "onednn" and not ONEDNN:
             _say_once(f"SGRAF_CPU_MATMUL=onednn is not taken under PyTorch {torch.__version__} (oneDNN's linear "
                       f"there is not safe against signals, or oneDNN is missing): the aten route runs")

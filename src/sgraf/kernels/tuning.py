@@ -177,14 +177,18 @@ DEFAULT_RULE = _rule(KEEP_DEFAULT, NEAR_DEFAULT, 1)
 
 
 def forced_route(variable: str, routes: Sequence[str]) -> str:
-    """The route the environment variable `variable` forces (lower-cased), '' when it is unset.
+    """The route the environment variable `variable` forces (lower-cased), '' when it is unset,
+    empty or `auto` (the measured choice, as unset).
 
     Raises:
         InputError: the variable names none of `routes`.
     """
     forced = os.environ.get(variable, "").strip().lower()
+    if forced == "auto":
+        return ""
     if forced and forced not in routes:
-        raise InputError(f"{variable} must be one of {', '.join(routes)}, got {forced!r}")
+        raise InputError(f"{variable} must be auto (the measured choice) or one of {', '.join(routes)}, "
+                         f"got {forced!r}")
     return forced
 
 
