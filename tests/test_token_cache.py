@@ -117,12 +117,16 @@ def test_a_damaged_file_is_tokenised_again_and_rewritten(cache, toy, how):
         assert stored["ids"].tolist() == [i for row in expected for i in row]
 
 
-def test_an_unwritable_cache_or_the_switch_off_still_gives_the_ids(tmp_path, toy, monkeypatch):
+def test_an_unwritable_cache_or_the_switch_off_still_gives_the_ids(tmp_path, toy, monkeypatch, caplog):
     vocab, captions, expected = toy
     blocker = tmp_path / "a file"
     blocker.write_text("")
     monkeypatch.setenv("SGRAF_CACHE_DIR", str(blocker))              # the cache folder cannot be made
-    assert tokenize_captions(captions, vocab) == expected
+    with caplog.at_level("WARNING", logger="sgraf"):
+        assert tokenize_captions(captions, vocab) == expected
+        assert tokenize_captions(captions, vocab) == expected
+    said = [record.getMessage() for record in caplog.records if "cannot be written" in record.getMessage()]
+    assert len(said) == 1 and str(blocker) in said[0] and "SGRAF_TOKEN_CACHE=off" in said[0]   # once, named
     monkeypatch.setenv("SGRAF_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("SGRAF_TOKEN_CACHE", "off")
     assert tokenize_captions(captions, vocab) == expected

@@ -45,6 +45,24 @@ def _own_temporary_cache() -> pathlib.Path:
     return pathlib.Path(tempfile.mkdtemp(prefix="sgraf-cache-"))
 
 
+def say_unwritable(folder: pathlib.Path, error: Exception) -> None:
+    """Warn, once a process and folder, that the cache folder cannot be written (a file in its
+    place, a read-only home): nothing kept, all computed again each run."""
+    import logging
+
+    if str(folder) in _said_unwritable:
+        return
+    _said_unwritable.add(str(folder))
+    reason = (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
+    logging.getLogger("sgraf").warning(
+        "the cache folder %s cannot be written (%s): measured choices and token ids are not kept, each run computes "
+        "them again (SGRAF_CACHE_DIR names another folder; SGRAF_TUNE=off and SGRAF_TOKEN_CACHE=off stop both)",
+        folder, reason)
+
+
+_said_unwritable: set[str] = set()
+
+
 # sgraf's on/off environment variables, each on when unset (the commands check them all first)
 SWITCHES = ("SGRAF_TUNE", "SGRAF_TOKEN_CACHE", "SGRAF_KEEP_FREED_MEMORY", "SGRAF_FAST_EXIT")
 _ON, _OFF = ("", "on", "1", "true", "yes"), ("off", "0", "false", "no")

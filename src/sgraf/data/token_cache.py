@@ -40,7 +40,7 @@ from sgraf.data.arrays import DAMAGED_NPY
 from sgraf.data.vocab import TOKENIZER_REVISION, Vocabulary, tokenize
 from sgraf.devices import available_cores
 from sgraf.errors import InputError
-from sgraf.user_cache import cache_dir, switched_on
+from sgraf.user_cache import cache_dir, say_unwritable, switched_on
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ def token_ids(captions: Sequence[str], vocab: Vocabulary, prefetched: Prefetch |
             np.savez(handle, lengths=lengths, ids=flat, sha256=_ids_digest(lengths, flat))
     except (InputError, OSError) as error:      # a read-only or full cache: the ids still hold
         logger.debug("could not keep the token ids in %s: %s", path, error)
+        say_unwritable(cache_dir(), error)
     return ids
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from sgraf.errors import InputError
-from sgraf.user_cache import cache_dir, switched_on
+from sgraf.user_cache import cache_dir, say_unwritable, switched_on
 
 try:
     import fcntl
@@ -248,6 +248,7 @@ def _store_first(key: str, candidates: Sequence[Any], entry: dict[str, Any]) -> 
         lock = open(path.with_name(path.name + ".lock"), "a+b")   # noqa: SIM115 (held across the write)
     except OSError as error:   # a read-only home: the choice still holds for this process
         logger.debug("could not store the measured choice in %s: %s", path, error)
+        say_unwritable(path.parent, error)
         return entry["choice"]
     with lock:
         if fcntl is not None:
@@ -273,5 +274,6 @@ def _store(key: str, entry: dict[str, Any]) -> None:
         os.replace(temporary, path)
     except OSError as error:     # a read-only home: the choice still holds for this process
         logger.debug("could not store the measured choice in %s: %s", path, error)
+        say_unwritable(path.parent, error)
         if temporary is not None:
             pathlib.Path(temporary).unlink(missing_ok=True)
