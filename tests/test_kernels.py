@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import platform
 import signal
 import subprocess
@@ -637,6 +638,40 @@ def test_every_switch_reads_alike_and_a_command_refuses_a_typo_first(variable, m
     assert main(["runs", "."]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"sgraf runs: error: {variable} must be on or off (or 1/0, true/false, yes/no), got 'of'", err
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("SGRAF_EDGE_ROUTE", "flash", "SGRAF_EDGE_ROUTE must be auto (the measured choice) or one of layout, sdpa, "
+                                  "got 'flash'"),
+    ("SGRAF_FILTER_ROUTE", "triton", "SGRAF_FILTER_ROUTE must be auto (the measured choice) or one of eager, "
+                                     "fused, got 'triton'"),
+    ("SGRAF_CPU_MATMUL", "mkl", "SGRAF_CPU_MATMUL must be auto (the measured choice) or one of onednn, aten, "
+                                "got 'mkl'"),
+    ("SGRAF_COMPILE", "fast", "SGRAF_COMPILE must be one of off, on, eval, train, all, auto, got 'fast'"),
+    ("SGRAF_JOIN_TIMEOUT", "5m", "SGRAF_JOIN_TIMEOUT must be a number of seconds > 0, got '5m'")])
+def test_a_choice_variable_set_wrong_stops_a_command_before_it_starts(variable, value, expected, monkeypatch,
+                                                                      capsys, tmp_path):
+    """These had been read only when the route was first taken: a typo stopped a run after its
+    data had loaded, or, for SGRAF_JOIN_TIMEOUT, only under torchrun."""
+    from sgraf.cli import main
+
+    monkeypatch.setenv(variable, value)
+    assert main(["runs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"sgraf runs: error: {expected}"
+    monkeypatch.setenv(variable, "auto" if variable != "SGRAF_JOIN_TIMEOUT" else "60")
+    main(["runs", str(tmp_path)])
+    assert "holds no sgraf run folder" in capsys.readouterr().err     # the command itself ran
+
+
+def test_every_route_variable_is_checked_at_a_command_start():
+    import re
+
+    from sgraf.cli import ROUTE_VARIABLES
+
+    kernels = pathlib.Path(cpu.__file__).parent
+    source = "".join(path.read_text(encoding="utf-8") for path in kernels.glob("*.py"))
+    assert set(re.findall(r'FusedRoutes\("(SGRAF_\w+)"', source)) | {"SGRAF_CPU_MATMUL", "SGRAF_EDGE_ROUTE"} == set(
+        ROUTE_VARIABLES)
 
 
 def test_a_forced_onednn_route_that_cannot_run_is_said(monkeypatch, caplog):

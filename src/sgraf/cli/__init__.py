@@ -217,6 +217,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress.silence(False)
 
 
+# sgraf's variables naming a choice, and the module whose ROUTES they take
+ROUTE_VARIABLES = {"SGRAF_CPU_MATMUL": "sgraf.kernels.cpu", "SGRAF_EDGE_ROUTE": "sgraf.kernels.edges",
+                   **dict.fromkeys(("SGRAF_WORD_ROUTE", "SGRAF_STEP_ROUTE", "SGRAF_ATTENTION_ROUTE",
+                                    "SGRAF_FILTER_ROUTE"), "sgraf.kernels.fused_routes")}
+
+
+def _check_set_variables() -> None:
+    """The route variables, SGRAF_COMPILE and SGRAF_JOIN_TIMEOUT checked when they are set, so a
+    typo stops a command before it starts rather than when the route is first taken (unset,
+    nothing is imported: `sgraf runs` stays without PyTorch)."""
+    given = {name for name in (*ROUTE_VARIABLES, "SGRAF_COMPILE", "SGRAF_JOIN_TIMEOUT")
+             if os.environ.get(name, "").strip()}
+    if not given:
+        return
+    from sgraf.kernels import tuning
+
+    for name in sorted(given & ROUTE_VARIABLES.keys()):
+        tuning.forced_route(name, importlib.import_module(ROUTE_VARIABLES[name]).ROUTES)
+    if "SGRAF_COMPILE" in given:
+        from sgraf.kernels import compiled
+
+        compiled.variable_mode()
+    if "SGRAF_JOIN_TIMEOUT" in given:
+        from sgraf.distributed import join_timeout
+
+        join_timeout()
+
+
 def _run_command(args: argparse.Namespace, prog: str) -> int:
     """The command's function, its exceptions turned into one line on stderr and an exit code."""
     from sgraf.signals import Stopped, stop_on_sigterm
@@ -225,6 +253,7 @@ def _run_command(args: argparse.Namespace, prog: str) -> int:
         from sgraf.user_cache import check_switches
 
         check_switches()
+        _check_set_variables()
         with stop_on_sigterm():
             return int(args.func(args) or 0)
     except Stopped as stop:

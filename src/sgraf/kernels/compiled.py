@@ -78,10 +78,12 @@ _override: list[str] = []         # the innermost `compiling(...)`; process-wide
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def mode() -> str:
-    """One of `MODES`: the `compiling` context's mode, else `SGRAF_COMPILE` (default 'auto')."""
-    if _override:
-        return _override[-1]
+def variable_mode() -> str:
+    """The mode `SGRAF_COMPILE` names ('auto' when unset), whether or not this platform compiles.
+
+    Raises:
+        InputError: a value that names no mode.
+    """
     setting = os.environ.get("SGRAF_COMPILE", "").strip().lower()
     aliases = {"": "auto", "0": "off", "false": "off", "no": "off", "1": "eval", "on": "eval", "true": "eval",
                "yes": "eval"}
@@ -89,6 +91,14 @@ def mode() -> str:
     if setting not in MODES:
         raise InputError(f"SGRAF_COMPILE must be one of off, on, {', '.join(MODES[1:])}, got "
                          f"{os.environ['SGRAF_COMPILE']!r}")
+    return setting
+
+
+def mode() -> str:
+    """One of `MODES`: the `compiling` context's mode, else `SGRAF_COMPILE` (default 'auto')."""
+    if _override:
+        return _override[-1]
+    setting = variable_mode()
     if setting not in ("off", "auto"):
         _check_supported(f"SGRAF_COMPILE={os.environ['SGRAF_COMPILE'].strip()}")
     return setting
