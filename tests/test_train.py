@@ -492,6 +492,34 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(toy_data, tmp_path, m
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())
 
 
+def test_bad_features_met_mid_run_name_the_checkpoint_kept_and_how_to_go_on(toy_data, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Features are checked as they are read: a NaN met at step 7 stopped the run (exit 2) with
+    last.pt written and kept, but the message had named the image only."""
+    from sgraf.data.precomp import PrecompDataset
+
+    real_check = PrecompDataset.check_batch
+    calls = {"n": 0}
+
+    def check_going_bad(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise InputError("train_ims.npy: feature [image 3, region 0, dim 1] is nan; expected finite features")
+        real_check(self, batch)
+
+    monkeypatch.setattr(PrecompDataset, "check_batch", check_going_bad)
+    run = tmp_path / "run"
+    assert _train(toy_data, run, "--set", "checkpoint_every=5") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"sgraf train: error: train_ims.npy: feature [image 3, region 0, dim 1] is nan; expected finite "
+                   f"features. {run / 'last.pt'} (step 5) is kept: once the data is repaired, sgraf train --resume "
+                   f"{run} goes on from it"), err
+    calls["n"] = -100
+    assert _train(toy_data, run) == 2           # --out onto the run is refused; --resume goes on
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--data", str(toy_data)]) == 0
+
+
 def test_a_config_files_data_or_preset_overridden_on_the_command_line_is_said(tmp_path, caplog):
     config = tmp_path / "run.yaml"
     config.write_text("data: elsewhere\npreset: tiny\nepochs: 1\n")

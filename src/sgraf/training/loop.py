@@ -439,6 +439,12 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         except NonFiniteLossError as error:
             raise NonFiniteLossError(_non_finite_message(error, progress, config, run, record.last_saved_step),
                                      error.inputs_finite, error.step) from None
+        except InputError as error:     # bad input met mid-run (NaN/inf features are read as they are reached)
+            last = run / rd.LAST_CHECKPOINT
+            if record.last_saved_step is None or not last.is_file():
+                raise
+            raise InputError(f"{error}. {last} (step {record.last_saved_step}) is kept: once the data is repaired, "
+                             f"sgraf train --resume {run} goes on from it") from None
     record.close()
     distributed.barrier()
     stopped_early = status == "finished" and progress.epoch < config.epochs
