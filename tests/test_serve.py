@@ -236,6 +236,7 @@ def test_one_spelling_of_each_picture_and_no_redirect_built_from_the_host(client
 def test_headers_past_the_limit_are_refused_in_json(client):
     answer = client.get("/api/health", headers={"X-Big": "a" * 20000})
     assert answer.status_code == 400 and "request headers of more than 16384 bytes" in answer.json()["error"]
+    assert answer.headers["connection"] == "close"
     assert answer.headers["x-content-type-options"] == "nosniff"
 
 

@@ -172,6 +172,18 @@ def test_a_malformed_request_is_answered_in_json_with_the_security_headers(guard
     assert json.loads(body)["error"].startswith("Invalid HTTP request received")
 
 
+def test_headers_past_the_limit_are_answered_and_the_connection_closed(guarded):
+    """The 400 had left the connection open for the next request of a client that sends too much."""
+    sock = socket.create_connection(("127.0.0.1", guarded))
+    big = "".join(f"X-Big-{n}: {'a' * 1000}\r\n" for n in range(18))
+    sock.sendall(f"GET /api/health HTTP/1.1\r\nHost: x\r\n{big}\r\n".encode())
+    sock.settimeout(10)
+    first = sock.recv(65536)
+    assert first.startswith(b"HTTP/1.1 400 ") and b"connection: close" in first.lower(), first[:300]
+    assert _closed_by_server(sock, within=5)
+    sock.close()
+
+
 def test_a_malformed_body_of_a_request_the_app_answers_logs_no_traceback(guarded, caplog):
     """The headers read, the app answering, then a chunk that is not hex: the 400 goes out, and the
     app's own answer is dropped (sending it had raised in h11: two tracebacks per request)."""

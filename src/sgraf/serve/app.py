@@ -221,7 +221,7 @@ class SecurityHeaders:
         if sum(len(name) + len(value) for name, value in scope.get("headers", ())) > MAX_HEADER_BYTES:
             # uvicorn's own limit holds for headers arriving in pieces; this one for any
             await _error(400, f"request headers of more than {MAX_HEADER_BYTES} bytes: not an HTTP/1.1 request "
-                              "this server can read")(scope, receive, send_with_headers)
+                              "this server can read", {"Connection": "close"})(scope, receive, send_with_headers)
             return
         if api:
             problem = query_problem(scope.get("query_string", b""), ROUTE_PARAMETERS.get(scope.get("path", "")))
