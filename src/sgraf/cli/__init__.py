@@ -183,17 +183,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:   # Ctrl-C while the arguments are read (`--device` imports torch: a second)
         print("sgraf: interrupted", file=sys.stderr)
         return 130
-    if callable(getattr(sys.stdout, "reconfigure", None)):
+    for stream in (sys.stdout, sys.stderr):
         # A path given as bytes that are not UTF-8 reaches Python as lone surrogates; print it back
         # as those bytes (as ls does) rather than fail after the work is done. Under an ASCII locale
-        # without Python's UTF-8 mode (LC_ALL=C PYTHONUTF8=0), text past ASCII (a query, a caption)
-        # is printed in UTF-8, as it was read (`arguments.utf8_text`); under another one (Latin-1)
-        # a character it cannot write is written as an escape, never a failure after the work.
-        encoding = codecs.lookup(sys.stdout.encoding or "ascii").name
+        # without Python's UTF-8 mode (LC_ALL=C PYTHONUTF8=0), text past ASCII (a query, a caption,
+        # one echoed in an error) is printed in UTF-8, as it was read (`arguments.utf8_text`); under
+        # another one (Latin-1) a character it cannot write is written as an escape, never a failure.
+        if not callable(getattr(stream, "reconfigure", None)):
+            continue
+        encoding = codecs.lookup(stream.encoding or "ascii").name
         if encoding == "ascii":
-            sys.stdout.reconfigure(encoding="utf-8", errors="surrogateescape")
+            stream.reconfigure(encoding="utf-8", errors="surrogateescape")
         else:
-            sys.stdout.reconfigure(errors="surrogateescape" if encoding == "utf-8" else "backslashreplace")
+            stream.reconfigure(errors="surrogateescape" if encoding == "utf-8" else "backslashreplace")
     from sgraf import progress
 
     # this call's choice, not an earlier call's (tests run `main` in one process); bars only on a terminal
