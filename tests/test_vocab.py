@@ -1,6 +1,8 @@
 """Vocabulary: the authors' JSON files, tokenisation identical to their pipeline, building."""
 
 import json
+import os
+import threading
 
 import pytest
 import torch
@@ -28,6 +30,23 @@ def test_authors_vocabularies_load_and_save_same_content(data_dir, tmp_path, nam
     vocab.save(tmp_path / name)
     assert json.loads((tmp_path / name).read_text()) == json.loads(path.read_text())
     assert load_vocab(tmp_path / name) == vocab
+
+
+def test_a_folder_is_named_as_one_and_a_pipe_is_read(data_dir, tmp_path):
+    """A folder had been 'vocabulary file not found', and a pipe (--vocab <(...)) refused as missing."""
+    with pytest.raises(IsADirectoryError, match="a folder, not a vocabulary file"):
+        load_vocab(tmp_path)
+    with pytest.raises(FileNotFoundError, match="vocabulary file not found"):
+        load_vocab(tmp_path / "vocab.json")
+    if not hasattr(os, "mkfifo"):
+        return
+    source = data_dir / "e2e" / "data" / "toy_vocab.json"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(source.read_bytes()))
+    writer.start()
+    assert load_vocab(fifo) == load_vocab(source)
+    writer.join(10)
 
 
 def test_encode_matches_authors_token_ids_on_tricky_captions(data_dir, expected):

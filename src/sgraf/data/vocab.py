@@ -226,9 +226,11 @@ def load_vocab(path: str | os.PathLike[str]) -> Vocabulary:
         InputError: not JSON (with line and column) or a field is missing or inconsistent.
     """
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise IsADirectoryError(21, "a folder, not a vocabulary file (vocab.json)", str(path))
+    if not path.exists():
         raise FileNotFoundError(2, "vocabulary file not found", str(path))
-    text = text_files.read_text(path, "a UTF-8 JSON vocabulary")
+    text = text_files.read_text(path, "a UTF-8 JSON vocabulary")     # a pipe too (--vocab <(...)): read once
     try:
         content = json.loads(text)
     except json.JSONDecodeError as exc:
