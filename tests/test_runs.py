@@ -331,6 +331,22 @@ def test_the_place_terms_settings_read_dash_in_a_run_without_one(tmp_path, capsy
     assert box["unused_settings"] == ["place_sharpness"] and place["unused_settings"] == []
 
 
+def test_family_share_reads_dash_in_a_run_without_family_batches(tmp_path, capsys):
+    """The demo's runs table had set its random-batch runs apart by family_share 1.0 against 0.5."""
+    for name, batches, share in (("random", "random", 1.0), ("families", "families", 0.5)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: sgr\nbatches: {batches}\n"
+                                         f"family_share: {share}\nepochs: 1\n")
+        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
+                                           '"best": true}\n')
+    assert main(["runs", str(tmp_path / "random"), str(tmp_path / "families"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["differ"] == ["batches", "family_share"]
+    random_run, family_run = summary["runs"]
+    assert random_run["unused_settings"] == ["family_share"] and family_run["unused_settings"] == []
+
+
 def test_a_folder_of_only_a_stale_lock_says_the_run_never_began(tmp_path, capsys):
     """A run killed before its config.yaml leaves only its lock: `runs` and `--resume` had called
     it no run folder, without saying what to do."""

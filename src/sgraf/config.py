@@ -25,7 +25,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")             # what `sgraf.precision.autoca
 def unused_settings(settings: Any) -> dict[str, str]:
     """The model settings that have no effect under the others, each with why: `sgr_step` without
     an SGR head, the attention's `attention` and `lambda_softmax` with global alignments only,
-    `sim_dim` with scalar (cosine) similarities, the place term's settings without one.
+    `sim_dim` with scalar (cosine) similarities, the place term's settings without one; and, of a
+    training config, `family_share` without family batches.
     `settings`: a `ModelConfig`, or a mapping of its fields (a run's config.yaml; missing fields
     take the defaults)."""
     values = settings.to_dict() if isinstance(settings, ModelConfig) else dict(settings)
@@ -43,6 +44,8 @@ def unused_settings(settings: Any) -> dict[str, str]:
         unused["sim_dim"] = "similarity=scalar compares by cosine, with no similarity vectors"
     if get("positions") != "place":
         unused["place_sharpness"] = unused["place_penalty"] = f"positions={get('positions')} has no place term"
+    if "family_share" in values and values.get("batches", "random") != "families":
+        unused["family_share"] = f"batches={values.get('batches', 'random')} draws no families"
     return unused
 
 
