@@ -360,17 +360,18 @@ def test_ctrl_c_exits_130_with_one_line(gallery, ignored):
 
 
 # --------------------------------------------------------------------------------- other data
-def test_serve_refuses_other_data_of_the_same_shape_naming_both(gallery, tmp_path):
+def test_serve_refuses_other_data_of_the_same_shape_naming_both(gallery, tmp_path, monkeypatch):
     manifest = json.loads((gallery["index"] / "manifest.json").read_text())
     assert set(manifest["source"]["data_fingerprint"]) == {"test_ims.npy", "test_caps.txt"}
     other = tmp_path / "other"
     shutil.copytree(gallery["data"], other, symlinks=True)
     features = np.load(other / "test_ims.npy")
     np.save(other / "test_ims.npy", features[::-1].copy())                  # same shape, other images
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(InputError) as error:
-        SearchService.open(gallery["index"], data_dir=other)
+        SearchService.open(gallery["index"], data_dir="other")
     message = str(error.value)
-    assert f"--data {other.resolve()} is not the data the index" in message
+    assert message.startswith("--data other is not the data the index"), message      # as given
     assert str(gallery["data"].resolve()) in message and "test_ims.npy differ" in message
     moved = tmp_path / "moved"
     shutil.copytree(gallery["data"], moved, symlinks=True)

@@ -228,8 +228,8 @@ class SearchService:
         if found == recorded:
             return
         differ = ", ".join(fingerprint_differences(found, recorded))
-        given, built_from = self.data_dir.resolve(), source.get("data_dir")
-        if built_from is not None and Path(built_from).resolve() == given:
+        given, built_from = self.data_dir, source.get("data_dir")
+        if built_from is not None and Path(built_from).resolve() == given.resolve():
             raise InputError(f"the files of {given} changed since the index {self.index.folder} was built from them "
                              f"({differ} differ); rebuild the index with sgraf index")
         raise InputError(f"--data {given} is not the data the index {self.index.folder} was built from "
