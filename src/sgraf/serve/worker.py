@@ -174,7 +174,8 @@ class Worker:
                 raise RuntimeError("the worker is not running")
             if len(self._light) + len(self._heavy) >= self.max_queue:
                 self.busy += 1
-                raise Busy(f"the server is busy: {self.max_queue} requests are waiting; retry shortly")
+                waiting = f"{self.max_queue} requests are" if self.max_queue != 1 else "1 request is"
+                raise Busy(f"the server is busy: {waiting} waiting; retry shortly")
             (self._heavy if job.heavy else self._light).append(job)
             self._changed.notify()
         job.future.add_done_callback(lambda future: future.cancelled() and self._forget(job))
