@@ -297,6 +297,27 @@ def test_the_users_set_wins_over_the_position_models_recipes():
     assert demo_settings(True, "place").user_overrides == () and "place_penalty=true" in recipe_text("place")
 
 
+def test_the_demos_own_settings_without_effect_in_a_model_are_left_out_not_warned(caplog):
+    """`--quick` sets sgr_step=2 for every model: the global-only and SAF models had each warned
+    '--set: sgr_step=2 has no effect', as if the user had set it."""
+    from sgraf.demo import demo_settings, methods, model_overrides
+    from sgraf.training import resolve_config
+
+    caplog.set_level("WARNING", logger="sgraf.training.config")
+    for user in ((), ("epochs=2",)):
+        settings = demo_settings(True, "place", user)
+        overrides = {label: model_overrides(settings, label, changes) for label, changes in methods("place")}
+        for label, pairs in overrides.items():
+            resolve_config("demo", overrides=pairs)
+            assert ("sgr_step=2" in pairs) == (label in ("SGR", "SGR+pos")), (label, pairs)
+    assert "has no effect" not in caplog.text
+    settings = demo_settings(True, "none", ("sgr_step=4",))               # the user's own: kept, and said
+    saf = model_overrides(settings, "SAF", dict(methods())["SAF"])
+    assert "sgr_step=4" in saf
+    resolve_config("demo", overrides=saf)
+    assert "sgr_step=4 has no effect: module=saf has no SGR head" in caplog.text
+
+
 def test_the_demo_reuses_its_benchmark_only_while_its_files_are_as_generated(tmp_path, caplog):
     """An edited caption file in DEMO/data had been reused, and the report's Winoground figures
     came from scenes that no longer described the captions."""

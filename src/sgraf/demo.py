@@ -99,16 +99,20 @@ def model_overrides(settings: "DemoSettings", label: str, changes: dict[str, str
     user = [pair for pair in settings.user_overrides if place or pair.partition("=")[0] not in PLACE_KEYS]
     merged = dict(pair.partition("=")[::2] for pair in merge_overrides(
         settings.train_overrides, extra, (f"{key}={value}" for key, value in changes.items()), user))
-    _drop_unused_share(merged, {pair.partition("=")[0] for pair in user})
+    _drop_unused(merged, {pair.partition("=")[0] for pair in user})
     return tuple(f"{key}={value}" for key, value in merged.items())
 
 
-def _drop_unused_share(values: dict[str, str], given: set[str]) -> None:
-    """A recipe's `family_share` left out where the batches are not by families (`--set
-    batches=random` over a place recipe): it is a share of families drawn whole, refused without
-    them. One the user gave stays, to be refused in its name."""
-    if values.get("batches") != "families" and "family_share" not in given:
-        values.pop("family_share", None)
+def _drop_unused(values: dict[str, str], given: set[str]) -> None:
+    """The demo's settings that have no effect in this model left out (`sgraf.config.unused_settings`):
+    `--quick`'s `sgr_step` in a SAF model had been warned of as if the user had set it, and a
+    place recipe's `family_share` under `--set batches=random` is refused without family batches.
+    One the user gave stays, to be said (or refused) in its name."""
+    from sgraf.config import unused_settings
+
+    for key in unused_settings(values):
+        if key not in given:
+            values.pop(key, None)
 
 
 def recipe_text(positions: str, user: Iterable[str] = ()) -> str:
@@ -122,8 +126,8 @@ def recipe_text(positions: str, user: Iterable[str] = ()) -> str:
         recipe = {**recipes.get(label, {})}
         recipe.update({key: value for key, value in given.items()
                        if key in recipe or (positions == "place" and key in PLACE_KEYS)})
-        if "batches" in recipe:
-            _drop_unused_share(recipe, set(given))
+        if recipe.get("batches", "families") != "families" and "family_share" not in given:
+            recipe.pop("family_share", None)        # a share of families drawn whole: none drawn
         if recipe:
             texts.append(f"{label} with `{' '.join(f'{k}={v}' for k, v in recipe.items())}`")
     return ", ".join(texts)
