@@ -298,8 +298,18 @@ def test_drawing_leaves_the_callers_matplotlib_backend_alone(trained, tmp_path):
 
 def test_a_setting_without_effect_sets_no_run_apart(tmp_path, capsys):
     """Two SAF runs that differ only in sgr_step are the same model (their weights were bit
-    identical): no column; beside an SGR run the SAF runs' sgr_step reads '-'."""
+    identical): no column; nor beside SGR runs that all take the same sgr_step (the demo's table
+    had shown sgr_step 3 and '-' by module); beside SGR runs of other steps the SAF runs' reads '-'."""
     for name, module, step in (("saf-a", "saf", 1), ("saf-b", "saf", 4), ("sgr", "sgr", 3)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: {module}\nsgr_step: {step}\n"
+                                         "epochs: 1\n")
+        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
+                                           '"best": true}\n')
+    assert main(["runs", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["differ"] == ["module"]
+    for name, module, step in (("sgr-2", "sgr", 2),):
         run = tmp_path / name
         run.mkdir()
         (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: {module}\nsgr_step: {step}\n"
@@ -313,7 +323,7 @@ def test_a_setting_without_effect_sets_no_run_apart(tmp_path, capsys):
     rows = {line.split()[0].rstrip("/").rsplit("/", 1)[-1]: line.split()[1:] for line in out.splitlines()
             if line.strip().startswith(str(tmp_path)) and "module" not in line}
     assert "(-: the setting has no effect in that run, as sgr_step without an SGR head)" in out, out
-    assert [rows["saf-a"][-1], rows["saf-b"][-1], rows["sgr"][-1]] == ["-", "-", "3"], out
+    assert [rows["saf-a"][-1], rows["saf-b"][-1], rows["sgr"][-1], rows["sgr-2"][-1]] == ["-", "-", "3", "2"], out
 
 
 def test_the_place_terms_settings_read_dash_in_a_run_without_one(tmp_path, capsys):
@@ -326,12 +336,22 @@ def test_the_place_terms_settings_read_dash_in_a_run_without_one(tmp_path, capsy
                                            '"best": true}\n')
     assert main(["runs", str(tmp_path / "box"), str(tmp_path / "place"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
+    assert summary["differ"] == ["positions"]                          # one place run: no sharpness to compare
+    for name, sharpness in (("place-4", 4.0),):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: sgr\npositions: place\n"
+                                         f"place_sharpness: {sharpness}\nepochs: 1\n")
+        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
+                                           '"best": true}\n')
+    assert main(["runs", str(tmp_path / "box"), str(tmp_path / "place"), str(tmp_path / "place-4"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["differ"] == ["positions", "place_sharpness"]
-    box, place = summary["runs"]
+    box, place, _ = summary["runs"]
     assert box["unused_settings"] == ["place_sharpness"] and place["unused_settings"] == []
 
 
-def test_family_share_reads_dash_in_a_run_without_family_batches(tmp_path, capsys):
+def test_family_share_sets_no_run_without_family_batches_apart(tmp_path, capsys):
     """The demo's runs table had set its random-batch runs apart by family_share 1.0 against 0.5."""
     for name, batches, share in (("random", "random", 1.0), ("families", "families", 0.5)):
         run = tmp_path / name
@@ -342,9 +362,8 @@ def test_family_share_reads_dash_in_a_run_without_family_batches(tmp_path, capsy
                                            '"best": true}\n')
     assert main(["runs", str(tmp_path / "random"), str(tmp_path / "families"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["differ"] == ["batches", "family_share"]
-    random_run, family_run = summary["runs"]
-    assert random_run["unused_settings"] == ["family_share"] and family_run["unused_settings"] == []
+    assert summary["differ"] == ["batches"]          # family_share: without effect in the random run
+    assert [run["unused_settings"] for run in summary["runs"]] == [[], []]
 
 
 def test_a_folder_of_only_a_stale_lock_says_the_run_never_began(tmp_path, capsys):

@@ -173,15 +173,17 @@ def _live_holder(folder: pathlib.Path) -> dict[str, Any] | None:
 
 
 def differences(runs: Sequence[Run]) -> list[str]:
-    """The settings whose values are not the same in every readable run (in config order),
-    with ``data`` first where the runs train on different data (folders or files)."""
+    """The settings whose values are not the same in every readable run where they have an
+    effect (in config order), with ``data`` first where the runs train on different data
+    (folders or files)."""
     readable = [run for run in runs if run.settings]     # not unreadable, not a run still starting
     keys: list[str] = []
     for run in readable:
         keys.extend(key for key in run.settings if key not in keys and key not in _NOT_SETTINGS)
-    # a setting without effect in a run (`sgr_step` of a SAF run) sets it apart from none
-    differ = [key for key in keys if len({json.dumps(_setting(run, key), sort_keys=True)
-                                          for run in readable}) > 1]
+    # a setting without effect in a run (`sgr_step` of a SAF run) sets it apart from none: SGR runs
+    # that all take sgr_step=3 beside SAF runs show no sgr_step column (the module's says it all)
+    differ = [key for key in keys if len({json.dumps(run.settings.get(key), sort_keys=True) for run in readable
+                                          if key not in unused_settings(run.settings)}) > 1]
     other_data = any(not _same_data(a, b) for i, a in enumerate(readable) for b in readable[i + 1:])
     return (["data"] if other_data else []) + differ
 
