@@ -92,3 +92,23 @@ def test_every_environment_variable_sgraf_reads_is_in_the_reference():
 
     assert read >= {"SGRAF_CACHE_DIR", "SGRAF_JOIN_TIMEOUT", "SGRAF_WORD_ROUTE", "SGRAF_COMPILE", *SWITCHES}, read
     assert read == listed, (read - listed, listed - read)
+
+
+def test_every_command_but_demo_and_serve_takes_json_as_the_docs_say():
+    import argparse
+
+    from sgraf.cli import build_parser
+
+    def leaves(parser, name=""):
+        subs = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+        if not subs:
+            yield name, parser
+        for action in subs:
+            for child, sub in action.choices.items():
+                yield from leaves(sub, f"{name} {child}".strip())
+
+    without = sorted(name for name, parser in leaves(build_parser())
+                     if not any("--json" in action.option_strings for action in parser._actions))
+    assert without == ["demo", "serve"]
+    for path in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+        assert "but `demo`" in path.read_text(encoding="utf-8").replace("all but", "but"), path
