@@ -139,7 +139,8 @@ def test_a_scorer_of_a_large_split_measures_the_route_before_scoring(tuning_cach
 
 def test_a_forced_route_must_be_known_and_counting_takes_the_default_unmeasured(tuning_cache, monkeypatch):
     monkeypatch.setenv("SGRAF_EDGE_ROUTE", "flash")
-    with pytest.raises(InputError, match="SGRAF_EDGE_ROUTE must be auto \\(the measured choice\\) or one of layout, sdpa, got 'flash'"):
+    with pytest.raises(InputError, match=r"SGRAF_EDGE_ROUTE must be auto \(the measured choice\) or one of layout, "
+                                         r"sdpa, got 'flash'"):
         edges.edge_route("cpu", torch.float32, 32)
     monkeypatch.delenv("SGRAF_EDGE_ROUTE")
     with plan.emulate_gpu():

@@ -73,7 +73,8 @@ def test_command_line_text_is_read_as_utf8_under_any_locale(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "sgraf", "explain", *EVALUATE[1:-1], "--split", "test",
                               "--image-id", "0", "--text", "a café", "--out", str(tmp_path / "e.png")],
                              capture_output=True, env=env, timeout=120)
-    assert refused.returncode == 2 and "word(s) 'café' not in".encode() in refused.stderr, refused.stderr  # not caf\xe9
+    assert refused.returncode == 2, refused.stderr
+    assert "word(s) 'café' not in".encode() in refused.stderr, refused.stderr      # not caf\xe9
     # a Latin-1 stdout: what it cannot write is escaped, after the work, never a failure
     latin = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONIOENCODING": "latin-1"}
     done = subprocess.run([sys.executable, "-m", "sgraf", "explain", *EVALUATE[1:-1], "--split", "test",

@@ -51,7 +51,8 @@ def test_a_forced_route_must_be_known_and_possible_here(kernel, tuning_cache, mo
     monkeypatch.setattr(module, "fusable", lambda device: True)      # as on a GPU with Triton
     assert route() == "fused" and measure() == "fused"
     monkeypatch.setenv(variable, "triton")
-    with pytest.raises(InputError, match=f"{variable} must be auto \\(the measured choice\\) or one of eager, fused, got 'triton'"):
+    with pytest.raises(InputError, match=f"{variable} must be auto \\(the measured choice\\) or one of eager, "
+                                         "fused, got 'triton'"):
         measure()
     assert not tuning_cache.exists()                                 # a forced route measures nothing
 

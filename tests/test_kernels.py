@@ -296,8 +296,8 @@ def test_the_authors_stand_in_trains_on_pytorchs_own_matmuls(monkeypatch):
 
 def test_a_forced_route_must_be_known(monkeypatch):
     monkeypatch.setenv("SGRAF_CPU_MATMUL", "mkl")
-    with pytest.raises(InputError, match=r"SGRAF_CPU_MATMUL must be auto \(the measured choice\) or one of onednn, aten, "
-                                         r"got 'mkl'"):
+    with pytest.raises(InputError, match=r"SGRAF_CPU_MATMUL must be auto \(the measured choice\) or one of "
+                                         r"onednn, aten, got 'mkl'"):
         cpu.float32_route()
     monkeypatch.setenv("SGRAF_CPU_MATMUL", " AUTO ")
     assert cpu.float32_route() in cpu.ROUTES

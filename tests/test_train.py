@@ -15,7 +15,7 @@ from numerics import REORDERED, approx
 import sgraf
 from sgraf.cli import main
 from sgraf.config import ModelConfig
-from sgraf.errors import InputError
+from sgraf.errors import InputError, NonFiniteFeatures
 from sgraf.training import loop
 from sgraf.training import step as training_step
 from sgraf.training.config import PRESETS, preset, resolve_config, valid_keys
@@ -504,7 +504,8 @@ def test_bad_features_met_mid_run_name_the_checkpoint_kept_and_how_to_go_on(toy_
     def check_going_bad(self, batch):
         calls["n"] += 1
         if calls["n"] == 7:
-            raise InputError("train_ims.npy: feature [image 3, region 0, dim 1] is nan; expected finite features")
+            raise NonFiniteFeatures("train_ims.npy: feature [image 3, region 0, dim 1] is nan; expected finite "
+                                    "features")
         real_check(self, batch)
 
     monkeypatch.setattr(PrecompDataset, "check_batch", check_going_bad)
@@ -512,12 +513,35 @@ def test_bad_features_met_mid_run_name_the_checkpoint_kept_and_how_to_go_on(toy_
     assert _train(toy_data, run, "--set", "checkpoint_every=5") == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"sgraf train: error: train_ims.npy: feature [image 3, region 0, dim 1] is nan; expected finite "
-                   f"features. {run / 'last.pt'} (step 5) is kept: once the data is repaired, sgraf train --resume "
-                   f"{run} goes on from it"), err
+                   f"features. {run / 'last.pt'} (step 5) is kept: once the features are repaired, sgraf train "
+                   f"--resume {run} goes on from it"), err
     calls["n"] = -100
     assert _train(toy_data, run) == 2           # --out onto the run is refused; --resume goes on
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--data", str(toy_data)]) == 0
+
+
+def test_a_checkpoint_that_cannot_be_written_is_said_alone_and_not_counted(toy_data, tmp_path, monkeypatch, capsys):
+    """A failed last.pt write had been caught as bad data met mid-run, naming a step the file did
+    not hold and advising to repair the data."""
+    import sgraf.checkpoint as checkpoint_module
+
+    real_save = checkpoint_module.save_model
+    calls = {"n": 0}
+
+    def save_failing_second(model, path, *args, **kwargs):
+        if path.name == "last.pt":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise InputError(f"cannot write {path}: No space left on device")
+        return real_save(model, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_model", save_failing_second)
+    run = tmp_path / "run"
+    assert _train(toy_data, run, "--set", "checkpoint_every=3") == 2
+    said = capsys.readouterr().err.strip()
+    assert said == f"sgraf train: error: cannot write {run / 'last.pt'}: No space left on device", said
+    assert torch.load(run / "last.pt", weights_only=True)["extra"]["step"] == 3
 
 
 def test_a_config_files_data_or_preset_overridden_on_the_command_line_is_said(tmp_path, caplog):

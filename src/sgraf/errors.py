@@ -14,6 +14,11 @@ class InputError(ValueError):
     """
 
 
+class NonFiniteFeatures(InputError):
+    """Region features holding NaN/inf (`sgraf.data.arrays.check_finite_features`): bad input
+    that can be met only as the features are read, a training run's mid-way."""
+
+
 def check_positive_int(value: object, name: str) -> int:
     """`value` as an int if it is an integer >= 1 (a size or a count), else `InputError` naming `name`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from sgraf.errors import InputError
+from sgraf.errors import InputError, NonFiniteFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def check_finite_features(features: Any, source: str | os.PathLike[str] | None =
     value = values[row, region, dim]
     beyond = (f" (a {np.dtype(stored)} value beyond float32's range, about 3.4e38, read as float32)"
               if stored is not None and np.dtype(stored) != np.float32 and np.isinf(value) else "")
-    raise InputError(f"{source}: feature [image {image}, region {region}, dim {dim}] is {value}{beyond}; "
+    raise NonFiniteFeatures(f"{source}: feature [image {image}, region {region}, dim {dim}] is {value}{beyond}; "
                      f"expected finite values{others}")
 
 

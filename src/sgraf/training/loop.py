@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from sgraf import distributed
 from sgraf.atomic_write import missing_folders, remove_empty_folders
 from sgraf.devices import available_cores
-from sgraf.errors import InputError
+from sgraf.errors import InputError, NonFiniteFeatures
 from sgraf.folder_lock import FolderLock
 from sgraf.kernels.memory import keep_freed_memory
 from sgraf.precision import tf32, validation_precision
@@ -439,12 +439,12 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
         except NonFiniteLossError as error:
             raise NonFiniteLossError(_non_finite_message(error, progress, config, run, record.last_saved_step),
                                      error.inputs_finite, error.step) from None
-        except InputError as error:     # bad input met mid-run (NaN/inf features are read as they are reached)
+        except NonFiniteFeatures as error:     # met mid-run: features are checked as they are read
             last = run / rd.LAST_CHECKPOINT
             if record.last_saved_step is None or not last.is_file():
                 raise
-            raise InputError(f"{error}. {last} (step {record.last_saved_step}) is kept: once the data is repaired, "
-                             f"sgraf train --resume {run} goes on from it") from None
+            raise NonFiniteFeatures(f"{error}. {last} (step {record.last_saved_step}) is kept: once the features "
+                                    f"are repaired, sgraf train --resume {run} goes on from it") from None
     record.close()
     distributed.barrier()
     stopped_early = status == "finished" and progress.epoch < config.epochs
@@ -650,12 +650,12 @@ class _RunRecord:
 
         self.check_weights()   # last.pt only ever holds a good state
         progress, config = self.progress, self.config
-        self.last_saved_step = progress.global_step
         if self.is_main:
             extra = {"epoch": progress.epoch, "step": progress.global_step, "best_rsum": progress.best_rsum,
                      "train_config": config.to_dict(),
                      STATE_KEY: build_train_state(progress, self.optimizer, self.scaler)}
             save_model(self.model, self.run / rd.LAST_CHECKPOINT, vocab=self.model.vocab, extra=extra)
+        self.last_saved_step = progress.global_step       # once written (a failed write keeps the earlier)
 
     def validation(self, end_of_epoch: bool) -> None:
         """Validate on dev and record it (a new best: `best.pt`)."""
