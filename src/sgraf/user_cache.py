@@ -53,7 +53,9 @@ def say_unwritable(folder: pathlib.Path, error: Exception) -> None:
     if str(folder) in _said_unwritable:
         return
     _said_unwritable.add(str(folder))
-    reason = (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
+    blocker = next((path for path in (folder, *folder.parents) if path.exists() and not path.is_dir()), None)
+    reason = (f"{blocker} is a file, not a folder" if blocker is not None
+              else (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__)
     logging.getLogger("sgraf").warning(
         "the cache folder %s cannot be written (%s): measured choices and token ids are not kept, each run computes "
         "them again (SGRAF_CACHE_DIR names another folder; SGRAF_TUNE=off and SGRAF_TOKEN_CACHE=off stop both)",
