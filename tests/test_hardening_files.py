@@ -643,7 +643,9 @@ def test_outputs_never_land_among_a_runs_an_indexs_or_a_demos_files(tmp_path, ca
             # inside another's folder: a data set's pictures, a run's own folders (they had been taken)
             ([*argv, "--out", str(data2 / "images" / "test")], "is inside the pictures of the precomp data set in"),
             ([*argv, "--out", str(run / "tensorboard")], f"is inside the training run folder {run}"),
-            (["generate", "--out", str(data2 / "images" / "test"), *TINY], "is inside the pictures of the precomp")):
+            (["generate", "--out", str(data2 / "images" / "test"), *TINY], "is inside the pictures of the precomp"),
+            (["generate", "--out", str(data2 / "images"), *TINY], "is the pictures folder of the precomp data set in"),
+            ([*argv, "--out", str(data2 / "images")], "is the pictures folder of the precomp data set in")):
         assert main(argv_) == 2, argv_
         assert message in _one_line_error(capsys), argv_
     assert (run / "best.pt").read_bytes() == best and (demo / "retrieval_t2i.png").read_bytes() == b"the demo's picture"

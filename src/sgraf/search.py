@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -378,7 +379,8 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
         if aside:         # a build killed between its two moves (SIGKILL: the others wait for both)
             latest = max(aside, key=lambda earlier: earlier.stat().st_mtime) / folder.name
             raise InputError(f"{folder}: no index there, but a stopped `sgraf index` left the earlier one aside in "
-                             f"{latest}: move it back (mv {latest} {folder}) or build the index again")
+                             f"{latest}: move it back (mv {shlex.quote(str(latest))} {shlex.quote(str(folder))}) or "
+                             "build the index again")
         raise FileNotFoundError(2, "no such index folder", str(folder))
     if not path.is_file():
         raise InputError(f"{folder} is not an sgraf index: {MANIFEST} is missing (build one with `sgraf index`)")

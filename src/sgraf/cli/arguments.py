@@ -257,9 +257,12 @@ def refuse_others_folder(label: str, folder: str, writes: str = "a data set") ->
     target = resolved(folder)
     from sgraf.data.layout import IMAGES
 
-    for above in target.parents:       # inside another's folder: its pictures, an index, a run's own folders
+    for above in (target, *target.parents):    # another's folder: its pictures, an index, a run's own folders
         if above.name == IMAGES and data_set_files(above.parent):
-            what = f"inside the pictures of the precomp data set in {above.parent}"
+            what = (f"the pictures folder of the precomp data set in {above.parent}" if above == target
+                    else f"inside the pictures of the precomp data set in {above.parent}")
+        elif above == target:       # an index, a run or a demo folder itself: said below
+            continue
         elif _index_folder(above):
             what = f"inside the folder of the sgraf index {above}"
         elif is_run_folder(above) and any((above / name).is_file() for name in ("last.pt", "best.pt")):
