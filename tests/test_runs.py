@@ -373,8 +373,23 @@ def test_a_folder_of_only_a_stale_lock_says_the_run_never_began(tmp_path, capsys
 
     dead = tmp_path / "dead"
     dead.mkdir()
-    (dead / LOCK_FILE).write_text('{"pid": 999999999, "host": "elsewhere"}')
+    (dead / LOCK_FILE).write_text(json.dumps({"pid": 999999999, "host": socket.gethostname()}))
     assert main(["runs", str(dead)]) == 2
     assert "holds only the lock of a command that stopped before writing anything" in capsys.readouterr().err
     assert main(["train", "--resume", str(dead)]) == 2
     assert "(a run stopped before it began: start it again with --out)" in capsys.readouterr().err
+
+
+def test_a_folder_of_only_a_live_lock_says_its_holder_is_at_work(tmp_path, capsys):
+    """A demo starting (or a run loading its data) holds only its lock: it had been called stopped."""
+    from sgraf.folder_lock import FolderLock
+
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    with FolderLock(starting, purpose="demo"):
+        assert main(["runs", str(starting)]) == 2
+        err = capsys.readouterr().err
+        assert f"{starting} is in use by another sgraf process that has written nothing there yet (pid " \
+               f"{os.getpid()}" in err, err
+        assert main(["train", "--resume", str(starting)]) == 2
+        assert "cannot resume: " in capsys.readouterr().err

@@ -78,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
         if not Path(args.resume).is_dir():
             raise InputError(f"cannot resume {args.resume}: no such folder")
         if not config_path.is_file():
-            from sgraf.folder_lock import LOCK_FILE
+            from sgraf.training.runs import only_a_lock
 
-            stopped = [entry.name for entry in Path(args.resume).iterdir()] == [LOCK_FILE]
+            lone = only_a_lock(Path(args.resume))
+            if lone is not None and lone[0]:
+                raise InputError(f"cannot resume: {lone[1]}")
             raise InputError(f"cannot resume {args.resume}: it has no config.yaml " + (
-                "(a run stopped before it began: start it again with --out)" if stopped
+                "(a run stopped before it began: start it again with --out)" if lone is not None
                 else "(not a sgraf run folder)"))
         config, data, preset = load_run_config(Path(args.resume))
         overrides = parse_overrides(args.overrides)

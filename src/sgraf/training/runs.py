@@ -79,13 +79,29 @@ def find_runs(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
             raise InputError(f"{path} is a file, expected a run folder or a folder of run folders")
         runs = [path] if is_run_folder(path) else sorted(_runs_below(path))
         if not runs:
-            if [entry.name for entry in path.iterdir()] == [LOCK_FILE]:
-                raise InputError(f"{path} holds only the lock of a command that stopped before writing anything "
-                                 "(a run killed as it started?): nothing to list or resume; start the run again")
+            lone = only_a_lock(path)
+            if lone is not None:
+                raise InputError(lone[1])
             raise InputError(f"{path} holds no sgraf run folder (one with {', '.join(_MARKS[:-1])} or "
                              f"{_MARKS[-1]}, or the lock of a run starting)")
         found.extend(run for run in runs if run not in found)
     return found
+
+
+def only_a_lock(folder: pathlib.Path) -> tuple[bool, str] | None:
+    """(whether its holder is live, what to say) of a folder that holds nothing but an sgraf lock
+    (None for any other): a live holder that has written nothing yet (a run loading its data, a
+    demo starting), or one stopped before it wrote anything."""
+    if [entry.name for entry in folder.iterdir()] != [LOCK_FILE]:
+        return None
+    holder = _live_holder(folder)
+    if holder is not None:
+        from sgraf.folder_lock import describe_holder
+
+        return True, (f"{folder} is in use by another sgraf process that has written nothing there yet "
+                      f"({describe_holder(holder)}); wait for it to write its files")
+    return False, (f"{folder} holds only the lock of a command that stopped before writing anything (a run killed "
+                   "as it started?): nothing to list or resume; start the run again")
 
 
 def is_run_folder(folder: str | os.PathLike[str]) -> bool:
