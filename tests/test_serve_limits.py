@@ -122,11 +122,13 @@ def test_an_answer_echoes_the_clients_own_text_as_sent(client, service, gallery)
     and the server's own folders as `.` or `../data`): words the user never typed, and an oracle
     for the server's paths."""
     index_root = str(gallery["root"].resolve() / "index")
-    for text in ("a /tmp/guess/Zebra", f"a {index_root}", f"a {gallery['data'].resolve()}"):
+    for text in ("a /tmp/guess/Zebra", f"a {index_root}", f"a {gallery['data'].resolve()}", "C:\\x\\y",
+                 "a C:\\Users\\me\\Zebra"):      # a backslash, which the quoted echo doubles
         answer = client.get("/api/search", params={"text": text})
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
-        assert error.startswith(f"query {text!r}") and text.split()[1].lower() in error, error
+        assert error.startswith(f"query {text!r}"), error
+        assert "\\" in text or text.split()[1].lower() in error, error
     # the server's own paths in its messages stay hidden, also from a client whose word starts them
     assert service.public(f"{index_root}/manifest.json: gone", keep=["a dog"]) == "./manifest.json: gone"
     assert service.public(f"{index_root}/manifest.json: gone", keep=[index_root[:5]]) == "./manifest.json: gone"

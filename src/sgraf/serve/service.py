@@ -329,9 +329,10 @@ class SearchService:
         and its answer told whether the path was the server's. A word that is only the start of a
         longer path (a guess `/srv` of the server's `/srv/data/...`) is not kept: that path is
         still hidden."""
-        pieces = sorted({piece for value in keep for word in [value, *value.split()]
-                         for piece in (word, word.lower()) if len(piece) > 1 and "\x00" not in piece},
-                        key=len, reverse=True)
+        # each also as repr() writes it inside quotes (a backslash doubled), as messages quote text
+        pieces = sorted({form for value in keep for word in [value, *value.split()]
+                         for piece in (word, word.lower()) for form in (piece, repr(piece)[1:-1])
+                         if len(form) > 1 and "\x00" not in form}, key=len, reverse=True)
         masked: list[str] = []
 
         def mask(match: re.Match[str]) -> str:
