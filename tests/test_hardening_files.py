@@ -157,7 +157,13 @@ def test_generate_refuses_existing_data_and_overwrite_leaves_no_earlier_picture(
     err = _one_line_error(capsys)
     assert f"{out} already holds other data (" in err and "pass --overwrite" in err
     assert _files(out) == before                                   # refused before writing anything
+    (out / "test_caps.txt").chmod(0o600)                           # private: stays private (it had become 0644)
+    (out / "dev_caps.txt").chmod(0o444)
     assert main(["generate", "--out", str(out), *tiny(4), "--seed", "3", "--overwrite"]) == 0
+    if os.name == "posix":
+        assert [oct((out / name).stat().st_mode & 0o777) for name in ("test_caps.txt", "dev_caps.txt")] == [
+            "0o600", "0o444"]
+    (out / "dev_caps.txt").chmod(0o644)
     assert sorted(p.name for p in (out / "images" / "test").iterdir()) == [f"{i:05d}.png" for i in range(4)]
     scenes = [json.loads(line) for line in (out / "test_scenes.jsonl").read_text().splitlines()]
     assert len(scenes) == 4 and np.load(out / "test_ims.npy").shape[0] == 4

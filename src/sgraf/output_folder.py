@@ -28,6 +28,7 @@ import logging
 import os
 import pathlib
 import shutil
+import stat
 import tempfile
 from typing import Callable, Iterable
 
@@ -263,6 +264,7 @@ class NewGeneration:
         aside = self.staging / f"{STAGING_PREFIX}earlier"    # removed with the staging folder
         moved_aside: list[str] = []
         moved_in: list[str] = []
+        replaced = set(earlier)
         try:
             with signals_deferred():                # a signal waits for the swap to end (SIGKILL does not):
                 # the record names both generations while they swap, so that what a kill leaves there is
@@ -279,6 +281,8 @@ class NewGeneration:
                 for name in written:
                     current = self.folder / name
                     current.parent.mkdir(parents=True, exist_ok=True)
+                    if name in replaced:            # the file it replaces keeps its permissions (0600 stays)
+                        os.chmod(self.staging / name, stat.S_IMODE((aside / name).stat().st_mode))
                     os.replace(self.staging / name, current)
                     moved_in.append(name)
                 current = self.folder / RECORD
