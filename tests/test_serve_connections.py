@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import shutil
 import socket
 import time
@@ -285,6 +286,30 @@ def test_pictures_and_explanations_stop_when_the_data_changes_under_the_server(g
         assert client.get("/api/search", params={"text": "a dog"}).status_code == 200   # the index is unchanged
         health = client.get("/api/health").json()
         assert (health["status"], health["changed"]) == ("stale", ["data test_ims.npy"])
+
+
+def test_a_large_features_file_edited_in_place_is_a_change(gallery, tmp_path):
+    """Whether a touched file kept its bytes had been judged by the data fingerprint (the size and
+    the first and last MiB of the features): a row rewritten in place was no change."""
+    from sgraf.search import file_states
+    from sgraf.serve.service import _InBackground
+
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "test_ims.npy", np.zeros((64, 36, 256), np.float32))       # 2.4 MB
+    (data / "test_caps.txt").write_text("a dog\n" * 320)
+    opened = SearchService.open(gallery["index"], shortlist=6)
+    opened.data_dir, opened.split = data, "test"
+    opened._data_files = file_states(data, ["test_ims.npy", "test_caps.txt"])
+    opened._data_digests = _InBackground(opened._digests)
+    os.utime(data / "test_ims.npy", ns=(1, 1))
+    assert opened.data_changed() == []                                        # touched only
+    mapped = np.load(data / "test_ims.npy", mmap_mode="r+")
+    mapped[32, 0, 0] = 1.0                                                    # the middle, in place
+    mapped.flush()
+    del mapped
+    os.utime(data / "test_ims.npy", ns=(2, 2))
+    assert opened.data_changed() == ["test_ims.npy"]
 
 
 def test_warm_up_changes_no_answer(gallery):

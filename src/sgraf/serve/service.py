@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import threading
 from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
@@ -60,6 +61,23 @@ class NotFound(LookupError):
     inside the gallery's picture folder, or explanations without the gallery's features."""
 
 
+class _InBackground:
+    """`work()` run on a daemon thread from now on; `result()` waits for it (a server starts
+    without waiting for what only a later check needs)."""
+
+    def __init__(self, work: Any) -> None:
+        self._result: Any = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="sgraf-data-digests", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Any) -> None:
+        self._result = work()
+
+    def result(self) -> Any:
+        self._thread.join()
+        return self._result
+
+
 class SearchService:
     """An opened gallery index with its pictures and features, ready to answer requests.
 
@@ -89,7 +107,7 @@ class SearchService:
         self.picture_dir = self._find_picture_dir()
         self.features, self.why_no_explain = self._open_features()
         self._data_files = self._data_states()
-        self._data_digests = self._digests()
+        self._data_digests = _InBackground(self._digests)     # read whole: seconds for MSCOCO's 5K features
 
     @classmethod
     def open(cls, index: str | os.PathLike[str], checkpoints: Sequence[str | os.PathLike[str]] | None = None,
@@ -150,16 +168,24 @@ class SearchService:
         return file_states(self.data_dir, [f"{self.split}_ims.npy", f"{self.split}_caps.txt"])
 
     def _digests(self) -> dict[str, str]:
-        """`precomp.data_fingerprint` of the split's features and captions (the captions hashed
-        whole, the features by their size and edges: milliseconds), or {} where not readable."""
-        from sgraf.data.precomp import data_fingerprint
+        """The sha256 of each of the split's features and captions files, read whole (a features
+        file edited in place keeps its size and, often, its first and last MiB, which the data
+        fingerprint hashes), or {} where not readable."""
+        import hashlib
 
         if not self._data_files or None in self._data_files.values():
             return {}
+        digests = {}
         try:
-            return data_fingerprint(self.data_dir, splits=(self.split,))
-        except (OSError, InputError):
+            for name in self._data_files:
+                digest = hashlib.sha256()
+                with open(self.data_dir / name, "rb") as handle:
+                    for block in iter(lambda: handle.read(1 << 22), b""):
+                        digest.update(block)
+                digests[name] = digest.hexdigest()
+        except OSError:
             return {}
+        return digests
 
     def data_changed(self) -> list[str]:
         """The data files (relative to the data folder) that changed since the server started. A
@@ -171,14 +197,14 @@ class SearchService:
         if not self._data_files:
             return []
         changed = changed_since(self.data_dir, self._data_files)
-        if changed and self._data_digests:
+        if changed and self._data_digests.result():
             now = file_states(self.data_dir, changed)
             touched = [name for name in changed if now[name] is not None and self._data_files[name] is not None
                        and now[name][:3] == self._data_files[name][:3]]
             if touched:
                 digests = self._digests()
                 for name in touched:
-                    if digests.get(name) == self._data_digests.get(name):
+                    if digests.get(name) == self._data_digests.result().get(name):
                         self._data_files = {**self._data_files, name: now[name]}
                         changed.remove(name)
         return changed
