@@ -25,6 +25,7 @@ import collections
 import contextlib
 import itertools
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -199,18 +200,38 @@ def eval_mode(models: Sequence[nn.Module]) -> Iterator[None]:
     Models already in eval mode are left alone: `eval()` walks every submodule, which cost a
     quarter of a small call (a search re-ranking 50 images) when done on every block. A model in
     training gets each submodule's own mode back (a BatchNorm its user froze stays in eval).
+    Threads that score one model in training at once share its eval spell: the first to enter
+    saves the modes, the last to leave puts them back (each call had saved and restored its own,
+    so one call's restore put the model in training under another's scores, and its BatchNorm
+    statistics moved).
     """
-    modes = [{module: module.training for module in model.modules()} for model in models if model.training]
-    for saved in modes:
-        for module in saved:
-            module.training = False
+    entered = []
+    with _EVAL_LOCK:
+        for model in models:
+            held = _EVAL_HELD.get(id(model))
+            if held is None and model.training:
+                held = _EVAL_HELD[id(model)] = [0, {module: module.training for module in model.modules()}]
+                for module in held[1]:
+                    module.training = False
+            if held is not None:
+                held[0] += 1
+                entered.append(model)
     try:
         with torch.no_grad():
             yield
     finally:
-        for saved in modes:
-            for module, mode in saved.items():
-                module.training = mode
+        with _EVAL_LOCK:
+            for model in entered:
+                held = _EVAL_HELD[id(model)]
+                held[0] -= 1
+                if held[0] == 0:
+                    del _EVAL_HELD[id(model)]
+                    for module, mode in held[1].items():
+                        module.training = mode
+
+
+_EVAL_LOCK = threading.Lock()
+_EVAL_HELD: dict[int, list[Any]] = {}     # id(model) -> [calls inside, its modules' modes before]
 
 
 @contextlib.contextmanager
