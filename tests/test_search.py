@@ -261,7 +261,9 @@ def test_index_out_refuses_a_folder_that_is_not_an_index(gallery, tmp_path):
     with pytest.raises(InputError, match="is not an sgraf index"):
         build_index(matcher, gallery["features"], gallery["captions"], tmp_path)
     for features, captions, message in (("features.npy", gallery["captions"], "got str"),
-                                        (gallery["features"], [*gallery["captions"][:-1], 3], "a list of str")):
+                                        (gallery["features"], [*gallery["captions"][:-1], 3], "a list of str"),
+                                        (gallery["features"][0], ["a dog"], r"one image's features: features\[None\]"),
+                                        (gallery["features"][None], gallery["captions"], "got shape \\(1, ")):
         with pytest.raises(InputError, match=message):
             build_index(matcher, features, captions, tmp_path / "new")
     assert not (tmp_path / "new").exists()

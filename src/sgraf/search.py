@@ -157,6 +157,10 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     _check_only_index_files(out)
     if not hasattr(features, "shape"):
         raise InputError(f"features: expected an (n_img, K, img_dim) array or tensor, got {type(features).__name__}")
+    if len(features.shape) != 3:        # one image's (K, img_dim) had made a gallery of K images, K - 1 of them zeros
+        raise InputError(f"features: expected an (n_img, K, img_dim) array or tensor, got shape "
+                         f"{tuple(features.shape)}" + (" (one image's features: features[None] is a gallery of one)"
+                                                        if len(features.shape) == 2 else ""))
     if isinstance(captions, str) or not all(isinstance(caption, str) for caption in captions):
         raise InputError("captions: expected a list of str, one per caption")
     n_img, n_cap = int(features.shape[0]), len(captions)
