@@ -752,10 +752,12 @@ class GalleryIndex:
         if not isinstance(shortlist, (int, np.integer)) or shortlist < 1:
             raise InputError(f"shortlist must be a positive integer, or None to re-rank the whole gallery "
                              f"(--shortlist 0 on the command line), got {shortlist!r}")
+        # both capped at the gallery first: top_k=1000 of 32 pictures asks for all 32, whatever the shortlist
+        top_k, shortlist = min(int(top_k), n), min(int(shortlist), n)
         if shortlist < top_k:
             raise InputError(f"shortlist ({shortlist}) must be at least top_k ({top_k}): the re-ranking "
                              "returns results from the shortlist only")
-        return min(int(top_k), n), min(int(shortlist), n)
+        return top_k, shortlist
 
     def _rows(self, kind: str, index: Any) -> list[torch.Tensor]:
         """Rows `index` of every model's 'image_regions' or 'caption_words' as float32 tensors.
