@@ -424,3 +424,17 @@ def test_before_pytorch_2_4_the_authors_options_are_read_by_a_restricted_unpickl
     with pytest.raises(ValueError, match=r"refusing to load: the checkpoint pickles the class posix.system"):
         load_checkpoint(evil)
     assert not marker.exists()
+
+
+def test_map_location_names_a_device_as_the_matcher_does():
+    """'cuda' on a machine without CUDA had called a good file unreadable; 'auto' had been an
+    unknown tag."""
+    path = DATA / "e2e" / "sgr.pth.tar"
+    assert next(load_model(path, map_location="auto").parameters()).device.type == (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    assert next(load_model(path, map_location=torch.device("cpu")).parameters()).device.type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match=r"^map_location 'cuda': CUDA is not available"):
+            load_model(path, map_location="cuda")
+    with pytest.raises(InputError, match=r"^map_location 'gpu' is not a device name"):
+        load_model(path, map_location="gpu")

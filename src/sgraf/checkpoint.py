@@ -329,11 +329,16 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", vocab: Any = 
 
     Args:
         path: our checkpoint or the authors' `.pth.tar`.
-        map_location: passed to `torch.load`.
+        map_location: a device ('cpu', 'cuda', 'cuda:N', 'mps', or 'auto': CUDA where there is
+            one), checked as `Matcher` checks it; else (a mapping, a function) passed to `torch.load`.
         vocab: a Vocabulary (or its dict, or a JSON path) to attach; defaults to the one stored
             in the checkpoint (the authors' files have none). One that differs from the stored
             one is refused (`vocabulary_conflict`): its word ids are not the ones the model learned.
     """
+    if isinstance(map_location, (str, torch.device)):   # 'cuda' without CUDA had called a good file unreadable
+        from sgraf.devices import resolve_device
+
+        map_location = resolve_device(map_location, "map_location")
     checkpoint = load_checkpoint(path, map_location)
     config = _model_config(checkpoint, path)
     model = checked_model(config, checkpoint["state_dict"], str(path))
