@@ -335,3 +335,23 @@ def test_threads_scoring_a_model_in_training_share_one_eval_spell(vocab, feature
     assert all(torch.equal(torch.as_tensor(result), torch.as_tensor(reference)) for result in results)
     assert model.training and all(module.training for module in model.modules())
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_the_models_own_calls_refuse_or_take_what_a_notebook_passes(vocab, features, tmp_path):
+    """An SGRAF model where a Matcher goes, NumPy arrays, bf16 weights and a module that is no
+    SGRAF had each failed deep in PyTorch or Python (AttributeError, RuntimeError)."""
+    from sgraf.explain import explain_pair
+
+    model = _model("sgr", vocab, seed=3)
+    ids = torch.tensor([vocab.encode("a dog runs")])
+    expected = model.score(torch.from_numpy(features), ids, [ids.shape[1]])
+    assert torch.equal(model.score(features, ids.numpy(), [ids.shape[1]]), expected)       # NumPy as tensors
+    assert explain_pair(model, features[0], "a dog runs").scores == explain_pair(
+        Matcher(model), features[0], "a dog runs").scores
+    with pytest.raises(InputError, match="^matcher: expected a sgraf.Matcher .or an SGRAF model., got str"):
+        explain_pair("best.pt", features[0], "a dog")
+    with pytest.raises(InputError, match="^the model has bfloat16 weights; sgraf computes from float32 weights"):
+        _model("sgr", vocab, seed=3).to(torch.bfloat16).score(features, ids, [ids.shape[1]])
+    with pytest.raises(InputError, match="expected an SGRAF model .one with a ModelConfig., got Linear"):
+        save_model(torch.nn.Linear(2, 2), tmp_path / "m.pt")
+    assert not (tmp_path / "m.pt").exists()

@@ -133,6 +133,9 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike, vocab: Any = Non
         ValueError: a weight holds NaN/inf (the file would be refused on loading); nothing is
             written.
     """
+    if not isinstance(getattr(model, "config", None), ModelConfig) or not isinstance(model, torch.nn.Module):
+        raise InputError(f"refusing to write {path}: expected an SGRAF model (one with a ModelConfig), got "
+                         f"{type(model).__name__}")
     broken = non_finite_tensor(model.state_dict())
     if broken is not None:
         raise ValueError(f"refusing to write {path}: tensor {broken} of the model; a checkpoint must hold "

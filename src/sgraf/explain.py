@@ -209,7 +209,7 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
     """The attention quantities of one image and one caption.
 
     Args:
-        matcher: a `sgraf.api.Matcher` (one model or an ensemble).
+        matcher: a `sgraf.api.Matcher` (one model or an ensemble), or one `SGRAF` model.
         features: (K, img_dim) region features of the image.
         text: the caption; unknown words are refused unless `allow_unknown`.
         boxes: (K, 4) the regions' boxes normalised to [0, 1] (`PrecompSplit.boxes[i]`), for
@@ -221,6 +221,14 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
         text-to-image local alignments. The scores are computed in the matcher's precision (as
         its searches are); the quantities drawn, in float32.
     """
+    from sgraf.api import Matcher
+    from sgraf.model.sgraf import SGRAF
+
+    if isinstance(matcher, SGRAF):              # one model, as Matcher(model) would hold it
+        matcher = Matcher(matcher)
+    elif not isinstance(matcher, Matcher):
+        raise InputError(f"matcher: expected a sgraf.Matcher (or an SGRAF model), got {type(matcher).__name__}; "
+                         "Matcher.load(paths) loads checkpoints")
     with matcher.computing():
         return _explain_pair(matcher, features, text, allow_unknown, boxes)
 

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -652,6 +653,14 @@ class SGRAF(nn.Module):
         weight folds, global vectors and Gram matrices computed once per call.
         """
         batch_size = check_positive_int(batch_size, "batch_size")
+        images, captions, boxes = (torch.tensor(value) if isinstance(value, np.ndarray) else value   # NumPy too
+                                   for value in (images, captions, boxes))
+        other = sorted({str(t.dtype).replace("torch.", "") for t in self.parameters()
+                        if t.is_floating_point() and t.dtype != torch.float32})
+        if other:       # it had failed deep in PyTorch ("mat1 and mat2 must have the same dtype")
+            raise InputError(f"the model has {', '.join(other)} weights; sgraf computes from float32 weights, in low "
+                             "precision under autocast: model.float(), then sgraf.Matcher(model, precision='bf16') "
+                             "or a torch.autocast context")
         lengths = self.validate_inputs(images, captions, lengths)
         if self.needs_boxes:
             check_normalised_boxes(self.check_boxes(images, boxes))
