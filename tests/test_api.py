@@ -355,3 +355,17 @@ def test_the_models_own_calls_refuse_or_take_what_a_notebook_passes(vocab, featu
     with pytest.raises(InputError, match="expected an SGRAF model .one with a ModelConfig., got Linear"):
         save_model(torch.nn.Linear(2, 2), tmp_path / "m.pt")
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_an_unknown_word_is_named_in_a_caption_and_a_decomposed_one_is_explained(features):
+    import unicodedata
+
+    vocab = Vocabulary.from_words([*WORDS, "jalape\u00f1o"])
+    matcher = Matcher(_model("sgr", vocab, seed=1))
+    with pytest.raises(InputError, match="^text 'a zebra': word.s. 'zebra' not in"):      # not called a query
+        matcher.tokenize("a zebra", query=False)
+    decomposed = unicodedata.normalize("NFD", "a jalape\u00f1o")
+    with pytest.raises(InputError, match=r"is written with combining accents, Unicode NFD, and its composed form "
+                                         r"is known: unicodedata.normalize\('NFC', text\)"):
+        matcher.score(features[:1], [decomposed])
+    assert matcher.score(features[:1], [unicodedata.normalize("NFC", decomposed)]).shape == (1, 1)

@@ -410,11 +410,18 @@ class Matcher:
         if not allow_unknown:
             unknown = [t for t in tokens if t not in self.vocab.word2idx]
             if unknown:
+                import unicodedata
+
                 listed = ", ".join(repr(t) for t in dict.fromkeys(unknown))
-                raise InputError(f"query {text!r}: word(s) {listed} not in the model's vocabulary "
-                                 f"({len(self.vocab)} words); rephrase with known words, or let unknown words "
-                                 "count as <unk> (allow_unknown=True in Python, --allow-unknown on the command "
-                                 "line, allow_unknown=true in the HTTP API)")
+                # a word typed decomposed (e + a combining accent) looks like the known composed one
+                composed = [t for t in dict.fromkeys(unknown)
+                            if unicodedata.normalize("NFC", t) != t and unicodedata.normalize("NFC", t) in self.vocab]
+                hint = (f" ({composed[0]!r} is written with combining accents, Unicode NFD, and its composed form "
+                        "is known: unicodedata.normalize('NFC', text))" if composed else "")
+                raise InputError(f"{'query' if query else 'text'} {text!r}: word(s) {listed} not in the model's "
+                                 f"vocabulary ({len(self.vocab)} words){hint}; rephrase with known words, or let "
+                                 "unknown words count as <unk> (allow_unknown=True in Python, --allow-unknown on the "
+                                 "command line, allow_unknown=true in the HTTP API)")
         return tokens, self.vocab.encode(text)
 
     def encode_texts(self, texts: Sequence[str], allow_unknown: bool = False, query: bool = False) -> TextEncoding:
