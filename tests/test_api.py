@@ -369,3 +369,20 @@ def test_an_unknown_word_is_named_in_a_caption_and_a_decomposed_one_is_explained
                                          r"is known: unicodedata.normalize\('NFC', text\)"):
         matcher.score(features[:1], [decomposed])
     assert matcher.score(features[:1], [unicodedata.normalize("NFC", decomposed)]).shape == (1, 1)
+
+
+def test_a_notebook_shows_matchers_encodings_and_steps_in_a_line(vocab, features):
+    from sgraf.training.step import NonFiniteLossError, StepResult
+
+    matcher = Matcher(_model("saf", vocab, seed=2))
+    assert repr(matcher) == ("Matcher(1 model(s): saf (<in memory>); device cpu, precision fp32, vocabulary "
+                             f"{len(vocab)} words)")
+    assert repr(matcher.encode_images(features)) == "ImageEncoding(4 images, 1 model(s), regions (4, 5, 12))"
+    assert repr(matcher.encode_texts(["a dog", "a red ball"])).startswith("TextEncoding(2 texts, 1 model(s), words (2, ")
+    assert repr(StepResult(0.5, 1.25)) == "StepResult(loss=0.5, grad_norm=1.25, skipped=False)"
+
+    def bad() -> None:
+        raise NonFiniteLossError("the training loss is nan")
+
+    assert repr(StepResult(float("nan"), 0.0, check=bad)) == "StepResult(loss not finite, skipped=False)"
+    assert {"training", "evaluate", "explain", "Matcher"} <= set(dir(sgraf))

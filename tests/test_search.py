@@ -80,6 +80,7 @@ def test_text_search_with_whole_gallery_shortlist_is_exhaustive_ranking(gallery)
     expected = np.lexsort((np.arange(N_IMG), -reference))
     hits = index.search_text(query, top_k=N_IMG, shortlist=N_IMG)
     assert [h.id for h in hits] == expected.tolist()
+    assert repr(index) == f"GalleryIndex({index.folder}: {N_IMG} images, {N_IMG * CAPS} captions, 2 model(s))"
     # more than the gallery holds asks for all of it, whatever the shortlist (it had been refused, naming a
     # shortlist never set); a shortlist below top_k still is
     for top_k, shortlist in ((1000, None), (1000, 100), (N_IMG + 1, N_IMG)):

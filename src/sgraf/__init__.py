@@ -50,5 +50,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sgraf' has no attribute {name!r}")
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+def __dir__() -> list[str]:     # the modules imported when first named too (a notebook's sgraf.<TAB>)
+    return sorted({*globals(), *__all__, *_MODULES})

@@ -125,6 +125,10 @@ class ImageEncoding:
     def __len__(self) -> int:
         return int(self.regions[0].shape[0])
 
+    def __repr__(self) -> str:      # shapes, not the tensors (thousands of characters in a notebook)
+        shapes = ", ".join(str(tuple(regions.shape)) for regions in self.regions)
+        return f"ImageEncoding({len(self)} images, {len(self.regions)} model(s), regions {shapes})"
+
 
 @dataclass
 class TextEncoding:
@@ -146,6 +150,10 @@ class TextEncoding:
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(str(tuple(words.shape)) for words in self.words)
+        return f"TextEncoding({len(self)} texts, {len(self.words)} model(s), words {shapes})"
 
 
 def shortlist_keys(global_vectors: Sequence[torch.Tensor]) -> np.ndarray:
@@ -284,6 +292,13 @@ class Matcher:
             raise InputError(f"the vocabulary has {len(self.vocab)} words but the model expects "
                              f"vocab_size={self.models[0].config.vocab_size}")
         self._identities: tuple[Any, list[dict[str, Any]]] | None = None
+
+    def __repr__(self) -> str:
+        models = "; ".join(f"{model.config.module} ({source or '<in memory>'})"
+                           for model, source in zip(self.models, self.sources))
+        words = f"{len(self.vocab)} words" if self.vocab is not None else "none"
+        return (f"Matcher({len(self.models)} model(s): {models}; device {self.device}, precision {self.precision}, "
+                f"vocabulary {words})")
 
     @property
     def device(self) -> torch.device:

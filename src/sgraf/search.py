@@ -633,6 +633,10 @@ class GalleryIndex:
         """Image `image_id`'s name, when the index records names."""
         return self.image_names[image_id] if self.image_names is not None else None
 
+    def __repr__(self) -> str:
+        return (f"GalleryIndex({self.folder}: {self.n_images} images, {self.n_captions} captions, "
+                f"{len(self.matcher.models)} model(s))")
+
     def changed_files(self) -> list[str]:
         """The index's files (names in its folder) that are no longer the ones opened: replaced,
         rewritten or gone (`file_states`); empty while the folder holds what was opened."""

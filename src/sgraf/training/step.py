@@ -58,6 +58,12 @@ class StepResult:
                  check: Callable[[], None] | None = None) -> None:
         self._loss, self._grad_norm, self.skipped, self._check = loss, grad_norm, skipped, check
 
+    def __repr__(self) -> str:
+        try:
+            return f"StepResult(loss={self.loss:.6g}, grad_norm={self.grad_norm:.6g}, skipped={self.skipped})"
+        except NonFiniteLossError:
+            return f"StepResult(loss not finite, skipped={self.skipped})"
+
     def check(self) -> None:
         """Raise `NonFiniteLossError` if the loss was not finite (reads it from the device once)."""
         check, self._check = self._check, None
