@@ -370,3 +370,15 @@ def test_features_of_another_shape_name_their_file(gallery, tmp_path):
     matcher = Matcher.load(gallery["paths"])
     with pytest.raises(InputError, match=r"wide_ims\.npy: image features must have shape \(n_images, "):
         matcher.encode_images(np.load(tmp_path / "wide_ims.npy", mmap_mode="r"))
+
+
+def test_an_index_named_by_its_manifest_or_built_in_memory_is_said_in_pythons_words(gallery, tmp_path):
+    with pytest.raises(InputError, match=rf"^{gallery['index'] / 'manifest.json'} is a file: give the index folder "
+                                         rf"\({gallery['index']}\)$"):
+        open_index(gallery["index"] / "manifest.json")
+    matcher = Matcher.load(gallery["paths"])
+    matcher.sources = [None] * len(matcher.models)                   # models in memory
+    build_index(matcher, gallery["features"][:2], gallery["captions"][:10], tmp_path / "mem")
+    with pytest.raises(InputError, match="built from models in memory.*checkpoints= or matcher= in Python"):
+        open_index(tmp_path / "mem")
+    assert open_index(tmp_path / "mem", matcher=matcher).n_images == 2

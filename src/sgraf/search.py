@@ -378,6 +378,9 @@ def _open_out(path: Path, shape: tuple[int, ...], dtype: str) -> np.memmap:
 # --------------------------------------------------------------------------------- opening
 def _read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
+    if folder.is_file():
+        raise InputError(f"{folder} is a file: give the index folder" + (
+            f" ({folder.parent})" if folder.name == MANIFEST else ""))
     if not folder.is_dir():
         aside = _leftovers(folder)[1] if folder.parent.is_dir() else []
         if aside:         # a build killed between its two moves (SIGKILL: the others wait for both)
@@ -529,11 +532,13 @@ def open_index(path: str | Path, matcher: Matcher | None = None,
         paths = (path_list("checkpoints", checkpoints) if checkpoints is not None
                  else [m.get("source") for m in manifest["models"]])
         if not paths or any(p is None for p in paths):
-            raise InputError(f"index {folder} does not record its checkpoint paths; pass --checkpoint")
+            raise InputError(f"index {folder} does not record its checkpoint paths (built from models in memory); "
+                             "give them: --checkpoint on the command line, checkpoints= or matcher= in Python")
         missing = [str(p) for p in paths if not Path(p).is_file()]
         if missing:
             raise InputError(f"index {folder} was built with checkpoint(s) {', '.join(missing)}, which no "
-                             "longer exist; pass --checkpoint with the same model(s)")
+                             "longer exist; give the same model(s): --checkpoint on the command line, checkpoints= "
+                             "in Python")
         matcher = Matcher.load(paths, vocab=vocab, device=device)
     check_identity(manifest, matcher, folder)
     return GalleryIndex(folder, manifest, matcher, verify=verify, first_stage=first_stage, in_memory=in_memory)
