@@ -374,7 +374,7 @@ def evaluate_checkpoints(checkpoints: str | os.PathLike | Sequence[str | os.Path
         split: the split name (``test``, ``testall``, ...).
         vocab: vocabulary JSON (or object) for models that carry none.
         folds: consecutive equal folds to average over (MSCOCO 1K: 5 on ``testall``).
-        precision: ``"fp32"`` or ``"bf16"``.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (`sgraf.precision`).
         batch_size: encoder batch and caption bucket size.
         device: where to run ('auto': CUDA when available).
         progress: progress bars with ETA on stderr.

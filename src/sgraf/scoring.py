@@ -74,7 +74,7 @@ def encode_images(model: Scorer, images: Any, batch_size: int = 128, precision: 
         model: the model (its device is used).
         images: (n_img, K, D) float32 array, memory-mapped or not, or a tensor.
         batch_size: images per batch.
-        precision: ``"fp32"`` or ``"bf16"``.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         progress: show a progress bar on stderr.
         source: the features file named in errors (default: a memory map's own file).
         boxes: (n_img, K, 4) normalised region boxes, for a model with positions.
@@ -124,7 +124,7 @@ def encode_split(model: Scorer, split: Any, vocab: Any, batch_size: int = 128, p
             ``captions`` (list of str)).
         vocab: the vocabulary (``vocab.encode(caption)`` gives token ids).
         batch_size: images or captions per encoder batch (also the caption bucket size).
-        precision: ``"fp32"`` or ``"bf16"``.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         device: accepted for symmetry with the callers; must be the model's device if given.
         progress: progress bars on stderr.
         token_ids: the captions already tokenised with `vocab` (`tokenize_captions`), for a
@@ -162,7 +162,7 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
     Args:
         models: one model, or several for an ensemble (each in eval mode during the call).
         encoded: the split encoded by each model (same order, same split).
-        precision: ``"fp32"`` or ``"bf16"`` (autocast around the similarity).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast around the similarity).
         image_block: images per scoring block (default: `sgraf.model.blocks.block_sizes`).
         block_elements: bound on images x captions x words x features per block (same default).
         progress: progress bar with ETA on stderr (rank 0 only).
