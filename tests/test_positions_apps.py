@@ -251,8 +251,11 @@ def test_explain_with_boxes_scores_as_the_model_and_draws_the_boxes(gallery, tmp
     assert explanation.place_model in explanation.scores and explanation.place_model != "ensemble"
     assert explanation.place.shape == (ids.shape[1],) and abs(float(term) - explanation.place.sum()) < 1e-4
     assert abs(float(term)) > 1e-3
-    with pytest.raises(InputError, match=r"positions='place'\) read region positions and need each region's box"):
+    with pytest.raises(InputError, match=r"positions='place'\) read region positions and need each region's box "
+                                         r"\(K, 4\) normalised"):      # explain takes one image's, (K, 4)
         explain_pair(matcher, gallery["features"][4], text)
+    with pytest.raises(InputError, match=r"must have shape \(\d+, 4\) or \(1, \d+, 4\)"):
+        explain_pair(matcher, gallery["features"][4], text, boxes=gallery["boxes"][4][:2])
     out = tmp_path / "explain.png"
     assert main(["explain", "--checkpoint", str(gallery["paths"]["box"]), "--data", str(gallery["boxed"]),
                  "--split", "test", "--image-id", "4", "--text", text, "--out", str(out)]) == 0

@@ -544,8 +544,9 @@ class Matcher:
         """
         if boxes is None:
             if self.needs_boxes:
+                shape = "(K, 4)" if n_images == 1 else "(n_images, K, 4)"
                 raise InputError(f"{self.boxes_needed_by(and_need=True)} each region's box "
-                                 "(n_images, K, 4) normalised to [0, 1]; got images without boxes (a "
+                                 f"{shape} normalised to [0, 1]; got images without boxes (a "
                                  "PrecompSplit's boxes are None where a file is missing: "
                                  "split.read_boxes(required=True) names it)")
             return None
@@ -560,7 +561,8 @@ class Matcher:
             boxes = boxes.unsqueeze(0)
         k = self.models[0].config.num_regions
         if tuple(boxes.shape) != (n_images, k, 4):
-            raise InputError(f"{where} must have shape ({n_images}, {k}, 4) (x1, y1, x2, y2 per region of each "
+            shape = f"({k}, 4) or (1, {k}, 4)" if n_images == 1 else f"({n_images}, {k}, 4)"
+            raise InputError(f"{where} must have shape {shape} (x1, y1, x2, y2 per region of each "
                              f"image), got {tuple(boxes.shape)}")
         from sgraf.model.positions import check_normalised_boxes
 
