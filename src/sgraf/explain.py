@@ -211,7 +211,8 @@ def explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool = F
     Args:
         matcher: a `sgraf.api.Matcher` (one model or an ensemble), or one `SGRAF` model.
         features: (K, img_dim) region features of the image.
-        text: the caption; unknown words are refused unless `allow_unknown`.
+        text: the caption, held to a query's limits (`sgraf.api.MAX_TEXT_WORDS` words); unknown
+            words are refused unless `allow_unknown`.
         boxes: (K, 4) the regions' boxes normalised to [0, 1] (`PrecompSplit.boxes[i]`), for
             models with positions (refused without them); ignored by the others.
 
