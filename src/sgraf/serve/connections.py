@@ -95,20 +95,30 @@ def raise_descriptor_limit(wanted: int = DESCRIPTORS_WANTED) -> int:
     return soft
 
 
+class _Sparing:
+    """Counts an event and warns of it at most once per `WARN_EVERY_S` (the message's last
+    argument: the count so far)."""
+
+    def __init__(self, message: str) -> None:
+        self.message, self.count, self.warned = message, 0, 0.0
+
+    def __call__(self, *args: Any) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.warned >= WARN_EVERY_S:
+            logger.warning(self.message, *args, self.count)
+            self.warned = now
+
+
 def quiet_accept_errors(loop: Any) -> None:
     """An exception handler for `loop`: asyncio's "socket.accept() out of system resource"
     (no descriptor left) becomes one warning line per `WARN_EVERY_S`, without its traceback;
     everything else goes to the default handler."""
-    state = {"count": 0, "warned": 0.0}
+    say = _Sparing("cannot accept connections: %s (%d times so far); the open ones are kept")
 
     def handler(loop: Any, context: dict[str, Any]) -> None:
         if context.get("message") == "socket.accept() out of system resource":
-            state["count"] += 1
-            now = time.monotonic()
-            if now - state["warned"] >= WARN_EVERY_S:
-                logger.warning("cannot accept connections: %s (%d times so far); the open ones are kept",
-                               context.get("exception"), state["count"])
-                state["warned"] = now
+            say(context.get("exception"))
             return
         loop.default_exception_handler(context)
 
@@ -135,8 +145,8 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     most = connection_cap() if cap is None else cap
-    refused = {"count": 0, "warned": 0.0}
-    stalled = {"count": 0, "warned": 0.0}
+    refused = _Sparing("refusing new connections: %d open, the most sgraf serve keeps (%d refused so far)")
+    stalled = _Sparing("dropped a connection whose client read nothing of its answer for %.0f s (%d so far)")
 
     class GuardedProtocol(H11Protocol):
         _header_timer: Any = None
@@ -145,12 +155,7 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             if len(self.connections) > most:
-                refused["count"] += 1
-                now = time.monotonic()
-                if now - refused["warned"] >= WARN_EVERY_S:
-                    logger.warning("refusing new connections: %d open, the most sgraf serve keeps "
-                                   "(%d refused so far)", most, refused["count"])
-                    refused["warned"] = now
+                refused(most)
                 transport.close()
                 return
             self._arm()
@@ -182,12 +187,7 @@ def guarded_protocol(security_headers: dict[str, str], cap: int | None = None,
         def _write_late(self) -> None:
             self._write_timer = None
             if self.flow is not None and self.flow.write_paused and not self.transport.is_closing():
-                stalled["count"] += 1
-                now = time.monotonic()
-                if now - stalled["warned"] >= WARN_EVERY_S:
-                    logger.warning("dropped a connection whose client read nothing of its answer for %.0f s "
-                                   "(%d so far)", write_timeout, stalled["count"])
-                    stalled["warned"] = now
+                stalled(write_timeout)
                 self.transport.abort()              # its unsent answer goes too
 
         def shutdown(self) -> None:
