@@ -351,3 +351,18 @@ def test_an_unexpected_error_is_answered_500_and_logged_once(service, caplog):
     assert caplog.text.count("RuntimeError: a bug") == 1 and "Exception in ASGI application" not in caplog.text, \
         caplog.text
     assert "request failed: GET /api/health" in caplog.text
+
+
+def test_a_sparing_warning_counts_every_event_and_says_it_once_a_window(caplog, monkeypatch):
+    from sgraf.serve import connections
+
+    clock = {"now": 100.0}
+    monkeypatch.setattr(connections.time, "monotonic", lambda: clock["now"])
+    say = connections._Sparing("refusing new connections: %d open (%d refused so far)")
+    with caplog.at_level("WARNING", logger=connections.logger.name):
+        for _ in range(3):
+            say(4)
+        clock["now"] += connections.WARN_EVERY_S
+        say(4)
+    assert [r.getMessage() for r in caplog.records] == ["refusing new connections: 4 open (1 refused so far)",
+                                                        "refusing new connections: 4 open (4 refused so far)"]
