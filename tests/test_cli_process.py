@@ -78,6 +78,7 @@ def test_the_command_through_its_entry_points():
 FINALISED = """
 import signal, sys, time
 from sgraf.signals import Stopped, stop_on_sigterm
+signal.signal(signal.SIGINT, signal.default_int_handler)   # as a terminal starts it (a background job ignores it)
 class Finalised:
     def __del__(self):
         signal.raise_signal(getattr(signal, sys.argv[1]))    # the handler raises here, in the finaliser

@@ -655,8 +655,8 @@ class SGRAF(nn.Module):
         batch_size = check_positive_int(batch_size, "batch_size")
         images, captions, boxes = (torch.tensor(value) if isinstance(value, np.ndarray) else value   # NumPy too
                                    for value in (images, captions, boxes))
-        other = sorted({str(t.dtype).replace("torch.", "") for t in self.parameters()
-                        if t.is_floating_point() and t.dtype != torch.float32})
+        other = sorted({str(t.dtype).replace("torch.", "") for t in self.parameters()   # float64: the golden checks
+                        if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64)})
         if other:       # it had failed deep in PyTorch ("mat1 and mat2 must have the same dtype")
             raise InputError(f"the model has {', '.join(other)} weights; sgraf computes from float32 weights, in low "
                              "precision under autocast: model.float(), then sgraf.Matcher(model, precision='bf16') "
