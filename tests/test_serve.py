@@ -175,6 +175,9 @@ def test_explain_is_what_explain_pair_computes(client, service, gallery):
     assert [regions[k] for k in ("kind", "rows", "cols", "width", "height")] == ["grid", 3, 3, 24, 24]
     assert regions["boxes"][0] == [0, 0, 8, 8] and regions["boxes"][5] == [16, 8, 24, 16]   # row 1, column 2
     assert answer["image"] == "/images/00002.png"
+    assert answer["unknown"] == []
+    unknown = client.get("/api/explain", params={"image_id": 2, "text": "a zebra dog", "allow_unknown": "true"}).json()
+    assert unknown["attention"]["tokens"][2] == "zebra" and unknown["unknown"] == [2]    # read as <unk>
 
 
 def test_explain_png_is_the_explain_picture(client):

@@ -12,6 +12,7 @@ import shutil
 import socket
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +237,64 @@ def test_type_a_caption_find_the_picture_and_open_its_explanation(server, browse
     assert "error" in browser.find_element(By.ID, "status").get_attribute("class")
     assert not browser.find_elements(By.CSS_SELECTOR, "#results .card")
     assert browser.find_element(By.ID, "results-title").text == ""
+
+
+def test_a_search_lives_in_the_address_and_the_page_works_from_the_keyboard(server, browser, demo_gallery):
+    """A reload or a shared link had shown an empty page, Back had left the app, Enter on a
+    caption did nothing, and an unknown word was drawn (and chosen first) as if the model had
+    read it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as ready
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    caption, image_id = _query(server, demo_gallery["captions"])
+    wait = WebDriverWait(browser, 30)
+    browser.get(server["url"] + "/?" + urllib.parse.urlencode({"text": caption, "top_k": 5, "allow_unknown": "true"}))
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results .card")) == 5)     # a shared link
+    first = [card.get_attribute("data-id") for card in browser.find_elements(By.CSS_SELECTOR, "#results .card")]
+    assert browser.find_element(By.ID, "query").get_attribute("value") == caption
+    assert browser.find_element(By.ID, "allow-unknown").is_selected()
+    # a second search is a new address; Back shows the first again
+    box = browser.find_element(By.ID, "query")
+    box.clear()
+    box.send_keys(demo_gallery["captions"][5] + Keys.ENTER)
+    wait.until(lambda d: demo_gallery["captions"][5] in d.find_element(By.ID, "results-title").text)
+    assert "text=" in browser.current_url
+    browser.back()
+    wait.until(lambda d: caption in d.find_element(By.ID, "results-title").text)
+    assert [card.get_attribute("data-id") for card in browser.find_elements(By.CSS_SELECTOR, "#results .card")] == first
+    browser.refresh()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results .card")) == 5)
+
+    # the keyboard: Enter (or Space) on a card explains it; Enter on a caption explains it
+    card = browser.find_elements(By.CSS_SELECTOR, "#results .card")[0]
+    card.send_keys(Keys.SPACE)
+    wait.until(ready.visibility_of_element_located((By.ID, "explain-panel")))
+    card.find_element(By.CSS_SELECTOR, ".captions-link").send_keys(Keys.ENTER)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#captions li")) >= 5)
+    assert "image_id=" in browser.current_url
+    assert not browser.find_element(By.ID, "explain-panel").is_displayed()   # Enter on the button was the button's
+    browser.find_elements(By.CSS_SELECTOR, "#captions li[tabindex]")[0].send_keys(Keys.ENTER)
+    wait.until(ready.visibility_of_element_located((By.ID, "explain-panel")))
+
+    # a word the vocabulary does not know is shown as read, and not chosen first
+    box = browser.find_element(By.ID, "query")
+    box.clear()
+    words = caption.split()
+    box.send_keys(" ".join([*words[:2], "zebraxyz", *words[2:]]) + Keys.ENTER)
+    wait.until(lambda d: "zebraxyz" in d.find_element(By.ID, "results-title").text)
+    browser.find_elements(By.CSS_SELECTOR, "#results .card")[0].click()
+    canvas = browser.find_element(By.ID, "attention")
+    wait.until(lambda d: canvas.get_attribute("data-drawn") not in (None, "", "picture"))
+    assert canvas.get_attribute("data-drawn") != "zebraxyz"
+    marked = [b.text for b in browser.find_elements(By.CSS_SELECTOR, "#words button.unknown")]
+    assert marked == ["zebraxyz \u2192 <unk>"], marked
+    # the results' explanations keep the search's allow_unknown when the box is unticked
+    browser.find_element(By.ID, "allow-unknown").click()
+    browser.find_elements(By.CSS_SELECTOR, "#results .card")[1].click()
+    wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("explained"))
+    assert browser.find_element(By.ID, "explain-panel").is_displayed()
 
 
 def _assert_labels_apart(browser) -> None:

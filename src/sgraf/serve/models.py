@@ -76,6 +76,8 @@ class ExplainAnswer(BaseModel):
     nodes: list[Node]
     attention: Optional[Attention]
     regions: Regions
+    unknown: list[int] = Field(description="positions in the tokens (<start> first) of words the vocabulary does "
+                                           "not know, read as <unk> (allow_unknown)")
     ms: float
 
 

@@ -451,7 +451,8 @@ class SearchService:
             token `weights` over the K regions; None for models without text-to-image local
             alignments), `regions` (`kind` 'grid' with `rows`/`cols`, row-major over the
             picture, or 'boxes'; `boxes`: each region's [x0, y0, x1, y1] in the picture's
-            pixels (a grid's cells too), and its `width`/`height`, when there is a picture).
+            pixels (a grid's cells too), and its `width`/`height`, when there is a picture),
+            `unknown` (positions in `tokens` of the words read as `<unk>`).
         """
         explanation = self._explanation(image_id, text, allow_unknown)
         layout = self._layout(explanation.image_id)
@@ -481,7 +482,9 @@ class SearchService:
         return {"image_id": explanation.image_id, "text": explanation.text,
                 "image": self.picture_url(explanation.image_id),
                 "scores": {k: _finite(v) for k, v in explanation.scores.items()},
-                "nodes": nodes, "attention": attention, "regions": regions}
+                "nodes": nodes, "attention": attention, "regions": regions,
+                "unknown": [i for i, token in enumerate(explanation.tokens)
+                            if not (token.startswith("<") and token.endswith(">")) and token not in self.matcher.vocab]}
 
     def explain_png(self, image_id: int, text: str, allow_unknown: bool = False) -> bytes:
         """`GET /api/explain.png`: the picture `sgraf explain --out` draws, as PNG bytes."""

@@ -2,9 +2,12 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-// explainTicket: the number of the latest explanation asked for; an answer to an older one,
-// or one asked before a newer search, is dropped
-const state = { query: "", explanation: null, picture: null, word: null, explainTicket: 0 };
+// explainTicket / searchTicket: the number of the latest explanation / search asked for; an
+// answer to an older one (or an explanation asked before a newer search) is dropped, as the
+// network may answer out of order. allowUnknown: how the results on the page were found, which
+// their explanations follow.
+const state = { query: "", explanation: null, picture: null, word: null, explainTicket: 0, searchTicket: 0,
+                allowUnknown: false };
 
 function setStatus(message, isError) {
   const status = $("status");
@@ -13,7 +16,12 @@ function setStatus(message, isError) {
 }
 
 async function getJSON(url) {
-  const response = await fetch(url);
+  let response;
+  try {
+    response = await fetch(url);
+  } catch (error) {     // the browser's "Failed to fetch" says nothing of why
+    throw new Error("cannot reach the server (is sgraf serve still running?)");
+  }
   let body = null;
   try { body = await response.json(); } catch (e) { body = null; }
   if (!response.ok) {
@@ -54,26 +62,42 @@ async function loadHealth() {
 }
 
 // ------------------------------------------------------------------------- text -> images
-async function searchText(event) {
+function searchText(event) {
   event.preventDefault();
-  const text = $("query").value;
-  const params = new URLSearchParams({ text, top_k: $("top-k").value });
-  if ($("allow-unknown").checked) params.set("allow_unknown", "true");
+  runTextSearch($("query").value, $("top-k").value, $("allow-unknown").checked, true);
+}
+
+// the search in the address bar, so that a reload, Back or a shared link shows it again
+function remember(params, push) {
+  const url = `${location.pathname}?${params}`;
+  if (push && url !== location.pathname + location.search) history.pushState(null, "", url);
+}
+
+async function runTextSearch(text, topK, allowUnknown, push) {
+  const params = new URLSearchParams({ text, top_k: topK });
+  if (allowUnknown) params.set("allow_unknown", "true");
   setStatus("searching\u2026");
+  const ticket = ++state.searchTicket;
   try {
     const answer = await getJSON(`/api/search?${params}`);
+    if (ticket !== state.searchTicket) return;      // a newer search was asked for
     state.query = answer.query;
+    state.allowUnknown = allowUnknown;
     forgetExplanation();
     $("captions-panel").hidden = true;   // the captions of a picture of the earlier search
     showResults(answer);
+    remember(params, push);
     setStatus(`${answer.results.length} pictures in ${fmt(answer.ms, 0)} ms`);
   } catch (error) {
+    if (ticket !== state.searchTicket) return;
     // the earlier search's pictures under its title would read as this query's answer
     forgetExplanation();
     $("captions-panel").hidden = true;
     $("results").replaceChildren();
-    $("results-title").textContent = "";
-    setStatus(error.message, true);
+    $("results-panel").hidden = true;
+    const unknown = / not in the model's vocabulary /.test(error.message) && !allowUnknown;
+    setStatus(unknown ? `${error.message.split("; rephrase")[0]}: rephrase, or tick \u201cunknown words as ` +
+                        `<unk>\u201d to search anyway` : error.message, true);
   }
 }
 
@@ -82,7 +106,9 @@ function showResults(answer) {
   list.replaceChildren();
   $("results-title").textContent = `Pictures for \u201c${answer.query}\u201d`;
   answer.results.forEach((hit, rank) => {
-    const card = el("li", { class: "card", tabindex: "0", "data-id": String(hit.id), "data-rank": String(rank + 1) });
+    const card = el("li", { class: "card", tabindex: "0", "data-id": String(hit.id), "data-rank": String(rank + 1),
+                            "aria-label": `picture ${hit.id}, #${rank + 1}, score ${fmt(hit.score, 3)}: ` +
+                                          "Enter explains why it matches" });
     if (hit.image) {
       card.appendChild(el("img", { src: hit.image, alt: hit.name || `picture ${hit.id}`, title: hit.name,
                                    loading: "lazy" }));
@@ -95,7 +121,8 @@ function showResults(answer) {
     card.appendChild(meta);
     if (hit.name) card.appendChild(el("div", { class: "name", title: hit.name }, hit.name));
     card.appendChild(el("div", { class: "score", title: "SGRAF score" }, `score ${fmt(hit.score, 3)}`));
-    const captions = el("button", { class: "captions-link", type: "button" }, "its best captions");
+    const captions = el("button", { class: "captions-link", type: "button",
+                                    "aria-label": `the best captions of picture ${hit.id}` }, "its best captions");
     captions.addEventListener("click", (event) => { event.stopPropagation(); searchImage(hit.id); });
     card.appendChild(captions);
     const open = () => {
@@ -104,18 +131,23 @@ function showResults(answer) {
       explain(hit.id, state.query);
     };
     card.addEventListener("click", open);
-    card.addEventListener("keydown", (event) => { if (event.key === "Enter") open(); });
+    card.addEventListener("keydown", (event) => {
+      if (event.target !== card) return;        // Enter on its captions button is that button's
+      if (event.key === "Enter" || event.key === " ") { event.preventDefault(); open(); }
+    });
     list.appendChild(card);
   });
   $("results-panel").hidden = false;
 }
 
 // ------------------------------------------------------------------------- image -> captions
-async function searchImage(imageId) {
+async function searchImage(imageId, push = true) {
   setStatus("searching\u2026");
   const params = new URLSearchParams({ image_id: String(imageId), top_k: $("top-k").value });
+  const ticket = ++state.searchTicket;
   try {
     const answer = await getJSON(`/api/search?${params}`);
+    if (ticket !== state.searchTicket) return;
     forgetExplanation();   // the explanation belonged to the earlier search
     const list = $("captions");
     list.replaceChildren();
@@ -132,12 +164,23 @@ async function searchImage(imageId) {
                      title: "too long to explain (the text limit of an explanation)" });
       item.appendChild(el("span", { class: "caption" }, hit.caption));
       item.appendChild(el("span", { class: "score" }, fmt(hit.score, 3)));
-      if (hit.explainable) item.addEventListener("click", () => explain(answer.query.image_id, hit.caption, true));
+      if (hit.explainable) {
+        const open = () => explain(answer.query.image_id, hit.caption, true);
+        item.addEventListener("click", open);
+        item.addEventListener("keydown", (event) => {
+          if (event.key === "Enter" || event.key === " ") { event.preventDefault(); open(); }
+        });
+      }
       list.appendChild(item);
     }
     $("captions-panel").hidden = false;
+    if (!$("results").children.length) $("results-panel").hidden = true;
+    remember(params, push);
     setStatus(`${answer.results.length} captions in ${fmt(answer.ms, 0)} ms`);
+    $("captions-panel").scrollIntoView({ block: "nearest" });   // below ten pictures it had answered out of sight
   } catch (error) {
+    if (ticket !== state.searchTicket) return;
+    $("captions-panel").hidden = true;        // the earlier picture's captions under this error
     setStatus(error.message, true);
   }
 }
@@ -145,7 +188,7 @@ async function searchImage(imageId) {
 function searchImageForm(event) {
   event.preventDefault();
   const value = $("image-id").value.trim();
-  if (value === "") { setStatus("give a picture number", true); return; }
+  if (!/^\d+$/.test(value)) { setStatus("give a picture number (0, 1, 2, ...)", true); return; }
   searchImage(value);
 }
 
@@ -162,7 +205,8 @@ function forgetExplanation() {
 
 async function explain(imageId, text, allowUnknown) {
   const params = new URLSearchParams({ image_id: String(imageId), text });
-  if (allowUnknown || $("allow-unknown").checked) params.set("allow_unknown", "true");
+  // a result's explanation reads its query as the search did (the box may have changed since)
+  if (allowUnknown || state.allowUnknown) params.set("allow_unknown", "true");
   setStatus("explaining\u2026");
   const ticket = ++state.explainTicket;
   try {
@@ -186,7 +230,9 @@ async function explain(imageId, text, allowUnknown) {
     setStatus(`explained in ${fmt(answer.ms, 0)} ms`);
     $("explain-panel").scrollIntoView({ block: "nearest" });
   } catch (error) {
-    if (ticket === state.explainTicket) setStatus(error.message, true);
+    if (ticket !== state.explainTicket) return;
+    forgetExplanation();            // the earlier picture's explanation under this error
+    setStatus(error.message, true);
   }
 }
 
@@ -197,19 +243,28 @@ function showWords(answer) {
   const maxBeta = Math.max(1e-12, ...betas);
   const offset = answer.nodes.length && answer.nodes[0].label === "[global]" ? 1 : 0;
   const tokens = answer.attention ? answer.attention.tokens : [];
+  const unknown = new Set(answer.unknown || []);
   state.word = null;
   let bestBeta = -1;
   answer.nodes.forEach((node, p) => {
     const row = el("li");
     const word = p - offset;
     const hasMap = answer.attention && word >= 0 && word < tokens.length;
-    const button = el("button", { type: "button", "data-word": hasMap ? String(word) : null }, node.label);
+    const isUnknown = unknown.has(word);
+    const label = isUnknown ? `${node.label} \u2192 <unk>` : node.label;
+    const button = el("button", { type: "button", "data-word": hasMap ? String(word) : null,
+                                  title: isUnknown ? "not in the model's vocabulary: the model read <unk>" : null },
+                      label);
     button.disabled = !hasMap;
+    if (isUnknown) button.classList.add("unknown");
     if (hasMap) {
       button.addEventListener("click", () => { state.word = word; drawAttention(); });
-      // start with the word SAF weighs most (or the first word without SAF)
+      // start with the known word SAF weighs most (or the first word without SAF)
       const beta = node.saf_beta === null ? 0 : node.saf_beta;
-      if (!/^<.*>$/.test(node.label) && (state.word === null || beta > bestBeta)) { state.word = word; bestBeta = beta; }
+      if (!/^<.*>$/.test(node.label) && !isUnknown && (state.word === null || beta > bestBeta)) {
+        state.word = word;
+        bestBeta = beta;
+      }
     }
     row.appendChild(button);
     const bar = el("div", { class: "bar", title: `SAF beta ${fmt(node.saf_beta)}` });
@@ -279,14 +334,40 @@ function drawAttention() {
     context.strokeRect(left + x0 * sx, topEdge + y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy);
   }
   const token = answer.attention.tokens[state.word];
+  const read = (answer.unknown || []).includes(state.word) ? " (read as <unk>)" : "";
   $("attention-caption").textContent =
-    `\u201c${token}\u201d: attention over the ${weights.length} regions (${answer.attention.model} model); ` +
+    `\u201c${token}\u201d${read}: attention over the ${weights.length} regions (${answer.attention.model} model); ` +
     `brighter = more weight, yellow frame = the most`;
+  canvas.setAttribute("aria-label", $("attention-caption").textContent);
   canvas.dataset.drawn = token;
+}
+
+// the search the address names (a reload, Back, a shared link): run again, without a new entry
+function fromAddress() {
+  const params = new URLSearchParams(location.search);
+  if (params.has("top_k") && [...$("top-k").options].some((o) => o.value === params.get("top_k"))) {
+    $("top-k").value = params.get("top_k");
+  }
+  if (params.get("text")) {
+    $("query").value = params.get("text");
+    $("allow-unknown").checked = params.get("allow_unknown") === "true";
+    runTextSearch(params.get("text"), $("top-k").value, $("allow-unknown").checked, false);
+  } else if (/^\d+$/.test(params.get("image_id") || "")) {
+    $("image-id").value = params.get("image_id");
+    searchImage(params.get("image_id"), false);
+  } else {                                   // back to the page before any search
+    state.searchTicket += 1;
+    forgetExplanation();
+    $("results").replaceChildren();
+    for (const panel of ["results-panel", "captions-panel"]) $(panel).hidden = true;
+    setStatus("");
+  }
 }
 
 document.addEventListener("DOMContentLoaded", () => {
   $("text-form").addEventListener("submit", searchText);
   $("image-form").addEventListener("submit", searchImageForm);
+  window.addEventListener("popstate", fromAddress);
   loadHealth();
+  fromAddress();
 });
