@@ -87,7 +87,8 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
     app = FastAPI(title="sgraf serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   redirect_slashes=False,   # its redirect was built from the Host header the client sent
                   description="Gallery search and explanations with SGRAF (AAAI 2021) over an index written by "
-                              "`sgraf index`. Errors are `{\"error\": \"...\"}` with a 4xx status.")
+                              "`sgraf index`. Errors are `{\"error\": \"...\"}` with a 4xx status (503 when busy "
+                              "or stopping, with Retry-After).")
     app.state.service = service
     app.state.worker = worker
     _add_error_handlers(app, service)
@@ -359,7 +360,8 @@ def render_docs(schema: dict[str, Any]) -> str:
     esc = html.escape
     info = schema.get("info", {})
     parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{esc(info.get('title', 'API'))}"
-             " - API</title><link rel='stylesheet' href='/static/style.css'></head><body class='docs'>",
+             " - API</title><link rel='icon' href='data:,'><link rel='stylesheet' href='/static/style.css'></head>"
+             "<body class='docs'>",
              f"<h1>{esc(info.get('title', 'API'))} {esc(info.get('version', ''))}</h1>",
              markdown.block(info.get("description", "")),
              "<p>The machine-readable schema: <a href='/openapi.json'>/openapi.json</a>. The web page: "
