@@ -259,6 +259,16 @@ def test_a_place_models_validation_records_its_terms_spread_and_warns_when_it_ou
     assert torch.equal(model.sim_enc.place_term.relation.weight, load_model(run / "last.pt").sim_enc.place_term
                        .relation.weight * 1e4)                          # the weights put back
     assert caplog.text.count(f"the place term has grown to sd {grown['sd']:.2f} on dev") == 1   # once per model
+    # in training, from the second epoch on (after one the heads have barely begun: the quick demo had warned of
+    # its own recipe)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sgraf.training.loop"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(loop, "PLACE_TERM_WARN_RATIO", 0.0)                   # any term outgrows the heads
+            for epochs in (1, 2):
+                assert main(["train", "--data", str(toy_with_boxes), "--out", str(tmp_path / f"run{epochs}"),
+                             "--preset", "tiny", "--set", "positions=place", f"epochs={epochs}"]) == 0
+                assert caplog.text.count("the place term has grown") == epochs - 1, epochs
     plain = tmp_path / "plain"
     assert main(["train", "--data", str(toy_with_boxes), "--out", str(plain), "--preset", "tiny",
                  "--set", "epochs=1"]) == 0

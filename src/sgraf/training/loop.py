@@ -126,9 +126,10 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: 
 
 
 def validate(model: nn.Module, split: Any, vocab: Any, config: TrainConfig,
-             device: torch.device | str = "cpu") -> dict[str, Any]:
+             device: torch.device | str = "cpu", warn_place_term: bool = True) -> dict[str, Any]:
     """Recalls and rsum of `model` on a split with the fast scorer (`sgraf.scoring`); on a GPU
-    the matrix stays there and only the ranks come to the host (`sgraf.metrics`)."""
+    the matrix stays there and only the ranks come to the host (`sgraf.metrics`). A place model's
+    term spread too (`place_term_spread`, its warning only if `warn_place_term`)."""
     from sgraf.evaluate import warn_saturated
     from sgraf.metrics import evaluate_sims
     from sgraf.scoring import encode_split, score_matrix
@@ -140,7 +141,7 @@ def validate(model: nn.Module, split: Any, vocab: Any, config: TrainConfig,
     warn_saturated(sims, [model])
     result = evaluate_sims(sims, caps_per_image=split.caps_per_image)
     if getattr(model.config, "positions", "none") == "place":
-        result["place_term"] = place_term_spread(model, split, vocab, device)
+        result["place_term"] = place_term_spread(model, split, vocab, device, warn=warn_place_term)
     return result
 
 
@@ -148,12 +149,13 @@ PLACE_TERM_SAMPLE = 32       # images (with one caption each) whose every pair `
 PLACE_TERM_WARN_RATIO = 1.5  # a place term more spread than this many times the heads' logits outweighs them
 
 
-def place_term_spread(model: nn.Module, split: Any, vocab: Any, device: torch.device | str = "cpu") -> dict[str, float]:
+def place_term_spread(model: nn.Module, split: Any, vocab: Any, device: torch.device | str = "cpu",
+                      warn: bool = True) -> dict[str, float]:
     """The sd and largest |value| of the place term a place model adds to its heads' logits, and
     the sd of those logits (the scores without the term, before the sigmoid; for a 'joint' model
     the logit of its heads' mean score), over every pair of
     the split's first `PLACE_TERM_SAMPLE` images and one caption of each, as it scores (eval mode,
-    the places read at `place_sharpness`). A warning once the term's sd passes
+    the places read at `place_sharpness`). With `warn`, a warning once the term's sd passes
     `PLACE_TERM_WARN_RATIO` times the logits': at their best checkpoints the demo's place models
     had 0.33 (SGR) and 0.92 (SAF) and went on learning; one trained on 300 pictures had 1.1, then
     2.6 while its dev rsum fell from 198 to 129."""
@@ -181,7 +183,7 @@ def place_term_spread(model: nn.Module, split: Any, vocab: Any, device: torch.de
         logits = torch.logit(alone.clamp(1e-12, 1 - 1e-12))
     spread = {"sd": float(term.std()) if term.numel() > 1 else 0.0, "largest": float(term.abs().max()),
               "logit_sd": float(logits.std()) if logits.numel() > 1 else 0.0}
-    if (spread["sd"] > PLACE_TERM_WARN_RATIO * spread["logit_sd"] and model not in _WARNED_PLACE_TERM
+    if (warn and spread["sd"] > PLACE_TERM_WARN_RATIO * spread["logit_sd"] and model not in _WARNED_PLACE_TERM
             and distributed.is_main_process()):     # said once, not by every process of a torchrun job
         _WARNED_PLACE_TERM.add(model)
         logger.warning("the place term has grown to sd %.2f on dev (largest |term| %.1f) beside heads' logits of sd "
@@ -663,9 +665,12 @@ class _RunRecord:
 
         self.check_weights()
         progress, config, model = self.progress, self.config, self.model
-        result = validate(model, self.dev, model.vocab, config, self.device)
+        epoch = progress.epoch + (0 if end_of_epoch else 1)
+        # the place term against the heads from the second epoch on: after one the heads have barely begun
+        # (the quick demo's one epoch had warned of its own recipe)
+        result = validate(model, self.dev, model.vocab, config, self.device, warn_place_term=epoch >= 2)
         loss = progress.loss_sum / progress.loss_steps if progress.loss_steps else None
-        record = {"epoch": progress.epoch + (0 if end_of_epoch else 1), "step": progress.global_step,
+        record = {"epoch": epoch, "step": progress.global_step,
                   "end_of_epoch": end_of_epoch, "rsum": result["rsum"], "i2t": result["i2t"],
                   "t2i": result["t2i"], "train_loss": loss, "lr": self.optimizer.param_groups[0]["lr"],
                   "n_images": result["n_images"], "n_captions": result["n_captions"]}
