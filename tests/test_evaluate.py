@@ -412,6 +412,7 @@ def test_scores_at_the_sigmoids_ceiling_are_said_to_tie(tmp_path, caplog):
     sims = np.random.default_rng(0).random((4, 20), dtype=np.float32)
     caplog.set_level("WARNING", logger="sgraf.evaluate")
     assert warn_saturated(sims) == 0 and not caplog.records
+    assert warn_saturated(sims * 30 + 1) == 0 and not caplog.records     # another tool's logits: none is 1.0
     sims[:, :5] = 1.0
     np.save(tmp_path / "sims.npy", sims)
     assert main(["evaluate", "--sims", str(tmp_path / "sims.npy"), "--quiet"]) == 0

@@ -244,7 +244,8 @@ def warn_saturated(sims: np.ndarray | torch.Tensor, models: Sequence[torch.nn.Mo
     """Warn when scores are exactly 1.0, the ceiling of the heads' sigmoid in float32: such scores
     tie, their order is the tie-break's, and the recalls say little. With `models`, once per model
     in a process (a training run validates often). Returns how many there are."""
-    saturated = sum(int((sims[start:start + 1024] >= 1.0).sum()) for start in range(0, sims.shape[0], 1024))
+    # == 1.0, not >= (a matrix of another tool's logits, all above 1, had been called saturated)
+    saturated = sum(int((sims[start:start + 1024] == 1.0).sum()) for start in range(0, sims.shape[0], 1024))
     if not saturated:
         return 0
     if models:

@@ -92,7 +92,8 @@ def _stays_on_device(sims: torch.Tensor) -> bool:
 
 
 def _last_argmax(values: np.ndarray | torch.Tensor, axis: int) -> np.ndarray | torch.Tensor:
-    """Index of the maximum along `axis`, the LAST one among equal maxima (stable descending)."""
+    """Index of the maximum along `axis`, the LAST one among equal maxima (a stable ascending
+    sort read backwards)."""
     if isinstance(values, torch.Tensor):   # torch.argmax returns the first of equal maxima, as NumPy's
         return values.shape[axis] - 1 - torch.argmax(values.flip(axis), dim=axis)
     flipped = np.flip(values, axis=axis)
