@@ -523,3 +523,15 @@ def test_an_averaged_matrix_and_its_record_are_written_both_or_neither(capsys, t
     monkeypatch.undo()
     assert main(["evaluate", "--sims", str(tmp_path / "a.npy"), "--save-sims", str(tmp_path / "b.npy")]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy", "b.npy.json"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--split", "dev"], "--split applies with --data (a saved matrix's record names the split it scored)"),
+    (["--precision", "bf16"], "--precision applies to --checkpoint, not to --sims (the matrix is scored already)"),
+    (["--batch-size", "64"], "--batch-size applies to --checkpoint, not to --sims"),
+    (["--tf32"], "--tf32 applies to --checkpoint, not to --sims")])
+def test_options_of_scoring_given_with_a_saved_matrix_are_refused(tmp_path, capsys, extra, message):
+    """Each had been ignored unsaid: `--sims test.npy --split dev` evaluated the test matrix."""
+    np.save(tmp_path / "sims.npy", np.random.default_rng(0).random((4, 20), dtype=np.float32))
+    assert main(["evaluate", "--sims", str(tmp_path / "sims.npy"), *extra]) == 2
+    assert message in capsys.readouterr().err

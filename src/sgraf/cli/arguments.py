@@ -152,6 +152,14 @@ def check_score_source(args: argparse.Namespace) -> None:
 
     if args.sims and args.vocab:
         raise InputError("--vocab applies to --checkpoint, not to --sims")
+    if args.sims:     # each had been ignored unsaid (a --split dev check of a test matrix passed)
+        if getattr(args, "split", "test") != "test" and not getattr(args, "data", None):
+            raise InputError("--split applies with --data (a saved matrix's record names the split it scored)")
+        given = [flag for flag, on in (("--precision", getattr(args, "precision", "fp32") != "fp32"),
+                                       ("--batch-size", getattr(args, "batch_size", 128) != 128),
+                                       ("--tf32", bool(getattr(args, "tf32", False)))) if on]
+        if given:
+            raise InputError(f"{given[0]} applies to --checkpoint, not to --sims (the matrix is scored already)")
     check_distinct("--checkpoint", args.checkpoint, ENSEMBLE_OF_MODELS)
     check_distinct("--sims", args.sims, "the matrices are averaged")
 
