@@ -143,7 +143,8 @@ def test_bad_inputs_raise_clear_errors():
 def test_format_table_shows_means_and_folds(golden):
     result = metrics.evaluate_sims(golden["fold5"]["sims"].numpy(), folds=5)
     text = metrics.format_table(result)
-    assert "mean over 5 folds" in text
+    assert f"mean over 5 folds of {result['n_images'] // 5} images" in text     # the fold size said
+    assert ("(R@10 is 100 in a fold of" in text) == (result["n_images"] // 5 <= 10)
     assert f"rsum {result['rsum']:.1f}" in text
     assert sum(line.startswith("fold ") for line in text.splitlines()) == 5
 

@@ -350,8 +350,12 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{metrics['medr']:>8.1f}{metrics['meanr']:>9.2f}")
 
     lines = [f"{result['n_images']} images x {result['n_captions']} captions"]
-    if "folds" in result:
-        lines[0] += f", mean over {len(result['folds'])} folds"
+    if "folds" in result:      # the fold size said: 5 folds of a 1,000-image split are not MSCOCO 1K's
+        folds = len(result["folds"])
+        size = result["n_images"] // folds
+        lines[0] += f", mean over {folds} folds of {size} images"
+        if size <= 10:
+            lines[0] += f" (R@10 is 100 in a fold of {size})"
     lines += [header, row("i2t", result["i2t"]), row("t2i", result["t2i"]), f"rsum {result['rsum']:.1f}"]
     if "folds" in result:
         for k, fold in enumerate(result["folds"]):
