@@ -220,6 +220,26 @@ def test_compare_scores_checkpoints_as_evaluate_saves_them(saved, capsys, caplog
         assert "evaluating" not in caplog.text          # refused before side A was scored
 
 
+def test_compare_takes_ours_with_its_own_vocabulary_against_the_authors_with_theirs(tmp_path, capsys):
+    """A run of ours builds its vocabulary from the data: against the authors' .pth.tar and their
+    vocabulary file, --vocab had been refused for ours and left out for theirs."""
+    from sgraf.checkpoint import load_model, save_model
+    from sgraf.data.vocab import Vocabulary, load_vocab
+
+    theirs = load_vocab(VOCAB)
+    words = [theirs.idx2word[i] for i in range(len(theirs))]
+    ours_vocab = Vocabulary.from_dict({"word2idx": {w: i for i, w in enumerate(words[:4] + words[4:][::-1])},
+                                       "idx2word": {str(i): w for i, w in enumerate(words[:4] + words[4:][::-1])},
+                                       "idx": len(words)})
+    model = load_model(CKPT["saf"], vocab=VOCAB)
+    model.vocab = ours_vocab
+    save_model(model, tmp_path / "ours.pt")
+    result = compare_json(capsys, "--checkpoint", tmp_path / "ours.pt", "--against", CKPT["sgr"], "--vocab", VOCAB,
+                          "--data", DATA, "--resamples", "50", "--json", "--quiet")
+    alone = evaluate_json(capsys, "--checkpoint", CKPT["sgr"], "--vocab", VOCAB, "--data", DATA)
+    assert result["b"]["rsum"] == pytest.approx(alone["rsum"])            # theirs read with their vocabulary
+
+
 def compare_json(capsys, *argv) -> dict:
     assert main(["compare", *map(str, argv)]) == 0
     return json.loads(capsys.readouterr().out)

@@ -100,6 +100,18 @@ def _checkpoints(flag: str, paths: list[str]) -> bool:
     return not matrices
 
 
+def _side_vocab(paths: list[str], vocab: str | None) -> str | None:
+    """`--vocab` for a side with a checkpoint that carries no vocabulary (the authors'); None for a
+    side whose checkpoints all carry theirs, which keep them (ours, trained on a vocabulary built
+    from the data, against the authors' .pth.tar and their vocabulary file had been refused either
+    way: --vocab applied to both sides, or to neither)."""
+    if vocab is None:
+        return None
+    from sgraf.checkpoint import load_checkpoint
+
+    return vocab if any(load_checkpoint(path).get("vocab") is None for path in paths) else None
+
+
 def _check(args: argparse.Namespace, side_a: tuple[list[str], bool], side_b: tuple[list[str], bool]) -> None:
     """The arguments' one-line refusals, before anything is read."""
     from sgraf.errors import InputError
@@ -132,16 +144,18 @@ def _matrices(args: argparse.Namespace, side_a: tuple[list[str], bool], side_b: 
     # both sides' checkpoints loaded and fitted to the split before either is scored: a typo in
     # --against must not cost the minutes of scoring A first
     precomp = evaluate.open_split(args.data, args.split)
-    for paths, checkpoints in (side_a, side_b):
+    vocabs = {index: _side_vocab(paths, args.vocab) for index, (paths, checkpoints) in enumerate((side_a, side_b))
+              if checkpoints}
+    for index, (paths, checkpoints) in enumerate((side_a, side_b)):
         if checkpoints:
-            models, _ = evaluate.load_ensemble(paths, args.vocab, "cpu")
+            models, _ = evaluate.load_ensemble(paths, vocabs[index], "cpu")
             for model, path in zip(models, paths):
                 evaluate.check_split_fits(model, precomp, str(path))
             del models      # loaded again to be scored: not held twice meanwhile
     saved = {index: evaluate.load_matrices(paths, args.data, split)[0]
              for index, (paths, checkpoints) in enumerate((side_a, side_b)) if not checkpoints}
     scored = {index: evaluate.evaluate_checkpoints_with_sims(
-                  paths, args.data, args.split, vocab=args.vocab, folds=args.folds, precision=args.precision,
+                  paths, args.data, args.split, vocab=vocabs[index], folds=args.folds, precision=args.precision,
                   batch_size=args.batch_size, device=device, progress=not args.quiet)[1]
               for index, (paths, checkpoints) in enumerate((side_a, side_b)) if checkpoints}
     matrices = {**saved, **scored}
