@@ -535,3 +535,16 @@ def test_options_of_scoring_given_with_a_saved_matrix_are_refused(tmp_path, caps
     np.save(tmp_path / "sims.npy", np.random.default_rng(0).random((4, 20), dtype=np.float32))
     assert main(["evaluate", "--sims", str(tmp_path / "sims.npy"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_matrix_given_as_a_checkpoint_and_a_checkpoint_as_a_matrix_are_named(tmp_path, capsys):
+    np.save(tmp_path / "sims.npy", np.zeros((6, 30), np.float32))
+    e2e = pathlib.Path(__file__).parent / "data" / "e2e"
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "sims.npy"), "--data",
+                 str(e2e / "data" / "toy_precomp")]) == 2
+    assert "(a NumPy .npy array: a score matrix? give it with --sims)" in capsys.readouterr().err
+    from sgraf.checkpoint import load_model, save_model
+
+    save_model(load_model(e2e / "sgr.pth.tar", vocab=e2e / "data" / "toy_vocab.json"), tmp_path / "best.pt")
+    assert main(["evaluate", "--sims", str(tmp_path / "best.pt")]) == 2
+    assert "it is a PyTorch file (a checkpoint? give it with --checkpoint)" in capsys.readouterr().err

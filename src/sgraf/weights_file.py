@@ -101,6 +101,8 @@ def torch_file_problem(path: str | os.PathLike[str], error: BaseException) -> st
     if not _head(Path(path), 1):
         return "empty file"
     if not is_torch_file(path):
+        if _head(Path(path), 6) == b"\x93NUMPY":      # a score matrix given where a checkpoint goes
+            return "a NumPy .npy array: a score matrix? give it with --sims"
         return "neither a torch.save archive nor a pickle"
     if _head(Path(path), len(_ZIP_MAGIC)) == _ZIP_MAGIC and not zipfile.is_zipfile(path):
         # a zip archive's directory is its last bytes: a copy or download cut short loses it first

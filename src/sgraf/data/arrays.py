@@ -59,7 +59,7 @@ def open_npy(path: str | os.PathLike[str], expected: str, what: str = "") -> np.
     with open(path, "rb") as handle:
         head = handle.read(len(NPY_MAGIC))
     if not head.startswith(NPY_MAGIC):
-        raise InputError(f"{path}: {what}not a readable .npy array: {_not_npy(head)}; expected {expected}")
+        raise InputError(f"{path}: {what}not a readable .npy array: {_not_npy(head, path)}; expected {expected}")
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except DAMAGED_NPY:
@@ -75,10 +75,18 @@ def open_npy(path: str | os.PathLike[str], expected: str, what: str = "") -> np.
     return array
 
 
-def _not_npy(head: bytes) -> str:
+def _not_npy(head: bytes, path: Path) -> str:
     if not head:
         return "the file is empty"
     if head.startswith(ZIP_MAGIC):
+        import zipfile
+
+        try:        # torch.save writes a zip of a pickle: a checkpoint given where a matrix goes
+            with zipfile.ZipFile(path) as archive:
+                if any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist()):
+                    return "it is a PyTorch file (a checkpoint? give it with --checkpoint)"
+        except (OSError, zipfile.BadZipFile):
+            pass
         return "it is a zip archive (.npz?), not a single array"
     return "it does not start with the NumPy header (another format, or a pickle, which sgraf never loads)"
 
