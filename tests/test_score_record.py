@@ -62,6 +62,7 @@ def test_a_saved_matrix_records_its_split_and_makers(capsys, tmp_path):
     assert record["split"]["fingerprint"]["test_caps.txt"] == hashlib.sha256(
         (DATA / "test_caps.txt").read_bytes()).hexdigest()
     assert record["checkpoints"] == [str(CKPT["sgr"].resolve())] and record["precision"] == "fp32"
+    assert record["vocab"] == str(pathlib.Path(VOCAB).resolve())       # it decides every score of the authors' file
     assert score_record.read_record(out, np.load(out, mmap_mode="r")) == record
 
 

@@ -454,7 +454,10 @@ def _evaluate_checkpoints(checkpoints: Sequence[str | os.PathLike], data_dir: st
                 record.write_text(score_record.record_text(
                     sims, score_record.split_identity(precomp, boxes=any(getattr(model, "needs_boxes", False)
                                                                          for model in models)), precision=precision,
-                    checkpoints=[str(Path(path).resolve()) for path in checkpoints]), encoding="utf-8")
+                    checkpoints=[str(Path(path).resolve()) for path in checkpoints],
+                    # the vocabulary decides every score of a checkpoint that carries none (the authors')
+                    **({"vocab": str(Path(vocab).resolve())} if isinstance(vocab, (str, os.PathLike)) else {})),
+                    encoding="utf-8")
             with signals_deferred():      # both moved, or neither: a stop between had left the new matrix
                 write.close()           # beside the old one's record (synced and moved into place)
     if saving:
