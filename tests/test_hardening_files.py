@@ -97,6 +97,31 @@ def test_a_lock_left_by_a_killed_run_does_not_block_resume(tmp_path):
     assert not (run / LOCK_FILE).exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX")
+def test_a_forked_worker_that_outlives_its_killed_parent_holds_no_lock(tmp_path):
+    """DataLoader workers, forked with the lock's descriptor, outlived a `kill -9` of their run by
+    seconds: the flock stayed, and an immediate --resume was refused, naming the dead parent."""
+    code = ("import os, signal, sys, time; from sgraf.folder_lock import FolderLock; "
+            "lock = FolderLock(sys.argv[1]); lock.acquire()\n"
+            "if os.fork() == 0:\n"
+            "    os.write(1, b'child %d\\n' % (not lock.held)); time.sleep(30); os._exit(0)\n"
+            "os.write(1, b'forked\\n'); time.sleep(60)")      # one write each: lines never interleave
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env=env, start_new_session=True)
+    try:
+        said = {parent.stdout.readline().strip(), parent.stdout.readline().strip()}
+        assert said == {"forked", "child 1"}, said      # the child dropped its copy (run in the fork)
+        parent.kill()                                  # the parent alone: its forked child lives on
+        parent.wait()
+        lock = FolderLock(tmp_path)
+        lock.acquire()                                 # at once
+        assert lock.held
+        lock.release()
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+
+
 def test_a_second_lock_in_the_same_process_is_refused_too(tmp_path):
     with FolderLock(tmp_path):
         with pytest.raises(FolderLockedError, match=f"pid {os.getpid()} on host"):

@@ -27,6 +27,7 @@ import pathlib
 import shlex
 import socket
 import sys
+import weakref
 from typing import Any
 
 from sgraf.errors import InputError
@@ -38,6 +39,7 @@ except ImportError:  # Windows
     import msvcrt
 
 LOCK_FILE = ".sgraf-lock"
+_HELD: "weakref.WeakSet[FolderLock]" = weakref.WeakSet()     # this process's locks (`_forget_in_child`)
 _WINDOWS_LOCK_OFFSET = 1 << 20  # locked byte, beyond the record so the record stays readable
 
 
@@ -108,6 +110,20 @@ def _windows_pid_alive(pid: int) -> bool:
         return True
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, ...) drops its copies of the parent's locks, untouched:
+    a flock belongs to the open file, so a worker outliving its killed parent for seconds had kept
+    the folder locked, and an immediate --resume was refused, naming the dead parent."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HELD.clear()
+
+
 class FolderLock:
     """An exclusive lock on `folder` for one process; a context manager.
 
@@ -164,6 +180,7 @@ class FolderLock:
                 break
             os.close(fd)
         self._fd = fd
+        _HELD.add(self)
         try:
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
@@ -175,6 +192,7 @@ class FolderLock:
     def release(self) -> None:
         if self._fd is None:
             return
+        _HELD.discard(self)
         fd, self._fd = self._fd, None
         if fcntl is None:                       # Windows deletes no open file: closed (unlocked) first
             os.close(fd)
@@ -230,3 +248,7 @@ class FolderLock:
         except (OSError, ValueError):
             return None
         return record if isinstance(record, dict) else None
+
+
+if hasattr(os, "register_at_fork"):     # POSIX
+    os.register_at_fork(after_in_child=_forget_in_child)
