@@ -173,3 +173,23 @@ def test_tiny_preset_learns(tmp_path):
     assert len(records) == 6
     assert records[-1]["train_loss"] < 0.5 * records[0]["train_loss"]
     assert max(record["rsum"] for record in records[3:]) > records[0]["rsum"] + 50
+
+
+def test_a_config_yaml_edited_since_last_pt_is_refused_on_resume(data, uninterrupted, tmp_path, capsys):
+    """A resume had read the recipe from config.yaml alone: an edited lr trained on, unsaid, and a
+    deleted line took the default and was written back."""
+    import re
+    import shutil
+
+    for name, edit, said in (("lr", lambda text: re.sub(r"(?m)^lr: .*$", "lr: 0.5", text), "lr: 0.5 there"),
+                             ("gone", lambda text: re.sub(r"(?m)^sim_dim: .*\n", "", text), "sim_dim: 256 there")):
+        run = tmp_path / name
+        shutil.copytree(uninterrupted, run)
+        config = (run / "config.yaml").read_text()
+        (run / "config.yaml").write_text(edit(config))
+        assert main(["train", "--resume", str(run), "--set", "epochs=4"]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot resume {run}: its config.yaml no longer says what last.pt was trained with (" in err, err
+        assert said in err and "in last.pt" in err, err
+        (run / "config.yaml").write_text(config)
+        assert main(["train", "--resume", str(run), "--set", "epochs=4"]) == 0

@@ -514,6 +514,7 @@ def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: An
         checkpoint = load_checkpoint(run / rd.LAST_CHECKPOINT)
         if STATE_KEY not in checkpoint["extra"]:
             raise InputError(f"{run / rd.LAST_CHECKPOINT}: no training state to resume from")
+        _check_config_as_trained(run, config, checkpoint["extra"].get("train_config"))
         vocab = Vocabulary.from_dict(checkpoint["vocab"], source=str(run / rd.LAST_CHECKPOINT))
     else:
         vocab = resolve_vocab(config, data_dir, train, dev)
@@ -709,6 +710,27 @@ def out_of_patience(config: TrainConfig, progress: Progress) -> bool:
     """Whether the run stops early: `patience` epochs ended since the one with the best dev rsum
     (`config.patience_ran_out`, the rule `sgraf runs` reads from the records)."""
     return patience_ran_out(config.patience, progress.epoch, progress.best_epoch if progress.best_step >= 0 else None)
+
+
+def _check_config_as_trained(run: pathlib.Path, config: TrainConfig, trained: Any) -> None:
+    """Refuse a resume whose config.yaml no longer says what last.pt was trained with (edited by
+    hand, a line deleted): it had trained on at the edited values (a deleted lr: the default),
+    unsaid, and written them back. `last.pt` records the config it saved under."""
+    from sgraf.training.config import fixed_keys_changed
+
+    if not isinstance(trained, dict):
+        return                          # a last.pt of a version that did not record it
+    try:
+        recorded = TrainConfig.from_dict(trained, source=str(run / rd.LAST_CHECKPOINT))
+    except InputError:
+        return
+    keys = fixed_keys_changed(recorded, config.to_dict())
+    if keys:
+        differ = ", ".join(f"{key}: {getattr(config, key)!r} there, {getattr(recorded, key)!r} in last.pt"
+                           for key in keys)
+        raise InputError(f"cannot resume {run}: its {rd.CONFIG_FILE} no longer says what {rd.LAST_CHECKPOINT} was "
+                         f"trained with ({differ}); was it edited? Put last.pt's values back (a resume may change "
+                         "only the keys --set takes with --resume)")
 
 
 def _non_finite_message(error: NonFiniteLossError, progress: Progress, config: TrainConfig, run: pathlib.Path,
