@@ -120,6 +120,11 @@ def test_a_stopped_run_says_how_to_resume_and_that_command_finishes_it(trained, 
     (stopped,) = listing(capsys, run)["runs"]
     assert (stopped["state"], stopped["epochs_done"], stopped["epochs"]) == ("stopped", 2, 3)
     assert stopped["resume"] == f"sgraf train --resume {run}"
+    spaced = tmp_path / "my run"                                   # quoted for the shell (it had not been)
+    shutil.copytree(run, spaced)
+    (listed,) = listing(capsys, spaced)["runs"]
+    assert listed["resume"] == f"sgraf train --resume '{spaced}'"
+    shutil.rmtree(spaced)
     torch.set_num_threads(1)
     assert main(shlex.split(stopped["resume"])[1:]) == 0
     assert capsys.readouterr().out.startswith("finished 3 epochs")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 from typing import Any
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if summary["status"] == "interrupted":
         print(f"stopped by {summary['signal']} in epoch {summary['epoch'] + 1} of {config.epochs} ({summary['epoch']} "
               f"done, as sgraf runs counts), step {summary['global_step']}; last.pt saved. Continue with: "
-              f"sgraf train --resume {out}")
+              f"sgraf train --resume {shlex.quote(str(out))}")
         return code
     epochs = summary["epoch"]
     if summary["stopped_early"]:

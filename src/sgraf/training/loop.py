@@ -17,6 +17,7 @@ import logging
 import os
 import pathlib
 import random
+import shlex
 import time
 import weakref
 from typing import Any, Callable, Iterator
@@ -446,7 +447,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
             if record.last_saved_step is None or not last.is_file():
                 raise
             raise NonFiniteFeatures(f"{error}. {last} (step {record.last_saved_step}) is kept: once the features "
-                                    f"are repaired, sgraf train --resume {run} goes on from it") from None
+                                    f"are repaired, sgraf train --resume {shlex.quote(str(run))} goes on from it") from None
     record.close()
     distributed.barrier()
     stopped_early = status == "finished" and progress.epoch < config.epochs
@@ -456,10 +457,11 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
     if stopped_early:
         logger.info("stopped early after %d of %d epochs: no better dev rsum in the last %d (best %.2f at epoch %d); "
                     "to go on: sgraf train --resume %s --set patience=0", progress.epoch, config.epochs,
-                    progress.epochs_without_better(), progress.best_rsum, progress.best_epoch, run)
+                    progress.epochs_without_better(), progress.best_rsum, progress.best_epoch, shlex.quote(str(run)))
     if status == "interrupted":
         logger.info("stopped by %s in epoch %d of %d (%d done), step %d; continue with: sgraf train --resume %s",
-                    signal_name, progress.epoch + 1, config.epochs, progress.epoch, progress.global_step, run)
+                    signal_name, progress.epoch + 1, config.epochs, progress.epoch, progress.global_step,
+                    shlex.quote(str(run)))
     return summary
 
 

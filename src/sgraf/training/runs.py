@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shlex
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterable, Sequence
@@ -273,7 +274,7 @@ def as_dict(run: Run, differ: Sequence[str] = (), files: Collection[str] | None 
                 "unused_settings": sorted(set(differ) & set(unused_settings(run.settings))),
                 "data_files": _files_id(run, files)})
     if run.state == "stopped":
-        out["resume"] = f"sgraf train --resume {run.path}"
+        out["resume"] = f"sgraf train --resume {shlex.quote(str(run.path))}"
     if run.holder is not None:
         out["holder"] = describe_holder(run.holder)
     return out
