@@ -398,3 +398,13 @@ def test_a_folder_of_only_a_live_lock_says_its_holder_is_at_work(tmp_path, capsy
                f"{os.getpid()}" in err, err
         assert main(["train", "--resume", str(starting)]) == 2
         assert "cannot resume: " in capsys.readouterr().err
+
+
+def test_a_record_without_a_step_is_left_out_of_the_plot(trained, tmp_path, capsys):
+    """A record edited by hand without its step (the listing takes it) had stopped --plot with a KeyError."""
+    run = tmp_path / "edited"
+    shutil.copytree(trained / "runs" / "a", run)
+    with open(run / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        handle.write('{"epoch": 9, "rsum": 1.0}\n')
+    assert main(["runs", str(run), "--plot", str(tmp_path / "runs.png")]) == 0
+    assert (tmp_path / "runs.png").stat().st_size > 0

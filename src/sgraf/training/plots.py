@@ -12,6 +12,15 @@ from sgraf.errors import InputError
 from sgraf.training.run_dir import CURVES_FILE, read_metrics
 
 
+def _drawable(records: list[dict]) -> list[dict]:
+    """The records with a numeric step and rsum (one edited by hand without them had stopped the
+    drawing with a KeyError)."""
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    return [record for record in records if number(record.get("step")) and number(record.get("rsum"))]
+
+
 def plot_curves(run: str | os.PathLike[str], path: str | os.PathLike[str] | None = None) -> pathlib.Path | None:
     """Draws the curves of `run`'s metrics.jsonl into a PNG (default `RUN/curves.png`).
 
@@ -20,7 +29,7 @@ def plot_curves(run: str | os.PathLike[str], path: str | os.PathLike[str] | None
     """
     if not pathlib.Path(run).is_dir():
         raise InputError(f"{run}: no such run folder")
-    records = read_metrics(run)
+    records = _drawable(read_metrics(run))
     if not records:
         return None
     plt = _pyplot()
@@ -65,7 +74,8 @@ def plot_runs(runs: Mapping[str, str | os.PathLike[str]], path: str | os.PathLik
     from matplotlib.ticker import MaxNLocator
 
     out = pathlib.Path(path)
-    drawn = {label: records for label, records in ((label, read_metrics(run)) for label, run in runs.items())
+    drawn = {label: records for label, records in ((label, _drawable(read_metrics(run)))
+                                                   for label, run in runs.items())
              if records}
     columns = min(4, max(1, len(drawn)))
     legend_rows = -(-len(drawn) // columns)
