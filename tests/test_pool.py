@@ -172,3 +172,22 @@ def test_a_sigint_ignored_by_whoever_started_the_process_stays_ignored_while_it_
             assert signal.getsignal(signal.SIGINT) == signals._handle     # a terminal's Ctrl-C: the loop's
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_forked_worker_leaves_a_signal_to_its_run(monkeypatch, caplog):
+    """DataLoader workers inherit the run's handler: a Ctrl-C to the process group had said
+    'received SIGINT' once per worker too."""
+    import os
+
+    from sgraf.training.state import StopSignals
+
+    with StopSignals() as signals:
+        pid = os.getpid()
+        monkeypatch.setattr(os, "getpid", lambda: pid + 1)          # as in a forked worker
+        with caplog.at_level("WARNING"):
+            signals._handle(signal.SIGTERM, None)
+        assert signals.received is None and "received" not in caplog.text
+        monkeypatch.setattr(os, "getpid", lambda: pid)
+        with caplog.at_level("WARNING"):
+            signals._handle(signal.SIGTERM, None)
+        assert signals.received == signal.SIGTERM and caplog.text.count("received SIGTERM") == 1

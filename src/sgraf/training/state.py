@@ -12,6 +12,7 @@ so the sampler's state is just the position within the epoch.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 import threading
@@ -148,6 +149,7 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
+            self._pid = os.getpid()
             for signum in filter(ours_to_handle, self.SIGNALS):   # an ignored SIGINT had been obeyed from step 1
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -158,6 +160,8 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: object) -> None:
+        if os.getpid() != getattr(self, "_pid", os.getpid()):
+            return      # a forked DataLoader worker: its run stops it (each had said "received SIGINT" again)
         if self.received == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if self.received is None:
