@@ -170,7 +170,8 @@ def test_running_never_started_and_unreadable_runs(trained, tmp_path, capsys):
     assert "demo-running" not in states
     assert "epochs" in listing(capsys, tmp_path)["differ"]      # a starting run sets nothing apart
     assert main(["runs", str(tmp_path)]) == 0
-    assert "stopped before a checkpoint (nothing to resume: train it again with another --out)" in \
+    assert "stopped before a checkpoint (no last.pt: killed before its first, or deleted; nothing to resume: " \
+           "train it again with another --out)" in \
         capsys.readouterr().out
     assert [run["state"] for run in listing(capsys, starting)["runs"]] == ["running"]
     starting_lock.release()

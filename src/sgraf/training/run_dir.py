@@ -72,8 +72,8 @@ def prepare_run_dir(out_dir: str | os.PathLike[str], resume: bool,
                 if (run / name).is_dir():
                     raise InputError(f"cannot resume {run}: its {name} is a folder, where the run's file belongs")
                 if not (run / name).is_file():
-                    raise InputError(f"cannot resume {run}: it has no {name} (not a sgraf run folder, "
-                                     "or the run never reached its first checkpoint)")
+                    raise InputError(f"cannot resume {run}: it has no {name} (not a sgraf run folder, a run "
+                                     "killed before its first checkpoint, or the file deleted)")
         elif (run / LAST_CHECKPOINT).exists():
             raise InputError(f"output folder {run} already holds a run ({LAST_CHECKPOINT}); continue it with "
                              f"--resume {run} (in Python: resume=True) or choose another --out")

@@ -291,8 +291,9 @@ def format_runs(summary: dict[str, Any]) -> str:
         best = run["best"]
         state = {"stopped": f"stopped ({run.get('resume')})",
                  "running": f"running ({run.get('holder')})",
-                 "stopped before a checkpoint": "stopped before a checkpoint (nothing to resume: train it again "
-                                                "with another --out)"}.get(run["state"], run["state"])
+                 "stopped before a checkpoint": "stopped before a checkpoint (no last.pt: killed before its "
+                                                "first, or deleted; nothing to resume: train it again with "
+                                                "another --out)"}.get(run["state"], run["state"])
         rows.append((run["path"], "" if run["module"] is None else str(run["module"]),
                      f"{run['epochs_done']}/{run['epochs'] if run['epochs'] is not None else '?'}",
                      "" if best is None else f"{best['rsum']:.2f}", "" if best is None else str(best["epoch"]),
