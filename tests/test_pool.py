@@ -191,3 +191,14 @@ def test_a_forked_worker_leaves_a_signal_to_its_run(monkeypatch, caplog):
         with caplog.at_level("WARNING"):
             signals._handle(signal.SIGTERM, None)
         assert signals.received == signal.SIGTERM and caplog.text.count("received SIGTERM") == 1
+
+
+def test_a_signal_during_a_validation_says_it_waits_for_the_validation(caplog):
+    from sgraf.training.state import StopSignals
+
+    with StopSignals() as signals, caplog.at_level("WARNING"):
+        with signals.during("validation"):
+            signals._handle(signal.SIGTERM, None)
+        assert signals.phase == "step"
+    assert "received SIGTERM: stopping after this validation and saving a checkpoint (a validation runs to its " \
+           "end: it decides best.pt)" in caplog.text

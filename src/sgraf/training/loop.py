@@ -401,7 +401,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
             last_loss = result.loss
             record.step(result)
             if config.val_every and progress.global_step % config.val_every == 0 and progress.epoch_step < n_steps:
-                record.validation(end_of_epoch=False)
+                with signals.during("validation"):
+                    record.validation(end_of_epoch=False)
             stopped_by = _agreed_signal(signals.received)
             stop = stopped_by is not None
             if stop or (config.checkpoint_every and progress.global_step % config.checkpoint_every == 0):
@@ -430,7 +431,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                     break
                 progress.epoch += 1
                 progress.epoch_step = 0
-                record.validation(end_of_epoch=True)
+                with signals.during("validation"):
+                    record.validation(end_of_epoch=True)
                 if progress.epoch >= config.epochs:
                     progress.finished = True
                 record.save_last()

@@ -11,11 +11,13 @@ so the sampler's state is just the position within the epoch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +148,17 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self.phase = "step"         # what a signal waits for (`during`): the message says it
+
+    @contextlib.contextmanager
+    def during(self, phase: str) -> Iterator[None]:
+        """Within, a signal's message says it waits for `phase` ("validation": minutes on a paper-size
+        dev split, which "after this step" had not told)."""
+        before, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = before
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -165,6 +178,7 @@ class StopSignals:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if self.received is None:
-            logger.warning("received %s: stopping after this step and saving a checkpoint",
-                           signal.Signals(signum).name)
+            logger.warning("received %s: stopping after this %s and saving a checkpoint%s",
+                           signal.Signals(signum).name, self.phase,
+                           " (a validation runs to its end: it decides best.pt)" if self.phase == "validation" else "")
         self.received = signum
