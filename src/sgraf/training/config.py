@@ -432,8 +432,10 @@ def resolve_config(preset_name: str | None = None, config_file: str | pathlib.Pa
         if not named:
             raise
         raise InputError(f"{given[named[0]]}: {error}") from None
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
     for key, why in unused_settings(config.to_dict()).items():
-        if key in given:
+        # a key at its default changes nothing either way: a run's own config.yaml reused as --config lists every key
+        if key in given and getattr(config, key) != defaults.get(key):
             logger.warning("%s: %s=%s has no effect: %s", given[key], key, getattr(config, key), why)
     return _from_preset(config, preset_name), extras
 
