@@ -413,6 +413,9 @@ def test_scores_at_the_sigmoids_ceiling_are_said_to_tie(tmp_path, caplog):
     caplog.set_level("WARNING", logger="sgraf.evaluate")
     assert warn_saturated(sims) == 0 and not caplog.records
     assert warn_saturated(sims * 30 + 1) == 0 and not caplog.records     # another tool's logits: none is 1.0
+    assert warn_saturated(np.full((4, 20), 0.25, np.float32)) == 0          # a collapsed model: said
+    assert "every score is 0.25: the model scores every pair alike (collapsed" in caplog.text
+    caplog.clear()
     sims[:, :5] = 1.0
     np.save(tmp_path / "sims.npy", sims)
     assert main(["evaluate", "--sims", str(tmp_path / "sims.npy"), "--quiet"]) == 0

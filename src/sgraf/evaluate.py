@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import weakref
 from pathlib import Path
@@ -245,14 +246,23 @@ def warn_saturated(sims: np.ndarray | torch.Tensor, models: Sequence[torch.nn.Mo
     tie, their order is the tie-break's, and the recalls say little. With `models`, once per model
     in a process (a training run validates often). Returns how many there are."""
     # == 1.0, not >= (a matrix of another tool's logits, all above 1, had been called saturated)
-    saturated = sum(int((sims[start:start + 1024] == 1.0).sum()) for start in range(0, sims.shape[0], 1024))
-    if not saturated:
+    saturated, low, high = 0, math.inf, -math.inf
+    for start in range(0, sims.shape[0], 1024):
+        block = sims[start:start + 1024]
+        saturated += int((block == 1.0).sum())
+        low, high = min(low, float(block.min())), max(high, float(block.max()))
+    constant = low == high and sims.shape[0] * sims.shape[1] > 1
+    if not saturated and not constant:
         return 0
     if models:
         fresh = [model for model in models if model not in _WARNED_SATURATED]
         if not fresh:
             return saturated
         _WARNED_SATURATED.update(fresh)
+    if constant and low != 1.0:       # a collapsed model (a training at lr=100 had "finished" at dev rsum 125)
+        logger.warning("every score is %.6g: the model scores every pair alike (collapsed: the hinge loss's plateau, "
+                       "or a learning rate too large), so its recalls are the tie-break's alone", low)
+        return saturated
     place = any(getattr(model.config, "positions", "none") == "place" and not model.config.place_penalty
                 for model in models)
     total = int(sims.shape[0]) * int(sims.shape[1])
