@@ -266,3 +266,14 @@ def test_a_signal_to_one_process_stops_every_process_each_naming_it(tmp_path):
         launcher.kill()
     assert "KeyError" not in err and "stopped by None" not in out + err
     assert "stopped by SIGTERM in epoch" in out and (run / "last.pt").is_file()
+
+
+def test_a_torchrun_run_stopped_is_told_to_resume_under_torchrun(monkeypatch):
+    """A 2-process run stopped by a signal had been told to continue with a single-process resume."""
+    from sgraf.cli.train import _resume_command
+
+    assert _resume_command("runs/a", 1) == "sgraf train --resume runs/a"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _resume_command("runs/my run", 2) == "torchrun --nproc-per-node 2 -m sgraf train --resume 'runs/my run'"
+    assert _resume_command("runs/a", 4) == ("torchrun --nproc-per-node 2 -m sgraf train --resume runs/a on each of "
+                                            "its 2 nodes")

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sgraf train: error: {error}", file=sys.stderr)
         return 1
     finally:
-        main_process = distributed.is_main_process()
+        main_process, world = distributed.is_main_process(), distributed.get_world_size()
         distributed.cleanup(barrier=clean)     # leaving on an error: no wait for the others (torchrun stops them)
     code = 0 if summary["status"] == "finished" else 128 + int(signal.Signals[summary["signal"]])
     if not main_process:
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if summary["status"] == "interrupted":
         print(f"stopped by {summary['signal']} in epoch {summary['epoch'] + 1} of {config.epochs} ({summary['epoch']} "
               f"done, as sgraf runs counts), step {summary['global_step']}; last.pt saved. Continue with: "
-              f"sgraf train --resume {shlex.quote(str(out))}")
+              f"{_resume_command(out, world)}")
         return code
     epochs = summary["epoch"]
     if summary["stopped_early"]:
@@ -155,3 +155,13 @@ def run(args: argparse.Namespace) -> int:
           f"{summary['best_rsum']:.2f} at step {summary['best_step']}; run folder {out}")
     return 0
 
+
+def _resume_command(out: str, world: int) -> str:
+    """The command that continues the run, under torchrun with its processes where it ran under it
+    (a single-process resume of a 2-process run had been suggested)."""
+    resume = f"sgraf train --resume {shlex.quote(str(out))}"
+    if world <= 1:
+        return resume
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = f" on each of its {world // per_node} nodes" if per_node < world else ""
+    return f"torchrun --nproc-per-node {per_node} -m {resume}{nodes}"
