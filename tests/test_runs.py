@@ -307,21 +307,10 @@ def test_a_setting_without_effect_sets_no_run_apart(tmp_path, capsys):
     identical): no column; nor beside SGR runs that all take the same sgr_step (the demo's table
     had shown sgr_step 3 and '-' by module); beside SGR runs of other steps the SAF runs' reads '-'."""
     for name, module, step in (("saf-a", "saf", 1), ("saf-b", "saf", 4), ("sgr", "sgr", 3)):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: {module}\nsgr_step: {step}\n"
-                                         "epochs: 1\n")
-        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
-                                           '"best": true}\n')
+        _fake_run(tmp_path / name, tmp_path, f"module: {module}\nsgr_step: {step}\n")
     assert main(["runs", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["differ"] == ["module"]
-    for name, module, step in (("sgr-2", "sgr", 2),):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: {module}\nsgr_step: {step}\n"
-                                         "epochs: 1\n")
-        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
-                                           '"best": true}\n')
+    _fake_run(tmp_path / "sgr-2", tmp_path, "module: sgr\nsgr_step: 2\n")
     assert main(["runs", str(tmp_path / "saf-a"), str(tmp_path / "saf-b"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["differ"] == []
     assert main(["runs", str(tmp_path)]) == 0
@@ -332,24 +321,20 @@ def test_a_setting_without_effect_sets_no_run_apart(tmp_path, capsys):
     assert [rows["saf-a"][-1], rows["saf-b"][-1], rows["sgr"][-1], rows["sgr-2"][-1]] == ["-", "-", "3", "2"], out
 
 
+def _fake_run(run: Path, data: Path, settings: str) -> None:
+    """A run folder of one validation, configured by `settings` (YAML lines) on the tiny preset."""
+    run.mkdir()
+    (run / "config.yaml").write_text(f"data: {data}\npreset: tiny\n{settings}epochs: 1\n")
+    (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, "best": true}\n')
+
+
 def test_the_place_terms_settings_read_dash_in_a_run_without_one(tmp_path, capsys):
     for name, positions, sharpness in (("box", "box", 1.0), ("place", "place", 2.0)):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: sgr\npositions: {positions}\n"
-                                         f"place_sharpness: {sharpness}\nepochs: 1\n")
-        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
-                                           '"best": true}\n')
+        _fake_run(tmp_path / name, tmp_path, f"module: sgr\npositions: {positions}\nplace_sharpness: {sharpness}\n")
     assert main(["runs", str(tmp_path / "box"), str(tmp_path / "place"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["differ"] == ["positions"]                          # one place run: no sharpness to compare
-    for name, sharpness in (("place-4", 4.0),):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: sgr\npositions: place\n"
-                                         f"place_sharpness: {sharpness}\nepochs: 1\n")
-        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
-                                           '"best": true}\n')
+    _fake_run(tmp_path / "place-4", tmp_path, "module: sgr\npositions: place\nplace_sharpness: 4.0\n")
     assert main(["runs", str(tmp_path / "box"), str(tmp_path / "place"), str(tmp_path / "place-4"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["differ"] == ["positions", "place_sharpness"]
@@ -360,12 +345,7 @@ def test_the_place_terms_settings_read_dash_in_a_run_without_one(tmp_path, capsy
 def test_family_share_sets_no_run_without_family_batches_apart(tmp_path, capsys):
     """The demo's runs table had set its random-batch runs apart by family_share 1.0 against 0.5."""
     for name, batches, share in (("random", "random", 1.0), ("families", "families", 0.5)):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "config.yaml").write_text(f"data: {tmp_path}\npreset: tiny\nmodule: sgr\nbatches: {batches}\n"
-                                         f"family_share: {share}\nepochs: 1\n")
-        (run / "metrics.jsonl").write_text('{"epoch": 1, "step": 4, "end_of_epoch": true, "rsum": 100.0, '
-                                           '"best": true}\n')
+        _fake_run(tmp_path / name, tmp_path, f"module: sgr\nbatches: {batches}\nfamily_share: {share}\n")
     assert main(["runs", str(tmp_path / "random"), str(tmp_path / "families"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["differ"] == ["batches"]          # family_share: without effect in the random run
