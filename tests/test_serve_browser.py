@@ -13,7 +13,6 @@ import socket
 import threading
 import time
 import urllib.parse
-from pathlib import Path
 
 import numpy as np
 import pytest
