@@ -544,6 +544,13 @@ def test_a_checkpoint_that_cannot_be_written_is_said_alone_and_not_counted(toy_d
     assert torch.load(run / "last.pt", weights_only=True)["extra"]["step"] == 3
 
 
+def test_a_validation_of_few_dev_images_is_said(toy_data, tmp_path, caplog):
+    """val_max_captions=5 had validated on one image (every recall 100, rsum 600), unsaid."""
+    caplog.set_level("WARNING", logger="sgraf.training.loop")
+    assert _train(toy_data, tmp_path / "run", "--set", "val_max_captions=5") == 0
+    assert "validation scores 1 dev image (5 captions): R@10 is 100 whatever the model" in caplog.text
+
+
 def test_a_config_files_data_or_preset_overridden_on_the_command_line_is_said(tmp_path, caplog):
     config = tmp_path / "run.yaml"
     config.write_text("data: elsewhere\npreset: tiny\nepochs: 1\n")

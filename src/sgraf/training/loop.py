@@ -146,6 +146,7 @@ def validate(model: nn.Module, split: Any, vocab: Any, config: TrainConfig,
     return result
 
 
+VAL_FEW_IMAGES = 10           # a validation of this many dev images or fewer: every R@10 is 100
 PLACE_TERM_SAMPLE = 32       # images (with one caption each) whose every pair `place_term_spread` reads
 PLACE_TERM_WARN_RATIO = 1.5  # a place term more spread than this many times the heads' logits outweighs them
 
@@ -482,6 +483,10 @@ def _open_data(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, r
     # dev is read whole at the first validation: scanned now, not after an epoch of training
     dev = PrecompSplit(data_dir, "dev", max_captions=_val_captions(config, data_dir), full_scan=True)
     dims = check_data_fits(config, [train, dev])
+    if dev.n_images <= VAL_FEW_IMAGES and info.is_main:     # val_max_captions=5 had validated on 1, rsum 600 unsaid
+        logger.warning("validation scores %d dev image%s (%d captions): R@10 is 100 whatever the model, and best.pt is "
+                       "chosen on little (val_max_captions, or a larger dev split)", dev.n_images,
+                       "" if dev.n_images == 1 else "s", dev.n_captions)
     fingerprint = run_fingerprint(config, data_dir)
     same = [name for name in ("caps.txt", "ims.npy") if fingerprint[f"train_{name}"] == fingerprint[f"dev_{name}"]]
     if same and info.is_main:
