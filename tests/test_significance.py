@@ -206,6 +206,7 @@ def test_compare_scores_checkpoints_as_evaluate_saves_them(saved, capsys, caplog
             (["--sims", sgr, "--against", saf, "--vocab", VOCAB], "--vocab applies to checkpoints"),
             (["--checkpoint", CKPT["sgr"], "--against", CKPT["sgr"], "--data", DATA],
              "--checkpoint and --against name the same model"),
+
             (["--sims", sgr, "--against", CKPT["saf"], CKPT["saf"], "--data", DATA],
              "saf.pth.tar is given twice"),
             (["--checkpoint", CKPT["sgr"], "--against", saved / "absent.npy", "--data", DATA, "--vocab", VOCAB],
@@ -218,6 +219,10 @@ def test_compare_scores_checkpoints_as_evaluate_saves_them(saved, capsys, caplog
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert "evaluating" not in caplog.text          # refused before side A was scored
+    # a checkpoint against its own saved matrix (a p of 1.000 over a table of zeros had been printed)
+    assert main(["compare", "--checkpoint", str(CKPT["sgr"]), "--against", sgr, "--data", str(DATA), "--vocab",
+                 str(VOCAB), "--quiet"]) == 2
+    assert "A and B score every pair alike, to the bit" in capsys.readouterr().err
 
 
 def test_compare_takes_ours_with_its_own_vocabulary_against_the_authors_with_theirs(tmp_path, capsys):

@@ -59,6 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from sgraf import diagnose, significance
 
     side_a = (args.checkpoint or args.sims, args.checkpoint is not None)
@@ -67,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
     device = checked_device(args.device)
     scenes = _scenes(args) if args.diagnose else None       # checked before the matrices are read or scored
     sims_a, sims_b = _matrices(args, side_a, side_b, device)
+    if np.array_equal(sims_a, sims_b):     # a copy of a matrix, or a checkpoint against its own saved matrix
+        from sgraf.errors import InputError
+
+        raise InputError("A and B score every pair alike, to the bit (the same model, or copies of one matrix): "
+                         "nothing to compare")
     result = significance.compare(sims_a, sims_b, folds=args.folds, resamples=args.resamples, level=args.level,
                                   seed=args.seed)
     families = None
