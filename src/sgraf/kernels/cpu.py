@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgraf import torch_compat
-from sgraf.errors import InputError
 from sgraf.kernels import plan, tuning
 
 ROUTES = ("onednn", "aten")          # the first is the matmul route's default (weight gradients: the last)
@@ -89,7 +88,7 @@ def _route(kind: str) -> str:
                tuning.generation())
     route = _routes.get(setting)
     if route is None:
-        route = _routes[setting] = _choose_route(kind, setting[1].strip().lower())
+        route = _routes[setting] = _choose_route(kind, setting[1])
     return route
 
 
@@ -104,12 +103,8 @@ def _say_once(message: str) -> None:
 
 
 def _choose_route(kind: str, forced: str) -> str:
-    if forced == "auto":
-        forced = ""
+    forced = tuning.checked_route("SGRAF_CPU_MATMUL", forced, ROUTES)
     if forced:
-        if forced not in ROUTES:
-            raise InputError(f"SGRAF_CPU_MATMUL must be auto (the measured choice) or one of {', '.join(ROUTES)}, "
-                             f"got {forced!r}")
         if forced == "onednn" and not ONEDNN:
             _say_once(f"SGRAF_CPU_MATMUL=onednn is not taken under PyTorch {torch.__version__} (oneDNN's linear "
                       f"there is not safe against signals, or oneDNN is missing): the aten route runs")

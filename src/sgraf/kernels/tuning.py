@@ -183,7 +183,17 @@ def forced_route(variable: str, routes: Sequence[str]) -> str:
     Raises:
         InputError: the variable names none of `routes`.
     """
-    forced = os.environ.get(variable, "").strip().lower()
+    return checked_route(variable, os.environ.get(variable, ""), routes)
+
+
+def checked_route(variable: str, value: str, routes: Sequence[str]) -> str:
+    """`value` of the environment variable `variable` as `forced_route` reads it: lower-cased, ''
+    for empty or `auto`.
+
+    Raises:
+        InputError: it names none of `routes`.
+    """
+    forced = value.strip().lower()
     if forced == "auto":
         return ""
     if forced and forced not in routes:
