@@ -252,7 +252,7 @@ class NewGeneration:
         on_disk = set(folder_files(self.folder))
         before = read_record(self.folder)
         # a generation killed mid-swap recorded files it had already removed: those names go
-        record = {name: by for name, by in read_record(self.folder).items() if name in on_disk or not self.family(name)}
+        record = {name: by for name, by in before.items() if name in on_disk or not self.family(name)}
         earlier = [name for name in folder_files(self.folder) if self.family(name)
                    and (name in written or name in record or name in self.earlier)]
         during = {**record, **{name: record.get(name, self.command) for name in earlier},

@@ -199,16 +199,11 @@ def differences(runs: Sequence[Run]) -> list[str]:
         keys.extend(key for key in run.settings if key not in keys and key not in _NOT_SETTINGS)
     # a setting without effect in a run (`sgr_step` of a SAF run) sets it apart from none: SGR runs
     # that all take sgr_step=3 beside SAF runs show no sgr_step column (the module's says it all)
-    differ = [key for key in keys if len({json.dumps(run.settings.get(key), sort_keys=True) for run in readable
-                                          if key not in unused_settings(run.settings)}) > 1]
+    effective = [(run.settings, unused_settings(run.settings)) for run in readable]
+    differ = [key for key in keys if len({json.dumps(settings.get(key), sort_keys=True)
+                                          for settings, unused in effective if key not in unused}) > 1]
     other_data = any(not _same_data(a, b) for i, a in enumerate(readable) for b in readable[i + 1:])
     return (["data"] if other_data else []) + differ
-
-
-def _setting(run: Run, key: str) -> Any:
-    """The run's value of `key`, or None where it has no effect under its other settings
-    (`sgraf.config.unused_settings`)."""
-    return None if key in unused_settings(run.settings) else run.settings.get(key)
 
 
 def _files_id(run: Run, files: Collection[str] | None = None) -> str | None:
