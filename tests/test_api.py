@@ -378,7 +378,8 @@ def test_a_notebook_shows_matchers_encodings_and_steps_in_a_line(vocab, features
     assert repr(matcher) == ("Matcher(1 model(s): saf (<in memory>); device cpu, precision fp32, vocabulary "
                              f"{len(vocab)} words)")
     assert repr(matcher.encode_images(features)) == "ImageEncoding(4 images, 1 model(s), regions (4, 5, 12))"
-    assert repr(matcher.encode_texts(["a dog", "a red ball"])).startswith("TextEncoding(2 texts, 1 model(s), words (2, ")
+    assert repr(matcher.encode_texts(["a dog", "a red ball"])).startswith(
+        "TextEncoding(2 texts, 1 model(s), words (2, ")
     assert repr(StepResult(0.5, 1.25)) == "StepResult(loss=0.5, grad_norm=1.25, skipped=False)"
 
     def bad() -> None:

@@ -97,7 +97,8 @@ class Hit:
         return {"id": self.id, "score": self.score, **({"name": self.name} if self.name is not None else {})}
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """The sha256 of a file's bytes, read whole by chunks (an index's files, `sgraf serve`'s data)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(chunk), b""):
@@ -310,7 +311,7 @@ def _swap_in(staging: Path, out: Path) -> None:
 
 
 def _describe_file(path: Path) -> dict[str, Any]:
-    entry: dict[str, Any] = {"bytes": path.stat().st_size, "sha256": _sha256_file(path)}
+    entry: dict[str, Any] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     if path.suffix == ".npy":
         array = np.load(path, mmap_mode="r")
         entry.update(shape=list(array.shape), dtype=str(array.dtype))
@@ -450,7 +451,7 @@ def _open_array(folder: Path, name: str, manifest: dict[str, Any], verify: bool)
     if path.stat().st_size != entry["bytes"]:
         raise InputError(f"{path}: corrupted index file, {path.stat().st_size} bytes where the manifest "
                          f"records {entry['bytes']} (truncated or overwritten); rebuild the index")
-    if verify and _sha256_file(path) != entry["sha256"]:
+    if verify and sha256_file(path) != entry["sha256"]:
         raise InputError(f"{path}: corrupted index file, its sha256 does not match the manifest; "
                          "rebuild the index")
     array = open_npy(path, f"the {entry['dtype']}{entry['shape']} array the manifest records; rebuild the index",

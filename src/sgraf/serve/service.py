@@ -27,7 +27,7 @@ import numpy as np
 
 from sgraf.api import MAX_TEXT_CHARS, MAX_TEXT_WORDS
 from sgraf.errors import InputError
-from sgraf.search import GalleryIndex, Hit, shortlist_for
+from sgraf.search import GalleryIndex, Hit, sha256_file, shortlist_for
 
 logger = logging.getLogger(__name__)
 
@@ -171,21 +171,12 @@ class SearchService:
         """The sha256 of each of the split's features and captions files, read whole (a features
         file edited in place keeps its size and, often, its first and last MiB, which the data
         fingerprint hashes), or {} where not readable."""
-        import hashlib
-
         if not self._data_files or None in self._data_files.values():
             return {}
-        digests = {}
         try:
-            for name in self._data_files:
-                digest = hashlib.sha256()
-                with open(self.data_dir / name, "rb") as handle:
-                    for block in iter(lambda: handle.read(1 << 22), b""):
-                        digest.update(block)
-                digests[name] = digest.hexdigest()
+            return {name: sha256_file(self.data_dir / name) for name in self._data_files}
         except OSError:
             return {}
-        return digests
 
     def data_changed(self) -> list[str]:
         """The data files (relative to the data folder) that changed since the server started. A
@@ -197,14 +188,15 @@ class SearchService:
         if not self._data_files:
             return []
         changed = changed_since(self.data_dir, self._data_files)
-        if changed and self._data_digests.result():
+        started = self._data_digests.result() if changed else None
+        if started:
             now = file_states(self.data_dir, changed)
             touched = [name for name in changed if now[name] is not None and self._data_files[name] is not None
                        and now[name][:3] == self._data_files[name][:3]]
             if touched:
                 digests = self._digests()
                 for name in touched:
-                    if digests.get(name) == self._data_digests.result().get(name):
+                    if digests.get(name) == started.get(name):
                         self._data_files = {**self._data_files, name: now[name]}
                         changed.remove(name)
         return changed

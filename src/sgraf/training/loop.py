@@ -450,7 +450,8 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
             if record.last_saved_step is None or not last.is_file():
                 raise
             raise NonFiniteFeatures(f"{error}. {last} (step {record.last_saved_step}) is kept: once the features "
-                                    f"are repaired, sgraf train --resume {shlex.quote(str(run))} goes on from it") from None
+                                    f"are repaired, sgraf train --resume {shlex.quote(str(run))} goes on "
+                                    "from it") from None
     record.close()
     distributed.barrier()
     stopped_early = status == "finished" and progress.epoch < config.epochs
