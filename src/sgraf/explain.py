@@ -181,8 +181,7 @@ class Explanation:
 
     def _grid(self) -> "RegionLayout":
         count = self.n_regions or (self.attention.shape[1] if self.attention is not None else 36)
-        grid = _grid_shape(count)
-        return RegionLayout("grid", grid=grid, source=f"no image: {grid[0]} x {grid[1]} region grid")
+        return region_layout(None, None, 0, count)        # no data: the abstract grid of the regions
 
     def __repr__(self) -> str:
         """One line: the text, the scores and the shapes of the arrays (a notebook had printed
