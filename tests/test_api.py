@@ -58,8 +58,10 @@ def test_score_of_an_ensemble_is_the_mean_of_the_models_scores(vocab, features):
     padded, lengths = _ids(vocab, texts)
     expected = [m.score(torch.from_numpy(features), padded, lengths).numpy() for m in models]
     ensemble = Matcher(models).score(features, texts)
-    assert ensemble.shape == (4, 3) and ensemble.dtype == np.float32
+    assert ensemble.shape == (4, 3) and ensemble.dtype == np.float64     # the exact mean, as the authors keep it
     assert_close(ensemble, (expected[0] + expected[1]) / 2, REORDERED)
+    alone = [Matcher([model]).score(features, texts) for model in models]
+    assert alone[0].dtype == np.float32 and np.array_equal(ensemble, (alone[0].astype(np.float64) + alone[1]) / 2)
     single = Matcher(models[:1], batch_size=3).score(features, texts)   # blocks smaller than the inputs
     assert_close(single, expected[0], REORDERED)
 

@@ -49,7 +49,8 @@ def test_reproduces_the_authors_matrices_and_recalls(capsys, tmp_path, expected,
     assert [result["t2i"][k] for k in KEYS] == expected[f"{key}_t2i"]
     assert result["rsum"] == expected[f"{key}_rsum"]
     sims = np.load(out)
-    assert sims.dtype == np.float32 and sims.shape == (6, 30)
+    # one model's scores in float32; an ensemble's mean in float64, as the authors' arrays hold it
+    assert sims.dtype == (np.float64 if len(names) > 1 else np.float32) and sims.shape == (6, 30)
     assert_close(sims, expected[f"sims_{key}"], AUTHORS)
 
 
@@ -91,9 +92,36 @@ def test_saved_matrices_evaluate_and_ensemble(capsys, tmp_path, expected):
     assert [both["i2t"][k] for k in KEYS] == expected["ensemble_i2t"]
     assert [both["t2i"][k] for k in KEYS] == expected["ensemble_t2i"]
     assert both["rsum"] == expected["ensemble_rsum"]
-    assert_close(np.load(tmp_path / "avg.npy"), expected["sims_ensemble"], AUTHORS)
+    averaged = np.load(tmp_path / "avg.npy")
+    assert_close(averaged, expected["sims_ensemble"], AUTHORS)
+    # the exact mean of the two float32 matrices, in float64: the bits the checkpoints' ensemble gives
+    assert averaged.dtype == np.float64
+    assert np.array_equal(averaged, (np.load(paths["sgr"]).astype(np.float64) + np.load(paths["saf"])) / 2)
+    evaluate_json(capsys, *checkpoint_args(["sgr", "saf"]), "--data", DATA, "--vocab", VOCAB, "--save-sims",
+                  tmp_path / "ensemble.npy")
+    assert (tmp_path / "ensemble.npy").read_bytes() == (tmp_path / "avg.npy").read_bytes()
     alone = evaluate_json(capsys, "--sims", paths["saf"])  # no --data: shape taken as it is
     assert alone["rsum"] == expected["saf_rsum"]
+
+
+def test_an_ensembles_mean_is_ranked_unrounded_as_the_authors_rank_it(capsys, tmp_path):
+    """Two means closer than half a float32 step: rounded to float32 they tie and the tie-break
+    orders them; the authors' float64 mean ranks the larger first, and so does ours."""
+    step = np.float32(2.0 ** -24)                 # a float32 step in [0.5, 1)
+    first = np.full((2, 10), 0.25, dtype=np.float32)
+    second = first.copy()
+    for image in (0, 1):
+        others = [c for c in range(10) if c // 5 != image]
+        first[image, others[0]] = second[image, others[0]] = 0.75      # a wrong caption at 0.75
+        truth = 5 * image + (4 if image == 0 else 0)                     # before or after it
+        first[image, truth], second[image, truth] = 0.75, np.float32(0.75) + step   # mean 0.75 + step / 2
+    assert np.float32((first.astype(np.float64) + second) / 2)[0, 4] == np.float32(0.75)   # ties in float32
+    np.save(tmp_path / "a.npy", first)
+    np.save(tmp_path / "b.npy", second)
+    result = evaluate_json(capsys, "--sims", tmp_path / "a.npy", tmp_path / "b.npy")
+    exact = metrics.evaluate_sims((first.astype(np.float64) + second) / 2)
+    rounded = metrics.evaluate_sims(((first.astype(np.float64) + second) / 2).astype(np.float32))
+    assert result["i2t"]["r1"] == exact["i2t"]["r1"] == 100.0 and rounded["i2t"]["r1"] < 100.0
 
 
 @pytest.mark.parametrize("batch_size", ["1", "7"])

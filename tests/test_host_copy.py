@@ -54,6 +54,19 @@ def test_the_copies_run_on_one_worker_thread_in_the_order_handed_over():
     assert not copy._pool._threads or not any(t.is_alive() for t in copy._pool._threads)   # closed
 
 
+def test_an_ensembles_float64_matrix_is_copied_and_written_in_float64(tmp_path):
+    share = torch.randn(6, 5, dtype=torch.float64) / 3
+    with HostCopy((6, 5), tmp_path / "sims.npy", dtype=torch.float64) as copy:
+        copy.band(share, slice(0, 4))
+        host = copy.result(share)
+    assert host.dtype == np.float64 and np.array_equal(host, share.numpy())
+    np.save(tmp_path / "expected.npy", share.numpy())          # NumPy's own bytes, rows at float64 offsets
+    assert (tmp_path / "sims.npy").read_bytes() == (tmp_path / "expected.npy").read_bytes()
+    with HostCopy((6, 5), dtype=torch.float64) as copy:        # a float32 band would be widened: refused
+        with pytest.raises(ValueError, match="float32.*expected.*float64"):
+            copy.band(share.float(), slice(0, 1))
+
+
 def test_a_matrix_of_another_shape_is_refused():
     with HostCopy((4, 4)) as copy:
         with pytest.raises(ValueError, match=r"\(3, 4\).*expected \(4, 4\)"):

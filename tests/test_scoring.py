@@ -125,30 +125,31 @@ def test_block_and_batch_sizes_do_not_change_scores(batch_size, image_block, blo
     assert_close(sims, reference, SAME_PATH)
 
 
-def test_ensemble_is_the_float64_mean_rounded_once():
+def test_ensemble_is_the_float64_mean_kept_in_float64():
     models, split = [TinyScorer(1), TinyScorer(2)], tiny_split()
     singles = [score([m], split) for m in models]
     both = score(models, split)
-    expected = ((singles[0].astype(np.float64) + singles[1]) / 2).astype(np.float32)
+    expected = (singles[0].astype(np.float64) + singles[1]) / 2
+    assert singles[0].dtype == np.float32 and both.dtype == np.float64
     np.testing.assert_array_equal(both, expected)
     assert not np.allclose(singles[0], singles[1], atol=1e-3)  # the two models really differ
     np.testing.assert_array_equal(scoring.average_matrices(singles, rows_per_chunk=2), expected)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_averaged_matrices_are_the_float64_sum_from_zero_in_order_divided_and_rounded_once(monkeypatch, threads):
+def test_averaged_matrices_are_the_float64_sum_from_zero_in_order_divided(monkeypatch, threads):
     """`average_matrices` (`sgraf evaluate --sims A B C`) by chunks and threads gives the bits of
-    `sum(float64 matrices) / n` rounded once, negative zeros and sums that depend on order included."""
+    `sum(float64 matrices) / n`, negative zeros and sums that depend on order included."""
     rng = np.random.default_rng(3)
     matrices = [rng.standard_normal((37, 50)).astype(np.float32) * scale for scale in (1e8, 1.0, 1e-8)]
     matrices[0][0, :4] = matrices[1][0, :4] = matrices[2][0, :4] = -0.0     # 0.0 + -0.0 is +0.0
     matrices[2][1, 0] = -matrices[0][1, 0]
-    expected = (sum(np.asarray(m, dtype=np.float64) for m in matrices) / 3).astype(np.float32)
+    expected = sum(np.asarray(m, dtype=np.float64) for m in matrices) / 3
     monkeypatch.setattr(scoring.torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(scoring, "AVERAGE_CHUNK_ELEMENTS", 4 * 50)          # 10 chunks of 4 rows
     for got in (scoring.average_matrices(matrices), scoring.average_matrices(matrices, rows_per_chunk=5)):
-        assert got.dtype == np.float32
-        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+        assert got.dtype == np.float64
+        np.testing.assert_array_equal(got.view(np.uint64), expected.view(np.uint64))
 
 
 def test_bf16_is_close_to_fp32():

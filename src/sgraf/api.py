@@ -8,7 +8,7 @@ strings into word ids:
     images = matcher.encode_images(features)            # features: (n_img, K, img_dim)
                                                          # (boxes=(n_img, K, 4) for a model with positions)
     texts = matcher.encode_texts(["a dog runs on the grass"])
-    scores = matcher.score_embeddings(images, texts)     # (n_img, n_txt) numpy float32
+    scores = matcher.score_embeddings(images, texts)     # (n_img, n_txt) numpy
 
 A model with positions (`ModelConfig.positions` not 'none', `SGRAF.needs_boxes`) reads each
 region's box (x1, y1, x2, y2 normalised to [0, 1] of its picture, as `sgraf.data.boxes.read_boxes`
@@ -620,7 +620,8 @@ class Matcher:
                 not compute them again; they must be the models' own (`ImageEncoding.global_vectors`).
 
         Returns:
-            (n_img, n_txt) float32 numpy.
+            (n_img, n_txt) numpy: float32 for one model, float64 for an ensemble (the exact mean
+            of its models' float32 scores, as the authors average; `sgraf.model.blocks.ENSEMBLE_DTYPE`).
         """
         from sgraf.model import blocks
 

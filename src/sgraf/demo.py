@@ -304,7 +304,7 @@ def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]
     from sgraf.diagnose import diagnose_sims
     from sgraf.evaluate import warn_saturated
     from sgraf.metrics import evaluate_sims
-    from sgraf.scoring import encode_split, score_matrix
+    from sgraf.scoring import average_matrices, encode_split, score_matrix
 
     sims: dict[str, np.ndarray] = {}
     for label, model in models.items():
@@ -313,7 +313,7 @@ def _evaluate(models: dict[str, Any], split: Any, scenes: list[dict[str, Any]]
         warn_saturated(sims[label], [model])
     for ensemble, (first, second) in ENSEMBLES.items():
         if first in sims:
-            sims[ensemble] = (sims[first] + sims[second]) / 2
+            sims[ensemble] = average_matrices([sims[first], sims[second]])
     results = {label: evaluate_sims(matrix) for label, matrix in sims.items()}
     diagnosis = {label: diagnose_sims(matrix, scenes) for label, matrix in sims.items()}
     return results, diagnosis, sims

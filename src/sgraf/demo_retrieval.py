@@ -65,7 +65,9 @@ def truth_ranks(sims: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.nda
     Returns:
         (per caption: the rank of its best-scored true picture, per picture: of its best true caption).
     """
-    sims = np.asarray(sims, dtype=np.float32)
+    from sgraf.metrics import score_array
+
+    sims = score_array(sims)
     best_image = np.where(truth, sims, -np.inf).max(axis=0)      # (n_captions,)
     best_caption = np.where(truth, sims, -np.inf).max(axis=1)    # (n_images,)
     return (sims > best_image[None, :]).sum(axis=0) + 1, (sims > best_caption[:, None]).sum(axis=1) + 1

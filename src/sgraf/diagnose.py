@@ -202,7 +202,9 @@ def truth_hits(sims: Any, scenes: Sequence[Mapping[str, Any]],
                ks: Sequence[int] = RECALL_AT) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per query, whether truth-aware R@K counts it: ``{"i2t": (hits (n_images, len(ks)) bool,
     ties (n_images,) bool), "t2i": (hits (n_captions, len(ks)), ties (n_captions,))}``."""
-    sims = np.asarray(sims, dtype=np.float32)
+    from sgraf.metrics import score_array
+
+    sims = score_array(sims)
     per = check_scenes(scenes, sims.shape[0], sims.shape[1], "scenes")
     truth = truth_matrix(scenes, per)
     result = {}

@@ -27,7 +27,7 @@ from sgraf.devices import resolve_device
 from sgraf.errors import InputError
 from sgraf.io_paths import path_list
 from sgraf.kernels import plan
-from sgraf.model.blocks import model_device
+from sgraf.model.blocks import model_device, score_dtype
 from sgraf.model.host_copy import HostCopy
 from sgraf.precision import validation_precision
 from sgraf.signals import signals_deferred
@@ -146,7 +146,7 @@ def score_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, preci
                 batch_size: int = 128, progress: bool = False, head: str | None = None,
                 token_ids: Sequence[Sequence[int]] | None = None, stopwatch: Stopwatch | None = None,
                 keep_on_device: bool = False, on_rows: Any = None) -> np.ndarray | torch.Tensor:
-    """The (n_img, n_cap) float32 score matrix of a model or an ensemble on a split (with
+    """The (n_img, n_cap) score matrix of a model (float32) or an ensemble (float64) on a split (with
     `keep_on_device`, a tensor left on the CUDA device that scored it; `on_rows`: see
     `sgraf.scoring.score_matrix`).
 
@@ -212,7 +212,7 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
     where the matrix was scored, and the matrix comes to the host band by band while the rest is
     scored (`sgraf.model.host_copy`; the wait for the last band is timed as 'score'). Without
     `matrix` nothing is copied to the host and None is returned in its place. `save_to`: a path
-    the float32 matrix is written to as a `.npy` (by the same bands on a GPU; the caller makes
+    the matrix is written to as a `.npy` (by the same bands on a GPU; the caller makes
     the write atomic, `sgraf.atomic_write.atomic_path`).
     """
     models = _checked_arguments(models, split, vocab, token_ids)
@@ -221,7 +221,8 @@ def evaluate_split(models: Sequence[torch.nn.Module], split: Any, vocab: Any, fo
         return _evaluate_folds(models, split, vocab, folds, precision, batch_size, progress, head, token_ids,
                                stopwatch), None
     on_gpu = bool(models) and plan.gpu_plan(model_device(models[0]))
-    copy = HostCopy((split.n_images, split.n_captions), save_to) if matrix and on_gpu else None
+    copy = (HostCopy((split.n_images, split.n_captions), save_to, dtype=score_dtype(len(models)))
+            if matrix and on_gpu else None)
     with copy if copy is not None else contextlib.nullcontext():
         sims = score_split(models, split, vocab, precision, batch_size, progress, head, token_ids, stopwatch,
                            keep_on_device=True, on_rows=copy.band if copy is not None else None)
@@ -323,13 +324,13 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Any:
 
 
 def save_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
-    """Write a float32 .npy atomically (temporary file, then `os.replace`)."""
+    """Write a score matrix's .npy atomically (temporary file, then `os.replace`; `write_matrix`)."""
     with atomic_path(path) as temporary:
         write_matrix(sims, temporary)
 
 
 def save_matrix_and_record(sims: np.ndarray, path: str | os.PathLike, record: str) -> None:
-    """Write a float32 .npy and its record (`score_record.record_text`) beside it, both or
+    """Write a score matrix's .npy and its record (`score_record.record_text`) beside it, both or
     neither: each to a temporary file first, then moved into place together, signals held off
     between the moves (the matrix had been moved before its record was written: a full disk then
     left a new matrix without one, which a later evaluation scored as any split of its shape)."""
@@ -343,9 +344,11 @@ def save_matrix_and_record(sims: np.ndarray, path: str | os.PathLike, record: st
 
 
 def write_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
-    """Write a float32 .npy to `path` as it is (`save_matrix` makes the write atomic)."""
+    """Write a score matrix to `path` as a .npy: float64 as it is (an ensemble's exact mean, as
+    `sgraf.model.blocks.ENSEMBLE_DTYPE` keeps it), any other float type as float32
+    (`save_matrix` makes the write atomic)."""
     with open(path, "wb") as handle:
-        np.save(handle, np.asarray(sims, dtype=np.float32))
+        np.save(handle, metrics.score_array(sims))
 
 
 def load_matrix(path: str | os.PathLike) -> np.ndarray:
@@ -389,7 +392,7 @@ def evaluate_checkpoints(checkpoints: str | os.PathLike | Sequence[str | os.Path
         batch_size: encoder batch and caption bucket size.
         device: where to run ('auto': CUDA when available).
         progress: progress bars with ETA on stderr.
-        save_sims: write the float32 (n_img, n_cap) matrix here (caption-file order).
+        save_sims: write the (n_img, n_cap) matrix here (caption-file order; `write_matrix`).
         stopwatch: times the stages 'data', 'checkpoint', 'tokenise', 'encode images', 'encode
             captions', 'score', 'metrics' and 'save' (`sgraf.stopwatch`; `sgraf evaluate --timings`).
         token_prefetch: the split's captions being tokenised in another process
@@ -410,7 +413,7 @@ def evaluate_checkpoints_with_sims(checkpoints: str | os.PathLike | Sequence[str
                                    device: torch.device | str = "cpu", progress: bool = False,
                                    save_sims: str | os.PathLike | None = None, stopwatch: Stopwatch | None = None,
                                    token_prefetch: Any = None) -> tuple[dict[str, Any], np.ndarray]:
-    """`evaluate_checkpoints`, returning ``(metrics, (n_img, n_cap) float32 score matrix)``."""
+    """`evaluate_checkpoints`, returning ``(metrics, (n_img, n_cap) score matrix: float32, an ensemble's float64)``."""
     result, sims = _evaluate_checkpoints(checkpoints, data_dir, split, vocab, folds, precision, batch_size,
                                          device, progress, save_sims, stopwatch, token_prefetch, matrix=True)
     assert sims is not None
@@ -480,7 +483,7 @@ def evaluate_sims_files(paths: Sequence[str | os.PathLike], folds: int = 1,
                         data_dir: str | os.PathLike | None = None, split: str | None = None,
                         save_sims: str | os.PathLike | None = None,
                         stopwatch: Stopwatch | None = None) -> dict[str, Any]:
-    """Evaluate saved score matrices, averaging several (float64 mean, rounded once to float32).
+    """Evaluate saved score matrices, averaging several (their float64 mean, kept in float64).
 
     With `data_dir` the matrices must have the split's (n_images, n_captions) shape. A matrix saved
     by sgraf has a record of the split it scored beside it (`sgraf.score_record`): one that names

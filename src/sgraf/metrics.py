@@ -40,6 +40,13 @@ RECALL_KEYS = ("r1", "r5", "r10", "medr", "meanr")
 _CHUNK_ELEMENTS = 1 << 23
 
 
+def score_array(sims: Any) -> np.ndarray:
+    """`sims` as numpy scores: float64 as it is (an ensemble's exact mean,
+    `sgraf.model.blocks.ENSEMBLE_DTYPE`, or the authors' arrays), anything else as float32."""
+    sims = sims.detach().cpu().numpy() if isinstance(sims, torch.Tensor) else np.asarray(sims)
+    return sims if sims.dtype == np.float64 else sims.astype(np.float32, copy=False)
+
+
 def as_score_matrix(sims: Any, name: str = "score matrix") -> np.ndarray | torch.Tensor:
     """A 2-d finite float numpy view of `sims` (numpy array or tensor), without copying floats; a
     tensor on a GPU stays there (`_stays_on_device`), checked there.

@@ -16,7 +16,7 @@ adds what a split needs on top of it, for `sgraf evaluate` and validation during
    same for any number of processes.
 
 Precision is one switch (`sgraf.precision.autocast`): ``"bf16"`` runs the encoders and the
-scorer under autocast; embeddings and scores are kept in float32.
+scorer under autocast; embeddings and scores are kept in float32 (an ensemble's mean in float64).
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ from sgraf.stopwatch import Stopwatch, stage
 
 logger = logging.getLogger(__name__)
 
-# Scores per chunk of `average_matrices`: its float64 buffer (8 MiB) is reused from the heap
-# rather than faulted in anew from the system for every chunk
+# Scores per chunk of `average_matrices` (8 MiB of its float64 result): chunks share the threads
 AVERAGE_CHUNK_ELEMENTS = 1 << 20
 
 __all__ = ["CaptionBucket", "Encoded", "Scorer", "encode_images", "encode_captions", "encode_split",
@@ -168,12 +167,13 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
         progress: progress bar with ETA on stderr (rank 0 only).
         head: passed to ``similarity`` (``"sgr"``/``"saf"`` of a joint model; None: its score).
         shard: under ``torchrun``, let each process score a share of the images and gather.
-        keep_on_device: return a float32 tensor where the scores were computed (a CUDA device
-            keeps them: `sgraf.metrics` counts the ranks there) instead of numpy.
+        keep_on_device: return a tensor where the scores were computed (a CUDA device keeps
+            them: `sgraf.metrics` counts the ranks there) instead of numpy.
 
     Returns:
-        float32 numpy (n_img, n_cap) in caption-file order, identical on every process. Several
-        models are averaged block by block in float64, then rounded once to float32.
+        numpy (n_img, n_cap) in caption-file order, identical on every process: float32 for one
+        model; several are averaged block by block in float64 and kept in float64, as the
+        authors' evaluation averages (`sgraf.model.blocks.ENSEMBLE_DTYPE`).
     """
     check_precision(precision)
     if isinstance(models, nn.Module):
@@ -204,25 +204,25 @@ def score_matrix(models: Sequence[Scorer], encoded: Sequence[Encoded], precision
 
 
 def average_matrices(matrices: Sequence[np.ndarray], rows_per_chunk: int | None = None) -> np.ndarray:
-    """The float32 mean of equally shaped score matrices: summed in float64 from zero in the
-    order given, divided, rounded once to float32.
+    """The float64 mean of equally shaped score matrices: summed in float64 from zero in the
+    order given, divided (as the authors average two; `sgraf.model.blocks.ENSEMBLE_DTYPE`).
 
     By chunks of `rows_per_chunk` rows (default: about `AVERAGE_CHUNK_ELEMENTS` scores), each
-    summed into one float64 buffer in place, on PyTorch's number of threads
+    summed in place in its rows of the result, on PyTorch's number of threads
     (`sgraf.data.arrays.map_row_chunks`). Two MSCOCO-5K-size matrices took 2.6-4.5 s in chunks of
-    1,024 rows with a new float64 array per operation (each a fresh 200 MB of pages); now 0.3-0.6 s
-    on a 2-core AMD EPYC Zen 3, the same bits."""
+    1,024 rows with a new float64 array per operation (each a fresh 200 MB of pages); summed into
+    a reused buffer, 0.3-0.6 s on a 2-core AMD EPYC Zen 3, the same bits."""
     shape = matrices[0].shape
-    out = np.empty(shape, dtype=np.float32)
+    out = np.empty(shape, dtype=np.float64)
     elements = AVERAGE_CHUNK_ELEMENTS if rows_per_chunk is None else rows_per_chunk * shape[1]
 
     def chunk(rows: tuple[int, int]) -> None:
         start, stop = rows
-        total = np.zeros((stop - start, *shape[1:]), dtype=np.float64)
+        total = out[start:stop]
+        total.fill(0.0)                 # from zero: 0.0 + -0.0 is +0.0
         for matrix in matrices:
             total += matrix[start:stop]
         total /= len(matrices)
-        out[start:stop] = total
 
     map_row_chunks(chunk, shape[0], int(np.prod(shape[1:])), elements)
     return out

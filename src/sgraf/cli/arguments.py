@@ -171,8 +171,8 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False,
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
     if save_sims:
         parser.add_argument("--save-sims", metavar="FILE.npy",
-                            help="write the float32 score matrix (caption-file order), and beside it "
-                                 "FILE.npy.json, the split it scored (checked when it is read with --sims)")
+                            help="write the score matrix (caption-file order; float32, an ensemble's float64), "
+                                 "and beside it FILE.npy.json, the split it scored (checked when it is read with --sims)")
     add_json(parser)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="encoder and scorer precision (bf16: autocast, scores stay float32)")

@@ -18,8 +18,8 @@ copy takes 0.2 s into fresh memory and 0.04 s into memory already touched).
   (a scorer that calls no `on_rows`, the matrix gathered from several processes) are copied
   then, so the result is always the whole matrix.
 
-Given a `file`, the worker also writes the matrix there as a float32 `.npy` (the bytes `np.save`
-writes): the header first, each band at its rows' offset once copied, and a `fdatasync` after
+Given a `file`, the worker also writes the matrix there as a `.npy` of its dtype (the bytes
+`np.save` writes): the header first, each band at its rows' offset once copied, and a `fdatasync` after
 each, so that saving the matrix (`sgraf evaluate --save-sims`: 500 MB written and synced, 0.38 s
 of an MSCOCO-size run on the H100) is done beside the scoring too, and the final sync of the
 caller's atomic write (`sgraf.atomic_write.atomic_path`) has little left to flush.
@@ -46,13 +46,16 @@ _SEEK_WRITE = threading.Lock()   # where os.pwrite is missing, a seek and a writ
 
 
 class HostCopy:
-    """The host copy of a float32 (n_rows, n_cols) matrix, made band by band (module docstring).
+    """The host copy of a (n_rows, n_cols) matrix of `dtype` (float32: one model's scores; float64:
+    an ensemble's), made band by band (module docstring).
 
     Use as a context manager (the worker thread ends on exit), or call `close`.
     """
 
-    def __init__(self, shape: tuple[int, int], file: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, shape: tuple[int, int], file: str | os.PathLike[str] | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.shape = (int(shape[0]), int(shape[1]))
+        self.dtype = dtype
         self._host: torch.Tensor | None = None
         self._copied = np.zeros(self.shape[0], dtype=bool)
         self._stream: Any = None
@@ -70,15 +73,18 @@ class HostCopy:
     def _allocate(self, file: str | os.PathLike[str] | None) -> None:
         if file is not None:
             header = io.BytesIO()
-            np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
+            np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(self._numpy_dtype()),
                                                           "fortran_order": False, "shape": self.shape})
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)   # Windows: no newline bytes
             self._fd = os.open(file, flags, 0o666)
             self._write(header.getvalue(), 0)
             self._offset = len(header.getvalue())
-        host = torch.empty(self.shape, dtype=torch.float32)
+        host = torch.empty(self.shape, dtype=self.dtype)
         host.zero_()    # its pages faulted in here, beside the scoring, not during the copy
         self._host = host
+
+    def _numpy_dtype(self) -> np.dtype:
+        return np.dtype(str(self.dtype).removeprefix("torch."))
 
     def _write(self, data: Any, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -96,7 +102,8 @@ class HostCopy:
         if self._fd is None:
             return
         assert self._host is not None
-        self._write(self._host[rows].numpy(), self._offset + rows.start * self.shape[1] * 4)
+        row_bytes = self.shape[1] * self._host.element_size()
+        self._write(self._host[rows].numpy(), self._offset + rows.start * row_bytes)
         try:
             getattr(os, "fdatasync", os.fsync)(self._fd)     # macOS and Windows: fsync
         except OSError as error:
@@ -105,8 +112,9 @@ class HostCopy:
 
     def band(self, share: torch.Tensor, rows: slice) -> None:
         """Queue `share[rows]` (scored, never written again) for copying to the same rows."""
-        if tuple(share.shape) != self.shape:
-            raise ValueError(f"HostCopy: a band of a {tuple(share.shape)} matrix, expected {self.shape}")
+        if tuple(share.shape) != self.shape or share.dtype != self.dtype:
+            raise ValueError(f"HostCopy: a band of a {tuple(share.shape)} {share.dtype} matrix, expected {self.shape} "
+                             f"{self.dtype}")
         event = None
         if share.device.type == "cuda":
             event = torch.cuda.Event()
