@@ -46,7 +46,7 @@ def test_the_per_image_table_gives_evaluates_recalls(folds):
 @pytest.mark.parametrize("folds", [1, 5])
 def test_compare_reports_evaluates_figures_to_the_bit(folds):
     a, b = matrix(100, 9, signal=2.0), matrix(100, 10, signal=1.5)
-    result = significance.compare(a, b, folds=folds, resamples=10)
+    result = significance.compare(a, b, folds=folds, resamples=40)
     for name, sims in (("a", a), ("b", b)):
         figures = metrics.evaluate_sims(sims, folds=folds)
         assert result[name] == {"i2t": {k: figures["i2t"][k] for k in ("r1", "r5", "r10")},
@@ -266,7 +266,7 @@ def test_ratio_intervals_widen_with_the_items_a_cluster_shares():
     assert low_a < alike.sum() / 1000 < high_a and low_b < apart.sum() / 1000 < high_b
     assert (high_a - low_a) / (high_b - low_b) == pytest.approx(np.sqrt(5), rel=0.25)
     assert (high_b - low_b) == pytest.approx(2 * 1.96 * np.sqrt(0.4 * 0.6 / 1000), rel=0.15)
-    assert significance.ratio_intervals(np.zeros((3, 1)), np.zeros((3, 1)), 10) == [None]   # no items
+    assert significance.ratio_intervals(np.zeros((3, 1)), np.zeros((3, 1)), 40) == [None]   # no items
     with pytest.raises(InputError, match=r"of one shape, got \(3, 1\) and \(3, 2\)"):
         significance.ratio_intervals(np.zeros((3, 1)), np.zeros((3, 2)))
 
@@ -354,12 +354,38 @@ def test_few_resamples_are_named_in_one_warning(caplog):
     """Rough figures, not refused: the warning says so once per count."""
     sims = np.random.default_rng(3).standard_normal((20, 100)).astype(np.float32)
     with caplog.at_level("WARNING", logger="sgraf.significance"):
-        significance.recall_intervals(sims, resamples=37)
-        significance.recall_intervals(sims, resamples=37)
+        significance.recall_intervals(sims, resamples=41)
+        significance.recall_intervals(sims, resamples=41)
         significance.recall_intervals(sims, resamples=significance.FEW_RESAMPLES)
     warnings = [r.getMessage() for r in caplog.records]
-    assert warnings == ["37 resamples: the intervals' ends (and a comparison's p-value, at least 1/38) move from "
+    assert warnings == ["41 resamples: the intervals' ends (and a comparison's p-value, at least 1/42) move from "
                         "one seed to another; 1000 or more is usual"]
+
+
+@pytest.mark.parametrize("level,fewest", [(0.95, 40), (0.9, 20), (0.99, 200), (0.5, 4)])
+def test_fewer_resamples_than_an_interval_has_tails_for_are_refused(level, fewest):
+    """Each tail of a percentile interval needs a resample beyond its end: 2 / (1 - level)."""
+    sims = np.random.default_rng(3).standard_normal((20, 100)).astype(np.float32)
+    assert significance.min_resamples(level) == fewest
+    with pytest.raises(InputError, match=f"^{fewest - 1} resamples are too few for a {100 * level:g} % interval.*"
+                                         f"at least {fewest} "):
+        significance.recall_intervals(sims, resamples=fewest - 1, level=level)
+    assert significance.recall_intervals(sims, resamples=fewest, level=level)["resamples"] == fewest
+
+
+@pytest.mark.parametrize("argv", [["evaluate", "--checkpoint", "CKPT", "--data", "DATA", "--vocab", "VOCAB",
+                                   "--bootstrap", "1"],
+                                  ["diagnose", "--sims", "SIMS", "--data", "DATA", "--bootstrap", "39"],
+                                  ["compare", "--sims", "A.npy", "--against", "B.npy", "--resamples", "100",
+                                   "--level", "0.99"]])
+def test_too_few_resamples_are_refused_in_one_line_before_any_work(capsys, monkeypatch, argv):
+    from sgraf import evaluate
+
+    monkeypatch.setattr(evaluate, "load_ensemble", lambda *a, **k: pytest.fail("a checkpoint was loaded"))
+    monkeypatch.setattr(evaluate, "load_matrices", lambda *a, **k: pytest.fail("a matrix was read"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "resamples are too few for a" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_chance_rsum_is_what_random_score_matrices_give():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -77,17 +78,37 @@ def _folds(folds: Any, n_img: int) -> int:
     return int(folds)
 
 
-def _check(resamples: Any, level: Any = 0.5) -> None:
-    """InputError for a resample count that is not a positive integer or a level not in (0, 1)."""
+def check_resamples(resamples: Any, level: Any = None) -> None:
+    """InputError for a resample count that is not a positive integer, a `level` not in (0, 1), or
+    fewer resamples than a `level` interval needs (`min_resamples`); a warning below `FEW_RESAMPLES`.
+    Commands call it before any work (a 1-resample interval, one draw that need not hold the
+    estimate, had been printed after a whole evaluation)."""
     if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or resamples < 1:
         raise InputError(f"resamples must be a positive integer, got {resamples!r}")
-    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
-        raise InputError(f"level must be a number between 0 and 1 (0.95 for 95 %), got {level!r}")
+    if level is not None:
+        _check_level(level)
+        if resamples < min_resamples(level):
+            raise InputError(f"{resamples} resamples are too few for a {100 * level:g} % interval: each of its tails "
+                             f"needs a resample beyond its end, so at least {min_resamples(level)} "
+                             f"({FEW_RESAMPLES} or more is usual)")
     if resamples < FEW_RESAMPLES:
         _warn_few(int(resamples))
 
 
+def min_resamples(level: float) -> int:
+    """The fewest resamples whose percentile interval at `level` has a resample beyond each end:
+    2 / (1 - level), 40 for 95 %. Fewer put an end on the outermost draw or between the two
+    outermost, and one resample makes the interval a point."""
+    return math.ceil(2.0 / (1.0 - level) - 1e-9)
+
+
+def _check_level(level: Any) -> None:
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise InputError(f"level must be a number between 0 and 1 (0.95 for 95 %), got {level!r}")
+
+
 FEW_RESAMPLES = 1000    # below: an interval's ends, and a p-value, move with the seed
+LEVEL = 0.95            # the intervals' coverage unless one is asked for (`sgraf evaluate/diagnose --bootstrap`)
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +143,7 @@ def _resampled_means(table: np.ndarray, folds: int, resamples: int, seed: int) -
     return out
 
 
-def ratio_intervals(numerators: Any, denominators: Any, resamples: int = 1000, level: float = 0.95,
+def ratio_intervals(numerators: Any, denominators: Any, resamples: int = 1000, level: float = LEVEL,
                     seed: int = 0) -> list[list[float] | None]:
     """Percentile bootstrap intervals of ratios of sums over clusters, the clusters resampled.
 
@@ -141,7 +162,7 @@ def ratio_intervals(numerators: Any, denominators: Any, resamples: int = 1000, l
         per column [low, high] (as fractions, like the scores), or None for a column without
         items; resamples that draw no item of a column are left out of its interval.
     """
-    _check(resamples, level)
+    check_resamples(resamples, level)
     numerators = np.asarray(numerators, dtype=np.float64)
     denominators = np.asarray(denominators, dtype=np.float64)
     if numerators.ndim != 2 or numerators.shape != denominators.shape:
@@ -174,7 +195,7 @@ def paired_ratio_p(differences: Any, denominators: Any, resamples: int = 10000,
     is counted with a random sign, as `compare` flips images; p = (1 + reached) / (1 + flips),
     None for a column without items.
     """
-    _check(resamples)
+    check_resamples(resamples)
     differences = np.asarray(differences, dtype=np.float64)
     totals = np.asarray(denominators, dtype=np.float64).sum(axis=0)
     if differences.ndim != 2 or differences.shape[1] != totals.shape[0]:
@@ -228,7 +249,7 @@ def _map(summary: dict[str, Any], function: Any) -> dict[str, Any]:
             "rsum": function(summary["rsum"])}
 
 
-def recall_intervals(sims: Any, folds: int = 1, resamples: int = 1000, level: float = 0.95, seed: int = 0,
+def recall_intervals(sims: Any, folds: int = 1, resamples: int = 1000, level: float = LEVEL, seed: int = 0,
                      caps_per_image: int | None = None) -> dict[str, Any]:
     """Percentile bootstrap intervals of the recalls and rsum of a score matrix (see the module).
 
@@ -244,14 +265,14 @@ def recall_intervals(sims: Any, folds: int = 1, resamples: int = 1000, level: fl
         ``{"i2t": {"r1": [low, high], ...}, "t2i": {...}, "rsum": [low, high], "resamples",
         "level", "seed", "unit": "image"}``.
     """
-    _check(resamples, level)
+    check_resamples(resamples, level)
     table = query_hits(sims, folds, caps_per_image)
     samples = _summary(_resampled_means(table, _folds(folds, len(table)), resamples, seed))
     return {**_map(samples, lambda s: _interval(s, level)), "resamples": resamples, "level": level, "seed": seed,
             "unit": "image"}
 
 
-def compare(sims_a: Any, sims_b: Any, folds: int = 1, resamples: int = 10000, level: float = 0.95, seed: int = 0,
+def compare(sims_a: Any, sims_b: Any, folds: int = 1, resamples: int = 10000, level: float = LEVEL, seed: int = 0,
             caps_per_image: int | None = None) -> dict[str, Any]:
     """Model A against model B on one split, paired by image (see the module).
 
@@ -272,7 +293,7 @@ def compare(sims_a: Any, sims_b: Any, folds: int = 1, resamples: int = 10000, le
     Raises:
         InputError: matrices of different shapes, or a bad argument.
     """
-    _check(resamples, level)
+    check_resamples(resamples, level)
     a = metrics.as_score_matrix(sims_a, "the first score matrix")
     b = metrics.as_score_matrix(sims_b, "the second score matrix")
     if tuple(a.shape) != tuple(b.shape):
@@ -343,7 +364,7 @@ def p_text(p: float, resamples: int) -> str:
     return "<=" + text if p <= 1.0000001 / (1.0 + resamples) else text
 
 
-def chance_rsum(n_images: int, caps_per_image: int = 5, draws: int = 2000, level: float = 0.95,
+def chance_rsum(n_images: int, caps_per_image: int = 5, draws: int = 2000, level: float = LEVEL,
                 seed: int = 0) -> dict[str, float]:
     """rsum of random scores on a split of `n_images` images with `caps_per_image` captions each
     (ranked as one gallery, ``folds=1``): its expectation, and the `level` quantile of `draws`
@@ -365,7 +386,7 @@ def chance_rsum(n_images: int, caps_per_image: int = 5, draws: int = 2000, level
                          f"and {c}")
     if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 1:
         raise InputError(f"draws must be a positive integer, got {draws!r}")
-    _check(FEW_RESAMPLES, level)
+    _check_level(level)
     m = n_images * c
     ks = np.array([1, 5, 10])
     beyond = np.ones(len(ks))                  # P(best >= k) for the image's first true caption

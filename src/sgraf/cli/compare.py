@@ -48,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="metrics averaged over K consecutive equal folds, images resampled within each "
                              "(MSCOCO 1K: --split testall --folds 5)")
     parser.add_argument("--resamples", type=int_in(1, MAX_RESAMPLES), default=10000, metavar="N",
-                        help="bootstrap resamples and randomization flips (the smallest p-value is 1 / (N + 1))")
+                        help="bootstrap resamples and randomization flips (the smallest p-value is 1 / (N + 1); "
+                             "at least 2 / (1 - level), 40 for 95 %%)")
     parser.add_argument("--level", type=_level, default=0.95, help="the interval's coverage")
     parser.add_argument("--seed", type=seed, default=0, help="the resampling's seed")
     parser.add_argument("--diagnose", action="store_true",
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     side_a = (args.checkpoint or args.sims, args.checkpoint is not None)
     side_b = (args.against, _checkpoints("--against", args.against))
     _check(args, side_a, side_b)
+    significance.check_resamples(args.resamples, args.level)      # before the matrices are read or scored
     device = checked_device(args.device)
     scenes = _scenes(args) if args.diagnose else None       # checked before the matrices are read or scored
     sims_a, sims_b = _matrices(args, side_a, side_b, device)

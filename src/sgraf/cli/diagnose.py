@@ -27,8 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a folder written by sgraf generate (with {SPLIT}_scenes.jsonl)")
     parser.add_argument("--split", type=split_name, default="test", help="split name")
     parser.add_argument("--bootstrap", type=int_in(1, MAX_RESAMPLES), metavar="N",
-                        help="also 95 %% intervals of every score, from N bootstrap resamples of the families (a "
-                             "base picture with its twins, drawn together; seed 0)")
+                        help="also 95 %% intervals of every score, from N (at least 40) bootstrap resamples of "
+                             "the families (a base picture with its twins, drawn together; seed 0)")
     add_scoring_options(parser)
     parser.set_defaults(func=run)
 
@@ -39,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
     check_score_source(args)
     check_score_outputs(args)
     device = checked_device(args.device)
+    if args.bootstrap:
+        from sgraf.significance import LEVEL, check_resamples
+
+        check_resamples(args.bootstrap, LEVEL)
     scenes, scenes_path = diagnose.open_scenes(args.data, args.split, "diagnose")   # before scoring
     if args.sims:
         _, sims = evaluate.evaluate_sims_files_with_sims(args.sims, data_dir=args.data, split=args.split,

@@ -32,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tf32", action="store_true",
                         help="on CUDA, fp32 matmuls and cuDNN in TF32 (faster, 10-bit mantissa; default: exact fp32)")
     parser.add_argument("--bootstrap", type=int_in(1, MAX_RESAMPLES), metavar="N",
-                        help="also 95 %% intervals of every recall and rsum, from N bootstrap resamples of the "
-                             "images (an image with its captions; seed 0); sgraf compare tests two models")
+                        help="also 95 %% intervals of every recall and rsum, from N (at least 40) bootstrap "
+                             "resamples of the images (an image with its captions; seed 0); sgraf compare tests "
+                             "two models")
     parser.add_argument("--timings", action="store_true",
                         help="seconds per stage (startup, imports, device start, checkpoint, tokenise, encode, "
                              "score, metrics, save) on stderr, and as \"timings\" in --json's object")
@@ -81,6 +82,10 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
     from sgraf.stopwatch import format_timings, stage
 
     device = checked_device(args.device)    # refused before anything is read
+    if args.bootstrap:
+        from sgraf.significance import LEVEL, check_resamples
+
+        check_resamples(args.bootstrap, LEVEL)
     sims = None
     if args.sims:
         from sgraf.cli import _torchrun_rank
