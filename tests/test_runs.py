@@ -105,9 +105,21 @@ def test_a_folder_of_runs_is_searched_and_other_data_is_named(trained, capsys):
     shutil.copytree(trained / "runs" / "b", shorter)
     config = shorter / "config.yaml"
     config.write_text(config.read_text().replace("val_max_captions: null", "val_max_captions: 20"))
+    log = shorter / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    whole = records[-1]["n_captions"]
+    assert whole > 20
+    log.write_text("".join(json.dumps({**r, "n_captions": 20, "n_images": 4}) + "\n" for r in records))
     try:
         assert main(["runs", str(trained / "runs" / "b"), str(shorter)]) == 0
         assert "validate on different shares of the dev split, val_max_captions" in capsys.readouterr().out
+        # a cap above the dev split's size validates all of it, as none does: the same share
+        config.write_text(config.read_text().replace("val_max_captions: 20", f"val_max_captions: {whole + 5}"))
+        log.write_text("".join(json.dumps(r) + "\n" for r in records))
+        summary = listing(capsys, trained / "runs" / "b", shorter)
+        assert "val_max_captions" not in summary["differ"], summary["differ"]
+        assert main(["runs", str(trained / "runs" / "b"), str(shorter)]) == 0
+        assert "different shares" not in capsys.readouterr().out
     finally:
         shutil.rmtree(shorter)
 

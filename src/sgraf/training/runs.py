@@ -199,11 +199,21 @@ def differences(runs: Sequence[Run]) -> list[str]:
         keys.extend(key for key in run.settings if key not in keys and key not in _NOT_SETTINGS)
     # a setting without effect in a run (`sgr_step` of a SAF run) sets it apart from none: SGR runs
     # that all take sgr_step=3 beside SAF runs show no sgr_step column (the module's says it all)
-    effective = [(run.settings, unused_settings(run.settings)) for run in readable]
+    effective = [(_effective_settings(run), unused_settings(run.settings)) for run in readable]
     differ = [key for key in keys if len({json.dumps(settings.get(key), sort_keys=True)
                                           for settings, unused in effective if key not in unused}) > 1]
     other_data = any(not _same_data(a, b) for i, a in enumerate(readable) for b in readable[i + 1:])
     return (["data"] if other_data else []) + differ
+
+
+def _effective_settings(run: Run) -> dict[str, Any]:
+    """`run.settings` as they took effect where its validations record it: `val_max_captions` is
+    the captions validated (a cap above the dev split's size validates the whole split, so 5000
+    and none on a 1,000-caption dev split are the same share; they had been called different)."""
+    validated = run.last.get("n_captions") if run.last is not None else None
+    if "val_max_captions" not in run.settings or not isinstance(validated, int):
+        return run.settings
+    return {**run.settings, "val_max_captions": validated}
 
 
 def _files_id(run: Run, files: Collection[str] | None = None) -> str | None:
