@@ -296,6 +296,40 @@ def test_a_search_lives_in_the_address_and_the_page_works_from_the_keyboard(serv
     assert browser.find_element(By.ID, "explain-panel").is_displayed()
 
 
+def test_a_busy_server_is_asked_again_after_the_seconds_it_names(server, browser, demo_gallery, monkeypatch):
+    """A 503 with Retry-After (the queue was full) had ended the search with "retry in 1 s": the
+    page now asks again itself, saying so, and shows the answer; a newer search drops the retries."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from sgraf.serve.worker import Busy, Worker
+
+    refusals, seen = [2], []
+    search_text = Worker.search_text
+
+    def busy_at_first(self, text, *args):
+        if refusals[0]:
+            refusals[0] -= 1
+            raise Busy("the server is busy: 1 request is waiting; retry shortly")
+        return search_text(self, text, *args)
+
+    monkeypatch.setattr(Worker, "search_text", busy_at_first)
+    caption = demo_gallery["captions"][0]
+    wait = WebDriverWait(browser, 30)
+    browser.get(server["url"] + "/?" + urllib.parse.urlencode({"text": caption, "top_k": 5}))
+    wait.until(lambda d: seen.append(d.find_element(By.ID, "status").text) or
+               len(d.find_elements(By.CSS_SELECTOR, "#results .card")) == 5)
+    assert refusals == [0] and any("asking again in 1 s" in text for text in seen), seen
+    assert browser.find_element(By.ID, "status").text.startswith("5 pictures in")
+    # refused more often than the page retries: the error stays, naming the wait
+    refusals[0] = 10
+    browser.find_element(By.ID, "query").submit()
+    wait.until(lambda d: "error" in d.find_element(By.ID, "status").get_attribute("class"))
+    assert browser.find_element(By.ID, "status").text == ("the server is busy: 1 request is waiting; retry shortly "
+                                                          "(retry in 1 s)")
+    assert refusals == [6]          # the first try and three more
+
+
 def _assert_labels_apart(browser) -> None:
     """Every card's rank, picture number and score stand apart: labels on one line keep a gap."""
     boxes = browser.execute_script(

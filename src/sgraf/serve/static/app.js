@@ -15,21 +15,34 @@ function setStatus(message, isError) {
   status.className = isError ? "error" : "";
 }
 
-async function getJSON(url) {
-  let response;
-  try {
-    response = await fetch(url);
-  } catch (error) {     // the browser's "Failed to fetch" says nothing of why
-    throw new Error("cannot reach the server (is sgraf serve still running?)");
-  }
-  let body = null;
-  try { body = await response.json(); } catch (e) { body = null; }
-  if (!response.ok) {
+// A busy server (503 with Retry-After: its queue was full) is asked again after the seconds it
+// names, up to BUSY_RETRIES times, while `current()` says the answer is still wanted (no newer
+// search or explanation); a 503 without Retry-After (the data changed) needs a restart: not retried.
+const BUSY_RETRIES = 3;
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+async function getJSON(url, current) {
+  for (let attempt = 0; ; attempt += 1) {
+    let response;
+    try {
+      response = await fetch(url);
+    } catch (error) {     // the browser's "Failed to fetch" says nothing of why
+      throw new Error("cannot reach the server (is sgraf serve still running?)");
+    }
+    let body = null;
+    try { body = await response.json(); } catch (e) { body = null; }
+    if (response.ok) return body;
     const message = body && body.error ? body.error : `HTTP ${response.status}`;
     const retry = response.headers.get("Retry-After");
-    throw new Error(retry ? `${message} (retry in ${retry} s)` : message);
+    const seconds = Math.min(Math.max(Number(retry) || 1, 1), 30);
+    if (response.status !== 503 || !retry || !current || attempt >= BUSY_RETRIES || !current()) {
+      throw new Error(retry ? `${message} (retry in ${retry} s)` : message);
+    }
+    setStatus(`${message.replace(/; retry shortly$/, "")}: asking again in ${seconds} s\u2026`);
+    await sleep(1000 * seconds);
+    if (!current()) throw new Error("superseded");     // the caller drops it: a newer one was asked for
+    setStatus(`asking again (${attempt + 2} of ${BUSY_RETRIES + 1})\u2026`);
   }
-  return body;
 }
 
 function el(tag, attributes, text) {
@@ -79,7 +92,7 @@ async function runTextSearch(text, topK, allowUnknown, push) {
   setStatus("searching\u2026");
   const ticket = ++state.searchTicket;
   try {
-    const answer = await getJSON(`/api/search?${params}`);
+    const answer = await getJSON(`/api/search?${params}`, () => ticket === state.searchTicket);
     if (ticket !== state.searchTicket) return;      // a newer search was asked for
     state.query = answer.query;
     state.allowUnknown = allowUnknown;
@@ -146,7 +159,7 @@ async function searchImage(imageId, push = true) {
   const params = new URLSearchParams({ image_id: String(imageId), top_k: $("top-k").value });
   const ticket = ++state.searchTicket;
   try {
-    const answer = await getJSON(`/api/search?${params}`);
+    const answer = await getJSON(`/api/search?${params}`, () => ticket === state.searchTicket);
     if (ticket !== state.searchTicket) return;
     forgetExplanation();   // the explanation belonged to the earlier search
     const list = $("captions");
@@ -210,7 +223,7 @@ async function explain(imageId, text, allowUnknown) {
   setStatus("explaining\u2026");
   const ticket = ++state.explainTicket;
   try {
-    const answer = await getJSON(`/api/explain?${params}`);
+    const answer = await getJSON(`/api/explain?${params}`, () => ticket === state.explainTicket);
     if (ticket !== state.explainTicket) return;   // a newer search or explanation was asked for
     state.explanation = answer;
     $("explain-title").textContent = `Why picture ${answer.image_id} matches \u201c${answer.text}\u201d`;
