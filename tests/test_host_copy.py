@@ -65,6 +65,8 @@ def test_an_ensembles_float64_matrix_is_copied_and_written_in_float64(tmp_path):
     with HostCopy((6, 5), dtype=torch.float64) as copy:        # a float32 band would be widened: refused
         with pytest.raises(ValueError, match="float32.*expected.*float64"):
             copy.band(share.float(), slice(0, 1))
+        with pytest.raises(ValueError, match="float32.*expected.*float64"):
+            copy.result(share.float())
 
 
 def test_a_matrix_of_another_shape_is_refused():

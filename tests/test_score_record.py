@@ -138,6 +138,12 @@ def test_the_fingerprint_tells_matrices_apart_and_reads_few_rows(tmp_path):
     np.save(tmp_path / "m.npy", sims)
     assert score_record.fingerprint(np.load(tmp_path / "m.npy", mmap_mode="r")) == score_record.fingerprint(sims)
     assert score_record.fingerprint(np.zeros((0, 5), np.float32))
+    # an ensemble's float64 matrix and its float32 rounding are other matrices (ties rank otherwise)
+    wide = sims.astype(np.float64) + rng.random(sims.shape) * 1e-9
+    assert score_record.fingerprint(wide) != score_record.fingerprint(wide.astype(np.float32))
+    assert score_record.fingerprint(wide) != score_record.fingerprint(wide + 1e-15)
+    assert score_record.fingerprint(sims.astype(np.float16)) == score_record.fingerprint(sims.astype(np.float16)
+                                                                                       .astype(np.float32))
 
 
 def test_diagnose_refuses_a_matrix_of_another_split_too(capsys, tmp_path):

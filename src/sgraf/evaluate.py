@@ -345,8 +345,8 @@ def save_matrix_and_record(sims: np.ndarray, path: str | os.PathLike, record: st
 
 def write_matrix(sims: np.ndarray, path: str | os.PathLike) -> None:
     """Write a score matrix to `path` as a .npy: float64 as it is (an ensemble's exact mean, as
-    `sgraf.model.blocks.ENSEMBLE_DTYPE` keeps it), any other float type as float32
-    (`save_matrix` makes the write atomic)."""
+    `sgraf.model.blocks.ENSEMBLE_DTYPE` keeps it, or a float64 matrix given, as the authors save
+    theirs), any other float type as float32 (`save_matrix` makes the write atomic)."""
     with open(path, "wb") as handle:
         np.save(handle, metrics.score_array(sims))
 

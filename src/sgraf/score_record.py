@@ -46,14 +46,17 @@ def record_path(matrix_path: str | os.PathLike) -> Path:
 
 
 def fingerprint(sims: np.ndarray) -> str:
-    """sha256 of the matrix's shape and float32 values of up to `FINGERPRINT_ROWS` evenly spaced
-    rows (a memory-mapped matrix reads only those rows)."""
+    """sha256 of the matrix's shape and values of up to `FINGERPRINT_ROWS` evenly spaced rows (a
+    memory-mapped matrix reads only those rows): as float32, or for a float64 matrix (an
+    ensemble's) its float64 values and the word float64, so that a float32 copy of it is another
+    matrix (rounded, it ranks ties otherwise; its record had passed)."""
     import numpy as np    # here, not at import: the CLI names the record path before its imports
 
-    digest = hashlib.sha256(json.dumps(list(sims.shape)).encode())
+    wide = np.dtype(sims.dtype) == np.float64
+    digest = hashlib.sha256(json.dumps(list(sims.shape)).encode() + (b"float64" if wide else b""))
     if sims.shape[0]:
         for row in np.unique(np.linspace(0, sims.shape[0] - 1, FINGERPRINT_ROWS).round().astype(np.int64)):
-            digest.update(np.ascontiguousarray(sims[row], dtype=np.float32).tobytes())
+            digest.update(np.ascontiguousarray(sims[row], dtype=np.float64 if wide else np.float32).tobytes())
     return digest.hexdigest()
 
 

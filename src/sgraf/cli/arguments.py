@@ -171,11 +171,13 @@ def add_scoring_options(parser: argparse.ArgumentParser, torchrun: bool = False,
     parser.add_argument("--vocab", metavar="JSON", help="vocabulary JSON (needed for the authors' checkpoints)")
     if save_sims:
         parser.add_argument("--save-sims", metavar="FILE.npy",
-                            help="write the score matrix (caption-file order; float32, an ensemble's float64), "
-                                 "and beside it FILE.npy.json, the split it scored (checked when it is read with --sims)")
+                            help="write the score matrix (caption-file order; float32, or float64 for an "
+                                 "ensemble's mean or a float64 matrix given), and beside it FILE.npy.json, the "
+                                 "split it scored (checked when it is read with --sims)")
     add_json(parser)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="encoder and scorer precision (bf16: autocast, scores stay float32)")
+                        help="encoder and scorer precision (bf16: autocast; scores stay float32, an ensemble's "
+                             "mean float64)")
     parser.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
                         help="captions/images per encoder batch and captions per scoring bucket")
     # checked by the command (`checked_device`), not while parsing: checking needs PyTorch, and

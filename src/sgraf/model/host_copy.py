@@ -138,8 +138,9 @@ class HostCopy:
     def result(self, matrix: torch.Tensor) -> np.ndarray:
         """The host matrix, once every band is copied; the rows no band covered copied from
         `matrix` (the whole scored matrix) now."""
-        if tuple(matrix.shape) != self.shape:
-            raise ValueError(f"HostCopy: a {tuple(matrix.shape)} matrix, expected {self.shape}")
+        if tuple(matrix.shape) != self.shape or matrix.dtype != self.dtype:
+            raise ValueError(f"HostCopy: a {tuple(matrix.shape)} {matrix.dtype} matrix, expected {self.shape} "
+                             f"{self.dtype}")
         for future in self._pending:
             future.result()
         self._pending = []
