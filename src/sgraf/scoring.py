@@ -210,8 +210,9 @@ def average_matrices(matrices: Sequence[np.ndarray], rows_per_chunk: int | None 
     By chunks of `rows_per_chunk` rows (default: about `AVERAGE_CHUNK_ELEMENTS` scores), each
     summed in place in its rows of the result, on PyTorch's number of threads
     (`sgraf.data.arrays.map_row_chunks`). Two MSCOCO-5K-size matrices took 2.6-4.5 s in chunks of
-    1,024 rows with a new float64 array per operation (each a fresh 200 MB of pages); summed into
-    a reused buffer, 0.3-0.6 s on a 2-core AMD EPYC Zen 3, the same bits."""
+    1,024 rows with a new float64 array per operation (each a fresh 200 MB of pages). The 1 GB
+    float64 result's pages, faulted in by the first pass, cost most of what is left (about 1 s on
+    a 2-core Intel Xeon, against 0.5 s for the float32 mean this replaced)."""
     shape = matrices[0].shape
     out = np.empty(shape, dtype=np.float64)
     elements = AVERAGE_CHUNK_ELEMENTS if rows_per_chunk is None else rows_per_chunk * shape[1]
