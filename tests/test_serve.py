@@ -309,6 +309,27 @@ def test_a_full_queue_answers_503_with_retry_after(service):
         assert client.get("/api/health").json()["queue"]["busy"] == 2        # the 503 and the refused call
 
 
+def test_explanations_hold_at_most_half_the_queue_so_searches_keep_places(service):
+    """66 clients looping explanation pictures had filled the queue: 64 of 66 searches got 503."""
+    with TestClient(create_app(service, max_queue=4, max_batch=4)) as client:
+        worker = client.app.state.worker
+        assert worker.max_heavy == 2 and client.get("/api/health").json()["queue"]["max_heavy"] == 2
+        release = _block(worker)
+        try:
+            heavy = [worker.call(lambda: None, heavy=True) for _ in range(2)]
+            response = client.get("/api/explain", params={"image_id": 1, "text": "a dog"})
+            assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+            assert response.json()["error"] == "the server is busy: 2 explanations are waiting; retry shortly"
+            light = [worker.call(lambda: None) for _ in range(2)]           # the searches' places are free
+            with pytest.raises(Busy, match="4 requests are waiting"):
+                worker.search_text("a dog", 3, 6)
+        finally:
+            release.set()
+        for future in heavy + light:
+            future.result(10)
+        assert client.get("/api/explain", params={"image_id": 1, "text": "a dog"}).status_code == 200
+
+
 def test_texts_that_wait_together_are_scored_as_one_batch(service):
     worker = Worker(service, max_queue=16, max_batch=8).start()
     try:

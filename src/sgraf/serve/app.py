@@ -123,7 +123,8 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
 
     @app.api_route("/images/{relative:path}", methods=["GET", "HEAD"], include_in_schema=False)
     async def picture(relative: str) -> FileResponse:
-        return FileResponse(service.picture_file(relative))
+        # off the event loop: the data check may hash a touched features file (seconds at MSCOCO size)
+        return FileResponse(await asyncio.to_thread(service.picture_file, relative))
 
     @app.get("/api/search", response_model=SearchAnswer, responses=ERRORS, summary="search the gallery")
     async def search(request: Request, text: Optional[str] = TEXT,
@@ -175,8 +176,8 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
     @app.get("/api/health", response_model=HealthAnswer, summary="the gallery, the models, the queue")
     async def health() -> dict[str, Any]:
         """Gallery size, the models (their weight hashes), device, precision, queue."""
-        answer = service.health()
-        answer["queue"] = {"waiting": worker.waiting, "max_queue": worker.max_queue,
+        answer = await asyncio.to_thread(service.health)     # its data check may hash a file: off the loop
+        answer["queue"] = {"waiting": worker.waiting, "max_queue": worker.max_queue, "max_heavy": worker.max_heavy,
                            "max_batch": worker.max_batch, "workers": worker.n_threads, "batches": worker.batches,
                            "batched_texts": worker.batched_texts, "dropped": worker.dropped,
                            "refused": worker.refused, "busy": worker.busy}
