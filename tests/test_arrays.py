@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from sgraf.data.arrays import (check_finite_features, first_non_finite, map_row_chunks, open_npy, padded_ids,
-                               row_chunks)
+from sgraf.data.arrays import (check_finite_features, file_row, first_non_finite, map_row_chunks, open_npy,
+                               padded_ids, row_chunks)
 from sgraf.errors import InputError
 
 EXPECTED = "float32 features of shape (n_images, regions, dim)"
@@ -127,3 +127,25 @@ def test_map_row_chunks_covers_every_row_once_in_order(monkeypatch):
     assert row_chunks(3, 100, 7) == [(0, 1), (1, 2), (2, 3)]     # at least a row
     assert row_chunks(0, 5, 7) == []
     assert map_row_chunks(lambda rows: rows[1] - rows[0], 10, 3, 7) == [2, 2, 2, 2, 2]
+
+
+def test_file_row_reads_a_mapped_row_and_a_file_cut_short_is_an_oserror_not_sigbus(tmp_path):
+    """`sgraf serve` had died of SIGBUS explaining while the features file was rewritten: the
+    mapped page past the new end of the file. The row is read from the file instead."""
+    import errno
+    import os
+
+    values = np.arange(5 * 3 * 4, dtype=np.float32).reshape(5, 3, 4)
+    np.save(tmp_path / "a.npy", values)
+    mapped = open_npy(tmp_path / "a.npy", "x")
+    for index in (0, 3, -1, np.int64(2)):
+        row = file_row(mapped, index)
+        assert np.array_equal(row, values[index]) and row.flags.writeable and not np.shares_memory(row, mapped)
+    with pytest.raises(IndexError):
+        file_row(mapped, 5)
+    assert np.array_equal(file_row(values, 1), values[1])         # not a map: indexed, a copy
+    os.truncate(tmp_path / "a.npy", 128 + 4 * 48 + 10)            # a writer cut it: rows 0-3 whole, 4 not
+    assert np.array_equal(file_row(mapped, 3), values[3])
+    with pytest.raises(OSError, match=r"ends before row 4 of its \(5, 3, 4\) array") as raised:
+        file_row(mapped, 4)
+    assert raised.value.errno == errno.EIO and raised.value.filename == str(tmp_path / "a.npy")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -132,6 +134,29 @@ def test_region_layout_prefers_boxes_then_images_then_a_grid(tmp_path):
     assert heat[10, 30] == 1 and heat[2, 2] == 0 and heat.sum() == 20 * 20
     with pytest.raises(InputError, match=r"test_boxes\.npy: expected \(n_images, 9, 4\)"):
         region_layout(tmp_path, "test", 1, 9)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "nan"])
+def test_a_damaged_boxes_file_is_an_error_or_for_a_server_drawn_without(tmp_path, caplog, damage):
+    """`sgraf serve` (skip_unreadable) had answered 400 to a request, as if the client had erred."""
+    images = tmp_path / "images" / "test"
+    images.mkdir(parents=True)
+    Image.new("RGB", (60, 30), (10, 200, 10)).save(images / "00001.png")
+    boxes = np.tile(np.array([0, 0, 10, 10], np.float32), (2, 6, 1))
+    np.save(tmp_path / "test_boxes.npy", boxes)
+    path = tmp_path / "test_boxes.npy"
+    if damage == "garbage":
+        path.write_bytes(b"\x00" * 200)
+    elif damage == "nan":
+        boxes[1, 2, 0] = np.nan
+        np.save(path, boxes)
+    expected = {"garbage": "not a readable .npy array", "nan": "the box of image 1, region 2 is [nan"}[damage]
+    with pytest.raises(InputError, match=re.escape(expected)):
+        region_layout(tmp_path, "test", 1, 6)
+    with caplog.at_level("WARNING", logger="sgraf.explain"):
+        layout = region_layout(tmp_path, "test", 1, 6, skip_unreadable=True)
+    assert layout.kind == "grid" and layout.image.shape == (30, 60, 3)      # the picture, without the boxes
+    assert any(expected in r.getMessage() and "drawn without the boxes" in r.getMessage() for r in caplog.records)
 
 
 def test_cli_explain_writes_a_png(vocab, tmp_path, capsys):

@@ -312,6 +312,54 @@ def test_a_large_features_file_edited_in_place_is_a_change(gallery, tmp_path):
     assert opened.data_changed() == ["test_ims.npy"]
 
 
+def test_features_cut_short_under_an_explanation_are_a_503_not_a_crash(gallery, tmp_path, monkeypatch):
+    """A writer truncating the features between the data check and the read (`np.save` of the
+    file in a loop) had killed the server with SIGBUS: the row was read from the memory map."""
+    from sgraf.data.arrays import open_npy
+    from sgraf.serve.service import Stale
+
+    opened = SearchService.open(gallery["index"], shortlist=6)
+    copy = tmp_path / "test_ims.npy"
+    shutil.copy(gallery["data"] / "test_ims.npy", copy)
+    opened.features = open_npy(copy, "features")
+    assert opened.explain(5, "a dog")["image_id"] == 5
+    os.truncate(copy, 200)                          # after the check, before the read
+    monkeypatch.setattr(opened, "data_changed", lambda: [])
+    with pytest.raises(Stale, match="test_ims.npy cannot be read now"):
+        opened.explain(5, "a dog")
+
+
+def test_a_touched_file_found_changed_is_hashed_once_per_state(gallery, tmp_path, monkeypatch):
+    """Every health check and picture had hashed a features file rewritten in place again (0.26 s
+    each for 221 MB, one after another on the event loop)."""
+    from sgraf.search import file_states
+    from sgraf.serve import service as service_module
+    from sgraf.serve.service import _InBackground
+
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "test_ims.npy", np.zeros((8, 36, 16), np.float32))
+    (data / "test_caps.txt").write_text("a dog\n" * 40)
+    opened = SearchService.open(gallery["index"], shortlist=6)
+    opened.data_dir, opened.split = data, "test"
+    opened._data_files = file_states(data, ["test_ims.npy", "test_caps.txt"])
+    opened._data_digests = _InBackground(opened._digests)
+    opened._data_digests.result()
+    hashed = []
+    sha256_file = service_module.sha256_file
+    monkeypatch.setattr(service_module, "sha256_file", lambda path: (hashed.append(path.name), sha256_file(path))[1])
+    mapped = np.load(data / "test_ims.npy", mmap_mode="r+")
+    mapped[3, 0, 0] = 1.0                           # in place: the same file and size
+    mapped.flush()
+    del mapped
+    os.utime(data / "test_ims.npy", ns=(5, 5))
+    for _ in range(3):
+        assert opened.data_changed() == ["test_ims.npy"]
+    assert hashed == ["test_ims.npy"]
+    os.utime(data / "test_ims.npy", ns=(6, 6))      # touched again: judged again
+    assert opened.data_changed() == ["test_ims.npy"] and hashed == ["test_ims.npy"] * 2
+
+
 def test_warm_up_changes_no_answer(gallery):
     cold = SearchService.open(gallery["index"], shortlist=6)
     warm = SearchService.open(gallery["index"], shortlist=6)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from sgraf import text_files
 from sgraf.atomic_write import atomic_path
-from sgraf.data.arrays import open_npy
+from sgraf.data.arrays import file_row, open_npy
 from sgraf.errors import InputError
 
 TITLE_CHARS_PER_LINE = 110   # the figure's title wraps here (the text can be 500 characters)
@@ -354,6 +354,33 @@ def _grid_shape(k: int) -> tuple[int, int]:
     return rows, k // rows
 
 
+def _image_boxes(path: Path, image_id: int, num_regions: int, skip_unreadable: bool) -> np.ndarray | None:
+    """The (num_regions, 4) float64 boxes of one image from a split's boxes file, read (not
+    mapped: a file cut short meanwhile is an error, not SIGBUS). A damaged file is an InputError,
+    or with `skip_unreadable` a warning and None (`sgraf serve`: the gallery's fault, not the
+    request's; it had answered 400 as if the client had erred)."""
+    expected = f"(n_images, {num_regions}, 4) float region boxes covering image {image_id}"
+    try:
+        boxes = open_npy(path, expected)
+        if boxes.ndim != 3 or boxes.shape[1:] != (num_regions, 4) or image_id >= boxes.shape[0] \
+                or boxes.dtype.kind not in "fiu":
+            raise InputError(f"{path}: expected {expected}, got {boxes.dtype} of shape {boxes.shape}")
+        try:
+            boxes = file_row(boxes, image_id).astype(np.float64)
+        except OSError as error:
+            raise InputError(f"{path}: {error.strerror}") from None
+        if not np.isfinite(boxes).all():
+            region = int(np.argwhere(~np.isfinite(boxes))[0][0])
+            raise InputError(f"{path}: the box of image {image_id}, region {region} is {boxes[region].tolist()}; "
+                             "expected finite (x1, y1, x2, y2) coordinates")
+    except InputError as error:
+        if not skip_unreadable:
+            raise
+        logger.warning("%s; drawn without the boxes", error)
+        return None
+    return boxes
+
+
 def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, image_id: int,
                   num_regions: int, skip_unreadable: bool = False) -> RegionLayout:
     """Find the picture and region geometry of an image of a precomp split.
@@ -365,8 +392,8 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
     size recorded); one of more than `MAX_PICTURE_PIXELS` is not decoded (drawn as absent, said).
 
     Args:
-        skip_unreadable: draw without a picture that cannot be read (a server's gallery: not the
-            request's fault), with a warning, instead of raising `InputError`.
+        skip_unreadable: draw without a picture, or a boxes file, that cannot be read (a server's
+            gallery: not the request's fault), with a warning, instead of raising `InputError`.
     """
     grid = _grid_shape(num_regions)
     if data_dir is None or split is None:
@@ -384,17 +411,8 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
                 logger.warning("%s; drawn without it", error)
             break
     boxes_path = data_dir / f"{split}_boxes.npy"
-    if boxes_path.is_file():
-        expected = f"(n_images, {num_regions}, 4) float region boxes covering image {image_id}"
-        boxes = open_npy(boxes_path, expected)
-        if boxes.ndim != 3 or boxes.shape[1:] != (num_regions, 4) or image_id >= boxes.shape[0] \
-                or boxes.dtype.kind not in "fiu":
-            raise InputError(f"{boxes_path}: expected {expected}, got {boxes.dtype} of shape {boxes.shape}")
-        boxes = np.asarray(boxes[image_id], dtype=np.float64)
-        if not np.isfinite(boxes).all():
-            region = int(np.argwhere(~np.isfinite(boxes))[0][0])
-            raise InputError(f"{boxes_path}: the box of image {image_id}, region {region} is {boxes[region].tolist()}; "
-                             "expected finite (x1, y1, x2, y2) coordinates")
+    boxes = _image_boxes(boxes_path, image_id, num_regions, skip_unreadable) if boxes_path.is_file() else None
+    if boxes is not None:
         if picture is None:  # no picture: a blank canvas of the image's size (or the boxes' extent)
             width, height = size or _image_size(data_dir / f"{split}_image_ids.txt", image_id) or (
                 int(np.ceil(boxes[:, 2].max())), int(np.ceil(boxes[:, 3].max())))

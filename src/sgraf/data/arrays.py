@@ -20,7 +20,9 @@ region and dimension.
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
 import tokenize
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +75,34 @@ def open_npy(path: str | os.PathLike[str], expected: str, what: str = "") -> np.
             logger.warning("%s: %d byte%s past the end of its %s array, which are not read: was something else "
                            "written into the file?", path, extra, "" if extra == 1 else "s", array.shape)
     return array
+
+
+def file_row(array: np.ndarray, index: int) -> np.ndarray:
+    """Row `index` of `array`, a copy. Of a memory map as `open_npy` makes it, the row is read
+    from the file with an ordinary read: a file cut short since it was mapped (a writer
+    truncating it: `np.save`, `cp`, `sgraf generate --overwrite`) gives an OSError here, where
+    touching the mapped page past its end had killed the process with SIGBUS (`sgraf serve`
+    explaining while the data was rewritten).
+
+    Raises:
+        OSError: the file cannot be read, or ends before the row (errno EIO, naming the file).
+    """
+    filename = getattr(array, "filename", None)
+    if not isinstance(array, np.memmap) or filename is None or array.offset is None \
+            or not isinstance(array.base, mmap.mmap) or not array.flags.c_contiguous or not array.ndim:
+        return np.array(array[index])
+    row_shape = array.shape[1:]
+    size = int(np.prod(row_shape, dtype=np.int64)) * array.dtype.itemsize
+    index = range(array.shape[0])[index]        # an IndexError for a row outside, as indexing gives
+    with open(filename, "rb") as handle:
+        data = os.pread(handle.fileno(), size, array.offset + index * size) if hasattr(os, "pread") else None
+        if data is None:                        # Windows: no pread
+            handle.seek(array.offset + index * size)
+            data = handle.read(size)
+    if len(data) != size:
+        raise OSError(errno.EIO, f"the file ends before row {index} of its {array.shape} array (cut short since it "
+                                 "was opened?)", str(filename))
+    return np.frombuffer(data, dtype=array.dtype).reshape(row_shape).copy()
 
 
 def _not_npy(head: bytes, path: Path) -> str:
