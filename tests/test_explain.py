@@ -294,3 +294,18 @@ def test_a_large_picture_is_drawn_from_a_reduced_copy_and_a_huge_or_broken_one_w
     with pytest.raises(InputError, match=r"00000\.png: not a readable image"):
         region_layout(tmp_path, "test", 0, K)
     assert region_layout(tmp_path, "test", 0, K, skip_unreadable=True).kind == "boxes"
+
+
+def test_characters_the_font_lacks_draw_without_a_warning_per_character():
+    """A server drawing its clients' texts had logged two lines for each new CJK character."""
+    import io
+    import warnings
+
+    from sgraf.plotting import pyplot
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        figure = pyplot().figure()
+        figure.add_subplot().set_title("\u9f98\u9f49\u9c7b \u7228\u9e1e")    # rare CJK characters
+        figure.savefig(io.BytesIO(), format="png")
+    assert not [w for w in caught if "missing from font" in str(w.message)], [str(w.message) for w in caught]

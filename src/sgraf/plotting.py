@@ -41,4 +41,7 @@ def pyplot() -> Any:
         warnings.simplefilter("ignore", DeprecationWarning)
         from matplotlib.figure import Figure
 
+    # a character the font lacks is drawn as a box; matplotlib warns once per character, so a
+    # server drawing clients' texts logged two lines for every new one (CJK: megabytes)
+    warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
     return _Figures(Figure)
