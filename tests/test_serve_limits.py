@@ -296,7 +296,8 @@ def _start_serve(gallery, ignore_sigint: bool = False) -> tuple[subprocess.Popen
         command = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                    "os.execv(sys.executable, sys.argv[1:])", *command]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
+                              # no route measured: its INFO line on stderr had depended on the tests run before
+                              env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "SGRAF_TUNE": "off"})
     banner = server.stdout.readline()
     assert f"at http://127.0.0.1:{port}/" in banner, (banner, server.stderr.read() if server.poll() else "")
     deadline = time.monotonic() + 60
@@ -378,6 +379,24 @@ def test_serve_refuses_other_data_of_the_same_shape_naming_both(gallery, tmp_pat
     moved = tmp_path / "moved"
     shutil.copytree(gallery["data"], moved, symlinks=True)
     assert SearchService.open(gallery["index"], data_dir=moved).features is not None   # the same data, moved
+
+
+def test_serve_refuses_another_splits_pictures_in_the_gallerys_folder(gallery, tmp_path):
+    """Another split's pictures copied over the gallery's had been served as its own, health "ok"."""
+    manifest = json.loads((gallery["index"] / "manifest.json").read_text())
+    assert manifest["source"]["pictures"]["count"] == 12
+    other = tmp_path / "other"
+    shutil.copytree(gallery["data"], other, symlinks=True)
+    pictures = other / "images" / "test"
+    (pictures / "extra-notes.png").write_bytes(b"not of the gallery")     # other files count for nothing
+    assert SearchService.open(gallery["index"], data_dir=other).picture_dir == pictures.resolve()
+    (pictures / "00003.png").write_bytes((pictures / "00003.png").read_bytes() + b"\0" * 7)   # another picture
+    with pytest.raises(InputError, match=r"the pictures of .*other/images/test are not those the index .* was built "
+                                         r"with \(other sizes or names\): give the data it was built from"):
+        SearchService.open(gallery["index"], data_dir=other)
+    (pictures / "00003.png").unlink()
+    with pytest.raises(InputError, match=r"\(12 pictures then, 11 now\)"):
+        SearchService.open(gallery["index"], data_dir=other)
 
 
 # --------------------------------------------------------------------------------- batches

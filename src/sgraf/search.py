@@ -186,6 +186,12 @@ def build_index(matcher: Matcher, features: Any, captions: Sequence[str], out: s
     source = dict(source or {})
     if {"data_dir", "split"} <= set(source) and "data_fingerprint" not in source:
         source["data_fingerprint"] = _split_fingerprint(source["data_dir"], source["split"])
+    if {"data_dir", "split"} <= set(source) and "pictures" not in source:
+        from sgraf.data.layout import pictures_fingerprint
+
+        pictures = pictures_fingerprint(source["data_dir"], source["split"], n_img)
+        if pictures is not None:
+            source["pictures"] = pictures    # a server refuses other pictures given for the gallery
     created = missing_folders(out.parent)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,35 @@ SPLIT_SUFFIXES = ("_ims.npy", "_caps.txt", "_boxes.npy", "_image_sizes.npy", "_i
                   "_scenes.jsonl")
 DATA_SET_FILES = ("vocab.json", "benchmark.json")
 IMAGES = "images"
+PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg")     # image i's picture: images/{split}/{i:05d}{suffix}, the first found
+
+
+def pictures_fingerprint(data_dir: str | os.PathLike[str], split: str, n_images: int) -> dict[str, object] | None:
+    """What a gallery's pictures are, cheaply: ``{"count", "sha256"}``, the number of images with a
+    picture and the sha256 of each one's file name and size (one listing of the folder, no file
+    read); None without a picture folder. Other files in the folder count for nothing. A server
+    compares it with what its index recorded: another split's pictures copied in had been
+    served as the gallery's without a word."""
+    import hashlib
+
+    folder = Path(data_dir) / IMAGES / split
+    try:
+        names = set(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    digest, count = hashlib.sha256(), 0
+    for image_id in range(n_images):
+        name = next((f"{image_id:05d}{suffix}" for suffix in PICTURE_SUFFIXES if f"{image_id:05d}{suffix}" in names),
+                    None)
+        if name is None:
+            continue
+        try:
+            size = os.stat(folder / name).st_size
+        except OSError:        # a dangling link, a link loop: no picture a server could send
+            continue
+        digest.update(f"{name}\t{size}\n".encode())
+        count += 1
+    return {"count": count, "sha256": digest.hexdigest()}
 
 
 def split_problem(split: object) -> str | None:

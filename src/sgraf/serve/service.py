@@ -27,6 +27,7 @@ import numpy as np
 
 from sgraf.api import MAX_TEXT_CHARS, MAX_TEXT_WORDS
 from sgraf.data.arrays import file_row
+from sgraf.data.layout import PICTURE_SUFFIXES, pictures_fingerprint
 from sgraf.errors import InputError
 from sgraf.search import GalleryIndex, Hit, sha256_file, shortlist_for
 
@@ -48,7 +49,6 @@ def _relative(path: Path, start: Path) -> str:
 __all__ = ["SearchService", "NotFound", "Stale", "MAX_TEXT_CHARS", "MAX_TEXT_WORDS", "MAX_TOP_K", "PICTURE_SUFFIXES"]
 
 MAX_TOP_K = 1000
-PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg")
 PICTURE_ROUTE = "/images/"
 
 
@@ -106,6 +106,7 @@ class SearchService:
         self._index_root = Path(index.folder).resolve()
         self._public_roots = self._roots()
         self.picture_dir = self._find_picture_dir()
+        self._check_same_pictures()
         self.features, self.why_no_explain = self._open_features()
         self._data_files = self._data_states()
         self._data_digests = _InBackground(self._digests)     # read whole: seconds for MSCOCO's 5K features
@@ -242,6 +243,22 @@ class SearchService:
             raise InputError(f"{self.data_dir} [{self.split}] has {split.num_regions} x {split.feature_dim} "
                              f"regions, the model expects {config.num_regions} x {config.img_dim}")
         return split.images, None
+
+    def _check_same_pictures(self) -> None:
+        """Refuse a picture folder other than the one the index was built with: the names and sizes
+        of the gallery's pictures (`layout.pictures_fingerprint`, recorded by `build_index`; indexes
+        without it are not checked)."""
+        recorded = (self.index.manifest.get("source") or {}).get("pictures")
+        if self.picture_dir is None or not isinstance(recorded, dict):
+            return
+        found = pictures_fingerprint(self.data_dir, self.split, self.index.n_images)
+        if found == recorded:
+            return
+        folder = self.data_dir / "images" / self.split
+        counts = (f"{recorded.get('count')} pictures then, {found['count']} now" if found and
+                  found["count"] != recorded.get("count") else "other sizes or names")
+        raise InputError(f"the pictures of {folder} are not those the index {self.index.folder} was built with "
+                         f"({counts}): give the data it was built from, or rebuild the index with sgraf index")
 
     def _check_same_data(self) -> None:
         """Refuse data other than what the index was built from: its split's fingerprint
