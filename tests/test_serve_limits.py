@@ -399,6 +399,33 @@ def test_serve_refuses_another_splits_pictures_in_the_gallerys_folder(gallery, t
         SearchService.open(gallery["index"], data_dir=other)
 
 
+def test_serve_refuses_region_boxes_other_than_the_index_was_built_with(gallery, tmp_path):
+    """Explanations draw the data's boxes: boxes changed since the index was built had been drawn
+    over the pictures, neither checked at start nor watched while serving."""
+    data = tmp_path / "data"
+    shutil.copytree(gallery["data"], data, symlinks=True)
+    boxes = np.tile(np.array([0.0, 0.0, 12.0, 12.0], np.float32), (N_IMG, 9, 1))
+    np.save(data / "test_boxes.npy", boxes)
+    index = tmp_path / "index"
+    assert main(["index", "--checkpoint", gallery["paths"][0], "--data", str(data), "--split", "test",
+                 "--out", str(index), "--quiet"]) == 0
+    manifest = json.loads((index / "manifest.json").read_text())
+    assert "test_boxes.npy" in manifest["source"]["data_fingerprint"]
+    opened = SearchService.open(index)
+    assert "test_boxes.npy" in opened._data_files
+    opened._data_digests.result()                                     # the started files hashed
+    boxes[2, 0] = [1, 1, 5, 5]
+    np.save(data / "test_boxes.npy", boxes)
+    os.utime(data / "test_boxes.npy", ns=(7, 7))                     # written later than the server started
+    assert opened.data_changed() == ["test_boxes.npy"]                # watched while serving
+    with pytest.raises(InputError, match=r"the files of .* changed since the index .* \(test_boxes\.npy differ\)"):
+        SearchService.open(index)
+    # an index that recorded no boxes (built before they were recorded) is served with them
+    del manifest["source"]["data_fingerprint"]["test_boxes.npy"]
+    (index / "manifest.json").write_text(json.dumps(manifest))
+    assert SearchService.open(index, verify=False).features is not None
+
+
 # --------------------------------------------------------------------------------- batches
 def test_a_text_scores_the_same_bits_in_any_batch(service):
     rng = np.random.default_rng(3)

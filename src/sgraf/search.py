@@ -274,10 +274,10 @@ def _leftovers(out: Path) -> tuple[list[Path], list[Path]]:
 def _split_fingerprint(data_dir: str | os.PathLike[str], split: str) -> dict[str, str] | None:
     """`precomp.data_fingerprint` of the split an index is built from (None if its files are not
     there, e.g. features given as an array): a server compares it with the data it is given."""
-    from sgraf.data.precomp import data_fingerprint
+    from sgraf.data.precomp import BOX_FILES, data_fingerprint
 
-    try:
-        return data_fingerprint(data_dir, splits=(split,))
+    try:      # with the region boxes and picture sizes, which a server's explanations draw
+        return data_fingerprint(data_dir, splits=(split,), extras=BOX_FILES)
     except (OSError, InputError):
         return None
 

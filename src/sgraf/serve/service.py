@@ -164,12 +164,16 @@ class SearchService:
     def _data_states(self) -> dict[str, tuple[int, ...] | None]:
         """The states (`sgraf.search.file_states`) of the data files the server reads while it
         runs, or that a new data set in its place replaces: the split's features and captions (a
-        writer of the split replaces both; files added to the picture folder are no change)."""
+        writer of the split replaces both; files added to the picture folder are no change), and
+        its region boxes and picture sizes where it has them (explanations draw them)."""
+        from sgraf.data.precomp import BOX_FILES
         from sgraf.search import file_states
 
         if self.data_dir is None or self.split is None:
             return {}
-        return file_states(self.data_dir, [f"{self.split}_ims.npy", f"{self.split}_caps.txt"])
+        names = [f"{self.split}{suffix}" for suffix in ("_ims.npy", "_caps.txt", *BOX_FILES)]
+        return file_states(self.data_dir, [name for name in names if name.endswith(("_ims.npy", "_caps.txt"))
+                                           or (self.data_dir / name).is_file()])
 
     def _digests(self) -> dict[str, str]:
         """The sha256 of each of the split's features and captions files, read whole (a features
@@ -264,14 +268,17 @@ class SearchService:
         """Refuse data other than what the index was built from: its split's fingerprint
         (`precomp.data_fingerprint`, recorded by `build_index`) must match. The same files in
         another folder (the data moved) are accepted; indexes without a fingerprint are not
-        checked."""
-        from sgraf.data.precomp import data_fingerprint, fingerprint_differences
+        checked. The region boxes and picture sizes, which explanations draw, count where the
+        index recorded them (indexes built before they were recorded are checked without)."""
+        from sgraf.data.precomp import BOX_FILES, data_fingerprint, fingerprint_differences
 
         source = self.index.manifest.get("source") or {}
         recorded = source.get("data_fingerprint")
         if not isinstance(recorded, dict):
             return
-        found = data_fingerprint(self.data_dir, splits=(self.split,))
+        found = data_fingerprint(self.data_dir, splits=(self.split,), extras=BOX_FILES)
+        found = {name: digest for name, digest in found.items()
+                 if name in recorded or not name.endswith(BOX_FILES)}
         if found == recorded:
             return
         differ = ", ".join(fingerprint_differences(found, recorded))
