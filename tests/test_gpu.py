@@ -539,6 +539,27 @@ def test_evaluate_on_the_device_counts_the_metrics_of_the_matrix_it_returns():
     assert on_gpu == metrics.evaluate_sims(gpu_sims)
 
 
+def test_an_ensemble_on_the_device_is_the_float64_mean_of_its_models_matrices(tmp_path):
+    """SGR + SAF on CUDA: the share is kept in float64 there (`blocks.ENSEMBLE_DTYPE`), comes to
+    the host and to --save-sims's file in float64 band by band (`HostCopy`), and is exactly the
+    mean of the two models' own CUDA matrices, as the authors average; the metrics are those of it."""
+    import numpy as np
+
+    from sgraf import metrics
+    from sgraf.evaluate import evaluate_checkpoints_with_sims
+
+    e2e = DATA / "e2e"
+    data, vocab = e2e / "data" / "toy_precomp", e2e / "data" / "toy_vocab.json"
+    singles = [evaluate_checkpoints_with_sims([e2e / f"{m}.pth.tar"], data, "test", vocab=vocab, device="cuda")[1]
+               for m in ("sgr", "saf")]
+    result, both = evaluate_checkpoints_with_sims([e2e / "sgr.pth.tar", e2e / "saf.pth.tar"], data, "test",
+                                                  vocab=vocab, device="cuda", save_sims=tmp_path / "both.npy")
+    assert singles[0].dtype == np.float32 and both.dtype == np.float64
+    assert np.array_equal(both, (singles[0].astype(np.float64) + singles[1]) / 2)
+    assert np.array_equal(np.load(tmp_path / "both.npy"), both)
+    assert result == metrics.evaluate_sims(both)
+
+
 def test_host_copy_copies_cuda_bands_on_its_stream_while_the_scoring_stream_goes_on(tmp_path):
     """`HostCopy` on a CUDA matrix: each band is copied once the kernels that wrote it have run
     (an event on the scoring stream), on the worker's own stream, while later kernels on the
