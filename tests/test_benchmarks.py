@@ -420,10 +420,10 @@ def test_train_step_flops_counts_each_matmul_group_once(monkeypatch, capsys):
 
 def test_bench_compare_times_compare_and_bootstrap_beside_the_evaluations():
     completed = subprocess.run([sys.executable, str(BENCHMARKS / "bench_compare.py"), "--images", "40", "--repeats",
-                                "1", "--resamples", "50", "--bootstrap", "20"], capture_output=True, text=True,
+                                "1", "--resamples", "50", "--bootstrap", "40"], capture_output=True, text=True,
                                timeout=300)
     assert completed.returncode == 0, completed.stderr[-2000:]
     out = completed.stdout
     assert "two matrices of 40 x 200" in out and "compare: runs" in out
     assert re.search(r"compare \(50 resamples\): [\d.]+x the time of evaluating both", out)
-    assert re.search(r"evaluate --bootstrap 20: [\d.]+x the plain evaluate's time", out)
+    assert re.search(r"evaluate --bootstrap 40: [\d.]+x the plain evaluate's time", out)
