@@ -112,3 +112,40 @@ def test_every_command_but_demo_and_serve_takes_json_as_the_docs_say():
     assert without == ["demo", "serve"]
     for path in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
         assert "but `demo`" in path.read_text(encoding="utf-8").replace("all but", "but"), path
+
+
+# the Python snippets that open with these lines, in these files: run as written, in a folder
+# holding what they read (a demo's layout, with tiny random models)
+SNIPPETS = [("README.md", "import numpy as np\nimport sgraf\n"),
+            ("docs/model.md", "import numpy as np\nimport torch\n"),
+            ("docs/guides/search-and-serve.md", "import numpy as np\nfrom sgraf import Matcher")]
+
+
+@pytest.mark.parametrize("path,opening", SNIPPETS, ids=[path for path, _ in SNIPPETS])
+def test_the_python_snippets_run_as_written(tmp_path, monkeypatch, path, opening):
+    """Three had used `images`, `captions` or `features` without defining them: NameError pasted."""
+    import numpy as np
+    import torch
+
+    from sgraf.checkpoint import save_model
+    from sgraf.config import ModelConfig
+    from sgraf.data.vocab import Vocabulary
+    from sgraf.model.sgraf import SGRAF
+
+    text = (ROOT / path).read_text(encoding="utf-8")
+    start = text.index("```python\n" + opening) + len("```python\n")
+    code = text[start:text.index("```", start)]
+    demo = tmp_path / "sgraf-demo"
+    (demo / "data").mkdir(parents=True)
+    np.save(demo / "data" / "test_ims.npy", np.random.default_rng(0).standard_normal((10, 4, 12)).astype(np.float32))
+    vocab = Vocabulary.from_words("a red green blue square circle triangle left right of".split())
+    for seed, module in enumerate(("sgr", "saf")):
+        torch.manual_seed(seed)
+        model = SGRAF(ModelConfig(vocab_size=len(vocab), img_dim=12, word_dim=8, embed_size=16, sim_dim=8,
+                                  num_regions=4, module=module, sgr_step=2))
+        (demo / "runs" / module).mkdir(parents=True)
+        save_model(model, demo / "runs" / module / "best.pt", vocab=vocab)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, f"{path} snippet", "exec"), namespace)
+    assert np.isfinite(np.asarray(namespace["scores"])).all()
