@@ -570,8 +570,11 @@ def test_settings_without_effect_are_said_and_impossible_ones_refused(caplog):
     resolve_config("tiny", overrides={"alignments": "global", "lambda_softmax": 4})
     assert "overrides: lambda_softmax=4.0 has no effect: alignments=global" in caplog.text
     caplog.clear()          # a key at its default (a run's own config.yaml reused lists every key): nothing to say
-    resolve_config("tiny", overrides={"module": "saf", "place_sharpness": 1.0, "family_share": 1.0, "sgr_step": 3})
+    resolve_config("tiny", overrides={"module": "saf", "place_sharpness": 1.0, "family_share": 1.0, "sgr_step": 2})
     assert caplog.text == ""
+    # the preset's value is the default: 3 over the tiny preset's 2 is a change (it had passed unsaid)
+    resolve_config("tiny", overrides={"module": "saf", "sgr_step": 3})
+    assert "overrides: sgr_step=3 has no effect: module=saf has no SGR head" in caplog.text
     for pair, message in (("log_every=0", "'log_every'"), ("lambda_softmax=-9", "'lambda_softmax'"),
                           ("lambda_softmax=0", "must be a finite number > 0"), ("device=cudax", "'device'"),
                           ("device=cuda:abc", "'device'"), ("device=mps", "does not run on mps")):

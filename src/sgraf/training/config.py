@@ -432,9 +432,11 @@ def resolve_config(preset_name: str | None = None, config_file: str | pathlib.Pa
         if not named:
             raise
         raise InputError(f"{given[named[0]]}: {error}") from None
+    # a key at its default (the preset's, where one is used) changes nothing either way: a run's own
+    # config.yaml reused as --config lists every key; sgr_step=3 over the tiny preset's 2 is a change
     defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    defaults.update(PRESETS[preset_name] if preset_name is not None else {})
     for key, why in unused_settings(config.to_dict()).items():
-        # a key at its default changes nothing either way: a run's own config.yaml reused as --config lists every key
         if key in given and getattr(config, key) != defaults.get(key):
             logger.warning("%s: %s=%s has no effect: %s", given[key], key, getattr(config, key), why)
     return _from_preset(config, preset_name), extras
