@@ -75,6 +75,9 @@ def test_absent_boxes_are_none_unless_required(tmp_path):
      r"test_boxes.npy: every box lies within the first pixel of its picture \(all coordinates <= 1, the "
      r"smallest picture 20 x 30 pixels\): boxes already divided by the picture sizes\? expected x1, y1, x2, y2 "
      r"in pixels"),
+    (lambda b, s: b.__setitem__(1, b[1] / 20.0),          # one image's only: two files merged
+     r"test_boxes.npy: every box of image 1 lies within the first pixel of its 20 x 30 picture \(all coordinates "
+     r"<= 1; 1 of 2 images so\): boxes already divided by the picture size\? expected x1, y1, x2, y2 in pixels"),
 ])
 def test_bad_boxes_are_refused_naming_file_image_and_region(tmp_path, change, message):
     boxes = np.tile(np.array([0, 0, 10, 10], dtype=np.float32), (2, 2, 1))

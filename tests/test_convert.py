@@ -182,3 +182,10 @@ def test_boxes_already_divided_by_the_picture_size_name_the_tsv(tmp_path):
                                          r"image_w and image_h\? expected x1, y1, x2, y2 in pixels"):
         convert_tsv(tsv, tmp_path / "out", "train", progress=False)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # one row divided among pixel rows (two converters' outputs merged): named by its line
+    rows = [f"{1000 + i}\t{640 + i}\t{480 - i}\t4\t{b64(normalised[i] if i == 1 else boxes[i])}\t{b64(feats[i])}"
+            for i in range(len(rows))]
+    tsv = write(tmp_path / "mixed.tsv", rows)
+    with pytest.raises(InputError, match=rf"^{tsv}:2: every box lies within the first pixel of its picture \(all "
+                                         r"coordinates <= 1; 1 of 3 rows so\)"):
+        convert_tsv(tsv, tmp_path / "out", "train", progress=False)

@@ -104,11 +104,29 @@ def check_boxes(boxes: np.ndarray, sizes: np.ndarray, boxes_source: Any, sizes_s
                             f"{OUTSIDE_TOLERANCE_PX:g} pixel")
             raise InputError(f"{boxes_source}: the box of image {image}, region {region} is "
                              f"{boxes[image, region].tolist()}; {expected}")
-    if boxes.size and float(boxes.max()) <= 1.0 and float(sizes.min()) > 2.0:
+    divided = divided_images(boxes, sizes)
+    if divided.all() and boxes.size:
         smallest = f"{sizes[:, 0].min():g} x {sizes[:, 1].min():g}"
         raise InputError(f"{boxes_source}: every box lies within the first pixel of its picture (all coordinates "
                          f"<= 1, the smallest picture {smallest} pixels): boxes already divided by the picture "
                          f"sizes? expected x1, y1, x2, y2 in pixels (sgraf divides by {sizes_source})")
+    if divided.any():     # files of two converters merged: one image's boxes would read as the corner's
+        image = int(np.argmax(divided))
+        width, height = sizes[image]
+        raise InputError(f"{boxes_source}: every box of image {image} lies within the first pixel of its {width:g} x "
+                         f"{height:g} picture (all coordinates <= 1; {int(divided.sum())} of {len(divided)} images "
+                         f"so): boxes already divided by the picture size? expected x1, y1, x2, y2 in pixels "
+                         f"(sgraf divides by {sizes_source})")
+
+
+def divided_images(boxes: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """(n,) bool: the images whose every box coordinate is <= 1 while their picture is larger than
+    2 x 2 pixels: boxes already divided by the picture's size (real boxes span pixels), which
+    read as pixels would all sit in the picture's corner."""
+    n = boxes.shape[0]
+    if not boxes.size:
+        return np.zeros(n, dtype=bool)
+    return (np.asarray(boxes).reshape(n, -1).max(axis=1) <= 1.0) & (np.asarray(sizes).min(axis=1) > 2.0)
 
 
 def normalise_boxes(boxes: np.ndarray, sizes: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 
 from sgraf import text_files
 from sgraf.atomic_write import preallocated_memmap
-from sgraf.data.boxes import box_problems, write_boxes
+from sgraf.data.boxes import box_problems, divided_images, write_boxes
 from sgraf.data.layout import check_split_name, split_family
 from sgraf.errors import InputError
 from sgraf.output_folder import NewGeneration
@@ -191,10 +191,16 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
         shape, n_caps, boxes, sizes = _convert_rows(tsv_path, n_rows, table, captions_path,
                                                     {key: generation.path(name) for key, name in names.items()},
                                                     progress)
-        if boxes.size and float(boxes.max()) <= 1.0 and float(sizes.min()) > 2.0:   # as the reader refuses them
+        divided = divided_images(boxes, sizes)          # as the reader refuses them
+        if divided.all() and boxes.size:
             raise InputError(f"{tsv_path}: every box of its {shape[0]} rows lies within the first pixel of its "
                              "picture (all coordinates <= 1): field 'boxes' holds boxes already divided by image_w "
                              "and image_h? expected x1, y1, x2, y2 in pixels (sgraf divides them)")
+        if divided.any():
+            raise InputError(f"{tsv_path}:{int(np.argmax(divided)) + 1}: every box lies within the first pixel "
+                             f"of its picture (all coordinates <= 1; {int(divided.sum())} of {shape[0]} rows so): "
+                             "field 'boxes' holds boxes already divided by image_w and image_h? expected x1, y1, "
+                             "x2, y2 in pixels (sgraf divides them)")
         write_boxes(generation, split, boxes, sizes)
     logger.info("%s -> %s: %d images x %d regions x %d", tsv_path, out_dir / names["ims"], *shape)
     return {"images": shape[0], "regions": shape[1], "feature_dim": shape[2], "captions": n_caps}
