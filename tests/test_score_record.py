@@ -216,6 +216,18 @@ def test_other_region_boxes_of_the_same_captions_are_evaluated_with_a_warning(ca
         run(capsys, "--sims", tmp_path / "a.npy", "--data", folders["b"])
     assert (f"a.npy scored other region boxes and picture sizes ({folders['a'].resolve() / 'test_boxes.npy'}, "
             f"{folders['a'].resolve() / 'test_image_sizes.npy'}, by its record) than --data's split") in caplog.text
+    caplog.clear()            # a split without the boxes it scored: said too (it had been evaluated unsaid)
+    bare = tmp_path / "bare"
+    shutil.copytree(DATA, bare)
+    with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):
+        run(capsys, "--sims", tmp_path / "a.npy", "--data", bare)
+    assert (f"a.npy scored other region boxes and picture sizes ({folders['a'].resolve() / 'test_boxes.npy'}, "
+            f"{folders['a'].resolve() / 'test_image_sizes.npy'}, by its record) than --data's split (no "
+            "test_boxes.npy, no test_image_sizes.npy)") in caplog.text
+    caplog.clear()            # the matrix of a model that read no boxes, on a split with boxes: nothing to say
+    with caplog.at_level(logging.WARNING, logger="sgraf.score_record"):
+        run(capsys, "--sims", tmp_path / "plain.npy", "--data", folders["b"])
+    assert "scored other" not in caplog.text
 
 
 def test_naming_the_record_imports_no_numpy_before_evaluate_starts_tokenising():

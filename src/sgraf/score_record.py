@@ -150,13 +150,15 @@ def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str,
         if reference is None:
             reference, source = scored, path
         elif _digest(scored, "captions") == _digest(reference, "captions"):
-            other = _other_image_files(scored, reference)
+            other = _other_image_files(scored, reference, split_lacks=source is None)
             if other:
                 logger.warning("%s scored other %s (%s, by its record) than %s (%s); the captions are the same, so "
                                "it is evaluated as usual", path, " and ".join(other),
                                ", ".join(_named(scored, name) for name in other.values()),
                                "--data's split" if source is None else source,
-                               ", ".join(_named(reference, name) for name in other.values()))
+                               ", ".join(_named(reference, name) if name == "features"
+                                         or name in reference["fingerprint"] else f"no {name}"
+                                         for name in other.values()))
         else:
             mine, theirs, record_name = _named(scored), _named(reference), record_path(path).name
             if source is None and mine == theirs:
@@ -170,16 +172,19 @@ def common_split(paths: Sequence[str | os.PathLike], records: Sequence[dict[str,
     return reference
 
 
-def _other_image_files(scored: dict[str, Any], reference: dict[str, Any]) -> dict[str, str]:
+def _other_image_files(scored: dict[str, Any], reference: dict[str, Any], split_lacks: bool = False) -> dict[str, str]:
     """The image files whose digests differ between two records' splits: {what: `_named`'s kind}, of the
     features and of the region boxes and picture sizes both fingerprints hold (a position model's
-    scores read them; records before session 39 hold none)."""
+    scores read them; records before session 39 hold none). With `split_lacks` (`reference` is the
+    split given with --data, which records every file it has), also the boxes and sizes the matrix
+    scored that the split no longer has (a split without them had been evaluated unsaid)."""
     other = {}
     if _digest(scored, "features") != _digest(reference, "features"):
         other["features"] = "features"
     ours, theirs = scored["fingerprint"], reference["fingerprint"]
     for what, suffix in (("region boxes", "_boxes.npy"), ("picture sizes", "_image_sizes.npy")):
-        names = [name for name in set(ours) & set(theirs) if name.endswith(suffix) and ours[name] != theirs[name]]
+        names = [name for name in ours if name.endswith(suffix)
+                 and (name in theirs or split_lacks) and ours[name] != theirs.get(name)]
         if names:
             other[what] = names[0]
     return other
