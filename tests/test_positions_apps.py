@@ -130,6 +130,8 @@ def test_matcher_refuses_images_without_boxes_or_with_bad_ones(gallery):
         matcher.encode_images(gallery["features"], boxes=bad)
     with pytest.raises(InputError, match=r"boxes must have shape \(6, 4, 4\) .* got \(6, 3, 4\)"):
         matcher.encode_images(gallery["features"], boxes=gallery["boxes"][:, :3])
+    with pytest.raises(InputError, match=r"boxes must have shape \(6, 4, 4\) .* got \(4, 4\)$"):   # as passed
+        matcher.encode_images(gallery["features"], boxes=gallery["boxes"][0])
 
 
 def test_the_index_of_a_model_with_positions_scores_as_the_model_with_boxes(gallery, tmp_path, capsys):

@@ -557,13 +557,14 @@ class Matcher:
         if not torch.is_tensor(boxes):
             boxes = torch.from_numpy(np.array(boxes, dtype=np.float32))
         boxes = boxes.float()
-        if boxes.dim() == 2:
+        given = tuple(boxes.shape)                # as the caller passed them, for the message
+        if boxes.dim() == 2 and n_images == 1:
             boxes = boxes.unsqueeze(0)
         k = self.models[0].config.num_regions
         if tuple(boxes.shape) != (n_images, k, 4):
             shape = f"({k}, 4) or (1, {k}, 4)" if n_images == 1 else f"({n_images}, {k}, 4)"
             raise InputError(f"{where} must have shape {shape} (x1, y1, x2, y2 per region of each "
-                             f"image), got {tuple(boxes.shape)}")
+                             f"image), got {given}")
         from sgraf.model.positions import check_normalised_boxes
 
         check_normalised_boxes(boxes, where, first_row)
