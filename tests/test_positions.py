@@ -421,6 +421,32 @@ def test_explain_shows_a_penalty_models_signed_term_where_the_penalty_zeroed_it(
     assert "signed" not in format_explanation(signed_model)
 
 
+def test_explaining_an_ensemble_of_place_models_gives_each_ones_term():
+    """SGR+pos with SAF+pos (the demo's SGRAF+pos) had shown the first model's place term alone."""
+    from sgraf.api import Matcher
+    from sgraf.cli.explain import format_explanation
+    from sgraf.data.vocab import Vocabulary
+    from sgraf.explain import explain_pair
+
+    vocab = Vocabulary.from_words([f"w{i}" for i in range(26)])
+    models = [_model("place", module=module, seed=seed) for seed, module in enumerate(("sgr", "saf"))]
+    for model in models:
+        model.vocab = vocab
+    features = np.random.default_rng(0).standard_normal((1, 5, 20)).astype(np.float32)
+    boxes = _boxes(1, 5)[0].numpy()
+    both = explain_pair(Matcher(models), features, "w1 w2 w3 w4", boxes=boxes)
+    alone = [explain_pair(Matcher([model]), features, "w1 w2 w3 w4", boxes=boxes) for model in models]
+    assert list(both.place_terms) == list(both.scores)[:2] and len(set(both.place_terms)) == 2
+    for label, one in zip(both.place_terms, alone):
+        assert both.place_terms[label] == pytest.approx(float(one.place.sum()), abs=1e-6)
+        assert one.place_terms == {next(iter(one.scores)): pytest.approx(float(one.place.sum()), abs=1e-6)}
+    assert both.place_model == list(both.place_terms)[0] and np.array_equal(both.place, alone[0].place)
+    second = list(both.place_terms)[1]
+    assert f"; {second}'s term {both.place_terms[second] + 0.0:+.3f})" in format_explanation(both).splitlines()[0]
+    assert "'s term" not in format_explanation(alone[0])
+    assert all(abs(value) > 1e-4 for value in both.place_terms.values())     # the terms are not nothing
+
+
 def test_a_new_place_model_scores_as_the_same_model_without_the_term():
     config = dict(vocab_size=30, img_dim=20, word_dim=8, embed_size=16, sim_dim=12, num_regions=5, module="joint")
     torch.manual_seed(0)

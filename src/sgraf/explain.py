@@ -148,6 +148,8 @@ class Explanation:
         place_model: label of the model whose place term is shown.
         place_signed: (L,) the signed term's shares where that model's term is a penalty
             (`place_penalty`: `place` is zero where they sum to more than 0), else None.
+        place_terms: every place model's term (the sum of its shares), by label: an ensemble of
+            two place models had shown the first one's alone.
     """
 
     text: str
@@ -164,6 +166,7 @@ class Explanation:
     place: np.ndarray | None = None
     place_model: str | None = None
     place_signed: np.ndarray | None = None
+    place_terms: dict[str, float] = field(default_factory=dict)
     n_regions: int | None = None        # K, the image's regions (the abstract grid drawn without a layout)
 
     def render(self, out: str | os.PathLike[str] | BinaryIO, layout: "RegionLayout | None" = None,
@@ -247,6 +250,7 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
     scores: dict[str, float] = {}
     attention = attention_model = saf_beta = sgr_alignment = place = place_model = place_signed = None
     node_labels: list[str] = []
+    place_terms: dict[str, float] = {}
     for position, model in enumerate(matcher.models):
         label = _label(model, position, matcher.models)
         image_boxes = {"boxes": boxes.to(matcher.device)} if getattr(model, "needs_boxes", False) else {}
@@ -269,21 +273,22 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
             local = [*(["<start>"] + tokens + ["<end>"])] if encoder.attention == "t2i" else \
                 [f"region {k}" for k in range(regions.shape[1])]
             node_labels = (["[global]"] if encoder.use_global else []) + (local if encoder.use_local else [])
-        wants_place = place is None and centres is not None   # a place model has t2i local alignments
         model_attention = None
-        if encoder.use_local and encoder.attention == "t2i" and (attention is None or wants_place):
+        if encoder.use_local and encoder.attention == "t2i" and (attention is None or centres is not None):
             model_attention = word_region_attention(regions[0], words[0], encoder.smooth)   # (L, K)
         if attention is None and model_attention is not None:
             attention = model_attention.cpu().numpy()
             attention_model = label
-        if wants_place:
+        if centres is not None:           # a place model (it has t2i local alignments): its term, per word
             read = model_attention if encoder.place_smooth == encoder.smooth else \
                 word_region_attention(regions[0], words[0], encoder.place_smooth)
             signed = place_shares(encoder.place_term, read, centres[0], words[0], signed=True)
-            place = encoder.place_term.value_shares(signed).cpu().numpy()
-            place_model = label
-            if encoder.place_term.penalty:
-                place_signed = signed.cpu().numpy()
+            shares = encoder.place_term.value_shares(signed).cpu().numpy()
+            place_terms[label] = float(shares.sum())
+            if place is None:             # the first place model's shares are the ones drawn
+                place, place_model = shares, label
+                if encoder.place_term.penalty:
+                    place_signed = signed.cpu().numpy()
         if saf_beta is None and hasattr(encoder, "SAF_module"):
             saf_beta = saf_node_weights(encoder.SAF_module, nodes).cpu().numpy()
         if sgr_alignment is None and hasattr(encoder, "SGR_module"):
@@ -294,7 +299,7 @@ def _explain_pair(matcher: Any, features: Any, text: str, allow_unknown: bool, b
     return Explanation(text=text, tokens=["<start>", *tokens, "<end>"], node_labels=node_labels, scores=scores,
                        attention=attention, attention_model=attention_model, saf_beta=saf_beta,
                        sgr_alignment=sgr_alignment, place=place, place_model=place_model, place_signed=place_signed,
-                       n_regions=int(image.shape[1]))
+                       place_terms=place_terms, n_regions=int(image.shape[1]))
 
 
 # --------------------------------------------------------------------------------- regions
@@ -574,7 +579,7 @@ def render_explanation(explanation: Explanation, layout: RegionLayout, out: str 
             axis.set_title(_short(tokens[index]) + place, fontsize=9)
         place_note = "" if explanation.place is None else \
             (f"; in brackets each token's share of the place term ({explanation.place_model}, logit"
-             f"{penalty_note(explanation)})")
+             f"{penalty_note(explanation)}{other_place_terms(explanation)})")
         note = (f"attention of each token over the regions ({explanation.attention_model} model; {layout.source}); "
                 f"brighter = more weight, the most attended region framed{place_note}")
         # wrapped as the title is (a data folder's name can be long): the picture keeps its width
@@ -645,6 +650,13 @@ def _rectangle(x: float, y: float, w: float, h: float, colour: str = "yellow", w
     from matplotlib.patches import Rectangle
 
     return Rectangle((x - 0.5, y - 0.5), w, h, fill=False, edgecolor=colour, linewidth=width)
+
+
+def other_place_terms(explanation: Explanation) -> str:
+    """The other place models' terms where an ensemble holds several, as '; saf+pos's term -0.550'
+    (the shares drawn are `place_model`'s alone); else ''."""
+    return "".join(f"; {label}'s term {value + 0.0:+.3f}" for label, value in explanation.place_terms.items()
+                   if label != explanation.place_model)
 
 
 def penalty_note(explanation: Explanation) -> str:

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 def format_explanation(explanation: "Explanation") -> str:
     """A text table of the per-node quantities and the scores."""
-    from sgraf.explain import image_label, penalty_note
+    from sgraf.explain import image_label, other_place_terms, penalty_note
 
     lines = [f"{image_label(explanation)} / {explanation.text!r}: "
              + ", ".join(f"{k} {v:.4f}" for k, v in explanation.scores.items())]
@@ -84,7 +84,7 @@ def format_explanation(explanation: "Explanation") -> str:
     if explanation.place is not None:
         header += f"{'place':>8}" + (f"{'signed':>8}" if signed is not None else "")
         lines[0] += (f" (place term {_signed(explanation.place.sum())}, {explanation.place_model}"
-                     f"{penalty_note(explanation)})")
+                     f"{penalty_note(explanation)}{other_place_terms(explanation)})")
     lines.append(header)
     offset = 1 if explanation.node_labels and explanation.node_labels[0] == "[global]" else 0
     for p, label in enumerate(explanation.node_labels):
