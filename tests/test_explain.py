@@ -132,25 +132,41 @@ def test_region_layout_prefers_boxes_then_images_then_a_grid(tmp_path):
     assert layout.kind == "boxes" and layout.image.shape == (48, 64, 3)   # blank canvas of the image's size
     heat = layout.heatmap(np.array([0, 0, 0, 0, 0, 1.0]))
     assert heat[10, 30] == 1 and heat[2, 2] == 0 and heat.sum() == 20 * 20
+    np.save(tmp_path / "test_image_sizes.npy", np.array([[50, 40], [70, 45]], np.float32))
+    boxes[0, :, 2:] = 10                      # image 0's boxes were points at the corner
+    np.save(tmp_path / "test_boxes.npy", boxes)
+    layout = region_layout(tmp_path, "test", 1, 6)
+    assert layout.kind == "boxes" and layout.picture_size == (70, 45)     # the sizes file's, first
+    (tmp_path / "test_image_sizes.npy").unlink()
     with pytest.raises(InputError, match=r"test_boxes\.npy: expected \(n_images, 9, 4\)"):
         region_layout(tmp_path, "test", 1, 9)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "nan"])
+@pytest.mark.parametrize("damage", ["garbage", "nan", "swapped", "divided"])
 def test_a_damaged_boxes_file_is_an_error_or_for_a_server_drawn_without(tmp_path, caplog, damage):
-    """`sgraf serve` (skip_unreadable) had answered 400 to a request, as if the client had erred."""
+    """`sgraf serve` (skip_unreadable) had answered 400 to a request, as if the client had erred;
+    with picture sizes beside them the boxes are checked as a model with positions reads them (a
+    position-free model's explanation had drawn swapped or divided boxes without a word)."""
     images = tmp_path / "images" / "test"
     images.mkdir(parents=True)
     Image.new("RGB", (60, 30), (10, 200, 10)).save(images / "00001.png")
     boxes = np.tile(np.array([0, 0, 10, 10], np.float32), (2, 6, 1))
     np.save(tmp_path / "test_boxes.npy", boxes)
+    np.save(tmp_path / "test_image_sizes.npy", np.array([[60, 30], [60, 30]], np.float32))
     path = tmp_path / "test_boxes.npy"
     if damage == "garbage":
         path.write_bytes(b"\x00" * 200)
     elif damage == "nan":
         boxes[1, 2, 0] = np.nan
+    elif damage == "swapped":
+        boxes[0, 3] = [9, 0, 2, 10]           # another image's box: the whole file is checked
+    else:
+        boxes /= 60.0
+    if damage != "garbage":
         np.save(path, boxes)
-    expected = {"garbage": "not a readable .npy array", "nan": "the box of image 1, region 2 is [nan"}[damage]
+    expected = {"garbage": "not a readable .npy array", "nan": "the box of image 1, region 2 is [nan",
+                "swapped": "the box of image 0, region 3 is [9.0, 0.0, 2.0, 10.0]; expected x2 >= x1",
+                "divided": "every box lies within the first pixel of its picture"}[damage]
     with pytest.raises(InputError, match=re.escape(expected)):
         region_layout(tmp_path, "test", 1, 6)
     with caplog.at_level("WARNING", logger="sgraf.explain"):

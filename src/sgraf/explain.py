@@ -359,31 +359,48 @@ def _grid_shape(k: int) -> tuple[int, int]:
     return rows, k // rows
 
 
-def _image_boxes(path: Path, image_id: int, num_regions: int, skip_unreadable: bool) -> np.ndarray | None:
+def _image_boxes(path: Path, image_id: int, num_regions: int,
+                 skip_unreadable: bool) -> tuple[np.ndarray | None, tuple[int, int] | None]:
     """The (num_regions, 4) float64 boxes of one image from a split's boxes file, read (not
-    mapped: a file cut short meanwhile is an error, not SIGBUS). A damaged file is an InputError,
-    or with `skip_unreadable` a warning and None (`sgraf serve`: the gallery's fault, not the
-    request's; it had answered 400 as if the client had erred)."""
+    mapped: a file cut short meanwhile is an error, not SIGBUS), and its picture's (width,
+    height) where the split has picture sizes: then the whole file is checked as a model with
+    positions reads it (`data.boxes.check_boxes`: boxes outside the picture, x2 < x1, boxes
+    divided by the sizes; a position-free model's explanation had drawn them without a word).
+    A damaged file is an InputError, or with `skip_unreadable` a warning and (None, None)
+    (`sgraf serve`: the gallery's fault, not the request's; it had answered 400 as if the client
+    had erred)."""
+    from sgraf.data.boxes import check_boxes
+
     expected = f"(n_images, {num_regions}, 4) float region boxes covering image {image_id}"
+    sizes_path = path.with_name(path.name.replace("_boxes.npy", "_image_sizes.npy"))
     try:
-        boxes = open_npy(path, expected)
-        if boxes.ndim != 3 or boxes.shape[1:] != (num_regions, 4) or image_id >= boxes.shape[0] \
-                or boxes.dtype.kind not in "fiu":
-            raise InputError(f"{path}: expected {expected}, got {boxes.dtype} of shape {boxes.shape}")
+        mapped = open_npy(path, expected)
+        if mapped.ndim != 3 or mapped.shape[1:] != (num_regions, 4) or image_id >= mapped.shape[0] \
+                or mapped.dtype.kind not in "fiu":
+            raise InputError(f"{path}: expected {expected}, got {mapped.dtype} of shape {mapped.shape}")
         try:
-            boxes = file_row(boxes, image_id).astype(np.float64)
+            boxes = file_row(mapped, image_id).astype(np.float64)
         except OSError as error:
             raise InputError(f"{path}: {error.strerror}") from None
         if not np.isfinite(boxes).all():
             region = int(np.argwhere(~np.isfinite(boxes))[0][0])
             raise InputError(f"{path}: the box of image {image_id}, region {region} is {boxes[region].tolist()}; "
                              "expected finite (x1, y1, x2, y2) coordinates")
+        size = None
+        if sizes_path.is_file():
+            sizes = open_npy(sizes_path, "(n_images, 2) picture sizes in pixels")
+            try:
+                check_boxes(np.array(mapped), np.array(sizes), path, sizes_path, n_regions=num_regions)
+            except (OSError, ValueError) as error:      # InputError is a ValueError; a file cut short
+                raise InputError(str(error) if isinstance(error, InputError) else f"{path}: {error}") from None
+            width, height = (float(v) for v in sizes[image_id])
+            size = (max(int(round(width)), 1), max(int(round(height)), 1))
     except InputError as error:
         if not skip_unreadable:
             raise
         logger.warning("%s; drawn without the boxes", error)
-        return None
-    return boxes
+        return None, None
+    return boxes, size
 
 
 def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, image_id: int,
@@ -416,10 +433,11 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
                 logger.warning("%s; drawn without it", error)
             break
     boxes_path = data_dir / f"{split}_boxes.npy"
-    boxes = _image_boxes(boxes_path, image_id, num_regions, skip_unreadable) if boxes_path.is_file() else None
+    boxes, sized = _image_boxes(boxes_path, image_id, num_regions, skip_unreadable) if boxes_path.is_file() \
+        else (None, None)
     if boxes is not None:
         if picture is None:  # no picture: a blank canvas of the image's size (or the boxes' extent)
-            width, height = size or _image_size(data_dir / f"{split}_image_ids.txt", image_id) or (
+            width, height = size or sized or _image_size(data_dir / f"{split}_image_ids.txt", image_id) or (
                 int(np.ceil(boxes[:, 2].max())), int(np.ceil(boxes[:, 3].max())))
             size = (max(width, 1), max(height, 1))
             drawn_w, drawn_h = _drawn_size(*size)
