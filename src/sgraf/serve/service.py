@@ -171,12 +171,12 @@ class SearchService:
 
         if self.data_dir is None or self.split is None:
             return {}
-        names = [f"{self.split}{suffix}" for suffix in ("_ims.npy", "_caps.txt", *BOX_FILES)]
-        return file_states(self.data_dir, [name for name in names if name.endswith(("_ims.npy", "_caps.txt"))
-                                           or (self.data_dir / name).is_file()])
+        extras = [f"{self.split}{suffix}" for suffix in BOX_FILES]
+        extras = [name for name in extras if (self.data_dir / name).is_file()]
+        return file_states(self.data_dir, [f"{self.split}_ims.npy", f"{self.split}_caps.txt", *extras])
 
     def _digests(self) -> dict[str, str]:
-        """The sha256 of each of the split's features and captions files, read whole (a features
+        """The sha256 of each data file the server watches (`_data_states`), read whole (a features
         file edited in place keeps its size and, often, its first and last MiB, which the data
         fingerprint hashes), or {} where not readable."""
         if not self._data_files or None in self._data_files.values():
