@@ -149,3 +149,11 @@ def test_file_row_reads_a_mapped_row_and_a_file_cut_short_is_an_oserror_not_sigb
     with pytest.raises(OSError, match=r"ends before row 4 of its \(5, 3, 4\) array") as raised:
         file_row(mapped, 4)
     assert raised.value.errno == errno.EIO and raised.value.filename == str(tmp_path / "a.npy")
+    # a view of whole rows (PrecompSplit.images of a file of one row per caption: every fifth row)
+    np.save(tmp_path / "b.npy", np.repeat(values, 5, axis=0))
+    every_fifth = open_npy(tmp_path / "b.npy", "x")[::5]
+    assert [np.array_equal(file_row(every_fifth, i), values[i]) for i in range(5)] == [True] * 5
+    os.truncate(tmp_path / "b.npy", 128 + 48 * 16)                     # file rows 0-15: view rows 0-3
+    assert np.array_equal(file_row(every_fifth, 3), values[3])
+    with pytest.raises(OSError, match=r"ends before row 4 of its \(5, 3, 4\) array"):
+        file_row(every_fifth, 4)

@@ -185,7 +185,10 @@ def test_boxes_already_divided_by_the_picture_size_name_the_tsv(tmp_path):
     # one row divided among pixel rows (two converters' outputs merged): named by its line
     rows = [f"{1000 + i}\t{640 + i}\t{480 - i}\t4\t{b64(normalised[i] if i == 1 else boxes[i])}\t{b64(feats[i])}"
             for i in range(len(rows))]
-    tsv = write(tmp_path / "mixed.tsv", rows)
-    with pytest.raises(InputError, match=rf"^{tsv}:2: every box lies within the first pixel of its picture \(all "
+    tsv = write(tmp_path / "mixed.tsv", [rows[0], "", rows[1], rows[2]])        # a blank line before it
+    with pytest.raises(InputError, match=rf"^{tsv}:3: every box lies within the first pixel of its picture \(all "
                                          r"coordinates <= 1; 1 of 3 rows so\)"):
         convert_tsv(tsv, tmp_path / "out", "train", progress=False)
+    # an image of zero boxes (padding, no detections) is no image of divided boxes
+    rows[1] = f"1001\t641\t479\t4\t{b64(np.zeros_like(boxes[1]))}\t{b64(feats[1])}"
+    convert_tsv(write(tmp_path / "padded.tsv", rows), tmp_path / "padded", "train", progress=False)

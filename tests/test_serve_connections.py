@@ -347,7 +347,8 @@ def test_a_touched_file_found_changed_is_hashed_once_per_state(gallery, tmp_path
     opened._data_digests.result()
     hashed = []
     sha256_file = service_module.sha256_file
-    monkeypatch.setattr(service_module, "sha256_file", lambda path: (hashed.append(path.name), sha256_file(path))[1])
+    monkeypatch.setattr(service_module, "sha256_file",       # slow, as a large file is: checks overlap
+                        lambda path: (hashed.append(path.name), time.sleep(0.2), sha256_file(path))[2])
     mapped = np.load(data / "test_ims.npy", mmap_mode="r+")
     mapped[3, 0, 0] = 1.0                           # in place: the same file and size
     mapped.flush()
@@ -358,6 +359,19 @@ def test_a_touched_file_found_changed_is_hashed_once_per_state(gallery, tmp_path
     assert hashed == ["test_ims.npy"]
     os.utime(data / "test_ims.npy", ns=(6, 6))      # touched again: judged again
     assert opened.data_changed() == ["test_ims.npy"] and hashed == ["test_ims.npy"] * 2
+    # touched with the same bytes, checked by four threads at once: hashed by one, the others wait for it
+    import threading
+
+    (data / "test_caps.txt").write_text("a dog\n" * 40)
+    os.utime(data / "test_caps.txt", ns=(9, 9))
+    hashed.clear()
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(opened.data_changed())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert answers == [["test_ims.npy"]] * 4 and hashed.count("test_caps.txt") == 1, (answers, hashed)
 
 
 def test_warm_up_changes_no_answer(gallery):

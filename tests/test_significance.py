@@ -364,7 +364,7 @@ def test_few_resamples_are_named_in_one_warning(caplog):
 
 @pytest.mark.parametrize("level,fewest", [(0.95, 40), (0.9, 20), (0.99, 200), (0.5, 4)])
 def test_fewer_resamples_than_an_interval_has_tails_for_are_refused(level, fewest):
-    """Each tail of a percentile interval needs a resample beyond its end: 2 / (1 - level)."""
+    """Each tail of a percentile interval should hold a resample: N (1 - level) / 2 >= 1."""
     sims = np.random.default_rng(3).standard_normal((20, 100)).astype(np.float32)
     assert significance.min_resamples(level) == fewest
     with pytest.raises(InputError, match=f"^{fewest - 1} resamples are too few for a {100 * level:g} % interval.*"

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from sgraf import text_files
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import file_row, open_npy
+from sgraf.data.layout import PICTURE_SUFFIXES
 from sgraf.errors import InputError
 
 TITLE_CHARS_PER_LINE = 110   # the figure's title wraps here (the text can be 500 characters)
@@ -359,48 +360,84 @@ def _grid_shape(k: int) -> tuple[int, int]:
     return rows, k // rows
 
 
-def _image_boxes(path: Path, image_id: int, num_regions: int,
+def _image_boxes(data_dir: Path, split: str, image_id: int, num_regions: int,
                  skip_unreadable: bool) -> tuple[np.ndarray | None, tuple[int, int] | None]:
-    """The (num_regions, 4) float64 boxes of one image from a split's boxes file, read (not
-    mapped: a file cut short meanwhile is an error, not SIGBUS), and its picture's (width,
-    height) where the split has picture sizes: then the whole file is checked as a model with
-    positions reads it (`data.boxes.check_boxes`: boxes outside the picture, x2 < x1, boxes
-    divided by the sizes; a position-free model's explanation had drawn them without a word).
-    A damaged file is an InputError, or with `skip_unreadable` a warning and (None, None)
-    (`sgraf serve`: the gallery's fault, not the request's; it had answered 400 as if the client
-    had erred)."""
-    from sgraf.data.boxes import check_boxes
+    """The (num_regions, 4) float64 boxes of one image from a split's boxes file, and its
+    picture's (width, height) where the split has picture sizes, each row read from its file (not
+    the map: a file cut short meanwhile is an error, not SIGBUS). With sizes, the whole pair of
+    files is checked as a model with positions reads them (`data.boxes.check_boxes`: boxes outside
+    the picture, x2 < x1, boxes divided by the sizes; a position-free model's explanation had drawn
+    them without a word), once per state of the files (`_boxes_verdict`). A damaged file is an
+    InputError, or with `skip_unreadable` (`sgraf serve`: the gallery's fault, not the request's;
+    it had answered 400 as if the client had erred) (None, None) and a warning, once per state."""
+    from sgraf.data.boxes import boxes_files
 
+    boxes_path, sizes_path = boxes_files(data_dir, split)
     expected = f"(n_images, {num_regions}, 4) float region boxes covering image {image_id}"
-    sizes_path = path.with_name(path.name.replace("_boxes.npy", "_image_sizes.npy"))
     try:
-        mapped = open_npy(path, expected)
+        mapped = open_npy(boxes_path, expected)
         if mapped.ndim != 3 or mapped.shape[1:] != (num_regions, 4) or image_id >= mapped.shape[0] \
                 or mapped.dtype.kind not in "fiu":
-            raise InputError(f"{path}: expected {expected}, got {mapped.dtype} of shape {mapped.shape}")
+            raise InputError(f"{boxes_path}: expected {expected}, got {mapped.dtype} of shape {mapped.shape}")
         try:
             boxes = file_row(mapped, image_id).astype(np.float64)
         except OSError as error:
-            raise InputError(f"{path}: {error.strerror}") from None
+            raise InputError(f"{boxes_path}: {error.strerror}") from None
         if not np.isfinite(boxes).all():
             region = int(np.argwhere(~np.isfinite(boxes))[0][0])
-            raise InputError(f"{path}: the box of image {image_id}, region {region} is {boxes[region].tolist()}; "
-                             "expected finite (x1, y1, x2, y2) coordinates")
+            raise InputError(f"{boxes_path}: the box of image {image_id}, region {region} is "
+                             f"{boxes[region].tolist()}; expected finite (x1, y1, x2, y2) coordinates")
         size = None
         if sizes_path.is_file():
-            sizes = open_npy(sizes_path, "(n_images, 2) picture sizes in pixels")
+            _boxes_verdict(boxes_path, sizes_path, num_regions)
             try:
-                check_boxes(np.array(mapped), np.array(sizes), path, sizes_path, n_regions=num_regions)
-            except (OSError, ValueError) as error:      # InputError is a ValueError; a file cut short
-                raise InputError(str(error) if isinstance(error, InputError) else f"{path}: {error}") from None
-            width, height = (float(v) for v in sizes[image_id])
+                width, height = (float(v) for v in file_row(open_npy(sizes_path, "(n_images, 2) sizes"), image_id))
+            except OSError as error:
+                raise InputError(f"{sizes_path}: {error.strerror}") from None
             size = (max(int(round(width)), 1), max(int(round(height)), 1))
     except InputError as error:
         if not skip_unreadable:
             raise
-        logger.warning("%s; drawn without the boxes", error)
+        if str(error) not in _BOX_SAID:
+            if len(_BOX_SAID) >= 1000:
+                _BOX_SAID.clear()
+            _BOX_SAID.add(str(error))
+            logger.warning("%s; drawn without the boxes", error)
         return None, None
     return boxes, size
+
+
+_BOX_VERDICTS: dict[tuple[Any, ...], str | None] = {}     # files' states -> None (good) or why not
+_BOX_SAID: set[str] = set()                                # warnings given (once each, not per request)
+
+
+def _boxes_verdict(boxes_path: Path, sizes_path: Path, num_regions: int) -> None:
+    """InputError unless the boxes and sizes files pass `data.boxes.check_boxes`, read whole with
+    plain reads (a file cut short is an error, not SIGBUS); the verdict is kept per state of the
+    two files (size, time, inode), so that a server checks them once, not at every explanation
+    (0.2 s for 123,000 images)."""
+    from sgraf.data.boxes import check_boxes
+    from sgraf.search import file_states
+
+    key = (str(boxes_path), str(sizes_path), num_regions,
+           *file_states(boxes_path.parent, [boxes_path.name, sizes_path.name]).values())
+    if key not in _BOX_VERDICTS:
+        try:
+            arrays = []
+            for path in (boxes_path, sizes_path):
+                try:
+                    arrays.append(np.load(path, allow_pickle=False))     # read, not mapped
+                except (OSError, ValueError) as error:
+                    raise InputError(f"{path}: not a readable .npy array ({error})") from None
+            check_boxes(*arrays, boxes_path, sizes_path, n_regions=num_regions)
+            verdict = None
+        except InputError as error:
+            verdict = str(error)
+        if len(_BOX_VERDICTS) >= 16:
+            _BOX_VERDICTS.clear()
+        _BOX_VERDICTS[key] = verdict
+    if _BOX_VERDICTS[key] is not None:
+        raise InputError(_BOX_VERDICTS[key])
 
 
 def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, image_id: int,
@@ -422,7 +459,7 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
         return RegionLayout("grid", grid=grid, source=f"no image: {grid[0]} x {grid[1]} region grid")
     data_dir = Path(data_dir)
     picture = size = None
-    for suffix in (".png", ".jpg"):
+    for suffix in PICTURE_SUFFIXES:
         candidate = data_dir / "images" / split / f"{image_id:05d}{suffix}"
         if candidate.is_file():
             try:
@@ -433,7 +470,7 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
                 logger.warning("%s; drawn without it", error)
             break
     boxes_path = data_dir / f"{split}_boxes.npy"
-    boxes, sized = _image_boxes(boxes_path, image_id, num_regions, skip_unreadable) if boxes_path.is_file() \
+    boxes, sized = _image_boxes(data_dir, split, image_id, num_regions, skip_unreadable) if boxes_path.is_file() \
         else (None, None)
     if boxes is not None:
         if picture is None:  # no picture: a blank canvas of the image's size (or the boxes' extent)
@@ -671,7 +708,7 @@ def _rectangle(x: float, y: float, w: float, h: float, colour: str = "yellow", w
 
 
 def other_place_terms(explanation: Explanation) -> str:
-    """The other place models' terms where an ensemble holds several, as '; saf+pos's term -0.550'
+    """The other place models' terms where an ensemble holds several, as '; saf's term -0.494'
     (the shares drawn are `place_model`'s alone); else ''."""
     return "".join(f"; {label}'s term {value + 0.0:+.3f}" for label, value in explanation.place_terms.items()
                    if label != explanation.place_model)

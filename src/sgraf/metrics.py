@@ -68,8 +68,7 @@ def as_score_matrix(sims: Any, name: str = "score matrix") -> np.ndarray | torch
     if isinstance(sims, torch.Tensor):
         finite = bool(torch.isfinite(sims).all())
     else:
-        if sims.dtype not in (np.float32, np.float64):
-            sims = sims.astype(np.float32)
+        sims = score_array(sims)
         finite = first_non_finite(sims) is None
     if not finite:
         raise InputError(f"{name}: contains NaN or infinite scores")

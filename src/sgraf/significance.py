@@ -89,16 +89,17 @@ def check_resamples(resamples: Any, level: Any = None) -> None:
         _check_level(level)
         if resamples < min_resamples(level):
             raise InputError(f"{resamples} resamples are too few for a {100 * level:g} % interval: each of its tails "
-                             f"needs a resample beyond its end, so at least {min_resamples(level)} "
-                             f"({FEW_RESAMPLES} or more is usual)")
+                             f"should hold at least one resample (N (1 - level) / 2 >= 1), so at least "
+                             f"{min_resamples(level)} ({FEW_RESAMPLES} or more is usual)")
     if resamples < FEW_RESAMPLES:
         _warn_few(int(resamples))
 
 
 def min_resamples(level: float) -> int:
-    """The fewest resamples whose percentile interval at `level` has a resample beyond each end:
-    2 / (1 - level), 40 for 95 %. Fewer put an end on the outermost draw or between the two
-    outermost, and one resample makes the interval a point."""
+    """The fewest resamples N whose percentile interval at `level` expects at least one resample in
+    each tail beyond its ends, N (1 - level) / 2 >= 1: 2 / (1 - level), 40 for 95 %. With fewer,
+    the ends are interpolated between the outermost draws alone, and one resample makes the
+    interval a point."""
     return math.ceil(2.0 / (1.0 - level) - 1e-9)
 
 

@@ -78,31 +78,40 @@ def open_npy(path: str | os.PathLike[str], expected: str, what: str = "") -> np.
 
 
 def file_row(array: np.ndarray, index: int) -> np.ndarray:
-    """Row `index` of `array`, a copy. Of a memory map as `open_npy` makes it, the row is read
-    from the file with an ordinary read: a file cut short since it was mapped (a writer
-    truncating it: `np.save`, `cp`, `sgraf generate --overwrite`) gives an OSError here, where
-    touching the mapped page past its end had killed the process with SIGBUS (`sgraf serve`
-    explaining while the data was rewritten).
+    """Row `index` of `array`, a copy. Of a memory map as `open_npy` makes it, or a view of one
+    whose rows are whole rows of the file (`PrecompSplit.images` takes every fifth row of a file
+    of one row per caption), the row is read from the file with an ordinary read: a file cut
+    short since it was mapped (a writer truncating it: `np.save`, `cp`, `sgraf generate
+    --overwrite`) gives an OSError here, where touching the mapped page past its end had killed
+    the process with SIGBUS (`sgraf serve` explaining while the data was rewritten). The file is
+    read by its path: one replaced under that name since (renamed over it) is read as it is now,
+    which the caller's own check of the files (serve's) is there to see.
 
     Raises:
         OSError: the file cannot be read, or ends before the row (errno EIO, naming the file).
     """
-    filename = getattr(array, "filename", None)
-    if not isinstance(array, np.memmap) or filename is None or array.offset is None \
-            or not isinstance(array.base, mmap.mmap) or not array.flags.c_contiguous or not array.ndim:
+    root = array
+    while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
+        root = root.base
+    filename = getattr(root, "filename", None)
+    if not isinstance(array, np.ndarray) or not array.ndim or not isinstance(root, np.memmap) or filename is None \
+            or root.offset is None:
         return np.array(array[index])
-    row_shape = array.shape[1:]
-    size = int(np.prod(row_shape, dtype=np.int64)) * array.dtype.itemsize
     index = range(array.shape[0])[index]        # an IndexError for a row outside, as indexing gives
+    row = array[index]                          # a view: no data touched
+    if not row.flags.c_contiguous:
+        return np.array(row)
+    start = row.__array_interface__["data"][0] - root.__array_interface__["data"][0] + root.offset
+    size = row.nbytes
     with open(filename, "rb") as handle:
-        data = os.pread(handle.fileno(), size, array.offset + index * size) if hasattr(os, "pread") else None
+        data = os.pread(handle.fileno(), size, start) if hasattr(os, "pread") else None
         if data is None:                        # Windows: no pread
-            handle.seek(array.offset + index * size)
+            handle.seek(start)
             data = handle.read(size)
     if len(data) != size:
         raise OSError(errno.EIO, f"the file ends before row {index} of its {array.shape} array (cut short since it "
                                  "was opened?)", str(filename))
-    return np.frombuffer(data, dtype=array.dtype).reshape(row_shape).copy()
+    return np.frombuffer(data, dtype=array.dtype).reshape(row.shape).copy()
 
 
 def _not_npy(head: bytes, path: Path) -> str:

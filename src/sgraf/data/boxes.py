@@ -120,13 +120,16 @@ def check_boxes(boxes: np.ndarray, sizes: np.ndarray, boxes_source: Any, sizes_s
 
 
 def divided_images(boxes: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """(n,) bool: the images whose every box coordinate is <= 1 while their picture is larger than
-    2 x 2 pixels: boxes already divided by the picture's size (real boxes span pixels), which
-    read as pixels would all sit in the picture's corner."""
+    """(n,) bool: the images whose every box coordinate is <= 1, some strictly between 0 and 1,
+    while their picture is larger than 2 x 2 pixels: boxes already divided by the picture's size
+    (real boxes span pixels), which read as pixels would all sit in the picture's corner. An
+    image of zero boxes (padding, no detections) or of whole-pixel ones is not counted."""
     n = boxes.shape[0]
     if not boxes.size:
         return np.zeros(n, dtype=bool)
-    return (np.asarray(boxes).reshape(n, -1).max(axis=1) <= 1.0) & (np.asarray(sizes).min(axis=1) > 2.0)
+    flat = np.asarray(boxes).reshape(n, -1)
+    fractional = ((flat > 0.0) & (flat < 1.0)).any(axis=1)
+    return (flat.max(axis=1) <= 1.0) & fractional & (np.asarray(sizes).min(axis=1) > 2.0)
 
 
 def normalise_boxes(boxes: np.ndarray, sizes: np.ndarray) -> np.ndarray:

@@ -188,7 +188,7 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     with NewGeneration(out_dir, names.values(), split_family(split), "convert-tsv", overwrite=overwrite,
                        paired=[f"{split}_caps.txt"] if table is None else [],
                        inputs=[("--tsv", tsv_path), ("--captions", captions_path)]) as generation:
-        shape, n_caps, boxes, sizes = _convert_rows(tsv_path, n_rows, table, captions_path,
+        shape, n_caps, boxes, sizes, lines = _convert_rows(tsv_path, n_rows, table, captions_path,
                                                     {key: generation.path(name) for key, name in names.items()},
                                                     progress)
         divided = divided_images(boxes, sizes)          # as the reader refuses them
@@ -197,7 +197,7 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
                              "picture (all coordinates <= 1): field 'boxes' holds boxes already divided by image_w "
                              "and image_h? expected x1, y1, x2, y2 in pixels (sgraf divides them)")
         if divided.any():
-            raise InputError(f"{tsv_path}:{int(np.argmax(divided)) + 1}: every box lies within the first pixel "
+            raise InputError(f"{tsv_path}:{lines[int(np.argmax(divided))]}: every box lies within the first pixel "
                              f"of its picture (all coordinates <= 1; {int(divided.sum())} of {shape[0]} rows so): "
                              "field 'boxes' holds boxes already divided by image_w and image_h? expected x1, y1, "
                              "x2, y2 in pixels (sgraf divides them)")
@@ -208,12 +208,13 @@ def convert_tsv(tsv_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
 
 def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | None,
                   captions_path: str | os.PathLike[str] | None, paths: dict[str, Path],
-                  progress: bool) -> tuple[tuple[int, int, int], int, np.ndarray, np.ndarray]:
+                  progress: bool) -> tuple[tuple[int, int, int], int, np.ndarray, np.ndarray, list[int]]:
     """Writes the TSV's rows to `paths` ('ims', 'ids', 'caps' when `table`).
 
     Returns:
         ((images, regions, feature size), captions written, the boxes (n, K, 4) in pixels,
-        the pictures' sizes (n, 2)), the boxes checked row by row (`check_row_boxes`).
+        the pictures' sizes (n, 2), each row's line in the file), the boxes checked row by row
+        (`check_row_boxes`).
     """
     from sgraf.progress import bar as progress_bar
 
@@ -274,4 +275,4 @@ def _convert_rows(tsv_path: Path, n_rows: int, table: dict[str, list[str]] | Non
     shape = ims.shape
     ims.flush()
     del ims
-    return (int(shape[0]), int(shape[1]), int(shape[2])), n_caps, boxes, sizes
+    return (int(shape[0]), int(shape[1]), int(shape[2])), n_caps, boxes, sizes, list(first_line.values())

@@ -36,14 +36,14 @@ def pictures_fingerprint(data_dir: str | os.PathLike[str], split: str, n_images:
     import hashlib
 
     folder = Path(data_dir) / IMAGES / split
-    try:
-        names = set(os.listdir(folder))
+    try:       # by lower-cased name: a file system that ignores case serves 00001.PNG as 00001.png
+        names = {name.lower(): name for name in os.listdir(folder)}
     except (FileNotFoundError, NotADirectoryError):
         return None
     digest, count = hashlib.sha256(), 0
     for image_id in range(n_images):
-        name = next((f"{image_id:05d}{suffix}" for suffix in PICTURE_SUFFIXES if f"{image_id:05d}{suffix}" in names),
-                    None)
+        name = next((names[f"{image_id:05d}{suffix}"] for suffix in PICTURE_SUFFIXES
+                     if f"{image_id:05d}{suffix}" in names), None)
         if name is None:
             continue
         try:

@@ -19,10 +19,11 @@ copy takes 0.2 s into fresh memory and 0.04 s into memory already touched).
   then, so the result is always the whole matrix.
 
 Given a `file`, the worker also writes the matrix there as a `.npy` of its dtype (the bytes
-`np.save` writes): the header first, each band at its rows' offset once copied, and a `fdatasync` after
-each, so that saving the matrix (`sgraf evaluate --save-sims`: 500 MB written and synced, 0.38 s
-of an MSCOCO-size run on the H100; an ensemble's float64 matrix is 1 GB) is done beside the scoring too, and the final sync of the
-caller's atomic write (`sgraf.atomic_write.atomic_path`) has little left to flush.
+`np.save` writes): the header first, each band at its rows' offset once copied, and a
+`fdatasync` after each, so that saving the matrix (`sgraf evaluate --save-sims`: 500 MB written
+and synced, 0.38 s of an MSCOCO-size run on the H100; an ensemble's float64 matrix is 1 GB) is
+done beside the scoring too, and the final sync of the caller's atomic write
+(`sgraf.atomic_write.atomic_path`) has little left to flush.
 
 The worker copies bands in the order they were scored, one at a time; each band's rows are
 written by the scorer before the band is handed over and never again, so the copy reads

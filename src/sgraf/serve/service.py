@@ -205,6 +205,9 @@ class SearchService:
                        and now[name][:3] == self._data_files[name][:3]]
             with self._judging:
                 for name in touched:
+                    if self._data_files[name] == now[name]:     # judged the same bytes while this one waited
+                        changed.remove(name)
+                        continue
                     if self._changed_states.get(name) == now[name]:
                         continue                # judged changed in this state already
                     try:
@@ -253,8 +256,8 @@ class SearchService:
         of the gallery's pictures (`layout.pictures_fingerprint`, recorded by `build_index`; indexes
         without it are not checked)."""
         recorded = (self.index.manifest.get("source") or {}).get("pictures")
-        if self.picture_dir is None or not isinstance(recorded, dict):
-            return
+        if self.picture_dir is None or not isinstance(recorded, dict) or not recorded.get("count"):
+            return        # an index built before its pictures were there records none to hold
         found = pictures_fingerprint(self.data_dir, self.split, self.index.n_images)
         if found == recorded:
             return
@@ -270,15 +273,14 @@ class SearchService:
         another folder (the data moved) are accepted; indexes without a fingerprint are not
         checked. The region boxes and picture sizes, which explanations draw, count where the
         index recorded them (indexes built before they were recorded are checked without)."""
-        from sgraf.data.precomp import BOX_FILES, data_fingerprint, fingerprint_differences
+        from sgraf.data.precomp import BOX_FILES, comparable_fingerprint, data_fingerprint, fingerprint_differences
 
         source = self.index.manifest.get("source") or {}
         recorded = source.get("data_fingerprint")
         if not isinstance(recorded, dict):
             return
-        found = data_fingerprint(self.data_dir, splits=(self.split,), extras=BOX_FILES)
-        found = {name: digest for name, digest in found.items()
-                 if name in recorded or not name.endswith(BOX_FILES)}
+        found = comparable_fingerprint(data_fingerprint(self.data_dir, splits=(self.split,), extras=BOX_FILES),
+                                       recorded)
         if found == recorded:
             return
         differ = ", ".join(fingerprint_differences(found, recorded))

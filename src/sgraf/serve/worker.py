@@ -77,7 +77,8 @@ class Worker:
     Args:
         service: a `SearchService` (its `search_texts` answers batches of text searches).
         max_queue: jobs waiting at most; more are refused with `Busy`. Heavy jobs (explanations)
-            wait in at most `max_heavy` = half of them (at least one), leaving the rest to searches.
+            wait in at most `max_heavy` = half of them (at least one), leaving the rest to searches
+            (with `max_queue=1` the one place is either's).
         max_batch: text searches scored together at most (1: one at a time).
         threads: compute threads taking jobs from the queue (several: jobs run side by side,
             e.g. one per core with one torch thread each).
