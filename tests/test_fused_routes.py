@@ -73,6 +73,25 @@ def test_a_route_that_fails_to_build_is_never_chosen(kernel, tuning_cache, monke
     assert route() == "eager"
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_fault_of_the_device_in_a_probe_is_raised_not_timed(kernel, tuning_cache, monkeypatch):
+    """An illegal memory access leaves the device's context unusable: timed as a failed tile, it
+    had let the process go on to fail far from its cause at the next CUDA call."""
+    module, route, measure, _, _, fused = KERNELS[kernel]
+    monkeypatch.setattr(module, "fusable", lambda device: True)
+    fault = RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(module, fused, lambda *args: (_ for _ in ()).throw(fault))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        measure()
+    assert fused_routes.device_fault(fault) and not fused_routes.device_fault(RuntimeError("out of resource: "
+                                                                                          "shared memory"))
+
+
+def test_float32_word_nodes_never_time_the_tile_past_a_hoppers_shared_memory():
+    assert "fused 64x64x8x3" in words.ROUTE.measured and "fused 64x64x8x3" not in words.FLOAT32_ROUTE.measured
+    assert words._route(torch.float32) is words.FLOAT32_ROUTE and words._route(torch.bfloat16) is words.ROUTE
+
+
 # stand-ins for each kernel that run quickly and give the wrong values (the shapes are right)
 WRONG = {
     "word nodes": lambda attn, regions, words_, weight, bias, out, tile: out.fill_(0.25),

@@ -156,9 +156,23 @@ class FusedRoutes:
                     return float("inf")
             return tuning.best_time(synchronised, warmup=0)
         except Exception as error:   # noqa: BLE001  (a kernel that does not build here is never chosen)
+            if device_fault(error):
+                raise                # the device's context is lost: every later call would fail far from here
             logger.warning("the fused %s route failed on %s (%s: %s); the eager route stays",
                            self.what, device, type(error).__name__, error)
             return float("inf")
+
+
+DEVICE_FAULTS = ("CUDA error", "illegal memory access", "unspecified launch failure", "misaligned address")
+
+
+def device_fault(error: BaseException) -> bool:
+    """Whether `error` is a fault of the device itself (an illegal address, a failed launch), after
+    which its context cannot recover, rather than a kernel that does not build or fit (Triton's
+    OutOfResources, a compile error), which a probe times as failed and goes on."""
+    accelerator = getattr(torch, "AcceleratorError", None)
+    return (accelerator is not None and isinstance(error, accelerator)) or \
+        any(text in str(error) for text in DEVICE_FAULTS)
 
 
 def relative_difference(output: Outputs, reference: Outputs) -> float:

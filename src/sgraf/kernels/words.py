@@ -53,6 +53,14 @@ PROBE_BLOCK = (64, 256, 13)
 TILES = ((64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2))
 ROUTE = FusedRoutes("SGRAF_WORD_ROUTE", "word-node", TILES)
 MEASURED = ROUTE.measured
+# float32's: without 64x64x8x3, whose three stages of float32 tiles need more shared memory than an
+# H100/H200 gives a block (232,448 bytes): Triton 3.9 for sm_90 asked 294,912 under TF32 and
+# 229,376 exact; the probe would time it as failed, storing an infinite time
+FLOAT32_ROUTE = FusedRoutes("SGRAF_WORD_ROUTE", "word-node", tuple(tile for tile in TILES if tile != (64, 64, 8, 3)))
+
+
+def _route(dtype: torch.dtype) -> FusedRoutes:
+    return FLOAT32_ROUTE if dtype == torch.float32 else ROUTE
 
 
 def word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
@@ -60,7 +68,7 @@ def word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: 
     `device` in `dtype`, `dim` features in and `width` out: `SGRAF_WORD_ROUTE` if set, else the
     choice `measure_word_route` stored for this device, else the default. Never measures (it is
     asked inside the scoring loop)."""
-    return ROUTE.peek(_name(dtype, dim, width), device, fusable(device))
+    return _route(dtype).peek(_name(dtype, dim, width), device, fusable(device))
 
 
 def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int, width: int) -> str:
@@ -81,7 +89,7 @@ def measure_word_route(device: torch.device | str, dtype: torch.dtype, dim: int,
 
         return run
 
-    return ROUTE.choose(_name(dtype, dim, width), device, fusable(device), True, runner, dtype)
+    return _route(dtype).choose(_name(dtype, dim, width), device, fusable(device), True, runner, dtype)
 
 
 def word_nodes(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, weight: torch.Tensor,
