@@ -341,6 +341,7 @@ def test_a_touched_file_found_changed_is_hashed_once_per_state(gallery, tmp_path
     np.save(data / "test_ims.npy", np.zeros((8, 36, 16), np.float32))
     (data / "test_caps.txt").write_text("a dog\n" * 40)
     opened = SearchService.open(gallery["index"], shortlist=6)
+    opened._data_digests.result()       # the gallery's own digests done: that thread reads the fields set below
     opened.data_dir, opened.split = data, "test"
     opened._data_files = file_states(data, ["test_ims.npy", "test_caps.txt"])
     opened._data_digests = _InBackground(opened._digests)
