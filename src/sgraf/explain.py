@@ -409,6 +409,7 @@ def _image_boxes(data_dir: Path, split: str, image_id: int, num_regions: int,
 
 _BOX_VERDICTS: dict[tuple[Any, ...], str | None] = {}     # files' states -> None (good) or why not
 _BOX_SAID: set[str] = set()                                # warnings given (once each, not per request)
+_UNJUDGED = object()
 
 
 def _boxes_verdict(boxes_path: Path, sizes_path: Path, num_regions: int) -> None:
@@ -421,7 +422,8 @@ def _boxes_verdict(boxes_path: Path, sizes_path: Path, num_regions: int) -> None
 
     key = (str(boxes_path), str(sizes_path), num_regions,
            *file_states(boxes_path.parent, [boxes_path.name, sizes_path.name]).values())
-    if key not in _BOX_VERDICTS:
+    verdict = _BOX_VERDICTS.get(key, _UNJUDGED)
+    if verdict is _UNJUDGED:
         try:
             arrays = []
             for path in (boxes_path, sizes_path):
@@ -433,11 +435,11 @@ def _boxes_verdict(boxes_path: Path, sizes_path: Path, num_regions: int) -> None
             verdict = None
         except InputError as error:
             verdict = str(error)
-        if len(_BOX_VERDICTS) >= 16:
+        if len(_BOX_VERDICTS) >= 16:      # serve's threads share it: a value read is used, not read again
             _BOX_VERDICTS.clear()
         _BOX_VERDICTS[key] = verdict
-    if _BOX_VERDICTS[key] is not None:
-        raise InputError(_BOX_VERDICTS[key])
+    if verdict is not None:
+        raise InputError(verdict)
 
 
 def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, image_id: int,
