@@ -14,13 +14,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 
-def compile_for_hopper(kernel: Any, values: dict[str, Any], pointers: dict[str, str], warps: int,
-                       stages: int) -> tuple[str, str]:
-    """(PTX, ptxas report) of `kernel` with its `constexpr` arguments `values`, its pointer
+HOPPER_SHARED_BYTES = 232_448     # shared memory a block may take on an H100 or H200 (227 KiB)
+
+
+def _compiled(kernel: Any, values: dict[str, Any], pointers: dict[str, str], warps: int, stages: int) -> Any:
+    """`kernel` compiled by Triton for sm_90, its `constexpr` arguments `values`, its pointer
     arguments typed by `pointers` ('*bf16', ...) and every other argument an i32."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     signature = {name: "constexpr" if name in values else pointers.get(name, "i32") for name in kernel.arg_names}
@@ -28,8 +29,21 @@ def compile_for_hopper(kernel: Any, values: dict[str, Any], pointers: dict[str, 
                        constexprs={(kernel.arg_names.index(name),): value for name, value in values.items()})
     from sgraf.kernels.fused_routes import FP_FUSION
 
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": FP_FUSION})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": FP_FUSION})
+
+
+def shared_bytes(kernel: Any, values: dict[str, Any], pointers: dict[str, str], warps: int, stages: int) -> int:
+    """The shared memory a block of `kernel` takes on sm_90 (Triton's own count)."""
+    return int(_compiled(kernel, values, pointers, warps, stages).metadata.shared)
+
+
+def compile_for_hopper(kernel: Any, values: dict[str, Any], pointers: dict[str, str], warps: int,
+                       stages: int) -> tuple[str, str]:
+    """(PTX, ptxas report) of `kernel` (`_compiled`'s arguments)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    compiled = _compiled(kernel, values, pointers, warps, stages)
     ptx = pathlib.Path(tempfile.mkdtemp()) / "kernel.ptx"
     ptx.write_text(compiled.asm["ptx"])
     report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hopper import compile_tiles, spills
+from hopper import HOPPER_SHARED_BYTES, compile_tiles, shared_bytes, spills
 from interpreted import TESTS, interpreted, needs_triton
 from numerics import REORDERED, assert_close, largest
 from sgraf.kernels import fused_routes, plan, words
@@ -142,6 +142,30 @@ def test_the_cpu_takes_the_eager_route_without_measuring(tuning_cache):
     with plan.emulate_gpu():
         assert words.word_route("cpu", torch.float32, 1024, 256) == "eager"
     assert not tuning_cache.exists()                             # nothing measured, nothing stored
+
+
+@needs_triton
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_every_float32_tile_the_probe_times_fits_a_hoppers_shared_memory(precision):
+    """No GPU needed: each float32 tile the probe may time (`words.FLOAT32_ROUTE`), exact and under
+    TF32, with and without the global nodes, takes at most the 232,448 bytes of shared memory an
+    H100/H200 gives a block; 64x64x8x3, left out, takes more under TF32 (its launch had failed on
+    the device, the probe storing an infinite time)."""
+    constants = dict(DIM=1024, REGIONS=64, WIDTH=256, WIDTH_TILE=256, EPSILON=words.EPS, WIDEN=False,
+                     PRECISION=precision)
+    pointers = {"attn": "*fp32", **{name: "*fp32" for name in ("regions", "words", "weight", "bias", "out")}}
+    kernel = words._kernel()
+    for rows, features, warps, stages in words.FLOAT32_ROUTE.tiles:
+        for glob in (False, True):
+            taken = shared_bytes(kernel, {**constants, "ROWS": rows, "FEATURES": features, "GLOBAL": glob},
+                                 pointers, warps, stages)
+            assert taken <= HOPPER_SHARED_BYTES, (rows, features, warps, stages, glob, precision, taken)
+    left_out = [tile for tile in words.TILES if tile not in words.FLOAT32_ROUTE.tiles]
+    assert left_out == [(64, 64, 8, 3)]
+    if precision == "tf32":
+        rows, features, warps, stages = left_out[0]
+        assert shared_bytes(kernel, {**constants, "ROWS": rows, "FEATURES": features, "GLOBAL": False},
+                            pointers, warps, stages) > HOPPER_SHARED_BYTES
 
 
 @needs_triton
