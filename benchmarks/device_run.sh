@@ -1,6 +1,8 @@
 #!/bin/bash
 # Issue 20's GPU run in one call of the device tool, from the repository root on the device machine:
-#   bash ../shared/gpu/prepare-device.sh          # here: .device/wheels (nltk) for the device
+#   mkdir -p .git/info && bash ../shared/gpu/prepare-device.sh   # here: .device/wheels (nltk) for the device
+#   git rev-parse HEAD > .device/commit           # the commit, named in summary.txt (the device's git metadata
+#                                                 # had once named an older one)
 #   run: command "bash benchmarks/device_run.sh", carry [".device"], timeout_s 450
 # (DEADLINE_S 420 leaves a warm second call room within the 15 minutes: STEPS="bench_train torchrun train_compiled")
 # The default steps (DEFAULT_STEPS below) run in order of importance: the tests, the evaluate targets,
@@ -22,6 +24,7 @@ if ! python3 -c "import nltk" 2>/dev/null; then   # every step that tokenises wo
 fi
 {
   python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  echo "commit (carried): $(cat .device/commit 2>/dev/null || echo none)"
   git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
   nproc; uname -r
