@@ -72,20 +72,17 @@ class HostCopy:
         self.close()
 
     def _allocate(self, file: str | os.PathLike[str] | None) -> None:
+        host = torch.empty(self.shape, dtype=self.dtype)
         if file is not None:
             header = io.BytesIO()
-            np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(self._numpy_dtype()),
+            np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(host.numpy().dtype),
                                                           "fortran_order": False, "shape": self.shape})
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)   # Windows: no newline bytes
             self._fd = os.open(file, flags, 0o666)
             self._write(header.getvalue(), 0)
             self._offset = len(header.getvalue())
-        host = torch.empty(self.shape, dtype=self.dtype)
         host.zero_()    # its pages faulted in here, beside the scoring, not during the copy
         self._host = host
-
-    def _numpy_dtype(self) -> np.dtype:
-        return np.dtype(str(self.dtype).removeprefix("torch."))
 
     def _write(self, data: Any, offset: int) -> None:
         view = memoryview(data).cast("B")
