@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from sgraf import text_files
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import file_row, open_npy
-from sgraf.data.layout import PICTURE_SUFFIXES
+from sgraf.data.layout import picture_path
 from sgraf.errors import InputError
 
 TITLE_CHARS_PER_LINE = 110   # the figure's title wraps here (the text can be 500 characters)
@@ -461,16 +461,14 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
         return RegionLayout("grid", grid=grid, source=f"no image: {grid[0]} x {grid[1]} region grid")
     data_dir = Path(data_dir)
     picture = size = None
-    for suffix in PICTURE_SUFFIXES:
-        candidate = data_dir / "images" / split / f"{image_id:05d}{suffix}"
-        if candidate.is_file():
-            try:
-                picture, size = _read_picture(candidate)
-            except InputError as error:
-                if not skip_unreadable:
-                    raise
-                logger.warning("%s; drawn without it", error)
-            break
+    candidate = picture_path(data_dir / "images" / split, image_id)
+    if candidate is not None:
+        try:
+            picture, size = _read_picture(candidate)
+        except InputError as error:
+            if not skip_unreadable:
+                raise
+            logger.warning("%s; drawn without it", error)
     boxes_path = data_dir / f"{split}_boxes.npy"
     boxes, sized = _image_boxes(data_dir, split, image_id, num_regions, skip_unreadable) if boxes_path.is_file() \
         else (None, None)

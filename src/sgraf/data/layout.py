@@ -27,6 +27,13 @@ IMAGES = "images"
 PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg")     # image i's picture: images/{split}/{i:05d}{suffix}, the first found
 
 
+def picture_path(folder: str | os.PathLike[str], image_id: int) -> Path | None:
+    """Image `image_id`'s picture in a picture folder (`images/{split}`): `{id:05d}{suffix}` for the
+    first of `PICTURE_SUFFIXES` that is a file; None without one."""
+    names = (Path(folder) / f"{image_id:05d}{suffix}" for suffix in PICTURE_SUFFIXES)
+    return next((path for path in names if path.is_file()), None)
+
+
 def pictures_fingerprint(data_dir: str | os.PathLike[str], split: str, n_images: int) -> dict[str, object] | None:
     """What a gallery's pictures are, cheaply: ``{"count", "sha256"}``, the number of images with a
     picture and the sha256 of each one's file name and size (one listing of the folder, no file

@@ -27,7 +27,7 @@ import numpy as np
 
 from sgraf.api import MAX_TEXT_CHARS, MAX_TEXT_WORDS
 from sgraf.data.arrays import file_row
-from sgraf.data.layout import PICTURE_SUFFIXES, pictures_fingerprint
+from sgraf.data.layout import PICTURE_SUFFIXES, picture_path, pictures_fingerprint
 from sgraf.errors import InputError
 from sgraf.search import GalleryIndex, Hit, sha256_file, shortlist_for
 
@@ -342,13 +342,8 @@ class SearchService:
     # ----------------------------------------------------------------------------- pictures
     def picture_url(self, image_id: int) -> str | None:
         """The URL path of image `image_id`'s picture, or None when the gallery has none."""
-        if self.picture_dir is None:
-            return None
-        for suffix in PICTURE_SUFFIXES:
-            name = f"{image_id:05d}{suffix}"
-            if (self.picture_dir / name).is_file():
-                return PICTURE_ROUTE + name
-        return None
+        path = None if self.picture_dir is None else picture_path(self.picture_dir, image_id)
+        return None if path is None else PICTURE_ROUTE + path.name
 
     def picture_file(self, relative: str) -> Path:
         """The file behind `/images/<relative>`, only inside the picture folder.
