@@ -8,8 +8,9 @@ bit). Autograd would keep the contexts `A R` and their squared differences, two 
 L, d) tensors per chunk; these keep the attention (K wide instead of d) and recompute the
 contexts in backward with one K-deep matmul, so a chunk's nodes are computed once instead of
 recomputed (`sgraf.model.similarity.SimilarityRepresentation.light_train_nodes`). The CPU plan
-runs the low-precision elementwise passes image tile by image tile (`plan.cache_tiles`) or fused
-(`compiled.elementwise`, where `compiled.fuses_word_nodes` says so); the GPU plan whole.
+runs float32's whole pipeline, matmuls included, image tile by image tile, and the low-precision
+elementwise passes tile by tile (`plan.cache_tiles`) or fused (`compiled.elementwise`, where
+`compiled.fuses_word_nodes` says so); the GPU plan whole.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from sgraf import torch_compat
 from sgraf.kernels import compiled, plan
-from sgraf.kernels.cpu import fast_linear, weight_gradient
+from sgraf.kernels.cpu import weight_gradient
 
 
 def light_dtype(device_type: str, *tensors: torch.Tensor) -> torch.dtype | None:
@@ -67,14 +68,23 @@ class _LocalNodes(torch.autograd.Function):
     d) and recomputes the contexts in backward with one K-deep matmul. The l2 norm after it is
     the model's `l2norm` (`sgraf.model.similarity.local_nodes`), whose backward takes 6 passes
     over the nodes where autograd's order of operations took 10.
+
+    Forward and backward run image tile by image tile (`plan.FLOAT32_TILE_BYTES` of differences
+    per tile; the whole chunk under the GPU plan): each tile's contexts, differences, squares and
+    their gradient pass from one matmul to the next while they are in the cache, in two reused
+    tile-sized buffers. The weight's and the words' gradients are summed over the tiles.
     """
 
     @staticmethod
     def forward(ctx: Any, attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        square = _contexts(attn, regions).sub_(words).square_()               # (n_img, n_cap, L, d)
-        out = fast_linear(square, weight, bias)                               # (n_img, n_cap, L, m)
-        del square
+        tiles = _float32_tiles(attn, regions)
+        (buffer,) = _tile_buffers(attn, regions, tiles, 1)
+        dim = regions.shape[-1]
+        out = attn.new_empty(*attn.shape[:3], weight.shape[0])                  # (n_img, n_cap, L, m)
+        for tile in tiles:
+            square = _differences(attn, regions, words, tile, buffer).square_().view(-1, dim)
+            torch.addmm(bias, square, weight.t(), out=out[tile].view(-1, weight.shape[0]))
         ctx.save_for_backward(attn, regions, words, weight)
         return out
 
@@ -82,27 +92,64 @@ class _LocalNodes(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         attn, regions, words, weight = ctx.saved_tensors
         n_img, n_cap, n_words, n_regions = attn.shape
-        diff = _contexts(attn, regions).sub_(words)                             # (n_img, n_cap, L, d)
-        rows = grad_out.reshape(-1, grad_out.shape[-1])                           # (n, m)
-        grad_weight = grad_bias = None
-        if ctx.needs_input_grad[3]:
-            square = (diff * diff).reshape(-1, diff.shape[-1])                    # (n, d)
-            grad_weight = weight_gradient(rows, square)
-            del square
-        if ctx.needs_input_grad[4]:
-            grad_bias = rows.sum(dim=0)
+        dim, needs = regions.shape[-1], ctx.needs_input_grad
+        tiles = _float32_tiles(attn, regions)
+        differences, products = _tile_buffers(attn, regions, tiles, 2)
         # d(diff^2) = 2 diff d(square), d(square) = grad_out W: the doubling on the (m, d) weight,
-        # not on the (word x feature) tensor (exact either way, see `_LowPrecisionLocalNodes`)
-        grad_diff = diff.mul_(fast_linear(grad_out, weight.t().contiguous().mul_(2)))   # (n_img, n_cap, L, d)
-        grad_attn = grad_regions = grad_words = None
-        flat = grad_diff.view(n_img, n_cap * n_words, -1)
-        if ctx.needs_input_grad[0]:
-            grad_attn = torch.bmm(flat, regions.transpose(1, 2)).view(attn.shape)
-        if ctx.needs_input_grad[1]:
-            grad_regions = torch.bmm(attn.reshape(n_img, n_cap * n_words, n_regions).transpose(1, 2), flat)
-        if ctx.needs_input_grad[2]:   # summed over the images that share the words
-            grad_words = grad_diff.sum_to_size(words.shape).neg_()
-        return grad_attn, grad_regions, grad_words, grad_weight, grad_bias
+        # not on the (word x feature) tensor
+        doubled = weight.mul(2)
+        flat_attn = attn.reshape(n_img, n_cap * n_words, n_regions)
+        grad_attn = torch.empty_like(flat_attn) if needs[0] else None
+        grad_regions = torch.empty_like(regions) if needs[1] else None
+        grad_words = torch.zeros_like(words) if needs[2] else None
+        grad_weight = None
+        for tile in tiles:
+            n = tile.stop - tile.start
+            diff = _differences(attn, regions, words, tile, differences)        # (n, n_cap, L, d)
+            rows = grad_out[tile].reshape(-1, grad_out.shape[-1])               # (n * n_cap * L, m)
+            product = products[:n].view(-1, dim)
+            if needs[3]:
+                square = torch.mul(diff, diff, out=product.view(diff.shape)).view(-1, dim)
+                tile_weight = weight_gradient(rows, square)
+                grad_weight = tile_weight if grad_weight is None else grad_weight.add_(tile_weight)
+            grad_diff = diff.mul_(torch.mm(rows, doubled, out=product).view(diff.shape)).view(n, -1, dim)
+            if needs[0]:
+                torch.bmm(grad_diff, regions[tile].transpose(1, 2), out=grad_attn[tile])
+            if needs[1]:
+                torch.bmm(flat_attn[tile].transpose(1, 2), grad_diff, out=grad_regions[tile])
+            if needs[2]:   # summed over the images that share the words
+                tile_diff = grad_diff.view(n, n_cap, n_words, dim)
+                if words.dim() == 4:       # one caption per image (aligned pairs)
+                    torch.neg(tile_diff, out=grad_words[tile])
+                else:
+                    grad_words.sub_(tile_diff.sum(dim=0))
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(dim=0) if needs[4] else None
+        return (None if grad_attn is None else grad_attn.view(attn.shape), grad_regions, grad_words,
+                grad_weight, grad_bias)
+
+
+def _float32_tiles(attn: torch.Tensor, regions: torch.Tensor) -> list[slice]:
+    """`plan.cache_tiles` over the images of a float32 chunk, `plan.FLOAT32_TILE_BYTES` of its
+    (n_cap, L, d) differences per tile."""
+    n_img, n_cap, n_words, _ = attn.shape
+    return plan.cache_tiles(n_img, n_cap * n_words * regions.shape[-1] * 4, attn.device,
+                            plan.FLOAT32_TILE_BYTES)
+
+
+def _tile_buffers(attn: torch.Tensor, regions: torch.Tensor, tiles: list[slice], count: int) -> torch.Tensor:
+    """`count` buffers for a tile's (images, n_cap * L, d) differences, as large as the first
+    (largest) tile."""
+    n_img, n_cap, n_words, _ = attn.shape
+    return attn.new_empty(count, tiles[0].stop - tiles[0].start, n_cap * n_words, regions.shape[-1])
+
+
+def _differences(attn: torch.Tensor, regions: torch.Tensor, words: torch.Tensor, tile: slice,
+                 buffer: torch.Tensor) -> torch.Tensor:
+    """`A R - T` of the images in `tile`, written into `buffer`: (n, n_cap, L, d)."""
+    n_img, n_cap, n_words, n_regions = attn.shape
+    n = tile.stop - tile.start
+    contexts = torch.bmm(attn[tile].reshape(n, n_cap * n_words, n_regions), regions[tile], out=buffer[:n])
+    return contexts.view(n, n_cap, n_words, -1).sub_(_tile_words(words, tile))
 
 
 class _LowPrecisionLocalNodes(torch.autograd.Function):

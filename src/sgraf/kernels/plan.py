@@ -57,16 +57,23 @@ def emulate_gpu(free_bytes: int = EMULATED_FREE_BYTES) -> Iterator[None]:
 # their (images x words x features) tensors image by image, in tiles of about this many float32
 # bytes, so that a tile's several passes stay in a core's cache instead of each streaming the
 # whole chunk through memory (`sgraf.kernels.nodes._LowPrecisionLocalNodes`: the same values;
-# a SAF bf16 step 1.12x faster on a 2-core Intel Xeon with AMX). Float32's nodes, whose passes
-# run in place, gained nothing from tiles and run whole.
+# a SAF bf16 step 1.12x faster on a 2-core Intel Xeon with AMX).
 TILE_BYTES = 2**20
+# Float32's nodes run their whole pipeline tile by tile instead, the matmuls included (the
+# contexts, the linear layer and its gradients: `sgraf.kernels.nodes._LocalNodes`), in tiles of
+# about this many bytes of differences: their elementwise passes alone, which run in place, gained
+# nothing from tiles. On a 2-core Intel Xeon with AMX the whole pipeline in tiles made a SAF
+# float32 step 1.04x faster in `benchmarks/bench_train.py --against` (a process per
+# configuration) and 1.06-1.08x stepping in turn in one process (tiles of 1 MiB: 1.0x, 2 MiB:
+# 1.07x, 8 MiB: 1.06x); it also keeps two tile-sized buffers where backward kept three whole ones.
+FLOAT32_TILE_BYTES = 4 * 2**20
 
 
-def cache_tiles(n: int, bytes_per_item: int, device: torch.device | str) -> list[slice]:
-    """Slices of `range(n)` of about `TILE_BYTES` each (at least one item) under the CPU plan, for
-    elementwise passes that run tile by tile; one slice, the whole, under the GPU plan (where each
-    pass is a kernel launch and the device's memory is fast)."""
+def cache_tiles(n: int, bytes_per_item: int, device: torch.device | str, tile_bytes: int | None = None) -> list[slice]:
+    """Slices of `range(n)` of about `tile_bytes` each (default `TILE_BYTES`; at least one item)
+    under the CPU plan, for passes that run tile by tile; one slice, the whole, under the GPU plan
+    (where each pass is a kernel launch and the device's memory is fast)."""
     if gpu_plan(device) or n <= 1:
         return [slice(0, n)]
-    step = max(1, TILE_BYTES // max(int(bytes_per_item), 1))
+    step = max(1, (TILE_BYTES if tile_bytes is None else tile_bytes) // max(int(bytes_per_item), 1))
     return [slice(start, min(start + step, n)) for start in range(0, n, step)]
