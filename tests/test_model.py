@@ -336,6 +336,25 @@ def test_l2norms_written_out_gradient_is_autograds():
     assert low.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_l2norm_gradient_is_its_formula_bit_for_bit(dtype):
+    """`_L2Norm.backward` reuses a buffer for `y * along`: the bits of the formula written out,
+    `g / (n + eps) - y (y . g) / n`, in float32 and with a bf16 input beside a float32 gradient."""
+    from sgraf.model.norms import EPS, FLOAT32_TINY, l2norm
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 5, 64, generator=generator).to(dtype).requires_grad_()
+    grad = torch.randn(4, 5, 64, generator=generator)
+    out = l2norm(x)
+    ours, = torch.autograd.grad(out, x, grad.to(out.dtype))
+    with torch.no_grad():
+        norm = (x * x).sum(dim=-1, keepdim=True).sqrt()
+        y, g = out, grad.to(out.dtype)
+        along = (y * g).sum(dim=-1, keepdim=True) / norm.clamp_min(FLOAT32_TINY)
+        formula = (g / (norm + EPS) - y * along).to(dtype)
+    assert ours.dtype == dtype and torch.equal(ours, formula)
+
+
 @pytest.mark.parametrize("module", ["sgr", "saf"])
 def test_all_zero_regions_train_with_finite_gradients(module):
     """An all-zero region (padding, a file cut short) meets the image encoder's zero initial bias:
