@@ -78,14 +78,17 @@ class AttentionFiltration(nn.Module):
     @staticmethod
     def _pool(nodes: torch.Tensor, node_mask: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """`l2norm(sum_p beta_p s_p)`, the sum a batched matmul as the authors' `matmul(attn, nodes)`
-        (in the dtype of `beta * nodes`, also under autocast): forward and backward of a training
-        chunk 3.5x faster in float32 than the product and its sum, which wrote and read back an
-        (n_img, n_cap, P, m) tensor."""
+        where `beta` and the nodes share a dtype: forward and backward of a float32 training chunk
+        3.5x faster than the product and its sum, which wrote and read back an (n_img, n_cap, P, m)
+        tensor. Beside float32 `beta`, 16-bit nodes keep the product (in float32) and its sum: a
+        batched matmul would keep a float32 copy of every chunk's nodes for backward (a SAF bf16
+        step's peak memory 2.26 GiB instead of 2.00)."""
         beta = l1norm(torch.sigmoid(normed) * node_mask.unsqueeze(0).to(normed.dtype), dim=2)
+        if beta.dtype != nodes.dtype:
+            return l2norm((beta.unsqueeze(3) * nodes).sum(dim=2))
         n_img, n_cap, n_nodes, dim = nodes.shape
-        dtype = torch.promote_types(beta.dtype, nodes.dtype)
         with torch.autocast(nodes.device.type, enabled=False):
-            pooled = torch.bmm(beta.to(dtype).reshape(-1, 1, n_nodes), nodes.to(dtype).reshape(-1, n_nodes, dim))
+            pooled = torch.bmm(beta.reshape(-1, 1, n_nodes), nodes.reshape(-1, n_nodes, dim))
         return l2norm(pooled.view(n_img, n_cap, dim))
 
     def _update_running_stats(self, means: torch.Tensor, variances: torch.Tensor) -> None:
