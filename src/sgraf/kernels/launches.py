@@ -64,6 +64,8 @@ RNN_FORWARD, RNN_BACKWARD = "cudnn rnn (emulated)", "cudnn rnn backward (emulate
 # Matmuls: (operand index of the left matrix, of the right one); 2 M K N operations (times the batch)
 MATMULS = {"aten.mm.default": (0, 1), "aten.addmm.default": (1, 2), "aten.bmm.default": (0, 1),
            "aten.baddbmm.default": (1, 2), "aten._addmm_activation.default": (1, 2)}
+# ... and their forms writing into a given tensor (`out=`: the float32 word nodes' tiles)
+MATMULS.update({name.replace(".default", ".out"): operands for name, operands in MATMULS.items()})
 OUTSIDE = "(outside sgraf)"
 SKIPPED_FILES = (os.sep + "launches.py", os.sep + os.path.join("kernels", "cpu.py"))
 SGRAF_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
