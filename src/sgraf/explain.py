@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from sgraf import text_files
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import file_row, open_npy
+from sgraf.data.boxes import boxes_files
 from sgraf.data.layout import picture_path
 from sgraf.errors import InputError
 
@@ -370,8 +371,6 @@ def _image_boxes(data_dir: Path, split: str, image_id: int, num_regions: int,
     them without a word), once per state of the files (`_boxes_verdict`). A damaged file is an
     InputError, or with `skip_unreadable` (`sgraf serve`: the gallery's fault, not the request's;
     it had answered 400 as if the client had erred) (None, None) and a warning, once per state."""
-    from sgraf.data.boxes import boxes_files
-
     boxes_path, sizes_path = boxes_files(data_dir, split)
     expected = f"(n_images, {num_regions}, 4) float region boxes covering image {image_id}"
     try:
@@ -469,7 +468,7 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
             if not skip_unreadable:
                 raise
             logger.warning("%s; drawn without it", error)
-    boxes_path = data_dir / f"{split}_boxes.npy"
+    boxes_path, _ = boxes_files(data_dir, split)
     boxes, sized = _image_boxes(data_dir, split, image_id, num_regions, skip_unreadable) if boxes_path.is_file() \
         else (None, None)
     if boxes is not None:

@@ -261,7 +261,7 @@ class SearchService:
         found = pictures_fingerprint(self.data_dir, self.split, self.index.n_images)
         if found == recorded:
             return
-        folder = self.data_dir / "images" / self.split
+        folder = self.picture_dir
         counts = (f"{recorded.get('count')} pictures then, {found['count']} now" if found and
                   found["count"] != recorded.get("count") else "other sizes or names")
         raise InputError(f"the pictures of {folder} are not those the index {self.index.folder} was built with "
