@@ -45,6 +45,12 @@ step() {
   echo "## $name.txt" >> "$OUT/steps.txt"
   timeout --kill-after 5 "$limit" "$@" 2>&1 | tee "$LOGS/$name.txt" >> "$OUT/steps.txt"
   local rc=${PIPESTATUS[0]}
+  # a step cut short: torchrun's workers run in sessions of their own (torch.distributed.elastic), out of
+  # timeout's reach once their agent is killed, and one still stopping (saving its checkpoint) would
+  # hold the GPU through the next step: what is left of the step's Python is stopped
+  if (( rc == 124 || rc == 137 )) && pkill -KILL -f -- "-m sgraf |benchmarks/[a-z_]+[.]py"; then
+    echo "!!! $name: processes left after its time limit were killed" | tee -a "$OUT/summary.txt"
+  fi
   echo >> "$OUT/steps.txt"
   echo "--- $name: rc $rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
   tail -n "${TAIL:-12}" "$LOGS/$name.txt"
