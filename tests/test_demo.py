@@ -107,11 +107,25 @@ def test_quick_demo_numbers_are_the_checkpoints_numbers(demo):
 
 def test_quick_demo_index_is_searchable_from_the_command_line(demo, capsys):
     out, _ = demo
+    # the index (and its pictures) serve the place models' ensemble, with the test split's boxes
+    record = json.loads((out / "results.json").read_text())
+    assert record["served"] == {"ensemble": "SGRAF+pos", "models": ["SGR+pos", "SAF+pos"]}
+    manifest = json.loads((out / "index" / "manifest.json").read_text())
+    assert [Path(model["source"]).parent.name for model in manifest["models"]] == ["sgr-pos", "saf-pos"]
+    assert "image_boxes.npy" in manifest["files"]
+    assert "re-ranked by the SGRAF+pos ensemble (SGR+pos + SAF+pos;" in (out / "report.md").read_text()
     capsys.readouterr()
     assert main(["search", "--index", str(out / "index"), "--image-id", "0", "--top-k", "3", "--json"]) == 0
     hits = json.loads(capsys.readouterr().out)
     assert len(hits) == 3 and all(0 <= h["id"] < 32 * 5 for h in hits)
     assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+
+
+def test_the_demo_serves_the_place_ensemble_only_where_its_models_read_places():
+    from sgraf.demo import ENSEMBLES, served_ensemble
+
+    assert served_ensemble("place") == "SGRAF+pos" and ENSEMBLES["SGRAF+pos"] == ("SGR+pos", "SAF+pos")
+    assert [served_ensemble(positions) for positions in ("none", "box", "relation")] == ["SGRAF"] * 3
 
 
 def test_demo_refuses_a_folder_it_did_not_write(tmp_path, capsys):

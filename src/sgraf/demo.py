@@ -19,7 +19,9 @@
 5. Write a run folder: `report.md`, `results.json`, the training curves, the per-kind group
    scores (the tables, the report and these two pictures: `sgraf.demo_report`), retrieval
    examples (through a gallery index and two-stage search) and attention pictures
-   (`sgraf.explain`), the pictures from the first seed's models.
+   (`sgraf.explain`), the pictures from the first seed's models. The index, which `sgraf serve`
+   searches, and those pictures are the place models' ensemble's where they were trained
+   (`served_ensemble`), else the paper's.
 """
 
 from __future__ import annotations
@@ -131,6 +133,14 @@ def recipe_text(positions: str, user: Iterable[str] = ()) -> str:
         if recipe:
             texts.append(f"{label} with `{' '.join(f'{k}={v}' for k, v in recipe.items())}`")
     return ", ".join(texts)
+
+
+def served_ensemble(positions: str) -> str:
+    """The ensemble whose index the demo writes, and whose retrieval and attention pictures it
+    draws: "SGRAF+pos" where its models read places ('place': the only positions that learn
+    relations, and the better SGRAF on every figure of the demo's three seeds but attribute, within
+    its sd), else the paper's "SGRAF" (with 'box' or 'relation' the paper's ensemble is as good)."""
+    return "SGRAF+pos" if positions == "place" else "SGRAF"
 
 
 def run_name(label: str) -> str:
@@ -575,7 +585,8 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
     summary = {"results": mean_sd([entry["results"] for entry in per_seed]),
                "diagnose": mean_sd([entry["diagnose"] for entry in per_seed])}
     tic, tic_cpu = time.perf_counter(), time.process_time()
-    pictures = write_pictures(out, data, test, scenes, first_models, first_sims["SGRAF"])
+    served = served_ensemble(settings.positions)
+    pictures = write_pictures(out, data, test, scenes, first_models, first_sims[served], served)
     pictures["diagnose"] = draw_diagnosis(summary["diagnose"], len(seeds), out / "diagnose.png")
     pictures["curves"] = draw_curves(out / "curves.png", {label: out / "runs" / run_name(label)
                                                           for label, _ in methods(settings.positions)})
@@ -609,6 +620,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
         "timings_s": timings,
         "cpu_s": cpu,
         "pictures": pictures,
+        "served": {"ensemble": served, "models": list(ENSEMBLES[served])},
         "table": table,
         "diagnosis_table": diagnosis_table,
     }
@@ -619,9 +631,10 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
 
 # --------------------------------------------------------------------------------- pictures
 def write_pictures(out: Path, data: Path, test: Any, scenes: list[dict[str, Any]], models: dict[str, Any],
-                   sims: np.ndarray) -> dict[str, str]:
-    """Curves, retrieval examples (through a gallery index; `sgraf.demo_retrieval`, queries
-    picked on `sims`, the SGR + SAF score matrix of the table) and attention pictures.
+                   sims: np.ndarray, served: str = "SGRAF") -> dict[str, str]:
+    """The gallery index of the ensemble `served` (`served_ensemble`; with the test split's boxes
+    where its models read places), retrieval examples through it (`sgraf.demo_retrieval`, queries
+    picked on `sims`, that ensemble's score matrix of the table) and its attention pictures.
 
     Returns:
         {name: path relative to `out`}.
@@ -633,10 +646,12 @@ def write_pictures(out: Path, data: Path, test: Any, scenes: list[dict[str, Any]
     from sgraf.search import build_index, open_index
 
     pictures: dict[str, str] = {}
-    matcher = Matcher([models["SGR"], models["SAF"]],
-                      sources=[str((out / "runs" / name / "best.pt").resolve()) for name in ("sgr", "saf")])
+    members = ENSEMBLES[served]
+    matcher = Matcher([models[label] for label in members],
+                      sources=[str((out / "runs" / run_name(label) / "best.pt").resolve()) for label in members])
+    boxes = test.boxes if matcher.needs_boxes else None
     build_index(matcher, test.images, test.captions, out / "index", caps_per_image=test.caps_per_image,
-                source={"data_dir": str(data.resolve()), "split": "test"})
+                source={"data_dir": str(data.resolve()), "split": "test"}, boxes=boxes)
     record_files(out, [f"index/{name}" for name in folder_files(out / "index")], "demo")
     index = open_index(out / "index", matcher=matcher)
     pictures.update(retrieval_pictures(index, test, scenes, sims, data, out))
@@ -648,7 +663,8 @@ def write_pictures(out: Path, data: Path, test: Any, scenes: list[dict[str, Any]
     negative = next((c for c in test.captions[cpi:2 * cpi] if c not in own), test.captions[cpi])
     layout = region_layout(data, "test", image_id, test.num_regions)
     for name, caption, kind in (("explain_positive", own[0], "positive"), ("explain_negative", negative, "negative")):
-        explanation = explain_pair(matcher, test.images[image_id], caption, allow_unknown=True)
+        explanation = explain_pair(matcher, test.images[image_id], caption, allow_unknown=True,
+                                   boxes=None if boxes is None else boxes[image_id])
         explanation.image_id = image_id
         render_explanation(explanation, layout, out / f"{name}.png",
                            title=f"{kind}: \u201c{caption}\u201d (test image {image_id})\nscore: "

@@ -244,6 +244,9 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
     were trained beyond the demo's settings (`sgraf.demo.recipe_text`; '' when as the paper's)."""
     check = record["story"]
     rsum = check["rsum"]
+    # the ensemble of the index and pictures (`sgraf.demo.served_ensemble`; a record from before it: SGRAF)
+    served_record = record.get("served") or {"ensemble": "SGRAF", "models": ["SGR", "SAF"]}
+    served, members = served_record["ensemble"], " + ".join(served_record["models"])
     timings = ", ".join(f"{k} {v:.0f} s" for k, v in record["timings_s"].items())
     cpu = ", ".join(f"{k} {v:.0f} s" for k, v in record["cpu_s"].items())
     verdict = []
@@ -340,8 +343,9 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
         "",
         "## Retrieval examples",
         "",
-        "Through the gallery index of the test split (`index/`), every picture or caption re-ranked by the "
-        "SGR + SAF ensemble (no shortlist: the ranking the table's recall measures). A result is a hit when "
+        f"Through the gallery index of the test split (`index/`, the one `sgraf serve` searches), every picture "
+        f"or caption re-ranked by the {served} ensemble ({members}; no shortlist: the ranking the table's recall "
+        "measures). A result is a hit when "
         "the caption is true of the picture: its own picture, or a twin of its family it is not false for "
         "(green: solid for its own, dashed for a twin); red, dotted: a miss. The rows are the test queries at "
         "the 12.5, 37.5, 62.5 and 87.5 % quantiles of the rank of their first hit in the table's score "
@@ -353,9 +357,10 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
         "",
         "## What the models attend to",
         "",
-        "Test image 0 with one of its captions, then with a caption of its hard negative (the next image "
-        "of its family, one change away). Top: SAF's weight on each alignment, SGR's cosine between the "
-        "reasoned read-out and each raw alignment; below: each token's attention over the image.",
+        f"Test image 0 with one of its captions, then with a caption of its hard negative (the next image "
+        f"of its family, one change away), scored by {served}. Top: SAF's weight on each alignment, SGR's "
+        "cosine between the reasoned read-out and each raw alignment; below: each token's attention over the "
+        "image.",
         "",
         "![positive](explain_positive.png)",
         "",
