@@ -193,12 +193,23 @@ def test_a_forked_worker_leaves_a_signal_to_its_run(monkeypatch, caplog):
         assert signals.received == signal.SIGTERM and caplog.text.count("received SIGTERM") == 1
 
 
-def test_a_signal_during_a_validation_says_it_waits_for_the_validation(caplog):
-    from sgraf.training.state import StopSignals
+def test_a_signal_cuts_a_validations_arithmetic_short_but_under_torchrun_waits_for_it(caplog):
+    from sgraf.training.state import StopSignals, ValidationCut
 
     with StopSignals() as signals, caplog.at_level("WARNING"):
-        with signals.during("validation"):
+        with signals.during("validation"), pytest.raises(ValidationCut):
+            with signals.cut_short():
+                signals._handle(signal.SIGTERM, None)
+        assert signals.phase == "step" and signals.received == signal.SIGTERM
+        with pytest.raises(ValidationCut), signals.cut_short():     # one received before: at once
+            raise AssertionError("not reached")
+        signals._handle(signal.SIGTERM, None)                        # outside: a flag, as between steps
+    assert caplog.text.count("received SIGTERM: the validation stops here and runs again first on --resume; "
+                             "saving a checkpoint") == 1
+    caplog.clear()
+    with StopSignals(cuttable=False) as signals, caplog.at_level("WARNING"):   # torchrun's processes
+        with signals.during("validation"), signals.cut_short():
             signals._handle(signal.SIGTERM, None)
-        assert signals.phase == "step"
-    assert "received SIGTERM: stopping after this validation and saving a checkpoint (a validation runs to its " \
-           "end: it decides best.pt)" in caplog.text
+        assert signals.received == signal.SIGTERM
+    assert "received SIGTERM: stopping after this validation and saving a checkpoint (under torchrun a " \
+           "validation runs to its end: it decides best.pt)" in caplog.text

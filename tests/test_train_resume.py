@@ -137,6 +137,41 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(data, uninterrupted, tm
     _assert_same_run(uninterrupted, run)
 
 
+@pytest.mark.parametrize("cut, step, pending", [(2, 20, "epoch"), (3, 30, "step"), (6, 60, "epoch")])
+def test_a_signal_cuts_a_validation_short_and_resume_runs_it_first(data, uninterrupted, tmp_path, monkeypatch,
+                                                                   caplog, cut, step, pending):
+    """SIGTERM in the middle of a validation's arithmetic (here as it counts the ranks) stops the
+    run there: nothing of that validation is written, `last.pt` says it is pending, and the
+    resumed run validates first and ends as the uninterrupted run (the validations at steps 10,
+    20 (end of epoch 1), 30, ..., 60 (the last epoch's)."""
+    import sgraf.metrics
+
+    caplog.set_level("INFO", logger="sgraf.training.loop")
+    counting = sgraf.metrics.evaluate_sims
+    calls = []
+
+    def evaluate_sims(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == cut:
+            os.kill(os.getpid(), signal.SIGTERM)      # its handler runs in this thread, here
+        return counting(*args, **kwargs)
+
+    monkeypatch.setattr(sgraf.metrics, "evaluate_sims", evaluate_sims)
+    run = tmp_path / "cut"
+    assert main(["train", "--data", str(data), "--out", str(run), *ARGS]) == 128 + signal.SIGTERM
+    progress = _progress(run)
+    assert progress["pending_validation"] == pending and progress["global_step"] == step
+    assert not progress["finished"] and progress["last_val_step"] == step - 10
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == list(range(10, step, 10))
+    monkeypatch.undo()
+    caplog.clear()
+    assert main(["train", "--resume", str(run)]) == 0
+    said = [record.getMessage() for record in caplog.records]
+    assert f"resuming {run} at step {step}: first the validation a stop signal cut short there" in "\n".join(said)
+    _assert_same_run(uninterrupted, run)
+
+
 def test_resume_can_extend_a_finished_run(data, uninterrupted, tmp_path, caplog):
     import shutil
 

@@ -39,7 +39,7 @@ from sgraf.training import run_dir as rd
 from sgraf.training.batches import PlannedBatches
 from sgraf.training.config import TrainConfig, check_resumable, patience_ran_out
 from sgraf.training.families import FamilyBatchSampler, TruthCollate
-from sgraf.training.state import (STATE_KEY, Progress, StopSignals, build_train_state,
+from sgraf.training.state import (STATE_KEY, Progress, StopSignals, ValidationCut, build_train_state,
                                   restore_train_state)
 from sgraf.training.step import (NonFiniteLossError, StepResult, build_optimizer, learning_rate,
                                  make_grad_scaler, set_learning_rate, train_step)
@@ -127,20 +127,26 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: 
 
 
 def validate(model: nn.Module, split: Any, vocab: Any, config: TrainConfig,
-             device: torch.device | str = "cpu", warn_place_term: bool = True) -> dict[str, Any]:
+             device: torch.device | str = "cpu", warn_place_term: bool = True,
+             cut: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
     """Recalls and rsum of `model` on a split with the fast scorer (`sgraf.scoring`); on a GPU
     the matrix stays there and only the ranks come to the host (`sgraf.metrics`). A place model's
-    term spread too (`place_term_spread`, its warning only if `warn_place_term`)."""
+    term spread too (`place_term_spread`, its warning only if `warn_place_term`).
+
+    `cut`: a context manager around the arithmetic (encoding, scoring, ranks) that a stop signal
+    may interrupt (`StopSignals.cut_short`); the place term's spread, which sets the model's
+    weights aside for a moment, runs outside it."""
     from sgraf.evaluate import warn_saturated
     from sgraf.metrics import evaluate_sims
     from sgraf.scoring import encode_split, score_matrix
 
     precision = validation_precision(config.precision)
-    encoded = encode_split(model, split, vocab, batch_size=config.val_batch_size, precision=precision,
-                           device=device)
-    sims = score_matrix([model], [encoded], precision=precision, keep_on_device=True)
-    warn_saturated(sims, [model])
-    result = evaluate_sims(sims, caps_per_image=split.caps_per_image)
+    with cut():
+        encoded = encode_split(model, split, vocab, batch_size=config.val_batch_size, precision=precision,
+                               device=device)
+        sims = score_matrix([model], [encoded], precision=precision, keep_on_device=True)
+        warn_saturated(sims, [model])
+        result = evaluate_sims(sims, caps_per_image=split.caps_per_image)
     if getattr(model.config, "positions", "none") == "place":
         result["place_term"] = place_term_spread(model, split, vocab, device, warn=warn_place_term)
     return result
@@ -396,14 +402,13 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
 
     status, signal_name = "finished", None
     stopped_by: int | None = None     # the signal every process agreed to stop on (one process may have had it)
-    with StopSignals() as signals:
+    with StopSignals(cuttable=not distributed.is_distributed()) as signals:
         def after_step(result: StepResult) -> bool:
             nonlocal last_loss, stopped_by
             last_loss = result.loss
             record.step(result)
             if config.val_every and progress.global_step % config.val_every == 0 and progress.epoch_step < n_steps:
-                with signals.during("validation"):
-                    record.validation(end_of_epoch=False)
+                record.validation(end_of_epoch=False, signals=signals)
             stopped_by = _agreed_signal(signals.received)
             stop = stopped_by is not None
             if stop or (config.checkpoint_every and progress.global_step % config.checkpoint_every == 0):
@@ -411,7 +416,12 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
             return stop
 
         try:
-            while progress.epoch < config.epochs and not out_of_patience(config, progress):
+            if progress.pending_validation:     # cut short by a signal before this resume: first
+                stopped_by = _resumed_validation(record, progress, config, signals)
+                if stopped_by is not None and (progress.epoch < config.epochs or progress.pending_validation):
+                    status, signal_name = "interrupted", _signal_name(stopped_by)
+            while (stopped_by is None and progress.epoch < config.epochs
+                   and not out_of_patience(config, progress)):
                 set_learning_rate(optimizer, learning_rate(config, progress.epoch))
                 sampler = batches.sampler(progress.epoch, progress.epoch_step)
                 n_steps = len(sampler.batches)     # family batches pack each epoch's pictures anew
@@ -432,14 +442,10 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
                     break
                 progress.epoch += 1
                 progress.epoch_step = 0
-                with signals.during("validation"):
-                    record.validation(end_of_epoch=True)
-                if progress.epoch >= config.epochs:
-                    progress.finished = True
-                record.save_last()
-                stopped_by = _agreed_signal(signals.received)
+                record.validation(end_of_epoch=True, signals=signals)
+                stopped_by = _end_validation(record, progress, config, signals)
                 if stopped_by is not None:
-                    if progress.epoch < config.epochs:
+                    if progress.epoch < config.epochs or progress.pending_validation:
                         status, signal_name = "interrupted", _signal_name(stopped_by)
                     break
         except NonFiniteLossError as error:
@@ -549,6 +555,9 @@ def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: An
                              f"epochs (--set epochs=N trains on to N; N >= {progress.epoch})")
         if info.is_main:
             rd.truncate_metrics(run, progress.last_val_step)
+        if progress.pending_validation:
+            logger.info("resuming %s at step %d: first the validation a stop signal cut short there (%s)", run,
+                        progress.global_step, progress.describe_best())
         if progress.epoch >= config.epochs:
             logger.info("%s has trained its %d epoch%s: nothing to train (--set epochs=N trains on to N)", run,
                         config.epochs, "" if config.epochs == 1 else "s")
@@ -670,8 +679,10 @@ class _RunRecord:
             save_model(self.model, self.run / rd.LAST_CHECKPOINT, vocab=self.model.vocab, extra=extra)
         self.last_saved_step = progress.global_step       # once written (a failed write keeps the earlier)
 
-    def validation(self, end_of_epoch: bool) -> None:
-        """Validate on dev and record it (a new best: `best.pt`)."""
+    def validation(self, end_of_epoch: bool, signals: StopSignals) -> None:
+        """Validate on dev and record it (a new best: `best.pt`). A stop signal during its
+        arithmetic cuts it short before anything is written (`StopSignals.cut_short`): it is then
+        `progress.pending_validation`, which `last.pt` keeps and a resumed run validates first."""
         from sgraf.checkpoint import save_model
 
         self.check_weights()
@@ -679,7 +690,14 @@ class _RunRecord:
         epoch = progress.epoch + (0 if end_of_epoch else 1)
         # the place term against the heads from the second epoch on: after one the heads have barely begun
         # (the quick demo's one epoch had warned of its own recipe)
-        result = validate(model, self.dev, model.vocab, config, self.device, warn_place_term=epoch >= 2)
+        with signals.during("validation"):
+            try:
+                result = validate(model, self.dev, model.vocab, config, self.device, warn_place_term=epoch >= 2,
+                                  cut=signals.cut_short)
+            except ValidationCut:
+                progress.pending_validation = "epoch" if end_of_epoch else "step"
+                return
+        progress.pending_validation = ""
         loss = progress.loss_sum / progress.loss_steps if progress.loss_steps else None
         record = {"epoch": epoch, "step": progress.global_step,
                   "end_of_epoch": end_of_epoch, "rsum": result["rsum"], "i2t": result["i2t"],
@@ -815,6 +833,29 @@ def _val_captions(config: TrainConfig, data_dir: pathlib.Path) -> int | None:
 def _agree_on_stop(local: bool) -> bool:
     """True on every process when any process received a stop signal."""
     return _agreed_signal(1 if local else None) is not None
+
+
+def _end_validation(record: _RunRecord, progress: Progress, config: TrainConfig, signals: StopSignals) -> int | None:
+    """After an end-of-epoch validation, or a resumed one (`_resumed_validation`): the run
+    finished if it was its last epoch's, and `last.pt` written; the stop signal every process
+    agreed on, or None."""
+    if progress.epoch >= config.epochs and not progress.pending_validation:
+        progress.finished = True
+    record.save_last()
+    return _agreed_signal(signals.received)
+
+
+def _resumed_validation(record: _RunRecord, progress: Progress, config: TrainConfig,
+                        signals: StopSignals) -> int | None:
+    """The validation a stop signal cut short before this resume (`progress.pending_validation`),
+    then `last.pt` (which says it ran: a run killed later does not run it twice); the stop signal
+    every process agreed on, or None."""
+    if progress.pending_validation == "epoch":
+        record.validation(end_of_epoch=True, signals=signals)
+        return _end_validation(record, progress, config, signals)
+    record.validation(end_of_epoch=False, signals=signals)   # `val_every`'s, after the step last.pt holds
+    record.save_last()
+    return _agreed_signal(signals.received)
 
 
 def _agreed_signal(local: int | None) -> int | None:

@@ -47,6 +47,9 @@ class Progress:
         loss_steps: number of steps in `loss_sum`.
         last_val_step: global step of the last validation recorded in metrics.jsonl (-1: none).
         finished: the run completed all its epochs.
+        pending_validation: a validation a stop signal cut short (`ValidationCut`), run first on
+            resume: "epoch" (the end of epoch `epoch`), "step" (`val_every`'s, at `global_step`),
+            or "" (none).
     """
 
     epoch: int = 0
@@ -59,13 +62,14 @@ class Progress:
     loss_steps: int = 0
     last_val_step: int = -1
     finished: bool = False
+    pending_validation: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "epoch_step": self.epoch_step, "global_step": self.global_step,
                 "best_rsum": self.best_rsum, "best_step": self.best_step, "best_epoch": self.best_epoch,
                 "loss_sum": self.loss_sum,
                 "loss_steps": self.loss_steps, "last_val_step": self.last_val_step,
-                "finished": self.finished}
+                "finished": self.finished, "pending_validation": self.pending_validation}
 
     def describe_best(self) -> str:
         """The best validation so far in words, for logs ("no validation yet" before the first)."""
@@ -81,6 +85,7 @@ class Progress:
     def from_dict(cls, values: dict[str, Any]) -> "Progress":
         if "best_epoch" not in values:   # a last.pt from before best_epoch: patience counts from here
             values = {**values, "best_epoch": values["epoch"]}
+        values = {"pending_validation": "", **values}      # a last.pt from before validations were cut short
         return cls(**{k: values[k] for k in cls().to_dict()})
 
 
@@ -135,20 +140,32 @@ def restore_train_state(state: dict[str, Any], optimizer: torch.optim.Optimizer,
     return Progress.from_dict(state["progress"])
 
 
+class ValidationCut(BaseException):
+    """A stop signal received inside `StopSignals.cut_short`: the validation's arithmetic stops
+    where it is, before it has written anything. A BaseException, as KeyboardInterrupt is, so
+    that no `except Exception` on its way (a fallback to another kernel route) takes it for a
+    failure and goes on."""
+
+
 class StopSignals:
     """Turns SIGTERM and SIGINT into a flag the loop checks between steps.
 
     The loop finishes the step in progress, writes `last.pt` and returns; a second SIGINT
-    raises `KeyboardInterrupt` at once. Handlers are installed only from the main thread and
-    the previous ones are restored on exit.
+    raises `KeyboardInterrupt` at once. A validation is cut short instead (`cut_short`), where
+    `cuttable`: minutes on a paper-size dev split on a CPU, more than a scheduler's grace period
+    after SIGTERM. Not under torchrun, whose processes would stop at different scoring blocks
+    while the others wait in a gather for them. Handlers are installed only from the main
+    thread and the previous ones are restored on exit.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, cuttable: bool = True) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
         self.phase = "step"         # what a signal waits for (`during`): the message says it
+        self.cuttable = cuttable
+        self._cutting = False       # inside `cut_short`: a signal raises ValidationCut
 
     @contextlib.contextmanager
     def during(self, phase: str) -> Iterator[None]:
@@ -159,6 +176,22 @@ class StopSignals:
             yield
         finally:
             self.phase = before
+
+    @contextlib.contextmanager
+    def cut_short(self) -> Iterator[None]:
+        """Within (a validation's arithmetic, which writes nothing), a stop signal raises
+        `ValidationCut` where the main thread is, and one received before raises it at once;
+        where not `cuttable`, nothing changes (the loop checks the flag after)."""
+        if not self.cuttable:
+            yield
+            return
+        if self.received is not None:
+            raise ValidationCut()
+        self._cutting = True
+        try:
+            yield
+        finally:
+            self._cutting = False
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -177,8 +210,15 @@ class StopSignals:
             return      # a forked DataLoader worker: its run stops it (each had said "received SIGINT" again)
         if self.received == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if self.received is None:
+        first = self.received is None
+        self.received = signum
+        if first and self._cutting:
+            self._cutting = False            # raised once: the loop's `finally` blocks run undisturbed
+            logger.warning("received %s: the %s stops here and runs again first on --resume; saving a checkpoint",
+                           signal.Signals(signum).name, self.phase)
+            raise ValidationCut()
+        if first:
             logger.warning("received %s: stopping after this %s and saving a checkpoint%s",
                            signal.Signals(signum).name, self.phase,
-                           " (a validation runs to its end: it decides best.pt)" if self.phase == "validation" else "")
-        self.received = signum
+                           " (under torchrun a validation runs to its end: it decides best.pt)"
+                           if self.phase == "validation" else "")
