@@ -556,9 +556,9 @@ def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: An
         if info.is_main:
             rd.truncate_metrics(run, progress.last_val_step)
         if progress.pending_validation:
-            logger.info("resuming %s at step %d: first the validation a stop signal cut short there (%s)", run,
-                        progress.global_step, progress.describe_best())
-        if progress.epoch >= config.epochs:
+            logger.info("resuming %s at epoch %d, step %d: first the validation a stop signal cut short there (%s)",
+                        run, min(progress.epoch + 1, config.epochs), progress.global_step, progress.describe_best())
+        elif progress.epoch >= config.epochs:
             logger.info("%s has trained its %d epoch%s: nothing to train (--set epochs=N trains on to N)", run,
                         config.epochs, "" if config.epochs == 1 else "s")
         elif out_of_patience(config, progress):
