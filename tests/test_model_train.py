@@ -270,6 +270,36 @@ def test_a_chunked_batch_forms_the_regions_gram_matrices_once(module):
 
 
 @pytest.mark.parametrize("module", ["sgr", "saf"])
+def test_a_chunked_batch_relates_the_regions_to_every_chunks_words_in_one_matmul(module):
+    """`regions @ words^T` of every chunk in one matmul (split by chunk): backward then gives the
+    regions' gradient of all chunks in one matmul (and the words' in another), where one per chunk
+    gave as many gradients, added into the regions' one at a time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    widths = [4, 7, 9]                      # chunks of 2: lengths (3, 4), (5, 7), (9)
+    every_word = 2 * widths[0] + 2 * widths[1] + widths[2]
+
+    class Relevance(TorchDispatchMode):
+        """Matmuls with an operand or a product as wide as every chunk's padded words."""
+
+        def __init__(self, dim):
+            super().__init__()
+            self.forward, self.backward = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+                if out.shape[-1] == every_word:
+                    self.forward += 1
+                elif any(every_word in a.shape for a in args[:2]):
+                    self.backward += 1
+            return out
+
+    for checkpoint, count in _chunked_passes(module, Relevance):
+        assert (count.forward, count.backward) == (1, 2), checkpoint
+
+
+@pytest.mark.parametrize("module", ["sgr", "saf"])
 def test_a_chunked_batch_gathers_the_words_once_and_scatters_their_gradient_once(module):
     """The chunks take their words from one gather in chunk order, split: backward writes the
     words' gradient back once, not once per chunk into a whole zero tensor added to the rest."""

@@ -9,7 +9,8 @@ backward:
   a number of (image, word) pairs within a share of the free memory);
 - `block_scores`: the train-mode score matrix chunk by chunk, the intermediates of the first
   chunks kept for backward up to `keep_bytes` and the later ones recomputed (activation
-  checkpointing); SAF's per-caption BatchNorm statistics applied once, in caption order;
+  checkpointing); SAF's per-caption BatchNorm statistics applied once, in caption order; the
+  regions' Gram matrices and their relevance to every chunk's words (`_relevances`) formed once;
 - `pair_scores`: a step's selected pairs (`sgraf.training.pairs`) scored again with autograd, in
   groups of similar caption length on the CPU, padded to fixed shapes when compiled.
 
@@ -132,9 +133,10 @@ def block_scores(sim: Any, heads: tuple[str, ...], chunks: list[torch.Tensor], r
     def place_offset(places, chunk_directions):
         return None if places is None else sim.place_term.term(places, chunk_directions)
 
-    def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_centres, chunk_directions, gram):
+    def chunk_scores(regions, img_glo, chunk_words, chunk_mask, chunk_glo, chunk_centres, chunk_directions, gram,
+                     relevance):
         nodes, node_mask, places = sim.train_nodes(regions, chunk_words, chunk_mask, img_glo, chunk_glo,
-                                                   chunk_centres, gram=gram)
+                                                   chunk_centres, gram=gram, relevance=relevance)
         return head_scores(nodes, node_mask, place_offset(places, chunk_directions))
 
     light = sim.light_train_nodes(words)
@@ -155,15 +157,20 @@ def block_scores(sim: Any, heads: tuple[str, ...], chunks: list[torch.Tensor], r
     word_parts, mask_parts = words[order].split(sizes), word_mask[order].split(sizes)
     glo_parts = None if cap_glo is None else cap_glo[order].split(sizes)
     direction_parts = None if directions is None else directions[order].split(sizes)
+    widths = [int(host_lengths[index].max()) for index in chunks]
+    cut_words = [part[:, :n_words].contiguous() for part, n_words in zip(word_parts, widths)]
+    # every chunk's `regions @ words^T` in one matmul, where the Gram matrices are shared too
+    relevances = _relevances(img_embs, cut_words) if gram is not None else [None] * len(chunks)
     for part, index in enumerate(chunks):
-        n_words = int(host_lengths[index].max())
-        chunk_words, chunk_mask = word_parts[part][:, :n_words].contiguous(), mask_parts[part][:, :n_words]
+        n_words, chunk_words = widths[part], cut_words[part]
+        chunk_mask = mask_parts[part][:, :n_words]
         chunk_glo = None if glo_parts is None else glo_parts[part]
         chunk_directions = None if direction_parts is None else direction_parts[part][:, :n_words]
-        args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, centres, chunk_directions, gram)
+        args = (img_embs, img_glo, chunk_words, chunk_mask, chunk_glo, centres, chunk_directions, gram,
+                relevances[part])
         if recompute and light:
             nodes, node_mask, places = sim.train_nodes(img_embs, chunk_words, chunk_mask, img_glo, chunk_glo,
-                                                       centres, gram=gram)
+                                                       centres, gram=gram, relevance=relevances[part])
             chunk_offset = place_offset(places, chunk_directions)
             kept_bytes += nodes.numel() * nodes.element_size() * HEAD_KEPT_PER_NODE  # nodes: (n_img, n, P, m)
             if kept_bytes <= budget:
@@ -190,6 +197,15 @@ def block_scores(sim: Any, heads: tuple[str, ...], chunks: list[torch.Tensor], r
     if means:
         sim.SAF_module.update_running_stats(torch.cat(means)[inverse], torch.cat(variances)[inverse])
     return {head: torch.cat(cols, dim=1)[:, inverse] for head, cols in columns.items()}
+
+
+def _relevances(regions: torch.Tensor, chunk_words: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each chunk's `regions @ words^T`, (n_img, K, n_cap * L), from one matmul over the words of
+    every chunk: in backward one matmul gives the regions' gradient of them all, where one per
+    chunk gave one gradient each, added into the regions' one at a time."""
+    dim = regions.shape[-1]
+    flat = torch.cat([words.reshape(-1, dim) for words in chunk_words])
+    return list((regions @ flat.t()).split([words.shape[0] * words.shape[1] for words in chunk_words], dim=2))
 
 
 def pair_scores(sim: Any, heads: tuple[str, ...], regions: torch.Tensor, img_glo: torch.Tensor | None,

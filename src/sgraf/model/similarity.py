@@ -214,7 +214,8 @@ class SimilarityRepresentation(nn.Module):
 
     def train_nodes(self, regions: torch.Tensor, words: torch.Tensor, word_mask: torch.Tensor,
                     img_glo: torch.Tensor | None, cap_glo: torch.Tensor | None, centres: torch.Tensor | None = None,
-                    aligned: bool = False, gram: torch.Tensor | None = None
+                    aligned: bool = False, gram: torch.Tensor | None = None,
+                    relevance: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`forward` from precomputed global vectors; pure, so safe to recompute in backward.
 
@@ -234,6 +235,8 @@ class SimilarityRepresentation(nn.Module):
             gram: the regions' Gram matrices `regions @ regions^T` (n_img, K, K), when the
                 caller scores several chunks of captions against the same regions (computed
                 here otherwise).
+            relevance: `regions @ words^T` as (n_img, K, n_cap * L), when the caller has
+                computed it for several chunks at once (vector nodes, text-to-image, a grid).
 
         Returns:
             nodes (n_img, n_cap, P, m) and node_mask (n_cap, P) bool, global node first, and
@@ -260,7 +263,7 @@ class SimilarityRepresentation(nn.Module):
         if self.use_local and self.similarity == "vector" and self.attention == "t2i":
             if aligned:   # (P, K, L): each image's regions against its own caption's words
                 relevance, n_cap = torch.bmm(regions, words.transpose(1, 2)), 1
-            else:         # (n_img, K, n_cap * L): every region against every word of the block, one matmul
+            elif relevance is None:   # (n_img, K, n_cap * L): every region against every word of the block
                 relevance = regions @ words.reshape(n_cap * n_words, dim).t()
             relevance = F.leaky_relu(relevance, 0.1).view(n_img, n_regions, n_cap, n_words)
             relevance = l2norm(relevance, dim=3)                       # each region across the words
