@@ -169,7 +169,8 @@ def test_a_signal_cuts_a_validation_short_and_resume_runs_it_first(data, uninter
     assert main(["train", "--resume", str(run)]) == 0
     said = [record.getMessage() for record in caplog.records]
     epoch = min(step // 20 + 1, 3)
-    assert f"resuming {run} at epoch {epoch}, step {step}: first the validation a stop signal cut short " in "\n".join(said)
+    said_first = f"resuming {run} at epoch {epoch}, step {step}: first the validation a stop signal cut short "
+    assert said_first in "\n".join(said)
     assert not any(line.startswith(f"resuming {run} at epoch {epoch}, step {step} (") for line in said)
     _assert_same_run(uninterrupted, run)
 
