@@ -77,6 +77,9 @@ STEP = Budget(128, "STEP")                    # parameters and BatchNorm statist
                                               # (scale: the largest of them): seen 33 (MKL's SSE2 code)
 DEEP_NETWORK = Budget(128, "DEEP_NETWORK")    # a 50-layer CNN (EfficientNet-Lite0) on one image
                                               # against a batch of several: seen 20
+FOLDED_NETWORK = Budget(1024, "FOLDED_NETWORK")   # that CNN with its 49 BatchNorms folded into its
+                                              # convolutions, channels-last, against the network as
+                                              # published: seen 284 (a 2-core Intel Xeon)
 FLOAT16 = Budget(2 ** 14, "FLOAT16")          # scores from a float16 index against float32, scale 1:
                                               # float16 keeps 11 bits (2^-11 = 2^12 float32 ulps), x4
 BFLOAT16 = Budget(2 ** 16, "BFLOAT16")        # bf16 against fp32, scale 1: bf16 keeps 8 bits (2^-8 =

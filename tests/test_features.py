@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from numerics import DEEP_NETWORK, SAME_PATH, assert_close
+from numerics import DEEP_NETWORK, FOLDED_NETWORK, SAME_PATH, assert_close
 from sgraf.cli import main
 from sgraf.data.features import GridBackbone, extract_folder, get_backbone, register_backbone
 from sgraf.data.precomp import PrecompSplit
@@ -210,16 +210,20 @@ def lite0():
     return get_backbone("efficientnet-lite0")
 
 
-def test_the_built_in_trunk_runs_channels_last_on_a_cpu_with_the_same_features(lite0):
+def test_the_built_in_trunk_folds_its_norms_and_runs_channels_last_with_the_published_features(lite0):
+    """As shipped, EfficientNet-Lite0 has each BatchNorm folded into the convolution before it and
+    runs channels-last on a CPU: the features of the network as published, to rounding."""
     images = scene_images(3)
     features = lite0.extract(images)
     convolution = next(m for m in lite0.trunk.modules() if isinstance(m, nn.Conv2d))
     assert lite0.channels_last and convolution.weight.is_contiguous(memory_format=torch.channels_last)
-    as_given = get_backbone("efficientnet-lite0")
-    as_given.channels_last = False
-    plain = as_given.extract(images)
-    assert next(m for m in as_given.trunk.modules() if isinstance(m, nn.Conv2d)).weight.is_contiguous()
-    assert_close(features, plain, DEEP_NETWORK)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in lite0.modules())
+    published = get_backbone("efficientnet-lite0", fold_batch_norms=False)
+    published.channels_last = False
+    plain = published.extract(images)
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in published.modules()) == 49
+    assert next(m for m in published.trunk.modules() if isinstance(m, nn.Conv2d)).weight.is_contiguous()
+    assert_close(features, plain, FOLDED_NETWORK)
 
 
 def test_efficientnet_lite0_grid_features(lite0):
