@@ -631,7 +631,7 @@ def _run(out: Path, settings: DemoSettings, quick: bool, features: str, seed: in
 
 # --------------------------------------------------------------------------------- pictures
 def write_pictures(out: Path, data: Path, test: Any, scenes: list[dict[str, Any]], models: dict[str, Any],
-                   sims: np.ndarray, served: str = "SGRAF") -> dict[str, str]:
+                   sims: np.ndarray, served: str) -> dict[str, str]:
     """The gallery index of the ensemble `served` (`served_ensemble`; with the test split's boxes
     where its models read places), retrieval examples through it (`sgraf.demo_retrieval`, queries
     picked on `sims`, that ensemble's score matrix of the table) and its attention pictures.

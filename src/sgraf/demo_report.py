@@ -244,9 +244,8 @@ def write_report(out: Path, record: dict[str, Any], recipe: str = "") -> Path:
     were trained beyond the demo's settings (`sgraf.demo.recipe_text`; '' when as the paper's)."""
     check = record["story"]
     rsum = check["rsum"]
-    # the ensemble of the index and pictures (`sgraf.demo.served_ensemble`; a record from before it: SGRAF)
-    served_record = record.get("served") or {"ensemble": "SGRAF", "models": ["SGR", "SAF"]}
-    served, members = served_record["ensemble"], " + ".join(served_record["models"])
+    # the ensemble of the index and pictures (`sgraf.demo.served_ensemble`)
+    served, members = record["served"]["ensemble"], " + ".join(record["served"]["models"])
     timings = ", ".join(f"{k} {v:.0f} s" for k, v in record["timings_s"].items())
     cpu = ", ".join(f"{k} {v:.0f} s" for k, v in record["cpu_s"].items())
     verdict = []
