@@ -277,3 +277,43 @@ def test_a_torchrun_run_stopped_is_told_to_resume_under_torchrun(monkeypatch):
     assert _resume_command("runs/my run", 2) == "torchrun --nproc-per-node 2 -m sgraf train --resume 'runs/my run'"
     assert _resume_command("runs/a", 4) == ("torchrun --nproc-per-node 2 -m sgraf train --resume runs/a on each of "
                                             "its 2 nodes")
+
+
+def test_a_torchrun_job_killed_during_a_validation_resumes_from_its_step(tmp_path):
+    """Under torchrun a stop signal lets a validation run to its end (the processes would stop at
+    different blocks), so a scheduler's kill can come in the middle of one: `last.pt` was written
+    before it, the validation pending, and the resumed job validates first. The main process dies
+    (SIGKILL) in the validation at the end of epoch 2; with checkpoints only at epochs' ends, the
+    job would have gone back to epoch 1's."""
+    import json
+
+    from train_helpers import make_toy_precomp
+
+    data = make_toy_precomp(tmp_path / "data", n_train=24, n_dev=8)
+    run = tmp_path / "run"
+    script = tmp_path / "killed_in_validation.py"
+    script.write_text("import os, signal, sys\n"
+                      "import sgraf.metrics\n"
+                      "counting, calls = sgraf.metrics.evaluate_sims, []\n"
+                      "def evaluate_sims(*args, **kwargs):\n"
+                      "    calls.append(1)\n"
+                      "    if len(calls) == 2 and os.environ['RANK'] == '0':\n"
+                      "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "    return counting(*args, **kwargs)\n"
+                      "sgraf.metrics.evaluate_sims = evaluate_sims\n"
+                      "from sgraf.cli import main\n"
+                      "sys.exit(main(sys.argv[1:]))\n")
+    settings = ["epochs=3", "checkpoint_every=0", "val_every=0", "batch_size=24"]
+    killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script), "train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--set",
+                             "progress=false", *settings], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode != 0, killed.stderr[-2000:]
+    progress = torch.load(run / "last.pt", weights_only=True)["extra"]["train_state"]["progress"]
+    assert progress["epoch"] == 2 and progress["pending_validation"] == "epoch", progress
+    assert [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    resumed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "-m", "sgraf", "train", "--resume", str(run)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -169,9 +169,49 @@ def test_a_signal_cuts_a_validation_short_and_resume_runs_it_first(data, uninter
     assert main(["train", "--resume", str(run)]) == 0
     said = [record.getMessage() for record in caplog.records]
     epoch = min(step // 20 + 1, 3)
-    said_first = f"resuming {run} at epoch {epoch}, step {step}: first the validation a stop signal cut short "
+    said_first = f"resuming {run} at epoch {epoch}, step {step}: first the validation that had not ended there "
     assert said_first in "\n".join(said)
     assert not any(line.startswith(f"resuming {run} at epoch {epoch}, step {step} (") for line in said)
+    _assert_same_run(uninterrupted, run)
+
+
+# a training process that dies outright (SIGKILL) in the middle of its `calls`-th validation, once the
+# validation's matrix is scored: it cannot save anything then
+_KILLED_IN_VALIDATION = """
+import os, signal, sys
+import sgraf.metrics
+counting, calls = sgraf.metrics.evaluate_sims, []
+def evaluate_sims(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return counting(*args, **kwargs)
+sgraf.metrics.evaluate_sims = evaluate_sims
+from sgraf.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("killed_in, step, pending", [(2, 20, "epoch"), (3, 30, "step")])
+def test_a_process_killed_during_a_validation_loses_that_validation_alone(data, uninterrupted, tmp_path,
+                                                                         killed_in, step, pending):
+    """`last.pt` is written before each validation, the validation pending: a process killed
+    outright during one (SIGKILL, the out-of-memory killer, a scheduler once its grace period is
+    out: under torchrun a signal lets a validation run to its end) loses that validation alone, not
+    the steps since the last checkpoint (here every 7 steps: the run would have gone back from step 20
+    to 14, from 30 to 28), and the resumed run validates first and ends as the uninterrupted one (whose
+    checkpoints every 4 steps change none of its numbers)."""
+    run = tmp_path / "killed"
+    args = [arg.replace("checkpoint_every=4", "checkpoint_every=7") for arg in ARGS]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_IN_VALIDATION, str(killed_in), "train", "--data", str(data),
+                           "--out", str(run), *args], env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    progress = _progress(run)
+    assert progress["global_step"] == step and progress["pending_validation"] == pending
+    assert progress["last_val_step"] == step - 10 and not progress["finished"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == list(range(10, step, 10))
+    assert main(["train", "--resume", str(run)]) == 0
     _assert_same_run(uninterrupted, run)
 
 

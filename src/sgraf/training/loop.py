@@ -416,7 +416,7 @@ def _fit(config: TrainConfig, data_dir: pathlib.Path, run: pathlib.Path, resume:
             return stop
 
         try:
-            if progress.pending_validation:     # cut short by a signal before this resume: first
+            if progress.pending_validation:     # not ended before this resume (a signal, a kill): first
                 stopped_by = _resumed_validation(record, progress, config, signals)
                 if stopped_by is not None and (progress.epoch < config.epochs or progress.pending_validation):
                     status, signal_name = "interrupted", _signal_name(stopped_by)
@@ -556,7 +556,7 @@ def _start_model(config: TrainConfig, run: pathlib.Path, resume: bool, train: An
         if info.is_main:
             rd.truncate_metrics(run, progress.last_val_step)
         if progress.pending_validation:
-            logger.info("resuming %s at epoch %d, step %d: first the validation a stop signal cut short there (%s)",
+            logger.info("resuming %s at epoch %d, step %d: first the validation that had not ended there (%s)",
                         run, min(progress.epoch + 1, config.epochs), progress.global_step, progress.describe_best())
         elif progress.epoch >= config.epochs:
             logger.info("%s has trained its %d epoch%s: nothing to train (--set epochs=N trains on to N)", run,
@@ -680,14 +680,23 @@ class _RunRecord:
         self.last_saved_step = progress.global_step       # once written (a failed write keeps the earlier)
 
     def validation(self, end_of_epoch: bool, signals: StopSignals) -> None:
-        """Validate on dev and record it (a new best: `best.pt`). A stop signal during its
-        arithmetic cuts it short before anything is written (`StopSignals.cut_short`): it is then
-        `progress.pending_validation`, which `last.pt` keeps and a resumed run validates first."""
+        """Validate on dev and record it (a new best: `best.pt`). `last.pt` is written first, with
+        the validation as `progress.pending_validation` (unless it holds this step already), so that
+        a resumed run validates first if this process dies before the validation ends. A stop signal
+        during its arithmetic cuts it short before anything is written (`StopSignals.cut_short`): it
+        stays pending."""
         from sgraf.checkpoint import save_model
 
         self.check_weights()
         progress, config, model = self.progress, self.config, self.model
         epoch = progress.epoch + (0 if end_of_epoch else 1)
+        if self.last_saved_step != progress.global_step:
+            # last.pt holds this step, the validation pending, before the validation starts: a process
+            # killed during it (SIGKILL, out of memory, or under torchrun, where a signal lets it run to
+            # its end, once a scheduler's grace period is out) loses the validation alone, not the steps
+            # since the last save, and `--resume` runs it first
+            progress.pending_validation = "epoch" if end_of_epoch else "step"
+            self.save_last()
         # the place term against the heads from the second epoch on: after one the heads have barely begun
         # (the quick demo's one epoch had warned of its own recipe)
         with signals.during("validation"):
@@ -847,7 +856,7 @@ def _end_validation(record: _RunRecord, progress: Progress, config: TrainConfig,
 
 def _resumed_validation(record: _RunRecord, progress: Progress, config: TrainConfig,
                         signals: StopSignals) -> int | None:
-    """The validation a stop signal cut short before this resume (`progress.pending_validation`),
+    """The validation that had not ended before this resume (`progress.pending_validation`),
     then `last.pt` (which says it ran: a run killed later does not run it twice); the stop signal
     every process agreed on, or None."""
     if progress.pending_validation == "epoch":

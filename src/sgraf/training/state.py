@@ -47,9 +47,10 @@ class Progress:
         loss_steps: number of steps in `loss_sum`.
         last_val_step: global step of the last validation recorded in metrics.jsonl (-1: none).
         finished: the run completed all its epochs.
-        pending_validation: a validation a stop signal cut short (`ValidationCut`), run first on
-            resume: "epoch" (the end of epoch `epoch`), "step" (`val_every`'s, at `global_step`),
-            or "" (none).
+        pending_validation: a validation not yet recorded when `last.pt` was written (before it
+            started, or when a stop signal cut it short: `ValidationCut`), run first on resume:
+            "epoch" (the end of epoch `epoch`), "step" (`val_every`'s, at `global_step`), or ""
+            (none).
     """
 
     epoch: int = 0
@@ -154,7 +155,8 @@ class StopSignals:
     raises `KeyboardInterrupt` at once. A validation is cut short instead (`cut_short`), where
     `cuttable`: minutes on a paper-size dev split on a CPU, more than a scheduler's grace period
     after SIGTERM. Not under torchrun, whose processes would stop at different scoring blocks
-    while the others wait in a gather for them. Handlers are installed only from the main
+    while the others wait in a gather for them (a kill that comes before the validation ends loses
+    it alone: the loop writes `last.pt` before each validation). Handlers are installed only from the main
     thread and the previous ones are restored on exit.
     """
 
@@ -220,5 +222,6 @@ class StopSignals:
         if first:
             logger.warning("received %s: stopping after this %s and saving a checkpoint%s",
                            signal.Signals(signum).name, self.phase,
-                           " (under torchrun a validation runs to its end: it decides best.pt)"
+                           " (under torchrun a validation runs to its end: it decides best.pt; last.pt "
+                           "was written before it)"
                            if self.phase == "validation" else "")
