@@ -298,20 +298,24 @@ def test_a_search_lives_in_the_address_and_the_page_works_from_the_keyboard(serv
 
 def test_a_busy_server_is_asked_again_after_the_seconds_it_names(server, browser, demo_gallery, monkeypatch):
     """A 503 with Retry-After (the queue was full) had ended the search with "retry in 1 s": the
-    page now asks again itself, saying so, and shows the answer; a newer search drops the retries."""
+    page now asks again itself, saying so, and shows the answer; a newer search drops the retries.
+    A 429 (this address has as many requests waiting as one client may) is asked again alike."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from sgraf.serve.worker import Busy, Worker
+    from sgraf.serve.worker import Busy, ClientBusy, Worker
 
     refusals, seen = [2], []
     search_text = Worker.search_text
 
-    def busy_at_first(self, text, *args):
+    def busy_at_first(self, text, *args, **kwargs):
         if refusals[0]:
             refusals[0] -= 1
+            if refusals[0] == 1:
+                raise ClientBusy("too many requests: this client has 1 request waiting (the limit per client); "
+                                 "retry once they are answered")
             raise Busy("the server is busy: 1 request is waiting; retry shortly")
-        return search_text(self, text, *args)
+        return search_text(self, text, *args, **kwargs)
 
     monkeypatch.setattr(Worker, "search_text", busy_at_first)
     caption = demo_gallery["captions"][0]
@@ -320,6 +324,8 @@ def test_a_busy_server_is_asked_again_after_the_seconds_it_names(server, browser
     wait.until(lambda d: seen.append(d.find_element(By.ID, "status").text) or
                len(d.find_elements(By.CSS_SELECTOR, "#results .card")) == 5)
     assert refusals == [0] and any("asking again in 1 s" in text for text in seen), seen
+    assert any(text.startswith("too many requests: this client has 1 request waiting (the limit per client): "
+                               "asking again in 1 s") for text in seen), seen
     assert browser.find_element(By.ID, "status").text.startswith("5 pictures in")
     # refused more often than the page retries: the error stays, naming the wait
     refusals[0] = 10

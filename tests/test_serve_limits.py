@@ -178,6 +178,71 @@ def test_searches_and_explanations_alternate(service):
     assert order == ["explain 0", "search 0", "explain 1", "search 1", "explain 2", "search 2"]
 
 
+def test_clients_take_turns_in_the_queue(service):
+    """A client that queued many requests delays another client's next one by one of its own, not by
+    all of them: each client waits in a line of its own and the lines take turns (before, the queue
+    ran in arrival order: "b 0" ran sixth, after all five of a's)."""
+    order = []
+    with Worker(service, max_queue=32) as worker:
+        release = _block(worker)
+        try:
+            futures = [worker.call(order.append, f"a {i}", heavy=True, client="a") for i in range(5)]
+            futures += [worker.call(order.append, f"b {i}", heavy=True, client="b") for i in range(2)]
+            futures += [worker.call(order.append, "c 0", heavy=True, client="c")]
+        finally:
+            release.set()
+        for future in futures:
+            future.result(10)
+    assert order == ["a 0", "b 0", "c 0", "a 1", "b 1", "a 2", "a 3", "a 4"]
+
+
+def test_a_batch_of_text_searches_takes_each_clients_first_before_anyones_second(service):
+    """With more searches waiting than a batch holds, the batch takes them in the clients' turns:
+    a's 6 searches and b's one, batches of 4: b's rides in the first batch (before, the second)."""
+    batches = []
+    with Worker(service, max_queue=32, max_batch=4) as worker:
+        real = worker.service.search_texts
+        worker.service = type("Recording", (), {
+            "matcher": service.matcher,
+            "search_texts": lambda self, texts, *args: batches.append(list(texts)) or real(texts, *args)})()
+        release = _block(worker)
+        try:
+            futures = [worker.search_text(f"a dog {i}", 3, 6, client="a") for i in range(6)]
+            futures.append(worker.search_text("a cat", 3, 6, client="b"))
+        finally:
+            release.set()
+        for future in futures:
+            future.result(30)
+    assert batches == [["a dog 0", "a cat", "a dog 1", "a dog 2"], ["a dog 3", "a dog 4", "a dog 5"]]
+
+
+def test_one_client_holds_at_most_its_share_of_the_queue(service):
+    """A client with `max_per_client` requests waiting is answered 429 for more, with Retry-After;
+    another client still gets a place (before, the first client filled all 8 places and the other
+    was answered 503)."""
+    with TestClient(create_app(service, max_queue=8, max_batch=4)) as client:
+        worker = client.app.state.worker
+        assert worker.max_per_client == 2                                    # a quarter of the queue
+        release = _block(worker)
+        try:
+            mine = [worker.call(lambda: None, client="testclient") for _ in range(2)]
+            response = client.get("/api/search", params={"text": "a dog"})  # TestClient's address
+            assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+            assert response.json()["error"] == ("too many requests: this client has 2 requests waiting (the limit "
+                                                "per client); retry once they are answered")
+            other = worker.search_text("a dog", 3, 6, client="198.51.100.7")    # another address: a place
+            unknown = [worker.call(lambda: None) for _ in range(3)]              # no address: no limit of its own
+            assert worker.waiting == 6 and worker.client_busy == 1
+        finally:
+            release.set()
+        for future in [*mine, other, *unknown]:
+            future.result(30)
+        queue = client.get("/api/health").json()["queue"]
+        assert queue["max_per_client"] == 2 and queue["client_busy"] == 1
+    with TestClient(create_app(service, max_queue=8, max_per_client=20)) as client:
+        assert client.app.state.worker.max_per_client == 8                   # never more than the queue
+
+
 def test_close_refuses_the_queued_jobs_and_lets_the_one_in_hand_finish(service):
     worker = Worker(service, max_queue=8).start()
     release = _block(worker)

@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="shortlist with FAISS (when installed) or numpy inner products")
     parser.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
                         help="requests waiting for the models at most; more are answered 503")
+    parser.add_argument("--max-per-client", type=positive_int, default=None, metavar="N",
+                        help="requests one client address may have waiting at most; more are answered 429 "
+                             "(default: a quarter of --max-queue, at least 1)")
     parser.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
                         help="text searches scored together at most (1 turns batching off)")
     parser.add_argument("--workers", type=int_in(1, 64), default=1, metavar="N",
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_queue", "max_batch", "workers"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.max_per_client is not None and args.max_per_client < 1:
+        raise InputError(f"--max-per-client must be a positive integer, got {args.max_per_client}")
     if args.threads < 0:
         raise InputError(f"--threads must be 0 (torch's default) or a positive integer, got {args.threads}")
 
@@ -93,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         listening.close()
         raise
     port = listening.getsockname()[1]
-    app = create_app(service, max_queue=args.max_queue, max_batch=args.max_batch, workers=args.workers)
+    app = create_app(service, max_queue=args.max_queue, max_batch=args.max_batch, workers=args.workers,
+                     max_per_client=args.max_per_client)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {args.index} ({service.index.n_images} images, {service.index.n_captions} captions) "
           f"at http://{host}:{port}/  (API reference: /docs; Ctrl-C stops)", flush=True)

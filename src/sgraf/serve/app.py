@@ -39,7 +39,7 @@ from sgraf.errors import plain_integer
 from sgraf.serve import markdown
 from sgraf.serve.models import ErrorAnswer, ExplainAnswer, HealthAnswer, SearchAnswer
 from sgraf.serve.service import MAX_TEXT_CHARS, MAX_TEXT_WORDS, MAX_TOP_K, NotFound, SearchService, Stale
-from sgraf.serve.worker import Busy, Worker
+from sgraf.serve.worker import Busy, ClientBusy, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ __all__ = ["create_app"]
 
 ERRORS = {400: {"model": ErrorAnswer, "description": "bad arguments; the message names the problem"},
           404: {"model": ErrorAnswer, "description": "not there"},
+          429: {"model": ErrorAnswer, "description": "this client has as many requests waiting as one client may; "
+                                                     "retry after `Retry-After` seconds"},
           503: {"model": ErrorAnswer, "description": "the work queue is full; retry after `Retry-After` seconds"}}
 
 SECURITY_HEADERS = {
@@ -64,7 +66,8 @@ TEXT = Query(None, description=f"a text query ({TEXT_LIMIT}): returns images")
 ALLOW_UNKNOWN = Query(False, description="map words the vocabulary does not know to <unk> instead of refusing them")
 
 
-def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16, workers: int = 1) -> FastAPI:
+def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16, workers: int = 1,
+               max_per_client: int | None = None) -> FastAPI:
     """The application for an opened service.
 
     Args:
@@ -72,8 +75,13 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         max_queue: requests waiting for the models at most; more are answered 503.
         max_batch: text searches scored together at most (1: one at a time).
         workers: compute threads (see `Worker`).
+        max_per_client: requests one client address may have waiting at most; more are answered
+            429 (default: `default_max_per_client(max_queue)`).
     """
-    worker = Worker(service, max_queue=max_queue, max_batch=max_batch, threads=workers)
+    if max_per_client is None:
+        max_per_client = default_max_per_client(max_queue)
+    worker = Worker(service, max_queue=max_queue, max_batch=max_batch, threads=workers,
+                    max_per_client=max_per_client)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -87,8 +95,9 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
     app = FastAPI(title="sgraf serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   redirect_slashes=False,   # its redirect was built from the Host header the client sent
                   description="Gallery search and explanations with SGRAF (AAAI 2021) over an index written by "
-                              "`sgraf index`. Errors are `{\"error\": \"...\"}` with a 4xx status (503 when busy "
-                              "or stopping, with Retry-After).")
+                              "`sgraf index`. Errors are `{\"error\": \"...\"}` with a 4xx status (429 when the "
+                              "client has too many requests waiting, 503 when busy or stopping, both with "
+                              "Retry-After).")
     app.state.service = service
     app.state.worker = worker
     _add_error_handlers(app, service)
@@ -139,11 +148,13 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         top_k = service.check_top_k(top_k)
         if kind == "text":
             text = service.check_text(text, allow_unknown)
-            results = await wait(request, worker.search_text(text, top_k, service.shortlist_for(top_k)))
+            results = await wait(request, worker.search_text(text, top_k, service.shortlist_for(top_k),
+                                                             client=client_of(request)))
             answer = {"query": text, "results": results}
         else:
             image_id = service.check_image_id(image_id)
-            answer = await wait(request, worker.call(service.search_image, image_id, top_k))
+            answer = await wait(request, worker.call(service.search_image, image_id, top_k,
+                                                     client=client_of(request)))
         answer["ms"] = (time.perf_counter() - started) * 1000.0
         return answer
 
@@ -157,7 +168,8 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         started = time.perf_counter()
         service.check_image_id(image_id)
         service.check_text(text, allow_unknown)
-        answer = await wait(request, worker.call(service.explain, image_id, text, allow_unknown, heavy=True))
+        answer = await wait(request, worker.call(service.explain, image_id, text, allow_unknown, heavy=True,
+                                                 client=client_of(request)))
         answer["ms"] = (time.perf_counter() - started) * 1000.0
         return answer
 
@@ -170,7 +182,8 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         """The picture `sgraf explain --out` draws for these arguments (PNG)."""
         service.check_image_id(image_id)
         service.check_text(text, allow_unknown)
-        png = await wait(request, worker.call(service.explain_png, image_id, text, allow_unknown, heavy=True))
+        png = await wait(request, worker.call(service.explain_png, image_id, text, allow_unknown, heavy=True,
+                                              client=client_of(request)))
         return Response(png, media_type="image/png")
 
     @app.get("/api/health", response_model=HealthAnswer, summary="the gallery, the models, the queue")
@@ -180,7 +193,8 @@ def create_app(service: SearchService, max_queue: int = 64, max_batch: int = 16,
         answer["queue"] = {"waiting": worker.waiting, "max_queue": worker.max_queue, "max_heavy": worker.max_heavy,
                            "max_batch": worker.max_batch, "workers": worker.n_threads, "batches": worker.batches,
                            "batched_texts": worker.batched_texts, "dropped": worker.dropped,
-                           "refused": worker.refused, "busy": worker.busy}
+                           "refused": worker.refused, "busy": worker.busy, "max_per_client": worker.max_per_client,
+                           "client_busy": worker.client_busy}
         return answer
 
     app.add_api_route("/api/health", health, methods=["HEAD"], include_in_schema=False)   # one operation documented
@@ -294,6 +308,20 @@ def _drop_unsent_422(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+def default_max_per_client(max_queue: int) -> int:
+    """Requests one client may have waiting by default: a quarter of the queue's places (at least
+    one), so that three clients at their limit still leave places to others."""
+    return max(1, max_queue // 4)
+
+
+def client_of(request: Request) -> str | None:
+    """The address a request came from, the key of its client's line and limit in the queue
+    (`Worker`): uvicorn's, which behind a reverse proxy it trusts (the machine itself, or the
+    addresses in the environment's `FORWARDED_ALLOW_IPS`) is the one the proxy's `X-Forwarded-For`
+    names. None where there is none (a Unix socket): not limited per client."""
+    return request.client.host if request.client is not None else None
+
+
 # --------------------------------------------------------------------------------- errors
 class ClientGone(Exception):
     """The client disconnected before its answer was ready (nobody reads the answer)."""
@@ -319,7 +347,8 @@ def _add_error_handlers(app: FastAPI, service: SearchService) -> None:
 
     @app.exception_handler(Busy)
     async def busy(_: Request, exc: Busy) -> JSONResponse:
-        return _error(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
+        return _error(429 if isinstance(exc, ClientBusy) else 503, str(exc),
+                      headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(Stale)
     async def stale(request: Request, exc: Stale) -> JSONResponse:

@@ -5,11 +5,18 @@ worker thread (one by default) takes the job at the head of the queue and, with 
 searches waiting behind it (up to `max_batch`, those with the same shortlist): they are encoded
 in one pass and share one first-stage pass over the gallery's keys
 (`SearchService.search_texts`), each computed as it would be alone. Other jobs (image searches,
-explanations) run one at a time in arrival order.
+explanations) run one at a time.
+
+Each client (its address, `client`) waits in a line of its own, and the lines take turns
+(`_FairQueue`): a client that queued many requests delays another's next one by one of its own,
+not by all of them.
 
 What a request may cost is bounded here and in `SearchService`:
 - A full queue refuses new jobs at once (`Busy`, which the HTTP layer answers with 503 and
   `Retry-After`) instead of letting waiting requests pile up.
+- One client holds at most `max_per_client` places; more of its jobs are refused at once
+  (`ClientBusy`, answered 429 with `Retry-After`), so that one client cannot fill the queue and turn
+  every other client away.
 - Jobs are light (searches) or heavy (explanations, which draw a picture). When both wait, the
   threads alternate between them, so a search waits behind at most one explanation per thread
   however many are queued. Heavy jobs hold at most `max_heavy` places (half the queue), so
@@ -32,11 +39,11 @@ import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Busy", "ShuttingDown", "Worker"]
+__all__ = ["Busy", "ClientBusy", "ShuttingDown", "Worker"]
 
 
 class Busy(RuntimeError):
@@ -55,11 +62,16 @@ class ShuttingDown(Busy):
     """The server is stopping: the request was not run (and will not be)."""
 
 
+class ClientBusy(Busy):
+    """The client that asked has `max_per_client` requests waiting already (HTTP 429)."""
+
+
 @dataclass(eq=False)
 class _TextJob:
     text: str
     top_k: int
     shortlist: int | None
+    client: Any = None
     future: Future = field(default_factory=Future)
     heavy = False
 
@@ -68,7 +80,74 @@ class _TextJob:
 class _CallJob:
     call: Callable[[], Any]
     heavy: bool = False
+    client: Any = None
     future: Future = field(default_factory=Future)
+
+
+class _FairQueue:
+    """Waiting jobs, a line per client (`job.client`), the lines taking turns: each client's jobs
+    in arrival order, and after a client's job is taken its line goes behind the others (a new
+    client's line starts behind them too). With one client (or all None) it is a FIFO queue."""
+
+    def __init__(self) -> None:
+        self._lines: collections.OrderedDict[Any, collections.deque] = collections.OrderedDict()
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __iter__(self) -> Iterator[Any]:
+        """The jobs in the order they would be taken: the first of each line, then the second, ..."""
+        lines = [list(line) for line in self._lines.values()]
+        for depth in range(max(map(len, lines), default=0)):
+            for line in lines:
+                if depth < len(line):
+                    yield line[depth]
+
+    def waiting(self, client: Any) -> int:
+        """The jobs of `client` in this queue."""
+        line = self._lines.get(client)
+        return 0 if line is None else len(line)
+
+    def append(self, job: Any) -> None:
+        line = self._lines.get(job.client)
+        if line is None:
+            line = self._lines[job.client] = collections.deque()
+        line.append(job)
+        self._count += 1
+
+    def popleft(self) -> Any:
+        """The first job of the line whose turn it is (IndexError when empty)."""
+        if not self._lines:
+            raise IndexError("pop from an empty queue")
+        return self.take(next(iter(self._lines.values()))[0])
+
+    def take(self, job: Any) -> Any:
+        """Remove `job` to run it: its client's line goes behind the others."""
+        self.remove(job)
+        if job.client in self._lines:
+            self._lines.move_to_end(job.client)
+        return job
+
+    def remove(self, job: Any) -> None:
+        """Remove `job` where it waits (ValueError if it does not)."""
+        line = self._lines.get(job.client)
+        if line is None:
+            raise ValueError("the job is not waiting")
+        line.remove(job)
+        self._count -= 1
+        if not line:
+            del self._lines[job.client]
+
+    def clear(self) -> list[Any]:
+        """Remove every job; returns them in the order they would have been taken."""
+        jobs = list(self)
+        self._lines.clear()
+        self._count = 0
+        return jobs
 
 
 class Worker:
@@ -82,19 +161,25 @@ class Worker:
         max_batch: text searches scored together at most (1: one at a time).
         threads: compute threads taking jobs from the queue (several: jobs run side by side,
             e.g. one per core with one torch thread each).
+        max_per_client: jobs one client (a job's `client`, not None) may have waiting at most; more
+            are refused with `ClientBusy`. None: `max_queue` (no limit of its own).
     """
 
-    def __init__(self, service: Any, max_queue: int = 64, max_batch: int = 16, threads: int = 1) -> None:
-        if max_queue < 1 or max_batch < 1 or threads < 1:
-            raise ValueError(f"max_queue, max_batch and threads must be positive, got {max_queue}, {max_batch} "
-                             f"and {threads}")
+    def __init__(self, service: Any, max_queue: int = 64, max_batch: int = 16, threads: int = 1,
+                 max_per_client: int | None = None) -> None:
+        if max_per_client is None:
+            max_per_client = max_queue
+        if max_queue < 1 or max_batch < 1 or threads < 1 or max_per_client < 1:
+            raise ValueError(f"max_queue, max_batch, threads and max_per_client must be positive, got {max_queue}, "
+                             f"{max_batch}, {threads} and {max_per_client}")
         self.service = service
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_heavy = max(1, max_queue // 2)
+        self.max_per_client = min(max_per_client, max_queue)
         self.n_threads = threads
-        self._light: collections.deque = collections.deque()     # searches, in arrival order
-        self._heavy: collections.deque = collections.deque()     # explanations, in arrival order
+        self._light = _FairQueue()     # searches, a line per client
+        self._heavy = _FairQueue()     # explanations, a line per client
         self._heavy_next = False          # alternate: after a light round, a heavy job if one waits
         self._changed = threading.Condition()
         self._closed = False
@@ -106,6 +191,7 @@ class Worker:
         self.dropped = 0          # jobs cancelled (their client went away) before they ran
         self.refused = 0          # jobs refused because the server was shutting down (queued or new)
         self.busy = 0             # jobs refused because `max_queue` jobs were waiting
+        self.client_busy = 0      # jobs refused because their client had `max_per_client` waiting
 
     # ----------------------------------------------------------------------------- life
     def start(self) -> "Worker":
@@ -125,9 +211,7 @@ class Worker:
         jobs being run finish. Returns how many waiting jobs were refused."""
         with self._changed:
             self._closed = True
-            waiting = [*self._light, *self._heavy]
-            self._light.clear()
-            self._heavy.clear()
+            waiting = [*self._light.clear(), *self._heavy.clear()]
             self._changed.notify_all()
         refused = 0
         for job in waiting:
@@ -185,6 +269,12 @@ class Worker:
                 self.busy += 1
                 waiting = f"{self.max_heavy} explanations are" if self.max_heavy != 1 else "1 explanation is"
                 raise Busy(f"the server is busy: {waiting} waiting; retry shortly")
+            if (job.client is not None
+                    and self._light.waiting(job.client) + self._heavy.waiting(job.client) >= self.max_per_client):
+                self.client_busy += 1
+                waiting = f"{self.max_per_client} requests" if self.max_per_client != 1 else "1 request"
+                raise ClientBusy(f"too many requests: this client has {waiting} waiting (the limit per client); "
+                                 "retry once they are answered")
             (self._heavy if job.heavy else self._light).append(job)
             self._changed.notify()
         job.future.add_done_callback(lambda future: future.cancelled() and self._forget(job))
@@ -201,14 +291,16 @@ class Worker:
                 self.dropped += 1
                 return
 
-    def search_text(self, text: str, top_k: int, shortlist: int | None) -> Future:
-        """Queue a checked text search; the future's result is its list of result dicts."""
-        return self._put(_TextJob(text, top_k, shortlist))
+    def search_text(self, text: str, top_k: int, shortlist: int | None, client: Any = None) -> Future:
+        """Queue a checked text search for `client` (its address; None: unknown, not limited per
+        client); the future's result is its list of result dicts."""
+        return self._put(_TextJob(text, top_k, shortlist, client))
 
-    def call(self, function: Callable[..., Any], *args: Any, heavy: bool = False, **kwargs: Any) -> Future:
-        """Queue any other model call (an image search; `heavy=True` for an explanation); the
-        future gets its result."""
-        return self._put(_CallJob(lambda: function(*args, **kwargs), heavy))
+    def call(self, function: Callable[..., Any], *args: Any, heavy: bool = False, client: Any = None,
+             **kwargs: Any) -> Future:
+        """Queue any other model call for `client` (an image search; `heavy=True` for an
+        explanation); the future gets its result."""
+        return self._put(_CallJob(lambda: function(*args, **kwargs), heavy, client))
 
     @property
     def computing(self) -> bool:
@@ -241,12 +333,11 @@ class Worker:
                 self._running.add(first)
                 return [first]
             batch = [first]
-            for job in list(self._light):     # the text searches waiting behind it, same shortlist
+            for job in list(self._light):     # the text searches waiting behind it in turn, same shortlist
                 if len(batch) >= self.max_batch:
                     break
                 if isinstance(job, _TextJob) and job.shortlist == first.shortlist:
-                    self._light.remove(job)
-                    batch.append(job)
+                    batch.append(self._light.take(job))
             self._running.update(batch)
             return batch
 

@@ -15,9 +15,10 @@ function setStatus(message, isError) {
   status.className = isError ? "error" : "";
 }
 
-// A busy server (503 with Retry-After: its queue was full) is asked again after the seconds it
-// names, up to BUSY_RETRIES times, while `current()` says the answer is still wanted (no newer
-// search or explanation); a 503 without Retry-After (the data changed) needs a restart: not retried.
+// A busy server (503 with Retry-After: its queue was full; 429: this address has as many requests
+// waiting as one client may) is asked again after the seconds it names, up to BUSY_RETRIES times,
+// while `current()` says the answer is still wanted (no newer search or explanation); a 503 without
+// Retry-After (the data changed) needs a restart: not retried.
 const BUSY_RETRIES = 3;
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -35,10 +36,11 @@ async function getJSON(url, current) {
     const message = body && body.error ? body.error : `HTTP ${response.status}`;
     const retry = response.headers.get("Retry-After");
     const seconds = Math.min(Math.max(Number(retry) || 1, 1), 30);
-    if (response.status !== 503 || !retry || !current || attempt >= BUSY_RETRIES || !current()) {
+    const busy = response.status === 503 || response.status === 429;
+    if (!busy || !retry || !current || attempt >= BUSY_RETRIES || !current()) {
       throw new Error(retry ? `${message} (retry in ${retry} s)` : message);
     }
-    setStatus(`${message.replace(/; retry shortly$/, "")}: asking again in ${seconds} s\u2026`);
+    setStatus(`${message.replace(/; retry (shortly|once they are answered)$/, "")}: asking again in ${seconds} s\u2026`);
     await sleep(1000 * seconds);
     if (!current()) throw new Error("superseded");     // the caller drops it: a newer one was asked for
     setStatus(`asking again (${attempt + 2} of ${BUSY_RETRIES + 1})\u2026`);
