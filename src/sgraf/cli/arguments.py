@@ -31,6 +31,15 @@ def positive_int(text: str) -> int:
 MAX_RESAMPLES = 1_000_000   # bootstrap / randomization resamples: memory grows with them (10,000 is plenty)
 
 
+def check_bootstrap(resamples: int | None) -> None:
+    """A command's `--bootstrap N`, checked before any work against the intervals' level
+    (`sgraf.significance.check_resamples`); None or 0: no intervals asked for."""
+    if resamples:
+        from sgraf.significance import LEVEL, check_resamples
+
+        check_resamples(resamples, LEVEL)
+
+
 def int_in(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: an integer in low..high (a count whose work or memory grows with it: a
     huge one had run out of memory with a traceback, or been killed)."""

@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
-from sgraf.cli.arguments import (MAX_RESAMPLES, add_score_source, add_scoring_options, check_score_outputs,
-                                 check_score_source, checked_device, int_in, split_name)
+from sgraf.cli.arguments import (MAX_RESAMPLES, add_score_source, add_scoring_options, check_bootstrap,
+                                 check_score_outputs, check_score_source, checked_device, int_in, split_name)
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,7 @@ def run(args: argparse.Namespace) -> int:
     check_score_source(args)
     check_score_outputs(args)
     device = checked_device(args.device)
-    if args.bootstrap:
-        from sgraf.significance import LEVEL, check_resamples
-
-        check_resamples(args.bootstrap, LEVEL)
+    check_bootstrap(args.bootstrap)
     scenes, scenes_path = diagnose.open_scenes(args.data, args.split, "diagnose")   # before scoring
     if args.sims:
         _, sims = evaluate.evaluate_sims_files_with_sims(args.sims, data_dir=args.data, split=args.split,

@@ -8,8 +8,9 @@ import logging
 import sys
 from typing import Any
 
-from sgraf.cli.arguments import (MAX_RESAMPLES, add_score_source, add_scoring_options, check_score_outputs,
-                                 check_score_source, checked_device, int_in, positive_int, split_name)
+from sgraf.cli.arguments import (MAX_RESAMPLES, add_score_source, add_scoring_options, check_bootstrap,
+                                 check_score_outputs, check_score_source, checked_device, int_in, positive_int,
+                                 split_name)
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +83,7 @@ def _evaluate(args: argparse.Namespace, watch: Any, prefetched: Any) -> int:
     from sgraf.stopwatch import format_timings, stage
 
     device = checked_device(args.device)    # refused before anything is read
-    if args.bootstrap:
-        from sgraf.significance import LEVEL, check_resamples
-
-        check_resamples(args.bootstrap, LEVEL)
+    check_bootstrap(args.bootstrap)
     sims = None
     if args.sims:
         from sgraf.cli import _torchrun_rank
