@@ -13,8 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run each image of --images (named in --captions, lines 'file_name<TAB>caption') through "
                     "a pretrained backbone and write OUT/SPLIT_ims.npy (n, regions, dim), OUT/SPLIT_caps.txt, "
                     "OUT/SPLIT_image_names.txt, OUT/SPLIT_boxes.npy (each region's grid cell: x1, y1, x2, y2 in "
-                    "pixels of its picture) and OUT/SPLIT_image_sizes.npy (width, height). EfficientNet-Lite0 at 192 px gives 6 x 6 = 36 regions "
-                    "of 1280-d.")
+                    "pixels of its picture) and OUT/SPLIT_image_sizes.npy (width, height). EfficientNet-Lite0 at "
+                    "192 px gives 6 x 6 = 36 regions of 1280-d.")
     parser.add_argument("--images", required=True, help="folder of images")
     parser.add_argument("--captions", required=True, help="captions file: 'file_name<TAB>caption' per line")
     parser.add_argument("--out", required=True, help="output data directory")
