@@ -193,6 +193,12 @@ def test_missing_split_lists_the_existing_ones(capsys):
     assert "'testall' does not exist" in err and "splits there: test" in err
 
 
+@pytest.mark.parametrize("asked, meant", [("Test", "test"), ("tset", "test"), ("TEST", "test")])
+def test_a_split_named_in_other_letters_or_misspelt_is_pointed_at_the_one_meant(capsys, asked, meant):
+    err = error_of(capsys, "--checkpoint", CKPT["sgr"], "--data", DATA, "--vocab", VOCAB, "--split", asked)
+    assert err.rstrip().endswith(f"splits there: test; did you mean {meant!r}?"), err
+
+
 def test_vocabulary_size_must_match_the_embedding(capsys, tmp_path):
     content = json.loads(VOCAB.read_text())
     content["word2idx"]["zebra"] = content["idx"]

@@ -62,8 +62,12 @@ def test_max_captions_keeps_first_captions_and_their_images(tmp_path):
 
 def test_missing_file_names_the_file_and_found_splits(tmp_path):
     write_split(tmp_path, "train")
-    with pytest.raises(InputError, match=r"test_ims\.npy: missing file.*splits found in .*: train"):
+    with pytest.raises(InputError, match=r"test_ims\.npy: missing file.*splits found in .*: train\)$"):
         PrecompSplit(tmp_path, "test")
+    write_split(tmp_path, "dev")
+    for asked, meant in [("Train", "train"), ("val", "dev"), ("validation", "dev"), ("deev", "dev")]:
+        with pytest.raises(InputError, match=rf"splits found in .*: train, dev; did you mean '{meant}'\?\)$"):
+            PrecompSplit(tmp_path, asked)
     (tmp_path / "train_caps.txt").unlink()
     with pytest.raises(InputError, match=r"train_caps\.txt: missing file"):
         PrecompSplit(tmp_path, "train")

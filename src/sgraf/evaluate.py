@@ -309,7 +309,7 @@ def warn_flat_members(models: Sequence[torch.nn.Module], names: Sequence[str], s
 
 def open_split(data_dir: str | os.PathLike, split: str) -> Any:
     """`PrecompSplit`, with an error listing the splits that exist when this one does not."""
-    from sgraf.data.precomp import PrecompSplit, available_splits, split_files
+    from sgraf.data.precomp import PrecompSplit, split_files, splits_found
 
     ims, caps = split_files(data_dir, split)
     if not Path(data_dir).exists():
@@ -317,9 +317,8 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Any:
     if not Path(data_dir).is_dir():
         raise InputError(f"--data {data_dir}: a file, where a data folder is needed")
     if not (ims.is_file() and caps.is_file()):
-        found = available_splits(data_dir)
         raise InputError(f"split {split!r} does not exist in {data_dir} (needs {ims.name} and {caps.name}); "
-                         f"splits there: {', '.join(found) if found else 'none'}")
+                         f"splits there: {splits_found(data_dir, split)}")
     return PrecompSplit(data_dir, split)
 
 

@@ -20,6 +20,7 @@ The authors validate on the first 5,000 `dev` captions only; here that is the ex
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import logging
 import os
@@ -58,6 +59,19 @@ def available_splits(data_dir: str | os.PathLike[str]) -> list[str]:
     names = {p.name[: -len("_ims.npy")] for p in data_dir.glob("*_ims.npy")}
     names = {n for n in names if (data_dir / f"{n}_caps.txt").is_file()}
     return [s for s in STANDARD_SPLITS if s in names] + sorted(names - set(STANDARD_SPLITS))
+
+
+def splits_found(data_dir: str | os.PathLike[str], split: str) -> str:
+    """The splits of `data_dir` for a message about a missing `split`: 'train, dev, test', with
+    the one `split` was likely meant to name ('Test', 'tset': "did you mean 'test'?"; 'val' or
+    'validation': 'dev', the precomp layout's name), or 'none'."""
+    found = available_splits(data_dir)
+    if not found:
+        return "none"
+    same_letters = [name for name in found if name.casefold() == split.casefold()]
+    meant = "dev" if split.casefold() in ("val", "valid", "validation") and "dev" in found else None
+    close = same_letters or ([meant] if meant else difflib.get_close_matches(split, found, n=1, cutoff=0.6))
+    return ", ".join(found) + (f"; did you mean {close[0]!r}?" if close else "")
 
 
 def data_fingerprint(data_dir: str | os.PathLike[str], splits: Sequence[str] = ("train", "dev"),
@@ -157,9 +171,8 @@ def _missing(data_dir: Path, split: str, path: Path) -> str:
     if path.is_dir():
         return f"{path}: a folder, where a file is needed"
     ims, caps = split_files(data_dir, split)
-    found = available_splits(data_dir)
     return (f"{path}: missing file; split {split!r} needs {ims.name} and {caps.name} (splits found in "
-            f"{data_dir}: {', '.join(found) or 'none'})")
+            f"{data_dir}: {splits_found(data_dir, split)})")
 
 
 def _rows_per_image(images: np.ndarray, path: Path) -> int:
