@@ -38,7 +38,7 @@ from sgraf import text_files
 from sgraf.atomic_write import atomic_path
 from sgraf.data.arrays import file_row, open_npy
 from sgraf.data.boxes import boxes_files
-from sgraf.data.layout import picture_path
+from sgraf.data.layout import picture_path, pictures_folder
 from sgraf.errors import InputError
 
 TITLE_CHARS_PER_LINE = 110   # the figure's title wraps here (the text can be 500 characters)
@@ -460,7 +460,7 @@ def region_layout(data_dir: str | os.PathLike[str] | None, split: str | None, im
         return RegionLayout("grid", grid=grid, source=f"no image: {grid[0]} x {grid[1]} region grid")
     data_dir = Path(data_dir)
     picture = size = None
-    candidate = picture_path(data_dir / "images" / split, image_id)
+    candidate = picture_path(pictures_folder(data_dir, split), image_id)
     if candidate is not None:
         try:
             picture, size = _read_picture(candidate)

@@ -59,7 +59,7 @@ import numpy as np
 from sgraf import text_files
 from sgraf.atomic_write import atomic_path, preallocated_memmap, write_text
 from sgraf.data.boxes import BOXES_SUFFIX, SIZES_SUFFIX, grid_boxes, write_boxes
-from sgraf.data.layout import data_set_family
+from sgraf.data.layout import data_set_family, picture_name
 from sgraf.data.render import CANVAS, COLOURS, HALF_SIZE, LAYOUT, SHAPES, SIZES, SceneObject, render_scene
 from sgraf.data.scenes import Claim, describe
 from sgraf.data.scenes import false_for as captions_false_for
@@ -609,7 +609,7 @@ def _outputs(sizes: dict[str, int], save_images: bool, boxes: bool = True) -> li
 
 
 def _image_name(split: str, index: int) -> str:
-    return f"images/{split}/{index:05d}.png"
+    return picture_name(split, index, ".png")
 
 
 def image_path(data_dir: str | os.PathLike[str], split: str, index: int) -> Path:

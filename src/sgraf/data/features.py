@@ -29,7 +29,7 @@ from torch import nn
 from sgraf.atomic_write import atomic_path, preallocated_memmap, write_text
 from sgraf.data.arrays import check_finite_features
 from sgraf.data.boxes import grid_boxes, write_boxes
-from sgraf.data.layout import check_split_name, split_family
+from sgraf.data.layout import check_split_name, picture_name, split_family
 from sgraf.errors import InputError, check_positive_int
 from sgraf.output_folder import NewGeneration
 from sgraf.weights_file import load_weights_only
@@ -435,7 +435,7 @@ def extract_folder(images_dir: str | os.PathLike[str], captions_path: str | os.P
     sizes = np.zeros((len(names), 2), dtype=np.float32)  # width, height of each picture as read
 
     suffixes = check_pictures(images_dir, names)   # every file's header before the network's first batch
-    kept = {index: f"images/{split}/{index:05d}{'.png' if suffix == '.upright.png' else suffix}"
+    kept = {index: picture_name(split, index, ".png" if suffix == ".upright.png" else suffix)
             for index, suffix in enumerate(suffixes)} if keep_pictures else {}
 
     def load() -> Iterable["Image.Image"]:

@@ -27,6 +27,18 @@ IMAGES = "images"
 PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg")     # image i's picture: images/{split}/{i:05d}{suffix}, the first found
 
 
+def pictures_folder(data_dir: str | os.PathLike[str], split: str) -> Path:
+    """A split's picture folder in a data folder: `DATA/images/SPLIT` (`sgraf generate` and
+    `sgraf extract` write it; pictures are `picture_path`'s names in it)."""
+    return Path(data_dir) / IMAGES / split
+
+
+def picture_name(split: str, image_id: int, suffix: str) -> str:
+    """Image `image_id`'s picture within a data folder, as a relative name: `images/SPLIT/{id:05d}{suffix}`
+    (what `sgraf generate` and `sgraf extract` write, and `picture_path` finds)."""
+    return f"{IMAGES}/{split}/{image_id:05d}{suffix}"
+
+
 def picture_path(folder: str | os.PathLike[str], image_id: int) -> Path | None:
     """Image `image_id`'s picture in a picture folder (`images/{split}`): `{id:05d}{suffix}` for the
     first of `PICTURE_SUFFIXES` that is a file; None without one."""
@@ -42,7 +54,7 @@ def pictures_fingerprint(data_dir: str | os.PathLike[str], split: str, n_images:
     served as the gallery's without a word."""
     import hashlib
 
-    folder = Path(data_dir) / IMAGES / split
+    folder = pictures_folder(data_dir, split)
     try:       # by lower-cased name: a file system that ignores case serves 00001.PNG as 00001.png
         names = {name.lower(): name for name in os.listdir(folder)}
     except (FileNotFoundError, NotADirectoryError):

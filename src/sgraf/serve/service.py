@@ -27,7 +27,7 @@ import numpy as np
 
 from sgraf.api import MAX_TEXT_CHARS, MAX_TEXT_WORDS
 from sgraf.data.arrays import file_row
-from sgraf.data.layout import PICTURE_SUFFIXES, picture_path, pictures_fingerprint
+from sgraf.data.layout import PICTURE_SUFFIXES, picture_path, pictures_fingerprint, pictures_folder
 from sgraf.errors import InputError
 from sgraf.search import GalleryIndex, Hit, sha256_file, shortlist_for
 
@@ -158,7 +158,7 @@ class SearchService:
     def _find_picture_dir(self) -> Path | None:
         if self.data_dir is None or self.split is None:
             return None
-        folder = self.data_dir / "images" / self.split
+        folder = pictures_folder(self.data_dir, self.split)
         return folder.resolve() if folder.is_dir() else None
 
     def _data_states(self) -> dict[str, tuple[int, ...] | None]:
