@@ -215,6 +215,26 @@ def test_a_process_killed_during_a_validation_loses_that_validation_alone(data, 
     _assert_same_run(uninterrupted, run)
 
 
+def test_a_resume_where_fewer_gpus_are_visible_restores_the_generators_of_those_there(monkeypatch):
+    """`last.pt` keeps the CUDA generator of every GPU its process saw. A run saved where 4 were
+    visible and resumed where 2 are (another machine, or CUDA_VISIBLE_DEVICES) sets those 2 (restoring
+    all 4 had failed with an IndexError); CUDA's in a file resumed without CUDA are left out."""
+    from sgraf.training import state as train_state
+
+    saved = train_state.capture_rng_state()
+    saved["cuda"] = [torch.full((16,), index, dtype=torch.uint8) for index in range(4)]
+    set_states = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda value, device: set_states.append((int(value[0]), device)))
+    train_state.restore_rng_state(saved)
+    assert set_states == [(0, 0), (1, 1)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    set_states.clear()
+    train_state.restore_rng_state(saved)
+    assert set_states == []
+
+
 def test_resume_can_extend_a_finished_run(data, uninterrupted, tmp_path, caplog):
     import shutil
 

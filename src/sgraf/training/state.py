@@ -105,6 +105,9 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back `capture_rng_state`'s generators. The CUDA ones go to the devices this process sees
+    (a run saved where 8 GPUs were visible, resumed where 1 is: that one's; restoring all 8 had
+    failed the resume with an IndexError); on a machine without CUDA they are left out."""
     torch.set_rng_state(state["torch"])
     np_state = state["numpy"]
     np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
@@ -112,7 +115,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for index, device_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, index)
 
 
 def build_train_state(progress: Progress, optimizer: torch.optim.Optimizer,
