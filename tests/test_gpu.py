@@ -582,3 +582,18 @@ def test_host_copy_copies_cuda_bands_on_its_stream_while_the_scoring_stream_goes
         assert copy._stream is not None and copy._stream != torch.cuda.current_stream()
     assert (torch.from_numpy(host) == share.cpu()).all()
     assert np.array_equal(np.load(tmp_path / "sims.npy"), share.cpu().numpy())
+
+
+def test_a_training_state_saved_where_more_gpus_were_visible_restores_on_this_one():
+    """`last.pt` keeps every visible GPU's generator; a state with one more than this machine has
+    (saved on a larger node) restores this GPU's and draws as the saved generator did (restoring all
+    had raised IndexError past the device count)."""
+    from sgraf.training.state import capture_rng_state, restore_rng_state
+
+    torch.cuda.manual_seed(5)
+    torch.rand(4, device="cuda")                         # CUDA initialised, the generator advanced
+    state = capture_rng_state()
+    expected = torch.rand(8, device="cuda")
+    state["cuda"] = [*state["cuda"], state["cuda"][0].clone()]   # one GPU more than this process sees
+    restore_rng_state(state)
+    assert torch.equal(torch.rand(8, device="cuda"), expected)
