@@ -37,6 +37,18 @@ images, 5 captions each; explanations need the features) and is put under heavy 
 
     python benchmarks/bench_serve.py --gallery 20000 --requests 300 --heavy
 
+With --fairness, only a fairness phase, on the explanation gallery: --fair-script threads send
+explanation requests (8-word texts) from one address (a script, named by `X-Forwarded-For`, which
+the server trusts from 127.0.0.1) without pause, while a second address (a visitor) sends
+--fair-visits of them one after the other. It prints each address's answers by status and the
+visitor's median and longest wait; with --against CHECKOUT a server from that checkout's `src`
+runs the same phase in turn (--rounds times each), and the ratio of the visitor's median waits is
+printed.
+
+    git worktree add /tmp/before COMMIT
+    python benchmarks/bench_serve.py --fairness --gallery 1000 --max-queue 8 --heavy-gallery 200 \
+        --against /tmp/before --rounds 3
+
 Every loop is bounded (counts, or a deadline); everything runs on this machine (127.0.0.1),
 clients included: they share its cores.
 """
@@ -304,13 +316,17 @@ def in_process(index_dir: Path, args: argparse.Namespace, health: dict, max_batc
     return {"one": len(seconds) / sum(seconds), "p50": _percentiles(seconds)["p50"], "batched": batched}
 
 
-def _start(index_dir: Path, args: argparse.Namespace, options: list[str]) -> tuple[subprocess.Popen, int, float]:
+def _start(index_dir: Path, args: argparse.Namespace, options: list[str], one_address: bool = True,
+           source: Path | None = None) -> tuple[subprocess.Popen, int, float]:
+    """`sgraf serve` on `index_dir` (`one_address`: not limited per address; `source`: the `src`
+    folder of another checkout to serve from, for `--against`)."""
     port = _free_port()
     command = [sys.executable, "-m", "sgraf", "serve", "--index", str(index_dir), "--host", "127.0.0.1",
                "--port", str(port), "--shortlist", str(args.shortlist), "--max-queue", str(args.max_queue),
-               *_ONE_ADDRESS, "--no-verify", "--first-stage", args.first_stage, *options]
+               *(_ONE_ADDRESS if one_address else []), "--no-verify", "--first-stage", args.first_stage, *options]
+    env = None if source is None else dict(os.environ, PYTHONPATH=str(source))
     tic = time.perf_counter()
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -456,6 +472,88 @@ def bench_heavy(index_dir: Path, args: argparse.Namespace) -> None:
           f"{code} after {shutdown:.1f} s (answers: {last}); last line: {stderr[-1] if stderr else ''!r}")
 
 
+def _fair_phase(index_dir: Path, args: argparse.Namespace, source: Path | None) -> dict[str, object]:
+    """One server (this checkout's, or `source`'s): `--fair-script` threads from one address (a
+    script) ask for explanation pictures without pause while another address (a visitor) asks for
+    `--fair-visits` of them one after the other; their answers and the visitor's waits."""
+    server, port, _ = _start(index_dir, args, [], one_address=False, source=source)
+    n_images, lock, script, stop = args.heavy_gallery, threading.Lock(), {}, threading.Event()
+
+    def path(rng: np.random.Generator) -> str:
+        return f"/api/explain.png?image_id={int(rng.integers(n_images))}&text={'+'.join(rng.choice(WORDS, size=8))}"
+
+    def ask(client: Client, address: str, rng: np.random.Generator) -> tuple[int, float]:
+        tic = time.perf_counter()
+        client.connection.request("GET", path(rng), headers={"X-Forwarded-For": address})
+        response = client.connection.getresponse()
+        response.read()
+        return response.status, time.perf_counter() - tic
+
+    def script_loop(seed: int) -> None:
+        rng, client = np.random.default_rng(seed), Client(port)
+        while not stop.is_set():
+            status, _ = ask(client, "198.51.100.1", rng)
+            with lock:
+                script[status] = script.get(status, 0) + 1
+            if status != 200:
+                time.sleep(0.05)          # a refused client retries after a moment, as the page does
+        client.close()
+
+    try:
+        warm = Client(port)
+        ask(warm, "198.51.100.3", np.random.default_rng(0))    # matplotlib loaded before timing
+        warm.close()
+        threads = [threading.Thread(target=script_loop, args=(200 + i,), daemon=True) for i in range(args.fair_script)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        visitor, rng, waits, visits = Client(port), np.random.default_rng(7), [], {}
+        for _ in range(args.fair_visits):
+            status, seconds = ask(visitor, "198.51.100.2", rng)
+            visits[status] = visits.get(status, 0) + 1
+            if status == 200:
+                waits.append(seconds)
+            time.sleep(0.2)
+        visitor.close()
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        server.kill()
+        server.wait(30)
+    return {"visitor": visits, "script": script, "waits": waits}
+
+
+def bench_fairness(index_dir: Path, args: argparse.Namespace) -> None:
+    """`--fairness`: `_fair_phase` on this checkout's server and, with `--against`, another's, in
+    turns (`--rounds`); the visitor's median wait of each and their ratio."""
+    runs: dict[str, list[dict[str, object]]] = {"this checkout": [], "against": []}
+    for _ in range(args.rounds):
+        runs["this checkout"].append(_fair_phase(index_dir, args, None))
+        if args.against is not None:
+            runs["against"].append(_fair_phase(index_dir, args, args.against / "src"))
+    print(f"\n## one address asking for explanation pictures in {args.fair_script} threads, another asking for "
+          f"{args.fair_visits} one after the other: --max-queue {args.max_queue}, explanation gallery of "
+          f"{args.heavy_gallery:,} images, {os.cpu_count()} CPUs, {args.rounds} round(s)\n")
+    print("| server | visitor's answers | visitor's median wait | visitor's longest | script's answers |")
+    print("|---|---|---|---|---|")
+    for name, phases in runs.items():
+        for phase in phases:
+            waits = phase["waits"]
+            shown = (f"{1000 * statistics.median(waits):.0f} ms | {1000 * max(waits):.0f} ms" if waits
+                     else "never answered | -")
+            print(f"| {name if name != 'against' else args.against} | {phase['visitor']} | {shown} | "
+                  f"{phase['script']} |")
+    answered = {name: sum(len(p["waits"]) for p in phases) for name, phases in runs.items() if phases}
+    print("\nthe visitor's explanations answered: " + "; ".join(
+        f"{answered[name]} of {args.fair_visits * len(runs[name])} on {name if name != 'against' else args.against}"
+        for name in answered))
+    if runs["against"] and all(answered.values()):
+        ours, theirs = (statistics.median(w for p in runs[name] for w in p["waits"]) for name in ("this checkout",
+                                                                                                 "against"))
+        print(f"the visitor's median wait: {theirs / ours:.2f}x shorter on this checkout than on {args.against}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gallery", type=int, default=100_000, help="images in the generated gallery")
@@ -477,10 +575,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heavy-clients", type=int, default=4, help="clients asking for explanations")
     parser.add_argument("--heavy-searches", type=int, default=200, help="searches sent during the heavy work")
     parser.add_argument("--leavers", type=int, default=20, help="clients that send an explanation request and leave")
+    parser.add_argument("--fairness", action="store_true",
+                        help="only the fairness phase: a script's address and a visitor's on the explanation gallery")
+    parser.add_argument("--fair-script", type=int, default=12, help="threads of the script's address")
+    parser.add_argument("--fair-visits", type=int, default=10, help="the visitor's explanations, one after the other")
+    parser.add_argument("--against", type=Path, metavar="CHECKOUT",
+                        help="with --fairness: also a server from this checkout (git worktree add DIR COMMIT)")
+    parser.add_argument("--rounds", type=int, default=1, help="with --fairness: server runs per checkout, in turns")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sgraf-bench-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
+        if args.fairness:      # the search gallery's build also saves the models the explanation gallery takes
+            build_gallery(workdir, args.gallery, args.captions, args.embed)
+            bench_fairness(build_explain_gallery(workdir, args.heavy_gallery, args.embed), args)
+            return 0
         index_dir = build_gallery(workdir, args.gallery, args.captions, args.embed)
         if not args.heavy_only:
             for options in args.server:
