@@ -93,11 +93,8 @@ class _FairQueue:
         self._lines: collections.OrderedDict[Any, collections.deque] = collections.OrderedDict()
         self._count = 0
 
-    def __len__(self) -> int:
+    def __len__(self) -> int:     # also its truth: empty or not
         return self._count
-
-    def __bool__(self) -> bool:
-        return self._count > 0
 
     def __iter__(self) -> Iterator[Any]:
         """The jobs in the order they would be taken: the first of each line, then the second, ..."""

@@ -690,12 +690,13 @@ class _RunRecord:
         self.check_weights()
         progress, config, model = self.progress, self.config, self.model
         epoch = progress.epoch + (0 if end_of_epoch else 1)
+        pending = "epoch" if end_of_epoch else "step"
         if self.last_saved_step != progress.global_step:
             # last.pt holds this step, the validation pending, before the validation starts: a process
             # killed during it (SIGKILL, out of memory, or under torchrun, where a signal lets it run to
             # its end, once a scheduler's grace period is out) loses the validation alone, not the steps
             # since the last save, and `--resume` runs it first
-            progress.pending_validation = "epoch" if end_of_epoch else "step"
+            progress.pending_validation = pending
             self.save_last()
         # the place term against the heads from the second epoch on: after one the heads have barely begun
         # (the quick demo's one epoch had warned of its own recipe)
@@ -704,7 +705,7 @@ class _RunRecord:
                 result = validate(model, self.dev, model.vocab, config, self.device, warn_place_term=epoch >= 2,
                                   cut=signals.cut_short)
             except ValidationCut:
-                progress.pending_validation = "epoch" if end_of_epoch else "step"
+                progress.pending_validation = pending
                 return
         progress.pending_validation = ""
         loss = progress.loss_sum / progress.loss_steps if progress.loss_steps else None
