@@ -287,25 +287,15 @@ def test_a_torchrun_job_killed_during_a_validation_resumes_from_its_step(tmp_pat
     job would have gone back to epoch 1's."""
     import json
 
-    from train_helpers import make_toy_precomp
+    from train_helpers import KILLED_IN_VALIDATION, make_toy_precomp
 
     data = make_toy_precomp(tmp_path / "data", n_train=24, n_dev=8)
     run = tmp_path / "run"
     script = tmp_path / "killed_in_validation.py"
-    script.write_text("import os, signal, sys\n"
-                      "import sgraf.metrics\n"
-                      "counting, calls = sgraf.metrics.evaluate_sims, []\n"
-                      "def evaluate_sims(*args, **kwargs):\n"
-                      "    calls.append(1)\n"
-                      "    if len(calls) == 2 and os.environ['RANK'] == '0':\n"
-                      "        os.kill(os.getpid(), signal.SIGKILL)\n"
-                      "    return counting(*args, **kwargs)\n"
-                      "sgraf.metrics.evaluate_sims = evaluate_sims\n"
-                      "from sgraf.cli import main\n"
-                      "sys.exit(main(sys.argv[1:]))\n")
+    script.write_text(KILLED_IN_VALIDATION)
     settings = ["epochs=3", "checkpoint_every=0", "val_every=0", "batch_size=24"]
     killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(script), "train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--set",
+                             str(script), "2", "train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--set",
                              "progress=false", *settings], env=dict(os.environ, OMP_NUM_THREADS="1"),
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode != 0, killed.stderr[-2000:]

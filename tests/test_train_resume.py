@@ -23,7 +23,7 @@ import torch
 
 from sgraf.cli import main
 from sgraf.training.state import STATE_KEY
-from train_helpers import make_toy_precomp
+from train_helpers import KILLED_IN_VALIDATION, make_toy_precomp
 
 
 @pytest.fixture(autouse=True)
@@ -175,23 +175,6 @@ def test_a_signal_cuts_a_validation_short_and_resume_runs_it_first(data, uninter
     _assert_same_run(uninterrupted, run)
 
 
-# a training process that dies outright (SIGKILL) in the middle of its `calls`-th validation, once the
-# validation's matrix is scored: it cannot save anything then
-_KILLED_IN_VALIDATION = """
-import os, signal, sys
-import sgraf.metrics
-counting, calls = sgraf.metrics.evaluate_sims, []
-def evaluate_sims(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == int(sys.argv[1]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return counting(*args, **kwargs)
-sgraf.metrics.evaluate_sims = evaluate_sims
-from sgraf.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 @pytest.mark.parametrize("killed_in, step, pending", [(2, 20, "epoch"), (3, 30, "step")])
 def test_a_process_killed_during_a_validation_loses_that_validation_alone(data, uninterrupted, tmp_path,
                                                                          killed_in, step, pending):
@@ -203,7 +186,7 @@ def test_a_process_killed_during_a_validation_loses_that_validation_alone(data, 
     checkpoints every 4 steps change none of its numbers)."""
     run = tmp_path / "killed"
     args = [arg.replace("checkpoint_every=4", "checkpoint_every=7") for arg in ARGS]
-    proc = subprocess.run([sys.executable, "-c", _KILLED_IN_VALIDATION, str(killed_in), "train", "--data", str(data),
+    proc = subprocess.run([sys.executable, "-c", KILLED_IN_VALIDATION, str(killed_in), "train", "--data", str(data),
                            "--out", str(run), *args], env=ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     progress = _progress(run)

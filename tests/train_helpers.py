@@ -19,6 +19,24 @@ TEMPLATES = ["a {c} {o} in the {p}", "the {c} {o} near a {p}", "one {c} {o} at t
              "a {o} that is {c} in a {p}", "this {c} {o} by the {p}"]
 
 
+# `python -c KILLED_IN_VALIDATION N sgraf-args...` (or the text as a script under torchrun): `sgraf` whose
+# main process (rank 0, or the only one) dies outright (SIGKILL) in the middle of its N-th validation,
+# once the validation's matrix is scored: it cannot save anything then
+KILLED_IN_VALIDATION = """
+import os, signal, sys
+import sgraf.metrics
+counting, calls = sgraf.metrics.evaluate_sims, []
+def evaluate_sims(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == int(sys.argv[1]) and os.environ.get("RANK", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return counting(*args, **kwargs)
+sgraf.metrics.evaluate_sims = evaluate_sims
+from sgraf.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def make_toy_precomp(root: str | pathlib.Path, n_train: int = 80, n_dev: int = 20, regions: int = 6,
                      dim: int = 20, seed: int = 0) -> pathlib.Path:
     """Writes `{train,dev}_ims.npy` and `{train,dev}_caps.txt` (5 captions per image) to `root`."""
