@@ -295,8 +295,8 @@ def test_a_torchrun_job_killed_during_a_validation_resumes_from_its_step(tmp_pat
     script.write_text(KILLED_IN_VALIDATION)
     settings = ["epochs=3", "checkpoint_every=0", "val_every=0", "batch_size=24"]
     killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(script), "2", "train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--set",
-                             "progress=false", *settings], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             str(script), "2", "train", "--data", str(data), "--out", str(run), "--preset", "tiny",
+                             "--set", "progress=false", *settings], env=dict(os.environ, OMP_NUM_THREADS="1"),
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode != 0, killed.stderr[-2000:]
     progress = torch.load(run / "last.pt", weights_only=True)["extra"]["train_state"]["progress"]
